@@ -1,0 +1,31 @@
+//! What ferry's host side and its built-in test guest agree on: I/O ports, the guest's
+//! command-line parameters, the page stamp that makes every written page checkable, the
+//! telemetry report layout, and the arithmetic that sizes the guest's memory footprint.
+//!
+//! The crate is `no_std`, allocation-free and pure, so the guest links it at CPL3 and the
+//! host uses the very same code to validate a command line before it boots anything.
+
+#![no_std]
+#![forbid(unsafe_code)]
+
+pub mod layout;
+pub mod params;
+pub mod report;
+pub mod stamp;
+
+/// Size of the pages the guest writes, stamps and verifies (x86 base page).
+pub const PAGE_SIZE: u64 = 4096;
+
+/// Base of the 16550 UART the guest prints to (COM1, the PC convention both ferry and QEMU
+/// follow, so the same guest talks to either).
+pub const SERIAL_PORT: u16 = 0x3f8;
+
+/// The telemetry port. The guest writes, with one 32-bit `out`, the guest-physical address of
+/// a [`report::Report`]; the VMM reads the report from guest memory and timestamps it with the
+/// host's monotonic clock. 0x0fe4 is unassigned on a PC, so under QEMU the write is dropped
+/// and the guest runs unchanged.
+pub const TELEMETRY_PORT: u16 = 0x0fe4;
+
+/// Longest command line the guest accepts. PVH gives the guest a NUL-terminated string; one
+/// page is ample for `key=value` pairs and bounds what the guest copies at CPL0.
+pub const CMDLINE_MAX: usize = 4096;

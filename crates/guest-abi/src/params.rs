@@ -1,0 +1,351 @@
+//! The guest's command line: space-separated `key=value` pairs, every key optional.
+//!
+//! | key | value | default | meaning |
+//! | --- | --- | --- | --- |
+//! | `ws` | size (`256M`, `1G`, …) | 256M, or half the free RAM if less | working-set size |
+//! | `rate` | `max` or MB/s (10^6 bytes) | `max` | how fast the working set is dirtied |
+//! | `pattern` | `seq`, `random`, `hotcold` | `seq` | which page each write goes to |
+//! | `hot` | percent of the working set, 1–100 | 10 | the hot share for `hotcold` ([`HOT_WRITE_PERCENT`]% of writes go there) |
+//! | `zero` | percent, 0–100 | 0 | share of writes that leave the page all zeros |
+//! | `verify-ms` | ms, 0 = never | 1000 | interval between verify passes |
+//! | `heartbeat-ms` | ms, ≥ 1 | 10 | interval between telemetry heartbeats |
+//! | `log-ms` | ms, 0 = never | 1000 | interval between human lines on the serial port |
+//! | `run-ms` | ms, 0 = forever | 0 | halt the guest after this long |
+//! | `fault-after-ms` | ms, 0 = never | 0 | raise #UD at CPL3 after this long (tests the exception path) |
+//! | `seed` | integer | 1 | seed of the random and hot/cold patterns |
+//!
+//! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
+//! before boot so that a bad command line is refused with a message instead of a halted guest.
+
+use core::fmt;
+
+/// Share of writes that go to the hot part of the working set under `pattern=hotcold`: the
+/// classic 90/10 skew of a database buffer pool, hot enough that precopy must iterate on it.
+pub const HOT_WRITE_PERCENT: u64 = 90;
+
+/// Working set when `ws=` is not given: big enough to make a migration iterate, small enough
+/// that `ferry run` on the minimum 64 MiB guest still fits (see [`crate::layout`]).
+pub const DEFAULT_WORKING_SET: u64 = 256 << 20;
+
+/// Every key the guest understands, in the order the table above lists them.
+pub const KEYS: &[&str] = &[
+    "ws",
+    "rate",
+    "pattern",
+    "hot",
+    "zero",
+    "verify-ms",
+    "heartbeat-ms",
+    "log-ms",
+    "run-ms",
+    "fault-after-ms",
+    "seed",
+];
+
+/// Which page each write of the workload goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Pattern {
+    /// Page after page, wrapping at the end of the working set.
+    Sequential = 1,
+    /// Uniformly random pages.
+    Random = 2,
+    /// [`HOT_WRITE_PERCENT`]% of writes to the first `hot`% of pages, the rest anywhere.
+    HotCold = 3,
+}
+
+impl Pattern {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Sequential => "seq",
+            Pattern::Random => "random",
+            Pattern::HotCold => "hotcold",
+        }
+    }
+
+    /// Inverse of `self as u8`, for decoding telemetry.
+    pub fn from_u8(v: u8) -> Option<Pattern> {
+        [Pattern::Sequential, Pattern::Random, Pattern::HotCold]
+            .into_iter()
+            .find(|p| *p as u8 == v)
+    }
+}
+
+/// How fast the working set is dirtied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rate {
+    /// As fast as the vCPU can write.
+    FlatOut,
+    /// At most this many megabytes (10^6 bytes) of pages per second.
+    MegabytesPerSecond(u32),
+}
+
+/// A parsed command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Working-set size in bytes; `None` picks [`crate::layout::default_working_set`].
+    pub working_set: Option<u64>,
+    pub rate: Rate,
+    pub pattern: Pattern,
+    pub hot_percent: u8,
+    pub zero_percent: u8,
+    pub verify_ms: u32,
+    pub heartbeat_ms: u32,
+    pub log_ms: u32,
+    pub run_ms: u32,
+    pub fault_after_ms: u32,
+    pub seed: u64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            working_set: None,
+            rate: Rate::FlatOut,
+            pattern: Pattern::Sequential,
+            hot_percent: 10,
+            zero_percent: 0,
+            verify_ms: 1000,
+            heartbeat_ms: 10,
+            log_ms: 1000,
+            run_ms: 0,
+            fault_after_ms: 0,
+            seed: 1,
+        }
+    }
+}
+
+/// Why a command line was refused. Every message names the key and what would be accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamError<'a> {
+    /// A word that is not `key=value`.
+    NotKeyValue(&'a str),
+    /// A key the guest does not know.
+    UnknownKey(&'a str),
+    /// A value that does not parse or is out of range; `expected` says what would.
+    BadValue {
+        key: &'a str,
+        value: &'a str,
+        expected: &'static str,
+    },
+    /// The command line is longer than [`crate::CMDLINE_MAX`].
+    TooLong(usize),
+}
+
+impl fmt::Display for ParamError<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamError::NotKeyValue(word) => write!(
+                f,
+                "guest parameter '{word}' is not key=value; write e.g. 'ws=256M rate=max'"
+            ),
+            ParamError::UnknownKey(key) => {
+                write!(f, "unknown guest parameter '{key}'; known keys are:")?;
+                for k in KEYS {
+                    write!(f, " {k}")?;
+                }
+                Ok(())
+            }
+            ParamError::BadValue {
+                key,
+                value,
+                expected,
+            } => write!(
+                f,
+                "bad value '{value}' for guest parameter '{key}': expected {expected}"
+            ),
+            ParamError::TooLong(len) => write!(
+                f,
+                "guest command line is {len} bytes, longer than the {} the guest accepts",
+                crate::CMDLINE_MAX
+            ),
+        }
+    }
+}
+
+/// Parses a command line. Later keys override earlier ones, as on a kernel command line.
+pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
+    if cmdline.len() > crate::CMDLINE_MAX {
+        return Err(ParamError::TooLong(cmdline.len()));
+    }
+    let mut p = Params::default();
+    for word in cmdline.split_ascii_whitespace() {
+        let (key, value) = word.split_once('=').ok_or(ParamError::NotKeyValue(word))?;
+        let bad = |expected| ParamError::BadValue {
+            key,
+            value,
+            expected,
+        };
+        match key {
+            "ws" => {
+                let size = parse_size(value).filter(|s| *s >= crate::PAGE_SIZE);
+                let size = size.ok_or(bad("a size of at least 4K such as 64M or 2G"))?;
+                p.working_set = Some(size & !(crate::PAGE_SIZE - 1));
+            }
+            "rate" => {
+                p.rate = match value {
+                    "max" => Rate::FlatOut,
+                    v => Rate::MegabytesPerSecond(
+                        parse_u32(v)
+                            .filter(|r| *r > 0)
+                            .ok_or(bad("'max' or megabytes per second, at least 1"))?,
+                    ),
+                }
+            }
+            "pattern" => {
+                p.pattern = match value {
+                    "seq" => Pattern::Sequential,
+                    "random" => Pattern::Random,
+                    "hotcold" => Pattern::HotCold,
+                    _ => return Err(bad("seq, random or hotcold")),
+                }
+            }
+            "hot" => p.hot_percent = parse_percent(value, 1).ok_or(bad("a percentage 1-100"))?,
+            "zero" => p.zero_percent = parse_percent(value, 0).ok_or(bad("a percentage 0-100"))?,
+            "verify-ms" => p.verify_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?,
+            "heartbeat-ms" => {
+                p.heartbeat_ms = parse_u32(value)
+                    .filter(|v| *v > 0)
+                    .ok_or(bad("milliseconds, at least 1"))?
+            }
+            "log-ms" => p.log_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?,
+            "run-ms" => p.run_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = forever"))?,
+            "fault-after-ms" => {
+                p.fault_after_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?
+            }
+            "seed" => p.seed = parse_u64(value).ok_or(bad("a non-negative integer"))?,
+            _ => return Err(ParamError::UnknownKey(key)),
+        }
+    }
+    Ok(p)
+}
+
+/// Parses a byte size: a decimal number with an optional binary suffix `K`, `M`, `G` or `T`
+/// (also written `KiB`, `MiB`, … or `KB`, `MB`, …, all meaning powers of 1024).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+    let (number, suffix) = s.split_at(digits);
+    let shift = match suffix {
+        "" | "B" => 0,
+        "K" | "KB" | "KiB" | "k" => 10,
+        "M" | "MB" | "MiB" => 20,
+        "G" | "GB" | "GiB" => 30,
+        "T" | "TB" | "TiB" => 40,
+        _ => return None,
+    };
+    let n = parse_u64(number)?;
+    n.checked_mul(1u64 << shift)
+}
+
+fn parse_u64(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.bytes().try_fold(0u64, |acc, b| {
+        acc.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+    })
+}
+
+fn parse_u32(s: &str) -> Option<u32> {
+    parse_u64(s).and_then(|v| u32::try_from(v).ok())
+}
+
+fn parse_percent(s: &str, min: u8) -> Option<u8> {
+    parse_u64(s)
+        .filter(|v| (u64::from(min)..=100).contains(v))
+        .map(|v| v as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+
+    use super::*;
+
+    #[test]
+    fn empty_command_line_gives_defaults() {
+        assert_eq!(parse(""), Ok(Params::default()));
+        assert_eq!(parse("   "), Ok(Params::default()));
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let p = parse(
+            "ws=64M rate=400 pattern=hotcold hot=20 zero=15 verify-ms=250 heartbeat-ms=5 \
+             log-ms=0 run-ms=3000 fault-after-ms=9 seed=42",
+        )
+        .unwrap();
+        assert_eq!(p.working_set, Some(64 << 20));
+        assert_eq!(p.rate, Rate::MegabytesPerSecond(400));
+        assert_eq!(p.pattern, Pattern::HotCold);
+        assert_eq!((p.hot_percent, p.zero_percent), (20, 15));
+        assert_eq!((p.verify_ms, p.heartbeat_ms, p.log_ms), (250, 5, 0));
+        assert_eq!((p.run_ms, p.fault_after_ms, p.seed), (3000, 9, 42));
+    }
+
+    #[test]
+    fn later_keys_win() {
+        assert_eq!(parse("rate=5 rate=max").unwrap().rate, Rate::FlatOut);
+    }
+
+    #[test]
+    fn bad_values_name_key_and_expectation() {
+        let table: &[(&str, &str)] = &[
+            ("ws=lots", "bad value 'lots' for guest parameter 'ws'"),
+            ("ws=0", "at least 4K"),
+            ("rate=0", "'max' or megabytes per second"),
+            ("pattern=zigzag", "seq, random or hotcold"),
+            ("zero=101", "a percentage 0-100"),
+            ("hot=0", "a percentage 1-100"),
+            ("heartbeat-ms=0", "at least 1"),
+            ("verify-ms=-1", "milliseconds"),
+            ("run-ms=99999999999", "milliseconds"),
+            (
+                "frobnicate=1",
+                "unknown guest parameter 'frobnicate'; known keys are: ws rate",
+            ),
+            ("ws", "'ws' is not key=value"),
+        ];
+        for (line, want) in table {
+            let err = parse(line).unwrap_err();
+            let msg = std::format!("{err}");
+            assert!(msg.contains(want), "{line}: got '{msg}'");
+        }
+    }
+
+    #[test]
+    fn overlong_command_line_is_refused() {
+        let long = [b'x'; crate::CMDLINE_MAX + 1];
+        let long = core::str::from_utf8(&long).unwrap();
+        assert_eq!(
+            parse(long),
+            Err(ParamError::TooLong(crate::CMDLINE_MAX + 1))
+        );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64M"), Some(64 << 20));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("1T"), Some(1 << 40));
+        assert_eq!(parse_size("12X"), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("99999999999999999999"), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+
+    #[test]
+    fn ws_is_rounded_down_to_pages() {
+        assert_eq!(parse("ws=5000").unwrap().working_set, Some(4096));
+    }
+
+    #[test]
+    fn pattern_round_trips_through_u8() {
+        for p in [Pattern::Sequential, Pattern::Random, Pattern::HotCold] {
+            assert_eq!(Pattern::from_u8(p as u8), Some(p));
+        }
+        assert_eq!(Pattern::from_u8(0), None);
+    }
+}

@@ -1,0 +1,264 @@
+//! Telemetry reports: what the guest tells the VMM, one fixed-size little-endian record at a
+//! time, and the pure encoding both sides use.
+//!
+//! The guest fills a [`Report`] in its memory and writes the report's guest-physical address
+//! to [`crate::TELEMETRY_PORT`] with one 32-bit `out`. The VMM reads [`REPORT_SIZE`] bytes
+//! there, checks [`MAGIC`] and [`VERSION`], and timestamps it with the host monotonic clock.
+//! Counters are cumulative, so a lost report loses no count, and `seq` shows the loss.
+
+/// "FRRY", little-endian.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"FRRY");
+/// Layout version; bumped when a field changes meaning.
+pub const VERSION: u16 = 1;
+/// Encoded size of a report.
+pub const REPORT_SIZE: usize = 128;
+/// Words of kind-specific detail.
+pub const DETAIL_WORDS: usize = 10;
+/// Bad frame numbers a verify report lists (the first ones found in the pass).
+pub const LISTED_BAD_PAGES: usize = 6;
+
+/// What a report says. `Invalid = 0` so a zeroed buffer is never mistaken for a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    Invalid = 0,
+    /// Once, after the command line was parsed. Detail: [`boot`] words.
+    Boot = 1,
+    /// Every `heartbeat-ms`. Detail: [`heartbeat`] words.
+    Heartbeat = 2,
+    /// After every verify pass. Detail: [`verify`] words.
+    Verify = 3,
+    /// From the CPL0 exception handler, before the guest halts. Detail: [`exception`] words.
+    Exception = 4,
+    /// Before a deliberate halt. Detail: `[reason as u64, ..]` with a [`HaltReason`].
+    Halt = 5,
+    /// Once, after Boot: where the working set is. Detail: [`layout`] words.
+    Layout = 6,
+}
+
+impl Kind {
+    pub fn from_u16(v: u16) -> Kind {
+        match v {
+            1 => Kind::Boot,
+            2 => Kind::Heartbeat,
+            3 => Kind::Verify,
+            4 => Kind::Exception,
+            5 => Kind::Halt,
+            6 => Kind::Layout,
+            _ => Kind::Invalid,
+        }
+    }
+}
+
+/// Why the guest halted on purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum HaltReason {
+    Invalid = 0,
+    /// `run-ms` elapsed.
+    RunTimeElapsed = 1,
+    /// The command line did not parse; the serial port has the message.
+    BadCommandLine = 2,
+    /// The working set does not fit in the RAM the memory map offers.
+    NotEnoughMemory = 3,
+    /// The PVH start_info was missing, malformed, or had no memory map.
+    BadBootInfo = 4,
+    /// A Rust panic in the guest; the serial port has the message.
+    Panic = 5,
+}
+
+impl HaltReason {
+    pub fn from_u64(v: u64) -> HaltReason {
+        match v {
+            1 => HaltReason::RunTimeElapsed,
+            2 => HaltReason::BadCommandLine,
+            3 => HaltReason::NotEnoughMemory,
+            4 => HaltReason::BadBootInfo,
+            5 => HaltReason::Panic,
+            _ => HaltReason::Invalid,
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            HaltReason::Invalid => "unknown reason",
+            HaltReason::RunTimeElapsed => "run-ms elapsed",
+            HaltReason::BadCommandLine => "bad command line",
+            HaltReason::NotEnoughMemory => "working set does not fit in guest RAM",
+            HaltReason::BadBootInfo => "bad PVH boot information",
+            HaltReason::Panic => "guest panic",
+        }
+    }
+}
+
+/// Indices into `detail` for each kind.
+pub mod boot {
+    pub const RAM_BYTES: usize = 0;
+    pub const WS_PAGES: usize = 1;
+    /// MB/s, 0 = flat out.
+    pub const RATE: usize = 2;
+    pub const PATTERN: usize = 3;
+    pub const ZERO_PERCENT: usize = 4;
+    pub const VERIFY_MS: usize = 5;
+    pub const HEARTBEAT_MS: usize = 6;
+    /// 1 = kvmclock, 2 = TSC with a frequency from CPUID, 3 = TSC with a guessed frequency.
+    pub const CLOCK: usize = 7;
+    pub const HOT_PERCENT: usize = 8;
+}
+
+pub mod heartbeat {
+    /// Bad pages found by all verify passes so far.
+    pub const BAD_PAGES_TOTAL: usize = 0;
+}
+
+pub mod verify {
+    pub const PASS: usize = 0;
+    pub const BAD_PAGES: usize = 1;
+    pub const DURATION_NS: usize = 2;
+    pub const LISTED: usize = 3;
+    /// First of [`super::LISTED_BAD_PAGES`] frame numbers.
+    pub const FIRST_BAD: usize = 4;
+}
+
+pub mod exception {
+    pub const VECTOR: usize = 0;
+    pub const ERROR_CODE: usize = 1;
+    pub const RIP: usize = 2;
+    pub const CR2: usize = 3;
+    pub const CS: usize = 4;
+}
+
+pub mod layout {
+    /// Number of extents that follow, at most [`crate::layout::MAX_EXTENTS`].
+    pub const EXTENTS: usize = 0;
+    /// Extent i is `(detail[FIRST + 2i], detail[FIRST + 2i + 1])` = (first frame, pages).
+    pub const FIRST: usize = 1;
+    /// Guest-physical address of the generation record.
+    pub const RECORD: usize = 9;
+}
+
+/// One telemetry record. Counters are totals since boot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    pub kind: u16,
+    pub seq: u64,
+    /// The guest's own clock (kvmclock), ns since its boot.
+    pub guest_ns: u64,
+    pub pages_written: u64,
+    pub verify_passes: u64,
+    /// Verify passes that found at least one bad page.
+    pub verify_failures: u64,
+    pub detail: [u64; DETAIL_WORDS],
+}
+
+/// Why bytes are not a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    BadMagic(u32),
+    UnsupportedVersion(u16),
+    UnknownKind(u16),
+}
+
+impl Report {
+    /// Encodes as `magic:u32 version:u16 kind:u16 seq guest_ns pages_written verify_passes
+    /// verify_failures detail[10]`, all little-endian, 128 bytes.
+    pub fn to_bytes(&self) -> [u8; REPORT_SIZE] {
+        let mut b = [0u8; REPORT_SIZE];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.kind.to_le_bytes());
+        let words = [
+            self.seq,
+            self.guest_ns,
+            self.pages_written,
+            self.verify_passes,
+            self.verify_failures,
+        ];
+        for (i, w) in words.iter().chain(self.detail.iter()).enumerate() {
+            b[8 + 8 * i..16 + 8 * i].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
+    /// Decodes and checks magic, version and kind.
+    pub fn from_bytes(b: &[u8; REPORT_SIZE]) -> Result<Report, DecodeError> {
+        let word = |i: usize| u64::from_le_bytes(b[8 + 8 * i..16 + 8 * i].try_into().unwrap());
+        let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
+        if magic != MAGIC {
+            return Err(DecodeError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(DecodeError::UnsupportedVersion(version));
+        }
+        let kind = u16::from_le_bytes([b[6], b[7]]);
+        if Kind::from_u16(kind) == Kind::Invalid {
+            return Err(DecodeError::UnknownKind(kind));
+        }
+        let mut detail = [0u64; DETAIL_WORDS];
+        for (i, d) in detail.iter_mut().enumerate() {
+            *d = word(5 + i);
+        }
+        Ok(Report {
+            kind,
+            seq: word(0),
+            guest_ns: word(1),
+            pages_written: word(2),
+            verify_passes: word(3),
+            verify_failures: word(4),
+            detail,
+        })
+    }
+
+    pub fn kind(&self) -> Kind {
+        Kind::from_u16(self.kind)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let r = Report {
+            kind: Kind::Verify as u16,
+            seq: 9,
+            guest_ns: 123_456_789,
+            pages_written: u64::MAX,
+            verify_passes: 3,
+            verify_failures: 1,
+            detail: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        };
+        assert_eq!(Report::from_bytes(&r.to_bytes()), Ok(r));
+    }
+
+    #[test]
+    fn layout_is_fixed() {
+        let r = Report {
+            kind: Kind::Heartbeat as u16,
+            seq: 0x0102,
+            ..Report::default()
+        };
+        let b = r.to_bytes();
+        assert_eq!(&b[0..4], b"FRRY");
+        assert_eq!(&b[4..8], &[1, 0, 2, 0]);
+        assert_eq!(&b[8..10], &[2, 1]);
+        assert_eq!(b.len(), 8 + 8 * (5 + DETAIL_WORDS));
+    }
+
+    #[test]
+    fn zeroed_and_foreign_buffers_are_refused() {
+        assert_eq!(
+            Report::from_bytes(&[0; REPORT_SIZE]),
+            Err(DecodeError::BadMagic(0))
+        );
+        let mut b = Report::default().to_bytes();
+        assert_eq!(Report::from_bytes(&b), Err(DecodeError::UnknownKind(0)));
+        b[4] = 2;
+        assert_eq!(
+            Report::from_bytes(&b),
+            Err(DecodeError::UnsupportedVersion(2))
+        );
+    }
+}

@@ -1,0 +1,60 @@
+//! The x86 instructions the CPL3 Rust code uses, each behind a safe function that states why
+//! it is sound in this kernel. This is the only module with inline assembly besides `entry`
+//! and `libc`.
+
+use core::arch::asm;
+
+/// Writes a byte to an I/O port.
+pub fn outb(port: u16, value: u8) {
+    // SAFETY: the workload runs with IOPL=3 and the kernel at CPL0, so `out` never faults;
+    // the only ports written are the UART and the telemetry port, whose side effects are the
+    // point of writing them, and which touch no memory this program relies on.
+    unsafe {
+        asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
+    }
+}
+
+/// Writes a 32-bit value to an I/O port.
+pub fn outl(port: u16, value: u32) {
+    // SAFETY: as for `outb`; the telemetry port reads the report this program just wrote
+    // (the compiler must not sink that write past the `out`, hence no `nomem`).
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
+    }
+}
+
+/// Reads a byte from an I/O port.
+pub fn inb(port: u16) -> u8 {
+    let value: u8;
+    // SAFETY: as for `outb`; reading the UART's line status register has no side effect.
+    unsafe {
+        asm!("in al, dx", in("dx") port, out("al") value, options(nomem, nostack, preserves_flags))
+    }
+    value
+}
+
+/// The time-stamp counter.
+#[inline(always)]
+pub fn rdtsc() -> u64 {
+    // SAFETY: RDTSC only reads the counter; CR4.TSD is clear, so it is allowed at CPL3.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// CPUID leaf `leaf`, subleaf 0, as (eax, ebx, ecx, edx).
+pub fn cpuid(leaf: u32) -> (u32, u32, u32, u32) {
+    let r = core::arch::x86_64::__cpuid_count(leaf, 0);
+    (r.eax, r.ebx, r.ecx, r.edx)
+}
+
+/// Halts the machine for good. HLT is privileged, so at CPL3 it raises #GP, which the entry
+/// code's #GP handler turns into a real halt at CPL0 (see `entry.rs`).
+pub fn halt() -> ! {
+    // SAFETY: HLT at CPL3 faults into the #GP handler, which halts and never returns here.
+    unsafe { asm!("hlt", options(noreturn, nomem, nostack)) }
+}
+
+/// Raises #UD (the `fault-after-ms` test hook).
+pub fn undefined_instruction() -> ! {
+    // SAFETY: UD2 faults into the exception handler, which reports and halts.
+    unsafe { asm!("ud2", options(noreturn)) }
+}

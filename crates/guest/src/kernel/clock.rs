@@ -1,0 +1,130 @@
+//! The guest's clock: kvmclock when the hypervisor offers it (KVM does, under ferry and under
+//! QEMU alike), else the TSC at a frequency CPUID states, else the TSC at a guessed frequency
+//! (the guest says so on its serial port, because every rate it then reports is approximate).
+
+use core::ptr::addr_of;
+
+use super::arch;
+
+/// The frequency assumed when nothing states one: a typical server core.
+const GUESSED_TSC_HZ: u64 = 2_000_000_000;
+
+/// `pvclock_vcpu_time_info`, written by the hypervisor.
+#[repr(C)]
+struct PvClock {
+    version: u32,
+    pad0: u32,
+    tsc_timestamp: u64,
+    system_time: u64,
+    tsc_to_system_mul: u32,
+    tsc_shift: i8,
+    flags: u8,
+    pad: [u8; 2],
+}
+const _: () = assert!(size_of::<PvClock>() == 32);
+
+unsafe extern "C" {
+    /// Registered with MSR_KVM_SYSTEM_TIME_NEW by `entry.rs` when KVM offers kvmclock.
+    static pvclock: PvClock;
+    /// 1 if `entry.rs` registered `pvclock`.
+    static kvmclock_enabled: u32;
+}
+
+/// Which source the clock uses; also the value of the Boot report's clock word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Source {
+    KvmClock = 1,
+    TscFromCpuid = 2,
+    TscGuessed = 3,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ClockInfo {
+    pub source: Source,
+    pub tsc_hz: u64,
+}
+
+/// Picks the source: kvmclock if the entry code registered it, else the TSC.
+pub fn start() -> ClockInfo {
+    // SAFETY: written once at CPL0 before any Rust ran; a plain read of an integer.
+    if unsafe { (&raw const kvmclock_enabled).read_volatile() } == 1 {
+        return ClockInfo {
+            source: Source::KvmClock,
+            tsc_hz: 0,
+        };
+    }
+    let max_leaf = arch::cpuid(0x4000_0000).0;
+    let from_cpuid = if max_leaf >= 0x4000_0010 && arch::cpuid(0x4000_0010).0 != 0 {
+        u64::from(arch::cpuid(0x4000_0010).0) * 1000
+    } else {
+        let (a, b, c, _) = arch::cpuid(0x15);
+        if a != 0 && b != 0 && c != 0 {
+            u64::from(c) * u64::from(b) / u64::from(a)
+        } else {
+            u64::from(arch::cpuid(0x16).0 & 0xffff) * 1_000_000
+        }
+    };
+    match from_cpuid {
+        0 => ClockInfo {
+            source: Source::TscGuessed,
+            tsc_hz: GUESSED_TSC_HZ,
+        },
+        hz => ClockInfo {
+            source: Source::TscFromCpuid,
+            tsc_hz: hz,
+        },
+    }
+}
+
+/// Nanoseconds since the clock was created.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    info: ClockInfo,
+    origin: u64,
+}
+
+impl Clock {
+    pub fn new(info: ClockInfo) -> Clock {
+        let mut c = Clock { info, origin: 0 };
+        c.origin = c.raw_ns();
+        c
+    }
+
+    pub fn source(&self) -> Source {
+        self.info.source
+    }
+
+    #[inline]
+    pub fn now_ns(&self) -> u64 {
+        self.raw_ns().saturating_sub(self.origin)
+    }
+
+    #[inline]
+    fn raw_ns(&self) -> u64 {
+        if self.info.source != Source::KvmClock {
+            return (u128::from(arch::rdtsc()) * 1_000_000_000 / u128::from(self.info.tsc_hz))
+                as u64;
+        }
+        let p = &raw const pvclock;
+        loop {
+            // SAFETY: `pvclock` is memory the hypervisor updates; the version protocol (odd =
+            // update in progress, changed = torn read) makes the volatile reads consistent.
+            let (v0, ts, sys, mul, shift, v1) = unsafe {
+                let v0 = addr_of!((*p).version).read_volatile();
+                let ts = addr_of!((*p).tsc_timestamp).read_volatile();
+                let sys = addr_of!((*p).system_time).read_volatile();
+                let mul = addr_of!((*p).tsc_to_system_mul).read_volatile();
+                let shift = addr_of!((*p).tsc_shift).read_volatile();
+                let tsc = arch::rdtsc();
+                let v1 = addr_of!((*p).version).read_volatile();
+                (v0, tsc.wrapping_sub(ts), sys, mul, shift, v1)
+            };
+            if v0 & 1 == 0 && v0 == v1 {
+                let delta = if shift < 0 { ts >> -shift } else { ts << shift };
+                return sys.wrapping_add(((u128::from(delta) * u128::from(mul)) >> 32) as u64);
+            }
+            core::hint::spin_loop();
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! Raw access to the pages the workload writes and verifies, and to its generation record.
+//! Guest RAM is identity mapped, so a frame number times 4096 is a valid pointer.
+
+use ferry_guest_abi::PAGE_SIZE;
+
+const WORDS_PER_PAGE: usize = (PAGE_SIZE / 8) as usize;
+
+/// Writes the stamp word of frame `pfn`.
+#[inline(always)]
+pub fn write_stamp(pfn: u64, word: u64) {
+    // SAFETY: the workload only passes frames of its plan, which lie in RAM from the memory
+    // map above the image and the record, identity mapped user-writable; no Rust reference to
+    // that memory exists. Volatile because the host, not this program, reads it.
+    unsafe { ((pfn * PAGE_SIZE) as *mut u64).write_volatile(word) }
+}
+
+/// Reads the stamp word of frame `pfn`.
+pub fn read_stamp(pfn: u64) -> u64 {
+    // SAFETY: as for `write_stamp`.
+    unsafe { ((pfn * PAGE_SIZE) as *const u64).read_volatile() }
+}
+
+/// Whether frame `pfn` holds `stamp` in word 0 and zeros everywhere else.
+#[inline(always)]
+pub fn page_matches(pfn: u64, stamp: u64) -> bool {
+    // SAFETY: as for `write_stamp`; the slice lives only for this call, during which this
+    // single-vCPU guest writes nothing (a concurrent host write is exactly what verify is
+    // there to catch, and any value read is a valid u64).
+    let words =
+        unsafe { core::slice::from_raw_parts((pfn * PAGE_SIZE) as *const u64, WORDS_PER_PAGE) };
+    // Fold with OR so the compiler vectorises the scan of the 511 words that must be zero.
+    words[0] == stamp && words[1..].iter().fold(0, |acc, w| acc | w) == 0
+}
+
+/// The generation record: one `u32` per working-set page at guest-physical `base`.
+///
+/// # Safety
+///
+/// `base..base + 4 * pages` must be RAM that nothing else uses for the rest of the program.
+pub unsafe fn record(base: u64, pages: u64) -> &'static mut [u32] {
+    // SAFETY: guaranteed by the caller; zero is a valid u32 (and the never-written value).
+    unsafe { core::slice::from_raw_parts_mut(base as *mut u32, pages as usize) }
+}

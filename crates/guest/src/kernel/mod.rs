@@ -1,0 +1,15 @@
+//! The guest kernel: CPL0 setup in assembly (`entry`), then at CPL3 the boot (`boot`), the
+//! workload (`workload`) and exception reporting (`exception`), with
+//! their leaf modules for instructions, memory, the clock, the UART and telemetry.
+
+pub mod arch;
+pub mod boot;
+pub mod boot_info;
+pub mod clock;
+pub mod entry;
+pub mod exception;
+pub mod libc;
+pub mod memory;
+pub mod serial;
+pub mod telemetry;
+pub mod workload;

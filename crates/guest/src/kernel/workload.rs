@@ -1,0 +1,343 @@
+//! The CPL3 workload: parse the command line, place the working set, then dirty and verify it
+//! forever (or for `run-ms`), reporting through telemetry and the serial port.
+
+use ferry_guest::pace::Pace;
+use ferry_guest::pattern::Picker;
+use ferry_guest::plan::{self, Plan, PlanError};
+use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
+use ferry_guest_abi::params::{self, Params, Pattern, Rate};
+use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
+use ferry_guest_abi::stamp::{expected_word, next_generation};
+use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
+
+use super::boot_info::BootInfo;
+use super::clock::{self, Clock};
+use super::{arch, boot, memory, telemetry};
+use crate::sprintln;
+
+/// Pages written between clock reads: ~100 us of flat-out writing, fine enough for 1 ms
+/// heartbeats and cheap next to the writes (a clock read is ~50 ns).
+const BATCH_PAGES: u64 = 2048;
+const MS: u64 = 1_000_000;
+
+/// The first Rust code: `entry.rs` drops here at CPL3 with the PVH start_info address.
+#[unsafe(no_mangle)]
+extern "C" fn user_main(start_info: u64) -> ! {
+    let clock = Clock::new(clock::start());
+    let boot = match boot::start(start_info) {
+        Ok(b) => b,
+        Err(why) => {
+            sprintln!("ferry-guest: {why}");
+            halt_with(HaltReason::BadBootInfo, &Counters::default(), &clock);
+        }
+    };
+    let boot = &boot;
+    let cmdline = command_line(boot.cmdline);
+    let params = match params::parse(cmdline) {
+        Ok(p) => p,
+        Err(e) => {
+            sprintln!("ferry-guest: {e}");
+            halt_with(HaltReason::BadCommandLine, &Counters::default(), &clock);
+        }
+    };
+    let free = plan::free_bytes(boot.ram(), boot.floor);
+    let ws = params.working_set.unwrap_or(default_working_set(free));
+    let plan = match plan::plan(boot.ram(), boot.floor, ws) {
+        Ok(p) => p,
+        Err(e) => {
+            match e {
+                PlanError::NotEnoughMemory { needed, free } => sprintln!(
+                    "ferry-guest: working set of {} MiB needs {} MiB with its record, but only {} MiB of RAM is free; give the VM more memory or lower ws=",
+                    ws >> 20,
+                    needed.div_ceil(1 << 20),
+                    free >> 20
+                ),
+                PlanError::TooFragmented => sprintln!(
+                    "ferry-guest: the memory map splits RAM into more than {MAX_EXTENTS} ranges above the image; lower ws="
+                ),
+            }
+            halt_with(HaltReason::NotEnoughMemory, &Counters::default(), &clock);
+        }
+    };
+    announce(boot, &params, &plan, &clock);
+    Workload::new(params, plan, clock).run()
+}
+
+/// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
+fn command_line(addr: u64) -> &'static str {
+    if addr == 0 {
+        return "";
+    }
+    // SAFETY: the loader put a NUL-terminated string there; RAM is identity mapped, and the
+    // scan stops at CMDLINE_MAX + 1 bytes so an unterminated string is refused by the parser.
+    let bytes = unsafe { core::slice::from_raw_parts(addr as *const u8, CMDLINE_MAX + 1) };
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    core::str::from_utf8(&bytes[..len]).unwrap_or("\u{fffd}=not-utf8")
+}
+
+fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
+    let mut detail = [0u64; report::DETAIL_WORDS];
+    detail[report::boot::RAM_BYTES] = boot.ram_bytes;
+    detail[report::boot::WS_PAGES] = plan.pages;
+    detail[report::boot::RATE] = match p.rate {
+        Rate::FlatOut => 0,
+        Rate::MegabytesPerSecond(r) => u64::from(r),
+    };
+    detail[report::boot::PATTERN] = p.pattern as u64;
+    detail[report::boot::ZERO_PERCENT] = u64::from(p.zero_percent);
+    detail[report::boot::VERIFY_MS] = u64::from(p.verify_ms);
+    detail[report::boot::HEARTBEAT_MS] = u64::from(p.heartbeat_ms);
+    detail[report::boot::CLOCK] = clock.source() as u64;
+    detail[report::boot::HOT_PERCENT] = u64::from(p.hot_percent);
+    telemetry::send(&Report {
+        kind: Kind::Boot as u16,
+        guest_ns: clock.now_ns(),
+        detail,
+        ..Report::default()
+    });
+    let mut layout = [0u64; report::DETAIL_WORDS];
+    layout[report::layout::EXTENTS] = plan.extent_count as u64;
+    for (i, e) in plan.extents().iter().enumerate() {
+        layout[report::layout::FIRST + 2 * i] = e.first_pfn;
+        layout[report::layout::FIRST + 2 * i + 1] = e.pages;
+    }
+    layout[report::layout::RECORD] = plan.record;
+    telemetry::send(&Report {
+        kind: Kind::Layout as u16,
+        guest_ns: clock.now_ns(),
+        detail: layout,
+        ..Report::default()
+    });
+    sprintln!(
+        "ferry-guest: {} MiB RAM, working set {} MiB ({} pages at frame {:#x}), pattern {}, rate {}, zero {}%, verify every {} ms, clock {:?}",
+        boot.ram_bytes >> 20,
+        plan.pages * PAGE_SIZE >> 20,
+        plan.pages,
+        plan.extents[0].first_pfn,
+        p.pattern.name(),
+        RateText(p.rate),
+        p.zero_percent,
+        p.verify_ms,
+        clock.source()
+    );
+}
+
+/// `flat out` or `N MB/s`.
+struct RateText(Rate);
+
+impl core::fmt::Display for RateText {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self.0 {
+            Rate::FlatOut => f.write_str("flat out"),
+            Rate::MegabytesPerSecond(r) => write!(f, "{r} MB/s"),
+        }
+    }
+}
+
+/// Cumulative counts, as every report carries them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    pages_written: u64,
+    verify_passes: u64,
+    verify_failures: u64,
+    bad_pages: u64,
+}
+
+impl Counters {
+    fn report(&self, kind: Kind, clock: &Clock, detail: [u64; report::DETAIL_WORDS]) -> Report {
+        Report {
+            kind: kind as u16,
+            seq: 0,
+            guest_ns: clock.now_ns(),
+            pages_written: self.pages_written,
+            verify_passes: self.verify_passes,
+            verify_failures: self.verify_failures,
+            detail,
+        }
+    }
+}
+
+fn halt_with(reason: HaltReason, counters: &Counters, clock: &Clock) -> ! {
+    let mut detail = [0u64; report::DETAIL_WORDS];
+    detail[0] = reason as u64;
+    telemetry::send(&counters.report(Kind::Halt, clock, detail));
+    sprintln!("ferry-guest: halting: {}", reason.describe());
+    arch::halt()
+}
+
+struct Workload {
+    p: Params,
+    plan: Plan,
+    clock: Clock,
+    record: &'static mut [u32],
+    picker: Picker,
+    pace: Option<Pace>,
+    cursor: u64,
+    counters: Counters,
+}
+
+impl Workload {
+    fn new(p: Params, plan: Plan, clock: Clock) -> Workload {
+        // SAFETY: the plan puts the record in RAM of its own, apart from the working set.
+        let record = unsafe { memory::record(plan.record, plan.pages) };
+        let pace = match p.rate {
+            Rate::FlatOut => None,
+            Rate::MegabytesPerSecond(mb) => {
+                Some(Pace::new(u64::from(mb) * 1_000_000, clock.now_ns()))
+            }
+        };
+        Workload {
+            picker: Picker::new(p.pattern, plan.pages, p.hot_percent, p.seed),
+            p,
+            plan,
+            clock,
+            record,
+            pace,
+            cursor: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    fn run(mut self) -> ! {
+        let every = |ms: u32| u64::from(ms) * MS;
+        let mut next_heartbeat = 0;
+        let mut next_log = every(self.p.log_ms);
+        let mut next_verify = every(self.p.verify_ms);
+        let mut last_log = (0, 0);
+        loop {
+            let now = self.clock.now_ns();
+            if now >= next_heartbeat {
+                let mut detail = [0; report::DETAIL_WORDS];
+                detail[report::heartbeat::BAD_PAGES_TOTAL] = self.counters.bad_pages;
+                let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
+                telemetry::send(&hb);
+                next_heartbeat = now + every(self.p.heartbeat_ms);
+            }
+            if self.p.log_ms != 0 && now >= next_log {
+                let (t0, w0) = last_log;
+                let rate = (self.counters.pages_written - w0) * 1000 / ((now - t0) / MS).max(1);
+                sprintln!(
+                    "ferry-guest: t={}.{:03}s written={} pages ({}.{:01} M/s) verify passes={} failures={}",
+                    now / 1_000_000_000,
+                    now / MS % 1000,
+                    self.counters.pages_written,
+                    rate / 1_000_000,
+                    rate / 100_000 % 10,
+                    self.counters.verify_passes,
+                    self.counters.verify_failures
+                );
+                last_log = (now, self.counters.pages_written);
+                next_log = now + every(self.p.log_ms);
+            }
+            if self.p.verify_ms != 0 && now >= next_verify {
+                self.verify();
+                next_verify = self.clock.now_ns() + every(self.p.verify_ms);
+            }
+            if self.p.run_ms != 0 && now >= every(self.p.run_ms) {
+                halt_with(HaltReason::RunTimeElapsed, &self.counters, &self.clock);
+            }
+            if self.p.fault_after_ms != 0 && now >= every(self.p.fault_after_ms) {
+                sprintln!("ferry-guest: fault-after-ms reached, executing ud2");
+                arch::undefined_instruction();
+            }
+            let n = match &mut self.pace {
+                None => BATCH_PAGES,
+                Some(pace) => pace.grant(now, BATCH_PAGES),
+            };
+            if n == 0 {
+                core::hint::spin_loop();
+                continue;
+            }
+            match self.p.pattern {
+                Pattern::Sequential => self.write_sequential(n),
+                Pattern::Random | Pattern::HotCold => self.write_picked(n),
+            }
+            self.counters.pages_written += n;
+        }
+    }
+
+    /// Writes `n` pages from the cursor on, in runs that stay inside one extent.
+    fn write_sequential(&mut self, mut n: u64) {
+        while n > 0 {
+            let index = self.cursor;
+            let extent = self
+                .plan
+                .extents()
+                .iter()
+                .rev()
+                .find(|e| e.first_index <= index)
+                .copied()
+                .unwrap_or_default();
+            let run = n.min(extent.first_index + extent.pages - index);
+            let first_pfn = extent.first_pfn + (index - extent.first_index);
+            let zero = self.p.zero_percent;
+            let records = &mut self.record[index as usize..(index + run) as usize];
+            for (k, generation) in records.iter_mut().enumerate() {
+                let pfn = first_pfn + k as u64;
+                *generation = next_generation(*generation);
+                memory::write_stamp(pfn, expected_word(pfn, *generation, zero));
+            }
+            self.cursor = (index + run) % self.plan.pages;
+            n -= run;
+        }
+    }
+
+    fn write_picked(&mut self, n: u64) {
+        let zero = self.p.zero_percent;
+        for _ in 0..n {
+            let index = self.picker.next_index();
+            let pfn = self.plan.pfn(index);
+            let generation = &mut self.record[index as usize];
+            *generation = next_generation(*generation);
+            memory::write_stamp(pfn, expected_word(pfn, *generation, zero));
+        }
+    }
+
+    /// Checks every working-set page against its recorded generation and reports the pass.
+    fn verify(&mut self) {
+        let start = self.clock.now_ns();
+        let zero = self.p.zero_percent;
+        let mut bad = 0u64;
+        let mut listed = [0u64; report::LISTED_BAD_PAGES];
+        let mut first_bad = None;
+        for e in self.plan.extents() {
+            let records = &self.record[e.first_index as usize..(e.first_index + e.pages) as usize];
+            for (k, &generation) in records.iter().enumerate() {
+                let pfn = e.first_pfn + k as u64;
+                let want = expected_word(pfn, generation, zero);
+                if !memory::page_matches(pfn, want) {
+                    if (bad as usize) < listed.len() {
+                        listed[bad as usize] = pfn;
+                    }
+                    first_bad.get_or_insert((pfn, want));
+                    bad += 1;
+                }
+            }
+        }
+        self.counters.verify_passes += 1;
+        if bad > 0 {
+            self.counters.verify_failures += 1;
+            self.counters.bad_pages += bad;
+        }
+        let mut detail = [0u64; report::DETAIL_WORDS];
+        detail[report::verify::PASS] = self.counters.verify_passes;
+        detail[report::verify::BAD_PAGES] = bad;
+        detail[report::verify::DURATION_NS] = self.clock.now_ns() - start;
+        detail[report::verify::LISTED] = bad.min(listed.len() as u64);
+        detail[report::verify::FIRST_BAD..][..listed.len()].copy_from_slice(&listed);
+        telemetry::send(&self.counters.report(Kind::Verify, &self.clock, detail));
+        if let Some((pfn, want)) = first_bad {
+            let (word_pfn, word_gen) = ferry_guest_abi::stamp::decode(memory::read_stamp(pfn));
+            sprintln!(
+                "ferry-guest: VERIFY FAILED pass {}: {} bad page(s); first bad frame {:#x} holds stamp (frame {:#x}, generation {}) where (frame {:#x}, generation {}) was written",
+                self.counters.verify_passes,
+                bad,
+                pfn,
+                word_pfn,
+                word_gen,
+                want >> 32,
+                want as u32
+            );
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Where the generation record and the working set go, given the RAM ranges of the memory
+//! map. The host sizes guests with [`ferry_guest_abi::layout`]; this is the guest's side of
+//! the same arithmetic, with the actual ranges.
+
+use ferry_guest_abi::PAGE_SIZE;
+use ferry_guest_abi::layout::MAX_EXTENTS;
+
+/// A run of working-set pages: indices `first_index..first_index + pages` live at frames
+/// `first_pfn..first_pfn + pages`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extent {
+    pub first_index: u64,
+    pub first_pfn: u64,
+    pub pages: u64,
+}
+
+/// The guest's placement of its record and working set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Guest-physical address of the `u32` generation record, one entry per working-set page.
+    pub record: u64,
+    pub extents: [Extent; MAX_EXTENTS],
+    pub extent_count: usize,
+    pub pages: u64,
+}
+
+/// Why no plan fits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanError {
+    /// `needed` bytes were asked for but only `free` are available.
+    NotEnoughMemory { needed: u64, free: u64 },
+    /// The working set would span more than [`MAX_EXTENTS`] RAM ranges.
+    TooFragmented,
+}
+
+/// Bytes of `ranges` (half-open `(start, end)` pairs in address order) at or above `floor`,
+/// counted in whole pages.
+pub fn free_bytes(ranges: &[(u64, u64)], floor: u64) -> u64 {
+    clipped(ranges, floor).map(|(s, e)| e - s).sum()
+}
+
+/// Places a record and a working set of `ws_bytes` in `ranges` above `floor`.
+pub fn plan(ranges: &[(u64, u64)], floor: u64, ws_bytes: u64) -> Result<Plan, PlanError> {
+    let record_bytes = ferry_guest_abi::layout::record_bytes(ws_bytes);
+    let needed = record_bytes + ws_bytes;
+    let free = free_bytes(ranges, floor);
+    let not_enough = PlanError::NotEnoughMemory { needed, free };
+    let (rs, _) = clipped(ranges, floor)
+        .find(|(s, e)| e - s >= record_bytes)
+        .ok_or(not_enough)?;
+    let mut plan = Plan {
+        record: rs,
+        pages: ws_bytes / PAGE_SIZE,
+        ..Plan::default()
+    };
+    let mut index = 0;
+    for (mut s, e) in clipped(ranges, floor) {
+        if s == rs {
+            s += record_bytes;
+        }
+        let pages = ((e - s) / PAGE_SIZE).min(plan.pages - index);
+        if pages == 0 {
+            continue;
+        }
+        if plan.extent_count == MAX_EXTENTS {
+            return Err(PlanError::TooFragmented);
+        }
+        plan.extents[plan.extent_count] = Extent {
+            first_index: index,
+            first_pfn: s / PAGE_SIZE,
+            pages,
+        };
+        plan.extent_count += 1;
+        index += pages;
+        if index == plan.pages {
+            return Ok(plan);
+        }
+    }
+    Err(not_enough)
+}
+
+impl Plan {
+    /// The frame of working-set page `index` (which must be below `self.pages`).
+    #[inline(always)]
+    pub fn pfn(&self, index: u64) -> u64 {
+        let mut i = 0;
+        while i + 1 < self.extent_count && index >= self.extents[i + 1].first_index {
+            i += 1;
+        }
+        let e = &self.extents[i];
+        e.first_pfn + (index - e.first_index)
+    }
+
+    pub fn extents(&self) -> &[Extent] {
+        &self.extents[..self.extent_count]
+    }
+}
+
+fn clipped(ranges: &[(u64, u64)], floor: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    ranges.iter().filter_map(move |&(s, e)| {
+        let s = s.max(floor).next_multiple_of(PAGE_SIZE);
+        let e = e / PAGE_SIZE * PAGE_SIZE;
+        (s < e).then_some((s, e))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1 << 20;
+    const GB: u64 = 1 << 30;
+
+    #[test]
+    fn small_guest_gets_one_extent_after_the_record() {
+        let ranges = [(0, 0x9fc00), (MB, 64 * MB)];
+        let p = plan(&ranges, 3 * MB, 16 * MB).unwrap();
+        assert_eq!(p.record, 3 * MB);
+        assert_eq!(
+            p.extents(),
+            &[Extent {
+                first_index: 0,
+                first_pfn: (3 * MB + 16 * 1024) / PAGE_SIZE,
+                pages: 4096
+            }]
+        );
+        assert_eq!(p.pfn(4095), p.extents[0].first_pfn + 4095);
+    }
+
+    #[test]
+    fn working_set_continues_above_the_hole() {
+        let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
+        let p = plan(&ranges, 2 * MB, 4 * GB).unwrap();
+        assert_eq!(p.extent_count, 2);
+        let low = p.extents[0].pages;
+        assert_eq!(p.pfn(low - 1), p.extents[0].first_pfn + low - 1);
+        assert_eq!(p.pfn(low), 4 * GB / PAGE_SIZE);
+        assert_eq!(p.extents[1].pages + low, 4 * GB / PAGE_SIZE);
+    }
+
+    #[test]
+    fn too_big_a_working_set_is_refused_with_the_numbers() {
+        let ranges = [(MB, 64 * MB)];
+        assert_eq!(
+            plan(&ranges, 2 * MB, 256 * MB),
+            Err(PlanError::NotEnoughMemory {
+                needed: 256 * MB + 256 * 1024,
+                free: 62 * MB
+            })
+        );
+    }
+
+    #[test]
+    fn floor_and_unaligned_ranges_are_respected() {
+        let ranges = [(0x1234, 0x9fc00), (MB + 1, 8 * MB - 1)];
+        assert_eq!(free_bytes(&ranges, 2 * MB), 6 * MB - PAGE_SIZE);
+        assert_eq!(
+            free_bytes(&ranges, 0),
+            0x9f000 - 0x2000 + 7 * MB - 2 * PAGE_SIZE
+        );
+    }
+
+    #[test]
+    fn many_small_ranges_are_too_fragmented() {
+        let ranges: [(u64, u64); 6] = core::array::from_fn(|i| {
+            let s = (i as u64 + 1) * 16 * MB;
+            (s, s + 8 * MB)
+        });
+        assert_eq!(plan(&ranges, 0, 40 * MB), Err(PlanError::TooFragmented));
+    }
+}
