@@ -1,0 +1,14 @@
+//! The control API: JSON over HTTP/1.1 on a Unix socket, as Firecracker and Cloud Hypervisor
+//! serve theirs, so `curl --unix-socket PATH http://localhost/vm` works as well as the CLI.
+//!
+//! | method and path | answer |
+//! | --- | --- |
+//! | `GET /vm` | 200, a [`crate::VmStatus`]: state, memory, vCPUs, the guest's counters |
+//! | `PUT /vm/pause` | 200 `{"state":"paused"}` once no vCPU runs; 409 if the VM stopped |
+//! | `PUT /vm/resume` | 200 `{"state":"running"}`; 409 if the VM stopped |
+//! | `PUT /vm/shutdown` | 200 `{"state":"stopped"}`; the VM stops and `ferry run` exits |
+//!
+//! Errors are `{"error": "..."}` with 404 (no such path), 405 (wrong method) or 409.
+
+pub mod client;
+pub mod server;

@@ -1,0 +1,312 @@
+//! The telemetry port: the guest's reports, timestamped with the host monotonic clock, folded
+//! into counters that the control API serves.
+
+use std::collections::VecDeque;
+
+use ferry_guest_abi::params::Pattern;
+use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
+use serde::Serialize;
+
+/// Window over which the write rate is computed: long enough to smooth 10 ms heartbeats,
+/// short enough to show a migration's effect within a second.
+const RATE_WINDOW_NS: u64 = 1_000_000_000;
+
+/// The host's `CLOCK_MONOTONIC` in ns: comparable across processes on one host, which is what
+/// lets a migration compare the timestamps of the source and destination VMMs.
+pub fn host_monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid pointer it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The guest's configuration, from its Boot report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GuestConfig {
+    pub ram_bytes: u64,
+    pub working_set_pages: u64,
+    /// MB/s; `None` = flat out.
+    pub rate_mb_s: Option<u64>,
+    pub pattern: String,
+    pub zero_percent: u64,
+    pub hot_percent: u64,
+    pub verify_ms: u64,
+    pub heartbeat_ms: u64,
+    pub clock: String,
+}
+
+/// Where the working set is, from the Layout report: (first frame, pages) runs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GuestLayout {
+    pub extents: Vec<(u64, u64)>,
+    pub record_gpa: u64,
+}
+
+impl GuestLayout {
+    /// The guest-physical address of working-set page `index`.
+    pub fn page_gpa(&self, index: u64) -> Option<u64> {
+        let mut first = 0;
+        for &(pfn, pages) in &self.extents {
+            if index < first + pages {
+                return Some((pfn + index - first) * ferry_guest_abi::PAGE_SIZE);
+            }
+            first += pages;
+        }
+        None
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct VerifyResult {
+    pub pass: u64,
+    pub bad_pages: u64,
+    /// The first bad frame numbers, in address order.
+    pub first_bad_pfns: Vec<u64>,
+    pub duration_ns: u64,
+    pub host_ns: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GuestException {
+    pub vector: u64,
+    pub rip: u64,
+    pub error_code: u64,
+    pub cr2: u64,
+    pub cpl: u64,
+    pub host_ns: u64,
+}
+
+/// Everything the guest has told the VMM, with host timestamps.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GuestTelemetry {
+    pub config: Option<GuestConfig>,
+    pub layout: Option<GuestLayout>,
+    pub reports: u64,
+    pub heartbeats: u64,
+    /// Reports the guest numbered but the VMM never saw.
+    pub lost_reports: u64,
+    pub invalid_reports: u64,
+    pub first_report_host_ns: Option<u64>,
+    pub last_report_host_ns: Option<u64>,
+    /// Longest gap between consecutive reports, as the host saw them.
+    pub max_report_gap_ns: u64,
+    pub last_guest_ns: u64,
+    pub pages_written: u64,
+    pub write_rate_pages_per_s: f64,
+    pub write_rate_mb_s: f64,
+    pub verify_passes: u64,
+    pub verify_failures: u64,
+    pub bad_pages_total: u64,
+    pub last_verify: Option<VerifyResult>,
+    pub first_failed_verify: Option<VerifyResult>,
+    pub exception: Option<GuestException>,
+    pub halt_reason: Option<String>,
+    #[serde(skip)]
+    next_seq: u64,
+    #[serde(skip)]
+    window: VecDeque<(u64, u64)>,
+}
+
+impl GuestTelemetry {
+    /// Decodes and records the report bytes the guest pointed at, received at `host_ns`.
+    pub fn record_bytes(
+        &mut self,
+        bytes: &[u8; REPORT_SIZE],
+        host_ns: u64,
+    ) -> Result<Kind, report::DecodeError> {
+        match Report::from_bytes(bytes) {
+            Ok(r) => {
+                self.record(&r, host_ns);
+                Ok(r.kind())
+            }
+            Err(e) => {
+                self.invalid_reports += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Folds one report in.
+    pub fn record(&mut self, r: &Report, host_ns: u64) {
+        self.reports += 1;
+        self.lost_reports += r.seq.saturating_sub(self.next_seq);
+        self.next_seq = self.next_seq.max(r.seq + 1);
+        if let Some(last) = self.last_report_host_ns {
+            self.max_report_gap_ns = self.max_report_gap_ns.max(host_ns.saturating_sub(last));
+        }
+        self.first_report_host_ns.get_or_insert(host_ns);
+        self.last_report_host_ns = Some(host_ns);
+        let d = &r.detail;
+        match r.kind() {
+            Kind::Boot => {
+                self.config = Some(GuestConfig {
+                    ram_bytes: d[report::boot::RAM_BYTES],
+                    working_set_pages: d[report::boot::WS_PAGES],
+                    rate_mb_s: Some(d[report::boot::RATE]).filter(|r| *r != 0),
+                    pattern: Pattern::from_u8(d[report::boot::PATTERN] as u8)
+                        .map_or("unknown", Pattern::name)
+                        .to_string(),
+                    zero_percent: d[report::boot::ZERO_PERCENT],
+                    hot_percent: d[report::boot::HOT_PERCENT],
+                    verify_ms: d[report::boot::VERIFY_MS],
+                    heartbeat_ms: d[report::boot::HEARTBEAT_MS],
+                    clock: match d[report::boot::CLOCK] {
+                        1 => "kvmclock",
+                        2 => "tsc",
+                        _ => "tsc (guessed frequency)",
+                    }
+                    .to_string(),
+                });
+                return;
+            }
+            Kind::Layout => {
+                let n =
+                    (d[report::layout::EXTENTS] as usize).min(ferry_guest_abi::layout::MAX_EXTENTS);
+                self.layout = Some(GuestLayout {
+                    extents: (0..n)
+                        .map(|i| {
+                            (
+                                d[report::layout::FIRST + 2 * i],
+                                d[report::layout::FIRST + 2 * i + 1],
+                            )
+                        })
+                        .collect(),
+                    record_gpa: d[report::layout::RECORD],
+                });
+                return;
+            }
+            Kind::Exception => {
+                self.exception = Some(GuestException {
+                    vector: d[report::exception::VECTOR],
+                    rip: d[report::exception::RIP],
+                    error_code: d[report::exception::ERROR_CODE],
+                    cr2: d[report::exception::CR2],
+                    cpl: d[report::exception::CS] & 3,
+                    host_ns,
+                });
+                return;
+            }
+            Kind::Heartbeat => {
+                self.heartbeats += 1;
+                self.bad_pages_total = self
+                    .bad_pages_total
+                    .max(d[report::heartbeat::BAD_PAGES_TOTAL]);
+            }
+            Kind::Verify => {
+                let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);
+                let v = VerifyResult {
+                    pass: d[report::verify::PASS],
+                    bad_pages: d[report::verify::BAD_PAGES],
+                    first_bad_pfns: d[report::verify::FIRST_BAD..][..listed].to_vec(),
+                    duration_ns: d[report::verify::DURATION_NS],
+                    host_ns,
+                };
+                if v.bad_pages > 0 {
+                    self.bad_pages_total += v.bad_pages;
+                    self.first_failed_verify.get_or_insert_with(|| v.clone());
+                }
+                self.last_verify = Some(v);
+            }
+            Kind::Halt => {
+                self.halt_reason = Some(HaltReason::from_u64(d[0]).describe().to_string())
+            }
+            Kind::Invalid => return,
+        }
+        // Counters are cumulative in the guest; never let a stale report move them back.
+        self.last_guest_ns = self.last_guest_ns.max(r.guest_ns);
+        self.pages_written = self.pages_written.max(r.pages_written);
+        self.verify_passes = self.verify_passes.max(r.verify_passes);
+        self.verify_failures = self.verify_failures.max(r.verify_failures);
+        self.update_rate(host_ns);
+    }
+
+    fn update_rate(&mut self, host_ns: u64) {
+        self.window.push_back((host_ns, self.pages_written));
+        while self.window.len() > 2 && host_ns - self.window[1].0 >= RATE_WINDOW_NS {
+            self.window.pop_front();
+        }
+        let (t0, p0) = self.window[0];
+        if host_ns > t0 {
+            let rate = (self.pages_written - p0) as f64 * 1e9 / (host_ns - t0) as f64;
+            self.write_rate_pages_per_s = rate;
+            self.write_rate_mb_s = rate * ferry_guest_abi::PAGE_SIZE as f64 / 1e6;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heartbeat(seq: u64, pages: u64) -> Report {
+        Report {
+            kind: Kind::Heartbeat as u16,
+            seq,
+            pages_written: pages,
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn rate_gaps_and_losses() {
+        let mut t = GuestTelemetry::default();
+        t.record(&heartbeat(0, 0), 1_000_000_000);
+        t.record(&heartbeat(1, 1_000_000), 1_100_000_000);
+        t.record(&heartbeat(3, 3_000_000), 1_400_000_000);
+        assert_eq!(t.heartbeats, 3);
+        assert_eq!(t.lost_reports, 1);
+        assert_eq!(t.max_report_gap_ns, 300_000_000);
+        assert!(
+            (t.write_rate_pages_per_s - 7_500_000.0).abs() < 1.0,
+            "{}",
+            t.write_rate_pages_per_s
+        );
+    }
+
+    #[test]
+    fn stale_counters_do_not_regress() {
+        let mut t = GuestTelemetry::default();
+        t.record(&heartbeat(5, 500), 10);
+        t.record(&heartbeat(4, 400), 20);
+        assert_eq!(t.pages_written, 500);
+    }
+
+    #[test]
+    fn verify_failures_keep_the_first_and_the_pages() {
+        let mut t = GuestTelemetry::default();
+        let mut detail = [0u64; report::DETAIL_WORDS];
+        detail[report::verify::PASS] = 2;
+        detail[report::verify::BAD_PAGES] = 1;
+        detail[report::verify::LISTED] = 1;
+        detail[report::verify::FIRST_BAD] = 0x1234;
+        let r = Report {
+            kind: Kind::Verify as u16,
+            verify_passes: 2,
+            verify_failures: 1,
+            detail,
+            ..Report::default()
+        };
+        t.record_bytes(&r.to_bytes(), 7).unwrap();
+        assert_eq!(t.verify_failures, 1);
+        assert_eq!(
+            t.first_failed_verify.as_ref().unwrap().first_bad_pfns,
+            vec![0x1234]
+        );
+        assert!(t.record_bytes(&[0; REPORT_SIZE], 8).is_err());
+        assert_eq!(t.invalid_reports, 1);
+    }
+
+    #[test]
+    fn layout_maps_indices_across_extents() {
+        let l = GuestLayout {
+            extents: vec![(0x200, 10), (0x100000, 5)],
+            record_gpa: 0,
+        };
+        assert_eq!(l.page_gpa(0), Some(0x200 * 4096));
+        assert_eq!(l.page_gpa(12), Some((0x100000 + 2) * 4096));
+        assert_eq!(l.page_gpa(15), None);
+    }
+}

@@ -1,0 +1,25 @@
+//! The VMM's top-level error: which layer failed, with that layer's own explanation.
+
+use crate::boot::BootError;
+use crate::kvm::KvmError;
+use crate::memory::MemoryError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    #[error("--vcpus {0} is not supported: the PVH boot path starts one vCPU; use --vcpus 1")]
+    Vcpus(u8),
+    #[error("cannot open the serial output {path}: {source}")]
+    Serial {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the vCPU thread: {0}")]
+    Thread(std::io::Error),
+}

@@ -1,0 +1,157 @@
+//! A vCPU: PVH entry state, the run loop, and what each exit means.
+
+use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_regs, kvm_segment, kvm_sregs};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use super::{KvmError, KvmVm};
+use crate::boot::BootSetup;
+
+/// CR0.PE | CR0.ET: protected mode, paging off, as PVH requires at entry.
+const PVH_CR0: u64 = 0x11;
+/// RFLAGS at entry: only the always-one bit.
+const PVH_RFLAGS: u64 = 0x2;
+
+/// Creates vCPU `id` in PVH entry state: flat 32-bit protected mode at `boot.entry` with
+/// %ebx = start_info, and the host's supported CPUID (which includes KVM's paravirtual
+/// leaves, so the guest finds kvmclock).
+pub fn create(vm: &KvmVm, id: u8, boot: &BootSetup) -> Result<VcpuFd, KvmError> {
+    let err = |what| move |source| KvmError::Vcpu { id, what, source };
+    let vcpu = vm.vm.create_vcpu(u64::from(id)).map_err(err("create"))?;
+    let mut cpuid = vm
+        .kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(err("read supported CPUID"))?;
+    for entry in cpuid.as_mut_slice() {
+        if entry.function == 1 {
+            // Initial APIC ID in EBX[31:24].
+            entry.ebx = (entry.ebx & 0x00ff_ffff) | (u32::from(id) << 24);
+        }
+    }
+    vcpu.set_cpuid2(&cpuid).map_err(err("set CPUID"))?;
+
+    let mut sregs = vcpu.get_sregs().map_err(err("read special registers"))?;
+    let code = flat_segment(0x08, 0xb);
+    let data = flat_segment(0x10, 0x3);
+    sregs.cs = code;
+    (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
+    sregs.cr0 = PVH_CR0;
+    sregs.cr4 = 0;
+    sregs.efer = 0;
+    vcpu.set_sregs(&sregs)
+        .map_err(err("set special registers"))?;
+
+    let regs = kvm_regs {
+        rip: boot.entry,
+        rbx: boot.start_info,
+        rflags: PVH_RFLAGS,
+        ..Default::default()
+    };
+    vcpu.set_regs(&regs).map_err(err("set registers"))?;
+    Ok(vcpu)
+}
+
+/// A present, flat (base 0, 4 GiB), 32-bit, ring 0 segment of `type_`.
+fn flat_segment(selector: u16, type_: u8) -> kvm_segment {
+    kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector,
+        type_,
+        present: 1,
+        dpl: 0,
+        db: 1,
+        s: 1,
+        l: 0,
+        g: 1,
+        avl: 0,
+        unusable: 0,
+        padding: 0,
+    }
+}
+
+/// What one `KVM_RUN` came back with, in the VMM's terms.
+#[derive(Debug)]
+pub enum Exit<'a> {
+    IoOut(u16, &'a [u8]),
+    IoIn(u16, &'a mut [u8]),
+    MmioRead(u64, &'a mut [u8]),
+    MmioWrite(u64, &'a [u8]),
+    /// The guest halted with nothing to wake it (no interrupt controller here).
+    Halt,
+    /// A kick, or a signal: check the control state and run again.
+    Interrupted,
+    /// The VM cannot go on; the text says why.
+    Fatal(String),
+}
+
+/// Runs the vCPU until its next exit.
+pub fn run(vcpu: &mut VcpuFd) -> Exit<'_> {
+    match vcpu.run() {
+        Ok(VcpuExit::IoOut(port, data)) => Exit::IoOut(port, data),
+        Ok(VcpuExit::IoIn(port, data)) => Exit::IoIn(port, data),
+        Ok(VcpuExit::MmioRead(addr, data)) => Exit::MmioRead(addr, data),
+        Ok(VcpuExit::MmioWrite(addr, data)) => Exit::MmioWrite(addr, data),
+        Ok(VcpuExit::Hlt) => Exit::Halt,
+        Ok(VcpuExit::Intr) => Exit::Interrupted,
+        Ok(VcpuExit::Shutdown) => Exit::Fatal("the guest shut down the CPU (triple fault)".into()),
+        Ok(VcpuExit::FailEntry(reason, cpu)) => Exit::Fatal(format!(
+            "KVM could not enter the guest (hardware entry failure reason {reason:#x} on host CPU {cpu})"
+        )),
+        Ok(VcpuExit::InternalError) => {
+            Exit::Fatal("KVM internal error (often an instruction KVM cannot emulate)".into())
+        }
+        Ok(VcpuExit::SystemEvent(kind, data)) => Exit::Fatal(format!(
+            "guest system event {kind} {data:x?} (reset or power off)"
+        )),
+        Ok(other) => Exit::Fatal(format!("unexpected KVM exit {other:?}")),
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Exit::Interrupted,
+        Err(e) => Exit::Fatal(format!("KVM_RUN failed: {e}")),
+    }
+}
+
+/// A register dump for a VM that stopped badly.
+pub fn describe_registers(vcpu: &VcpuFd) -> String {
+    let (Ok(r), Ok(s)) = (vcpu.get_regs(), vcpu.get_sregs()) else {
+        return "registers unavailable".into();
+    };
+    format_registers(&r, &s)
+}
+
+fn format_registers(r: &kvm_regs, s: &kvm_sregs) -> String {
+    format!(
+        "RIP={:016x} RSP={:016x} RFLAGS={:08x} CPL={}\n\
+         RAX={:016x} RBX={:016x} RCX={:016x} RDX={:016x}\n\
+         RSI={:016x} RDI={:016x} RBP={:016x} R8 ={:016x}\n\
+         R9 ={:016x} R10={:016x} R11={:016x} R12={:016x}\n\
+         R13={:016x} R14={:016x} R15={:016x}\n\
+         CS={:04x} SS={:04x} DS={:04x} TR={:04x} CR0={:08x} CR2={:016x} CR3={:016x} CR4={:08x} EFER={:x}",
+        r.rip,
+        r.rsp,
+        r.rflags,
+        s.cs.selector & 3,
+        r.rax,
+        r.rbx,
+        r.rcx,
+        r.rdx,
+        r.rsi,
+        r.rdi,
+        r.rbp,
+        r.r8,
+        r.r9,
+        r.r10,
+        r.r11,
+        r.r12,
+        r.r13,
+        r.r14,
+        r.r15,
+        s.cs.selector,
+        s.ss.selector,
+        s.ds.selector,
+        s.tr.selector,
+        s.cr0,
+        s.cr2,
+        s.cr3,
+        s.cr4,
+        s.efer
+    )
+}

@@ -1,0 +1,21 @@
+//! ferry's reference VMM: a small KVM virtual machine monitor that boots PVH kernels (the
+//! built-in test guest above all) and that ferry's migration engine drives.
+//!
+//! - [`memory`]: guest RAM in one sparse memfd, around the 32-bit MMIO hole.
+//! - [`boot`]: PVH loading (linux-loader) and the pre-boot checks of the built-in guest.
+//! - [`kvm`]: the only module that talks to KVM: VM, memory slots, vCPUs, kicks.
+//! - [`devices`]: the 16550 UART and the telemetry port, behind a port bus.
+//! - [`vm`]: a running VM and its pause/resume/stop control.
+//! - [`api`]: the JSON-over-HTTP control API on a Unix socket, server and client.
+
+pub mod api;
+pub mod boot;
+pub mod devices;
+pub mod error;
+pub mod kvm;
+pub mod memory;
+pub mod vm;
+
+pub use devices::serial::SerialOutput;
+pub use error::VmmError;
+pub use vm::{GuestKind, RunState, StopReason, Vm, VmConfig, VmHandle, VmStatus};

@@ -1,0 +1,271 @@
+//! Guest RAM: one memfd, mapped shared and sparse, laid out around the 32-bit MMIO hole.
+//!
+//! The memfd is the single owner of guest memory. It is sized with `ftruncate` (no pages are
+//! allocated until touched) and mapped `MAP_SHARED | MAP_NORESERVE`, so a 64 GiB guest that
+//! touches 256 MiB costs about 256 MiB of host memory, and a migration can later find
+//! never-touched ranges with `SEEK_DATA`/`SEEK_HOLE` on the same fd. RAM below the hole is at
+//! file offset = guest address; RAM above it continues at 4 GiB, at file offset
+//! [`MMIO_HOLE_START`], so the file has no hole of its own.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+
+/// Start of the 32-bit MMIO hole: 1 GiB below 4 GiB for 32-bit BARs, the IOAPIC and LAPIC
+/// windows (0xfec0_0000, 0xfee0_0000) and the firmware flash, as PC firmware leaves it.
+pub const MMIO_HOLE_START: u64 = 3 << 30;
+/// End of the hole, where RAM resumes.
+pub const MMIO_HOLE_END: u64 = 4 << 30;
+/// Smallest guest: the built-in guest's image, its tables and a useful working set fit.
+pub const MIN_MEMORY: u64 = 64 << 20;
+/// Largest guest: the built-in guest maps RAM with one PML4 entry (512 GiB of addresses).
+pub const MAX_MEMORY: u64 =
+    ferry_guest_abi::layout::MAX_RAM_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
+/// Granule of guest memory sizes: the 2 MiB pages the guest maps RAM with.
+pub const MEMORY_GRANULE: u64 = 2 << 20;
+
+/// Why guest RAM could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("--memory {size} bytes is below the minimum of 64M; give the VM at least 64M")]
+    TooSmall { size: u64 },
+    #[error("--memory {size} bytes is above the maximum of {max} bytes (the guest maps at most 512 GiB of addresses); lower --memory", max = MAX_MEMORY)]
+    TooLarge { size: u64 },
+    #[error("--memory {size} bytes is not a multiple of 2M; round it, e.g. to {rounded}M", rounded = size.div_ceil(MEMORY_GRANULE) * 2)]
+    Unaligned { size: u64 },
+    #[error("cannot create the guest RAM memfd: {source}")]
+    Memfd {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot size the guest RAM memfd to {size} bytes: {source}")]
+    Resize {
+        size: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot map {size} bytes of guest RAM at {gpa:#x}: {source}")]
+    Map {
+        gpa: u64,
+        size: u64,
+        #[source]
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    #[error("guest RAM region at {gpa:#x} could not be registered")]
+    Region { gpa: u64 },
+    #[error("guest memory access of {len} bytes at {gpa:#x} failed: {source}")]
+    Access {
+        gpa: u64,
+        len: usize,
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
+}
+
+/// One contiguous range of guest RAM and where it lives on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamRegion {
+    pub gpa: u64,
+    pub size: u64,
+    /// Offset of this region in the memfd.
+    pub file_offset: u64,
+    /// Host virtual address of the mapping.
+    pub host_addr: u64,
+}
+
+/// The RAM layout for `size` bytes: (guest address, size, file offset) per region.
+pub fn layout(size: u64) -> Vec<(u64, u64, u64)> {
+    let low = size.min(MMIO_HOLE_START);
+    let mut regions = vec![(0, low, 0)];
+    if size > low {
+        regions.push((MMIO_HOLE_END, size - low, low));
+    }
+    regions
+}
+
+/// Checks a requested memory size before anything is allocated.
+pub fn validate_size(size: u64) -> Result<(), MemoryError> {
+    if size < MIN_MEMORY {
+        return Err(MemoryError::TooSmall { size });
+    }
+    if size > MAX_MEMORY {
+        return Err(MemoryError::TooLarge { size });
+    }
+    if size % MEMORY_GRANULE != 0 {
+        return Err(MemoryError::Unaligned { size });
+    }
+    Ok(())
+}
+
+/// Guest RAM backed by one memfd.
+#[derive(Debug)]
+pub struct GuestRam {
+    memfd: File,
+    size: u64,
+    regions: Vec<RamRegion>,
+    memory: GuestMemoryMmap,
+}
+
+impl GuestRam {
+    /// Creates `size` bytes of sparse guest RAM.
+    pub fn new(size: u64) -> Result<GuestRam, MemoryError> {
+        validate_size(size)?;
+        let memfd = create_memfd().map_err(|source| MemoryError::Memfd { source })?;
+        memfd
+            .set_len(size)
+            .map_err(|source| MemoryError::Resize { size, source })?;
+        let mut regions = Vec::new();
+        let mut mapped = Vec::new();
+        for (gpa, len, file_offset) in layout(size) {
+            let fd = memfd
+                .try_clone()
+                .map_err(|source| MemoryError::Memfd { source })?;
+            let map = MmapRegionBuilder::new(len as usize)
+                .with_file_offset(FileOffset::new(fd, file_offset))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                .build()
+                .map_err(|source| MemoryError::Map {
+                    gpa,
+                    size: len,
+                    source,
+                })?;
+            regions.push(RamRegion {
+                gpa,
+                size: len,
+                file_offset,
+                host_addr: map.as_ptr() as u64,
+            });
+            mapped.push(
+                GuestRegionMmap::new(map, GuestAddress(gpa)).ok_or(MemoryError::Region { gpa })?,
+            );
+        }
+        let memory =
+            GuestMemoryMmap::from_regions(mapped).map_err(|_| MemoryError::Region { gpa: 0 })?;
+        Ok(GuestRam {
+            memfd,
+            size,
+            regions,
+            memory,
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn regions(&self) -> &[RamRegion] {
+        &self.regions
+    }
+
+    /// The vm-memory view, for loaders and devices.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    /// The memfd that owns guest RAM.
+    pub fn memfd(&self) -> &File {
+        &self.memfd
+    }
+
+    /// Host memory the guest's RAM occupies now: the memfd's allocated blocks.
+    pub fn allocated_bytes(&self) -> std::io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(self.memfd.metadata()?.blocks() * 512)
+    }
+
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        self.memory
+            .read_slice(buf, GuestAddress(gpa))
+            .map_err(|source| MemoryError::Access {
+                gpa,
+                len: buf.len(),
+                source,
+            })
+    }
+
+    pub fn write(&self, gpa: u64, buf: &[u8]) -> Result<(), MemoryError> {
+        self.memory
+            .write_slice(buf, GuestAddress(gpa))
+            .map_err(|source| MemoryError::Access {
+                gpa,
+                len: buf.len(),
+                source,
+            })
+    }
+}
+
+fn create_memfd() -> std::io::Result<File> {
+    // SAFETY: memfd_create takes a NUL-terminated name and flags and returns a new fd or -1.
+    let fd = unsafe { libc::memfd_create(c"ferry-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a freshly created descriptor that nothing else owns.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    debug_assert!(owned.as_raw_fd() >= 0);
+    Ok(File::from(owned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn small_guest_is_one_region() {
+        assert_eq!(layout(2 * GIB), vec![(0, 2 * GIB, 0)]);
+        assert_eq!(layout(3 * GIB), vec![(0, 3 * GIB, 0)]);
+    }
+
+    #[test]
+    fn large_guest_continues_above_the_hole() {
+        assert_eq!(
+            layout(8 * GIB),
+            vec![(0, 3 * GIB, 0), (4 * GIB, 5 * GIB, 3 * GIB)]
+        );
+    }
+
+    #[test]
+    fn sizes_are_validated() {
+        assert!(matches!(
+            validate_size(32 << 20),
+            Err(MemoryError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            validate_size(MAX_MEMORY + MEMORY_GRANULE),
+            Err(MemoryError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            validate_size((64 << 20) + 4096),
+            Err(MemoryError::Unaligned { .. })
+        ));
+        assert!(validate_size(64 << 20).is_ok());
+        let msg = validate_size(100 << 20 | 1 << 20).unwrap_err().to_string();
+        assert!(
+            msg.contains("multiple of 2M") && msg.contains("102M"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn ram_is_sparse_until_touched_and_reads_back() {
+        let ram = GuestRam::new(8 * GIB).unwrap();
+        assert_eq!(ram.regions().len(), 2);
+        assert!(ram.allocated_bytes().unwrap() < (1 << 20));
+        ram.write(5 * GIB, b"above the hole").unwrap();
+        ram.write(4096, b"low").unwrap();
+        let mut buf = [0u8; 14];
+        ram.read(5 * GIB, &mut buf).unwrap();
+        assert_eq!(&buf, b"above the hole");
+        let allocated = ram.allocated_bytes().unwrap();
+        assert!((8192..(1 << 20)).contains(&allocated), "{allocated}");
+        assert!(
+            ram.read(3 * GIB + 4096, &mut buf).is_err(),
+            "the MMIO hole is not RAM"
+        );
+    }
+}

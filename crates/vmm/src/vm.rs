@@ -1,0 +1,421 @@
+//! A running VM: its RAM, its vCPU thread, its devices, and the control state that pauses,
+//! resumes and stops it.
+//!
+//! Control is a small state machine under one mutex. The controller sets the desired state
+//! and kicks the vCPU threads (see `kvm::kick`); each vCPU thread looks at the desired state
+//! before every `KVM_RUN`, parks while paused and leaves when stopped. `pause` returns only
+//! once every vCPU is parked, so a paused VM's memory and registers are still.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_ioctls::VcpuFd;
+use serde::Serialize;
+
+use crate::boot::{self, BootSetup};
+use crate::devices::Devices;
+use crate::devices::serial::{self, SerialOutput};
+use crate::devices::telemetry::GuestTelemetry;
+use crate::error::VmmError;
+use crate::kvm::{self, KvmVm, kick, vcpu};
+use crate::memory::{self, GuestRam};
+
+/// What kind of kernel the VM boots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestKind {
+    /// ferry's test guest (or one that speaks its ABI): the command line is checked with the
+    /// guest's own parser and the working set against the RAM before boot.
+    FerryGuest,
+    /// Any other PVH kernel: its command line is passed through unchecked.
+    Foreign,
+}
+
+/// Everything needed to boot a VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub memory_bytes: u64,
+    pub vcpus: u8,
+    pub kernel: Arc<[u8]>,
+    pub cmdline: String,
+    pub guest: GuestKind,
+    pub serial: SerialOutput,
+}
+
+/// Why a VM stopped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", content = "detail", rename_all = "snake_case")]
+pub enum StopReason {
+    /// The guest halted; the text is its stated reason when it gave one.
+    GuestHalted(String),
+    /// Someone asked (API, Ctrl-C, the owning program).
+    Requested(String),
+    /// The VM cannot go on: triple fault, KVM error, unknown exit. Holds the explanation and
+    /// a register dump.
+    Failed(String),
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StopReason::GuestHalted(why) => write!(f, "guest halted ({why})"),
+            StopReason::Requested(who) => write!(f, "stopped on request ({who})"),
+            StopReason::Failed(why) => write!(f, "VM failed: {why}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    Running,
+    Paused,
+    Stopped,
+}
+
+#[derive(Debug)]
+struct Control {
+    desired: RunState,
+    stop_reason: Option<StopReason>,
+    vcpus_alive: usize,
+    vcpus_parked: usize,
+    threads: Vec<libc::pthread_t>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    control: Mutex<Control>,
+    changed: Condvar,
+    telemetry: Arc<Mutex<GuestTelemetry>>,
+    ram: Arc<GuestRam>,
+    vcpus: u8,
+    started: Instant,
+}
+
+/// A booted VM. Dropping it stops the VM and joins its threads.
+#[derive(Debug)]
+pub struct Vm {
+    handle: VmHandle,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// A cheap, cloneable handle to control and observe a VM from any thread.
+#[derive(Clone, Debug)]
+pub struct VmHandle(Arc<Shared>);
+
+/// Why a control request was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("the VM has stopped: {0}")]
+    Stopped(StopReason),
+}
+
+/// A snapshot for the control API.
+#[derive(Clone, Debug, Serialize)]
+pub struct VmStatus {
+    pub state: RunState,
+    pub stop_reason: Option<StopReason>,
+    pub memory_bytes: u64,
+    /// Host memory guest RAM occupies now (the memfd's allocated bytes).
+    pub memory_allocated_bytes: u64,
+    pub vcpus: u8,
+    pub uptime_ms: u64,
+    pub host_monotonic_ns: u64,
+    pub guest: GuestTelemetry,
+}
+
+impl Vm {
+    /// Validates `config`, sets up RAM, loads the guest, creates the KVM VM and starts it.
+    /// Everything that can be checked without KVM is checked first.
+    pub fn boot(config: VmConfig) -> Result<Vm, VmmError> {
+        if config.vcpus != 1 {
+            return Err(VmmError::Vcpus(config.vcpus));
+        }
+        memory::validate_size(config.memory_bytes)?;
+        if config.guest == GuestKind::FerryGuest {
+            ferry_guest_abi::params::parse(&config.cmdline)
+                .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
+        }
+        let uart = serial::uart(&config.serial).map_err(|source| VmmError::Serial {
+            path: format!("{:?}", config.serial),
+            source,
+        })?;
+        let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
+        let setup = boot::load(&ram, &config.kernel, &config.cmdline)?;
+        if config.guest == GuestKind::FerryGuest {
+            boot::check_workload(&config.cmdline, &ram, setup.image_end)?;
+        }
+        let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
+        kick::install_handler().map_err(kvm::KvmError::Signal)?;
+        let vcpu_fd = vcpu::create(&kvm_vm, 0, &setup)?;
+
+        let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
+        let shared = Arc::new(Shared {
+            control: Mutex::new(Control {
+                desired: RunState::Running,
+                stop_reason: None,
+                vcpus_alive: 1,
+                vcpus_parked: 0,
+                threads: Vec::new(),
+            }),
+            changed: Condvar::new(),
+            telemetry: telemetry.clone(),
+            ram: ram.clone(),
+            vcpus: config.vcpus,
+            started: Instant::now(),
+        });
+        let devices = Devices::new(uart, telemetry, ram);
+        let runner = VcpuRunner {
+            shared: shared.clone(),
+            vcpu: vcpu_fd,
+            devices,
+            _vm: kvm_vm,
+            _setup: setup,
+        };
+        // Hold the control lock until the thread id is recorded, so no kick can miss it.
+        let mut control = shared.control.lock().unwrap();
+        let thread = std::thread::Builder::new()
+            .name("vcpu0".into())
+            .spawn(move || runner.run())
+            .map_err(VmmError::Thread)?;
+        control
+            .threads
+            .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
+        drop(control);
+        Ok(Vm {
+            handle: VmHandle(shared),
+            threads: vec![thread],
+        })
+    }
+
+    pub fn handle(&self) -> VmHandle {
+        self.handle.clone()
+    }
+
+    /// Waits until the VM stops and returns why.
+    pub fn wait(mut self) -> StopReason {
+        self.join()
+    }
+
+    fn join(&mut self) -> StopReason {
+        let reason = self.handle.wait_stopped(None).expect("no timeout");
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        reason
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.handle.stop(StopReason::Requested("VM dropped".into()));
+            self.join();
+        }
+    }
+}
+
+impl VmHandle {
+    fn lock(&self) -> MutexGuard<'_, Control> {
+        self.0.control.lock().unwrap()
+    }
+
+    fn kick_all(control: &Control) {
+        for &t in &control.threads {
+            // SAFETY: thread ids are recorded at spawn and the threads are joined only after
+            // every vCPU has left (vcpus_alive == 0), which needs this lock; so every id here
+            // names a thread that has not been joined.
+            unsafe { kick::kick(t) };
+        }
+    }
+
+    /// Pauses all vCPUs; returns once none is running guest code.
+    pub fn pause(&self) -> Result<(), ControlError> {
+        let mut c = self.lock();
+        if let Some(r) = &c.stop_reason {
+            return Err(ControlError::Stopped(r.clone()));
+        }
+        c.desired = RunState::Paused;
+        Self::kick_all(&c);
+        while c.vcpus_parked < c.vcpus_alive && c.stop_reason.is_none() {
+            c = self.0.changed.wait(c).unwrap();
+        }
+        match &c.stop_reason {
+            Some(r) => Err(ControlError::Stopped(r.clone())),
+            None => Ok(()),
+        }
+    }
+
+    pub fn resume(&self) -> Result<(), ControlError> {
+        let mut c = self.lock();
+        if let Some(r) = &c.stop_reason {
+            return Err(ControlError::Stopped(r.clone()));
+        }
+        c.desired = RunState::Running;
+        self.0.changed.notify_all();
+        Ok(())
+    }
+
+    /// Stops the VM (the first reason given wins). Does not wait.
+    pub fn stop(&self, reason: StopReason) {
+        let mut c = self.lock();
+        c.stop_reason.get_or_insert(reason);
+        c.desired = RunState::Stopped;
+        Self::kick_all(&c);
+        self.0.changed.notify_all();
+    }
+
+    pub fn state(&self) -> RunState {
+        let c = self.lock();
+        match (&c.stop_reason, c.desired) {
+            (Some(_), _) | (None, RunState::Stopped) => RunState::Stopped,
+            (None, d) => d,
+        }
+    }
+
+    /// Waits until every vCPU has left, or `timeout` passes (`None`: forever).
+    pub fn wait_stopped(&self, timeout: Option<Duration>) -> Option<StopReason> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut c = self.lock();
+        while c.vcpus_alive > 0 {
+            match deadline {
+                None => c = self.0.changed.wait(c).unwrap(),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    c = self.0.changed.wait_timeout(c, left).unwrap().0;
+                }
+            }
+        }
+        c.stop_reason.clone()
+    }
+
+    pub fn telemetry(&self) -> GuestTelemetry {
+        self.0.telemetry.lock().unwrap().clone()
+    }
+
+    pub fn ram(&self) -> &GuestRam {
+        &self.0.ram
+    }
+
+    pub fn status(&self) -> VmStatus {
+        let (state, stop_reason) = {
+            let c = self.lock();
+            let state = if c.stop_reason.is_some() {
+                RunState::Stopped
+            } else {
+                c.desired
+            };
+            (state, c.stop_reason.clone())
+        };
+        VmStatus {
+            state,
+            stop_reason,
+            memory_bytes: self.0.ram.size(),
+            memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
+            vcpus: self.0.vcpus,
+            uptime_ms: self.0.started.elapsed().as_millis() as u64,
+            host_monotonic_ns: crate::devices::telemetry::host_monotonic_ns(),
+            guest: self.telemetry(),
+        }
+    }
+}
+
+/// What a vCPU thread owns: the vCPU, the devices, and (to keep them alive as long as the
+/// vCPU runs) the KVM VM and its memory slots.
+struct VcpuRunner {
+    shared: Arc<Shared>,
+    vcpu: VcpuFd,
+    devices: Devices,
+    _vm: KvmVm,
+    _setup: BootSetup,
+}
+
+impl VcpuRunner {
+    fn run(mut self) {
+        let immediate_exit = &raw mut self.vcpu.get_kvm_run().immediate_exit;
+        // SAFETY: the kvm_run mapping belongs to `self.vcpu`, which outlives the registration
+        // (dropped at the end of this function, before `self`).
+        let registration = unsafe { kick::Registration::new(immediate_exit) };
+        let reason = self.run_loop();
+        drop(registration);
+        let mut c = self.shared.control.lock().unwrap();
+        c.stop_reason.get_or_insert(reason);
+        c.desired = RunState::Stopped;
+        c.vcpus_alive -= 1;
+        self.shared.changed.notify_all();
+    }
+
+    /// Runs until the VM must stop, and says why.
+    fn run_loop(&mut self) -> StopReason {
+        loop {
+            if let Some(reason) = self.wait_while_paused() {
+                return reason;
+            }
+            match vcpu::run(&mut self.vcpu) {
+                vcpu::Exit::IoOut(port, data) => self.devices.io_out(port, data),
+                vcpu::Exit::IoIn(port, data) => self.devices.io_in(port, data),
+                vcpu::Exit::MmioRead(addr, data) => self.devices.mmio(addr, Some(data)),
+                vcpu::Exit::MmioWrite(addr, _) => self.devices.mmio(addr, None),
+                vcpu::Exit::Interrupted => self.vcpu.set_kvm_immediate_exit(0),
+                vcpu::Exit::Halt => return self.halted(),
+                vcpu::Exit::Fatal(why) => {
+                    let regs = vcpu::describe_registers(&self.vcpu);
+                    return StopReason::Failed(format!("{why}\n{regs}"));
+                }
+            }
+        }
+    }
+
+    /// Parks while the VM is paused; returns a reason when it must stop.
+    fn wait_while_paused(&self) -> Option<StopReason> {
+        let mut c = self.shared.control.lock().unwrap();
+        let mut parked = false;
+        loop {
+            match c.desired {
+                RunState::Running => break,
+                RunState::Stopped => {
+                    if parked {
+                        c.vcpus_parked -= 1;
+                    }
+                    return Some(
+                        c.stop_reason
+                            .clone()
+                            .unwrap_or(StopReason::Requested("stop".into())),
+                    );
+                }
+                RunState::Paused => {
+                    if !parked {
+                        parked = true;
+                        c.vcpus_parked += 1;
+                        self.shared.changed.notify_all();
+                    }
+                    c = self.shared.changed.wait(c).unwrap();
+                }
+            }
+        }
+        if parked {
+            c.vcpus_parked -= 1;
+        }
+        None
+    }
+
+    fn halted(&self) -> StopReason {
+        let t = self.shared.telemetry.lock().unwrap();
+        let why = match (&t.exception, &t.halt_reason) {
+            (Some(e), _) => format!(
+                "after exception {} at RIP {:#x}, error code {:#x}; see the serial output",
+                e.vector, e.rip, e.error_code
+            ),
+            (None, Some(r)) => r.clone(),
+            (None, None) => "HLT with interrupts off".into(),
+        };
+        if t.exception.is_some() {
+            StopReason::Failed(format!(
+                "guest halted {why}\n{}",
+                vcpu::describe_registers(&self.vcpu)
+            ))
+        } else {
+            StopReason::GuestHalted(why)
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Helpers for the VMM's end-to-end tests: boot the built-in guest on real KVM and wait for
+//! what its telemetry says.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_vmm::devices::telemetry::GuestTelemetry;
+use ferry_vmm::{GuestKind, SerialOutput, Vm, VmConfig};
+
+/// A booted test VM with its serial output in a temporary file.
+pub struct TestVm {
+    pub vm: Vm,
+    pub serial: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// Fails loudly when /dev/kvm cannot be opened: every machine of this project has it, so a
+/// missing one is a broken machine, not a reason to skip.
+pub fn require_kvm() {
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        panic!(
+            "\n\n*** THIS TEST NEEDS /dev/kvm AND CANNOT OPEN IT: {e} ***\n\
+             *** ferry's end-to-end tests boot real VMs; run them as root or in the kvm group ***\n\n"
+        );
+    }
+}
+
+pub fn boot(memory: u64, cmdline: &str) -> TestVm {
+    require_kvm();
+    let dir = tempfile::tempdir().unwrap();
+    let serial = dir.path().join("serial.log");
+    let vm = Vm::boot(VmConfig {
+        memory_bytes: memory,
+        vcpus: 1,
+        kernel: Arc::from(ferry_guest_image::ELF),
+        cmdline: cmdline.into(),
+        guest: GuestKind::FerryGuest,
+        serial: SerialOutput::File(serial.clone()),
+    })
+    .unwrap_or_else(|e| panic!("boot failed: {e}"));
+    TestVm {
+        vm,
+        serial,
+        _dir: dir,
+    }
+}
+
+impl TestVm {
+    /// Polls telemetry until `done` holds, or panics after `timeout` with the serial log.
+    pub fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&GuestTelemetry) -> bool,
+    ) -> GuestTelemetry {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let t = self.vm.handle().telemetry();
+            if done(&t) {
+                return t;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out after {timeout:?} waiting for {what}\ntelemetry: {t:#?}\nstate: {:?}\nserial:\n{}",
+                    self.vm.handle().status().stop_reason,
+                    self.serial_log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the serial log contains `text` (the UART is slower than telemetry: a
+    /// report can arrive while the matching line is still being printed).
+    pub fn wait_for_serial(&self, text: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.serial_log();
+            if log.contains(text) {
+                return log;
+            }
+            if Instant::now() > deadline {
+                panic!("timed out after {timeout:?} waiting for {text:?} on serial:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn serial_log(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+}
