@@ -27,19 +27,75 @@ pub const HOT_WRITE_PERCENT: u64 = 90;
 /// that `ferry run` on the minimum 64 MiB guest still fits (see [`crate::layout`]).
 pub const DEFAULT_WORKING_SET: u64 = 256 << 20;
 
-/// Every key the guest understands, in the order the table above lists them.
-pub const KEYS: &[&str] = &[
-    "ws",
-    "rate",
-    "pattern",
-    "hot",
-    "zero",
-    "verify-ms",
-    "heartbeat-ms",
-    "log-ms",
-    "run-ms",
-    "fault-after-ms",
-    "seed",
+/// Every key the guest understands with its value, default and meaning, in the order the
+/// table above lists them (what `ferry guest --params` prints).
+pub const HELP: &[(&str, &str, &str, &str)] = &[
+    (
+        "ws",
+        "size (64M, 1G, ...)",
+        "256M or half the free RAM",
+        "working-set size",
+    ),
+    (
+        "rate",
+        "max | MB/s",
+        "max",
+        "how fast the working set is dirtied",
+    ),
+    (
+        "pattern",
+        "seq | random | hotcold",
+        "seq",
+        "which page each write goes to",
+    ),
+    (
+        "hot",
+        "percent 1-100",
+        "10",
+        "hot share of the working set for hotcold (90% of writes)",
+    ),
+    (
+        "zero",
+        "percent 0-100",
+        "0",
+        "share of writes that leave the page all zeros",
+    ),
+    (
+        "verify-ms",
+        "ms, 0 = never",
+        "1000",
+        "interval between verify passes",
+    ),
+    (
+        "heartbeat-ms",
+        "ms, >= 1",
+        "10",
+        "interval between telemetry heartbeats",
+    ),
+    (
+        "log-ms",
+        "ms, 0 = never",
+        "1000",
+        "interval between human lines on the serial port",
+    ),
+    (
+        "run-ms",
+        "ms, 0 = forever",
+        "0",
+        "halt the guest after this long",
+    ),
+    (
+        "fault-after-ms",
+        "ms, 0 = never",
+        "0",
+        "raise #UD after this long (tests the exception path)",
+    ),
+    (
+        "seed",
+        "integer",
+        "1",
+        "seed of the random and hotcold patterns",
+    ),
 ];
 
 /// Which page each write of the workload goes to.
@@ -142,10 +198,10 @@ impl fmt::Display for ParamError<'_> {
             ),
             ParamError::UnknownKey(key) => {
                 write!(f, "unknown guest parameter '{key}'; known keys are:")?;
-                for k in KEYS {
+                for (k, ..) in HELP {
                     write!(f, " {k}")?;
                 }
-                Ok(())
+                write!(f, " (see `ferry guest --params`)")
             }
             ParamError::BadValue {
                 key,
@@ -322,6 +378,17 @@ mod tests {
             parse(long),
             Err(ParamError::TooLong(crate::CMDLINE_MAX + 1))
         );
+    }
+
+    #[test]
+    fn help_lists_every_key_the_parser_takes() {
+        for (key, ..) in HELP {
+            let line = std::format!("{key}=1");
+            assert!(
+                !matches!(parse(&line), Err(ParamError::UnknownKey(_))),
+                "{key}"
+            );
+        }
     }
 
     #[test]

@@ -57,6 +57,6 @@ mod tests {
             }
         }
         assert_eq!(pvh_entry.map(u64::from), Some(entry));
-        assert!(entry >= 0x100000 && entry < 1 << 32);
+        assert!((0x100000..1 << 32).contains(&entry));
     }
 }

@@ -29,11 +29,11 @@ pub const MEMORY_GRANULE: u64 = 2 << 20;
 /// Why guest RAM could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
-    #[error("--memory {size} bytes is below the minimum of 64M; give the VM at least 64M")]
+    #[error("--memory {} is below the minimum of 64M; give the VM at least 64M", Size(*size))]
     TooSmall { size: u64 },
-    #[error("--memory {size} bytes is above the maximum of {max} bytes (the guest maps at most 512 GiB of addresses); lower --memory", max = MAX_MEMORY)]
+    #[error("--memory {} is above the maximum of {} (the guest maps at most 512 GiB of addresses); lower --memory", Size(*size), Size(MAX_MEMORY))]
     TooLarge { size: u64 },
-    #[error("--memory {size} bytes is not a multiple of 2M; round it, e.g. to {rounded}M", rounded = size.div_ceil(MEMORY_GRANULE) * 2)]
+    #[error("--memory {} is not a multiple of 2M; round it, e.g. to {}M", Size(*size), size.div_ceil(MEMORY_GRANULE) * 2)]
     Unaligned { size: u64 },
     #[error("cannot create the guest RAM memfd: {source}")]
     Memfd {
@@ -62,6 +62,20 @@ pub enum MemoryError {
         #[source]
         source: vm_memory::GuestMemoryError,
     },
+}
+
+/// A byte count as a person writes it: `10M`, `64G`, or bytes when not a whole MiB.
+#[derive(Clone, Copy, Debug)]
+pub struct Size(pub u64);
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            b if b != 0 && b.is_multiple_of(1 << 30) => write!(f, "{}G", b >> 30),
+            b if b != 0 && b.is_multiple_of(1 << 20) => write!(f, "{}M", b >> 20),
+            b => write!(f, "{b} bytes"),
+        }
+    }
 }
 
 /// One contiguous range of guest RAM and where it lives on the host.
@@ -93,7 +107,7 @@ pub fn validate_size(size: u64) -> Result<(), MemoryError> {
     if size > MAX_MEMORY {
         return Err(MemoryError::TooLarge { size });
     }
-    if size % MEMORY_GRANULE != 0 {
+    if !size.is_multiple_of(MEMORY_GRANULE) {
         return Err(MemoryError::Unaligned { size });
     }
     Ok(())

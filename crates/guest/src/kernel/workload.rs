@@ -111,7 +111,7 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
     sprintln!(
         "ferry-guest: {} MiB RAM, working set {} MiB ({} pages at frame {:#x}), pattern {}, rate {}, zero {}%, verify every {} ms, clock {:?}",
         boot.ram_bytes >> 20,
-        plan.pages * PAGE_SIZE >> 20,
+        (plan.pages * PAGE_SIZE) >> 20,
         plan.pages,
         plan.extents[0].first_pfn,
         p.pattern.name(),

@@ -1,0 +1,21 @@
+//! `ferry bench`: measurements that print a table and one JSON line per row. Every figure is
+//! set against a reference measured in the same run, because absolute numbers on shared,
+//! nested machines drift.
+
+mod guest;
+
+use std::process::ExitCode;
+
+use clap::Subcommand;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// The built-in guest's page-write rate at CPL3, against the same loop run on the host.
+    Guest(guest::GuestBenchArgs),
+}
+
+pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        BenchCommand::Guest(args) => guest::run(&args),
+    }
+}

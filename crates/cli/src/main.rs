@@ -1,0 +1,79 @@
+//! `ferry`: run a VM on ferry's reference VMM, control it through its API socket, write out the
+//! built-in test guest, and measure. The CLI is thin: every subcommand parses its flags and
+//! calls the VMM crate; errors below this crate are typed, and here they get context.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod control;
+mod guest;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Live migration for KVM virtual machines"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Boot a VM (by default the built-in test guest) and run it until it halts or is stopped.
+    Run(run::RunArgs),
+    /// Print a running VM's state and the guest's counters as JSON.
+    Status(control::ControlArgs),
+    /// Pause a running VM's vCPUs.
+    Pause(control::ControlArgs),
+    /// Resume a paused VM.
+    Resume(control::ControlArgs),
+    /// Stop a VM; its `ferry run` exits.
+    Shutdown(control::ControlArgs),
+    /// Write out the built-in guest (for QEMU's -kernel) or list its parameters.
+    Guest(guest::GuestArgs),
+    /// Benchmarks that print a table and JSON lines.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Status(args) => control::status(&args),
+        Command::Pause(args) => control::put(&args, "/vm/pause"),
+        Command::Resume(args) => control::put(&args, "/vm/resume"),
+        Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),
+        Command::Guest(args) => guest::guest(&args),
+        Command::Bench(cmd) => bench::bench(cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferry: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Parses a byte size such as `2G`, `512M` or `64GiB` (binary units).
+fn parse_size(s: &str) -> Result<u64, String> {
+    ferry_guest_abi::params::parse_size(s).ok_or_else(|| {
+        format!("'{s}' is not a size; write a number with an optional K, M, G or T suffix, e.g. 2G")
+    })
+}

@@ -1,0 +1,190 @@
+//! The `ferry` binary end to end: argument errors, the control API, Ctrl-C, and a 64 GiB
+//! sparse guest's host memory footprint.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RunningVm, ferry_output, stderr};
+
+#[test]
+fn bad_guest_command_lines_are_refused_before_boot() {
+    let table = [
+        (
+            vec!["run", "--cmdline", "ws=lots"],
+            "bad value 'lots' for guest parameter 'ws'",
+        ),
+        (
+            vec!["run", "--cmdline", "pattern=zigzag"],
+            "expected seq, random or hotcold",
+        ),
+        (
+            vec!["run", "--cmdline", "bogus=1"],
+            "unknown guest parameter 'bogus'; known keys are: ws rate",
+        ),
+        (
+            vec!["run", "--cmdline", "verify"],
+            "'verify' is not key=value",
+        ),
+    ];
+    for (args, want) in table {
+        let out = ferry_output(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr(&out).contains(want), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn bad_memory_sizes_are_refused_with_the_fix() {
+    let table = [
+        (
+            vec!["run", "--memory", "10M"],
+            "--memory 10M is below the minimum of 64M",
+        ),
+        (vec!["run", "--memory", "1000T"], "is above the maximum"),
+        (
+            vec!["run", "--memory", "65M"],
+            "not a multiple of 2M; round it, e.g. to 66M",
+        ),
+        (vec!["run", "--memory", "2X"], "'2X' is not a size"),
+        (
+            vec!["run", "--memory", "64M", "--cmdline", "ws=256M"],
+            "--memory 64M is too small for this guest: its working set of 256M",
+        ),
+        (vec!["run", "--vcpus", "4"], "--vcpus 4 is not supported"),
+        (
+            vec!["run", "--guest", "/nonexistent/kernel.elf"],
+            "cannot read guest kernel",
+        ),
+    ];
+    for (args, want) in table {
+        let out = ferry_output(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr(&out).contains(want), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn api_reports_the_guest_and_pauses_resumes_and_shuts_down() {
+    let vm = RunningVm::start("256M", "ws=16M verify-ms=100 log-ms=100");
+    vm.wait_until(
+        "heartbeats and a verify pass",
+        Duration::from_secs(30),
+        |vm| {
+            let s = vm.status();
+            s["guest"]["heartbeats"].as_u64() > Some(5)
+                && s["guest"]["verify_passes"].as_u64() > Some(0)
+        },
+    );
+    let s = vm.status();
+    assert_eq!(s["state"], "running");
+    assert_eq!(s["memory_bytes"], 256u64 << 20);
+    assert_eq!(s["vcpus"], 1);
+    assert_eq!(s["guest"]["verify_failures"], 0);
+    assert!(
+        s["guest"]["write_rate_pages_per_s"].as_f64() > Some(0.0),
+        "{s:#}"
+    );
+    assert!(s["guest"]["last_report_host_ns"].as_u64() <= s["host_monotonic_ns"].as_u64());
+
+    assert!(vm.control("pause").status.success());
+    let paused = vm.status();
+    assert_eq!(paused["state"], "paused");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        vm.status()["guest"]["reports"],
+        paused["guest"]["reports"],
+        "no reports while paused"
+    );
+
+    assert!(vm.control("resume").status.success());
+    vm.wait_until("reports after resume", Duration::from_secs(30), |vm| {
+        vm.status()["guest"]["reports"].as_u64() > paused["guest"]["reports"].as_u64()
+    });
+    assert!(vm.control("shutdown").status.success());
+    let out = vm.finish(Duration::from_secs(30));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("stopped on request (API shutdown)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn ctrl_c_stops_cleanly() {
+    let vm = RunningVm::start("128M", "ws=8M log-ms=100");
+    vm.wait_until("the guest's first line", Duration::from_secs(30), |vm| {
+        common::read(&vm.serial).contains("ferry-guest: t=")
+    });
+    // SAFETY-free: signal the child through the kill command, as a terminal would.
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &vm.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = vm.finish(Duration::from_secs(30));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("stopped on request (Ctrl-C)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn status_without_a_vm_says_what_to_do() {
+    let out = ferry_output(&["status", "--api-socket", "/nonexistent/ferry.sock"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is `ferry run --api-socket /nonexistent/ferry.sock` running?"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A 64 GiB guest that touches 256 MiB costs about 256 MiB of host memory: RAM is a sparse
+/// memfd mapped MAP_NORESERVE, and the guest maps all 64 GiB but writes only its working set.
+#[test]
+fn sparse_64g_guest_uses_little_host_memory() {
+    let vm = RunningVm::start("64G", "ws=256M verify-ms=200 log-ms=0");
+    vm.wait_until(
+        "two verify passes (the working set fully written)",
+        Duration::from_secs(120),
+        |vm| vm.status()["guest"]["verify_passes"].as_u64() >= Some(2),
+    );
+    let s = vm.status();
+    assert_eq!(s["memory_bytes"], 64u64 << 30);
+    assert_eq!(s["guest"]["verify_failures"], 0);
+    assert_eq!(s["guest"]["config"]["working_set_pages"], 65536);
+    let allocated = s["memory_allocated_bytes"].as_u64().unwrap();
+    let rss = vm_rss_bytes(vm.child.id());
+    eprintln!(
+        "64G guest, 256M working set: memfd allocated {} MiB, process RSS {} MiB",
+        allocated >> 20,
+        rss >> 20
+    );
+    assert!(
+        allocated >= 256 << 20,
+        "the working set is resident: {allocated}"
+    );
+    assert!(
+        allocated <= (256 + 16) << 20,
+        "guest RAM beyond the working set was allocated: {allocated}"
+    );
+    assert!(
+        rss <= (256 + 96) << 20,
+        "process RSS {rss} is far above the working set"
+    );
+}
+
+fn vm_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}

@@ -1,0 +1,134 @@
+//! Helpers for the `ferry` binary's end-to-end tests.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn ferry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+}
+
+/// Fails loudly when /dev/kvm cannot be opened (see the VMM's tests for why this is no skip).
+pub fn require_kvm() {
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        panic!(
+            "\n\n*** THIS TEST NEEDS /dev/kvm AND CANNOT OPEN IT: {e} ***\n\
+             *** ferry's end-to-end tests boot real VMs; run them as root or in the kvm group ***\n\n"
+        );
+    }
+}
+
+/// Runs `ferry ARGS` to completion.
+pub fn ferry_output(args: &[&str]) -> Output {
+    ferry().args(args).output().expect("ferry runs")
+}
+
+/// A `ferry run` in the background with an API socket and a serial file; killed on drop.
+#[derive(Debug)]
+pub struct RunningVm {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub serial: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl RunningVm {
+    pub fn start(memory: &str, cmdline: &str) -> RunningVm {
+        require_kvm();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let serial = dir.path().join("serial.log");
+        let child = ferry()
+            .args(["run", "--memory", memory, "--cmdline", cmdline])
+            .arg("--serial")
+            .arg(&serial)
+            .arg("--api-socket")
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ferry run starts");
+        let vm = RunningVm {
+            child,
+            socket,
+            serial,
+            dir,
+        };
+        vm.wait_until("the API socket", Duration::from_secs(30), |vm| {
+            vm.socket.exists()
+        });
+        vm
+    }
+
+    /// `ferry status` as JSON.
+    pub fn status(&self) -> serde_json::Value {
+        let out = ferry()
+            .arg("status")
+            .arg("--api-socket")
+            .arg(&self.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "ferry status: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("status is JSON")
+    }
+
+    pub fn control(&self, verb: &str) -> Output {
+        ferry()
+            .arg(verb)
+            .arg("--api-socket")
+            .arg(&self.socket)
+            .output()
+            .unwrap()
+    }
+
+    pub fn wait_until(&self, what: &str, timeout: Duration, done: impl Fn(&RunningVm) -> bool) {
+        let deadline = Instant::now() + timeout;
+        while !done(self) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; serial:\n{}",
+                std::fs::read_to_string(&self.serial).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for the process to exit and returns its output.
+    pub fn finish(mut self, timeout: Duration) -> Output {
+        let deadline = Instant::now() + timeout;
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "ferry run did not exit within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+pub fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
