@@ -27,8 +27,13 @@ fn bad_guest_command_lines_are_refused_before_boot() {
             "'verify' is not key=value",
         ),
     ];
+    assert_refused(&table);
+}
+
+/// Each command fails, and its error contains the expected text.
+fn assert_refused(table: &[(Vec<&str>, &str)]) {
     for (args, want) in table {
-        let out = ferry_output(&args);
+        let out = ferry_output(args);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr(&out).contains(want), "{args:?}: {}", stderr(&out));
     }
@@ -117,7 +122,7 @@ fn ctrl_c_stops_cleanly() {
     vm.wait_until("the guest's first line", Duration::from_secs(30), |vm| {
         common::read(&vm.serial).contains("ferry-guest: t=")
     });
-    // SAFETY-free: signal the child through the kill command, as a terminal would.
+    // Signal the child through the kill command, as a terminal's Ctrl-C would.
     let status = std::process::Command::new("kill")
         .args(["-INT", &vm.child.id().to_string()])
         .status()

@@ -10,18 +10,9 @@ pub fn ferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
 }
 
-/// Fails loudly when /dev/kvm cannot be opened (see the VMM's tests for why this is no skip).
+/// Fails loudly when /dev/kvm cannot be used (every machine of this project has it).
 pub fn require_kvm() {
-    if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        panic!(
-            "\n\n*** THIS TEST NEEDS /dev/kvm AND CANNOT OPEN IT: {e} ***\n\
-             *** ferry's end-to-end tests boot real VMs; run them as root or in the kvm group ***\n\n"
-        );
-    }
+    ferry_vmm::kvm::require_for_tests();
 }
 
 /// Runs `ferry ARGS` to completion.

@@ -60,6 +60,14 @@ pub fn open() -> Result<Kvm, KvmError> {
     }
 }
 
+/// For test suites that boot real VMs: panics, loudly and with the fix, when `/dev/kvm` cannot
+/// be opened. Every machine of this project has KVM, so a test must fail rather than skip.
+pub fn require_for_tests() {
+    if let Err(e) = open() {
+        panic!("\n\n*** THIS TEST NEEDS /dev/kvm AND CANNOT USE IT ***\n*** {e} ***\n\n");
+    }
+}
+
 /// A KVM VM with guest RAM registered, one memory slot per RAM region.
 #[derive(Debug)]
 pub struct KvmVm {

@@ -17,19 +17,9 @@ pub struct TestVm {
     _dir: tempfile::TempDir,
 }
 
-/// Fails loudly when /dev/kvm cannot be opened: every machine of this project has it, so a
-/// missing one is a broken machine, not a reason to skip.
+/// Fails loudly when /dev/kvm cannot be used (every machine of this project has it).
 pub fn require_kvm() {
-    if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        panic!(
-            "\n\n*** THIS TEST NEEDS /dev/kvm AND CANNOT OPEN IT: {e} ***\n\
-             *** ferry's end-to-end tests boot real VMs; run them as root or in the kvm group ***\n\n"
-        );
-    }
+    ferry_vmm::kvm::require_for_tests();
 }
 
 pub fn boot(memory: u64, cmdline: &str) -> TestVm {
