@@ -1,0 +1,372 @@
+//! A fake VMM for testing ferry's migration engine without `/dev/kvm`: guest RAM in a memfd
+//! (so holes and `SEEK_DATA` behave as with a real VMM), writer threads that play the guest,
+//! and a software dirty log with KVM's semantics (initially set, fetch-and-clear, re-arm).
+//!
+//! Writers write a page and then mark it; the engine's fetch clears a bit before it copies
+//! the page. So a write that races a fetch is either seen by that copy or stays marked for
+//! the next pass, exactly the guarantee write-protection gives a real dirty log.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ferry_migrate::bitmap::DirtyBitmap;
+use ferry_migrate::ram::RamRegion;
+use ferry_migrate::wire::{PAGE_SIZE, SectionId};
+use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
+
+/// Guest RAM: a memfd mapped shared, split into regions with a gap between them (like RAM
+/// around a PC's MMIO hole).
+#[derive(Debug)]
+struct FakeRam {
+    fd: OwnedFd,
+    base: usize,
+    size: u64,
+    regions: Vec<RamRegion>,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through raw pointers with
+// page-granular, atomics-ordered protocols documented where used.
+unsafe impl Send for FakeRam {}
+// SAFETY: as above.
+unsafe impl Sync for FakeRam {}
+
+impl FakeRam {
+    fn new(size: u64, regions: usize) -> FakeRam {
+        assert!(size.is_multiple_of(PAGE_SIZE * regions as u64));
+        // SAFETY: memfd_create with a valid name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"ferry-fake-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: fd is new and owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on our own fd.
+        let resized = unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) };
+        assert_eq!(resized, 0);
+        // SAFETY: a fresh shared mapping of the whole file; checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let per = size / regions as u64;
+        let regions = (0..regions as u64)
+            .map(|i| RamRegion {
+                // A 1 GiB gap after every region, so addresses are not simply offsets.
+                gpa: i * (per + (1 << 30)),
+                size: per,
+                host_addr: base as usize + (i * per) as usize,
+                fd: fd.as_raw_fd(),
+                file_offset: i * per,
+            })
+            .collect();
+        FakeRam {
+            fd,
+            base: base as usize,
+            size,
+            regions,
+        }
+    }
+
+    /// The host address of guest page `index` (counting pages across regions).
+    fn page_ptr(&self, index: u64) -> *mut u64 {
+        (self.base + (index * PAGE_SIZE) as usize) as *mut u64
+    }
+
+    fn pages(&self) -> u64 {
+        self.size / PAGE_SIZE
+    }
+
+    fn gpa_of(&self, index: u64) -> u64 {
+        let per = self.regions[0].size / PAGE_SIZE;
+        self.regions[(index / per) as usize].gpa + (index % per) * PAGE_SIZE
+    }
+
+    /// A copy of all of guest RAM.
+    fn contents(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.size as usize];
+        // SAFETY: reads the whole mapping; callers only do so with writers paused.
+        unsafe { std::ptr::copy_nonoverlapping(self.base as *const u8, v.as_mut_ptr(), v.len()) };
+        v
+    }
+}
+
+impl Drop for FakeRam {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping created in `new`; nothing uses it any more.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.size as usize) };
+        let _ = &self.fd;
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    ram: FakeRam,
+    /// Writers hold it shared while writing and marking a page; pause takes it exclusively.
+    gate: RwLock<()>,
+    paused: AtomicBool,
+    stop: AtomicBool,
+    logging: AtomicBool,
+    dirty: Vec<AtomicU64>,
+    writes: AtomicU64,
+}
+
+impl Shared {
+    fn mark(&self, index: u64) {
+        if self.logging.load(Ordering::Acquire) {
+            self.dirty[(index / 64) as usize].fetch_or(1 << (index % 64), Ordering::AcqRel);
+        }
+    }
+}
+
+/// How the fake guest writes.
+#[derive(Clone, Copy, Debug)]
+pub struct Writers {
+    pub threads: usize,
+    pub seed: u64,
+    /// Percent of writes that store zeros over the whole page.
+    pub zero_percent: u8,
+    /// Pause between writes, per thread (`ZERO` = flat out).
+    pub interval: Duration,
+}
+
+/// The fake VM.
+#[derive(Debug)]
+pub struct FakeVm {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    /// The device state it reports (source) or loaded (destination).
+    pub state: Vec<Section>,
+    pub resumed: bool,
+}
+
+impl FakeVm {
+    /// `size` bytes of RAM in `regions` equal regions, all holes.
+    pub fn new(size: u64, regions: usize) -> FakeVm {
+        let ram = FakeRam::new(size, regions);
+        let words = ram.pages().div_ceil(64) as usize;
+        FakeVm {
+            shared: Arc::new(Shared {
+                ram,
+                gate: RwLock::new(()),
+                paused: AtomicBool::new(false),
+                stop: AtomicBool::new(false),
+                logging: AtomicBool::new(false),
+                dirty: (0..words).map(|_| AtomicU64::new(0)).collect(),
+                writes: AtomicU64::new(0),
+            }),
+            threads: Vec::new(),
+            state: vec![Section {
+                id: SectionId::Vcpu,
+                version: 1,
+                data: b"fake vcpu".to_vec(),
+            }],
+            resumed: false,
+        }
+    }
+
+    /// Populates every `stride`-th page with a recognisable pattern (before any writer runs).
+    pub fn fill(&self, stride: u64) {
+        for i in (0..self.shared.ram.pages()).step_by(stride as usize) {
+            write_page(&self.shared, i, i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        }
+    }
+
+    /// Starts writer threads that play the guest.
+    pub fn start_writers(&mut self, w: Writers) {
+        for t in 0..w.threads {
+            let shared = self.shared.clone();
+            self.threads
+                .push(std::thread::spawn(move || writer(&shared, w, t as u64)));
+        }
+    }
+
+    pub fn writes(&self) -> u64 {
+        self.shared.writes.load(Ordering::Relaxed)
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.shared.paused.load(Ordering::Acquire)
+    }
+
+    pub fn is_logging(&self) -> bool {
+        self.shared.logging.load(Ordering::Acquire)
+    }
+
+    /// All of guest RAM (take it while paused, or on a destination).
+    pub fn contents(&self) -> Vec<u8> {
+        let _g = self.shared.gate.write().unwrap();
+        self.shared.ram.contents()
+    }
+
+    /// Host memory the RAM occupies (the memfd's allocated bytes).
+    pub fn allocated_bytes(&self) -> u64 {
+        let mut st: libc::stat = unsafe_zeroed_stat();
+        // SAFETY: fstat on our own fd into a valid stat buffer.
+        unsafe { libc::fstat(self.shared.ram.fd.as_raw_fd(), &mut st) };
+        st.st_blocks as u64 * 512
+    }
+}
+
+fn unsafe_zeroed_stat() -> libc::stat {
+    // SAFETY: libc::stat is plain old data; all-zero is a valid value.
+    unsafe { std::mem::zeroed() }
+}
+
+fn write_page(shared: &Shared, index: u64, value: u64) {
+    let p = shared.ram.page_ptr(index);
+    // SAFETY: `index` is a page of the mapping; writers may race each other on a page, which
+    // is fine for plain u64 stores through raw pointers (no references are formed).
+    unsafe {
+        if value == 0 {
+            std::ptr::write_bytes(p as *mut u8, 0, PAGE_SIZE as usize);
+        } else {
+            p.write_volatile(value);
+            p.add(17).write_volatile(!value);
+            p.add(511).write_volatile(value.rotate_left(7));
+        }
+    }
+}
+
+fn writer(shared: &Shared, w: Writers, id: u64) {
+    let mut x = w.seed ^ (id + 1).wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+    let pages = shared.ram.pages();
+    while !shared.stop.load(Ordering::Relaxed) {
+        if shared.paused.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        {
+            let _g = shared.gate.read().unwrap();
+            if shared.paused.load(Ordering::Acquire) {
+                continue;
+            }
+            for _ in 0..64 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let index = x % pages;
+                let value = if (x >> 40) % 100 < u64::from(w.zero_percent) {
+                    0
+                } else {
+                    x | 1
+                };
+                write_page(shared, index, value);
+                shared.mark(index);
+                shared.writes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if !w.interval.is_zero() {
+            std::thread::sleep(w.interval);
+        }
+    }
+}
+
+impl Drop for FakeVm {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+// SAFETY: `ram()` describes the memfd mapping owned by `shared`, which lives as long as self.
+unsafe impl SourceVm for FakeVm {
+    fn ram(&self) -> Vec<RamRegion> {
+        self.shared.ram.regions.clone()
+    }
+
+    fn start_dirty_log(&mut self) -> Result<(), VmError> {
+        for w in &self.shared.dirty {
+            w.store(u64::MAX, Ordering::Release);
+        }
+        self.shared.logging.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
+        let ram = &self.shared.ram;
+        let per = ram.regions[0].size / PAGE_SIZE;
+        let region = ram
+            .regions
+            .iter()
+            .position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
+            .ok_or(VmError::Failed {
+                operation: "clear_dirty",
+                message: format!("{gpa:#x} is not RAM"),
+            })?;
+        let first = region as u64 * per + (gpa - ram.regions[region].gpa) / PAGE_SIZE;
+        for i in first..first + pages {
+            self.shared.dirty[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
+        let per_words = (self.shared.ram.regions[0].size / PAGE_SIZE / 64) as usize;
+        for region in 0..into.regions() {
+            let words: Vec<u64> = self.shared.dirty[region * per_words..(region + 1) * per_words]
+                .iter()
+                .map(|w| w.swap(0, Ordering::AcqRel))
+                .collect();
+            into.merge(region, 0, &words);
+        }
+        Ok(())
+    }
+
+    fn stop_dirty_log(&mut self) {
+        self.shared.logging.store(false, Ordering::Release);
+    }
+
+    fn pause(&mut self) -> Result<(), VmError> {
+        self.shared.paused.store(true, Ordering::Release);
+        // Wait for writes in flight: they hold the gate shared until their pages are marked.
+        drop(self.shared.gate.write().unwrap());
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<(), VmError> {
+        self.shared.paused.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
+        Ok(self.state.clone())
+    }
+}
+
+// SAFETY: as for SourceVm; the fake destination runs no writers before `resume`.
+unsafe impl DestinationVm for FakeVm {
+    fn ram(&self) -> Vec<RamRegion> {
+        self.shared.ram.regions.clone()
+    }
+
+    fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
+        if sections.iter().any(|s| s.id != SectionId::Vcpu) {
+            return Err(VmError::Failed {
+                operation: "load_state",
+                message: "the fake VM has only a vCPU section".into(),
+            });
+        }
+        self.state = sections.to_vec();
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<Duration, VmError> {
+        self.resumed = true;
+        Ok(Duration::ZERO)
+    }
+}
+
+/// Index-to-address helper for tests that write specific pages.
+pub fn gpa_of(vm: &FakeVm, index: u64) -> u64 {
+    vm.shared.ram.gpa_of(index)
+}

@@ -1,0 +1,215 @@
+//! The migration's dirty bitmap: one bit per guest page, per RAM region, with the number of
+//! set bits kept as bits change (never by re-walking), and a bounded walk that takes set bits
+//! out in address order.
+
+#![forbid(unsafe_code)]
+
+use crate::ram::RamRegion;
+use crate::wire::PAGE_SIZE;
+
+/// Words a single [`DirtyBitmap::take`] call scans at most: 64 Ki words = 4 Mi pages = 16 GiB of
+/// guest memory, about 1 ms of scanning, so a walk over a sparse bitmap still returns to its
+/// caller's clock and cancellation checks often.
+pub const MAX_WORDS_PER_TAKE: usize = 64 * 1024;
+
+#[derive(Clone, Debug)]
+struct RegionBits {
+    gpa: u64,
+    pages: u64,
+    words: Vec<u64>,
+}
+
+/// Dirty pages of guest RAM. Allocated once per migration.
+#[derive(Clone, Debug)]
+pub struct DirtyBitmap {
+    regions: Vec<RegionBits>,
+    count: u64,
+}
+
+/// Where a walk stands: region index and word index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    region: usize,
+    word: usize,
+}
+
+impl Cursor {
+    pub fn at_end(&self, bitmap: &DirtyBitmap) -> bool {
+        self.region >= bitmap.regions.len()
+    }
+}
+
+impl DirtyBitmap {
+    pub fn new(regions: &[RamRegion]) -> DirtyBitmap {
+        DirtyBitmap {
+            regions: regions
+                .iter()
+                .map(|r| {
+                    let pages = r.size / PAGE_SIZE;
+                    RegionBits {
+                        gpa: r.gpa,
+                        pages,
+                        words: vec![0; pages.div_ceil(64) as usize],
+                    }
+                })
+                .collect(),
+            count: 0,
+        }
+    }
+
+    /// Dirty pages.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn regions(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Marks the page at `gpa`; false if it was already marked or is not RAM.
+    pub fn set(&mut self, gpa: u64) -> bool {
+        for r in &mut self.regions {
+            if gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE {
+                let page = (gpa - r.gpa) / PAGE_SIZE;
+                let (w, bit) = ((page / 64) as usize, 1u64 << (page % 64));
+                let new = r.words[w] & bit == 0;
+                r.words[w] |= bit;
+                self.count += u64::from(new);
+                return new;
+            }
+        }
+        false
+    }
+
+    /// ORs `words` (bit i = page `64 * first_word + i` of region `region`) into the bitmap, as
+    /// a dirty log hands them over. Bits past the region's end are ignored.
+    pub fn merge(&mut self, region: usize, first_word: usize, words: &[u64]) {
+        let r = &mut self.regions[region];
+        let last = r.words.len();
+        let tail_mask = match r.pages % 64 {
+            0 => u64::MAX,
+            n => (1u64 << n) - 1,
+        };
+        for (i, &w) in words.iter().enumerate() {
+            let idx = first_word + i;
+            if idx >= last {
+                break;
+            }
+            let w = if idx + 1 == last { w & tail_mask } else { w };
+            let new = w & !r.words[idx];
+            r.words[idx] |= new;
+            self.count += u64::from(new.count_ones());
+        }
+    }
+
+    /// Takes up to `max_pages` marked pages from `cursor` on, clearing their bits and pushing
+    /// their guest addresses to `out`. Scans at most [`MAX_WORDS_PER_TAKE`] words; the cursor
+    /// says where to go on (it stays on a word that still has bits).
+    pub fn take(&mut self, cursor: &mut Cursor, max_pages: usize, out: &mut Vec<u64>) {
+        let mut scanned = 0;
+        let mut taken = 0;
+        while cursor.region < self.regions.len()
+            && taken < max_pages
+            && scanned < MAX_WORDS_PER_TAKE
+        {
+            let r = &mut self.regions[cursor.region];
+            if cursor.word >= r.words.len() {
+                cursor.region += 1;
+                cursor.word = 0;
+                continue;
+            }
+            let mut w = r.words[cursor.word];
+            while w != 0 && taken < max_pages {
+                let bit = w.trailing_zeros() as u64;
+                w &= w - 1;
+                out.push(r.gpa + (cursor.word as u64 * 64 + bit) * PAGE_SIZE);
+                taken += 1;
+            }
+            r.words[cursor.word] = w;
+            if w == 0 {
+                cursor.word += 1;
+            }
+            scanned += 1;
+        }
+        self.count -= taken as u64;
+    }
+
+    /// Clears every bit.
+    pub fn clear(&mut self) {
+        for r in &mut self.regions {
+            r.words.fill(0);
+        }
+        self.count = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bitmap() -> DirtyBitmap {
+        DirtyBitmap::new(&[
+            RamRegion::for_test(0, 100 * PAGE_SIZE),
+            RamRegion::for_test(1 << 32, 64 * PAGE_SIZE),
+        ])
+    }
+
+    fn drain(b: &mut DirtyBitmap, max: usize) -> Vec<u64> {
+        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
+        while !cursor.at_end(b) {
+            b.take(&mut cursor, max, &mut out);
+        }
+        out
+    }
+
+    #[test]
+    fn count_follows_sets_merges_and_takes() {
+        let mut b = bitmap();
+        assert!(b.set(5 * PAGE_SIZE));
+        assert!(!b.set(5 * PAGE_SIZE));
+        assert!(!b.set(200 * PAGE_SIZE), "not RAM");
+        b.merge(0, 0, &[0b1110_0000, u64::MAX]);
+        assert_eq!(
+            b.count(),
+            3 + 36,
+            "page 5 counted once; bits past page 100 ignored"
+        );
+        b.merge(1, 0, &[1 << 63]);
+        assert_eq!(b.count(), 40);
+        let pages = drain(&mut b, 7);
+        assert_eq!(pages.len(), 40);
+        assert_eq!(b.count(), 0);
+        assert_eq!(&pages[..3], &[5 * PAGE_SIZE, 6 * PAGE_SIZE, 7 * PAGE_SIZE]);
+        assert_eq!(*pages.last().unwrap(), (1 << 32) + 63 * PAGE_SIZE);
+        assert!(pages.windows(2).all(|w| w[0] < w[1]), "address order");
+    }
+
+    #[test]
+    fn take_respects_its_page_budget() {
+        let mut b = bitmap();
+        b.merge(0, 0, &[u64::MAX, u64::MAX]);
+        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
+        b.take(&mut cursor, 10, &mut out);
+        assert_eq!(out.len(), 10);
+        assert_eq!(b.count(), 90);
+        b.take(&mut cursor, 1000, &mut out);
+        assert_eq!(out.len(), 100);
+    }
+
+    #[test]
+    fn take_bounds_its_scan_on_a_sparse_bitmap() {
+        let mut b = DirtyBitmap::new(&[RamRegion::for_test(
+            0,
+            64 * PAGE_SIZE * (MAX_WORDS_PER_TAKE as u64 * 2),
+        )]);
+        b.set(64 * PAGE_SIZE * (MAX_WORDS_PER_TAKE as u64 + 5));
+        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
+        b.take(&mut cursor, 100, &mut out);
+        assert!(
+            out.is_empty() && !cursor.at_end(&b),
+            "first call stops after its scan budget"
+        );
+        b.take(&mut cursor, 100, &mut out);
+        assert_eq!(out.len(), 1);
+    }
+}

@@ -1,0 +1,63 @@
+//! The handle another thread holds on a running migration: cancel it, read its progress.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde::Serialize;
+
+use crate::stats::MigrationStats;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    #[default]
+    Setup,
+    Precopy,
+    Switchover,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+/// What `GET /migration` and `ferry migrate` show while a migration runs.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Progress {
+    pub phase: Phase,
+    pub pass: u32,
+    pub remaining_bytes: u64,
+    pub bytes_sent: u64,
+    pub bandwidth_mb_s: f64,
+    pub dirty_rate_pages_per_s: f64,
+    pub expected_downtime_ms: Option<f64>,
+    pub elapsed_ms: f64,
+    /// Filled when the migration ends.
+    pub stats: Option<MigrationStats>,
+    pub error: Option<String>,
+}
+
+/// Shared between the migration thread and its controllers.
+#[derive(Debug, Default)]
+pub struct Control {
+    cancel: AtomicBool,
+    progress: Mutex<Progress>,
+}
+
+impl Control {
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.progress.lock().unwrap().clone()
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut Progress)) {
+        f(&mut self.progress.lock().unwrap());
+    }
+}

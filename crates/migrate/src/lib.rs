@@ -1,0 +1,34 @@
+//! ferry's live-migration engine. It knows nothing of KVM: a VMM implements
+//! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a TCP stream.
+//!
+//! - [`wire`]: protocol v1, pure encoding and validation (`docs/protocol.md` is normative).
+//! - [`ram`]: guest RAM regions and the raw page operations (the only `unsafe`).
+//! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
+//! - [`policy`]: when to switch over, as a pure function.
+//! - [`source`] and [`destination`]: the two sessions.
+//! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured.
+
+#![deny(unsafe_code)]
+
+pub mod bitmap;
+pub mod conn;
+pub mod control;
+pub mod destination;
+pub mod error;
+pub mod policy;
+#[allow(unsafe_code)]
+pub mod ram;
+pub mod source;
+#[allow(unsafe_code)] // one clock_gettime call
+pub mod stats;
+#[allow(unsafe_code)]
+// declares the unsafe VM traits; implementing them is where the promise is made
+pub mod vm;
+pub mod wire;
+
+pub use control::{Control, Phase, Progress};
+pub use error::MigrateError;
+pub use policy::{Policy, TimeoutAction};
+pub use source::SourceParams;
+pub use stats::MigrationStats;
+pub use vm::{DestinationVm, Section, SourceVm, VmError};

@@ -1,0 +1,240 @@
+//! Guest RAM as the engine sees it: regions of host-mapped memory backed by a file (the VMM's
+//! memfd), and the few raw operations migration needs: copy a page out, give a page's bytes to
+//! write into, punch a page back to zero, and find populated ranges with `SEEK_DATA`/`SEEK_HOLE`.
+//!
+//! This is the engine's only module with `unsafe`. Its soundness rests on the contract of
+//! [`crate::vm::SourceVm`] and [`crate::vm::DestinationVm`]: the regions a VMM hands over are
+//! mapped, readable and writable, and stay so for as long as the migration session.
+
+use std::os::fd::RawFd;
+
+use crate::wire::PAGE_SIZE;
+
+/// One contiguous range of guest RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamRegion {
+    /// Guest-physical address, page aligned.
+    pub gpa: u64,
+    /// Bytes, a multiple of the page size.
+    pub size: u64,
+    /// Where the region is mapped in this process.
+    pub host_addr: usize,
+    /// The file backing the region (e.g. a memfd), for hole detection and punching.
+    pub fd: RawFd,
+    /// The region's offset in `fd`.
+    pub file_offset: u64,
+}
+
+impl RamRegion {
+    /// A region with no mapping, for pure tests of bitmaps and layouts.
+    pub fn for_test(gpa: u64, size: u64) -> RamRegion {
+        RamRegion {
+            gpa,
+            size,
+            host_addr: 0,
+            fd: -1,
+            file_offset: 0,
+        }
+    }
+
+    fn contains(&self, gpa: u64) -> bool {
+        gpa >= self.gpa && gpa - self.gpa < self.size
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RamError {
+    #[error("guest address {gpa:#x} is not page aligned")]
+    Unaligned { gpa: u64 },
+    #[error("guest address {gpa:#x} is outside guest RAM")]
+    OutOfRange { gpa: u64 },
+    #[error("RAM region at {gpa:#x} of {size} bytes is not page aligned or overlaps another")]
+    BadRegion { gpa: u64, size: u64 },
+}
+
+/// A VM's RAM regions, sorted and checked.
+#[derive(Clone, Debug)]
+pub struct Ram {
+    regions: Vec<RamRegion>,
+    size: u64,
+}
+
+impl Ram {
+    pub fn new(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
+        regions.sort_by_key(|r| r.gpa);
+        let mut end = 0;
+        for r in &regions {
+            if !r.gpa.is_multiple_of(PAGE_SIZE)
+                || !r.size.is_multiple_of(PAGE_SIZE)
+                || r.size == 0
+                || r.gpa < end
+            {
+                return Err(RamError::BadRegion {
+                    gpa: r.gpa,
+                    size: r.size,
+                });
+            }
+            end = r.gpa + r.size;
+        }
+        let size = regions.iter().map(|r| r.size).sum();
+        Ok(Ram { regions, size })
+    }
+
+    pub fn regions(&self) -> &[RamRegion] {
+        &self.regions
+    }
+
+    /// Total bytes of RAM.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Checks that `gpa` is a page inside RAM and returns its host address.
+    pub fn page(&self, gpa: u64) -> Result<usize, RamError> {
+        if !gpa.is_multiple_of(PAGE_SIZE) {
+            return Err(RamError::Unaligned { gpa });
+        }
+        self.regions
+            .iter()
+            .find(|r| r.contains(gpa))
+            .map(|r| r.host_addr + (gpa - r.gpa) as usize)
+            .ok_or(RamError::OutOfRange { gpa })
+    }
+
+    /// Copies the page at `gpa` into `out` and says whether it is all zeros.
+    pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<bool, RamError> {
+        assert_eq!(out.len(), PAGE_SIZE as usize);
+        let src = self.page(gpa)?;
+        // SAFETY: `src` is a mapped page of guest RAM (checked above; mapped for the session by
+        // the VM trait contract). The guest may write it concurrently: the bytes are treated as
+        // plain data (every value is valid), and a page changed during the copy is dirty again
+        // and sent again, so a torn copy is never the last word.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(is_zero(out))
+    }
+
+    /// The bytes of the page at `gpa`, to be filled by the caller (the destination, whose guest
+    /// is not running).
+    pub fn page_mut(&mut self, gpa: u64) -> Result<&mut [u8], RamError> {
+        let dst = self.page(gpa)?;
+        // SAFETY: a mapped, writable page of guest RAM (VM trait contract); `&mut self` makes
+        // this the only live reference the engine hands out, and the destination's vCPUs do
+        // not run until the migration completes.
+        Ok(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, PAGE_SIZE as usize) })
+    }
+
+    /// Makes `pages` pages from `gpa` read as zero by punching them out of the backing file, so
+    /// never-populated memory stays unpopulated. The range must lie in one region.
+    pub fn punch_zero(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.contains(gpa) && r.contains(gpa + pages * PAGE_SIZE - 1))
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "{pages} pages at {gpa:#x} are not in one RAM region"
+                ))
+            })?;
+        let offset = r.file_offset + (gpa - r.gpa);
+        // SAFETY: fallocate on the region's own file descriptor over a range inside the region;
+        // the kernel zeroes the mapping's view of the punched pages.
+        let ret = unsafe {
+            libc::fallocate(
+                r.fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                (pages * PAGE_SIZE) as libc::off_t,
+            )
+        };
+        if ret != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The next populated range of region `region` at or after guest address `from`, as
+    /// `(start, end)` guest addresses, found with `SEEK_DATA`/`SEEK_HOLE` on the backing file;
+    /// `None` when the rest of the region is a hole.
+    pub fn next_data(&self, region: usize, from: u64) -> std::io::Result<Option<(u64, u64)>> {
+        let r = &self.regions[region];
+        let end = r.file_offset + r.size;
+        let at = r.file_offset + (from - r.gpa);
+        if at >= end {
+            return Ok(None);
+        }
+        let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
+            // SAFETY: lseek on the region's file descriptor; it moves only the file offset,
+            // which nothing else in ferry uses (all guest memory access is through the mapping).
+            let ret = unsafe { libc::lseek(r.fd, offset as libc::off_t, whence) };
+            if ret < 0 {
+                let e = std::io::Error::last_os_error();
+                return if e.raw_os_error() == Some(libc::ENXIO) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                };
+            }
+            Ok(Some(ret as u64))
+        };
+        let Some(data) = seek(at, libc::SEEK_DATA)? else {
+            return Ok(None);
+        };
+        if data >= end {
+            return Ok(None);
+        }
+        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let page_down = |x: u64| x / PAGE_SIZE * PAGE_SIZE;
+        Ok(Some((
+            r.gpa + page_down(data - r.file_offset),
+            r.gpa + (hole - r.file_offset).next_multiple_of(PAGE_SIZE),
+        )))
+    }
+}
+
+/// Whether `bytes` are all zero, stopping at the first non-zero word.
+pub fn is_zero(bytes: &[u8]) -> bool {
+    let mut words = bytes.chunks_exact(8);
+    words
+        .by_ref()
+        .all(|w| u64::from_ne_bytes(w.try_into().unwrap()) == 0)
+        && words.remainder().iter().all(|&b| b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection() {
+        let mut page = vec![0u8; 4096];
+        assert!(is_zero(&page));
+        page[4095] = 1;
+        assert!(!is_zero(&page));
+        page[4095] = 0;
+        page[0] = 1;
+        assert!(!is_zero(&page));
+        assert!(is_zero(&[0u8; 13]));
+        assert!(!is_zero(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]));
+    }
+
+    #[test]
+    fn regions_are_checked() {
+        let ok = Ram::new(vec![
+            RamRegion::for_test(1 << 32, 8192),
+            RamRegion::for_test(0, 4096),
+        ])
+        .unwrap();
+        assert_eq!(ok.regions()[0].gpa, 0, "sorted");
+        assert_eq!(ok.size(), 12288);
+        assert!(
+            Ram::new(vec![
+                RamRegion::for_test(0, 8192),
+                RamRegion::for_test(4096, 4096)
+            ])
+            .is_err()
+        );
+        assert!(Ram::new(vec![RamRegion::for_test(100, 4096)]).is_err());
+        assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
+        assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
+    }
+}

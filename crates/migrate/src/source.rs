@@ -1,0 +1,449 @@
+//! The sending side: setup, pass 1 over populated memory, dirty passes until the policy says
+//! switch over, then pause, send the rest and the device state, and wait for the destination
+//! to resume the guest.
+//!
+//! Every step is bounded: pages go out in records of at most 2 MiB, dirty tracking is re-armed
+//! in chunks of [`CLEAR_CHUNK_PAGES`], the bitmap walk scans a bounded number of words per call,
+//! and between any two of these the loop checks cancellation and the rate limit.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use crate::bitmap::{Cursor, DirtyBitmap};
+use crate::conn::Conn;
+use crate::control::{Control, Phase};
+use crate::error::MigrateError;
+use crate::policy::{self, Decision, Observation, Policy};
+use crate::ram::Ram;
+use crate::stats::{self, MigrationStats, PassStats};
+use crate::vm::SourceVm;
+use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Role};
+
+/// Pages re-armed per `clear_dirty` call in pass 1: 64 MiB, about 1 ms of write-protecting on
+/// a normal host, and 1024 calls for a 64 GiB guest.
+pub const CLEAR_CHUNK_PAGES: u64 = 16 * 1024;
+/// Window over which the send rate is measured for the convergence decision: long enough to
+/// span several records, short enough to follow a changing link.
+const BANDWIDTH_WINDOW: Duration = Duration::from_secs(1);
+/// Longest the rate limiter sleeps before looking at cancellation again.
+const MAX_SLEEP: Duration = Duration::from_millis(50);
+/// How long the source waits for the destination to load the state and resume the guest.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How to migrate.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceParams {
+    pub policy: Policy,
+    /// Bytes per second, `None` = unlimited.
+    pub max_bandwidth: Option<u64>,
+    pub uuid: [u8; 16],
+}
+
+/// Migrates `vm` over `stream`. On success the source VM is left paused (the guest runs on the
+/// destination); on any failure before the guest was handed over it runs again, with nothing
+/// lost, and a later migration sends everything anew.
+pub fn migrate(
+    vm: &mut dyn SourceVm,
+    stream: TcpStream,
+    params: &SourceParams,
+    control: &Control,
+) -> Result<MigrationStats, MigrateError> {
+    let conn = Conn::new(stream).map_err(|e| MigrateError::io("setting up the connection", e))?;
+    let ram = Ram::new(vm.ram())?;
+    let mut source = Source {
+        bitmap: DirtyBitmap::new(ram.regions()),
+        ram,
+        conn,
+        params: *params,
+        control,
+        start: Instant::now(),
+        cpu_start: stats::thread_cpu_ns(),
+        stats: MigrationStats::default(),
+        window: VecDeque::new(),
+        paused: false,
+        handed_over: false,
+        page_buf: vec![0; wire::MAX_PAGES_PER_RECORD as usize * PAGE_SIZE as usize],
+        limiter_start: Instant::now(),
+        limiter_bytes: 0,
+    };
+    control.update(|p| p.phase = Phase::Setup);
+    let result = source.run(vm);
+    vm.stop_dirty_log();
+    match result {
+        Ok(()) => {
+            let s = source.finish_stats();
+            control.update(|p| {
+                p.phase = Phase::Completed;
+                p.stats = Some(s.clone());
+            });
+            Ok(s)
+        }
+        Err(e) => {
+            let e = source.explain(e);
+            if !source.handed_over {
+                source.conn.send_error(&e.to_string());
+                if source.paused {
+                    vm.resume()?;
+                }
+            }
+            let phase = match e {
+                MigrateError::Cancelled => Phase::Cancelled,
+                _ => Phase::Failed,
+            };
+            let s = source.finish_stats();
+            control.update(|p| {
+                p.phase = phase;
+                p.error = Some(e.to_string());
+                p.stats = Some(s);
+            });
+            Err(e)
+        }
+    }
+}
+
+struct Source<'a> {
+    ram: Ram,
+    bitmap: DirtyBitmap,
+    conn: Conn,
+    params: SourceParams,
+    control: &'a Control,
+    start: Instant,
+    cpu_start: u64,
+    stats: MigrationStats,
+    /// (time, bytes written) samples for the bandwidth window.
+    window: VecDeque<(Instant, u64)>,
+    paused: bool,
+    /// Complete was sent: from here the guest may run on the destination, so the source must
+    /// never run it again.
+    handed_over: bool,
+    page_buf: Vec<u8>,
+    limiter_start: Instant,
+    limiter_bytes: u64,
+}
+
+impl Source<'_> {
+    fn run(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        self.conn.write_hello(&Hello {
+            role: Role::Main,
+            channel: 0,
+            uuid: self.params.uuid,
+            memory_size: self.ram.size(),
+            status: 0,
+        })?;
+        let reply = self.conn.read_hello()?;
+        if reply.status != wire::Refusal::Accepted as u32 {
+            return Err(MigrateError::Refused(match reply.status {
+                1 => format!(
+                    "guest memory sizes differ (source {} bytes, destination {} bytes); start the destination with the same --memory",
+                    self.ram.size(),
+                    reply.memory_size
+                ),
+                s => format!("status {s}"),
+            }));
+        }
+        vm.start_dirty_log()?;
+        self.stats.setup_ms = ms(self.start.elapsed());
+        self.control.update(|p| p.phase = Phase::Precopy);
+
+        self.first_pass(vm)?;
+        let mut pass = 1;
+        loop {
+            let pass_started = Instant::now();
+            let before = self.bitmap.count();
+            let t = Instant::now();
+            vm.fetch_dirty(&mut self.bitmap)?;
+            self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
+            let last = self.stats.passes.last_mut().expect("pass 1 ran");
+            last.dirty_rate_pages_per_s =
+                (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
+            let dirty_rate = last.dirty_rate_pages_per_s;
+            let now = Observation {
+                remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+                bandwidth: self.bandwidth(),
+                elapsed: self.start.elapsed(),
+            };
+            self.control.update(|p| {
+                p.pass = pass;
+                p.remaining_bytes = now.remaining_bytes;
+                p.bandwidth_mb_s = now.bandwidth / 1e6;
+                p.dirty_rate_pages_per_s = dirty_rate;
+                p.expected_downtime_ms = now.expected_downtime().map(ms);
+                p.elapsed_ms = ms(now.elapsed);
+            });
+            match policy::decide(&self.params.policy, &now) {
+                Decision::Switchover => break,
+                Decision::Cancel => {
+                    return Err(MigrateError::Timeout(
+                        self.params.policy.timeout.unwrap_or_default(),
+                    ));
+                }
+                Decision::Iterate => {}
+            }
+            pass += 1;
+            self.dirty_pass(pass, false, pass_started)?;
+        }
+        self.switchover(vm, pass + 1)
+    }
+
+    /// Pass 1: re-arm tracking chunk by chunk and send what the backing file holds there.
+    fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let started = Instant::now();
+        let (mut pages, bytes_before) = (0u64, self.conn.bytes_written);
+        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
+        for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
+            let end = region.gpa + region.size;
+            let mut chunk = region.gpa;
+            while chunk < end {
+                self.check_control()?;
+                let chunk_end = (chunk + CLEAR_CHUNK_PAGES * PAGE_SIZE).min(end);
+                vm.clear_dirty(chunk, (chunk_end - chunk) / PAGE_SIZE)?;
+                let mut at = chunk;
+                while let Some((data, hole)) = self
+                    .ram
+                    .next_data(index, at)
+                    .map_err(|e| MigrateError::io("looking for populated memory", e))?
+                {
+                    if data >= chunk_end {
+                        break;
+                    }
+                    for gpa in (data..hole.min(chunk_end)).step_by(PAGE_SIZE as usize) {
+                        batch.push(gpa);
+                        if batch.len() == batch.capacity() {
+                            pages += self.send_pages(&batch, true)?;
+                            batch.clear();
+                        }
+                    }
+                    at = hole;
+                    if at >= chunk_end {
+                        break;
+                    }
+                }
+                chunk = chunk_end;
+            }
+        }
+        pages += self.send_pages(&batch, true)?;
+        self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages;
+        self.end_pass(1, false, pages, bytes_before, started)
+    }
+
+    /// Sends every page marked in the bitmap.
+    fn dirty_pass(
+        &mut self,
+        pass: u32,
+        paused: bool,
+        started: Instant,
+    ) -> Result<(), MigrateError> {
+        let (mut pages, bytes_before) = (0u64, self.conn.bytes_written);
+        let mut cursor = Cursor::default();
+        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
+        while !cursor.at_end(&self.bitmap) {
+            if !paused {
+                self.check_control()?;
+            }
+            self.bitmap.take(&mut cursor, batch.capacity(), &mut batch);
+            pages += self.send_pages(&batch, !paused)?;
+            batch.clear();
+        }
+        self.end_pass(pass, paused, pages, bytes_before, started)
+    }
+
+    fn end_pass(
+        &mut self,
+        pass: u32,
+        paused: bool,
+        pages: u64,
+        bytes_before: u64,
+        started: Instant,
+    ) -> Result<(), MigrateError> {
+        self.conn
+            .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
+        self.conn.flush("ending a pass")?;
+        self.stats.passes.push(PassStats {
+            pass,
+            paused,
+            pages,
+            bytes: self.conn.bytes_written - bytes_before,
+            duration_ms: ms(started.elapsed()),
+            dirty_rate_pages_per_s: 0.0,
+        });
+        Ok(())
+    }
+
+    /// Copies and sends `gpas` as a ZeroPages record for the zero ones and a Pages record for
+    /// the rest. Returns the pages sent.
+    fn send_pages(&mut self, gpas: &[u64], limited: bool) -> Result<u64, MigrateError> {
+        if gpas.is_empty() {
+            return Ok(0);
+        }
+        let mut zero = Vec::new();
+        let mut normal = Vec::with_capacity(gpas.len());
+        for &gpa in gpas {
+            let slot = normal.len() * PAGE_SIZE as usize;
+            let buf = &mut self.page_buf[slot..slot + PAGE_SIZE as usize];
+            if self.ram.copy_page(gpa, buf)? {
+                zero.push(gpa);
+            } else {
+                normal.push(gpa);
+            }
+        }
+        let bytes = zero.len() as u64 * 8 + normal.len() as u64 * (8 + PAGE_SIZE);
+        if limited {
+            self.rate_limit(bytes)?;
+        }
+        if !zero.is_empty() {
+            self.conn
+                .write_header(&Header::zero_pages(zero.len() as u32))?;
+            self.conn
+                .write_all(&addresses(&zero), "sending zero pages")?;
+        }
+        if !normal.is_empty() {
+            self.conn
+                .write_header(&Header::pages(normal.len() as u32))?;
+            self.conn.write_all(&addresses(&normal), "sending pages")?;
+            let data = &self.page_buf[..normal.len() * PAGE_SIZE as usize];
+            self.conn.write_all(data, "sending pages")?;
+        }
+        self.stats.pages_zero += zero.len() as u64;
+        self.stats.pages_normal += normal.len() as u64;
+        self.sample_bandwidth();
+        Ok(gpas.len() as u64)
+    }
+
+    fn switchover(&mut self, vm: &mut dyn SourceVm, pass: u32) -> Result<(), MigrateError> {
+        self.control.update(|p| p.phase = Phase::Switchover);
+        let t0 = Instant::now();
+        vm.pause()?;
+        self.paused = true;
+        let t1 = Instant::now();
+        vm.fetch_dirty(&mut self.bitmap)?;
+        let t2 = Instant::now();
+        self.dirty_pass(pass, true, t2)?;
+        let t3 = Instant::now();
+        let sections = vm.save_state()?;
+        let t4 = Instant::now();
+        for s in &sections {
+            self.conn.write_record(
+                &Header::device_state(s.id, s.version, s.data.len() as u64),
+                &s.data,
+            )?;
+        }
+        self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
+        self.conn.flush("completing")?;
+        self.handed_over = true;
+        let (load_ns, resume_ns, cpu_ns) = self
+            .await_resumed()
+            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
+        let t6 = Instant::now();
+        let d = &mut self.stats.downtime;
+        d.total_ms = ms(t6 - t0);
+        d.pause_ms = ms(t1 - t0);
+        d.final_sync_ms = ms(t2 - t1);
+        d.final_pages_ms = ms(t3 - t2);
+        d.state_save_ms = ms(t4 - t3);
+        d.load_ms = load_ns as f64 / 1e6;
+        d.resume_ms = resume_ns as f64 / 1e6;
+        d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
+        self.stats.cpu_seconds_destination = cpu_ns as f64 / 1e9;
+        Ok(())
+    }
+
+    fn await_resumed(&mut self) -> Result<(u64, u64, u64), MigrateError> {
+        let _ = self.conn.stream().set_read_timeout(Some(RESUME_TIMEOUT));
+        let h = self
+            .conn
+            .read_header("waiting for the destination to resume the guest")?;
+        let payload = self
+            .conn
+            .read_payload(h.len, "reading the destination's answer")?;
+        match h.kind {
+            Kind::Resumed => {
+                let w =
+                    |i: usize| u64::from_le_bytes(payload[8 * i..8 * i + 8].try_into().unwrap());
+                Ok((w(0), w(1), w(2)))
+            }
+            Kind::Error => Err(MigrateError::Remote(
+                String::from_utf8_lossy(&payload).into_owned(),
+            )),
+            k => Err(MigrateError::Order(format!(
+                "expected Resumed from the destination, got {k:?}"
+            ))),
+        }
+    }
+
+    fn check_control(&self) -> Result<(), MigrateError> {
+        if self.control.cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        Ok(())
+    }
+
+    /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the
+    /// average at or under `max_bandwidth`.
+    fn rate_limit(&mut self, bytes: u64) -> Result<(), MigrateError> {
+        let Some(rate) = self.params.max_bandwidth else {
+            return Ok(());
+        };
+        self.limiter_bytes += bytes;
+        loop {
+            self.check_control()?;
+            let due = self.limiter_start
+                + Duration::from_secs_f64(self.limiter_bytes as f64 / rate as f64);
+            let now = Instant::now();
+            if due <= now {
+                return Ok(());
+            }
+            std::thread::sleep((due - now).min(MAX_SLEEP));
+        }
+    }
+
+    fn sample_bandwidth(&mut self) {
+        let now = Instant::now();
+        self.window.push_back((now, self.conn.bytes_written));
+        while self.window.len() > 2 && now - self.window[1].0 >= BANDWIDTH_WINDOW {
+            self.window.pop_front();
+        }
+    }
+
+    /// Bytes per second over the recent window.
+    fn bandwidth(&self) -> f64 {
+        match (self.window.front(), self.window.back()) {
+            (Some(&(t0, b0)), Some(&(t1, b1))) if t1 > t0 => {
+                (b1 - b0) as f64 / (t1 - t0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// A failed write may hide the destination's own explanation: look for it.
+    fn explain(&mut self, e: MigrateError) -> MigrateError {
+        match e {
+            MigrateError::Io { .. } | MigrateError::Truncated { .. } => {
+                match self.conn.peer_error() {
+                    Some(message) => MigrateError::Remote(message),
+                    None => e,
+                }
+            }
+            e => e,
+        }
+    }
+
+    fn finish_stats(&mut self) -> MigrationStats {
+        let mut s = self.stats.clone();
+        s.total_ms = ms(self.start.elapsed());
+        s.bytes_sent = self.conn.bytes_written;
+        s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
+        s.cpu_seconds_source = (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
+        s
+    }
+}
+
+fn addresses(gpas: &[u64]) -> Vec<u8> {
+    gpas.iter().flat_map(|a| a.to_le_bytes()).collect()
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}

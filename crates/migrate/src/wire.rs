@@ -1,0 +1,438 @@
+#![forbid(unsafe_code)]
+//! Wire protocol v1: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
+//! is the normative text; this module is its implementation and its tests.
+//!
+//! A connection starts with a 64-byte [`Hello`] from the source and a 64-byte [`Hello`] reply
+//! from the destination, then carries records: a 16-byte [`Header`] and a payload whose length
+//! the header gives and [`Header::validate`] bounds. All integers are little-endian.
+
+/// "FERRYMIG".
+pub const MAGIC: [u8; 8] = *b"FERRYMIG";
+pub const VERSION: u32 = 1;
+pub const HELLO_SIZE: usize = 64;
+pub const HEADER_SIZE: usize = 16;
+/// Guest page size on the wire.
+pub const PAGE_SIZE: u64 = 4096;
+/// Pages in one Pages record: 512 × 4 KiB = 2 MiB, big enough that per-record overhead is
+/// 0.2% and small enough that the sender checks its clock and rate limit every ~1 ms at
+/// 2 GB/s.
+pub const MAX_PAGES_PER_RECORD: u32 = 512;
+/// Addresses in one ZeroPages record (64 KiB of addresses, 32 MiB of guest memory).
+pub const MAX_ZERO_PAGES_PER_RECORD: u32 = 8192;
+/// A device-state section: a vCPU's state is a few KiB (XSAVE is the bulk); 1 MiB bounds what a
+/// hostile source can make the destination buffer, as Firecracker caps snapshot state.
+pub const MAX_SECTION_BYTES: u64 = 1 << 20;
+/// An error message.
+pub const MAX_ERROR_BYTES: u64 = 4096;
+/// The Resumed payload: `load_ns:u64 resume_ns:u64 cpu_ns:u64`.
+pub const RESUMED_SIZE: u64 = 24;
+
+/// What a connection is for. `Invalid = 0` so that zeroed bytes never pass as a role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Role {
+    Invalid = 0,
+    /// Control, pages and device state (the only role in v1).
+    Main = 1,
+}
+
+/// Record kinds. `Invalid = 0`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    Invalid = 0,
+    /// `count` pages: `count` guest addresses (u64), then `count` × 4096 bytes of data.
+    Pages = 1,
+    /// `count` guest addresses (u64) of pages that are all zeros.
+    ZeroPages = 2,
+    /// End of precopy pass `count` (1-based). No payload.
+    EndOfPass = 3,
+    /// A device-state section: `section` names it, `count` is its version; payload = state.
+    DeviceState = 4,
+    /// Source → destination: everything was sent; load, resume and acknowledge. No payload.
+    Complete = 5,
+    /// Either direction: the sender gives up; payload = UTF-8 message.
+    Error = 6,
+    /// Destination → source: the guest runs on the destination. Payload: [`RESUMED_SIZE`]
+    /// bytes, the destination's load, resume and CPU times (ns, u64 each).
+    Resumed = 7,
+}
+
+impl Kind {
+    pub fn from_u16(v: u16) -> Kind {
+        match v {
+            1 => Kind::Pages,
+            2 => Kind::ZeroPages,
+            3 => Kind::EndOfPass,
+            4 => Kind::DeviceState,
+            5 => Kind::Complete,
+            6 => Kind::Error,
+            7 => Kind::Resumed,
+            _ => Kind::Invalid,
+        }
+    }
+}
+
+/// Device-state sections. Every one is mandatory: an unknown id fails the load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u16)]
+pub enum SectionId {
+    Invalid = 0,
+    /// One per vCPU (v1 VMs have one): registers, FPU/XSAVE, MSRs, events, ...
+    Vcpu = 1,
+    /// VM-wide state: the kvmclock value.
+    VmClock = 2,
+    /// The 16550 UART.
+    Serial = 3,
+    /// The telemetry port's counters.
+    Telemetry = 4,
+}
+
+impl SectionId {
+    pub fn from_u16(v: u16) -> SectionId {
+        match v {
+            1 => SectionId::Vcpu,
+            2 => SectionId::VmClock,
+            3 => SectionId::Serial,
+            4 => SectionId::Telemetry,
+            _ => SectionId::Invalid,
+        }
+    }
+}
+
+/// Why bytes do not form a valid hello or header.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:02x?}: the peer is not a ferry migration endpoint")]
+    BadMagic([u8; 8]),
+    #[error(
+        "protocol version {0} is not supported (this side speaks version {VERSION}); use matching ferry versions"
+    )]
+    Version(u32),
+    #[error("unknown channel role {0}")]
+    Role(u16),
+    #[error("page size {0} is not the 4096 this side uses")]
+    PageSize(u32),
+    #[error("reserved bytes are not zero in the {0}")]
+    Reserved(&'static str),
+    #[error("unknown record kind {0}")]
+    UnknownKind(u16),
+    #[error("{kind:?} record of {count} items exceeds the limit of {max}")]
+    TooMany { kind: Kind, count: u32, max: u32 },
+    #[error("{kind:?} record length {len} does not match {expected} for {count} items")]
+    Length {
+        kind: Kind,
+        count: u32,
+        len: u64,
+        expected: u64,
+    },
+    #[error("{kind:?} record length {len} exceeds the limit of {max}")]
+    TooLong { kind: Kind, len: u64, max: u64 },
+    #[error("{kind:?} record must be empty but carries {len} bytes")]
+    NotEmpty { kind: Kind, len: u64 },
+    #[error("{kind:?} record has an empty batch")]
+    Empty { kind: Kind },
+    #[error("unknown device-state section {0}")]
+    UnknownSection(u16),
+}
+
+/// The first 64 bytes on a connection, in both directions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub role: Role,
+    pub channel: u16,
+    pub uuid: [u8; 16],
+    /// Guest RAM bytes; the destination refuses a size different from its own.
+    pub memory_size: u64,
+    /// In the destination's reply: 0 = accepted, else a [`Refusal`].
+    pub status: u32,
+}
+
+/// Why a destination refused a connection (the reply hello's `status`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Refusal {
+    Accepted = 0,
+    MemorySize = 1,
+    Role = 2,
+}
+
+impl Hello {
+    /// `magic[8] version:u32 role:u16 channel:u16 uuid[16] memory_size:u64 page_size:u32
+    /// status:u32 reserved[16]`.
+    pub fn encode(&self) -> [u8; HELLO_SIZE] {
+        let mut b = [0u8; HELLO_SIZE];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..14].copy_from_slice(&(self.role as u16).to_le_bytes());
+        b[14..16].copy_from_slice(&self.channel.to_le_bytes());
+        b[16..32].copy_from_slice(&self.uuid);
+        b[32..40].copy_from_slice(&self.memory_size.to_le_bytes());
+        b[40..44].copy_from_slice(&(PAGE_SIZE as u32).to_le_bytes());
+        b[44..48].copy_from_slice(&self.status.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; HELLO_SIZE]) -> Result<Hello, WireError> {
+        let magic: [u8; 8] = b[0..8].try_into().unwrap();
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let version = u32::from_le_bytes(b[8..12].try_into().unwrap());
+        if version != VERSION {
+            return Err(WireError::Version(version));
+        }
+        let role = match u16::from_le_bytes([b[12], b[13]]) {
+            1 => Role::Main,
+            r => return Err(WireError::Role(r)),
+        };
+        let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
+        if u64::from(page_size) != PAGE_SIZE {
+            return Err(WireError::PageSize(page_size));
+        }
+        if b[48..].iter().any(|&x| x != 0) {
+            return Err(WireError::Reserved("hello"));
+        }
+        Ok(Hello {
+            role,
+            channel: u16::from_le_bytes([b[14], b[15]]),
+            uuid: b[16..32].try_into().unwrap(),
+            memory_size: u64::from_le_bytes(b[32..40].try_into().unwrap()),
+            status: u32::from_le_bytes(b[44..48].try_into().unwrap()),
+        })
+    }
+}
+
+/// A record header: `kind:u16 section:u16 count:u32 len:u64`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    /// The section id of a DeviceState record; 0 otherwise.
+    pub section: u16,
+    /// Pages, addresses, the pass number, or the section version, by kind.
+    pub count: u32,
+    /// Payload bytes that follow.
+    pub len: u64,
+}
+
+impl Header {
+    pub fn new(kind: Kind, count: u32, len: u64) -> Header {
+        Header {
+            kind,
+            section: 0,
+            count,
+            len,
+        }
+    }
+
+    pub fn pages(count: u32) -> Header {
+        Header::new(Kind::Pages, count, u64::from(count) * (8 + PAGE_SIZE))
+    }
+
+    pub fn zero_pages(count: u32) -> Header {
+        Header::new(Kind::ZeroPages, count, u64::from(count) * 8)
+    }
+
+    pub fn device_state(section: SectionId, version: u32, len: u64) -> Header {
+        Header {
+            kind: Kind::DeviceState,
+            section: section as u16,
+            count: version,
+            len,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_SIZE] {
+        let mut b = [0u8; HEADER_SIZE];
+        b[0..2].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        b[2..4].copy_from_slice(&self.section.to_le_bytes());
+        b[4..8].copy_from_slice(&self.count.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a header: known kind, counts and lengths within the limits and
+    /// consistent with each other. What follows the header is then safe to read.
+    pub fn decode(b: &[u8; HEADER_SIZE]) -> Result<Header, WireError> {
+        let raw_kind = u16::from_le_bytes([b[0], b[1]]);
+        let h = Header {
+            kind: Kind::from_u16(raw_kind),
+            section: u16::from_le_bytes([b[2], b[3]]),
+            count: u32::from_le_bytes(b[4..8].try_into().unwrap()),
+            len: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        };
+        if h.kind == Kind::Invalid {
+            return Err(WireError::UnknownKind(raw_kind));
+        }
+        h.validate()?;
+        Ok(h)
+    }
+
+    fn validate(&self) -> Result<(), WireError> {
+        let (kind, count, len) = (self.kind, self.count, self.len);
+        if kind != Kind::DeviceState && self.section != 0 {
+            return Err(WireError::Reserved("record header"));
+        }
+        let batch = |max: u32, per: u64| {
+            if count == 0 {
+                return Err(WireError::Empty { kind });
+            }
+            if count > max {
+                return Err(WireError::TooMany { kind, count, max });
+            }
+            let expected = u64::from(count) * per;
+            if len != expected {
+                return Err(WireError::Length {
+                    kind,
+                    count,
+                    len,
+                    expected,
+                });
+            }
+            Ok(())
+        };
+        let bounded = |max: u64| {
+            if len > max {
+                Err(WireError::TooLong { kind, len, max })
+            } else {
+                Ok(())
+            }
+        };
+        match kind {
+            Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
+            Kind::ZeroPages => batch(MAX_ZERO_PAGES_PER_RECORD, 8),
+            Kind::DeviceState => {
+                if SectionId::from_u16(self.section) == SectionId::Invalid {
+                    return Err(WireError::UnknownSection(self.section));
+                }
+                bounded(MAX_SECTION_BYTES)
+            }
+            Kind::Error => bounded(MAX_ERROR_BYTES),
+            Kind::Resumed if len != RESUMED_SIZE => Err(WireError::Length {
+                kind,
+                count,
+                len,
+                expected: RESUMED_SIZE,
+            }),
+            Kind::Resumed => Ok(()),
+            Kind::EndOfPass | Kind::Complete => match len {
+                0 => Ok(()),
+                _ => Err(WireError::NotEmpty { kind, len }),
+            },
+            Kind::Invalid => Err(WireError::UnknownKind(0)),
+        }
+    }
+}
+
+/// Decodes the `n` little-endian u64 addresses at the start of a Pages or ZeroPages payload.
+pub fn decode_addresses(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        Hello {
+            role: Role::Main,
+            channel: 0,
+            uuid: [7; 16],
+            memory_size: 2 << 30,
+            status: 0,
+        }
+    }
+
+    #[test]
+    fn hello_round_trips_and_checks_everything() {
+        let h = hello();
+        assert_eq!(Hello::decode(&h.encode()), Ok(h));
+        let mut b = h.encode();
+        b[0] = b'X';
+        assert!(matches!(Hello::decode(&b), Err(WireError::BadMagic(_))));
+        let mut b = h.encode();
+        b[8] = 2;
+        assert_eq!(Hello::decode(&b), Err(WireError::Version(2)));
+        let mut b = h.encode();
+        b[12] = 0;
+        assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
+        let mut b = h.encode();
+        b[41] = 0x20;
+        assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
+        let mut b = h.encode();
+        b[63] = 1;
+        assert_eq!(Hello::decode(&b), Err(WireError::Reserved("hello")));
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        for h in [
+            Header::pages(512),
+            Header::zero_pages(1),
+            Header::new(Kind::EndOfPass, 3, 0),
+            Header::device_state(SectionId::Vcpu, 1, 9000),
+            Header::new(Kind::Complete, 0, 0),
+            Header::new(Kind::Error, 0, 12),
+            Header::new(Kind::Resumed, 0, RESUMED_SIZE),
+        ] {
+            assert_eq!(Header::decode(&h.encode()), Ok(h));
+        }
+    }
+
+    #[test]
+    fn hostile_headers_are_refused() {
+        let table: &[(Header, &str)] = &[
+            (
+                Header::new(Kind::Pages, 513, 513 * 4104),
+                "exceeds the limit of 512",
+            ),
+            (Header::new(Kind::Pages, 2, 4104), "does not match 8208"),
+            (Header::new(Kind::Pages, 0, 0), "empty batch"),
+            (
+                Header::new(Kind::ZeroPages, 8193, 8193 * 8),
+                "exceeds the limit of 8192",
+            ),
+            (Header::new(Kind::ZeroPages, 1, 16), "does not match 8"),
+            (
+                Header::device_state(SectionId::Vcpu, 1, (1 << 20) + 1),
+                "exceeds the limit of 1048576",
+            ),
+            (
+                Header::new(Kind::Error, 0, 1 << 40),
+                "exceeds the limit of 4096",
+            ),
+            (Header::new(Kind::EndOfPass, 1, 8), "must be empty"),
+            (Header::new(Kind::Complete, 0, 1), "must be empty"),
+        ];
+        for (h, want) in table {
+            let err = Header::decode(&h.encode()).unwrap_err().to_string();
+            assert!(err.contains(want), "{h:?}: {err}");
+        }
+        let mut b = Header::new(Kind::Complete, 0, 0).encode();
+        b[0] = 99;
+        assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(99)));
+        let mut b = Header::device_state(SectionId::Vcpu, 1, 8).encode();
+        b[2] = 77;
+        assert_eq!(Header::decode(&b), Err(WireError::UnknownSection(77)));
+        let mut b = Header::new(Kind::Complete, 0, 0).encode();
+        b[2] = 1;
+        assert_eq!(
+            Header::decode(&b),
+            Err(WireError::Reserved("record header"))
+        );
+    }
+
+    #[test]
+    fn addresses_decode_in_order() {
+        let mut bytes = Vec::new();
+        for a in [0x1000u64, 0x2000, 0x1_0000_0000] {
+            bytes.extend_from_slice(&a.to_le_bytes());
+        }
+        assert_eq!(
+            decode_addresses(&bytes).collect::<Vec<_>>(),
+            vec![0x1000, 0x2000, 0x1_0000_0000]
+        );
+    }
+}
