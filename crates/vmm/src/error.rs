@@ -22,4 +22,8 @@ pub enum VmmError {
     },
     #[error("cannot start the vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error(transparent)]
+    DirtyLog(#[from] crate::kvm::dirty::DirtyLogError),
+    #[error(transparent)]
+    State(#[from] crate::kvm::state::StateError),
 }

@@ -14,8 +14,10 @@ pub mod devices;
 pub mod error;
 pub mod kvm;
 pub mod memory;
+pub mod migration;
 pub mod vm;
 
 pub use devices::serial::SerialOutput;
 pub use error::VmmError;
-pub use vm::{GuestKind, RunState, StopReason, Vm, VmConfig, VmHandle, VmStatus};
+pub use migration::MigrationRequest;
+pub use vm::{GuestKind, IncomingVm, RunState, StopReason, Vm, VmConfig, VmHandle, VmStatus};

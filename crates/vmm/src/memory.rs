@@ -120,6 +120,9 @@ pub struct GuestRam {
     size: u64,
     regions: Vec<RamRegion>,
     memory: GuestMemoryMmap,
+    /// While a migration tracks dirty pages: the pages the VMM itself wrote (KVM's log sees
+    /// only the guest's writes). Drained by the dirty-log merge in `crate::migration`.
+    vmm_writes: std::sync::Mutex<Option<Vec<u64>>>,
 }
 
 impl GuestRam {
@@ -163,6 +166,7 @@ impl GuestRam {
             size,
             regions,
             memory,
+            vmm_writes: std::sync::Mutex::new(None),
         })
     }
 
@@ -200,14 +204,37 @@ impl GuestRam {
             })
     }
 
+    /// Writes guest memory from the VMM side, recording the pages for a running migration.
     pub fn write(&self, gpa: u64, buf: &[u8]) -> Result<(), MemoryError> {
+        let mut tracked = self.vmm_writes.lock().unwrap();
         self.memory
             .write_slice(buf, GuestAddress(gpa))
             .map_err(|source| MemoryError::Access {
                 gpa,
                 len: buf.len(),
                 source,
-            })
+            })?;
+        if let Some(pages) = tracked.as_mut() {
+            let page = ferry_guest_abi::PAGE_SIZE;
+            let end = gpa + buf.len() as u64;
+            pages.extend((gpa / page * page..end).step_by(page as usize));
+        }
+        Ok(())
+    }
+
+    /// Starts or stops recording the VMM's own writes.
+    pub fn track_writes(&self, on: bool) {
+        *self.vmm_writes.lock().unwrap() = on.then(Vec::new);
+    }
+
+    /// The pages the VMM wrote since the last call (empty when not tracking).
+    pub fn take_writes(&self) -> Vec<u64> {
+        self.vmm_writes
+            .lock()
+            .unwrap()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 }
 
@@ -277,6 +304,11 @@ mod tests {
         assert_eq!(&buf, b"above the hole");
         let allocated = ram.allocated_bytes().unwrap();
         assert!((8192..(1 << 20)).contains(&allocated), "{allocated}");
+        assert!(ram.take_writes().is_empty(), "not tracking");
+        ram.track_writes(true);
+        ram.write(5 * GIB + 4000, &[1; 200]).unwrap();
+        assert_eq!(ram.take_writes(), vec![5 * GIB, 5 * GIB + 4096]);
+        assert!(ram.take_writes().is_empty());
         assert!(
             ram.read(3 * GIB + 4096, &mut buf).is_err(),
             "the MMIO hole is not RAM"

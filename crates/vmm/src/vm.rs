@@ -1,10 +1,12 @@
-//! A running VM: its RAM, its vCPU thread, its devices, and the control state that pauses,
-//! resumes and stops it.
+//! A VM: its RAM, its vCPU thread, its devices, and the control state that pauses, resumes and
+//! stops it. [`Vm::boot`] starts a fresh guest; [`Vm::incoming`] prepares an empty VM that a
+//! migration fills and then starts.
 //!
-//! Control is a small state machine under one mutex. The controller sets the desired state
-//! and kicks the vCPU threads (see `kvm::kick`); each vCPU thread looks at the desired state
-//! before every `KVM_RUN`, parks while paused and leaves when stopped. `pause` returns only
-//! once every vCPU is parked, so a paused VM's memory and registers are still.
+//! Control is a small state machine under one mutex. The controller sets the desired state and
+//! kicks the vCPU threads (see `kvm::kick`); each vCPU thread looks at the desired state before
+//! every `KVM_RUN`, parks while paused and leaves when stopped. `pause` returns only once every
+//! vCPU is parked, so a paused VM's memory and registers are still (and a migration may read
+//! the vCPU, whose mutex a parked thread does not hold).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvm_ioctls::VcpuFd;
 use serde::Serialize;
 
-use crate::boot::{self, BootSetup};
+use crate::boot;
 use crate::devices::Devices;
 use crate::devices::serial::{self, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
@@ -82,17 +84,26 @@ struct Control {
     threads: Vec<libc::pthread_t>,
 }
 
+/// What every thread of a VM shares.
 #[derive(Debug)]
-struct Shared {
+pub(crate) struct Shared {
     control: Mutex<Control>,
     changed: Condvar,
-    telemetry: Arc<Mutex<GuestTelemetry>>,
-    ram: Arc<GuestRam>,
+    pub(crate) telemetry: Arc<Mutex<GuestTelemetry>>,
+    pub(crate) ram: Arc<GuestRam>,
+    pub(crate) kvm: Arc<KvmVm>,
+    /// The vCPU; its thread holds the lock only inside `KVM_RUN` and exit handling.
+    pub(crate) vcpu: Arc<Mutex<VcpuFd>>,
+    pub(crate) devices: Arc<Mutex<Devices>>,
+    /// MSRs this host lets a vCPU save and restore.
+    pub(crate) msrs: Vec<u32>,
+    pub(crate) serial: SerialOutput,
+    pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
     vcpus: u8,
     started: Instant,
 }
 
-/// A booted VM. Dropping it stops the VM and joins its threads.
+/// A VM whose vCPU threads run. Dropping it stops the VM and joins its threads.
 #[derive(Debug)]
 pub struct Vm {
     handle: VmHandle,
@@ -101,7 +112,7 @@ pub struct Vm {
 
 /// A cheap, cloneable handle to control and observe a VM from any thread.
 #[derive(Clone, Debug)]
-pub struct VmHandle(Arc<Shared>);
+pub struct VmHandle(pub(crate) Arc<Shared>);
 
 /// Why a control request was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -124,67 +135,37 @@ pub struct VmStatus {
     pub guest: GuestTelemetry,
 }
 
+/// A VM waiting for an incoming migration: RAM, a KVM VM and a vCPU with nothing loaded.
+/// [`crate::migration`] implements the engine's `DestinationVm` on it.
+#[derive(Debug)]
+pub struct IncomingVm {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) running: Option<Vm>,
+}
+
 impl Vm {
     /// Validates `config`, sets up RAM, loads the guest, creates the KVM VM and starts it.
     /// Everything that can be checked without KVM is checked first.
     pub fn boot(config: VmConfig) -> Result<Vm, VmmError> {
-        if config.vcpus != 1 {
-            return Err(VmmError::Vcpus(config.vcpus));
-        }
-        memory::validate_size(config.memory_bytes)?;
-        if config.guest == GuestKind::FerryGuest {
-            ferry_guest_abi::params::parse(&config.cmdline)
-                .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
-        }
-        let uart = serial::uart(&config.serial).map_err(|source| VmmError::Serial {
-            path: format!("{:?}", config.serial),
-            source,
-        })?;
+        check_config(&config)?;
         let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
         let setup = boot::load(&ram, &config.kernel, &config.cmdline)?;
         if config.guest == GuestKind::FerryGuest {
             boot::check_workload(&config.cmdline, &ram, setup.image_end)?;
         }
-        let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
-        kick::install_handler().map_err(kvm::KvmError::Signal)?;
-        let vcpu_fd = vcpu::create(&kvm_vm, 0, &setup)?;
+        let shared = build(&config, ram)?;
+        vcpu::set_pvh_entry(&shared.vcpu.lock().unwrap(), &setup)?;
+        start(shared)
+    }
 
-        let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
-        let shared = Arc::new(Shared {
-            control: Mutex::new(Control {
-                desired: RunState::Running,
-                stop_reason: None,
-                vcpus_alive: 1,
-                vcpus_parked: 0,
-                threads: Vec::new(),
-            }),
-            changed: Condvar::new(),
-            telemetry: telemetry.clone(),
-            ram: ram.clone(),
-            vcpus: config.vcpus,
-            started: Instant::now(),
-        });
-        let devices = Devices::new(uart, telemetry, ram);
-        let runner = VcpuRunner {
-            shared: shared.clone(),
-            vcpu: vcpu_fd,
-            devices,
-            _vm: kvm_vm,
-            _setup: setup,
-        };
-        // Hold the control lock until the thread id is recorded, so no kick can miss it.
-        let mut control = shared.control.lock().unwrap();
-        let thread = std::thread::Builder::new()
-            .name("vcpu0".into())
-            .spawn(move || runner.run())
-            .map_err(VmmError::Thread)?;
-        control
-            .threads
-            .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
-        drop(control);
-        Ok(Vm {
-            handle: VmHandle(shared),
-            threads: vec![thread],
+    /// An empty VM of `config`'s size and devices, ready to receive a migration. The kernel
+    /// and command line are not used: the guest arrives with its memory.
+    pub fn incoming(config: VmConfig) -> Result<IncomingVm, VmmError> {
+        check_config(&config)?;
+        let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
+        Ok(IncomingVm {
+            shared: build(&config, ram)?,
+            running: None,
         })
     }
 
@@ -204,6 +185,95 @@ impl Vm {
         }
         reason
     }
+}
+
+impl IncomingVm {
+    pub fn handle(&self) -> VmHandle {
+        VmHandle(self.shared.clone())
+    }
+
+    /// The running VM, once the migration resumed it.
+    pub fn into_running(self) -> Option<Vm> {
+        self.running
+    }
+
+    /// Starts the vCPU thread (called by the migration's resume).
+    pub(crate) fn start(&mut self) -> Result<(), VmmError> {
+        self.running = Some(start(self.shared.clone())?);
+        Ok(())
+    }
+}
+
+fn check_config(config: &VmConfig) -> Result<(), VmmError> {
+    if config.vcpus != 1 {
+        return Err(VmmError::Vcpus(config.vcpus));
+    }
+    memory::validate_size(config.memory_bytes)?;
+    if config.guest == GuestKind::FerryGuest {
+        ferry_guest_abi::params::parse(&config.cmdline)
+            .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// RAM, KVM VM with memory slots, a vCPU with its CPUID, and the devices.
+fn build(config: &VmConfig, ram: Arc<GuestRam>) -> Result<Arc<Shared>, VmmError> {
+    let uart = serial::uart(&config.serial).map_err(|source| VmmError::Serial {
+        path: format!("{:?}", config.serial),
+        source,
+    })?;
+    let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
+    kvm_vm.enable_manual_dirty_protect()?;
+    kick::install_handler().map_err(kvm::KvmError::Signal)?;
+    let vcpu_fd = vcpu::create(&kvm_vm, 0)?;
+    let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fd)?;
+    let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
+    Ok(Arc::new(Shared {
+        control: Mutex::new(Control {
+            desired: RunState::Running,
+            stop_reason: None,
+            vcpus_alive: 0,
+            vcpus_parked: 0,
+            threads: Vec::new(),
+        }),
+        changed: Condvar::new(),
+        devices: Arc::new(Mutex::new(Devices::new(
+            uart,
+            telemetry.clone(),
+            ram.clone(),
+        ))),
+        telemetry,
+        ram,
+        kvm: Arc::new(kvm_vm),
+        vcpu: Arc::new(Mutex::new(vcpu_fd)),
+        msrs,
+        serial: config.serial.clone(),
+        migration: Mutex::new(None),
+        vcpus: config.vcpus,
+        started: Instant::now(),
+    }))
+}
+
+/// Spawns the vCPU thread.
+fn start(shared: Arc<Shared>) -> Result<Vm, VmmError> {
+    let runner = VcpuRunner {
+        shared: shared.clone(),
+    };
+    // Hold the control lock until the thread id is recorded, so no kick can miss it.
+    let mut control = shared.control.lock().unwrap();
+    control.vcpus_alive += 1;
+    let thread = std::thread::Builder::new()
+        .name("vcpu0".into())
+        .spawn(move || runner.run())
+        .map_err(VmmError::Thread)?;
+    control
+        .threads
+        .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
+    drop(control);
+    Ok(Vm {
+        handle: VmHandle(shared),
+        threads: vec![thread],
+    })
 }
 
 impl Drop for Vm {
@@ -277,7 +347,7 @@ impl VmHandle {
     pub fn wait_stopped(&self, timeout: Option<Duration>) -> Option<StopReason> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut c = self.lock();
-        while c.vcpus_alive > 0 {
+        while c.vcpus_alive > 0 || c.stop_reason.is_none() {
             match deadline {
                 None => c = self.0.changed.wait(c).unwrap(),
                 Some(d) => {
@@ -298,18 +368,9 @@ impl VmHandle {
     }
 
     pub fn status(&self) -> VmStatus {
-        let (state, stop_reason) = {
-            let c = self.lock();
-            let state = if c.stop_reason.is_some() {
-                RunState::Stopped
-            } else {
-                c.desired
-            };
-            (state, c.stop_reason.clone())
-        };
         VmStatus {
-            state,
-            stop_reason,
+            state: self.state(),
+            stop_reason: self.lock().stop_reason.clone(),
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
             vcpus: self.0.vcpus,
@@ -320,23 +381,19 @@ impl VmHandle {
     }
 }
 
-/// What a vCPU thread owns: the vCPU, the devices, and (to keep them alive as long as the
-/// vCPU runs) the KVM VM and its memory slots.
+/// The vCPU thread's view of the VM.
 struct VcpuRunner {
     shared: Arc<Shared>,
-    vcpu: VcpuFd,
-    devices: Devices,
-    _vm: KvmVm,
-    _setup: BootSetup,
 }
 
 impl VcpuRunner {
-    fn run(mut self) {
-        let immediate_exit = &raw mut self.vcpu.get_kvm_run().immediate_exit;
-        // SAFETY: the kvm_run mapping belongs to `self.vcpu`, which outlives the registration
-        // (dropped at the end of this function, before `self`).
+    fn run(self) {
+        let vcpu = self.shared.vcpu.clone();
+        let immediate_exit = &raw mut vcpu.lock().unwrap().get_kvm_run().immediate_exit;
+        // SAFETY: the kvm_run mapping belongs to the VcpuFd kept alive by `vcpu` (an Arc held
+        // until after the registration is dropped at the end of this function).
         let registration = unsafe { kick::Registration::new(immediate_exit) };
-        let reason = self.run_loop();
+        let reason = self.run_loop(&vcpu);
         drop(registration);
         let mut c = self.shared.control.lock().unwrap();
         c.stop_reason.get_or_insert(reason);
@@ -346,20 +403,22 @@ impl VcpuRunner {
     }
 
     /// Runs until the VM must stop, and says why.
-    fn run_loop(&mut self) -> StopReason {
+    fn run_loop(&self, vcpu: &Mutex<VcpuFd>) -> StopReason {
         loop {
             if let Some(reason) = self.wait_while_paused() {
                 return reason;
             }
-            match vcpu::run(&mut self.vcpu) {
-                vcpu::Exit::IoOut(port, data) => self.devices.io_out(port, data),
-                vcpu::Exit::IoIn(port, data) => self.devices.io_in(port, data),
-                vcpu::Exit::MmioRead(addr, data) => self.devices.mmio(addr, Some(data)),
-                vcpu::Exit::MmioWrite(addr, _) => self.devices.mmio(addr, None),
-                vcpu::Exit::Interrupted => self.vcpu.set_kvm_immediate_exit(0),
-                vcpu::Exit::Halt => return self.halted(),
+            let mut vcpu = vcpu.lock().unwrap();
+            let mut devices = self.shared.devices.lock().unwrap();
+            match vcpu::run(&mut vcpu) {
+                vcpu::Exit::IoOut(port, data) => devices.io_out(port, data),
+                vcpu::Exit::IoIn(port, data) => devices.io_in(port, data),
+                vcpu::Exit::MmioRead(addr, data) => devices.mmio(addr, Some(data)),
+                vcpu::Exit::MmioWrite(addr, _) => devices.mmio(addr, None),
+                vcpu::Exit::Interrupted => vcpu.set_kvm_immediate_exit(0),
+                vcpu::Exit::Halt => return self.halted(&vcpu),
                 vcpu::Exit::Fatal(why) => {
-                    let regs = vcpu::describe_registers(&self.vcpu);
+                    let regs = vcpu::describe_registers(&vcpu);
                     return StopReason::Failed(format!("{why}\n{regs}"));
                 }
             }
@@ -399,7 +458,7 @@ impl VcpuRunner {
         None
     }
 
-    fn halted(&self) -> StopReason {
+    fn halted(&self, vcpu: &VcpuFd) -> StopReason {
         let t = self.shared.telemetry.lock().unwrap();
         let why = match (&t.exception, &t.halt_reason) {
             (Some(e), _) => format!(
@@ -412,7 +471,7 @@ impl VcpuRunner {
         if t.exception.is_some() {
             StopReason::Failed(format!(
                 "guest halted {why}\n{}",
-                vcpu::describe_registers(&self.vcpu)
+                vcpu::describe_registers(vcpu)
             ))
         } else {
             StopReason::GuestHalted(why)

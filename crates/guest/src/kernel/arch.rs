@@ -23,16 +23,6 @@ pub fn outl(port: u16, value: u32) {
     }
 }
 
-/// Reads a byte from an I/O port.
-pub fn inb(port: u16) -> u8 {
-    let value: u8;
-    // SAFETY: as for `outb`; reading the UART's line status register has no side effect.
-    unsafe {
-        asm!("in al, dx", in("dx") port, out("al") value, options(nomem, nostack, preserves_flags))
-    }
-    value
-}
-
 /// The time-stamp counter.
 #[inline(always)]
 pub fn rdtsc() -> u64 {

@@ -43,6 +43,16 @@ impl Devices {
         }
     }
 
+    /// The UART's state, for migration.
+    pub fn uart_state(&self) -> vm_superio::serial::SerialState {
+        self.uart.state()
+    }
+
+    /// Replaces the UART (with one rebuilt from migrated state).
+    pub fn set_uart(&mut self, uart: Uart) {
+        self.uart = uart;
+    }
+
     pub fn io_out(&mut self, port: u16, data: &[u8]) {
         match port {
             p if SERIAL_PORTS.contains(&p) => {

@@ -39,3 +39,55 @@ pub fn uart(out: &SerialOutput) -> std::io::Result<Uart> {
     };
     Ok(Serial::new(NoInterrupt, writer))
 }
+
+/// Version of the serial section layout.
+pub const SERIAL_STATE_VERSION: u32 = 1;
+/// The 16550's receive FIFO holds 64 bytes; a section claiming more is malformed.
+const MAX_FIFO: usize = 64;
+
+/// The UART's registers and receive buffer as bytes: nine registers, then the buffer.
+pub fn encode_state(s: &vm_superio::serial::SerialState) -> Vec<u8> {
+    let mut v = vec![
+        s.baud_divisor_low,
+        s.baud_divisor_high,
+        s.interrupt_enable,
+        s.interrupt_identification,
+        s.line_control,
+        s.line_status,
+        s.modem_control,
+        s.modem_status,
+        s.scratch,
+    ];
+    v.extend_from_slice(&s.in_buffer[..s.in_buffer.len().min(MAX_FIFO)]);
+    v
+}
+
+pub fn decode_state(b: &[u8]) -> Result<vm_superio::serial::SerialState, String> {
+    if b.len() < 9 || b.len() > 9 + MAX_FIFO {
+        return Err(format!(
+            "serial state of {} bytes, want 9 to {}",
+            b.len(),
+            9 + MAX_FIFO
+        ));
+    }
+    Ok(vm_superio::serial::SerialState {
+        baud_divisor_low: b[0],
+        baud_divisor_high: b[1],
+        interrupt_enable: b[2],
+        interrupt_identification: b[3],
+        line_control: b[4],
+        line_status: b[5],
+        modem_control: b[6],
+        modem_status: b[7],
+        scratch: b[8],
+        in_buffer: b[9..].to_vec(),
+    })
+}
+
+/// Rebuilds the UART from migrated state, writing to `out`.
+pub fn uart_from_state(b: &[u8], out: &SerialOutput) -> Result<Uart, String> {
+    let state = decode_state(b)?;
+    let fresh = uart(out).map_err(|e| e.to_string())?;
+    let writer = fresh.into_writer();
+    Serial::from_state(&state, NoInterrupt, NoEvents, writer).map_err(|e| format!("{e:?}"))
+}

@@ -104,11 +104,24 @@ pub struct GuestTelemetry {
     pub first_failed_verify: Option<VerifyResult>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
+    /// On a migration destination: the gap between the last report the source VMM received
+    /// and the first this VMM received, i.e. the pause the guest saw across the migration.
+    pub migration_pause_ns: Option<u64>,
+    #[serde(skip)]
+    awaiting_first_report_after_migration: bool,
     #[serde(skip)]
     next_seq: u64,
     #[serde(skip)]
     window: VecDeque<(u64, u64)>,
+    /// The Boot and Layout reports as received, carried along when the VM migrates.
+    #[serde(skip)]
+    raw_config: Vec<[u8; REPORT_SIZE]>,
 }
+
+/// Version of the telemetry section layout.
+pub const TELEMETRY_STATE_VERSION: u32 = 1;
+/// Counters in the telemetry section, in [`GuestTelemetry::encode_state`] order.
+const STATE_WORDS: usize = 13;
 
 impl GuestTelemetry {
     /// Decodes and records the report bytes the guest pointed at, received at `host_ns`.
@@ -119,6 +132,11 @@ impl GuestTelemetry {
     ) -> Result<Kind, report::DecodeError> {
         match Report::from_bytes(bytes) {
             Ok(r) => {
+                if matches!(r.kind(), Kind::Boot | Kind::Layout) {
+                    self.raw_config
+                        .retain(|b| Report::from_bytes(b).map(|o| o.kind) != Ok(r.kind));
+                    self.raw_config.push(*bytes);
+                }
                 self.record(&r, host_ns);
                 Ok(r.kind())
             }
@@ -135,7 +153,11 @@ impl GuestTelemetry {
         self.lost_reports += r.seq.saturating_sub(self.next_seq);
         self.next_seq = self.next_seq.max(r.seq + 1);
         if let Some(last) = self.last_report_host_ns {
-            self.max_report_gap_ns = self.max_report_gap_ns.max(host_ns.saturating_sub(last));
+            let gap = host_ns.saturating_sub(last);
+            self.max_report_gap_ns = self.max_report_gap_ns.max(gap);
+            if std::mem::take(&mut self.awaiting_first_report_after_migration) {
+                self.migration_pause_ns = Some(gap);
+            }
         }
         self.first_report_host_ns.get_or_insert(host_ns);
         self.last_report_host_ns = Some(host_ns);
@@ -223,6 +245,66 @@ impl GuestTelemetry {
         self.update_rate(host_ns);
     }
 
+    /// The state a destination VMM needs to continue this telemetry seamlessly: the counters,
+    /// the report sequence, the last report's host time (so the pause across the migration
+    /// shows as one gap), and the Boot and Layout reports.
+    pub fn encode_state(&self) -> Vec<u8> {
+        let words: [u64; STATE_WORDS] = [
+            self.next_seq,
+            self.last_report_host_ns.unwrap_or(0),
+            self.first_report_host_ns.unwrap_or(0),
+            self.max_report_gap_ns,
+            self.reports,
+            self.heartbeats,
+            self.lost_reports,
+            self.invalid_reports,
+            self.pages_written,
+            self.verify_passes,
+            self.verify_failures,
+            self.bad_pages_total,
+            self.last_guest_ns,
+        ];
+        let mut v: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        for raw in &self.raw_config {
+            v.extend_from_slice(raw);
+        }
+        v
+    }
+
+    pub fn decode_state(b: &[u8]) -> Result<GuestTelemetry, String> {
+        let head = STATE_WORDS * 8;
+        if b.len() < head
+            || !(b.len() - head).is_multiple_of(REPORT_SIZE)
+            || b.len() > head + 2 * REPORT_SIZE
+        {
+            return Err(format!("telemetry state of {} bytes is malformed", b.len()));
+        }
+        let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+        let mut t = GuestTelemetry::default();
+        for raw in b[head..].chunks_exact(REPORT_SIZE) {
+            let raw: &[u8; REPORT_SIZE] = raw.try_into().unwrap();
+            t.record_bytes(raw, 0)
+                .map_err(|e| format!("telemetry state: {e:?}"))?;
+        }
+        let nonzero = |v: u64| (v != 0).then_some(v);
+        t.next_seq = w(0);
+        t.last_report_host_ns = nonzero(w(1));
+        t.first_report_host_ns = nonzero(w(2));
+        t.max_report_gap_ns = w(3);
+        t.reports = w(4);
+        t.heartbeats = w(5);
+        t.lost_reports = w(6);
+        t.invalid_reports = w(7);
+        t.pages_written = w(8);
+        t.verify_passes = w(9);
+        t.verify_failures = w(10);
+        t.bad_pages_total = w(11);
+        t.last_guest_ns = w(12);
+        t.window.clear();
+        t.awaiting_first_report_after_migration = true;
+        Ok(t)
+    }
+
     fn update_rate(&mut self, host_ns: u64) {
         self.window.push_back((host_ns, self.pages_written));
         while self.window.len() > 2 && host_ns - self.window[1].0 >= RATE_WINDOW_NS {
@@ -297,6 +379,39 @@ mod tests {
         );
         assert!(t.record_bytes(&[0; REPORT_SIZE], 8).is_err());
         assert_eq!(t.invalid_reports, 1);
+    }
+
+    #[test]
+    fn state_round_trips_counters_and_config() {
+        let mut t = GuestTelemetry::default();
+        let mut detail = [0u64; report::DETAIL_WORDS];
+        detail[report::boot::WS_PAGES] = 77;
+        let boot = Report {
+            kind: Kind::Boot as u16,
+            detail,
+            ..Report::default()
+        };
+        t.record_bytes(&boot.to_bytes(), 5).unwrap();
+        t.record(&heartbeat(1, 1000), 10);
+        let back = GuestTelemetry::decode_state(&t.encode_state()).unwrap();
+        assert_eq!(back.pages_written, 1000);
+        assert_eq!(back.heartbeats, 1);
+        assert_eq!(back.last_report_host_ns, Some(10));
+        assert_eq!(back.config.clone().unwrap().working_set_pages, 77);
+        let mut back = back;
+        back.record(&heartbeat(2, 2000), 110);
+        assert_eq!(
+            back.migration_pause_ns,
+            Some(100),
+            "first report after the migration"
+        );
+        back.record(&heartbeat(3, 3000), 500);
+        assert_eq!(
+            back.migration_pause_ns,
+            Some(100),
+            "only the first gap counts"
+        );
+        assert!(GuestTelemetry::decode_state(&[0; 7]).is_err());
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 
+pub mod dirty;
 pub mod kick;
+pub mod state;
 pub mod vcpu;
 
 use kvm_bindings::kvm_userspace_memory_region;

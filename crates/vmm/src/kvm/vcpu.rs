@@ -11,10 +11,10 @@ const PVH_CR0: u64 = 0x11;
 /// RFLAGS at entry: only the always-one bit.
 const PVH_RFLAGS: u64 = 0x2;
 
-/// Creates vCPU `id` in PVH entry state: flat 32-bit protected mode at `boot.entry` with
-/// %ebx = start_info, and the host's supported CPUID (which includes KVM's paravirtual
-/// leaves, so the guest finds kvmclock).
-pub fn create(vm: &KvmVm, id: u8, boot: &BootSetup) -> Result<VcpuFd, KvmError> {
+/// Creates vCPU `id` with the host's supported CPUID (which includes KVM's paravirtual leaves,
+/// so the guest finds kvmclock). Its registers are set by [`set_pvh_entry`] for a fresh boot
+/// or by `state::restore_vcpu` for an incoming migration.
+pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
     let err = |what| move |source| KvmError::Vcpu { id, what, source };
     let vcpu = vm.vm.create_vcpu(u64::from(id)).map_err(err("create"))?;
     let mut cpuid = vm
@@ -28,7 +28,19 @@ pub fn create(vm: &KvmVm, id: u8, boot: &BootSetup) -> Result<VcpuFd, KvmError> 
         }
     }
     vcpu.set_cpuid2(&cpuid).map_err(err("set CPUID"))?;
+    Ok(vcpu)
+}
 
+/// Puts vCPU 0 in PVH entry state: flat 32-bit protected mode at `boot.entry` with %ebx =
+/// start_info.
+pub fn set_pvh_entry(vcpu: &VcpuFd, boot: &BootSetup) -> Result<(), KvmError> {
+    let err = |what| {
+        move |source| KvmError::Vcpu {
+            id: 0,
+            what,
+            source,
+        }
+    };
     let mut sregs = vcpu.get_sregs().map_err(err("read special registers"))?;
     let code = flat_segment(0x08, 0xb);
     let data = flat_segment(0x10, 0x3);
@@ -47,7 +59,7 @@ pub fn create(vm: &KvmVm, id: u8, boot: &BootSetup) -> Result<VcpuFd, KvmError> 
         ..Default::default()
     };
     vcpu.set_regs(&regs).map_err(err("set registers"))?;
-    Ok(vcpu)
+    Ok(())
 }
 
 /// A present, flat (base 0, 4 GiB), 32-bit, ring 0 segment of `type_`.

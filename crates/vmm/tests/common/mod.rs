@@ -22,19 +22,23 @@ pub fn require_kvm() {
     ferry_vmm::kvm::require_for_tests();
 }
 
-pub fn boot(memory: u64, cmdline: &str) -> TestVm {
-    require_kvm();
-    let dir = tempfile::tempdir().unwrap();
-    let serial = dir.path().join("serial.log");
-    let vm = Vm::boot(VmConfig {
+pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig {
+    VmConfig {
         memory_bytes: memory,
         vcpus: 1,
         kernel: Arc::from(ferry_guest_image::ELF),
         cmdline: cmdline.into(),
         guest: GuestKind::FerryGuest,
-        serial: SerialOutput::File(serial.clone()),
-    })
-    .unwrap_or_else(|e| panic!("boot failed: {e}"));
+        serial: SerialOutput::File(serial.into()),
+    }
+}
+
+pub fn boot(memory: u64, cmdline: &str) -> TestVm {
+    require_kvm();
+    let dir = tempfile::tempdir().unwrap();
+    let serial = dir.path().join("serial.log");
+    let vm =
+        Vm::boot(config(memory, cmdline, &serial)).unwrap_or_else(|e| panic!("boot failed: {e}"));
     TestVm {
         vm,
         serial,
@@ -83,7 +87,34 @@ impl TestVm {
         }
     }
 
+    pub fn handle(&self) -> ferry_vmm::VmHandle {
+        self.vm.handle()
+    }
+
     pub fn serial_log(&self) -> String {
         std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+}
+
+/// Polls a VM's telemetry until `done` holds, or panics after `timeout`.
+pub fn wait_for_telemetry(
+    h: &ferry_vmm::VmHandle,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&GuestTelemetry) -> bool,
+) -> GuestTelemetry {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let t = h.telemetry();
+        if done(&t) {
+            return t;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "timed out after {timeout:?} waiting for {what}\ntelemetry: {t:#?}\nstate: {:?}",
+                h.status().stop_reason
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -1,0 +1,262 @@
+//! A vCPU's and the VM's KVM state as versioned byte sections for migration: registers,
+//! special registers, XSAVE (FPU/SSE/AVX), XCRs, MSRs (TSC and kvmclock among them), pending
+//! events, MP state, debug registers, and the VM's kvmclock value.
+//!
+//! The TSC and kvmclock are taken at pause and written back unchanged on the destination, so
+//! the guest's clocks continue from where they stopped: it sees no jump, and the downtime is
+//! time it never saw pass (the guest-observed pause is measured on the host instead).
+
+use kvm_bindings::{
+    Msrs, kvm_clock_data, kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
+use zerocopy::{FromBytes, IntoBytes};
+
+/// Version of the vCPU section layout.
+pub const VCPU_STATE_VERSION: u32 = 1;
+pub const CLOCK_STATE_VERSION: u32 = 1;
+/// Most MSRs a section may carry (the host's save list has ~40).
+const MAX_MSRS: u32 = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot {what} vCPU state: {source}")]
+    Kvm {
+        what: &'static str,
+        #[source]
+        source: vmm_sys_util::errno::Error,
+    },
+    #[error("vCPU state section is malformed: {0}")]
+    Malformed(String),
+    #[error(
+        "the destination refused MSR {msr:#x} ({set} of {total} MSRs were set); the hosts' KVM versions or CPUs differ"
+    )]
+    Msrs { set: usize, total: usize, msr: u32 },
+    #[error("the host's XSAVE state ({0} bytes) does not fit the 4 KiB KVM_GET_XSAVE buffer")]
+    XsaveTooLarge(i32),
+}
+
+fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> StateError {
+    move |source| StateError::Kvm { what, source }
+}
+
+/// MSRs worth saving: every MSR the host's KVM lists that this vCPU can read.
+pub fn readable_msrs(kvm_fd: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
+    let list = kvm_fd.get_msr_index_list().map_err(kvm("list MSRs of"))?;
+    Ok(list
+        .as_slice()
+        .iter()
+        .copied()
+        .filter(|&index| {
+            let mut one = Msrs::from_entries(&[kvm_msr_entry {
+                index,
+                ..Default::default()
+            }])
+            .unwrap();
+            matches!(vcpu.get_msrs(&mut one), Ok(1))
+        })
+        .collect())
+}
+
+/// Captures a paused vCPU.
+pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, StateError> {
+    let xsave_size = vm.check_extension_int(Cap::Xsave2);
+    if xsave_size > size_of::<kvm_xsave>() as i32 {
+        return Err(StateError::XsaveTooLarge(xsave_size));
+    }
+    let mut out = Vec::with_capacity(8192);
+    put(&mut out, vcpu.get_regs().map_err(kvm("read"))?.as_bytes());
+    put(&mut out, vcpu.get_sregs().map_err(kvm("read"))?.as_bytes());
+    put(&mut out, vcpu.get_xsave().map_err(kvm("read"))?.as_bytes());
+    put(&mut out, vcpu.get_xcrs().map_err(kvm("read"))?.as_bytes());
+    put(
+        &mut out,
+        vcpu.get_vcpu_events().map_err(kvm("read"))?.as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_mp_state().map_err(kvm("read"))?.as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_debug_regs().map_err(kvm("read"))?.as_bytes(),
+    );
+    let entries: Vec<kvm_msr_entry> = msrs
+        .iter()
+        .map(|&index| kvm_msr_entry {
+            index,
+            ..Default::default()
+        })
+        .collect();
+    let mut list =
+        Msrs::from_entries(&entries).map_err(|e| StateError::Malformed(format!("{e:?}")))?;
+    let read = vcpu.get_msrs(&mut list).map_err(kvm("read MSRs of"))?;
+    out.extend_from_slice(&(read as u32).to_le_bytes());
+    for e in &list.as_slice()[..read] {
+        out.extend_from_slice(e.as_bytes());
+    }
+    Ok(out)
+}
+
+/// Writes a captured state into a vCPU that has its CPUID set and has not run.
+pub fn restore_vcpu(vm: &VmFd, vcpu: &VcpuFd, bytes: &[u8]) -> Result<(), StateError> {
+    let mut r = Reader(bytes);
+    let regs: kvm_regs = r.value()?;
+    let sregs: kvm_sregs = r.value()?;
+    let xsave: kvm_xsave = r.value()?;
+    let xcrs: kvm_xcrs = r.value()?;
+    let events: kvm_vcpu_events = r.value()?;
+    let mp_state: kvm_mp_state = r.value()?;
+    let debugregs: kvm_debugregs = r.value()?;
+    let count = r.u32()?;
+    if count > MAX_MSRS {
+        return Err(StateError::Malformed(format!(
+            "{count} MSRs, more than {MAX_MSRS}"
+        )));
+    }
+    let entries = (0..count)
+        .map(|_| r.raw::<kvm_msr_entry>())
+        .collect::<Result<Vec<_>, _>>()?;
+    if !r.0.is_empty() {
+        return Err(StateError::Malformed(format!(
+            "{} trailing bytes",
+            r.0.len()
+        )));
+    }
+    if vm.check_extension_int(Cap::Xsave2) > size_of::<kvm_xsave>() as i32 {
+        return Err(StateError::XsaveTooLarge(
+            vm.check_extension_int(Cap::Xsave2),
+        ));
+    }
+    vcpu.set_sregs(&sregs).map_err(kvm("write"))?;
+    vcpu.set_regs(&regs).map_err(kvm("write"))?;
+    // SAFETY: the host's XSAVE state fits the legacy 4 KiB buffer (checked above), which is
+    // the condition under which KVM_SET_XSAVE reads only the struct it is given.
+    unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm("write"))?;
+    vcpu.set_xcrs(&xcrs).map_err(kvm("write"))?;
+    restore_msrs(vcpu, &entries)?;
+    vcpu.set_vcpu_events(&events).map_err(kvm("write"))?;
+    vcpu.set_mp_state(mp_state).map_err(kvm("write"))?;
+    vcpu.set_debug_regs(&debugregs).map_err(kvm("write"))?;
+    Ok(())
+}
+
+/// Writes MSRs one at a time. Some MSRs that KVM lets a vCPU read refuse a write of the value
+/// they already hold (KVM's poll-control MSR does on some hosts); such a refusal is harmless,
+/// so a write that fails is accepted only if the destination already holds the saved value.
+fn restore_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateError> {
+    for (i, e) in entries.iter().enumerate() {
+        let one = Msrs::from_entries(std::slice::from_ref(e))
+            .map_err(|e| StateError::Malformed(format!("{e:?}")))?;
+        if matches!(vcpu.set_msrs(&one), Ok(1)) {
+            continue;
+        }
+        let mut current = Msrs::from_entries(&[kvm_msr_entry {
+            index: e.index,
+            ..Default::default()
+        }])
+        .map_err(|e| StateError::Malformed(format!("{e:?}")))?;
+        let same =
+            matches!(vcpu.get_msrs(&mut current), Ok(1)) && current.as_slice()[0].data == e.data;
+        if !same {
+            return Err(StateError::Msrs {
+                set: i,
+                total: entries.len(),
+                msr: e.index,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The VM's kvmclock, taken at pause.
+pub fn save_clock(vm: &VmFd) -> Result<Vec<u8>, StateError> {
+    Ok(vm
+        .get_clock()
+        .map_err(kvm("read the clock of"))?
+        .clock
+        .to_le_bytes()
+        .to_vec())
+}
+
+/// Sets the destination VM's kvmclock to the source's value at pause.
+pub fn restore_clock(vm: &VmFd, bytes: &[u8]) -> Result<(), StateError> {
+    let clock = u64::from_le_bytes(bytes.try_into().map_err(|_| {
+        StateError::Malformed(format!("clock section of {} bytes, want 8", bytes.len()))
+    })?);
+    vm.set_clock(&kvm_clock_data {
+        clock,
+        ..Default::default()
+    })
+    .map_err(kvm("write the clock of"))
+}
+
+fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// Reads length-prefixed values, checking every length against the type it fills.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], StateError> {
+        if self.0.len() < n {
+            return Err(StateError::Malformed(format!(
+                "truncated: want {n} bytes, {} left",
+                self.0.len()
+            )));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn u32(&mut self) -> Result<u32, StateError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+
+    fn raw<T: FromBytes>(&mut self) -> Result<T, StateError> {
+        let bytes = self.take(size_of::<T>())?;
+        T::read_from_bytes(bytes).map_err(|_| StateError::Malformed("bad value".into()))
+    }
+
+    fn value<T: FromBytes>(&mut self) -> Result<T, StateError> {
+        let len = self.u32()? as usize;
+        if len != size_of::<T>() {
+            return Err(StateError::Malformed(format!(
+                "{} of {len} bytes, want {}",
+                std::any::type_name::<T>(),
+                size_of::<T>()
+            )));
+        }
+        self.raw()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reader_checks_lengths() {
+        let mut bytes = Vec::new();
+        put(&mut bytes, kvm_regs::default().as_bytes());
+        assert!(Reader(&bytes).value::<kvm_regs>().is_ok());
+        assert!(
+            Reader(&bytes)
+                .value::<kvm_sregs>()
+                .unwrap_err()
+                .to_string()
+                .contains("want")
+        );
+        assert!(
+            Reader(&bytes[..10])
+                .value::<kvm_regs>()
+                .unwrap_err()
+                .to_string()
+                .contains("truncated")
+        );
+    }
+}

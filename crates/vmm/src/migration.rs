@@ -1,0 +1,350 @@
+//! ferry's migration engine driving this VMM: [`ferry_migrate::SourceVm`] on a running VM and
+//! [`ferry_migrate::DestinationVm`] on an [`IncomingVm`].
+//!
+//! Dirty pages are KVM's log (guest writes) ∪ the pages the VMM wrote itself
+//! ([`GuestRam::write`] records them while a migration tracks): `fetch_dirty` below is the one
+//! place the two are merged.
+
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_migrate::bitmap::DirtyBitmap;
+use ferry_migrate::destination::{self, ReceiveStats};
+use ferry_migrate::ram::RamRegion;
+use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::wire::SectionId;
+use ferry_migrate::{
+    Control, DestinationVm, MigrateError, Phase, Policy, Progress, Section, SourceVm, VmError,
+};
+
+use crate::devices::serial;
+use crate::devices::telemetry::{GuestTelemetry, TELEMETRY_STATE_VERSION};
+use crate::kvm::state;
+use crate::memory::GuestRam;
+use crate::vm::{IncomingVm, RunState, Shared, VmHandle};
+
+/// How long connecting to a destination may take before the API reports failure.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What `PUT /migration` asks for.
+#[derive(Clone, Debug)]
+pub struct MigrationRequest {
+    /// `HOST:PORT` of a `ferry run --incoming` destination.
+    pub to: String,
+    pub policy: Policy,
+    pub max_bandwidth: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "a migration of this VM is already running; cancel it first (ferry cancel, or PUT /migration/cancel)"
+    )]
+    AlreadyRunning,
+    #[error("the VM is {0:?}; only a running VM can be migrated")]
+    NotRunning(RunState),
+    #[error(transparent)]
+    Connect(#[from] MigrateError),
+}
+
+impl VmHandle {
+    /// Connects to the destination and starts migrating in a thread of its own; returns the
+    /// control handle at once. The VM keeps running until the switchover.
+    pub fn start_migration(&self, req: MigrationRequest) -> Result<Arc<Control>, StartError> {
+        let mut slot = self.0.migration.lock().unwrap();
+        if slot.as_ref().is_some_and(|c| {
+            matches!(
+                c.progress().phase,
+                Phase::Setup | Phase::Precopy | Phase::Switchover
+            )
+        }) {
+            return Err(StartError::AlreadyRunning);
+        }
+        match self.state() {
+            RunState::Running => {}
+            s => return Err(StartError::NotRunning(s)),
+        }
+        let stream = connect(&req.to)?;
+        let control = Arc::new(Control::default());
+        *slot = Some(control.clone());
+        let params = SourceParams {
+            policy: req.policy,
+            max_bandwidth: req.max_bandwidth,
+            uuid: migration_uuid(),
+        };
+        let mut adapter = SourceAdapter {
+            shared: self.0.clone(),
+            handle: self.clone(),
+        };
+        let thread_control = control.clone();
+        std::thread::Builder::new()
+            .name("migration".into())
+            .spawn(move || {
+                if let Err(e) = source::migrate(&mut adapter, stream, &params, &thread_control) {
+                    tracing::warn!("migration failed: {e}");
+                }
+            })
+            .map_err(|e| MigrateError::io("starting the migration thread", e))?;
+        Ok(control)
+    }
+
+    /// The current or last migration's progress.
+    pub fn migration(&self) -> Option<Progress> {
+        self.0
+            .migration
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|c| c.progress())
+    }
+
+    /// Asks a running migration to stop; false when none runs.
+    pub fn cancel_migration(&self) -> bool {
+        match self.0.migration.lock().unwrap().as_ref() {
+            Some(c) if matches!(c.progress().phase, Phase::Setup | Phase::Precopy) => {
+                c.cancel();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+fn connect(to: &str) -> Result<TcpStream, MigrateError> {
+    let err = |source| MigrateError::Connect {
+        addr: to.to_string(),
+        source,
+    };
+    let addr = to
+        .to_socket_addrs()
+        .map_err(err)?
+        .next()
+        .ok_or_else(|| err(std::io::Error::other("the address resolves to nothing")))?;
+    TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(err)
+}
+
+/// 16 bytes that differ between migrations: time and process id, mixed.
+fn migration_uuid() -> [u8; 16] {
+    let t = crate::devices::telemetry::host_monotonic_ns();
+    let mut u = [0u8; 16];
+    u[..8].copy_from_slice(&t.to_le_bytes());
+    u[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    u[12..].copy_from_slice(&(t.rotate_left(29) as u32 ^ 0x5f3759df).to_le_bytes());
+    u
+}
+
+fn ram_regions(ram: &GuestRam) -> Vec<RamRegion> {
+    ram.regions()
+        .iter()
+        .map(|r| RamRegion {
+            gpa: r.gpa,
+            size: r.size,
+            host_addr: r.host_addr as usize,
+            fd: ram.memfd().as_raw_fd(),
+            file_offset: r.file_offset,
+        })
+        .collect()
+}
+
+fn failed(operation: &'static str) -> impl FnOnce(String) -> VmError {
+    move |message| VmError::Failed { operation, message }
+}
+
+struct SourceAdapter {
+    shared: Arc<Shared>,
+    handle: VmHandle,
+}
+
+// SAFETY: the regions are the GuestRam mappings, which `shared` keeps alive (an Arc held by
+// this adapter) for as long as the adapter lives; they are readable and backed by the memfd.
+unsafe impl SourceVm for SourceAdapter {
+    fn ram(&self) -> Vec<RamRegion> {
+        ram_regions(&self.shared.ram)
+    }
+
+    fn start_dirty_log(&mut self) -> Result<(), VmError> {
+        self.shared.ram.track_writes(true);
+        self.shared
+            .kvm
+            .set_dirty_logging(&self.shared.ram, true)
+            .map_err(|e| failed("start_dirty_log")(e.to_string()))
+    }
+
+    fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
+        let (slot, r) = self
+            .shared
+            .ram
+            .regions()
+            .iter()
+            .enumerate()
+            .find(|(_, r)| gpa >= r.gpa && gpa < r.gpa + r.size)
+            .ok_or_else(|| failed("clear_dirty")(format!("{gpa:#x} is not RAM")))?;
+        self.shared
+            .kvm
+            .clear_dirty_log(
+                slot as u32,
+                (gpa - r.gpa) / ferry_guest_abi::PAGE_SIZE,
+                pages,
+                None,
+            )
+            .map_err(|e| failed("clear_dirty")(e.to_string()))
+    }
+
+    fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
+        self.shared
+            .kvm
+            .fetch_dirty_log(&self.shared.ram, into)
+            .map_err(|e| failed("fetch_dirty")(e.to_string()))?;
+        for gpa in self.shared.ram.take_writes() {
+            into.set(gpa);
+        }
+        Ok(())
+    }
+
+    fn stop_dirty_log(&mut self) {
+        self.shared.ram.track_writes(false);
+        if let Err(e) = self.shared.kvm.set_dirty_logging(&self.shared.ram, false) {
+            tracing::warn!("could not turn dirty logging off: {e}");
+        }
+    }
+
+    fn pause(&mut self) -> Result<(), VmError> {
+        self.handle
+            .pause()
+            .map_err(|e| failed("pause")(e.to_string()))
+    }
+
+    fn resume(&mut self) -> Result<(), VmError> {
+        self.handle
+            .resume()
+            .map_err(|e| failed("resume")(e.to_string()))
+    }
+
+    fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
+        let vcpu = self.shared.vcpu.lock().unwrap();
+        let kvm = &self.shared.kvm.vm;
+        let vcpu_state = state::save_vcpu(kvm, &vcpu, &self.shared.msrs)
+            .map_err(|e| failed("save_state")(e.to_string()))?;
+        let clock = state::save_clock(kvm).map_err(|e| failed("save_state")(e.to_string()))?;
+        let uart = serial::encode_state(&self.shared.devices.lock().unwrap().uart_state());
+        let telemetry = self.shared.telemetry.lock().unwrap().encode_state();
+        Ok(vec![
+            Section {
+                id: SectionId::Vcpu,
+                version: state::VCPU_STATE_VERSION,
+                data: vcpu_state,
+            },
+            Section {
+                id: SectionId::VmClock,
+                version: state::CLOCK_STATE_VERSION,
+                data: clock,
+            },
+            Section {
+                id: SectionId::Serial,
+                version: serial::SERIAL_STATE_VERSION,
+                data: uart,
+            },
+            Section {
+                id: SectionId::Telemetry,
+                version: TELEMETRY_STATE_VERSION,
+                data: telemetry,
+            },
+        ])
+    }
+}
+
+// SAFETY: as for SourceAdapter: the mappings live as long as `shared`; the vCPU thread is not
+// started before `resume`, so nothing runs while the engine writes guest memory.
+unsafe impl DestinationVm for IncomingVm {
+    fn ram(&self) -> Vec<RamRegion> {
+        ram_regions(&self.shared.ram)
+    }
+
+    fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
+        let fail = |m: String| failed("load_state")(m);
+        for required in [SectionId::Vcpu, SectionId::VmClock] {
+            if !sections.iter().any(|s| s.id == required) {
+                return Err(fail(format!("the stream has no {required:?} section")));
+            }
+        }
+        for s in sections {
+            let want = match s.id {
+                SectionId::Vcpu => state::VCPU_STATE_VERSION,
+                SectionId::VmClock => state::CLOCK_STATE_VERSION,
+                SectionId::Serial => serial::SERIAL_STATE_VERSION,
+                SectionId::Telemetry => TELEMETRY_STATE_VERSION,
+                SectionId::Invalid => return Err(fail("invalid section".into())),
+            };
+            if s.version != want {
+                return Err(fail(format!(
+                    "{:?} section version {} is not the supported {want}",
+                    s.id, s.version
+                )));
+            }
+            match s.id {
+                SectionId::Vcpu => state::restore_vcpu(
+                    &self.shared.kvm.vm,
+                    &self.shared.vcpu.lock().unwrap(),
+                    &s.data,
+                )
+                .map_err(|e| fail(e.to_string()))?,
+                SectionId::VmClock => state::restore_clock(&self.shared.kvm.vm, &s.data)
+                    .map_err(|e| fail(e.to_string()))?,
+                SectionId::Serial => {
+                    let uart =
+                        serial::uart_from_state(&s.data, &self.shared.serial).map_err(fail)?;
+                    self.shared.devices.lock().unwrap().set_uart(uart);
+                }
+                SectionId::Telemetry => {
+                    *self.shared.telemetry.lock().unwrap() =
+                        GuestTelemetry::decode_state(&s.data).map_err(fail)?;
+                }
+                SectionId::Invalid => unreachable!("refused above"),
+            }
+        }
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<Duration, VmError> {
+        let t = Instant::now();
+        self.start().map_err(|e| failed("resume")(e.to_string()))?;
+        Ok(t.elapsed())
+    }
+}
+
+/// Waits (up to `accept_timeout`) for a source on `listener` and receives its migration into
+/// `vm`, which runs afterwards.
+pub fn receive(
+    vm: &mut IncomingVm,
+    listener: &TcpListener,
+    accept_timeout: Duration,
+) -> Result<ReceiveStats, MigrateError> {
+    let deadline = Instant::now() + accept_timeout;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| MigrateError::io("waiting for the source", e))?;
+    let stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(MigrateError::Io {
+                    during: "waiting for the source to connect",
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no source connected within {accept_timeout:?}"),
+                    ),
+                });
+            }
+            Err(e) => return Err(MigrateError::io("waiting for the source", e)),
+        }
+    };
+    stream
+        .set_nonblocking(false)
+        .map_err(|e| MigrateError::io("setting up the connection", e))?;
+    destination::receive(vm, stream)
+}
