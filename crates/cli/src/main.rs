@@ -6,7 +6,10 @@
 
 mod bench;
 mod control;
+mod demo;
 mod guest;
+mod migrate;
+mod report;
 mod run;
 
 use std::process::ExitCode;
@@ -26,8 +29,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Boot a VM (by default the built-in test guest) and run it until it halts or is stopped.
+    /// Boot a VM, migrate it live to a second VM while its guest writes, print the report.
+    Demo(demo::DemoArgs),
+    /// Boot a VM (by default the built-in test guest), or receive one (--incoming), and run it
+    /// until it halts or is stopped.
     Run(run::RunArgs),
+    /// Migrate a running VM to a `ferry run --incoming` destination, showing progress.
+    Migrate(migrate::MigrateArgs),
+    /// Cancel a running VM's migration (it keeps running).
+    Cancel(migrate::CancelArgs),
     /// Print a running VM's state and the guest's counters as JSON.
     Status(control::ControlArgs),
     /// Pause a running VM's vCPUs.
@@ -54,7 +64,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(args) => demo::demo(&args),
         Command::Run(args) => run::run(args),
+        Command::Migrate(args) => migrate::migrate(&args),
+        Command::Cancel(args) => migrate::cancel(&args),
         Command::Status(args) => control::status(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
         Command::Resume(args) => control::put(&args, "/vm/resume"),

@@ -42,6 +42,7 @@ pub fn receive(
     let _ = conn.stream().set_read_timeout(Some(RECORD_TIMEOUT));
     let ram = Ram::new(vm.ram())?;
     let result = Receiver {
+        written: vec![0; (ram.size() / PAGE_SIZE).div_ceil(64) as usize],
         ram,
         stats: ReceiveStats::default(),
         cpu_start: stats::thread_cpu_ns(),
@@ -57,6 +58,10 @@ pub fn receive(
 
 struct Receiver {
     ram: Ram,
+    /// Pages this migration has written data into. Guest RAM starts as holes (zero), so a
+    /// zero page for a page never written needs no work at all: the destination touches no
+    /// memory for it.
+    written: Vec<u64>,
     stats: ReceiveStats,
     cpu_start: u64,
 }
@@ -102,12 +107,23 @@ impl Receiver {
                     self.read_addresses(conn, h.count, &mut addresses)?;
                     for &gpa in &addresses {
                         conn.read_exact(self.ram.page_mut(gpa)?, "receiving pages")?;
+                        let i = self.ram.page_index(gpa)?;
+                        self.written[(i / 64) as usize] |= 1 << (i % 64);
                     }
                     self.stats.pages += u64::from(h.count);
                 }
                 Kind::ZeroPages => {
                     self.read_addresses(conn, h.count, &mut addresses)?;
-                    self.zero(&addresses)?;
+                    let mut stale = Vec::new();
+                    for &gpa in &addresses {
+                        let i = self.ram.page_index(gpa)?;
+                        let (word, bit) = ((i / 64) as usize, 1u64 << (i % 64));
+                        if self.written[word] & bit != 0 {
+                            self.written[word] &= !bit;
+                            stale.push(gpa);
+                        }
+                    }
+                    self.zero(&stale)?;
                     self.stats.zero_pages += u64::from(h.count);
                 }
                 Kind::EndOfPass => {
@@ -172,8 +188,8 @@ impl Receiver {
         Ok(())
     }
 
-    /// Zeroes pages by punching them out of the backing file, a run of adjacent pages at a
-    /// time, so memory that was never populated is not populated now.
+    /// Zeroes pages that hold data from an earlier pass by punching them out of the backing
+    /// file, a run of adjacent pages at a time.
     fn zero(&self, gpas: &[u64]) -> Result<(), MigrateError> {
         let mut i = 0;
         while i < gpas.len() {

@@ -101,6 +101,20 @@ impl Ram {
             .ok_or(RamError::OutOfRange { gpa })
     }
 
+    /// The page's index counting pages across all regions in address order (for per-page
+    /// bitmaps), after checking that `gpa` is a page inside RAM.
+    pub fn page_index(&self, gpa: u64) -> Result<u64, RamError> {
+        self.page(gpa)?;
+        let mut first = 0;
+        for r in &self.regions {
+            if r.contains(gpa) {
+                return Ok(first + (gpa - r.gpa) / PAGE_SIZE);
+            }
+            first += r.size / PAGE_SIZE;
+        }
+        unreachable!("page() found the region")
+    }
+
     /// Copies the page at `gpa` into `out` and says whether it is all zeros.
     pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<bool, RamError> {
         assert_eq!(out.len(), PAGE_SIZE as usize);

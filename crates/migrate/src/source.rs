@@ -68,6 +68,7 @@ pub fn migrate(
         page_buf: vec![0; wire::MAX_PAGES_PER_RECORD as usize * PAGE_SIZE as usize],
         limiter_start: Instant::now(),
         limiter_bytes: 0,
+        samples: 0,
     };
     control.update(|p| p.phase = Phase::Setup);
     let result = source.run(vm);
@@ -122,6 +123,7 @@ struct Source<'a> {
     page_buf: Vec<u8>,
     limiter_start: Instant,
     limiter_bytes: u64,
+    samples: u64,
 }
 
 impl Source<'_> {
@@ -165,8 +167,10 @@ impl Source<'_> {
                 bandwidth: self.bandwidth(),
                 elapsed: self.start.elapsed(),
             };
+            let sent = self.conn.bytes_written;
             self.control.update(|p| {
                 p.pass = pass;
+                p.bytes_sent = sent;
                 p.remaining_bytes = now.remaining_bytes;
                 p.bandwidth_mb_s = now.bandwidth / 1e6;
                 p.dirty_rate_pages_per_s = dirty_rate;
@@ -404,6 +408,20 @@ impl Source<'_> {
         self.window.push_back((now, self.conn.bytes_written));
         while self.window.len() > 2 && now - self.window[1].0 >= BANDWIDTH_WINDOW {
             self.window.pop_front();
+        }
+        self.samples += 1;
+        // Publish progress every 16 records (~32 MiB): often enough to watch, cheap enough.
+        if self.samples.is_multiple_of(16) {
+            let (sent, bandwidth, elapsed) = (
+                self.conn.bytes_written,
+                self.bandwidth(),
+                self.start.elapsed(),
+            );
+            self.control.update(|p| {
+                p.bytes_sent = sent;
+                p.bandwidth_mb_s = bandwidth / 1e6;
+                p.elapsed_ms = ms(elapsed);
+            });
         }
     }
 

@@ -1,10 +1,10 @@
 //! What a migration measured: plain data, filled by the sessions, printed by the CLI.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One precopy pass (pass 1 walks populated memory; later passes walk the dirty bitmap; the
 /// last row, `final`, is what was sent with the guest paused).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PassStats {
     pub pass: u32,
     pub paused: bool,
@@ -16,7 +16,7 @@ pub struct PassStats {
 }
 
 /// Where the downtime went, as the source measures it (and the destination reports its part).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Downtime {
     /// Pause to Resumed acknowledgement.
     pub total_ms: f64,
@@ -31,7 +31,7 @@ pub struct Downtime {
 }
 
 /// The statistics of one migration.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MigrationStats {
     pub total_ms: f64,
     pub setup_ms: f64,

@@ -59,7 +59,10 @@ fn migrate(src: &TestVm, memory: u64, downtime_ms: u64) -> (Vm, Progress, Destin
     let mut incoming = Vm::incoming(config(memory, "", &d.serial)).unwrap();
     let req = request(&d, downtime_ms, None);
     let received = std::thread::scope(|s| {
-        let r = s.spawn(|| migration::receive(&mut incoming, &d.listener, Duration::from_secs(30)));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (incoming, listener) = (&mut incoming, &d.listener);
+        let r =
+            s.spawn(move || migration::receive(incoming, listener, &|| Instant::now() < deadline));
         src.handle().start_migration(req).unwrap();
         r.join().unwrap()
     });

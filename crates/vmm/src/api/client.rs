@@ -35,6 +35,16 @@ pub fn request(
     method: &str,
     path: &str,
 ) -> Result<serde_json::Value, ApiClientError> {
+    request_with_body(socket, method, path, "")
+}
+
+/// Sends `method path` with a JSON `body` and returns the JSON body of a 2xx answer.
+pub fn request_with_body(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<serde_json::Value, ApiClientError> {
     let mut stream = UnixStream::connect(socket).map_err(|source| ApiClientError::Connect {
         path: socket.into(),
         source,
@@ -46,7 +56,8 @@ pub fn request(
     stream.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
     )
     .map_err(io)?;
     let mut raw = Vec::new();

@@ -7,6 +7,11 @@ use std::thread::JoinHandle;
 use serde_json::json;
 use tiny_http::{Header, Method, Request, Response, Server};
 
+use std::time::Duration;
+
+use ferry_migrate::{Policy, TimeoutAction};
+
+use crate::migration::{MigrationRequest, StartError};
 use crate::vm::{StopReason, VmHandle};
 
 #[derive(Debug, thiserror::Error)]
@@ -80,8 +85,51 @@ impl Drop for ApiServer {
     }
 }
 
+/// The body of `PUT /migration`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateBody {
+    /// `HOST:PORT` of the destination.
+    pub to: String,
+    #[serde(default = "default_downtime_ms")]
+    pub downtime_limit_ms: u64,
+    /// Bytes per second; absent = unlimited.
+    pub max_bandwidth: Option<u64>,
+    /// Absent = no timeout.
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_action: Option<String>,
+}
+
+fn default_downtime_ms() -> u64 {
+    300
+}
+
+impl MigrateBody {
+    pub fn request(&self) -> Result<MigrationRequest, String> {
+        let timeout_action = match self.timeout_action.as_deref() {
+            None | Some("cancel") => TimeoutAction::Cancel,
+            Some("switchover") => TimeoutAction::Switchover,
+            Some(other) => {
+                return Err(format!(
+                    "timeout_action '{other}' is neither 'cancel' nor 'switchover'"
+                ));
+            }
+        };
+        Ok(MigrationRequest {
+            to: self.to.clone(),
+            policy: Policy {
+                downtime_limit: Duration::from_millis(self.downtime_limit_ms),
+                timeout: self.timeout_ms.map(Duration::from_millis),
+                timeout_action,
+            },
+            max_bandwidth: self.max_bandwidth,
+        })
+    }
+}
+
 /// The status code and JSON body for a request.
-pub fn route(method: &Method, url: &str, vm: &VmHandle) -> (u16, serde_json::Value) {
+pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, serde_json::Value) {
     let path = url.split('?').next().unwrap_or(url).trim_end_matches('/');
     let control = |result: Result<(), crate::vm::ControlError>, state: &str| match result {
         Ok(()) => (200, json!({ "state": state })),
@@ -95,19 +143,58 @@ pub fn route(method: &Method, url: &str, vm: &VmHandle) -> (u16, serde_json::Val
             vm.stop(StopReason::Requested("API shutdown".into()));
             (200, json!({ "state": "stopped" }))
         }
-        (_, "/vm" | "/vm/pause" | "/vm/resume" | "/vm/shutdown") => (
+        (Method::Get, "/migration") => match vm.migration() {
+            Some(p) => (200, serde_json::to_value(p).unwrap_or_default()),
+            None => (
+                404,
+                json!({ "error": "no migration has been started on this VM; start one with PUT /migration or ferry migrate" }),
+            ),
+        },
+        (Method::Put, "/migration") => {
+            let request = serde_json::from_str::<MigrateBody>(body)
+                .map_err(|e| format!("bad migration request: {e}; send {{\"to\": \"HOST:PORT\", \"downtime_limit_ms\": 300, ...}}"))
+                .and_then(|b| b.request());
+            match request {
+                Err(e) => (400, json!({ "error": e })),
+                Ok(r) => match vm.start_migration(r) {
+                    Ok(_) => (202, json!({ "phase": "setup" })),
+                    Err(e @ StartError::Connect(_)) => (502, json!({ "error": e.to_string() })),
+                    Err(e) => (409, json!({ "error": e.to_string() })),
+                },
+            }
+        }
+        (Method::Put, "/migration/cancel") => match vm.cancel_migration() {
+            true => (200, json!({ "phase": "cancelling" })),
+            false => (
+                409,
+                json!({ "error": "no migration is in precopy; nothing to cancel (a switchover cannot be cancelled)" }),
+            ),
+        },
+        (
+            _,
+            "/vm" | "/vm/pause" | "/vm/resume" | "/vm/shutdown" | "/migration"
+            | "/migration/cancel",
+        ) => (
             405,
-            json!({ "error": format!("{method} is not allowed on {path}; use GET /vm or PUT /vm/pause|resume|shutdown") }),
+            json!({ "error": format!("{method} is not allowed on {path}; see GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel") }),
         ),
         _ => (
             404,
-            json!({ "error": format!("no such endpoint {path}; the API has GET /vm and PUT /vm/pause, /vm/resume, /vm/shutdown") }),
+            json!({ "error": format!("no such endpoint {path}; the API has GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel") }),
         ),
     }
 }
 
-fn answer(request: Request, vm: &VmHandle) {
-    let (code, body) = route(request.method(), request.url(), vm);
+/// Longest request body read: a migration request is a few hundred bytes.
+const MAX_BODY: u64 = 64 * 1024;
+
+fn answer(mut request: Request, vm: &VmHandle) {
+    let mut body = String::new();
+    let _ = std::io::Read::read_to_string(
+        &mut std::io::Read::take(request.as_reader(), MAX_BODY),
+        &mut body,
+    );
+    let (code, body) = route(request.method(), request.url(), &body, vm);
     let header = Header::from_bytes("Content-Type", "application/json").expect("static header");
     let response = Response::from_string(body.to_string())
         .with_status_code(code)

@@ -1,0 +1,119 @@
+//! `ferry migrate` and `ferry cancel`: start a migration of a running VM through its API
+//! socket, follow it, print the result.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use ferry_migrate::{Phase, Progress};
+use ferry_vmm::api::client;
+use serde_json::json;
+
+use crate::report;
+
+/// How often `ferry migrate` polls the source for progress.
+const POLL: Duration = Duration::from_millis(200);
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TimeoutActionArg {
+    Cancel,
+    Switchover,
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// The source VM's API socket.
+    #[arg(long)]
+    api_socket: PathBuf,
+    /// The destination, started with `ferry run --incoming tcp:HOST:PORT`.
+    #[arg(long, value_name = "tcp:HOST:PORT")]
+    to: String,
+    /// Longest pause the switchover may cause at the measured bandwidth (QEMU: downtime-limit).
+    #[arg(long, default_value = "300ms", value_parser = humantime::parse_duration)]
+    downtime_limit: Duration,
+    /// Cap on the send rate in bytes per second, e.g. 1G (QEMU: max-bandwidth). Default: none.
+    #[arg(long, value_parser = crate::parse_size)]
+    max_bandwidth: Option<u64>,
+    /// Give up converging after this long, e.g. 60s. Default: no timeout.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    timeout: Option<Duration>,
+    /// What to do at the timeout: cancel (the source keeps running) or force the switchover.
+    #[arg(long, value_enum, default_value = "cancel")]
+    timeout_action: TimeoutActionArg,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The source VM's API socket.
+    #[arg(long)]
+    api_socket: PathBuf,
+}
+
+pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
+    let to = crate::run::tcp_address(&args.to)?;
+    let body = json!({
+        "to": to,
+        "downtime_limit_ms": args.downtime_limit.as_millis() as u64,
+        "max_bandwidth": args.max_bandwidth,
+        "timeout_ms": args.timeout.map(|t| t.as_millis() as u64),
+        "timeout_action": match args.timeout_action {
+            TimeoutActionArg::Cancel => "cancel",
+            TimeoutActionArg::Switchover => "switchover",
+        },
+    });
+    client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
+        .context("could not start the migration")?;
+    let socket = args.api_socket.clone();
+    ctrlc::set_handler(move || {
+        let _ = client::request(&socket, "PUT", "/migration/cancel");
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    let progress = follow(&args.api_socket)?;
+    if let Some(stats) = &progress.stats {
+        report::print_stats(stats);
+    }
+    match progress.phase {
+        Phase::Completed => {
+            eprintln!(
+                "ferry: migration completed; the guest runs on {to}, the source VM is paused"
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => bail!(
+            "migration {:?}: {}",
+            progress.phase,
+            progress.error.unwrap_or_default()
+        ),
+    }
+}
+
+/// Polls `GET /migration` until the migration ends, printing progress.
+fn follow(socket: &std::path::Path) -> anyhow::Result<Progress> {
+    let tty = std::io::stderr().is_terminal();
+    loop {
+        let value = client::request(socket, "GET", "/migration")?;
+        let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
+        let line = report::progress_line(&p);
+        if tty {
+            eprint!("\r{line}");
+        } else {
+            eprintln!("{line}");
+        }
+        if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
+            if tty {
+                eprintln!();
+            }
+            return Ok(p);
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+pub fn cancel(args: &CancelArgs) -> anyhow::Result<ExitCode> {
+    client::request(&args.api_socket, "PUT", "/migration/cancel")?;
+    eprintln!("ferry: cancel requested; the source VM keeps running");
+    Ok(ExitCode::SUCCESS)
+}

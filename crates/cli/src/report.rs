@@ -1,0 +1,66 @@
+//! Printing migration progress and statistics, shared by `ferry migrate` and `ferry demo`.
+
+use ferry_migrate::{MigrationStats, Progress};
+
+/// One line of live progress.
+pub fn progress_line(p: &Progress) -> String {
+    format!(
+        "{:<10} pass {:>2}  remaining {:>9.1} MB  sent {:>9.1} MB  {:>7.1} MB/s  dirty {:>9.0} pages/s  expected downtime {}",
+        format!("{:?}", p.phase).to_lowercase(),
+        p.pass,
+        p.remaining_bytes as f64 / 1e6,
+        p.bytes_sent as f64 / 1e6,
+        p.bandwidth_mb_s,
+        p.dirty_rate_pages_per_s,
+        p.expected_downtime_ms
+            .map_or("-".to_string(), |d| format!("{d:.1} ms")),
+    )
+}
+
+/// The statistics as a table, then as one JSON line.
+pub fn print_stats(s: &MigrationStats) {
+    let d = &s.downtime;
+    println!(
+        "total            {:>10.1} ms (setup {:.1} ms)",
+        s.total_ms, s.setup_ms
+    );
+    println!(
+        "downtime         {:>10.1} ms = pause {:.1} + final sync {:.1} + final pages {:.1} + state save {:.1} + transfer {:.1} + load {:.1} + resume {:.1}",
+        d.total_ms,
+        d.pause_ms,
+        d.final_sync_ms,
+        d.final_pages_ms,
+        d.state_save_ms,
+        d.transfer_ms,
+        d.load_ms,
+        d.resume_ms
+    );
+    println!(
+        "sent             {:>10.1} MB at {:.1} MB/s: {} pages, {} zero pages, {} skipped as holes",
+        s.bytes_sent as f64 / 1e6,
+        s.bandwidth_mb_s,
+        s.pages_normal,
+        s.pages_zero,
+        s.pages_skipped_holes
+    );
+    println!(
+        "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms",
+        s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms
+    );
+    println!(
+        "{:>6} {:>7} {:>10} {:>11} {:>12} {:>16}",
+        "pass", "paused", "pages", "MB", "ms", "dirty pages/s"
+    );
+    for p in &s.passes {
+        println!(
+            "{:>6} {:>7} {:>10} {:>11.1} {:>12.1} {:>16.0}",
+            p.pass,
+            if p.paused { "yes" } else { "no" },
+            p.pages,
+            p.bytes as f64 / 1e6,
+            p.duration_ms,
+            p.dirty_rate_pages_per_s
+        );
+    }
+    println!("{}", serde_json::to_string(s).unwrap_or_default());
+}
