@@ -31,6 +31,12 @@ pub struct RunningVm {
 
 impl RunningVm {
     pub fn start(memory: &str, cmdline: &str) -> RunningVm {
+        RunningVm::start_with(memory, cmdline, &[])
+    }
+
+    /// A `ferry run` with extra arguments (e.g. `--incoming tcp:...`); without them, waits
+    /// for the API socket.
+    pub fn start_with(memory: &str, cmdline: &str, extra: &[&str]) -> RunningVm {
         require_kvm();
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("api.sock");
@@ -41,6 +47,7 @@ impl RunningVm {
             .arg(&serial)
             .arg("--api-socket")
             .arg(&socket)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -51,9 +58,11 @@ impl RunningVm {
             serial,
             dir,
         };
-        vm.wait_until("the API socket", Duration::from_secs(30), |vm| {
-            vm.socket.exists()
-        });
+        if extra.is_empty() {
+            vm.wait_until("the API socket", Duration::from_secs(30), |vm| {
+                vm.socket.exists()
+            });
+        }
         vm
     }
 
@@ -71,6 +80,11 @@ impl RunningVm {
             String::from_utf8_lossy(&out.stderr)
         );
         serde_json::from_slice(&out.stdout).expect("status is JSON")
+    }
+
+    /// `GET path` on the API, as JSON.
+    pub fn status_of(&self, path: &str) -> serde_json::Value {
+        ferry_vmm::api::client::request(&self.socket, "GET", path).expect("API answers")
     }
 
     pub fn control(&self, verb: &str) -> Output {

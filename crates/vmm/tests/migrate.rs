@@ -128,3 +128,96 @@ fn dirtying_guest_migrates_converges_and_verifies_clean_on_the_destination() {
         stats.bytes_sent / 1_000_000
     );
 }
+
+#[test]
+fn idle_sparse_8g_guest_migrates_without_sending_its_holes() {
+    let src = boot(8 << 30, "ws=256M rate=1 verify-ms=300 log-ms=0");
+    src.wait_for("a verify pass", Duration::from_secs(60), |g| {
+        g.verify_passes >= 1
+    });
+    let (dst, progress, _d) = migrate(&src, 8 << 30, 300);
+    let stats = progress.stats.unwrap();
+    let pages = (8u64 << 30) / 4096;
+    assert!(
+        stats.pages_skipped_holes > pages * 9 / 10,
+        "holes are skipped: {stats:?}"
+    );
+    assert!(
+        stats.bytes_sent < 400 << 20,
+        "only the touched memory is sent: {}",
+        stats.bytes_sent
+    );
+    let dh = dst.handle();
+    let resumed = dh.telemetry();
+    let after = wait_for_telemetry(
+        &dh,
+        "two verify passes on the destination",
+        Duration::from_secs(60),
+        |g| g.verify_passes >= resumed.verify_passes + 2,
+    );
+    assert_eq!(after.verify_failures, 0);
+    assert!(
+        dh.ram().allocated_bytes().unwrap() < 512 << 20,
+        "the destination stays sparse"
+    );
+    eprintln!(
+        "idle 8 GiB guest: total {:.0} ms, {} MB sent",
+        stats.total_ms,
+        stats.bytes_sent >> 20
+    );
+}
+
+#[test]
+fn cancel_mid_precopy_keeps_the_source_running_and_a_second_migration_succeeds() {
+    let src = boot(
+        1 << 30,
+        "ws=256M pattern=random rate=50 verify-ms=200 log-ms=0",
+    );
+    src.wait_for("a verify pass", Duration::from_secs(60), |g| {
+        g.verify_passes >= 1
+    });
+    let d = destination();
+    let mut incoming = Vm::incoming(config(1 << 30, "", &d.serial)).unwrap();
+    // 20 MB/s: pass 1 alone would take over ten seconds.
+    let req = request(&d, 300, Some(20_000_000));
+    let received = std::thread::scope(|s| {
+        let (incoming, listener) = (&mut incoming, &d.listener);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let r =
+            s.spawn(move || migration::receive(incoming, listener, &|| Instant::now() < deadline));
+        src.handle().start_migration(req).unwrap();
+        std::thread::sleep(Duration::from_millis(800));
+        assert!(
+            src.handle().cancel_migration(),
+            "a migration was in precopy"
+        );
+        r.join().unwrap()
+    });
+    let progress = wait_migration(&src.handle(), Duration::from_secs(30));
+    assert_eq!(progress.phase, Phase::Cancelled, "{progress:?}");
+    assert!(received.unwrap_err().to_string().contains("cancelled"));
+    assert!(
+        incoming.into_running().is_none(),
+        "nothing runs on the destination"
+    );
+    assert_eq!(src.handle().state(), RunState::Running);
+    let g = src.handle().telemetry();
+    let later = src.wait_for(
+        "verify passes after the cancel",
+        Duration::from_secs(60),
+        |t| t.verify_passes >= g.verify_passes + 2,
+    );
+    assert_eq!(later.verify_failures, 0, "the source lost nothing");
+
+    let (dst, progress, _d) = migrate(&src, 1 << 30, 300);
+    assert_eq!(progress.phase, Phase::Completed);
+    let dh = dst.handle();
+    let resumed = dh.telemetry();
+    let after = wait_for_telemetry(
+        &dh,
+        "verify passes on the destination",
+        Duration::from_secs(60),
+        |t| t.verify_passes >= resumed.verify_passes + 2,
+    );
+    assert_eq!(after.verify_failures, 0, "{:?}", after.first_failed_verify);
+}

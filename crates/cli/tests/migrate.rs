@@ -1,0 +1,182 @@
+//! Migration through the `ferry` binary: `ferry run --incoming`, `ferry migrate`, `ferry demo`,
+//! a destination killed mid-precopy, and hostile bytes sent to a waiting destination.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::{RunningVm, ferry, stderr};
+
+/// A free loopback port (bound, then released for the destination to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts a destination on a fresh port and waits until it listens. (Probing with a connection
+/// would use up the destination's one migration, so the listening socket is looked up with
+/// `ss` instead.)
+fn destination(memory: &str) -> (RunningVm, u16) {
+    let port = free_port();
+    let spec = format!("tcp:127.0.0.1:{port}");
+    let vm = RunningVm::start_with(memory, "", &["--incoming", &spec]);
+    vm.wait_until("the destination to listen", Duration::from_secs(30), |_| {
+        std::process::Command::new("ss")
+            .args(["-Htln", &format!("sport = :{port}")])
+            .output()
+            .map(|o| !o.stdout.is_empty())
+            .unwrap_or(false)
+    });
+    (vm, port)
+}
+
+#[test]
+fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
+    let src = RunningVm::start(
+        "512M",
+        "ws=128M pattern=random rate=100 verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("512M");
+    let out = ferry()
+        .args([
+            "migrate",
+            "--to",
+            &format!("tcp:127.0.0.1:{port}"),
+            "--downtime-limit",
+            "300ms",
+            "--timeout",
+            "60s",
+        ])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{}", stderr(&out), text);
+    assert!(
+        stderr(&out).contains("migration completed"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains("precopy"),
+        "live progress lines: {}",
+        stderr(&out)
+    );
+    assert!(
+        text.contains("downtime") && text.contains("\"passes\""),
+        "statistics: {text}"
+    );
+    assert_eq!(src.status()["state"], "paused", "the source ends paused");
+    dst.wait_until("the destination's API", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    let resumed = dst.status()["guest"]["verify_passes"].as_u64().unwrap();
+    dst.wait_until(
+        "verify passes on the destination",
+        Duration::from_secs(60),
+        |vm| vm.status()["guest"]["verify_passes"].as_u64() >= Some(resumed + 3),
+    );
+    let s = dst.status();
+    assert_eq!(s["guest"]["verify_failures"], 0, "{s:#}");
+    assert!(s["guest"]["migration_pause_ns"].as_u64().is_some(), "{s:#}");
+}
+
+#[test]
+fn killing_the_destination_mid_precopy_leaves_the_source_running() {
+    let src = RunningVm::start(
+        "1G",
+        "ws=512M pattern=random rate=50 verify-ms=300 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (mut dst, port) = destination("1G");
+    let migrate = ferry()
+        .args([
+            "migrate",
+            "--to",
+            &format!("tcp:127.0.0.1:{port}"),
+            "--max-bandwidth",
+            "20M",
+        ])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    dst.child.kill().unwrap();
+    let out = migrate.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the migration must fail");
+    let before = src.status();
+    assert_eq!(before["state"], "running", "{before:#}");
+    assert_eq!(src.status_of("/migration")["phase"], "failed");
+    let passes = before["guest"]["verify_passes"].as_u64().unwrap();
+    src.wait_until(
+        "verify passes after the failure",
+        Duration::from_secs(60),
+        |vm| vm.status()["guest"]["verify_passes"].as_u64() >= Some(passes + 2),
+    );
+    assert_eq!(src.status()["guest"]["verify_failures"], 0);
+}
+
+#[test]
+fn a_destination_refuses_hostile_streams_and_runs_no_guest() {
+    let cases: [(&str, Vec<u8>); 3] = [
+        ("bad magic", b"NOTFERRY".repeat(8)),
+        ("truncated hello", b"FERRYMIG".to_vec()),
+        ("wrong version", {
+            let mut h = b"FERRYMIG".to_vec();
+            h.extend_from_slice(&99u32.to_le_bytes());
+            h.resize(64, 0);
+            h
+        }),
+    ];
+    for (name, bytes) in cases {
+        let (dst, port) = destination("256M");
+        let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let _ = c.write_all(&bytes);
+        drop(c);
+        let out = dst.finish(Duration::from_secs(30));
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{name}: the destination must fail");
+        assert!(
+            err.contains("the incoming migration failed; no guest runs here"),
+            "{name}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn ferry_demo_migrates_and_the_guest_verifies_clean() {
+    common::require_kvm();
+    let out = ferry()
+        .args([
+            "demo",
+            "--memory",
+            "1G",
+            "--ws",
+            "256M",
+            "--rate",
+            "100",
+            "--verify-passes",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{}", stderr(&out), text);
+    assert!(text.contains("guest verdict: CLEAN"), "{text}");
+    assert!(text.contains("downtime"), "{text}");
+}
