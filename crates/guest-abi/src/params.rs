@@ -13,6 +13,8 @@
 //! | `run-ms` | ms, 0 = forever | 0 | halt the guest after this long |
 //! | `fault-after-ms` | ms, 0 = never | 0 | raise #UD at CPL3 after this long (tests the exception path) |
 //! | `seed` | integer | 1 | seed of the random and hot/cold patterns |
+//! | `fill` | `stamp`, `random` | `stamp` | page content: a stamp word and zeros, or every word derived from the stamp |
+//! | `prefill` | `0`, `1` | `0` | write every working-set page once before the workload starts |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
 //! before boot so that a bad command line is refused with a message instead of a halted guest.
@@ -96,6 +98,18 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "1",
         "seed of the random and hotcold patterns",
     ),
+    (
+        "fill",
+        "stamp | random",
+        "stamp",
+        "page content: stamp word + zeros, or all words derived from the stamp",
+    ),
+    (
+        "prefill",
+        "0 | 1",
+        "0",
+        "write every working-set page once before the workload starts",
+    ),
 ];
 
 /// Which page each write of the workload goes to.
@@ -137,6 +151,15 @@ pub enum Rate {
     MegabytesPerSecond(u32),
 }
 
+/// What a written page holds besides its stamp word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// Zeros: a page compresses to its stamp.
+    Stamp,
+    /// Every word derived from the stamp ([`crate::stamp::fill_word`]): incompressible data.
+    Random,
+}
+
 /// A parsed command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
@@ -152,6 +175,8 @@ pub struct Params {
     pub run_ms: u32,
     pub fault_after_ms: u32,
     pub seed: u64,
+    pub fill: Fill,
+    pub prefill: bool,
 }
 
 impl Default for Params {
@@ -168,6 +193,8 @@ impl Default for Params {
             run_ms: 0,
             fault_after_ms: 0,
             seed: 1,
+            fill: Fill::Stamp,
+            prefill: false,
         }
     }
 }
@@ -271,6 +298,20 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                 p.fault_after_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?
             }
             "seed" => p.seed = parse_u64(value).ok_or(bad("a non-negative integer"))?,
+            "fill" => {
+                p.fill = match value {
+                    "stamp" => Fill::Stamp,
+                    "random" => Fill::Random,
+                    _ => return Err(bad("stamp or random")),
+                }
+            }
+            "prefill" => {
+                p.prefill = match value {
+                    "0" => false,
+                    "1" => true,
+                    _ => return Err(bad("0 or 1")),
+                }
+            }
             _ => return Err(ParamError::UnknownKey(key)),
         }
     }
@@ -357,6 +398,8 @@ mod tests {
             ("heartbeat-ms=0", "at least 1"),
             ("verify-ms=-1", "milliseconds"),
             ("run-ms=99999999999", "milliseconds"),
+            ("fill=lots", "stamp or random"),
+            ("prefill=yes", "0 or 1"),
             (
                 "frobnicate=1",
                 "unknown guest parameter 'frobnicate'; known keys are: ws rate",

@@ -36,6 +36,14 @@ pub fn expected_word(pfn: u64, generation: u32, zero_percent: u8) -> u64 {
     }
 }
 
+/// Word `i` (1..512) of a page written with `fill=random` whose stamp word is `stamp`: every
+/// word differs and depends on the stamp, so the page is incompressible and a stale or
+/// misplaced copy is caught anywhere in it.
+#[inline(always)]
+pub fn fill_word(stamp: u64, i: u64) -> u64 {
+    mix(stamp ^ i.wrapping_mul(0xd6e8_feb8_6659_fd93))
+}
+
 /// The frame number and generation a stamp names (for error messages).
 pub fn decode(word: u64) -> (u64, u32) {
     (word >> 32, word as u32)
@@ -87,6 +95,14 @@ mod tests {
                 "pct {pct}: {zeros} zero writes, want ~{want}"
             );
         }
+    }
+
+    #[test]
+    fn fill_words_differ_and_follow_the_stamp() {
+        let a = expected_word(9, 1, 0);
+        assert_ne!(fill_word(a, 1), fill_word(a, 2));
+        assert_ne!(fill_word(a, 1), fill_word(expected_word(9, 2, 0), 1));
+        assert_ne!(fill_word(a, 1), 0);
     }
 
     #[test]

@@ -67,11 +67,7 @@ impl Observation {
 /// Switch over when the rest fits in the downtime limit at the measured bandwidth; otherwise
 /// iterate until the timeout, then do what the policy says.
 pub fn decide(policy: &Policy, now: &Observation) -> Decision {
-    if now.remaining_bytes == 0
-        || now
-            .expected_downtime()
-            .is_some_and(|d| d <= policy.downtime_limit)
-    {
+    if fits(policy, now) {
         return Decision::Switchover;
     }
     match policy.timeout {
@@ -81,6 +77,14 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
         },
         _ => Decision::Iterate,
     }
+}
+
+/// Whether what is left can be sent within the downtime limit at the measured bandwidth.
+pub fn fits(policy: &Policy, now: &Observation) -> bool {
+    now.remaining_bytes == 0
+        || now
+            .expected_downtime()
+            .is_some_and(|d| d <= policy.downtime_limit)
 }
 
 #[cfg(test)]

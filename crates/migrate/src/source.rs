@@ -178,7 +178,10 @@ impl Source<'_> {
                 p.elapsed_ms = ms(now.elapsed);
             });
             match policy::decide(&self.params.policy, &now) {
-                Decision::Switchover => break,
+                Decision::Switchover => {
+                    self.stats.converged = policy::fits(&self.params.policy, &now);
+                    break;
+                }
                 Decision::Cancel => {
                     return Err(MigrateError::Timeout(
                         self.params.policy.timeout.unwrap_or_default(),

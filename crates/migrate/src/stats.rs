@@ -48,6 +48,9 @@ pub struct MigrationStats {
     pub cpu_seconds_destination: f64,
     /// Longest dirty sync (the bounded-step promise, measured).
     pub max_sync_ms: f64,
+    /// Whether the switchover came because the rest fit the downtime limit (rather than the
+    /// timeout forcing it).
+    pub converged: bool,
 }
 
 /// CPU time this thread has used, in ns.

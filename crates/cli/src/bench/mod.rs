@@ -3,6 +3,7 @@
 //! nested machines drift.
 
 mod guest;
+mod precopy;
 
 use std::process::ExitCode;
 
@@ -12,10 +13,13 @@ use clap::Subcommand;
 pub enum BenchCommand {
     /// The built-in guest's page-write rate at CPL3, against the same loop run on the host.
     Guest(guest::GuestBenchArgs),
+    /// Precopy scenarios on the built-in guest, against raw loopback TCP.
+    Precopy(precopy::PrecopyBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Guest(args) => guest::run(&args),
+        BenchCommand::Precopy(args) => precopy::run(&args),
     }
 }

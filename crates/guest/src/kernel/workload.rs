@@ -5,7 +5,7 @@ use ferry_guest::pace::Pace;
 use ferry_guest::pattern::Picker;
 use ferry_guest::plan::{self, Plan, PlanError};
 use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
-use ferry_guest_abi::params::{self, Params, Pattern, Rate};
+use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
 use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
 use ferry_guest_abi::stamp::{expected_word, next_generation};
 use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
@@ -198,7 +198,34 @@ impl Workload {
         }
     }
 
+    /// Writes the page at `pfn` for generation `generation`, as `fill=` says.
+    #[inline(always)]
+    fn store(&self, pfn: u64, generation: u32) {
+        let word = expected_word(pfn, generation, self.p.zero_percent);
+        match self.p.fill {
+            Fill::Stamp => memory::write_stamp(pfn, word),
+            Fill::Random => memory::write_filled(pfn, word),
+        }
+    }
+
+    /// `prefill=1`: every page once, in order, before the workload (and its clock) starts.
+    fn prefill(&mut self) {
+        let extents = self.plan.extents;
+        for e in &extents[..self.plan.extent_count] {
+            for k in 0..e.pages {
+                let index = (e.first_index + k) as usize;
+                self.record[index] = next_generation(self.record[index]);
+                self.store(e.first_pfn + k, self.record[index]);
+            }
+        }
+        self.counters.pages_written += self.plan.pages;
+        sprintln!("ferry-guest: prefilled {} pages", self.plan.pages);
+    }
+
     fn run(mut self) -> ! {
+        if self.p.prefill {
+            self.prefill();
+        }
         let every = |ms: u32| u64::from(ms) * MS;
         let mut next_heartbeat = 0;
         let mut next_log = every(self.p.log_ms);
@@ -270,12 +297,10 @@ impl Workload {
                 .unwrap_or_default();
             let run = n.min(extent.first_index + extent.pages - index);
             let first_pfn = extent.first_pfn + (index - extent.first_index);
-            let zero = self.p.zero_percent;
-            let records = &mut self.record[index as usize..(index + run) as usize];
-            for (k, generation) in records.iter_mut().enumerate() {
-                let pfn = first_pfn + k as u64;
-                *generation = next_generation(*generation);
-                memory::write_stamp(pfn, expected_word(pfn, *generation, zero));
+            for k in 0..run {
+                let i = (index + k) as usize;
+                self.record[i] = next_generation(self.record[i]);
+                self.store(first_pfn + k, self.record[i]);
             }
             self.cursor = (index + run) % self.plan.pages;
             n -= run;
@@ -283,13 +308,10 @@ impl Workload {
     }
 
     fn write_picked(&mut self, n: u64) {
-        let zero = self.p.zero_percent;
         for _ in 0..n {
-            let index = self.picker.next_index();
-            let pfn = self.plan.pfn(index);
-            let generation = &mut self.record[index as usize];
-            *generation = next_generation(*generation);
-            memory::write_stamp(pfn, expected_word(pfn, *generation, zero));
+            let index = self.picker.next_index() as usize;
+            self.record[index] = next_generation(self.record[index]);
+            self.store(self.plan.pfn(index as u64), self.record[index]);
         }
     }
 
@@ -305,7 +327,11 @@ impl Workload {
             for (k, &generation) in records.iter().enumerate() {
                 let pfn = e.first_pfn + k as u64;
                 let want = expected_word(pfn, generation, zero);
-                if !memory::page_matches(pfn, want) {
+                let good = match self.p.fill {
+                    Fill::Stamp => memory::page_matches(pfn, want),
+                    Fill::Random => memory::page_matches_filled(pfn, want),
+                };
+                if !good {
                     if (bad as usize) < listed.len() {
                         listed[bad as usize] = pfn;
                     }

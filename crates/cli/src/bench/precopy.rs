@@ -1,0 +1,229 @@
+//! `ferry bench precopy`: precopy on the built-in guest, scenario by scenario, against a raw
+//! single-stream loopback TCP transfer of the same byte count measured in the same run.
+//!
+//! Scenarios (issue 3's list): an idle 8 GiB guest with 256 MiB touched; 2 GiB of random data
+//! with the guest idle; a 1 GiB working set dirtied at 100, 400 and 1000 MB/s with downtime
+//! limits of 300 and 50 ms. Each migrates between two VMs of this process over loopback with a
+//! 30 s timeout that forces the switchover, so every row has a downtime; `converged` says
+//! whether the limit or the timeout ended precopy.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use ferry_migrate::{MigrationStats, Phase, Policy, TimeoutAction};
+use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
+use serde_json::json;
+
+#[derive(Debug, Args)]
+pub struct PrecopyBenchArgs {
+    /// Only the first N scenarios (for a quick look).
+    #[arg(long)]
+    only: Option<usize>,
+}
+
+struct Scenario {
+    name: String,
+    memory: u64,
+    cmdline: String,
+    downtime: Duration,
+}
+
+const GIB: u64 = 1 << 30;
+/// Heartbeats every 2 ms: the guest-observed pause is measured to that resolution.
+const GUEST: &str = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2";
+
+fn scenarios() -> Vec<Scenario> {
+    let mut v = vec![
+        Scenario {
+            name: "idle 8G, 256M touched".into(),
+            memory: 8 * GIB,
+            cmdline: format!("ws=256M rate=1 {GUEST}"),
+            downtime: Duration::from_millis(300),
+        },
+        Scenario {
+            name: "2G random data, idle".into(),
+            memory: 3 * GIB,
+            cmdline: format!("ws=2G fill=random rate=1 {GUEST}"),
+            downtime: Duration::from_millis(300),
+        },
+    ];
+    for rate in [100, 400, 1000] {
+        for limit in [300, 50] {
+            v.push(Scenario {
+                name: format!("1G ws @ {rate} MB/s, {limit} ms"),
+                memory: 2 * GIB,
+                cmdline: format!("ws=1G pattern=random rate={rate} {GUEST}"),
+                downtime: Duration::from_millis(limit),
+            });
+        }
+    }
+    v
+}
+
+pub fn run(args: &PrecopyBenchArgs) -> anyhow::Result<ExitCode> {
+    println!(
+        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>9} {:>8} {:>8} {:>6}",
+        "scenario",
+        "conv",
+        "total ms",
+        "down ms",
+        "pause ms",
+        "passes",
+        "MB sent",
+        "MB/s",
+        "raw MB/s",
+        "ratio"
+    );
+    let mut rows = Vec::new();
+    for s in scenarios()
+        .into_iter()
+        .take(args.only.unwrap_or(usize::MAX))
+    {
+        let (stats, pause_ms) =
+            migrate_once(&s).with_context(|| format!("scenario '{}'", s.name))?;
+        let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
+        let data_mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
+        let raw_mb_s = raw_tcp(stats.bytes_sent.max(1 << 20))? / 1e6;
+        println!(
+            "{:<26} {:>5} {:>9.0} {:>9.1} {:>9.1} {:>6} {:>9.1} {:>8.0} {:>8.0} {:>6.2}",
+            s.name,
+            if stats.converged { "yes" } else { "no" },
+            stats.total_ms,
+            stats.downtime.total_ms,
+            pause_ms,
+            stats.passes.len(),
+            stats.bytes_sent as f64 / 1e6,
+            data_mb_s,
+            raw_mb_s,
+            data_mb_s / raw_mb_s
+        );
+        rows.push(json!({
+            "bench": "precopy", "scenario": s.name, "downtime_limit_ms": s.downtime.as_millis() as u64,
+            "converged": stats.converged, "total_ms": stats.total_ms, "downtime_ms": stats.downtime.total_ms,
+            "guest_pause_ms": pause_ms, "passes": stats.passes.len(), "bytes_sent": stats.bytes_sent,
+            "data_mb_s": data_mb_s, "raw_tcp_mb_s": raw_mb_s, "ratio": data_mb_s / raw_mb_s,
+            "stats": stats,
+        }));
+    }
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
+/// and the pause the guest saw (ms).
+fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
+    let config = VmConfig {
+        memory_bytes: s.memory,
+        vcpus: 1,
+        kernel: Arc::from(ferry_guest_image::ELF),
+        cmdline: s.cmdline.clone(),
+        guest: GuestKind::FerryGuest,
+        serial: SerialOutput::Discard,
+    };
+    let source = Vm::boot(config.clone())?;
+    let src = source.handle();
+    wait(&src, Duration::from_secs(120), |h| {
+        let t = h.telemetry();
+        t.config
+            .as_ref()
+            .is_some_and(|c| t.pages_written >= c.working_set_pages)
+            && t.heartbeats > 100
+    })
+    .context("the guest did not finish its prefill")?;
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let mut incoming = Vm::incoming(config)?;
+    let request = MigrationRequest {
+        to: listener.local_addr()?.to_string(),
+        policy: Policy {
+            downtime_limit: s.downtime,
+            timeout: Some(Duration::from_secs(30)),
+            timeout_action: TimeoutAction::Switchover,
+        },
+        max_bandwidth: None,
+    };
+    let received = std::thread::scope(|scope| {
+        let (incoming, listener) = (&mut incoming, &listener);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let r = scope
+            .spawn(move || migration::receive(incoming, listener, &|| Instant::now() < deadline));
+        let started = src.start_migration(request).map(|_| ());
+        (started, r.join().expect("receiver"))
+    });
+    received.0?;
+    received.1.context("destination")?;
+    wait(&src, Duration::from_secs(120), |h| {
+        h.migration()
+            .is_some_and(|p| !matches!(p.phase, Phase::Setup | Phase::Precopy | Phase::Switchover))
+    })?;
+    let progress = src.migration().context("no migration")?;
+    if progress.phase != Phase::Completed {
+        bail!(
+            "migration {:?}: {}",
+            progress.phase,
+            progress.error.unwrap_or_default()
+        );
+    }
+    let destination = incoming
+        .into_running()
+        .context("the destination did not resume")?;
+    let dst = destination.handle();
+    wait(&dst, Duration::from_secs(10), |h| {
+        h.telemetry().migration_pause_ns.is_some()
+    })?;
+    let pause_ms = dst.telemetry().migration_pause_ns.unwrap_or(0) as f64 / 1e6;
+    src.stop(StopReason::Requested("benchmark done".into()));
+    dst.stop(StopReason::Requested("benchmark done".into()));
+    Ok((progress.stats.context("no statistics")?, pause_ms))
+}
+
+fn wait(h: &VmHandle, timeout: Duration, done: impl Fn(&VmHandle) -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done(h) {
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?}: {:?}", h.status().stop_reason);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// Bytes per second of one loopback TCP stream carrying `bytes` from a writer thread to a
+/// reader thread, in 1 MiB writes and reads: the reference a migration's data rate is held to.
+fn raw_tcp(bytes: u64) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<u64> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0;
+        loop {
+            match s.read(&mut buf)? {
+                0 => return Ok(total),
+                n => total += n as u64,
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let chunk = vec![0x5au8; 1 << 20];
+    let start = Instant::now();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        s.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    drop(s);
+    let received = reader.join().expect("reader thread")?;
+    let elapsed = start.elapsed().as_secs_f64();
+    anyhow::ensure!(received == bytes, "the reference stream lost bytes");
+    Ok(bytes as f64 / elapsed)
+}
