@@ -54,21 +54,9 @@ impl TestVm {
         timeout: Duration,
         done: impl Fn(&GuestTelemetry) -> bool,
     ) -> GuestTelemetry {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let t = self.vm.handle().telemetry();
-            if done(&t) {
-                return t;
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "timed out after {timeout:?} waiting for {what}\ntelemetry: {t:#?}\nstate: {:?}\nserial:\n{}",
-                    self.vm.handle().status().stop_reason,
-                    self.serial_log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        poll(&self.vm.handle(), what, timeout, done, || {
+            format!("serial:\n{}", self.serial_log())
+        })
     }
 
     /// Waits until the serial log contains `text` (the UART is slower than telemetry: a
@@ -103,6 +91,16 @@ pub fn wait_for_telemetry(
     timeout: Duration,
     done: impl Fn(&GuestTelemetry) -> bool,
 ) -> GuestTelemetry {
+    poll(h, what, timeout, done, String::new)
+}
+
+fn poll(
+    h: &ferry_vmm::VmHandle,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&GuestTelemetry) -> bool,
+    context: impl Fn() -> String,
+) -> GuestTelemetry {
     let deadline = Instant::now() + timeout;
     loop {
         let t = h.telemetry();
@@ -111,8 +109,9 @@ pub fn wait_for_telemetry(
         }
         if Instant::now() > deadline {
             panic!(
-                "timed out after {timeout:?} waiting for {what}\ntelemetry: {t:#?}\nstate: {:?}",
-                h.status().stop_reason
+                "timed out after {timeout:?} waiting for {what}\ntelemetry: {t:#?}\nstate: {:?}\n{}",
+                h.status().stop_reason,
+                context()
             );
         }
         std::thread::sleep(Duration::from_millis(20));
