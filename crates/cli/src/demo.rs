@@ -39,6 +39,12 @@ pub struct DemoArgs {
     /// Verify passes the guest must complete on the destination before the verdict.
     #[arg(long, default_value_t = 3)]
     verify_passes: u64,
+    /// Data channels (QEMU: multifd-channels).
+    #[arg(long, default_value_t = ferry_migrate::source::DEFAULT_CHANNELS)]
+    channels: u16,
+    /// Where zero pages are found: inline (sender threads), offload (a scanning thread), none.
+    #[arg(long, value_enum, default_value = "inline")]
+    zero_detection: crate::migrate::ZeroDetectionArg,
 }
 
 /// Longest the demo waits for any one stage.
@@ -77,15 +83,17 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let to = listener.local_addr()?.to_string();
     let mut incoming = Vm::incoming(config)?;
     println!("ferry demo: destination VM waiting on {to}; migrating");
-    let request = MigrationRequest {
+    let mut request = MigrationRequest::new(
         to,
-        policy: Policy {
+        Policy {
             downtime_limit: args.downtime_limit,
             timeout: Some(Duration::from_secs(60)),
             timeout_action: TimeoutAction::Switchover,
         },
-        max_bandwidth: args.max_bandwidth,
-    };
+    );
+    request.max_bandwidth = args.max_bandwidth;
+    request.channels = args.channels;
+    request.zero = args.zero_detection.into();
     let received = std::thread::scope(|s| {
         let receiver = s.spawn(|| {
             let deadline = Instant::now() + STAGE_TIMEOUT;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
+use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::{Phase, Progress};
 use ferry_vmm::api::client;
 use serde_json::json;
@@ -21,6 +22,23 @@ const POLL: Duration = Duration::from_millis(200);
 pub enum TimeoutActionArg {
     Cancel,
     Switchover,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ZeroDetectionArg {
+    Inline,
+    Offload,
+    None,
+}
+
+impl From<ZeroDetectionArg> for ZeroDetection {
+    fn from(z: ZeroDetectionArg) -> ZeroDetection {
+        match z {
+            ZeroDetectionArg::Inline => ZeroDetection::Inline,
+            ZeroDetectionArg::Offload => ZeroDetection::Offload,
+            ZeroDetectionArg::None => ZeroDetection::None,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -43,6 +61,17 @@ pub struct MigrateArgs {
     /// What to do at the timeout: cancel (the source keeps running) or force the switchover.
     #[arg(long, value_enum, default_value = "cancel")]
     timeout_action: TimeoutActionArg,
+    /// Data channels, each a TCP connection with a sender and a receiver thread (QEMU:
+    /// multifd-channels).
+    #[arg(long, default_value_t = ferry_migrate::source::DEFAULT_CHANNELS)]
+    channels: u16,
+    /// Bytes of pages per batch on a data channel, a multiple of 4K up to 2M.
+    #[arg(long, default_value = "512K", value_parser = crate::parse_size)]
+    packet_size: u64,
+    /// Where zero pages are found: inline (sender threads), offload (a scanning thread per
+    /// channel), none (every page sent as data, for measurements).
+    #[arg(long, value_enum, default_value = "inline")]
+    zero_detection: ZeroDetectionArg,
 }
 
 #[derive(Debug, Args)]
@@ -59,10 +88,13 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "downtime_limit_ms": args.downtime_limit.as_millis() as u64,
         "max_bandwidth": args.max_bandwidth,
         "timeout_ms": args.timeout.map(|t| t.as_millis() as u64),
-        "timeout_action": match args.timeout_action {
+                "timeout_action": match args.timeout_action {
             TimeoutActionArg::Cancel => "cancel",
             TimeoutActionArg::Switchover => "switchover",
         },
+        "channels": args.channels,
+        "packet_size": args.packet_size,
+        "zero_detection": ZeroDetection::from(args.zero_detection),
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;

@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams};
@@ -16,14 +16,36 @@ const MIB: u64 = 1 << 20;
 /// Parameters with a 1 s timeout that forces the switchover: a fast fake writer may never let
 /// precopy converge, and the properties tested here must hold either way.
 fn params(downtime_ms: u64, max_bandwidth: Option<u64>) -> SourceParams {
+    let policy = Policy {
+        downtime_limit: Duration::from_millis(downtime_ms),
+        timeout: Some(Duration::from_secs(1)),
+        timeout_action: TimeoutAction::Switchover,
+    };
     SourceParams {
-        policy: Policy {
-            downtime_limit: Duration::from_millis(downtime_ms),
-            timeout: Some(Duration::from_secs(1)),
-            timeout_action: TimeoutAction::Switchover,
-        },
         max_bandwidth,
-        uuid: [3; 16],
+        ..SourceParams::new(policy, [3; 16])
+    }
+}
+
+/// Accepts data channels on `listener` until `deadline` (shortened to 2 s for tests).
+fn acceptor(listener: &TcpListener) -> impl FnMut(Instant) -> std::io::Result<TcpStream> + '_ {
+    move |deadline: Instant| {
+        listener.set_nonblocking(true)?;
+        let deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+        loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false)?;
+                    return Ok(s);
+                }
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 
@@ -40,8 +62,12 @@ fn migrate(
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {
-        let receiver = s.spawn(|| destination::receive(dst, listener.accept().unwrap().0));
-        let sent = source::migrate(src, TcpStream::connect(addr).unwrap(), p, control);
+        let receiver = s.spawn(|| {
+            let main = listener.accept().unwrap().0;
+            destination::receive(dst, main, &mut acceptor(&listener))
+        });
+        let connect = || TcpStream::connect(addr);
+        let sent = source::migrate(src, TcpStream::connect(addr).unwrap(), &connect, p, control);
         (sent, receiver.join().unwrap())
     })
 }
@@ -161,6 +187,15 @@ fn cancel_leaves_the_source_running_and_a_second_migration_succeeds() {
     assert!(src.contents() == dst.contents());
 }
 
+/// Reads a hello from `s` and answers it as an accepting destination of `memory` bytes.
+fn accept_hello(s: &mut TcpStream, memory: u64) {
+    let mut hello = [0u8; wire::HELLO_SIZE];
+    s.read_exact(&mut hello).unwrap();
+    let mut reply = Hello::decode(&hello).unwrap();
+    reply.memory_size = memory;
+    s.write_all(&reply.encode()).unwrap();
+}
+
 #[test]
 fn a_dead_destination_leaves_the_source_running() {
     let mut src = FakeVm::new(32 * MIB, 1);
@@ -174,19 +209,22 @@ fn a_dead_destination_leaves_the_source_running() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let killer = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut hello = [0u8; wire::HELLO_SIZE];
-        s.read_exact(&mut hello).unwrap();
-        let mut reply = Hello::decode(&hello).unwrap();
-        reply.memory_size = 32 * MIB;
-        s.write_all(&reply.encode()).unwrap();
+        let mut streams: Vec<TcpStream> = (0..3)
+            .map(|_| {
+                let mut s = listener.accept().unwrap().0;
+                accept_hello(&mut s, 32 * MIB);
+                s
+            })
+            .collect();
         let mut sink = vec![0u8; 1 << 20];
-        s.read_exact(&mut sink).unwrap();
-        // The destination dies: the socket closes mid-precopy.
+        streams[1].read_exact(&mut sink).unwrap();
+        // The destination dies: every socket closes mid-precopy.
     });
+    let connect = || TcpStream::connect(addr);
     let r = source::migrate(
         &mut src,
         TcpStream::connect(addr).unwrap(),
+        &connect,
         &params(300, Some(50_000_000)),
         &Control::default(),
     );
@@ -219,33 +257,51 @@ fn memory_size_mismatch_is_refused_on_both_sides() {
     assert!(!src.is_paused());
 }
 
-/// Sends `bytes` to a fresh fake destination of 8 MiB and returns its error.
-fn feed(bytes: &[u8]) -> String {
+/// A crafted migration: the main connection's bytes, then each data connection's bytes
+/// (each connection is opened in order and written whole).
+fn feed(main: &[u8], data: &[Vec<u8>]) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let mut dst = FakeVm::new(8 * MIB, 1);
     std::thread::scope(|s| {
-        let receiver = s.spawn(|| destination::receive(&mut dst, listener.accept().unwrap().0));
-        let mut c = TcpStream::connect(addr).unwrap();
-        let _ = c.write_all(bytes);
-        let _ = c.shutdown(std::net::Shutdown::Write);
-        let mut sink = Vec::new();
-        let _ = c.read_to_end(&mut sink);
+        let receiver = s.spawn(|| {
+            let main = listener.accept().unwrap().0;
+            destination::receive(&mut dst, main, &mut acceptor(&listener))
+        });
+        let mut conns = vec![TcpStream::connect(addr).unwrap()];
+        let _ = conns[0].write_all(main);
+        for d in data {
+            let mut c = TcpStream::connect(addr).unwrap();
+            let _ = c.write_all(d);
+            conns.push(c);
+        }
+        for c in &conns {
+            let _ = c.shutdown(std::net::Shutdown::Write);
+        }
         let r = receiver.join().unwrap();
         r.expect_err("a bad stream must be refused").to_string()
     })
 }
 
-fn hello(memory: u64) -> Vec<u8> {
+fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> Vec<u8> {
     Hello {
-        role: Role::Main,
-        channel: 0,
-        uuid: [1; 16],
+        role,
+        channel,
+        uuid: [uuid; 16],
         memory_size: memory,
         status: 0,
+        channels,
     }
     .encode()
     .to_vec()
+}
+
+fn main_hello() -> Vec<u8> {
+    hello(Role::Main, 0, 1, 8 * MIB, 1)
+}
+
+fn data_hello(channel: u16) -> Vec<u8> {
+    hello(Role::Data, channel, 1, 8 * MIB, 1)
 }
 
 fn record(h: Header, payload: &[u8]) -> Vec<u8> {
@@ -263,83 +319,189 @@ fn pages(gpas: &[u64]) -> Vec<u8> {
     v
 }
 
+fn zero_runs(runs: &[(u64, u64)]) -> Vec<u8> {
+    let mut v = record(Header::zero_runs(runs.len() as u32), &[]);
+    for &(g, n) in runs {
+        v.extend_from_slice(&g.to_le_bytes());
+        v.extend_from_slice(&n.to_le_bytes());
+    }
+    v
+}
+
+fn end(pass: u32) -> Vec<u8> {
+    record(Header::new(Kind::EndOfPass, pass, 0), &[])
+}
+
 fn cat(parts: &[Vec<u8>]) -> Vec<u8> {
     parts.concat()
 }
 
+/// A crafted stream: name, main connection bytes, data connections' bytes, expected error.
+type Crafted = (&'static str, Vec<u8>, Vec<Vec<u8>>, &'static str);
+
 #[test]
 fn crafted_bad_streams_are_refused_with_a_clear_error() {
-    let ok = hello(8 * MIB);
-    let end1 = record(Header::new(Kind::EndOfPass, 1, 0), &[]);
+    let ok = main_hello();
     let state = record(Header::device_state(SectionId::Vcpu, 1, 3), b"abc");
+    let complete = record(Header::new(Kind::Complete, 0, 0), &[]);
     let mut bad_magic = ok.clone();
     bad_magic[0] = b'X';
     let mut bad_version = ok.clone();
     bad_version[8] = 9;
-    let full = cat(&[ok.clone(), pages(&[0x1000]), end1.clone(), state.clone()]);
-    let table: Vec<(&str, Vec<u8>, &str)> = vec![
-        ("bad magic", bad_magic, "bad magic"),
+    let good_data = cat(&[
+        data_hello(1),
+        pages(&[0x1000]),
+        zero_runs(&[(0x4000, 2)]),
+        end(1),
+    ]);
+    // (name, main bytes, data channel bytes, expected error)
+    let table: Vec<Crafted> = vec![
+        ("bad magic", bad_magic, vec![], "bad magic"),
         (
             "bad version",
             bad_version,
+            vec![],
             "protocol version 9 is not supported",
         ),
-        ("wrong memory size", hello(16 * MIB), "memory sizes differ"),
+        (
+            "wrong memory size",
+            hello(Role::Main, 0, 1, 16 * MIB, 1),
+            vec![],
+            "memory sizes differ",
+        ),
+        (
+            "no channels",
+            hello(Role::Main, 0, 1, 8 * MIB, 0),
+            vec![],
+            "0 data channels announced",
+        ),
+        (
+            "data role first",
+            data_hello(1),
+            vec![],
+            "the first connection must be the main channel",
+        ),
         (
             "truncated hello",
             ok[..20].to_vec(),
+            vec![],
             "closed the connection while reading the hello",
         ),
+        // Data channel handshake misuse.
         (
-            "truncated header",
-            cat(&[ok.clone(), vec![1, 0, 0]]),
-            "closed the connection while receiving the migration",
+            "unknown uuid",
+            ok.clone(),
+            vec![hello(Role::Data, 1, 9, 8 * MIB, 1)],
+            "not the one in progress",
         ),
         (
-            "truncated page",
-            full[..ok.len() + 16 + 8 + 100].to_vec(),
-            "closed the connection while receiving pages",
+            "channel id out of range",
+            ok.clone(),
+            vec![data_hello(2)],
+            "out of range 1..=1",
         ),
         (
-            "truncated before Complete",
-            full.clone(),
-            "closed the connection",
+            "channel id zero",
+            ok.clone(),
+            vec![data_hello(0)],
+            "out of range 1..=1",
         ),
+        (
+            "duplicate channel",
+            hello(Role::Main, 0, 1, 8 * MIB, 2),
+            vec![
+                hello(Role::Data, 1, 1, 8 * MIB, 2),
+                hello(Role::Data, 1, 1, 8 * MIB, 2),
+            ],
+            "data channel 1 connected twice",
+        ),
+        (
+            "channel never connects",
+            hello(Role::Main, 0, 1, 8 * MIB, 2),
+            vec![hello(Role::Data, 1, 1, 8 * MIB, 2)],
+            "data channel(s) 2 never connected",
+        ),
+        (
+            "second main connection",
+            ok.clone(),
+            vec![main_hello()],
+            "extra connections must be data channels",
+        ),
+        // Page records on a data channel.
         (
             "address out of range",
-            cat(&[ok.clone(), pages(&[8 * MIB])]),
+            ok.clone(),
+            vec![cat(&[data_hello(1), pages(&[8 * MIB])])],
             "outside guest RAM",
         ),
         (
-            "address in the gap",
-            cat(&[ok.clone(), pages(&[1 << 40])]),
+            "address far out",
+            ok.clone(),
+            vec![cat(&[data_hello(1), pages(&[1 << 40])])],
             "outside guest RAM",
         ),
         (
             "unaligned address",
-            cat(&[ok.clone(), pages(&[0x1001])]),
+            ok.clone(),
+            vec![cat(&[data_hello(1), pages(&[0x1001])])],
             "not page aligned",
         ),
         (
+            "unordered addresses",
+            ok.clone(),
+            vec![cat(&[data_hello(1), pages(&[0x2000, 0x1000])])],
+            "not strictly increasing",
+        ),
+        (
+            "page twice in a pass",
+            ok.clone(),
+            vec![cat(&[data_hello(1), pages(&[0x1000]), pages(&[0x1000])])],
+            "sent twice in one pass",
+        ),
+        (
+            "zero run leaves RAM",
+            ok.clone(),
+            vec![cat(&[data_hello(1), zero_runs(&[(8 * MIB - 4096, 2)])])],
+            "leaves its RAM region",
+        ),
+        (
+            "empty zero run",
+            ok.clone(),
+            vec![cat(&[data_hello(1), zero_runs(&[(0, 0)])])],
+            "is empty",
+        ),
+        (
             "oversized batch",
-            cat(&[
-                ok.clone(),
+            ok.clone(),
+            vec![cat(&[
+                data_hello(1),
                 Header::new(Kind::Pages, 100_000, 100_000 * 4104)
                     .encode()
                     .to_vec(),
-            ]),
+            ])],
             "exceeds the limit of 512",
         ),
         (
-            "oversized section",
-            cat(&[
-                ok.clone(),
-                end1.clone(),
-                Header::device_state(SectionId::Vcpu, 1, 1 << 30)
-                    .encode()
-                    .to_vec(),
-            ]),
-            "exceeds the limit of 1048576",
+            "closed mid-batch",
+            ok.clone(),
+            vec![pages(&[0x1000])[..200].to_vec()]
+                .into_iter()
+                .map(|p| cat(&[data_hello(1), p]))
+                .collect(),
+            "closed the connection while receiving pages",
+        ),
+        (
+            "state on a data channel",
+            ok.clone(),
+            vec![cat(&[data_hello(1), state.clone()])],
+            "DeviceState record on a data channel",
+        ),
+        // The main channel.
+        (
+            "pages on the main channel",
+            cat(&[ok.clone(), pages(&[0])]),
+            vec![data_hello(1)],
+            "Pages record on the main channel",
         ),
         (
             "unknown kind",
@@ -347,40 +509,48 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
                 ok.clone(),
                 vec![42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
             ]),
+            vec![data_hello(1)],
             "unknown record kind 42",
         ),
         (
             "pass out of order",
-            cat(&[ok.clone(), record(Header::new(Kind::EndOfPass, 2, 0), &[])]),
+            cat(&[ok.clone(), end(2)]),
+            vec![data_hello(1)],
             "end of pass 2 after pass 0",
         ),
         (
             "state before memory",
             cat(&[ok.clone(), state.clone()]),
+            vec![data_hello(1)],
             "device state before any memory pass",
         ),
         (
-            "pages after state",
-            cat(&[ok.clone(), end1.clone(), state.clone(), pages(&[0])]),
-            "Pages record after device state",
+            "oversized section",
+            cat(&[
+                ok.clone(),
+                end(1),
+                Header::device_state(SectionId::Vcpu, 1, 1 << 30)
+                    .encode()
+                    .to_vec(),
+            ]),
+            vec![cat(&[data_hello(1), end(1)])],
+            "exceeds the limit of 1048576",
         ),
         (
             "complete without state",
-            cat(&[
-                ok.clone(),
-                end1.clone(),
-                record(Header::new(Kind::Complete, 0, 0), &[]),
-            ]),
+            cat(&[ok.clone(), end(1), complete.clone()]),
+            vec![cat(&[data_hello(1), end(1)])],
             "Complete without any device state",
         ),
         (
-            "unknown section",
+            "unknown section for this VMM",
             cat(&[
                 ok.clone(),
-                end1.clone(),
+                end(1),
                 record(Header::device_state(SectionId::Serial, 1, 1), b"x"),
-                record(Header::new(Kind::Complete, 0, 0), &[]),
+                complete.clone(),
             ]),
+            vec![good_data.clone()],
             "the fake VM has only a vCPU section",
         ),
         (
@@ -389,27 +559,64 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
                 ok.clone(),
                 record(Header::new(Kind::Resumed, 0, 24), &[0; 24]),
             ]),
-            "Resumed record from the source",
+            vec![data_hello(1)],
+            "Resumed record on the main channel",
+        ),
+        (
+            "truncated before Complete",
+            cat(&[ok.clone(), end(1), state.clone()]),
+            vec![good_data.clone()],
+            "closed the connection",
         ),
     ];
-    for (name, bytes, want) in table {
-        let err = feed(&bytes);
+    for (name, main, data, want) in table {
+        let err = feed(&main, &data);
         assert!(err.contains(want), "{name}: got '{err}'");
     }
-    // And a well-formed stream is accepted, so the table above fails for the stated reasons.
-    let good = cat(&[full, record(Header::new(Kind::Complete, 0, 0), &[])]);
+}
+
+/// The well-formed version of the streams above is accepted: so each row fails for the reason
+/// it states, and pages and zero runs land where they should.
+#[test]
+fn a_crafted_good_stream_is_accepted() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let mut dst = FakeVm::new(8 * MIB, 1);
     std::thread::scope(|s| {
-        let r = s.spawn(|| destination::receive(&mut dst, listener.accept().unwrap().0));
-        let mut c = TcpStream::connect(addr).unwrap();
-        c.write_all(&good).unwrap();
+        let r = s.spawn(|| {
+            let main = listener.accept().unwrap().0;
+            destination::receive(&mut dst, main, &mut acceptor(&listener))
+        });
+        let mut main = TcpStream::connect(addr).unwrap();
+        main.write_all(&main_hello()).unwrap();
+        let mut data = TcpStream::connect(addr).unwrap();
+        data.write_all(&cat(&[
+            data_hello(1),
+            pages(&[0x1000, 0x2000]),
+            end(1),
+            zero_runs(&[(0x1000, 1)]),
+            end(2),
+        ]))
+        .unwrap();
+        data.shutdown(std::net::Shutdown::Write).unwrap();
+        main.write_all(&cat(&[
+            end(1),
+            end(2),
+            record(Header::device_state(SectionId::Vcpu, 1, 3), b"abc"),
+            record(Header::new(Kind::Complete, 0, 0), &[]),
+        ]))
+        .unwrap();
         let mut sink = Vec::new();
-        let _ = c.read_to_end(&mut sink);
+        let _ = main.read_to_end(&mut sink);
         r.join().unwrap().unwrap();
     });
     assert!(dst.resumed);
-    assert_eq!(&dst.contents()[0x1000..0x1004], &[0xab; 4]);
+    let mem = dst.contents();
+    assert_eq!(
+        &mem[0x1000..0x1004],
+        &[0; 4],
+        "pass 2's zero run replaced pass 1's data"
+    );
+    assert_eq!(&mem[0x2000..0x2004], &[0xab; 4]);
     let _ = gpa_of(&dst, 0);
 }

@@ -5,7 +5,8 @@
 //! - [`ram`]: guest RAM regions and the raw page operations (the only `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
 //! - [`policy`]: when to switch over, as a pure function.
-//! - [`source`] and [`destination`]: the two sessions.
+//! - [`source`] and [`destination`]: the two sessions; [`sender`] and [`receiver`]: the data
+//!   channels' threads; [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured.
 
 #![deny(unsafe_code)]
@@ -18,6 +19,9 @@ pub mod error;
 pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;
+pub mod receiver;
+pub mod scan;
+pub mod sender;
 pub mod source;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;
@@ -25,6 +29,8 @@ pub mod stats;
 // declares the unsafe VM traits; implementing them is where the promise is made
 pub mod vm;
 pub mod wire;
+#[allow(unsafe_code)] // target_feature functions and SIMD loads
+pub mod zero;
 
 pub use control::{Control, Phase, Progress};
 pub use error::MigrateError;

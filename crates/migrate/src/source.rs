@@ -2,14 +2,19 @@
 //! switch over, then pause, send the rest and the device state, and wait for the destination
 //! to resume the guest.
 //!
-//! Every step is bounded: pages go out in records of at most 2 MiB, dirty tracking is re-armed
-//! in chunks of [`CLEAR_CHUNK_PAGES`], the bitmap walk scans a bounded number of words per call,
-//! and between any two of these the loop checks cancellation and the rate limit.
+//! Pages travel on `channels` data connections, each with a sender thread (see `sender.rs`) fed
+//! batches of `packet_pages` addresses round-robin; the main connection carries pass ends,
+//! device state and Complete. Every step is bounded: batches are at most 2 MiB, dirty tracking
+//! is re-armed in chunks of [`CLEAR_CHUNK_PAGES`], the bitmap walk scans a bounded number of
+//! words per call, and between any two of these the loop checks cancellation and the rate
+//! limit.
 
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::bitmap::{Cursor, DirtyBitmap};
@@ -18,6 +23,8 @@ use crate::control::{Control, Phase};
 use crate::error::MigrateError;
 use crate::policy::{self, Decision, Observation, Policy};
 use crate::ram::Ram;
+use crate::scan::ZeroDetection;
+use crate::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::stats::{self, MigrationStats, PassStats};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Role};
@@ -40,6 +47,33 @@ pub struct SourceParams {
     /// Bytes per second, `None` = unlimited.
     pub max_bandwidth: Option<u64>,
     pub uuid: [u8; 16],
+    /// Data channels (QEMU: multifd-channels), 1..=[`wire::MAX_CHANNELS`].
+    pub channels: u16,
+    /// Pages per batch (QEMU: the multifd packet size / 4096), 1..=512.
+    pub packet_pages: u32,
+    pub zero: ZeroDetection,
+    /// Tests only: make the offload engine fail every n-th batch.
+    pub offload_fail_every: Option<u64>,
+}
+
+/// Default data channels: two streams already beat one on loopback, and each costs a thread on
+/// both sides of a small machine.
+pub const DEFAULT_CHANNELS: u16 = 2;
+/// Default batch: 512 KiB (128 pages), QEMU's multifd packet size.
+pub const DEFAULT_PACKET_PAGES: u32 = 128;
+
+impl SourceParams {
+    pub fn new(policy: Policy, uuid: [u8; 16]) -> SourceParams {
+        SourceParams {
+            policy,
+            max_bandwidth: None,
+            uuid,
+            channels: DEFAULT_CHANNELS,
+            packet_pages: DEFAULT_PACKET_PAGES,
+            zero: ZeroDetection::Inline,
+            offload_fail_every: None,
+        }
+    }
 }
 
 /// Migrates `vm` over `stream`. On success the source VM is left paused (the guest runs on the
@@ -48,9 +82,24 @@ pub struct SourceParams {
 pub fn migrate(
     vm: &mut dyn SourceVm,
     stream: TcpStream,
+    connect: &dyn Fn() -> std::io::Result<TcpStream>,
     params: &SourceParams,
     control: &Control,
 ) -> Result<MigrationStats, MigrateError> {
+    if params.channels == 0 || params.channels > wire::MAX_CHANNELS {
+        return Err(MigrateError::Order(format!(
+            "{} channels requested; use 1 to {}",
+            params.channels,
+            wire::MAX_CHANNELS
+        )));
+    }
+    if params.packet_pages == 0 || params.packet_pages > wire::MAX_PAGES_PER_RECORD {
+        return Err(MigrateError::Order(format!(
+            "packet size of {} pages is outside 1..={} (4 KiB to 2 MiB)",
+            params.packet_pages,
+            wire::MAX_PAGES_PER_RECORD
+        )));
+    }
     let conn = Conn::new(stream).map_err(|e| MigrateError::io("setting up the connection", e))?;
     let ram = Ram::new(vm.ram())?;
     let mut source = Source {
@@ -65,13 +114,18 @@ pub fn migrate(
         window: VecDeque::new(),
         paused: false,
         handed_over: false,
-        page_buf: vec![0; wire::MAX_PAGES_PER_RECORD as usize * PAGE_SIZE as usize],
+        senders: Vec::new(),
+        next_sender: 0,
+        data_bytes: Arc::new(AtomicU64::new(0)),
         limiter_start: Instant::now(),
         limiter_bytes: 0,
         samples: 0,
     };
     control.update(|p| p.phase = Phase::Setup);
-    let result = source.run(vm);
+    let result = source.run(vm, connect);
+    for mut sender in source.senders.drain(..) {
+        let _ = sender.finish();
+    }
     vm.stop_dirty_log();
     match result {
         Ok(()) => {
@@ -120,20 +174,28 @@ struct Source<'a> {
     /// Complete was sent: from here the guest may run on the destination, so the source must
     /// never run it again.
     handed_over: bool,
-    page_buf: Vec<u8>,
+    senders: Vec<Sender>,
+    next_sender: usize,
+    /// Bytes all data channels wrote.
+    data_bytes: Arc<AtomicU64>,
     limiter_start: Instant,
     limiter_bytes: u64,
     samples: u64,
 }
 
 impl Source<'_> {
-    fn run(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+    fn run(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        connect: &dyn Fn() -> std::io::Result<TcpStream>,
+    ) -> Result<(), MigrateError> {
         self.conn.write_hello(&Hello {
             role: Role::Main,
             channel: 0,
             uuid: self.params.uuid,
             memory_size: self.ram.size(),
             status: 0,
+            channels: self.params.channels,
         })?;
         let reply = self.conn.read_hello()?;
         if reply.status != wire::Refusal::Accepted as u32 {
@@ -146,6 +208,7 @@ impl Source<'_> {
                 s => format!("status {s}"),
             }));
         }
+        self.open_channels(connect)?;
         vm.start_dirty_log()?;
         self.stats.setup_ms = ms(self.start.elapsed());
         self.control.update(|p| p.phase = Phase::Precopy);
@@ -167,7 +230,7 @@ impl Source<'_> {
                 bandwidth: self.bandwidth(),
                 elapsed: self.start.elapsed(),
             };
-            let sent = self.conn.bytes_written;
+            let sent = self.bytes_written();
             self.control.update(|p| {
                 p.pass = pass;
                 p.bytes_sent = sent;
@@ -198,7 +261,7 @@ impl Source<'_> {
     /// Pass 1: re-arm tracking chunk by chunk and send what the backing file holds there.
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
-        let (mut pages, bytes_before) = (0u64, self.conn.bytes_written);
+        let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
         for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
             let end = region.gpa + region.size;
@@ -243,7 +306,7 @@ impl Source<'_> {
         paused: bool,
         started: Instant,
     ) -> Result<(), MigrateError> {
-        let (mut pages, bytes_before) = (0u64, self.conn.bytes_written);
+        let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut cursor = Cursor::default();
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
         while !cursor.at_end(&self.bitmap) {
@@ -265,6 +328,9 @@ impl Source<'_> {
         bytes_before: u64,
         started: Instant,
     ) -> Result<(), MigrateError> {
+        for i in 0..self.senders.len() {
+            self.queue_for(i, ChannelMsg::EndOfPass(pass))?;
+        }
         self.conn
             .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
         self.conn.flush("ending a pass")?;
@@ -272,51 +338,92 @@ impl Source<'_> {
             pass,
             paused,
             pages,
-            bytes: self.conn.bytes_written - bytes_before,
+            bytes: self.bytes_written() - bytes_before,
             duration_ms: ms(started.elapsed()),
             dirty_rate_pages_per_s: 0.0,
         });
         Ok(())
     }
 
-    /// Copies and sends `gpas` as a ZeroPages record for the zero ones and a Pages record for
-    /// the rest. Returns the pages sent.
-    fn send_pages(&mut self, gpas: &[u64], limited: bool) -> Result<u64, MigrateError> {
-        if gpas.is_empty() {
-            return Ok(0);
-        }
-        let mut zero = Vec::new();
-        let mut normal = Vec::with_capacity(gpas.len());
-        for &gpa in gpas {
-            let slot = normal.len() * PAGE_SIZE as usize;
-            let buf = &mut self.page_buf[slot..slot + PAGE_SIZE as usize];
-            if self.ram.copy_page(gpa, buf)? {
-                zero.push(gpa);
-            } else {
-                normal.push(gpa);
+    /// Connects and greets the data channels, and starts their senders.
+    fn open_channels(
+        &mut self,
+        connect: &dyn Fn() -> std::io::Result<TcpStream>,
+    ) -> Result<(), MigrateError> {
+        let io = |e| MigrateError::io("connecting a data channel", e);
+        for channel in 1..=self.params.channels {
+            let stream = connect().map_err(io)?;
+            let mut c = Conn::new(stream.try_clone().map_err(io)?).map_err(io)?;
+            c.write_hello(&Hello {
+                role: Role::Data,
+                channel,
+                uuid: self.params.uuid,
+                memory_size: self.ram.size(),
+                status: 0,
+                channels: self.params.channels,
+            })?;
+            let reply = c.read_hello()?;
+            if reply.status != wire::Refusal::Accepted as u32 {
+                return Err(MigrateError::Refused(format!(
+                    "data channel {channel} refused with status {}",
+                    reply.status
+                )));
             }
+            let config = SenderConfig {
+                zero: self.params.zero,
+                offload_fail_every: self.params.offload_fail_every,
+                bytes: self.data_bytes.clone(),
+            };
+            self.senders
+                .push(Sender::start(channel, stream, self.ram.clone(), config)?);
         }
-        let bytes = zero.len() as u64 * 8 + normal.len() as u64 * (8 + PAGE_SIZE);
-        if limited {
-            self.rate_limit(bytes)?;
+        Ok(())
+    }
+
+    /// Hands `gpas` to the data channels in batches of `packet_pages`, round-robin. Returns the
+    /// pages handed over.
+    fn send_pages(&mut self, gpas: &[u64], limited: bool) -> Result<u64, MigrateError> {
+        for batch in gpas.chunks(self.params.packet_pages as usize) {
+            if limited {
+                self.rate_limit(batch.len() as u64 * (8 + PAGE_SIZE))?;
+            }
+            self.queue_for(self.next_sender, ChannelMsg::Pages(batch.to_vec()))?;
+            self.next_sender = (self.next_sender + 1) % self.senders.len();
         }
-        if !zero.is_empty() {
-            self.conn
-                .write_header(&Header::zero_pages(zero.len() as u32))?;
-            self.conn
-                .write_all(&addresses(&zero), "sending zero pages")?;
-        }
-        if !normal.is_empty() {
-            self.conn
-                .write_header(&Header::pages(normal.len() as u32))?;
-            self.conn.write_all(&addresses(&normal), "sending pages")?;
-            let data = &self.page_buf[..normal.len() * PAGE_SIZE as usize];
-            self.conn.write_all(data, "sending pages")?;
-        }
-        self.stats.pages_zero += zero.len() as u64;
-        self.stats.pages_normal += normal.len() as u64;
         self.sample_bandwidth();
         Ok(gpas.len() as u64)
+    }
+
+    /// Queues `msg` for sender `i`; if that sender has stopped, returns why.
+    fn queue_for(&mut self, i: usize, msg: ChannelMsg) -> Result<(), MigrateError> {
+        if self.senders[i].send(msg) {
+            return Ok(());
+        }
+        Err(match self.senders[i].finish() {
+            Err(e) => e,
+            Ok(_) => MigrateError::Order(format!("data channel {} stopped early", i + 1)),
+        })
+    }
+
+    /// Bytes written on all connections.
+    fn bytes_written(&self) -> u64 {
+        self.conn.bytes_written + self.data_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Flushes and closes every data channel and collects the senders' counts; a sender that
+    /// failed fails the migration before the guest is handed over.
+    fn close_channels(&mut self) -> Result<(), MigrateError> {
+        for i in 0..self.senders.len() {
+            self.queue_for(i, ChannelMsg::Shutdown)?;
+        }
+        for mut sender in self.senders.drain(..) {
+            let s = sender.finish()?;
+            self.stats.pages_normal += s.pages_normal;
+            self.stats.pages_zero += s.pages_zero;
+            self.stats.zero_scan_fallbacks += s.fallbacks;
+            self.stats.cpu_seconds_source += s.cpu_ns as f64 / 1e9;
+        }
+        Ok(())
     }
 
     fn switchover(&mut self, vm: &mut dyn SourceVm, pass: u32) -> Result<(), MigrateError> {
@@ -328,6 +435,7 @@ impl Source<'_> {
         vm.fetch_dirty(&mut self.bitmap)?;
         let t2 = Instant::now();
         self.dirty_pass(pass, true, t2)?;
+        self.close_channels()?;
         let t3 = Instant::now();
         let sections = vm.save_state()?;
         let t4 = Instant::now();
@@ -408,18 +516,15 @@ impl Source<'_> {
 
     fn sample_bandwidth(&mut self) {
         let now = Instant::now();
-        self.window.push_back((now, self.conn.bytes_written));
+        self.window.push_back((now, self.bytes_written()));
         while self.window.len() > 2 && now - self.window[1].0 >= BANDWIDTH_WINDOW {
             self.window.pop_front();
         }
         self.samples += 1;
         // Publish progress every 16 records (~32 MiB): often enough to watch, cheap enough.
         if self.samples.is_multiple_of(16) {
-            let (sent, bandwidth, elapsed) = (
-                self.conn.bytes_written,
-                self.bandwidth(),
-                self.start.elapsed(),
-            );
+            let (sent, bandwidth, elapsed) =
+                (self.bytes_written(), self.bandwidth(), self.start.elapsed());
             self.control.update(|p| {
                 p.bytes_sent = sent;
                 p.bandwidth_mb_s = bandwidth / 1e6;
@@ -454,15 +559,11 @@ impl Source<'_> {
     fn finish_stats(&mut self) -> MigrationStats {
         let mut s = self.stats.clone();
         s.total_ms = ms(self.start.elapsed());
-        s.bytes_sent = self.conn.bytes_written;
+        s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
-        s.cpu_seconds_source = (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
+        s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
         s
     }
-}
-
-fn addresses(gpas: &[u64]) -> Vec<u8> {
-    gpas.iter().flat_map(|a| a.to_le_bytes()).collect()
 }
 
 fn ms(d: Duration) -> f64 {

@@ -51,6 +51,8 @@ pub struct MigrationStats {
     /// Whether the switchover came because the rest fit the downtime limit (rather than the
     /// timeout forcing it).
     pub converged: bool,
+    /// Batches an offload zero-scan engine failed and the sender scanned itself.
+    pub zero_scan_fallbacks: u64,
 }
 
 /// CPU time this thread has used, in ns.

@@ -17,8 +17,12 @@ pub const PAGE_SIZE: u64 = 4096;
 /// 0.2% and small enough that the sender checks its clock and rate limit every ~1 ms at
 /// 2 GB/s.
 pub const MAX_PAGES_PER_RECORD: u32 = 512;
-/// Addresses in one ZeroPages record (64 KiB of addresses, 32 MiB of guest memory).
-pub const MAX_ZERO_PAGES_PER_RECORD: u32 = 8192;
+/// Runs in one ZeroRuns record (64 KiB of runs).
+pub const MAX_ZERO_RUNS_PER_RECORD: u32 = 4096;
+/// Pages in one zero run: 1 GiB, so a run never spans more than a region's worth of checks.
+pub const MAX_ZERO_RUN_PAGES: u64 = 1 << 18;
+/// Data channels a migration may open (each is a thread on both sides).
+pub const MAX_CHANNELS: u16 = 64;
 /// A device-state section: a vCPU's state is a few KiB (XSAVE is the bulk); 1 MiB bounds what a
 /// hostile source can make the destination buffer, as Firecracker caps snapshot state.
 pub const MAX_SECTION_BYTES: u64 = 1 << 20;
@@ -32,8 +36,10 @@ pub const RESUMED_SIZE: u64 = 24;
 #[repr(u16)]
 pub enum Role {
     Invalid = 0,
-    /// Control, pages and device state (the only role in v1).
+    /// Control and device state; opened first.
     Main = 1,
+    /// Page batches; `channel` is 1..=channels, as announced in the main hello.
+    Data = 2,
 }
 
 /// Record kinds. `Invalid = 0`.
@@ -43,8 +49,8 @@ pub enum Kind {
     Invalid = 0,
     /// `count` pages: `count` guest addresses (u64), then `count` × 4096 bytes of data.
     Pages = 1,
-    /// `count` guest addresses (u64) of pages that are all zeros.
-    ZeroPages = 2,
+    /// `count` runs of zero pages, each `gpa:u64 pages:u64`.
+    ZeroRuns = 2,
     /// End of precopy pass `count` (1-based). No payload.
     EndOfPass = 3,
     /// A device-state section: `section` names it, `count` is its version; payload = state.
@@ -62,7 +68,7 @@ impl Kind {
     pub fn from_u16(v: u16) -> Kind {
         match v {
             1 => Kind::Pages,
-            2 => Kind::ZeroPages,
+            2 => Kind::ZeroRuns,
             3 => Kind::EndOfPass,
             4 => Kind::DeviceState,
             5 => Kind::Complete,
@@ -146,6 +152,8 @@ pub struct Hello {
     pub memory_size: u64,
     /// In the destination's reply: 0 = accepted, else a [`Refusal`].
     pub status: u32,
+    /// In the main hello: how many data channels follow (1..=[`MAX_CHANNELS`]).
+    pub channels: u16,
 }
 
 /// Why a destination refused a connection (the reply hello's `status`).
@@ -155,11 +163,15 @@ pub enum Refusal {
     Accepted = 0,
     MemorySize = 1,
     Role = 2,
+    /// A data channel named a migration uuid the destination is not receiving.
+    UnknownMigration = 3,
+    /// A data channel's id is out of range or already connected.
+    ChannelId = 4,
 }
 
 impl Hello {
     /// `magic[8] version:u32 role:u16 channel:u16 uuid[16] memory_size:u64 page_size:u32
-    /// status:u32 reserved[16]`.
+    /// status:u32 channels:u16 reserved[14]`.
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
         let mut b = [0u8; HELLO_SIZE];
         b[0..8].copy_from_slice(&MAGIC);
@@ -170,6 +182,7 @@ impl Hello {
         b[32..40].copy_from_slice(&self.memory_size.to_le_bytes());
         b[40..44].copy_from_slice(&(PAGE_SIZE as u32).to_le_bytes());
         b[44..48].copy_from_slice(&self.status.to_le_bytes());
+        b[48..50].copy_from_slice(&self.channels.to_le_bytes());
         b
     }
 
@@ -184,13 +197,14 @@ impl Hello {
         }
         let role = match u16::from_le_bytes([b[12], b[13]]) {
             1 => Role::Main,
+            2 => Role::Data,
             r => return Err(WireError::Role(r)),
         };
         let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
         if u64::from(page_size) != PAGE_SIZE {
             return Err(WireError::PageSize(page_size));
         }
-        if b[48..].iter().any(|&x| x != 0) {
+        if b[50..].iter().any(|&x| x != 0) {
             return Err(WireError::Reserved("hello"));
         }
         Ok(Hello {
@@ -199,6 +213,7 @@ impl Hello {
             uuid: b[16..32].try_into().unwrap(),
             memory_size: u64::from_le_bytes(b[32..40].try_into().unwrap()),
             status: u32::from_le_bytes(b[44..48].try_into().unwrap()),
+            channels: u16::from_le_bytes([b[48], b[49]]),
         })
     }
 }
@@ -229,8 +244,8 @@ impl Header {
         Header::new(Kind::Pages, count, u64::from(count) * (8 + PAGE_SIZE))
     }
 
-    pub fn zero_pages(count: u32) -> Header {
-        Header::new(Kind::ZeroPages, count, u64::from(count) * 8)
+    pub fn zero_runs(count: u32) -> Header {
+        Header::new(Kind::ZeroRuns, count, u64::from(count) * 16)
     }
 
     pub fn device_state(section: SectionId, version: u32, len: u64) -> Header {
@@ -300,7 +315,7 @@ impl Header {
         };
         match kind {
             Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
-            Kind::ZeroPages => batch(MAX_ZERO_PAGES_PER_RECORD, 8),
+            Kind::ZeroRuns => batch(MAX_ZERO_RUNS_PER_RECORD, 16),
             Kind::DeviceState => {
                 if SectionId::from_u16(self.section) == SectionId::Invalid {
                     return Err(WireError::UnknownSection(self.section));
@@ -324,7 +339,7 @@ impl Header {
     }
 }
 
-/// Decodes the `n` little-endian u64 addresses at the start of a Pages or ZeroPages payload.
+/// Decodes the little-endian u64 words of a Pages address list or a ZeroRuns payload.
 pub fn decode_addresses(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
     bytes
         .chunks_exact(8)
@@ -342,6 +357,7 @@ mod tests {
             uuid: [7; 16],
             memory_size: 2 << 30,
             status: 0,
+            channels: 2,
         }
     }
 
@@ -359,6 +375,9 @@ mod tests {
         b[12] = 0;
         assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
         let mut b = h.encode();
+        b[12] = 3;
+        assert_eq!(Hello::decode(&b), Err(WireError::Role(3)));
+        let mut b = h.encode();
         b[41] = 0x20;
         assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
         let mut b = h.encode();
@@ -370,7 +389,7 @@ mod tests {
     fn headers_round_trip() {
         for h in [
             Header::pages(512),
-            Header::zero_pages(1),
+            Header::zero_runs(1),
             Header::new(Kind::EndOfPass, 3, 0),
             Header::device_state(SectionId::Vcpu, 1, 9000),
             Header::new(Kind::Complete, 0, 0),
@@ -391,10 +410,10 @@ mod tests {
             (Header::new(Kind::Pages, 2, 4104), "does not match 8208"),
             (Header::new(Kind::Pages, 0, 0), "empty batch"),
             (
-                Header::new(Kind::ZeroPages, 8193, 8193 * 8),
-                "exceeds the limit of 8192",
+                Header::new(Kind::ZeroRuns, 4097, 4097 * 16),
+                "exceeds the limit of 4096",
             ),
-            (Header::new(Kind::ZeroPages, 1, 16), "does not match 8"),
+            (Header::new(Kind::ZeroRuns, 1, 8), "does not match 16"),
             (
                 Header::device_state(SectionId::Vcpu, 1, (1 << 20) + 1),
                 "exceeds the limit of 1048576",

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::ram::RamRegion;
+use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::wire::SectionId;
 use ferry_migrate::{
@@ -35,6 +36,23 @@ pub struct MigrationRequest {
     pub to: String,
     pub policy: Policy,
     pub max_bandwidth: Option<u64>,
+    pub channels: u16,
+    pub packet_pages: u32,
+    pub zero: ZeroDetection,
+}
+
+impl MigrationRequest {
+    /// A request with the engine's defaults for everything but the destination and policy.
+    pub fn new(to: String, policy: Policy) -> MigrationRequest {
+        MigrationRequest {
+            to,
+            policy,
+            max_bandwidth: None,
+            channels: source::DEFAULT_CHANNELS,
+            packet_pages: source::DEFAULT_PACKET_PAGES,
+            zero: ZeroDetection::Inline,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,10 +88,13 @@ impl VmHandle {
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
         let params = SourceParams {
-            policy: req.policy,
             max_bandwidth: req.max_bandwidth,
-            uuid: migration_uuid(),
+            channels: req.channels,
+            packet_pages: req.packet_pages,
+            zero: req.zero,
+            ..SourceParams::new(req.policy, migration_uuid())
         };
+        let to = req.to.clone();
         let mut adapter = SourceAdapter {
             shared: self.0.clone(),
             handle: self.clone(),
@@ -82,7 +103,10 @@ impl VmHandle {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                if let Err(e) = source::migrate(&mut adapter, stream, &params, &thread_control) {
+                let connect = || connect(&to).map_err(|e| std::io::Error::other(e.to_string()));
+                if let Err(e) =
+                    source::migrate(&mut adapter, stream, &connect, &params, &thread_control)
+                {
                     tracing::warn!("migration failed: {e}");
                 }
             })
@@ -345,5 +369,23 @@ pub fn receive(
     stream
         .set_nonblocking(false)
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
-    destination::receive(vm, stream)
+    let mut accept = |deadline: Instant| loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "timed out",
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    destination::receive(vm, stream, &mut accept)
 }

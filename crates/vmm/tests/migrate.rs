@@ -30,15 +30,16 @@ fn destination() -> Destination {
 }
 
 fn request(d: &Destination, downtime_ms: u64, max_bandwidth: Option<u64>) -> MigrationRequest {
-    MigrationRequest {
-        to: d.listener.local_addr().unwrap().to_string(),
-        policy: Policy {
+    let mut r = MigrationRequest::new(
+        d.listener.local_addr().unwrap().to_string(),
+        Policy {
             downtime_limit: Duration::from_millis(downtime_ms),
             timeout: Some(Duration::from_secs(60)),
             timeout_action: TimeoutAction::Cancel,
         },
-        max_bandwidth,
-    }
+    );
+    r.max_bandwidth = max_bandwidth;
+    r
 }
 
 fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {

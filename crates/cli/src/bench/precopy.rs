@@ -140,15 +140,14 @@ fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
     .context("the guest did not finish its prefill")?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let mut incoming = Vm::incoming(config)?;
-    let request = MigrationRequest {
-        to: listener.local_addr()?.to_string(),
-        policy: Policy {
+    let request = MigrationRequest::new(
+        listener.local_addr()?.to_string(),
+        Policy {
             downtime_limit: s.downtime,
             timeout: Some(Duration::from_secs(30)),
             timeout_action: TimeoutAction::Switchover,
         },
-        max_bandwidth: None,
-    };
+    );
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, &listener);
         let deadline = Instant::now() + Duration::from_secs(120);

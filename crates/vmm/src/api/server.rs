@@ -9,6 +9,7 @@ use tiny_http::{Header, Method, Request, Response, Server};
 
 use std::time::Duration;
 
+use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::{Policy, TimeoutAction};
 
 use crate::migration::{MigrationRequest, StartError};
@@ -99,6 +100,12 @@ pub struct MigrateBody {
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub timeout_action: Option<String>,
+    /// Data channels; absent = the engine's default (2).
+    pub channels: Option<u16>,
+    /// Bytes per batch, a multiple of 4096 up to 2 MiB; absent = 512 KiB.
+    pub packet_size: Option<u64>,
+    /// `inline` (default), `offload` or `none`.
+    pub zero_detection: Option<ZeroDetection>,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -116,15 +123,28 @@ impl MigrateBody {
                 ));
             }
         };
-        Ok(MigrationRequest {
-            to: self.to.clone(),
-            policy: Policy {
-                downtime_limit: Duration::from_millis(self.downtime_limit_ms),
-                timeout: self.timeout_ms.map(Duration::from_millis),
-                timeout_action,
-            },
-            max_bandwidth: self.max_bandwidth,
-        })
+        let policy = Policy {
+            downtime_limit: Duration::from_millis(self.downtime_limit_ms),
+            timeout: self.timeout_ms.map(Duration::from_millis),
+            timeout_action,
+        };
+        let mut r = MigrationRequest::new(self.to.clone(), policy);
+        r.max_bandwidth = self.max_bandwidth;
+        if let Some(c) = self.channels {
+            r.channels = c;
+        }
+        if let Some(size) = self.packet_size {
+            if size == 0 || !size.is_multiple_of(4096) || size > 2 << 20 {
+                return Err(format!(
+                    "packet_size {size} must be a multiple of 4096 between 4K and 2M"
+                ));
+            }
+            r.packet_pages = (size / 4096) as u32;
+        }
+        if let Some(z) = self.zero_detection {
+            r.zero = z;
+        }
+        Ok(r)
     }
 }
 

@@ -1,0 +1,341 @@
+//! A data channel's receiver thread on the destination, and the barrier that orders passes
+//! across channels.
+//!
+//! Invariant (docs/protocol.md, "Passes and channels"): no page of pass n+1 is written before
+//! every page of pass n has been, on every channel. Each channel's stream is in order, and a
+//! receiver that reaches EndOfPass(n) waits at the barrier until all channels and the main
+//! channel have; so the last copy of a page always lands last. Within a pass a page may be
+//! carried once: each receiver claims the pages of a record in a shared bitmap before writing,
+//! and a second claim is a protocol error (this is also what makes the copy-free writes into
+//! guest memory sound).
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crate::error::MigrateError;
+use crate::ram::Ram;
+use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
+
+/// A per-page bitmap shared by the receivers.
+#[derive(Debug)]
+pub struct PageBits(Vec<AtomicU64>);
+
+impl PageBits {
+    pub fn new(pages: u64) -> PageBits {
+        PageBits((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    /// Sets bit `i`; returns whether it was already set.
+    fn set(&self, i: u64) -> bool {
+        let bit = 1 << (i % 64);
+        self.0[(i / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
+    }
+
+    /// Clears bit `i`; returns whether it was set.
+    fn clear(&self, i: u64) -> bool {
+        let bit = 1 << (i % 64);
+        self.0[(i / 64) as usize].fetch_and(!bit, Ordering::AcqRel) & bit != 0
+    }
+
+    fn clear_all(&self) {
+        for w in &self.0 {
+            w.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Makes every party wait at the end of pass n until all parties reached it, or until a party
+/// fails (then everyone stops).
+#[derive(Debug)]
+pub struct PassBarrier {
+    parties: usize,
+    state: Mutex<BarrierState>,
+    cv: Condvar,
+    /// Pages claimed in the current pass; cleared by the last party to arrive.
+    claimed: Arc<PageBits>,
+}
+
+#[derive(Debug, Default)]
+struct BarrierState {
+    arrived: BTreeMap<u32, usize>,
+    failure: Option<String>,
+}
+
+impl PassBarrier {
+    pub fn new(parties: usize, claimed: Arc<PageBits>) -> PassBarrier {
+        PassBarrier {
+            parties,
+            state: Mutex::new(BarrierState::default()),
+            cv: Condvar::new(),
+            claimed,
+        }
+    }
+
+    /// Waits until every party has ended pass `pass`.
+    pub fn wait(&self, pass: u32) -> Result<(), MigrateError> {
+        let mut s = self.state.lock().unwrap();
+        let n = {
+            let n = s.arrived.entry(pass).or_insert(0);
+            *n += 1;
+            *n
+        };
+        if n == self.parties {
+            self.claimed.clear_all();
+            s.arrived.retain(|&p, _| p >= pass);
+            self.cv.notify_all();
+        }
+        loop {
+            if let Some(f) = &s.failure {
+                return Err(MigrateError::Remote(f.clone()));
+            }
+            if s.arrived.get(&pass).copied().unwrap_or(self.parties) >= self.parties {
+                return Ok(());
+            }
+            s = self.cv.wait(s).unwrap();
+        }
+    }
+
+    /// Records the first failure and releases every waiter.
+    pub fn fail(&self, why: &str) {
+        let mut s = self.state.lock().unwrap();
+        s.failure.get_or_insert_with(|| why.to_string());
+        self.cv.notify_all();
+    }
+
+    /// The first failure a party reported.
+    pub fn failure(&self) -> Option<String> {
+        self.state.lock().unwrap().failure.clone()
+    }
+}
+
+/// What one receiver did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReceiverStats {
+    pub pages: u64,
+    pub zero_pages: u64,
+    pub passes: u32,
+}
+
+/// Shared by all receivers of a migration.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    pub ram: Ram,
+    pub barrier: Arc<PassBarrier>,
+    /// Pages that hold data from this migration (a zero run needs no work elsewhere).
+    pub written: Arc<PageBits>,
+    pub claimed: Arc<PageBits>,
+}
+
+/// Starts the receiver of data channel `channel`.
+pub fn start(
+    channel: u16,
+    stream: TcpStream,
+    shared: Shared,
+) -> JoinHandle<Result<ReceiverStats, MigrateError>> {
+    std::thread::Builder::new()
+        .name(format!("recv-{channel}"))
+        .spawn(move || {
+            let r = Receiver {
+                stream,
+                shared: shared.clone(),
+                stats: ReceiverStats::default(),
+            }
+            .run();
+            if let Err(e) = &r {
+                shared.barrier.fail(&format!("data channel {channel}: {e}"));
+            }
+            r
+        })
+        .expect("cannot start a receiver thread")
+}
+
+struct Receiver {
+    stream: TcpStream,
+    shared: Shared,
+    stats: ReceiverStats,
+}
+
+impl Receiver {
+    fn run(mut self) -> Result<ReceiverStats, MigrateError> {
+        loop {
+            let Some(h) = self.read_header()? else {
+                return Ok(self.stats);
+            };
+            match h.kind {
+                Kind::Pages => self.pages(h.count)?,
+                Kind::ZeroRuns => self.zero_runs(h.count)?,
+                Kind::EndOfPass => {
+                    if h.count != self.stats.passes + 1 {
+                        return Err(MigrateError::Order(format!(
+                            "end of pass {} after pass {} on a data channel",
+                            h.count, self.stats.passes
+                        )));
+                    }
+                    self.stats.passes = h.count;
+                    self.shared.barrier.wait(h.count)?;
+                }
+                Kind::Error => {
+                    let p = self.read(h.len as usize, "reading the source's error")?;
+                    return Err(MigrateError::Remote(
+                        String::from_utf8_lossy(&p).into_owned(),
+                    ));
+                }
+                k => {
+                    return Err(MigrateError::Order(format!(
+                        "{k:?} record on a data channel"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The next header, or `None` at a clean end of stream (between records).
+    fn read_header(&mut self) -> Result<Option<Header>, MigrateError> {
+        let mut b = [0u8; HEADER_SIZE];
+        let mut got = 0;
+        while got < HEADER_SIZE {
+            match std::io::Read::read(&mut self.stream, &mut b[got..]) {
+                Ok(0) if got == 0 => return Ok(None),
+                Ok(0) => {
+                    return Err(MigrateError::Truncated {
+                        during: "receiving pages",
+                    });
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(MigrateError::io("receiving pages", e)),
+            }
+        }
+        Ok(Some(Header::decode(&b)?))
+    }
+
+    fn read(&mut self, len: usize, during: &'static str) -> Result<Vec<u8>, MigrateError> {
+        let mut v = vec![0u8; len];
+        std::io::Read::read_exact(&mut self.stream, &mut v)
+            .map_err(|e| MigrateError::io(during, e))?;
+        Ok(v)
+    }
+
+    /// Claims a page for this pass; a page carried twice in one pass is refused.
+    fn claim(&self, gpa: u64) -> Result<u64, MigrateError> {
+        let i = self.shared.ram.page_index(gpa)?;
+        if self.shared.claimed.set(i) {
+            return Err(MigrateError::Order(format!(
+                "page {gpa:#x} sent twice in one pass"
+            )));
+        }
+        Ok(i)
+    }
+
+    fn pages(&mut self, count: u32) -> Result<(), MigrateError> {
+        let words = self.read(count as usize * 8, "receiving page addresses")?;
+        let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
+        if gpas.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(MigrateError::Order(
+                "page addresses of a record are not strictly increasing".into(),
+            ));
+        }
+        let mut indices = Vec::with_capacity(gpas.len());
+        for &gpa in &gpas {
+            indices.push(self.claim(gpa)?);
+        }
+        self.shared
+            .ram
+            .read_pages(&mut self.stream, &gpas)
+            .map_err(|e| MigrateError::io("receiving pages", e))?;
+        for i in indices {
+            self.shared.written.set(i);
+        }
+        self.stats.pages += u64::from(count);
+        Ok(())
+    }
+
+    /// Zero runs: only pages that hold data from an earlier pass need zeroing; the rest are
+    /// still holes, and stay untouched.
+    fn zero_runs(&mut self, count: u32) -> Result<(), MigrateError> {
+        let words = self.read(count as usize * 16, "receiving zero runs")?;
+        let w: Vec<u64> = wire::decode_addresses(&words).collect();
+        for run in w.chunks_exact(2) {
+            let (gpa, pages) = (run[0], run[1]);
+            self.shared.ram.check_run(gpa, pages)?;
+            let mut stale: Option<(u64, u64)> = None;
+            for k in 0..pages {
+                let page = gpa + k * PAGE_SIZE;
+                let i = self.claim(page)?;
+                if self.shared.written.clear(i) {
+                    stale = match stale {
+                        Some((s, n)) if s + n * PAGE_SIZE == page => Some((s, n + 1)),
+                        Some((s, n)) => {
+                            self.zero(s, n)?;
+                            Some((page, 1))
+                        }
+                        None => Some((page, 1)),
+                    };
+                }
+            }
+            if let Some((s, n)) = stale {
+                self.zero(s, n)?;
+            }
+            self.stats.zero_pages += pages;
+        }
+        Ok(())
+    }
+
+    fn zero(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
+        self.shared
+            .ram
+            .zero_run(gpa, pages)
+            .map_err(|e| MigrateError::io("zeroing pages", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn barrier_releases_when_all_parties_arrive_and_fails_everyone() {
+        let b = Arc::new(PassBarrier::new(3, Arc::new(PageBits::new(64))));
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let b = b.clone();
+                std::thread::spawn(move || b.wait(1))
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "nobody passes early"
+        );
+        b.wait(1).unwrap();
+        for w in waiters {
+            w.join().unwrap().unwrap();
+        }
+        let late = {
+            let b = b.clone();
+            std::thread::spawn(move || b.wait(2))
+        };
+        b.fail("channel 3 broke");
+        assert!(
+            late.join()
+                .unwrap()
+                .unwrap_err()
+                .to_string()
+                .contains("channel 3 broke")
+        );
+    }
+
+    #[test]
+    fn page_bits_report_previous_state() {
+        let bits = PageBits::new(128);
+        assert!(!bits.set(70));
+        assert!(bits.set(70));
+        assert!(bits.clear(70));
+        assert!(!bits.clear(70));
+    }
+}

@@ -1,0 +1,228 @@
+//! A data channel's sender thread: takes batches of page addresses from the migration thread,
+//! copies the pages out of guest memory, has them scanned for zeros (inline or offloaded), and
+//! sends the zero pages as compact runs and the rest as a Pages record. An `EndOfPass` message
+//! is written to the stream in order after the pass's batches: the destination's barrier
+//! relies on it.
+
+#![forbid(unsafe_code)]
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+use crate::conn::Conn;
+use crate::error::MigrateError;
+use crate::ram::Ram;
+use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
+use crate::stats;
+use crate::wire::{self, Header, Kind, PAGE_SIZE};
+
+/// Batches queued per sender: enough to keep it busy while the migration thread walks the
+/// bitmap, few enough that a cancel takes effect within a few batches.
+const QUEUE_DEPTH: usize = 4;
+/// Batches in the detector before the oldest is sent: 1 lets an offload engine scan one batch
+/// while the sender copies the next.
+const PIPELINE: usize = 1;
+
+/// What the migration thread tells a sender.
+#[derive(Debug)]
+pub enum ChannelMsg {
+    Pages(Vec<u64>),
+    EndOfPass(u32),
+    /// Flush and close the stream.
+    Shutdown,
+}
+
+/// What one sender did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SenderStats {
+    pub pages_normal: u64,
+    pub pages_zero: u64,
+    /// Batches an offload engine failed, which the sender then scanned itself.
+    pub fallbacks: u64,
+    pub cpu_ns: u64,
+}
+
+/// The migration thread's end of a sender.
+#[derive(Debug)]
+pub struct Sender {
+    tx: Option<SyncSender<ChannelMsg>>,
+    thread: Option<JoinHandle<Result<SenderStats, MigrateError>>>,
+}
+
+/// How senders scan and where they count bytes.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    pub zero: ZeroDetection,
+    pub offload_fail_every: Option<u64>,
+    /// Bytes written by all senders, for the bandwidth window.
+    pub bytes: Arc<AtomicU64>,
+}
+
+impl Sender {
+    pub fn start(
+        channel: u16,
+        stream: TcpStream,
+        ram: Ram,
+        config: SenderConfig,
+    ) -> Result<Sender, MigrateError> {
+        let conn =
+            Conn::new(stream).map_err(|e| MigrateError::io("setting up a data channel", e))?;
+        let (tx, rx) = sync_channel(QUEUE_DEPTH);
+        let thread = std::thread::Builder::new()
+            .name(format!("send-{channel}"))
+            .spawn(move || run(conn, ram, rx, config))
+            .map_err(|e| MigrateError::io("starting a sender thread", e))?;
+        Ok(Sender {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a message; on failure the sender has stopped, and [`Sender::finish`] says why.
+    pub fn send(&self, msg: ChannelMsg) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(msg).is_ok())
+    }
+
+    /// Closes the queue (the sender finishes what it has, or stops if it failed) and returns
+    /// its result.
+    pub fn finish(&mut self) -> Result<SenderStats, MigrateError> {
+        drop(self.tx.take());
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(MigrateError::Order("a sender thread panicked".into())),
+            None => Ok(SenderStats::default()),
+        }
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+fn run(
+    mut conn: Conn,
+    ram: Ram,
+    rx: Receiver<ChannelMsg>,
+    config: SenderConfig,
+) -> Result<SenderStats, MigrateError> {
+    let cpu_start = stats::thread_cpu_ns();
+    let mut detector = scan::detector(config.zero, config.offload_fail_every);
+    let mut s = SenderStats::default();
+    let mut out = Output {
+        conn: &mut conn,
+        bytes: &config.bytes,
+        stats: &mut s,
+    };
+    for msg in rx {
+        match msg {
+            ChannelMsg::Pages(gpas) => {
+                let mut data = vec![0u8; gpas.len() * PAGE_SIZE as usize];
+                for (i, &gpa) in gpas.iter().enumerate() {
+                    ram.copy_page(
+                        gpa,
+                        &mut data[i * PAGE_SIZE as usize..(i + 1) * PAGE_SIZE as usize],
+                    )?;
+                }
+                detector.submit(Batch {
+                    gpas,
+                    data,
+                    zero: Vec::new(),
+                });
+                while detector.outstanding() > PIPELINE {
+                    out.send(detector.complete().expect("outstanding batch"))?;
+                }
+            }
+            ChannelMsg::EndOfPass(pass) => {
+                drain(&mut *detector, &mut out)?;
+                out.conn
+                    .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
+                out.conn.flush("ending a pass")?;
+            }
+            ChannelMsg::Shutdown => {
+                drain(&mut *detector, &mut out)?;
+                out.conn.flush("closing a data channel")?;
+                let _ = out.conn.stream().shutdown(std::net::Shutdown::Write);
+                break;
+            }
+        }
+    }
+    s.cpu_ns = stats::thread_cpu_ns() - cpu_start;
+    Ok(s)
+}
+
+fn drain(detector: &mut dyn Detector, out: &mut Output<'_>) -> Result<(), MigrateError> {
+    while let Some(c) = detector.complete() {
+        out.send(c)?;
+    }
+    Ok(())
+}
+
+struct Output<'a> {
+    conn: &'a mut Conn,
+    bytes: &'a AtomicU64,
+    stats: &'a mut SenderStats,
+}
+
+impl Output<'_> {
+    /// Sends a scanned batch: zero pages as runs of adjacent pages, the rest as one Pages
+    /// record whose data is the batch's non-zero pages moved together.
+    fn send(&mut self, c: Completion) -> Result<(), MigrateError> {
+        let mut batch = c.batch;
+        if !c.ok {
+            self.stats.fallbacks += 1;
+            batch.scan_inline();
+        }
+        let before = self.conn.bytes_written;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut normal = Vec::with_capacity(batch.gpas.len());
+        let page = PAGE_SIZE as usize;
+        for (i, &gpa) in batch.gpas.iter().enumerate() {
+            if batch.zero[i] {
+                match runs.last_mut() {
+                    Some((start, n))
+                        if *start + *n * PAGE_SIZE == gpa && *n < wire::MAX_ZERO_RUN_PAGES =>
+                    {
+                        *n += 1
+                    }
+                    _ => runs.push((gpa, 1)),
+                }
+            } else {
+                let slot = normal.len();
+                if slot != i {
+                    batch
+                        .data
+                        .copy_within(i * page..(i + 1) * page, slot * page);
+                }
+                normal.push(gpa);
+            }
+        }
+        for chunk in runs.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
+            self.conn
+                .write_header(&Header::zero_runs(chunk.len() as u32))?;
+            let words: Vec<u8> = chunk
+                .iter()
+                .flat_map(|&(g, n)| [g, n])
+                .flat_map(u64::to_le_bytes)
+                .collect();
+            self.conn.write_all(&words, "sending zero runs")?;
+        }
+        if !normal.is_empty() {
+            self.conn
+                .write_header(&Header::pages(normal.len() as u32))?;
+            let addresses: Vec<u8> = normal.iter().flat_map(|a| a.to_le_bytes()).collect();
+            self.conn.write_all(&addresses, "sending pages")?;
+            self.conn
+                .write_all(&batch.data[..normal.len() * page], "sending pages")?;
+        }
+        self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
+        self.stats.pages_normal += normal.len() as u64;
+        self.bytes
+            .fetch_add(self.conn.bytes_written - before, Ordering::Relaxed);
+        Ok(())
+    }
+}
