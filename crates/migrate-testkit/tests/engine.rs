@@ -5,6 +5,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use ferry_migrate::destination::{self, ReceiveStats};
+use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::wire::{self, Header, Hello, Kind, Role, SectionId};
 use ferry_migrate::{Control, MigrateError, MigrationStats, Phase, Policy, TimeoutAction};
@@ -106,7 +107,78 @@ proptest! {
     }
 }
 
-/// Every pass rewrites the same pages: an older copy must never land after a newer one.
+/// An offload engine that fails every third batch: the senders scan those batches themselves
+/// and every page still arrives right.
+#[test]
+fn offload_failures_fall_back_to_the_cpu_and_lose_nothing() {
+    let mut src = FakeVm::new(16 * MIB, 2);
+    src.fill(1);
+    src.start_writers(Writers {
+        threads: 1,
+        seed: 11,
+        zero_percent: 40,
+        interval: Duration::from_micros(50),
+    });
+    let mut dst = FakeVm::new(16 * MIB, 2);
+    let p = SourceParams {
+        channels: 3,
+        packet_pages: 32,
+        zero: ZeroDetection::Offload,
+        offload_fail_every: Some(3),
+        ..params(20, None)
+    };
+    let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());
+    let stats = sent.unwrap();
+    received.unwrap();
+    assert!(
+        stats.zero_scan_fallbacks > 0,
+        "failures were injected: {stats:?}"
+    );
+    assert!(stats.pages_zero > 0, "zero pages were still found");
+    assert!(src.contents() == dst.contents());
+}
+
+#[test]
+fn every_channel_count_and_detector_moves_memory_exactly() {
+    for (channels, zero) in [
+        (1, ZeroDetection::Inline),
+        (4, ZeroDetection::Inline),
+        (2, ZeroDetection::None),
+        (3, ZeroDetection::Offload),
+    ] {
+        let mut src = FakeVm::new(8 * MIB, 2);
+        src.fill(3);
+        src.start_writers(Writers {
+            threads: 2,
+            seed: u64::from(channels),
+            zero_percent: 30,
+            interval: Duration::from_micros(100),
+        });
+        let mut dst = FakeVm::new(8 * MIB, 2);
+        let p = SourceParams {
+            channels,
+            packet_pages: 16,
+            zero,
+            ..params(30, None)
+        };
+        let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());
+        let stats = sent.unwrap();
+        assert_eq!(received.unwrap().channels, channels);
+        if zero == ZeroDetection::None {
+            assert_eq!(
+                stats.pages_zero, 0,
+                "--zero-detection none sends every page as data"
+            );
+        }
+        assert!(
+            src.contents() == dst.contents(),
+            "{channels} channels, {zero:?}"
+        );
+    }
+}
+
+/// Every pass rewrites the same pages, spread over four channels: an older copy must never
+/// land after a newer one (the per-pass barrier).
 #[test]
 fn pages_rewritten_every_pass_arrive_in_their_last_version() {
     let mut src = FakeVm::new(8 * MIB, 2);
@@ -118,10 +190,15 @@ fn pages_rewritten_every_pass_arrive_in_their_last_version() {
         interval: Duration::ZERO,
     });
     let mut dst = FakeVm::new(8 * MIB, 2);
-    let (sent, received) = migrate(&mut src, &mut dst, &params(5, None), &Control::default());
+    let p = SourceParams {
+        channels: 4,
+        packet_pages: 8,
+        ..params(5, None)
+    };
+    let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());
     let stats = sent.unwrap();
     received.unwrap();
-    assert!(stats.passes.len() >= 2, "{:?}", stats.passes);
+    assert!(stats.passes.len() >= 3, "{:?}", stats.passes);
     assert!(src.contents() == dst.contents());
 }
 

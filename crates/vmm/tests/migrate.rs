@@ -56,9 +56,24 @@ fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
 
 /// Migrates `src` into a fresh destination VM and returns it running.
 fn migrate(src: &TestVm, memory: u64, downtime_ms: u64) -> (Vm, Progress, Destination) {
+    migrate_with(
+        src,
+        memory,
+        downtime_ms,
+        ferry_migrate::source::DEFAULT_CHANNELS,
+    )
+}
+
+fn migrate_with(
+    src: &TestVm,
+    memory: u64,
+    downtime_ms: u64,
+    channels: u16,
+) -> (Vm, Progress, Destination) {
     let d = destination();
     let mut incoming = Vm::incoming(config(memory, "", &d.serial)).unwrap();
-    let req = request(&d, downtime_ms, None);
+    let mut req = request(&d, downtime_ms, None);
+    req.channels = channels;
     let received = std::thread::scope(|s| {
         let deadline = Instant::now() + Duration::from_secs(30);
         let (incoming, listener) = (&mut incoming, &d.listener);
@@ -221,4 +236,39 @@ fn cancel_mid_precopy_keeps_the_source_running_and_a_second_migration_succeeds()
         |t| t.verify_passes >= resumed.verify_passes + 2,
     );
     assert_eq!(after.verify_failures, 0, "{:?}", after.first_failed_verify);
+}
+
+#[test]
+fn one_two_and_four_channels_migrate_a_dirtying_guest_that_verifies_clean() {
+    for channels in [1, 2, 4] {
+        let src = boot(
+            512 * MIB,
+            "ws=128M pattern=random rate=100 zero=30 verify-ms=200 log-ms=0",
+        );
+        src.wait_for("a verify pass", Duration::from_secs(60), |g| {
+            g.verify_passes >= 1
+        });
+        let (dst, progress, _d) = migrate_with(&src, 512 * MIB, 300, channels);
+        let stats = progress.stats.unwrap();
+        assert!(stats.pages_zero > 0, "zero=30 makes zero pages");
+        let dh = dst.handle();
+        let resumed = dh.telemetry();
+        let after = wait_for_telemetry(
+            &dh,
+            "verify passes on the destination",
+            Duration::from_secs(60),
+            |g| g.verify_passes >= resumed.verify_passes + 2,
+        );
+        assert_eq!(
+            after.verify_failures, 0,
+            "{channels} channels: {:?}",
+            after.first_failed_verify
+        );
+        eprintln!(
+            "{channels} channel(s): {:.0} ms, {:.1} ms downtime, {} MB",
+            stats.total_ms,
+            stats.downtime.total_ms,
+            stats.bytes_sent >> 20
+        );
+    }
 }
