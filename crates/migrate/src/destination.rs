@@ -34,6 +34,8 @@ pub struct ReceiveStats {
     pub channels: u16,
     pub load: Duration,
     pub resume: Duration,
+    /// CPU time of the data channels' receiver threads.
+    pub receiver_cpu_ns: u64,
 }
 
 /// Receives a migration whose main connection is `stream`; `accept(deadline)` yields the data
@@ -309,6 +311,7 @@ fn main_loop(
                         .map_err(|_| MigrateError::Order("a receiver thread panicked".into()))??;
                     stats.pages += r.pages;
                     stats.zero_pages += r.zero_pages;
+                    stats.receiver_cpu_ns += r.cpu_ns;
                 }
                 return finish(vm, conn, &sections, stats, cpu_start);
             }
@@ -338,7 +341,7 @@ fn finish(
     vm.load_state(sections)?;
     stats.load = t.elapsed();
     stats.resume = vm.resume()?;
-    let cpu = stats::thread_cpu_ns() - cpu_start;
+    let cpu = stats::thread_cpu_ns() - cpu_start + stats.receiver_cpu_ns;
     let mut payload = Vec::with_capacity(wire::RESUMED_SIZE as usize);
     for v in [
         stats.load.as_nanos() as u64,

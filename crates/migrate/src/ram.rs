@@ -139,35 +139,6 @@ impl Ram {
         Ok(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, PAGE_SIZE as usize) })
     }
 
-    /// Makes `pages` pages from `gpa` read as zero by punching them out of the backing file, so
-    /// never-populated memory stays unpopulated. The range must lie in one region.
-    pub fn punch_zero(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
-        let r = self
-            .regions
-            .iter()
-            .find(|r| r.contains(gpa) && r.contains(gpa + pages * PAGE_SIZE - 1))
-            .ok_or_else(|| {
-                std::io::Error::other(format!(
-                    "{pages} pages at {gpa:#x} are not in one RAM region"
-                ))
-            })?;
-        let offset = r.file_offset + (gpa - r.gpa);
-        // SAFETY: fallocate on the region's own file descriptor over a range inside the region;
-        // the kernel zeroes the mapping's view of the punched pages.
-        let ret = unsafe {
-            libc::fallocate(
-                r.fd,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset as libc::off_t,
-                (pages * PAGE_SIZE) as libc::off_t,
-            )
-        };
-        if ret != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
     /// The next populated range of region `region` at or after guest address `from`, as
     /// `(start, end)` guest addresses, found with `SEEK_DATA`/`SEEK_HOLE` on the backing file;
     /// `None` when the rest of the region is a hole.
@@ -207,11 +178,6 @@ impl Ram {
     }
 }
 
-/// Zero runs at least this long are punched out of the backing file; shorter ones are cleared
-/// with stores. One `fallocate` costs about as much as clearing 16 pages here (see
-/// `ferry bench channels`), and punching also returns the memory to the host.
-pub const PUNCH_MIN_PAGES: u64 = 16;
-
 impl Ram {
     /// Reads the pages at `gpas` (strictly increasing, each already claimed by the caller for
     /// this pass) straight from `stream` into guest memory: one `readv` per as many pages as
@@ -242,12 +208,11 @@ impl Ram {
         Ok(())
     }
 
-    /// Makes `pages` pages from `gpa` (inside one region) zero: punched when the run is long,
-    /// cleared when short.
+    /// Makes `pages` stale pages from `gpa` (inside one region) zero by clearing them with
+    /// stores. Clearing beats punching a hole in the backing file: `ferry bench channels`
+    /// measured 0.27–0.40 µs per page cleared against 1.0–3.9 µs per page punched (runs of 16
+    /// and 1), and the pages are populated already, so clearing takes no extra memory.
     pub fn zero_run(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
-        if pages >= PUNCH_MIN_PAGES {
-            return self.punch_zero(gpa, pages);
-        }
         for i in 0..pages {
             let host = self
                 .page(gpa + i * PAGE_SIZE)

@@ -119,6 +119,7 @@ pub struct ReceiverStats {
     pub pages: u64,
     pub zero_pages: u64,
     pub passes: u32,
+    pub cpu_ns: u64,
 }
 
 /// Shared by all receivers of a migration.
@@ -162,8 +163,10 @@ struct Receiver {
 
 impl Receiver {
     fn run(mut self) -> Result<ReceiverStats, MigrateError> {
+        let cpu_start = crate::stats::thread_cpu_ns();
         loop {
             let Some(h) = self.read_header()? else {
+                self.stats.cpu_ns = crate::stats::thread_cpu_ns() - cpu_start;
                 return Ok(self.stats);
             };
             match h.kind {

@@ -222,6 +222,33 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Returns `len` bytes of guest RAM at `gpa` (page aligned, inside one region) to the host:
+    /// they read as zero afterwards and occupy no memory until touched again.
+    pub fn punch_hole(&self, gpa: u64, len: u64) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let r = self
+            .regions
+            .iter()
+            .find(|r| gpa >= r.gpa && gpa + len <= r.gpa + r.size)
+            .ok_or_else(|| {
+                std::io::Error::other(format!("{len} bytes at {gpa:#x} are not in one RAM region"))
+            })?;
+        // SAFETY: fallocate on our own memfd over a range inside this region; the mapping then
+        // reads zeros there, which is the point.
+        let ret = unsafe {
+            libc::fallocate(
+                self.memfd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (r.file_offset + gpa - r.gpa) as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if ret != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Starts or stops recording the VMM's own writes.
     pub fn track_writes(&self, on: bool) {
         *self.vmm_writes.lock().unwrap() = on.then(Vec::new);

@@ -2,6 +2,7 @@
 //! set against a reference measured in the same run, because absolute numbers on shared,
 //! nested machines drift.
 
+mod channels;
 mod guest;
 mod precopy;
 
@@ -15,11 +16,14 @@ pub enum BenchCommand {
     Guest(guest::GuestBenchArgs),
     /// Precopy scenarios on the built-in guest, against raw loopback TCP.
     Precopy(precopy::PrecopyBenchArgs),
+    /// Zero scan, channel scaling and sparse memory, against memory bandwidth and raw TCP.
+    Channels(channels::ChannelsBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Guest(args) => guest::run(&args),
         BenchCommand::Precopy(args) => precopy::run(&args),
+        BenchCommand::Channels(args) => channels::run(&args),
     }
 }

@@ -5,7 +5,8 @@
 //! with the guest idle; a 1 GiB working set dirtied at 100, 400 and 1000 MB/s with downtime
 //! limits of 300 and 50 ms. Each migrates between two VMs of this process over loopback with a
 //! 30 s timeout that forces the switchover, so every row has a downtime; `converged` says
-//! whether the limit or the timeout ended precopy.
+//! whether the limit or the timeout ended precopy. One data channel, to match the one
+//! reference stream (`ferry bench channels` measures more).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -27,11 +28,26 @@ pub struct PrecopyBenchArgs {
     only: Option<usize>,
 }
 
-struct Scenario {
-    name: String,
-    memory: u64,
-    cmdline: String,
-    downtime: Duration,
+/// One migration to measure.
+pub(super) struct Scenario {
+    pub name: String,
+    pub memory: u64,
+    pub cmdline: String,
+    pub downtime: Duration,
+    pub channels: u16,
+}
+
+impl Scenario {
+    /// A scenario with a 300 ms downtime limit.
+    pub fn new(name: &str, memory: u64, cmdline: &str, channels: u16) -> Scenario {
+        Scenario {
+            name: name.into(),
+            memory,
+            cmdline: cmdline.into(),
+            downtime: Duration::from_millis(300),
+            channels,
+        }
+    }
 }
 
 const GIB: u64 = 1 << 30;
@@ -45,12 +61,14 @@ fn scenarios() -> Vec<Scenario> {
             memory: 8 * GIB,
             cmdline: format!("ws=256M rate=1 {GUEST}"),
             downtime: Duration::from_millis(300),
+            channels: 1,
         },
         Scenario {
             name: "2G random data, idle".into(),
             memory: 3 * GIB,
             cmdline: format!("ws=2G fill=random rate=1 {GUEST}"),
             downtime: Duration::from_millis(300),
+            channels: 1,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -60,6 +78,7 @@ fn scenarios() -> Vec<Scenario> {
                 memory: 2 * GIB,
                 cmdline: format!("ws=1G pattern=random rate={rate} {GUEST}"),
                 downtime: Duration::from_millis(limit),
+                channels: 1,
             });
         }
     }
@@ -119,7 +138,7 @@ pub fn run(args: &PrecopyBenchArgs) -> anyhow::Result<ExitCode> {
 
 /// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
 /// and the pause the guest saw (ms).
-fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
+pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
     let config = VmConfig {
         memory_bytes: s.memory,
         vcpus: 1,
@@ -140,7 +159,7 @@ fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
     .context("the guest did not finish its prefill")?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let mut incoming = Vm::incoming(config)?;
-    let request = MigrationRequest::new(
+    let mut request = MigrationRequest::new(
         listener.local_addr()?.to_string(),
         Policy {
             downtime_limit: s.downtime,
@@ -148,6 +167,7 @@ fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
             timeout_action: TimeoutAction::Switchover,
         },
     );
+    request.channels = s.channels;
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, &listener);
         let deadline = Instant::now() + Duration::from_secs(120);

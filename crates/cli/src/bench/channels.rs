@@ -1,0 +1,267 @@
+//! `ferry bench channels`: the data path of issue 4, each figure against a reference from the
+//! same run.
+//!
+//! 1. Zero scan per core (SSE2, AVX2, AVX-512) on hot (cache-resident) and cold (1 GiB, beyond
+//!    cache) zero pages, against a plain read of the same cold memory (the bandwidth a scan
+//!    cannot beat). Also the destination's two ways to make a stale page zero: clearing it and
+//!    punching it out of the memfd, per page and per 16-page run.
+//! 2. A 4 GiB guest full of random data migrated over 1, 2 and 4 channels, against raw
+//!    loopback TCP over as many streams.
+//! 3. A guest whose 8 GiB are all touched but zero (bounded by the scan, not the network).
+//! 4. A 64 GiB guest with 256 MiB touched (holes cost nothing).
+//!
+//! CPU seconds per GiB of guest RAM are reported for each side.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use ferry_migrate::zero::{Isa, is_zero_with};
+use serde_json::json;
+
+use super::precopy::{Scenario, migrate_once};
+
+#[derive(Debug, Args)]
+pub struct ChannelsBenchArgs {
+    /// Only the zero-scan measurements (no VMs).
+    #[arg(long)]
+    scan_only: bool,
+}
+
+const GIB: u64 = 1 << 30;
+const PAGE: usize = 4096;
+
+pub fn run(args: &ChannelsBenchArgs) -> anyhow::Result<ExitCode> {
+    let mut rows = scan_rows();
+    rows.extend(zeroing_rows()?);
+    if !args.scan_only {
+        rows.extend(migration_rows()?);
+    }
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// GB/s of `f` over `bytes`, repeated for at least 300 ms.
+fn rate(bytes: usize, mut f: impl FnMut() -> bool) -> f64 {
+    let start = Instant::now();
+    let mut done = 0usize;
+    while start.elapsed() < Duration::from_millis(300) {
+        std::hint::black_box(f());
+        done += bytes;
+    }
+    done as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+fn scan_rows() -> Vec<serde_json::Value> {
+    // Every page is zero but for its last 8 bytes, which hold the page's index: the scan reads
+    // each page in full (its worst case, and a zero page's cost), and no two pages are equal,
+    // so a host that merges identical pages cannot turn "cold" memory into one cached page.
+    let unique_tail = |pages: usize| {
+        let mut v = vec![0u8; pages * PAGE];
+        for (i, p) in v.chunks_exact_mut(PAGE).enumerate() {
+            p[PAGE - 8..].copy_from_slice(&(i as u64 + 1).to_le_bytes());
+        }
+        v
+    };
+    let hot = unique_tail(64);
+    let cold = unique_tail((GIB as usize) / PAGE);
+    let read_bw = rate(cold.len(), || cold.iter().fold(0u8, |a, &b| a | b) != 0);
+    println!(
+        "zero scan of pages with a non-zero last word, one core (GB/s); plain read of the same cold buffer: {read_bw:.1} GB/s"
+    );
+    println!(
+        "{:<8} {:>10} {:>10} {:>14}",
+        "isa", "hot", "cold", "cold / read"
+    );
+    let best = Isa::detect();
+    let mut rows = Vec::new();
+    for isa in [Isa::Sse2, Isa::Avx2, Isa::Avx512] {
+        if (isa == Isa::Avx512 && best != Isa::Avx512) || (isa == Isa::Avx2 && best == Isa::Sse2) {
+            continue;
+        }
+        let scan = |buf: &[u8]| {
+            buf.chunks_exact(PAGE)
+                .filter(|p| is_zero_with(isa, p))
+                .count()
+                == 0
+        };
+        let h = rate(hot.len(), || scan(&hot));
+        let c = rate(cold.len(), || scan(&cold));
+        println!(
+            "{:<8} {:>10.1} {:>10.1} {:>14.2}",
+            format!("{isa:?}"),
+            h,
+            c,
+            c / read_bw
+        );
+        rows.push(
+            json!({"bench": "zero_scan", "isa": format!("{isa:?}"), "hot_gb_s": h, "cold_gb_s": c,
+            "read_gb_s": read_bw, "cold_ratio": c / read_bw}),
+        );
+    }
+    rows
+}
+
+/// Making stale pages zero on a destination: clearing them with stores against punching them
+/// out of the memfd, per page and per 16-page run (the measurement behind `Ram::zero_run`).
+fn zeroing_rows() -> anyhow::Result<Vec<serde_json::Value>> {
+    let pages = 16 * 1024u64;
+    let ram = ferry_vmm::memory::GuestRam::new(128 << 20)?;
+    let base = 32u64 << 20;
+    let fill = vec![0x5au8; (pages as usize) * PAGE];
+    let mut results = Vec::new();
+    for run in [1u64, 16] {
+        let zeros = vec![0u8; run as usize * PAGE];
+        ram.write(base, &fill)?;
+        let start = Instant::now();
+        for i in (0..pages).step_by(run as usize) {
+            ram.write(base + i * PAGE as u64, &zeros)?;
+        }
+        let clear = start.elapsed().as_secs_f64() * 1e6 / pages as f64;
+        ram.write(base, &fill)?;
+        let start = Instant::now();
+        for i in (0..pages).step_by(run as usize) {
+            ram.punch_hole(base + i * PAGE as u64, run * PAGE as u64)?;
+        }
+        let punch = start.elapsed().as_secs_f64() * 1e6 / pages as f64;
+        println!(
+            "making stale pages zero, runs of {run:>2}: clear {clear:.3} us/page, punch {punch:.3} us/page"
+        );
+        results.push(json!({"bench": "zeroing", "run_pages": run, "clear_us_per_page": clear, "punch_us_per_page": punch}));
+    }
+    Ok(results)
+}
+
+fn migration_rows() -> anyhow::Result<Vec<serde_json::Value>> {
+    let guest = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2 rate=1";
+    let mut scenarios: Vec<(Scenario, u16, Option<u16>)> = Vec::new();
+    for channels in [1, 2, 4] {
+        scenarios.push((
+            Scenario::new(
+                &format!("4G random data, {channels} ch"),
+                5 * GIB,
+                &format!("ws=4G fill=random {guest}"),
+                channels,
+            ),
+            channels,
+            Some(channels),
+        ));
+    }
+    scenarios.push((
+        Scenario::new(
+            "8G touched, all zero",
+            9 * GIB,
+            &format!("ws=8G zero=100 {guest}"),
+            2,
+        ),
+        2,
+        None,
+    ));
+    scenarios.push((
+        Scenario::new(
+            "64G, 256M touched",
+            64 * GIB,
+            &format!("ws=256M {guest}"),
+            2,
+        ),
+        2,
+        None,
+    ));
+    println!(
+        "{:<24} {:>9} {:>8} {:>9} {:>8} {:>9} {:>6} {:>11} {:>11}",
+        "scenario",
+        "total ms",
+        "MB sent",
+        "MB/s",
+        "raw MB/s",
+        "ratio",
+        "down",
+        "src s/GiB",
+        "dst s/GiB"
+    );
+    let mut rows = Vec::new();
+    for (s, channels, raw_streams) in scenarios {
+        let (stats, _) = migrate_once(&s).with_context(|| format!("scenario '{}'", s.name))?;
+        let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
+        let mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
+        let raw = match raw_streams {
+            Some(n) => raw_tcp_streams(stats.bytes_sent, n)? / 1e6,
+            None => f64::NAN,
+        };
+        let gib = s.memory as f64 / GIB as f64;
+        println!(
+            "{:<24} {:>9.0} {:>8.0} {:>9.0} {:>8.0} {:>9.2} {:>6.1} {:>11.3} {:>11.3}",
+            s.name,
+            stats.total_ms,
+            stats.bytes_sent as f64 / 1e6,
+            mb_s,
+            raw,
+            mb_s / raw,
+            stats.downtime.total_ms,
+            stats.cpu_seconds_source / gib,
+            stats.cpu_seconds_destination / gib
+        );
+        rows.push(json!({"bench": "channels", "scenario": s.name, "channels": channels, "total_ms": stats.total_ms,
+            "bytes_sent": stats.bytes_sent, "data_mb_s": mb_s, "raw_tcp_mb_s": raw, "ratio": mb_s / raw,
+            "downtime_ms": stats.downtime.total_ms, "cpu_s_per_gib_source": stats.cpu_seconds_source / gib,
+            "cpu_s_per_gib_destination": stats.cpu_seconds_destination / gib, "pages_zero": stats.pages_zero,
+            "pages_skipped_holes": stats.pages_skipped_holes}));
+    }
+    Ok(rows)
+}
+
+/// Bytes per second of `n` loopback TCP streams carrying `bytes` in all, in parallel: the
+/// reference a migration over `n` channels is held to.
+fn raw_tcp_streams(bytes: u64, n: u16) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let per = (bytes / u64::from(n)).max(1 << 20);
+    let start = Instant::now();
+    let writers: Vec<_> = (0..n)
+        .map(|_| {
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let mut s = TcpStream::connect(addr)?;
+                let chunk = vec![0x5au8; 1 << 20];
+                let mut left = per;
+                while left > 0 {
+                    let k = left.min(chunk.len() as u64) as usize;
+                    s.write_all(&chunk[..k])?;
+                    left -= k as u64;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let mut readers = Vec::new();
+    for _ in 0..n {
+        let (mut s, _) = listener.accept()?;
+        readers.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 20];
+            let mut total = 0u64;
+            while let Ok(k) = s.read(&mut buf) {
+                if k == 0 {
+                    break;
+                }
+                total += k as u64;
+            }
+            total
+        }));
+    }
+    for w in writers {
+        w.join().expect("writer thread")?;
+    }
+    let total: u64 = readers
+        .into_iter()
+        .map(|r| r.join().expect("reader thread"))
+        .sum();
+    anyhow::ensure!(
+        total == per * u64::from(n),
+        "the reference streams lost bytes"
+    );
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
