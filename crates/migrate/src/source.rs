@@ -258,40 +258,44 @@ impl Source<'_> {
         self.switchover(vm, pass + 1)
     }
 
-    /// Pass 1: re-arm tracking chunk by chunk and send what the backing file holds there.
+    /// Pass 1: re-arm dirty tracking for each region, chunk by chunk, then send what its
+    /// backing file holds, walking populated ranges with `SEEK_DATA`/`SEEK_HOLE`. Re-arming the
+    /// whole region before looking is what makes the walk safe: a page populated after the look
+    /// was written after its re-arm, so the dirty log has it. (Looking chunk by chunk instead
+    /// would make each `SEEK_HOLE` walk the rest of a fully populated file: quadratic.)
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
         for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
             let end = region.gpa + region.size;
+            let t = Instant::now();
             let mut chunk = region.gpa;
             while chunk < end {
                 self.check_control()?;
                 let chunk_end = (chunk + CLEAR_CHUNK_PAGES * PAGE_SIZE).min(end);
                 vm.clear_dirty(chunk, (chunk_end - chunk) / PAGE_SIZE)?;
-                let mut at = chunk;
-                while let Some((data, hole)) = self
-                    .ram
-                    .next_data(index, at)
-                    .map_err(|e| MigrateError::io("looking for populated memory", e))?
-                {
-                    if data >= chunk_end {
-                        break;
-                    }
-                    for gpa in (data..hole.min(chunk_end)).step_by(PAGE_SIZE as usize) {
-                        batch.push(gpa);
-                        if batch.len() == batch.capacity() {
-                            pages += self.send_pages(&batch, true)?;
-                            batch.clear();
-                        }
-                    }
-                    at = hole;
-                    if at >= chunk_end {
-                        break;
+                chunk = chunk_end;
+            }
+            self.stats.dirty_clear_ms += ms(t.elapsed());
+            let mut at = region.gpa;
+            while let Some((data, hole)) = self
+                .ram
+                .next_data(index, at)
+                .map_err(|e| MigrateError::io("looking for populated memory", e))?
+            {
+                for gpa in (data..hole.min(end)).step_by(PAGE_SIZE as usize) {
+                    batch.push(gpa);
+                    if batch.len() == batch.capacity() {
+                        self.check_control()?;
+                        pages += self.send_pages(&batch, true)?;
+                        batch.clear();
                     }
                 }
-                chunk = chunk_end;
+                at = hole;
+                if at >= end {
+                    break;
+                }
             }
         }
         pages += self.send_pages(&batch, true)?;

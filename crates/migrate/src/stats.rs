@@ -53,6 +53,9 @@ pub struct MigrationStats {
     pub converged: bool,
     /// Batches an offload zero-scan engine failed and the sender scanned itself.
     pub zero_scan_fallbacks: u64,
+    /// Time pass 1 spent re-arming dirty tracking (`clear_dirty`), which write-protects
+    /// every page of RAM once.
+    pub dirty_clear_ms: f64,
 }
 
 /// CPU time this thread has used, in ns.

@@ -29,6 +29,9 @@ pub struct ChannelsBenchArgs {
     /// Only the zero-scan measurements (no VMs).
     #[arg(long)]
     scan_only: bool,
+    /// Only the migration scenarios whose name contains this.
+    #[arg(long)]
+    scenario: Option<String>,
 }
 
 const GIB: u64 = 1 << 30;
@@ -38,7 +41,7 @@ pub fn run(args: &ChannelsBenchArgs) -> anyhow::Result<ExitCode> {
     let mut rows = scan_rows();
     rows.extend(zeroing_rows()?);
     if !args.scan_only {
-        rows.extend(migration_rows()?);
+        rows.extend(migration_rows(args.scenario.as_deref())?);
     }
     for r in rows {
         println!("{r}");
@@ -137,7 +140,7 @@ fn zeroing_rows() -> anyhow::Result<Vec<serde_json::Value>> {
     Ok(results)
 }
 
-fn migration_rows() -> anyhow::Result<Vec<serde_json::Value>> {
+fn migration_rows(only: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>> {
     let guest = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2 rate=1";
     let mut scenarios: Vec<(Scenario, u16, Option<u16>)> = Vec::new();
     for channels in [1, 2, 4] {
@@ -186,6 +189,9 @@ fn migration_rows() -> anyhow::Result<Vec<serde_json::Value>> {
     );
     let mut rows = Vec::new();
     for (s, channels, raw_streams) in scenarios {
+        if only.is_some_and(|o| !s.name.contains(o)) {
+            continue;
+        }
         let (stats, _) = migrate_once(&s).with_context(|| format!("scenario '{}'", s.name))?;
         let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
         let mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
@@ -210,7 +216,8 @@ fn migration_rows() -> anyhow::Result<Vec<serde_json::Value>> {
             "bytes_sent": stats.bytes_sent, "data_mb_s": mb_s, "raw_tcp_mb_s": raw, "ratio": mb_s / raw,
             "downtime_ms": stats.downtime.total_ms, "cpu_s_per_gib_source": stats.cpu_seconds_source / gib,
             "cpu_s_per_gib_destination": stats.cpu_seconds_destination / gib, "pages_zero": stats.pages_zero,
-            "pages_skipped_holes": stats.pages_skipped_holes}));
+                        "pages_skipped_holes": stats.pages_skipped_holes, "dirty_clear_ms": stats.dirty_clear_ms,
+            "passes": stats.passes}));
     }
     Ok(rows)
 }
