@@ -697,3 +697,44 @@ fn a_crafted_good_stream_is_accepted() {
     assert_eq!(&mem[0x2000..0x2004], &[0xab; 4]);
     let _ = gpa_of(&dst, 0);
 }
+
+/// A destination that refuses a data channel (here: as a duplicate id) ends the migration; the
+/// source says why and keeps running.
+#[test]
+fn a_refused_data_channel_leaves_the_source_running() {
+    let mut src = FakeVm::new(8 * MIB, 1);
+    src.fill(2);
+    src.start_writers(Writers {
+        threads: 1,
+        seed: 5,
+        zero_percent: 0,
+        interval: Duration::from_micros(200),
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let refuser = std::thread::spawn(move || {
+        let mut main = listener.accept().unwrap().0;
+        accept_hello(&mut main, 8 * MIB);
+        let mut data = listener.accept().unwrap().0;
+        let mut hello = [0u8; wire::HELLO_SIZE];
+        data.read_exact(&mut hello).unwrap();
+        let mut reply = Hello::decode(&hello).unwrap();
+        reply.status = wire::Refusal::ChannelId as u32;
+        data.write_all(&reply.encode()).unwrap();
+    });
+    let connect = || TcpStream::connect(addr);
+    let r = source::migrate(
+        &mut src,
+        TcpStream::connect(addr).unwrap(),
+        &connect,
+        &params(300, None),
+        &Control::default(),
+    );
+    refuser.join().unwrap();
+    let err = r.unwrap_err().to_string();
+    assert!(err.contains("data channel 1 refused"), "{err}");
+    assert!(!src.is_paused() && !src.is_logging());
+    let before = src.writes();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(src.writes() > before, "the guest keeps running");
+}
