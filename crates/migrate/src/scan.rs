@@ -75,45 +75,53 @@ pub trait Detector: Send {
 /// report every n-th batch as failed.
 pub fn detector(kind: ZeroDetection, fail_every: Option<u64>) -> Box<dyn Detector> {
     match kind {
-        ZeroDetection::Inline => Box::new(Inline::default()),
+        ZeroDetection::Inline => Box::new(Immediate::inline()),
         ZeroDetection::Offload => Box::new(Offload::start(fail_every)),
-        ZeroDetection::None => Box::new(NoDetection::default()),
+        ZeroDetection::None => Box::new(Immediate::none()),
     }
 }
 
-#[derive(Debug, Default)]
-pub struct Inline(VecDeque<Batch>);
+/// A detector that does its work in `submit` and keeps the batches in order: scanning with
+/// the CPU ([`Inline`]) or marking every page as data ([`NoDetection`]).
+#[derive(Debug)]
+pub struct Immediate {
+    done: VecDeque<Batch>,
+    scan: fn(&mut Batch),
+}
 
-impl Detector for Inline {
+/// The sender's own CPU, vectorised.
+pub type Inline = Immediate;
+/// No detection: every page is data.
+pub type NoDetection = Immediate;
+
+impl Immediate {
+    pub fn inline() -> Immediate {
+        Immediate {
+            done: VecDeque::new(),
+            scan: Batch::scan_inline,
+        }
+    }
+
+    pub fn none() -> Immediate {
+        Immediate {
+            done: VecDeque::new(),
+            scan: |b| b.zero = vec![false; b.gpas.len()],
+        }
+    }
+}
+
+impl Detector for Immediate {
     fn submit(&mut self, mut batch: Batch) {
-        batch.scan_inline();
-        self.0.push_back(batch);
+        (self.scan)(&mut batch);
+        self.done.push_back(batch);
     }
     fn complete(&mut self) -> Option<Completion> {
-        self.0
+        self.done
             .pop_front()
             .map(|batch| Completion { batch, ok: true })
     }
     fn outstanding(&self) -> usize {
-        self.0.len()
-    }
-}
-
-#[derive(Debug, Default)]
-pub struct NoDetection(VecDeque<Batch>);
-
-impl Detector for NoDetection {
-    fn submit(&mut self, mut batch: Batch) {
-        batch.zero = vec![false; batch.gpas.len()];
-        self.0.push_back(batch);
-    }
-    fn complete(&mut self) -> Option<Completion> {
-        self.0
-            .pop_front()
-            .map(|batch| Completion { batch, ok: true })
-    }
-    fn outstanding(&self) -> usize {
-        self.0.len()
+        self.done.len()
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{TestVm, boot, config, require_kvm, wait_for_telemetry};
 use ferry_migrate::{Phase, Policy, Progress, TimeoutAction};
+use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm, VmHandle};
 
@@ -40,6 +41,26 @@ fn request(d: &Destination, downtime_ms: u64, max_bandwidth: Option<u64>) -> Mig
     );
     r.max_bandwidth = max_bandwidth;
     r
+}
+
+/// Waits for `passes` more verify passes on a migrated guest and checks that none failed and
+/// that heartbeats continue.
+fn verifies_clean(dst: &Vm, passes: u64) -> GuestTelemetry {
+    let dh = dst.handle();
+    let resumed = dh.telemetry();
+    let after = wait_for_telemetry(
+        &dh,
+        "verify passes on the destination",
+        Duration::from_secs(60),
+        |g| g.verify_passes >= resumed.verify_passes + passes,
+    );
+    assert_eq!(
+        after.verify_failures, 0,
+        "a bad page after migration: {:?}",
+        after.first_failed_verify
+    );
+    assert!(after.heartbeats > resumed.heartbeats, "heartbeats continue");
+    after
 }
 
 fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
@@ -163,17 +184,9 @@ fn idle_sparse_8g_guest_migrates_without_sending_its_holes() {
         "only the touched memory is sent: {}",
         stats.bytes_sent
     );
-    let dh = dst.handle();
-    let resumed = dh.telemetry();
-    let after = wait_for_telemetry(
-        &dh,
-        "two verify passes on the destination",
-        Duration::from_secs(60),
-        |g| g.verify_passes >= resumed.verify_passes + 2,
-    );
-    assert_eq!(after.verify_failures, 0);
+    verifies_clean(&dst, 2);
     assert!(
-        dh.ram().allocated_bytes().unwrap() < 512 << 20,
+        dst.handle().ram().allocated_bytes().unwrap() < 512 << 20,
         "the destination stays sparse"
     );
     eprintln!(
@@ -227,15 +240,7 @@ fn cancel_mid_precopy_keeps_the_source_running_and_a_second_migration_succeeds()
 
     let (dst, progress, _d) = migrate(&src, 1 << 30, 300);
     assert_eq!(progress.phase, Phase::Completed);
-    let dh = dst.handle();
-    let resumed = dh.telemetry();
-    let after = wait_for_telemetry(
-        &dh,
-        "verify passes on the destination",
-        Duration::from_secs(60),
-        |t| t.verify_passes >= resumed.verify_passes + 2,
-    );
-    assert_eq!(after.verify_failures, 0, "{:?}", after.first_failed_verify);
+    verifies_clean(&dst, 2);
 }
 
 #[test]
@@ -251,19 +256,7 @@ fn one_two_and_four_channels_migrate_a_dirtying_guest_that_verifies_clean() {
         let (dst, progress, _d) = migrate_with(&src, 512 * MIB, 300, channels);
         let stats = progress.stats.unwrap();
         assert!(stats.pages_zero > 0, "zero=30 makes zero pages");
-        let dh = dst.handle();
-        let resumed = dh.telemetry();
-        let after = wait_for_telemetry(
-            &dh,
-            "verify passes on the destination",
-            Duration::from_secs(60),
-            |g| g.verify_passes >= resumed.verify_passes + 2,
-        );
-        assert_eq!(
-            after.verify_failures, 0,
-            "{channels} channels: {:?}",
-            after.first_failed_verify
-        );
+        verifies_clean(&dst, 2);
         eprintln!(
             "{channels} channel(s): {:.0} ms, {:.1} ms downtime, {} MB",
             stats.total_ms,
