@@ -84,11 +84,6 @@ impl FakeRam {
         self.size / PAGE_SIZE
     }
 
-    fn gpa_of(&self, index: u64) -> u64 {
-        let per = self.regions[0].size / PAGE_SIZE;
-        self.regions[(index / per) as usize].gpa + (index % per) * PAGE_SIZE
-    }
-
     /// A copy of all of guest RAM.
     fn contents(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.size as usize];
@@ -364,9 +359,4 @@ unsafe impl DestinationVm for FakeVm {
         self.resumed = true;
         Ok(Duration::ZERO)
     }
-}
-
-/// Index-to-address helper for tests that write specific pages.
-pub fn gpa_of(vm: &FakeVm, index: u64) -> u64 {
-    vm.shared.ram.gpa_of(index)
 }

@@ -2,7 +2,8 @@
 //! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a TCP stream.
 //!
 //! - [`wire`]: protocol v1, pure encoding and validation (`docs/protocol.md` is normative).
-//! - [`ram`]: guest RAM regions and the raw page operations (the only `unsafe`).
+//! - [`ram`]: guest RAM regions and the raw page operations (with [`zero`]'s SIMD, the only
+//!   `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
 //! - [`policy`]: when to switch over, as a pure function.
 //! - [`source`] and [`destination`]: the two sessions; [`sender`] and [`receiver`]: the data

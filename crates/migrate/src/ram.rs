@@ -1,8 +1,9 @@
 //! Guest RAM as the engine sees it: regions of host-mapped memory backed by a file (the VMM's
 //! memfd), and the few raw operations migration needs: copy a page out, give a page's bytes to
-//! write into, punch a page back to zero, and find populated ranges with `SEEK_DATA`/`SEEK_HOLE`.
+//! read from a socket into, clear back to zero, and find populated ranges with
+//! `SEEK_DATA`/`SEEK_HOLE`.
 //!
-//! This is the engine's only module with `unsafe`. Its soundness rests on the contract of
+//! With `zero.rs` (SIMD loads) this is the engine's only module with `unsafe`. Its soundness rests on the contract of
 //! [`crate::vm::SourceVm`] and [`crate::vm::DestinationVm`]: the regions a VMM hands over are
 //! mapped, readable and writable, and stay so for as long as the migration session.
 
@@ -19,7 +20,7 @@ pub struct RamRegion {
     pub size: u64,
     /// Where the region is mapped in this process.
     pub host_addr: usize,
-    /// The file backing the region (e.g. a memfd), for hole detection and punching.
+    /// The file backing the region (e.g. a memfd), for hole detection.
     pub fd: RawFd,
     /// The region's offset in `fd`.
     pub file_offset: u64,
