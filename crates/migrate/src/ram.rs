@@ -118,8 +118,8 @@ impl Ram {
         unreachable!("page() found the region")
     }
 
-    /// Copies the page at `gpa` into `out` and says whether it is all zeros.
-    pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<bool, RamError> {
+    /// Copies the page at `gpa` into `out` (zero detection is the sender's detector's job).
+    pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<(), RamError> {
         assert_eq!(out.len(), PAGE_SIZE as usize);
         let src = self.page(gpa)?;
         // SAFETY: `src` is a mapped page of guest RAM (checked above; mapped for the session by
@@ -127,17 +127,7 @@ impl Ram {
         // plain data (every value is valid), and a page changed during the copy is dirty again
         // and sent again, so a torn copy is never the last word.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
-        Ok(is_zero(out))
-    }
-
-    /// The bytes of the page at `gpa`, to be filled by the caller (the destination, whose guest
-    /// is not running).
-    pub fn page_mut(&mut self, gpa: u64) -> Result<&mut [u8], RamError> {
-        let dst = self.page(gpa)?;
-        // SAFETY: a mapped, writable page of guest RAM (VM trait contract); `&mut self` makes
-        // this the only live reference the engine hands out, and the destination's vCPUs do
-        // not run until the migration completes.
-        Ok(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, PAGE_SIZE as usize) })
+        Ok(())
     }
 
     /// The next populated range of region `region` at or after guest address `from`, as
@@ -241,31 +231,9 @@ impl Ram {
     }
 }
 
-/// Whether `bytes` are all zero, stopping at the first non-zero word.
-pub fn is_zero(bytes: &[u8]) -> bool {
-    let mut words = bytes.chunks_exact(8);
-    words
-        .by_ref()
-        .all(|w| u64::from_ne_bytes(w.try_into().unwrap()) == 0)
-        && words.remainder().iter().all(|&b| b == 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn zero_detection() {
-        let mut page = vec![0u8; 4096];
-        assert!(is_zero(&page));
-        page[4095] = 1;
-        assert!(!is_zero(&page));
-        page[4095] = 0;
-        page[0] = 1;
-        assert!(!is_zero(&page));
-        assert!(is_zero(&[0u8; 13]));
-        assert!(!is_zero(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]));
-    }
 
     #[test]
     fn regions_are_checked() {
