@@ -1,6 +1,5 @@
 //! `ferry run`: boot a VM and stay with it until it stops.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,8 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use clap::Args;
+use ferry_migrate::MigrateError;
+use ferry_migrate::transport::Address;
 use ferry_vmm::api::server::ApiServer;
-use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
+use ferry_vmm::{GuestKind, RunState, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -31,10 +32,15 @@ pub struct RunArgs {
     /// Serve the control API (JSON over HTTP) on this Unix socket.
     #[arg(long)]
     api_socket: Option<PathBuf>,
-    /// Boot nothing: wait for a migration on `tcp:HOST:PORT`, then run the guest it brings.
-    #[arg(long, value_name = "tcp:HOST:PORT")]
+    /// Boot nothing: wait for a migration on `tcp:HOST:PORT` or `unix:PATH`, then run the
+    /// guest it brings. The API socket answers while it waits.
+    #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     incoming: Option<String>,
 }
+
+/// Exit status of a `ferry run --incoming` stopped before a guest arrived, and of a
+/// cancelled `ferry migrate`.
+pub const EXIT_CANCELLED: u8 = 3;
 
 /// Parses `tcp:HOST:PORT` into `HOST:PORT`.
 pub fn tcp_address(spec: &str) -> anyhow::Result<&str> {
@@ -73,18 +79,57 @@ impl Interrupt {
     }
 }
 
-/// Waits for a migration on `spec` and returns the VM running the guest it brought.
-fn receive(config: VmConfig, spec: &str, interrupt: &Interrupt) -> anyhow::Result<Vm> {
-    let addr = tcp_address(spec)?;
-    let listener = TcpListener::bind(addr)
-        .with_context(|| format!("cannot listen on {addr} for the migration"))?;
-    let mut incoming = Vm::incoming(config)?;
-    eprintln!(
-        "ferry: waiting for a migration on {}",
-        listener.local_addr()?
-    );
-    let stats = ferry_vmm::migration::receive(&mut incoming, &listener, &|| !interrupt.requested())
-        .context("the incoming migration failed; no guest runs here")?;
+/// How a `ferry run --incoming` ended without a guest to run.
+#[derive(Debug)]
+enum NoGuest {
+    /// Cancelled (API or Ctrl-C) or shut down before the guest arrived.
+    Stopped(String),
+    Failed(anyhow::Error),
+}
+
+/// Waits for a migration on `spec`, with the API (if asked for) answering from the start, and
+/// returns the VM running the guest it brought.
+fn receive(
+    config: VmConfig,
+    spec: &str,
+    interrupt: &Interrupt,
+    api_socket: Option<&PathBuf>,
+) -> Result<(Vm, Option<ApiServer>), NoGuest> {
+    let address: Address = spec
+        .parse()
+        .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
+    let listener = address
+        .listen()
+        .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
+    let mut incoming = Vm::incoming(config).map_err(|e| NoGuest::Failed(e.into()))?;
+    let handle = incoming.handle();
+    *interrupt.vm.lock().unwrap() = Some(handle.clone());
+    let api = start_api(api_socket, &handle).map_err(NoGuest::Failed)?;
+    eprintln!("ferry: waiting for a migration on {}", listener.local());
+    let received =
+        ferry_vmm::migration::receive(&mut incoming, listener.as_ref(), &|| !interrupt.requested());
+    let stats = match received {
+        Ok(stats) => stats,
+        Err(MigrateError::CancelledHere) => {
+            return Err(NoGuest::Stopped(
+                "the incoming migration was cancelled; no guest ran here".into(),
+            ));
+        }
+        Err(_) if handle.state() == RunState::Stopped => {
+            return Err(NoGuest::Stopped(format!(
+                "{}; no guest ran here",
+                handle
+                    .status()
+                    .stop_reason
+                    .map_or("stopped".into(), |r| r.to_string())
+            )));
+        }
+        Err(e) => {
+            return Err(NoGuest::Failed(
+                anyhow::Error::new(e).context("the incoming migration failed; no guest runs here"),
+            ));
+        }
+    };
     eprintln!(
         "ferry: migration received: {} pages, {} zero pages in {} passes; state loaded in {:.1} ms, guest resumed in {:.1} ms",
         stats.pages,
@@ -93,9 +138,23 @@ fn receive(config: VmConfig, spec: &str, interrupt: &Interrupt) -> anyhow::Resul
         stats.load.as_secs_f64() * 1e3,
         stats.resume.as_secs_f64() * 1e3
     );
-    incoming
-        .into_running()
-        .context("the migration ended without resuming the guest")
+    let vm = incoming.into_running().ok_or_else(|| {
+        NoGuest::Failed(anyhow::anyhow!(
+            "the migration ended without resuming the guest"
+        ))
+    })?;
+    Ok((vm, api))
+}
+
+/// Serves the control API on `path`, if one was asked for.
+fn start_api(path: Option<&PathBuf>, handle: &VmHandle) -> anyhow::Result<Option<ApiServer>> {
+    path.map(|path| {
+        ApiServer::start(path, handle.clone()).map_err(|e| {
+            handle.stop(StopReason::Requested("API socket unavailable".into()));
+            anyhow::Error::new(e)
+        })
+    })
+    .transpose()
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -124,21 +183,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         serial,
     };
     let interrupt = Interrupt::install()?;
-    let vm = match &args.incoming {
-        None => Vm::boot(config)?,
-        Some(addr) => receive(config, addr, &interrupt)?,
+    let (vm, _api) = match &args.incoming {
+        None => {
+            let vm = Vm::boot(config)?;
+            let api = start_api(args.api_socket.as_ref(), &vm.handle())?;
+            (vm, api)
+        }
+        Some(spec) => match receive(config, spec, &interrupt, args.api_socket.as_ref()) {
+            Ok(got) => got,
+            Err(NoGuest::Stopped(why)) => {
+                eprintln!("ferry: {why}");
+                return Ok(ExitCode::from(EXIT_CANCELLED));
+            }
+            Err(NoGuest::Failed(e)) => return Err(e),
+        },
     };
     let handle = vm.handle();
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
     if interrupt.requested() {
         handle.stop(StopReason::Requested("Ctrl-C".into()));
     }
-    let _api = match &args.api_socket {
-        Some(path) => Some(ApiServer::start(path, handle.clone()).inspect_err(|_| {
-            handle.stop(StopReason::Requested("API socket unavailable".into()));
-        })?),
-        None => None,
-    };
     let reason = vm.wait();
     let t = handle.telemetry();
     eprintln!(

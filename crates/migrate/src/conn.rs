@@ -3,9 +3,9 @@
 #![forbid(unsafe_code)]
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::TcpStream;
 
 use crate::error::MigrateError;
+use crate::transport::Stream;
 use crate::wire::{HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind};
 
 /// Send buffer: a few records, so small records (zero pages, pass ends) are coalesced while a
@@ -17,24 +17,24 @@ const READ_BUFFER: usize = 1 << 20;
 /// One migration connection.
 #[derive(Debug)]
 pub struct Conn {
-    reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
+    reader: BufReader<Box<dyn Stream>>,
+    writer: BufWriter<Box<dyn Stream>>,
     /// Payload and header bytes written.
     pub bytes_written: u64,
 }
 
 impl Conn {
-    pub fn new(stream: TcpStream) -> std::io::Result<Conn> {
-        stream.set_nodelay(true)?;
+    pub fn new(stream: Box<dyn Stream>) -> std::io::Result<Conn> {
+        stream.set_low_latency()?;
         Ok(Conn {
-            reader: BufReader::with_capacity(READ_BUFFER, stream.try_clone()?),
+            reader: BufReader::with_capacity(READ_BUFFER, stream.try_clone_stream()?),
             writer: BufWriter::with_capacity(WRITE_BUFFER, stream),
             bytes_written: 0,
         })
     }
 
-    pub fn stream(&self) -> &TcpStream {
-        self.writer.get_ref()
+    pub fn stream(&self) -> &dyn Stream {
+        self.writer.get_ref().as_ref()
     }
 
     pub fn write_hello(&mut self, hello: &Hello) -> Result<(), MigrateError> {

@@ -10,14 +10,8 @@ use crate::wire::WireError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
-    #[error(
-        "cannot connect to the destination {addr}: {source}; is `ferry run --incoming tcp:{addr}` waiting there?"
-    )]
-    Connect {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Address(#[from] crate::transport::AddressError),
     #[error("connection failed while {during}: {source}")]
     Io {
         during: &'static str,
@@ -36,6 +30,24 @@ pub enum MigrateError {
     Refused(String),
     #[error("the other side reported an error: {0}")]
     Remote(String),
+    /// A connection of this side failed (its own error names the channel); the other parties
+    /// stop with it.
+    #[error("{0}")]
+    Channel(String),
+    #[error(
+        "data channel {channel} ended after pass {after_pass} while pass {pass} was still being received; the source stopped mid-migration (crashed, killed, or its network broke). No guest runs here; migrate again"
+    )]
+    ChannelEnded {
+        channel: u16,
+        after_pass: u32,
+        pass: u32,
+    },
+    #[error(
+        "pass {pass} did not end on every connection within {timeout:?}; the source stalled. No guest runs here; migrate again"
+    )]
+    PassTimeout { pass: u32, timeout: Duration },
+    #[error("the incoming migration was cancelled on the destination; no guest runs here")]
+    CancelledHere,
     #[error(transparent)]
     Vm(#[from] VmError),
     #[error("migration cancelled; the source VM keeps running")]

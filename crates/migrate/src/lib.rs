@@ -26,6 +26,7 @@ pub mod sender;
 pub mod source;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;
+pub mod transport;
 #[allow(unsafe_code)]
 // declares the unsafe VM traits; implementing them is where the promise is made
 pub mod vm;

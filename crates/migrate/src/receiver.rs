@@ -12,13 +12,15 @@
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use crate::destination::IncomingControl;
 use crate::error::MigrateError;
 use crate::ram::Ram;
+use crate::transport::Stream;
 use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
 
 /// A per-page bitmap shared by the receivers.
@@ -50,10 +52,12 @@ impl PageBits {
 }
 
 /// Makes every party wait at the end of pass n until all parties reached it, or until a party
-/// fails (then everyone stops).
+/// fails or leaves too early (then everyone stops). Every wait is bounded: a party that never
+/// arrives and never leaves is given up on after [`PassBarrier::new`]'s `timeout`.
 #[derive(Debug)]
 pub struct PassBarrier {
     parties: usize,
+    timeout: Duration,
     state: Mutex<BarrierState>,
     cv: Condvar,
     /// Pages claimed in the current pass; cleared by the last party to arrive.
@@ -63,13 +67,16 @@ pub struct PassBarrier {
 #[derive(Debug, Default)]
 struct BarrierState {
     arrived: BTreeMap<u32, usize>,
+    /// Data channels whose stream ended, with the last pass each finished.
+    departed: Vec<(u16, u32)>,
     failure: Option<String>,
 }
 
 impl PassBarrier {
-    pub fn new(parties: usize, claimed: Arc<PageBits>) -> PassBarrier {
+    pub fn new(parties: usize, claimed: Arc<PageBits>, timeout: Duration) -> PassBarrier {
         PassBarrier {
             parties,
+            timeout,
             state: Mutex::new(BarrierState::default()),
             cv: Condvar::new(),
             claimed,
@@ -78,6 +85,7 @@ impl PassBarrier {
 
     /// Waits until every party has ended pass `pass`.
     pub fn wait(&self, pass: u32) -> Result<(), MigrateError> {
+        let deadline = Instant::now() + self.timeout;
         let mut s = self.state.lock().unwrap();
         let n = {
             let n = s.arrived.entry(pass).or_insert(0);
@@ -91,13 +99,41 @@ impl PassBarrier {
         }
         loop {
             if let Some(f) = &s.failure {
-                return Err(MigrateError::Remote(f.clone()));
+                return Err(MigrateError::Channel(f.clone()));
             }
             if s.arrived.get(&pass).copied().unwrap_or(self.parties) >= self.parties {
                 return Ok(());
             }
-            s = self.cv.wait(s).unwrap();
+            if let Some(&(channel, after_pass)) = s.departed.iter().find(|d| d.1 < pass) {
+                return Err(MigrateError::ChannelEnded {
+                    channel,
+                    after_pass,
+                    pass,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(MigrateError::PassTimeout {
+                    pass,
+                    timeout: self.timeout,
+                });
+            }
+            s = self.cv.wait_timeout(s, deadline - now).unwrap().0;
         }
+    }
+
+    /// A data channel's stream ended cleanly after it finished `after_pass`: a party waiting
+    /// for a later pass will never see it arrive, so it is released with an error naming it.
+    pub fn leave(&self, channel: u16, after_pass: u32) {
+        let mut s = self.state.lock().unwrap();
+        s.departed.push((channel, after_pass));
+        self.cv.notify_all();
+    }
+
+    /// The channels that ended before finishing `pass`.
+    pub fn departed_before(&self, pass: u32) -> Option<(u16, u32)> {
+        let s = self.state.lock().unwrap();
+        s.departed.iter().copied().find(|d| d.1 < pass)
     }
 
     /// Records the first failure and releases every waiter.
@@ -130,18 +166,21 @@ pub struct Shared {
     /// Pages that hold data from this migration (a zero run needs no work elsewhere).
     pub written: Arc<PageBits>,
     pub claimed: Arc<PageBits>,
+    /// Progress counters and cancellation.
+    pub control: Arc<IncomingControl>,
 }
 
 /// Starts the receiver of data channel `channel`.
 pub fn start(
     channel: u16,
-    stream: TcpStream,
+    stream: Box<dyn Stream>,
     shared: Shared,
 ) -> JoinHandle<Result<ReceiverStats, MigrateError>> {
     std::thread::Builder::new()
         .name(format!("recv-{channel}"))
         .spawn(move || {
             let r = Receiver {
+                channel,
                 stream,
                 shared: shared.clone(),
                 stats: ReceiverStats::default(),
@@ -156,7 +195,8 @@ pub fn start(
 }
 
 struct Receiver {
-    stream: TcpStream,
+    channel: u16,
+    stream: Box<dyn Stream>,
     shared: Shared,
     stats: ReceiverStats,
 }
@@ -166,9 +206,15 @@ impl Receiver {
         let cpu_start = crate::stats::thread_cpu_ns();
         loop {
             let Some(h) = self.read_header()? else {
+                // A clean end of stream is the source's way to close a channel after its last
+                // pass; whether that pass was the last is for the barrier and the main channel
+                // to judge, so say how far this channel got.
+                self.shared.barrier.leave(self.channel, self.stats.passes);
                 self.stats.cpu_ns = crate::stats::thread_cpu_ns() - cpu_start;
                 return Ok(self.stats);
             };
+            let c = &self.shared.control;
+            c.add(&c.bytes, HEADER_SIZE as u64 + h.len);
             match h.kind {
                 Kind::Pages => self.pages(h.count)?,
                 Kind::ZeroRuns => self.zero_runs(h.count)?,
@@ -255,6 +301,8 @@ impl Receiver {
             self.shared.written.set(i);
         }
         self.stats.pages += u64::from(count);
+        let c = &self.shared.control;
+        c.add(&c.pages, u64::from(count));
         Ok(())
     }
 
@@ -285,6 +333,8 @@ impl Receiver {
                 self.zero(s, n)?;
             }
             self.stats.zero_pages += pages;
+            let c = &self.shared.control;
+            c.add(&c.zero_pages, pages);
         }
         Ok(())
     }
@@ -303,7 +353,11 @@ mod tests {
 
     #[test]
     fn barrier_releases_when_all_parties_arrive_and_fails_everyone() {
-        let b = Arc::new(PassBarrier::new(3, Arc::new(PageBits::new(64))));
+        let b = Arc::new(PassBarrier::new(
+            3,
+            Arc::new(PageBits::new(64)),
+            Duration::from_secs(60),
+        ));
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let b = b.clone();
@@ -331,6 +385,23 @@ mod tests {
                 .to_string()
                 .contains("channel 3 broke")
         );
+    }
+
+    #[test]
+    fn regression_a_channel_that_leaves_early_releases_the_barrier() {
+        let b = PassBarrier::new(2, Arc::new(PageBits::new(64)), Duration::from_secs(60));
+        b.leave(1, 0);
+        let e = b.wait(1).unwrap_err().to_string();
+        assert!(e.contains("data channel 1 ended after pass 0"), "{e}");
+        assert_eq!(b.departed_before(1), Some((1, 0)));
+        assert_eq!(b.departed_before(0), None);
+    }
+
+    #[test]
+    fn a_barrier_wait_is_bounded() {
+        let b = PassBarrier::new(2, Arc::new(PageBits::new(64)), Duration::from_millis(50));
+        let e = b.wait(1).unwrap_err().to_string();
+        assert!(e.contains("pass 1 did not end on every connection"), "{e}");
     }
 
     #[test]

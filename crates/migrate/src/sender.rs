@@ -6,7 +6,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -17,6 +16,7 @@ use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
 use crate::stats;
+use crate::transport::Stream;
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
 
 /// Batches queued per sender: enough to keep it busy while the migration thread walks the
@@ -64,7 +64,7 @@ pub struct SenderConfig {
 impl Sender {
     pub fn start(
         channel: u16,
-        stream: TcpStream,
+        stream: Box<dyn Stream>,
         ram: Ram,
         config: SenderConfig,
     ) -> Result<Sender, MigrateError> {

@@ -12,7 +12,6 @@
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,6 +25,7 @@ use crate::ram::Ram;
 use crate::scan::ZeroDetection;
 use crate::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::stats::{self, MigrationStats, PassStats};
+use crate::transport::Stream;
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Role};
 
@@ -79,10 +79,10 @@ impl SourceParams {
 /// Migrates `vm` over `stream`. On success the source VM is left paused (the guest runs on the
 /// destination); on any failure before the guest was handed over it runs again, with nothing
 /// lost, and a later migration sends everything anew.
-pub fn migrate(
+pub fn migrate<S: Stream + 'static>(
     vm: &mut dyn SourceVm,
-    stream: TcpStream,
-    connect: &dyn Fn() -> std::io::Result<TcpStream>,
+    stream: S,
+    connect: &dyn Fn() -> std::io::Result<S>,
     params: &SourceParams,
     control: &Control,
 ) -> Result<MigrationStats, MigrateError> {
@@ -100,7 +100,8 @@ pub fn migrate(
             wire::MAX_PAGES_PER_RECORD
         )));
     }
-    let conn = Conn::new(stream).map_err(|e| MigrateError::io("setting up the connection", e))?;
+    let conn = Conn::new(Box::new(stream))
+        .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let ram = Ram::new(vm.ram())?;
     let mut source = Source {
         bitmap: DirtyBitmap::new(ram.regions()),
@@ -122,7 +123,8 @@ pub fn migrate(
         samples: 0,
     };
     control.update(|p| p.phase = Phase::Setup);
-    let result = source.run(vm, connect);
+    let connect = || connect().map(|s| Box::new(s) as Box<dyn Stream>);
+    let result = source.run(vm, &connect);
     for mut sender in source.senders.drain(..) {
         let _ = sender.finish();
     }
@@ -187,7 +189,7 @@ impl Source<'_> {
     fn run(
         &mut self,
         vm: &mut dyn SourceVm,
-        connect: &dyn Fn() -> std::io::Result<TcpStream>,
+        connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
     ) -> Result<(), MigrateError> {
         self.conn.write_hello(&Hello {
             role: Role::Main,
@@ -205,6 +207,7 @@ impl Source<'_> {
                     self.ram.size(),
                     reply.memory_size
                 ),
+                5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
                 s => format!("status {s}"),
             }));
         }
@@ -352,12 +355,12 @@ impl Source<'_> {
     /// Connects and greets the data channels, and starts their senders.
     fn open_channels(
         &mut self,
-        connect: &dyn Fn() -> std::io::Result<TcpStream>,
+        connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
     ) -> Result<(), MigrateError> {
         let io = |e| MigrateError::io("connecting a data channel", e);
         for channel in 1..=self.params.channels {
             let stream = connect().map_err(io)?;
-            let mut c = Conn::new(stream.try_clone().map_err(io)?).map_err(io)?;
+            let mut c = Conn::new(stream.try_clone_stream().map_err(io)?).map_err(io)?;
             c.write_hello(&Hello {
                 role: Role::Data,
                 channel,

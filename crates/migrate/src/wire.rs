@@ -167,6 +167,8 @@ pub enum Refusal {
     UnknownMigration = 3,
     /// A data channel's id is out of range or already connected.
     ChannelId = 4,
+    /// Another migration is under way on this destination (or has ended there).
+    Busy = 5,
 }
 
 impl Hello {

@@ -20,6 +20,8 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the VM was stopped before it could start: {0}")]
+    Stopped(String),
     #[error("cannot start the vCPU thread: {0}")]
     Thread(std::io::Error),
     #[error(transparent)]

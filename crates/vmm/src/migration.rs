@@ -5,16 +5,16 @@
 //! ([`GuestRam::write`] records them while a migration tracks): `fetch_dirty` below is the one
 //! place the two are merged.
 
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_migrate::bitmap::DirtyBitmap;
-use ferry_migrate::destination::{self, ReceiveStats};
+use ferry_migrate::destination::{self, IncomingPhase, IncomingProgress, ReceiveStats};
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::transport::{Address, Listener, Stream};
 use ferry_migrate::wire::SectionId;
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, Phase, Policy, Progress, Section, SourceVm, VmError,
@@ -32,7 +32,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What `PUT /migration` asks for.
 #[derive(Clone, Debug)]
 pub struct MigrationRequest {
-    /// `HOST:PORT` of a `ferry run --incoming` destination.
+    /// Where a `ferry run --incoming` destination waits: `tcp:HOST:PORT`, `unix:PATH`, or a
+    /// bare `HOST:PORT` (TCP).
     pub to: String,
     pub policy: Policy,
     pub max_bandwidth: Option<u64>,
@@ -84,7 +85,8 @@ impl VmHandle {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
         }
-        let stream = connect(&req.to)?;
+        let address = address(&req.to)?;
+        let stream = connect(&address)?;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
         let params = SourceParams {
@@ -94,7 +96,6 @@ impl VmHandle {
             zero: req.zero,
             ..SourceParams::new(req.policy, migration_uuid())
         };
-        let to = req.to.clone();
         let mut adapter = SourceAdapter {
             shared: self.0.clone(),
             handle: self.clone(),
@@ -103,7 +104,8 @@ impl VmHandle {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                let connect = || connect(&to).map_err(|e| std::io::Error::other(e.to_string()));
+                let connect =
+                    || connect(&address).map_err(|e| std::io::Error::other(e.to_string()));
                 if let Err(e) =
                     source::migrate(&mut adapter, stream, &connect, &params, &thread_control)
                 {
@@ -124,10 +126,28 @@ impl VmHandle {
             .map(|c| c.progress())
     }
 
-    /// Asks a running migration to stop; false when none runs.
+    /// On a migration destination: the incoming migration's progress.
+    pub fn incoming(&self) -> Option<IncomingProgress> {
+        self.0.incoming.as_ref().map(|c| c.progress())
+    }
+
+    /// Asks a running migration to stop (on a source in precopy, or on a destination before
+    /// the guest was resumed); false when there is none it can stop.
     pub fn cancel_migration(&self) -> bool {
         match self.0.migration.lock().unwrap().as_ref() {
             Some(c) if matches!(c.progress().phase, Phase::Setup | Phase::Precopy) => {
+                c.cancel();
+                return true;
+            }
+            _ => {}
+        }
+        match &self.0.incoming {
+            Some(c)
+                if matches!(
+                    c.progress().phase,
+                    IncomingPhase::Waiting | IncomingPhase::Handshake | IncomingPhase::Precopy
+                ) =>
+            {
                 c.cancel();
                 true
             }
@@ -136,17 +156,18 @@ impl VmHandle {
     }
 }
 
-fn connect(to: &str) -> Result<TcpStream, MigrateError> {
-    let err = |source| MigrateError::Connect {
-        addr: to.to_string(),
-        source,
+/// `tcp:HOST:PORT`, `unix:PATH`, or a bare `HOST:PORT`.
+fn address(to: &str) -> Result<Address, MigrateError> {
+    let spelled = if to.starts_with("tcp:") || to.starts_with("unix:") {
+        to.to_string()
+    } else {
+        format!("tcp:{to}")
     };
-    let addr = to
-        .to_socket_addrs()
-        .map_err(err)?
-        .next()
-        .ok_or_else(|| err(std::io::Error::other("the address resolves to nothing")))?;
-    TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(err)
+    Ok(spelled.parse()?)
+}
+
+fn connect(to: &Address) -> Result<Box<dyn Stream>, MigrateError> {
+    Ok(to.connect(CONNECT_TIMEOUT)?)
 }
 
 /// 16 bytes that differ between migrations: time and process id, mixed.
@@ -338,54 +359,14 @@ unsafe impl DestinationVm for IncomingVm {
     }
 }
 
-/// Waits for a source on `listener` while `keep_waiting()` says so, then receives its
-/// migration into `vm`, which runs afterwards.
+/// Waits for a source on `listener` while `keep_waiting()` says so (and until the VM's
+/// incoming control is cancelled), screening every connection, then receives the migration
+/// into `vm`, which runs afterwards.
 pub fn receive(
     vm: &mut IncomingVm,
-    listener: &TcpListener,
+    listener: &dyn Listener,
     keep_waiting: &dyn Fn() -> bool,
 ) -> Result<ReceiveStats, MigrateError> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| MigrateError::io("waiting for the source", e))?;
-    let stream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && keep_waiting() => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                return Err(MigrateError::Io {
-                    during: "waiting for the source to connect",
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "gave up waiting for a source",
-                    ),
-                });
-            }
-            Err(e) => return Err(MigrateError::io("waiting for the source", e)),
-        }
-    };
-    stream
-        .set_nonblocking(false)
-        .map_err(|e| MigrateError::io("setting up the connection", e))?;
-    let mut accept = |deadline: Instant| loop {
-        match listener.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(false)?;
-                return Ok(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "timed out",
-                ));
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    destination::receive(vm, stream, &mut accept)
+    let control = vm.control();
+    destination::listen(vm, listener, &control, keep_waiting)
 }

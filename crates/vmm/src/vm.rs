@@ -70,6 +70,8 @@ impl std::fmt::Display for StopReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
+    /// An empty VM waiting for (or receiving) a migration; no vCPU has run.
+    Incoming,
     Running,
     Paused,
     Stopped,
@@ -99,6 +101,8 @@ pub(crate) struct Shared {
     pub(crate) msrs: Vec<u32>,
     pub(crate) serial: SerialOutput,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
+    /// On a migration destination: the incoming migration's progress and cancel.
+    pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
     vcpus: u8,
     started: Instant,
 }
@@ -119,6 +123,10 @@ pub struct VmHandle(pub(crate) Arc<Shared>);
 pub enum ControlError {
     #[error("the VM has stopped: {0}")]
     Stopped(StopReason),
+    #[error(
+        "the VM is waiting for an incoming migration and has no guest to pause or resume yet; watch it with GET /migration, or cancel with PUT /migration/cancel"
+    )]
+    Incoming,
 }
 
 /// A snapshot for the control API.
@@ -153,7 +161,7 @@ impl Vm {
         if config.guest == GuestKind::FerryGuest {
             boot::check_workload(&config.cmdline, &ram, setup.image_end)?;
         }
-        let shared = build(&config, ram)?;
+        let shared = build(&config, ram, None)?;
         vcpu::set_pvh_entry(&shared.vcpu.lock().unwrap(), &setup)?;
         start(shared)
     }
@@ -163,8 +171,9 @@ impl Vm {
     pub fn incoming(config: VmConfig) -> Result<IncomingVm, VmmError> {
         check_config(&config)?;
         let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
+        let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
         Ok(IncomingVm {
-            shared: build(&config, ram)?,
+            shared: build(&config, ram, Some(control))?,
             running: None,
         })
     }
@@ -197,8 +206,23 @@ impl IncomingVm {
         self.running
     }
 
+    /// The incoming migration's progress and cancel.
+    pub fn control(&self) -> Arc<ferry_migrate::destination::IncomingControl> {
+        self.shared
+            .incoming
+            .clone()
+            .expect("an incoming VM has its control")
+    }
+
     /// Starts the vCPU thread (called by the migration's resume).
     pub(crate) fn start(&mut self) -> Result<(), VmmError> {
+        {
+            let mut c = self.shared.control.lock().unwrap();
+            if let Some(r) = &c.stop_reason {
+                return Err(VmmError::Stopped(r.to_string()));
+            }
+            c.desired = RunState::Running;
+        }
         self.running = Some(start(self.shared.clone())?);
         Ok(())
     }
@@ -217,7 +241,11 @@ fn check_config(config: &VmConfig) -> Result<(), VmmError> {
 }
 
 /// RAM, KVM VM with memory slots, a vCPU with its CPUID, and the devices.
-fn build(config: &VmConfig, ram: Arc<GuestRam>) -> Result<Arc<Shared>, VmmError> {
+fn build(
+    config: &VmConfig,
+    ram: Arc<GuestRam>,
+    incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
+) -> Result<Arc<Shared>, VmmError> {
     let uart = serial::uart(&config.serial).map_err(|source| VmmError::Serial {
         path: format!("{:?}", config.serial),
         source,
@@ -230,7 +258,10 @@ fn build(config: &VmConfig, ram: Arc<GuestRam>) -> Result<Arc<Shared>, VmmError>
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
     Ok(Arc::new(Shared {
         control: Mutex::new(Control {
-            desired: RunState::Running,
+            desired: match incoming {
+                Some(_) => RunState::Incoming,
+                None => RunState::Running,
+            },
             stop_reason: None,
             vcpus_alive: 0,
             vcpus_parked: 0,
@@ -249,6 +280,7 @@ fn build(config: &VmConfig, ram: Arc<GuestRam>) -> Result<Arc<Shared>, VmmError>
         msrs,
         serial: config.serial.clone(),
         migration: Mutex::new(None),
+        incoming,
         vcpus: config.vcpus,
         started: Instant::now(),
     }))
@@ -305,6 +337,9 @@ impl VmHandle {
         if let Some(r) = &c.stop_reason {
             return Err(ControlError::Stopped(r.clone()));
         }
+        if c.desired == RunState::Incoming {
+            return Err(ControlError::Incoming);
+        }
         c.desired = RunState::Paused;
         Self::kick_all(&c);
         while c.vcpus_parked < c.vcpus_alive && c.stop_reason.is_none() {
@@ -321,13 +356,20 @@ impl VmHandle {
         if let Some(r) = &c.stop_reason {
             return Err(ControlError::Stopped(r.clone()));
         }
+        if c.desired == RunState::Incoming {
+            return Err(ControlError::Incoming);
+        }
         c.desired = RunState::Running;
         self.0.changed.notify_all();
         Ok(())
     }
 
-    /// Stops the VM (the first reason given wins). Does not wait.
+    /// Stops the VM (the first reason given wins), and an incoming migration with it. Does
+    /// not wait.
     pub fn stop(&self, reason: StopReason) {
+        if let Some(incoming) = &self.0.incoming {
+            incoming.cancel();
+        }
         let mut c = self.lock();
         c.stop_reason.get_or_insert(reason);
         c.desired = RunState::Stopped;
@@ -442,7 +484,9 @@ impl VcpuRunner {
                             .unwrap_or(StopReason::Requested("stop".into())),
                     );
                 }
-                RunState::Paused => {
+                // An incoming VM's vCPU is started only once its state loaded (the desired
+                // state is Running by then); were it not, it must not run.
+                RunState::Paused | RunState::Incoming => {
                     if !parked {
                         parked = true;
                         c.vcpus_parked += 1;

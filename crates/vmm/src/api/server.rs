@@ -163,9 +163,14 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             vm.stop(StopReason::Requested("API shutdown".into()));
             (200, json!({ "state": "stopped" }))
         }
-        (Method::Get, "/migration") => match vm.migration() {
-            Some(p) => (200, serde_json::to_value(p).unwrap_or_default()),
-            None => (
+        (Method::Get, "/migration") => match (vm.migration(), vm.incoming()) {
+            (Some(p), _) => (200, serde_json::to_value(p).unwrap_or_default()),
+            (None, Some(p)) => {
+                let mut v = serde_json::to_value(p).unwrap_or_default();
+                v["role"] = json!("destination");
+                (200, v)
+            }
+            (None, None) => (
                 404,
                 json!({ "error": "no migration has been started on this VM; start one with PUT /migration or ferry migrate" }),
             ),
@@ -187,7 +192,7 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             true => (200, json!({ "phase": "cancelling" })),
             false => (
                 409,
-                json!({ "error": "no migration is in precopy; nothing to cancel (a switchover cannot be cancelled)" }),
+                json!({ "error": "no migration is in precopy or incoming; nothing to cancel (a switchover cannot be cancelled, nor a migration whose guest already runs here)" }),
             ),
         },
         (

@@ -1,0 +1,111 @@
+//! The receiving side of a migration.
+//!
+//! - [`listen`] is what a VMM calls: it waits on a [`Listener`](crate::transport::Listener),
+//!   screens every connection's hello on a thread of its own (garbage, silence, a second source
+//!   or a stranger's data channel are dropped and counted, and the destination keeps
+//!   listening), and hands a valid main connection to a [`Session`].
+//! - [`Session`] is one migration, in phases: handshake (the main hello), channels (the
+//!   announced data connections), precopy (pass ends on the main channel while receivers write
+//!   pages), state and resume. From the main hello on, every byte is hostile and the first bad
+//!   one ends the migration with the error that names it; the guest starts only after every
+//!   mandatory section loaded.
+//! - [`receive`] runs one session on a main connection the caller already accepted (tests, and
+//!   VMMs that dispatch connections themselves).
+//! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
+
+#![forbid(unsafe_code)]
+
+mod listen;
+mod progress;
+mod session;
+
+use std::time::{Duration, Instant};
+
+pub use listen::listen;
+pub use progress::{IncomingControl, IncomingPhase, IncomingProgress};
+pub use session::{ReceiveStats, Session};
+
+use crate::error::MigrateError;
+use crate::transport::Stream;
+use crate::wire::{HELLO_SIZE, Hello};
+
+/// How long the destination waits for the next record on a connection before it gives up on
+/// a silent source. Generous: the main channel is quiet while a long pass runs on the data
+/// channels (a pass is bounded by the migration's own timeout, at most minutes).
+pub const RECORD_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long the announced data channels have to connect after the main hello.
+pub const CHANNEL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a new connection has to send its hello: a source sends it at once, so 10 s is
+/// only ever reached by something that is not a source (a port scanner, an idle client).
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection that has sent its hello.
+#[derive(Debug)]
+pub struct Arrival {
+    pub stream: Box<dyn Stream>,
+    pub hello: Hello,
+}
+
+/// Where a session's data connections come from.
+pub trait Arrivals {
+    /// The next connection with its hello; `None` once `deadline` passed without one.
+    fn next(&mut self, deadline: Instant) -> Result<Option<Arrival>, MigrateError>;
+    /// Every announced channel is connected: later connections are not this session's.
+    fn close(&mut self);
+}
+
+/// Reads a hello unbuffered (whatever follows it belongs to the connection's reader), within
+/// `timeout`.
+pub fn read_hello(stream: &mut dyn Stream, timeout: Duration) -> Result<Hello, MigrateError> {
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| MigrateError::io("reading the hello", e))?;
+    let mut raw = [0u8; HELLO_SIZE];
+    std::io::Read::read_exact(stream, &mut raw)
+        .map_err(|e| MigrateError::io("reading the hello", e))?;
+    Ok(Hello::decode(&raw)?)
+}
+
+/// Arrivals from a caller's accept function, each hello read here.
+struct Accepted<'a, S> {
+    accept: &'a mut dyn FnMut(Instant) -> std::io::Result<S>,
+}
+
+impl<S: Stream + 'static> Arrivals for Accepted<'_, S> {
+    fn next(&mut self, deadline: Instant) -> Result<Option<Arrival>, MigrateError> {
+        let mut stream: Box<dyn Stream> = match (self.accept)(deadline) {
+            Ok(s) => Box::new(s),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(MigrateError::io("accepting a data channel", e)),
+        };
+        let hello = read_hello(stream.as_mut(), CHANNEL_TIMEOUT)?;
+        Ok(Some(Arrival { stream, hello }))
+    }
+
+    fn close(&mut self) {}
+}
+
+/// Receives a migration whose main connection is `stream`; `accept(deadline)` yields the data
+/// connections (an error of kind `TimedOut` or `WouldBlock` once the deadline passed). On
+/// success the guest runs; on error nothing runs and the caller discards the VM.
+pub fn receive<S: Stream + 'static>(
+    vm: &mut dyn crate::vm::DestinationVm,
+    stream: S,
+    accept: &mut dyn FnMut(Instant) -> std::io::Result<S>,
+) -> Result<ReceiveStats, MigrateError> {
+    let mut stream: Box<dyn Stream> = Box::new(stream);
+    let control = std::sync::Arc::new(IncomingControl::default());
+    let hello = match read_hello(stream.as_mut(), RECORD_TIMEOUT) {
+        Ok(h) => h,
+        Err(e) => {
+            if let Ok(mut conn) = crate::conn::Conn::new(stream) {
+                conn.send_error(&format!("destination: {e}"));
+            }
+            return Err(e);
+        }
+    };
+    let session = Session::new(vm, Arrival { stream, hello }, control)?;
+    let session = session.handshake()?;
+    session.run(&mut Accepted { accept })
+}

@@ -1,0 +1,146 @@
+//! The handle other threads hold on an incoming migration: what it is doing, and a way to
+//! stop it. The destination's counterpart of [`crate::Control`].
+
+#![forbid(unsafe_code)]
+
+use std::net::Shutdown;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::transport::Stream;
+
+/// Where an incoming migration is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IncomingPhase {
+    /// Listening; no source has completed a valid hello yet.
+    #[default]
+    Waiting,
+    /// A source's main hello was accepted; its data channels connect.
+    Handshake,
+    /// Pages arrive.
+    Precopy,
+    /// Device state is loading and the guest is being resumed.
+    Loading,
+    /// The guest runs here.
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+/// What `GET /migration` shows on a destination.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct IncomingProgress {
+    pub phase: IncomingPhase,
+    /// Where sources connect.
+    pub listening_on: String,
+    /// The source of the migration under way, once its hello was accepted.
+    pub source: Option<String>,
+    pub channels_announced: u16,
+    pub channels_connected: u16,
+    /// Passes every channel has finished.
+    pub passes: u32,
+    pub pages_received: u64,
+    pub zero_pages_received: u64,
+    /// Record headers and payloads read on every connection of the migration.
+    pub bytes_received: u64,
+    /// Connections dropped before or beside the migration: garbage, silence, a second source.
+    pub rejected_connections: u64,
+    pub last_rejection: Option<String>,
+    pub elapsed_ms: f64,
+    pub error: Option<String>,
+}
+
+/// Shared between the destination's threads and its controllers (the API, Ctrl-C).
+#[derive(Debug)]
+pub struct IncomingControl {
+    cancelled: AtomicBool,
+    started: Instant,
+    progress: Mutex<IncomingProgress>,
+    pub(crate) pages: AtomicU64,
+    pub(crate) zero_pages: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    /// Connections of the migration under way, shut down by a cancel so that every blocked
+    /// read returns at once.
+    streams: Mutex<Vec<Box<dyn Stream>>>,
+}
+
+impl Default for IncomingControl {
+    fn default() -> IncomingControl {
+        IncomingControl {
+            cancelled: AtomicBool::new(false),
+            started: Instant::now(),
+            progress: Mutex::default(),
+            pages: AtomicU64::new(0),
+            zero_pages: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            streams: Mutex::default(),
+        }
+    }
+}
+
+impl IncomingControl {
+    /// Stops waiting or receiving: no guest will run from this migration, and the source is
+    /// told so (it keeps running). Has no effect once the guest was resumed.
+    pub fn cancel(&self) {
+        // Under the lock, so that a connection registered at the same moment is either in the
+        // list here or sees the flag in `register`.
+        let streams = self.streams.lock().unwrap();
+        self.cancelled.store(true, Ordering::Release);
+        for s in streams.iter() {
+            // The read side only: the session may still tell the source why on the main
+            // connection.
+            let _ = s.shutdown(Shutdown::Read);
+        }
+    }
+
+    pub fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    pub fn progress(&self) -> IncomingProgress {
+        let mut p = self.progress.lock().unwrap().clone();
+        p.pages_received = self.pages.load(Ordering::Relaxed);
+        p.zero_pages_received = self.zero_pages.load(Ordering::Relaxed);
+        p.bytes_received = self.bytes.load(Ordering::Relaxed);
+        p.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        p
+    }
+
+    pub(crate) fn update(&self, f: impl FnOnce(&mut IncomingProgress)) {
+        f(&mut self.progress.lock().unwrap());
+    }
+
+    /// Counts a connection that was dropped, with why.
+    pub(crate) fn reject(&self, why: String) {
+        tracing::warn!("dropped a connection: {why}");
+        self.update(|p| {
+            p.rejected_connections += 1;
+            p.last_rejection = Some(why);
+        });
+    }
+
+    /// Registers a connection of the migration under way for [`IncomingControl::cancel`]. A
+    /// cancel that came first shuts it at once.
+    pub(crate) fn register(&self, stream: &dyn Stream) {
+        if let Ok(s) = stream.try_clone_stream() {
+            let mut streams = self.streams.lock().unwrap();
+            if self.cancelled() {
+                let _ = s.shutdown(Shutdown::Read);
+            }
+            streams.push(s);
+        }
+    }
+
+    /// Forgets the connections of a migration that ended (the next source brings its own).
+    pub(crate) fn unregister_all(&self) {
+        self.streams.lock().unwrap().clear();
+    }
+
+    pub(crate) fn add(&self, counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}

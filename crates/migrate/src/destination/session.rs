@@ -1,0 +1,441 @@
+//! One incoming migration as a value with phases: [`Session::new`] takes the main connection
+//! and its hello, [`Session::handshake`] accepts or refuses it, and [`Session::run`] connects
+//! the announced data channels, follows the main channel through the passes, loads the device
+//! state, resumes the guest and acknowledges. Each phase is a method; what the phases share
+//! (connections, receivers, counters) is the session's, and it is consumed when it ends.
+
+#![forbid(unsafe_code)]
+
+use std::net::Shutdown;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
+use crate::conn::Conn;
+use crate::error::MigrateError;
+use crate::ram::Ram;
+use crate::receiver::{self, PageBits, PassBarrier, ReceiverStats};
+use crate::stats;
+use crate::transport::Stream;
+use crate::vm::{DestinationVm, Section};
+use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Refusal, Role, SectionId};
+
+/// What the destination measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReceiveStats {
+    pub pages: u64,
+    pub zero_pages: u64,
+    pub passes: u32,
+    pub channels: u16,
+    pub load: Duration,
+    pub resume: Duration,
+    /// CPU time of the data channels' receiver threads.
+    pub receiver_cpu_ns: u64,
+}
+
+/// A receiver thread and a handle to shut its socket down.
+#[derive(Debug)]
+struct Running {
+    channel: u16,
+    thread: JoinHandle<Result<ReceiverStats, MigrateError>>,
+    stream: Box<dyn Stream>,
+}
+
+/// One incoming migration.
+pub struct Session<'a> {
+    vm: &'a mut dyn DestinationVm,
+    conn: Conn,
+    hello: Hello,
+    control: Arc<IncomingControl>,
+    ram: Ram,
+    shared: Option<receiver::Shared>,
+    receivers: Vec<Running>,
+    stats: ReceiveStats,
+    cpu_start: u64,
+}
+
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("hello", &self.hello)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Session<'a> {
+    /// A session for the main connection `main`, whose hello was read.
+    pub fn new(
+        vm: &'a mut dyn DestinationVm,
+        main: Arrival,
+        control: Arc<IncomingControl>,
+    ) -> Result<Session<'a>, MigrateError> {
+        let ram = Ram::new(vm.ram())?;
+        control.register(main.stream.as_ref());
+        let peer = main.stream.peer();
+        let conn =
+            Conn::new(main.stream).map_err(|e| MigrateError::io("setting up the connection", e))?;
+        let _ = conn.stream().set_read_timeout(Some(RECORD_TIMEOUT));
+        control.update(|p| p.source = Some(peer));
+        Ok(Session {
+            vm,
+            conn,
+            hello: main.hello,
+            control,
+            ram,
+            shared: None,
+            receivers: Vec::new(),
+            stats: ReceiveStats::default(),
+            cpu_start: stats::thread_cpu_ns(),
+        })
+    }
+
+    /// Phase 1: accepts the main hello or refuses it (the reply says why, and so does the
+    /// error). A refused session has touched nothing.
+    pub fn handshake(mut self) -> Result<Session<'a>, MigrateError> {
+        let hello = self.hello;
+        let mut reply = Hello {
+            role: Role::Main,
+            channel: 0,
+            uuid: hello.uuid,
+            memory_size: self.ram.size(),
+            status: Refusal::Accepted as u32,
+            channels: hello.channels,
+        };
+        let refusal = if hello.role != Role::Main || hello.channel != 0 {
+            Some((
+                Refusal::Role,
+                "the first connection must be the main channel (role main, channel 0)".into(),
+            ))
+        } else if hello.memory_size != self.ram.size() {
+            Some((
+                Refusal::MemorySize,
+                format!(
+                    "guest memory sizes differ (source {} bytes, destination {} bytes); start the destination with the same --memory",
+                    hello.memory_size,
+                    self.ram.size()
+                ),
+            ))
+        } else if hello.channels == 0 || hello.channels > wire::MAX_CHANNELS {
+            Some((
+                Refusal::ChannelId,
+                format!(
+                    "{} data channels announced; 1 to {} are allowed",
+                    hello.channels,
+                    wire::MAX_CHANNELS
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((status, why)) = refusal {
+            reply.status = status as u32;
+            let e = MigrateError::Refused(why);
+            if self.conn.write_hello(&reply).is_ok() {
+                self.conn.send_error(&format!("destination: {e}"));
+            }
+            self.control.unregister_all();
+            return Err(e);
+        }
+        self.conn.write_hello(&reply)?;
+        self.control.update(|p| {
+            p.phase = IncomingPhase::Handshake;
+            p.channels_announced = hello.channels;
+        });
+        Ok(self)
+    }
+
+    /// Phases 2 to 5: channels, precopy, state, resume. On success the guest runs; on error
+    /// nothing runs, the source is told why, and every receiver has stopped.
+    pub fn run(mut self, arrivals: &mut dyn Arrivals) -> Result<ReceiveStats, MigrateError> {
+        let result = self
+            .connect_channels(arrivals)
+            .and_then(|()| self.precopy())
+            .and_then(|sections| self.load_and_resume(&sections));
+        let result = result.map_err(|e| self.fail(e));
+        self.control.unregister_all();
+        self.control.update(|p| match &result {
+            Ok(_) => p.phase = IncomingPhase::Completed,
+            Err(e) => {
+                p.phase = match e {
+                    MigrateError::CancelledHere => IncomingPhase::Cancelled,
+                    _ => IncomingPhase::Failed,
+                };
+                p.error = Some(e.to_string());
+            }
+        });
+        result
+    }
+
+    /// Ends a failed session: names the cause, tells the source, stops the receivers.
+    fn fail(&mut self, e: MigrateError) -> MigrateError {
+        let e = if self.control.cancelled() {
+            MigrateError::CancelledHere
+        } else {
+            e
+        };
+        if !matches!(e, MigrateError::Remote(_)) {
+            self.conn.send_error(&format!("destination: {e}"));
+        }
+        if let Some(shared) = &self.shared {
+            shared.barrier.fail("the main channel failed");
+        }
+        for r in self.receivers.drain(..) {
+            let _ = r.stream.shutdown(Shutdown::Both);
+            let _ = r.thread.join();
+        }
+        e
+    }
+
+    /// Phase 2: every announced data channel connects within [`CHANNEL_TIMEOUT`], naming this
+    /// migration and a fresh channel id; each gets a receiver thread.
+    fn connect_channels(&mut self, arrivals: &mut dyn Arrivals) -> Result<(), MigrateError> {
+        let main = self.hello;
+        let pages = self.ram.size() / PAGE_SIZE;
+        let claimed = Arc::new(PageBits::new(pages));
+        let shared = receiver::Shared {
+            barrier: Arc::new(PassBarrier::new(
+                usize::from(main.channels) + 1,
+                claimed.clone(),
+                RECORD_TIMEOUT,
+            )),
+            written: Arc::new(PageBits::new(pages)),
+            claimed,
+            ram: self.ram.clone(),
+            control: self.control.clone(),
+        };
+        self.shared = Some(shared.clone());
+        let deadline = Instant::now() + CHANNEL_TIMEOUT;
+        let mut seen = vec![false; usize::from(main.channels) + 1];
+        while self.receivers.len() < usize::from(main.channels) {
+            if self.control.cancelled() {
+                return Err(MigrateError::CancelledHere);
+            }
+            let Some(arrival) = arrivals.next(deadline)? else {
+                let missing: Vec<String> = (1..=main.channels)
+                    .filter(|&c| !seen[usize::from(c)])
+                    .map(|c| c.to_string())
+                    .collect();
+                return Err(MigrateError::Refused(format!(
+                    "data channel(s) {} never connected within {CHANNEL_TIMEOUT:?}",
+                    missing.join(", ")
+                )));
+            };
+            let Arrival { stream, hello } = arrival;
+            let refusal = channel_refusal(&main, &hello, &seen);
+            let mut reply = Hello {
+                status: Refusal::Accepted as u32,
+                memory_size: self.ram.size(),
+                ..hello
+            };
+            let answer = |reply: &Hello| {
+                let mut s = stream
+                    .try_clone_stream()
+                    .map_err(|e| MigrateError::io("answering a data channel", e))?;
+                std::io::Write::write_all(&mut s, &reply.encode())
+                    .map_err(|e| MigrateError::io("answering a data channel", e))
+            };
+            if let Some((status, why)) = refusal {
+                reply.status = status as u32;
+                let _ = answer(&reply);
+                return Err(MigrateError::Refused(why));
+            }
+            answer(&reply)?;
+            seen[usize::from(hello.channel)] = true;
+            let _ = stream.set_read_timeout(Some(RECORD_TIMEOUT));
+            self.control.register(stream.as_ref());
+            let handle = stream
+                .try_clone_stream()
+                .map_err(|e| MigrateError::io("accepting a data channel", e))?;
+            self.receivers.push(Running {
+                channel: hello.channel,
+                thread: receiver::start(hello.channel, stream, shared.clone()),
+                stream: handle,
+            });
+            let connected = self.receivers.len() as u16;
+            self.control.update(|p| p.channels_connected = connected);
+        }
+        arrivals.close();
+        self.stats.channels = main.channels;
+        self.control.update(|p| p.phase = IncomingPhase::Precopy);
+        Ok(())
+    }
+
+    /// Phase 3: the main channel's pass ends, then the device state up to Complete. Returns
+    /// the sections once every receiver finished every pass.
+    fn precopy(&mut self) -> Result<Vec<Section>, MigrateError> {
+        let barrier = self
+            .shared
+            .as_ref()
+            .expect("channels connected")
+            .barrier
+            .clone();
+        let mut sections: Vec<Section> = Vec::new();
+        loop {
+            let h = match self.conn.read_header("receiving the migration") {
+                Ok(h) => h,
+                Err(e) => return Err(self.explain_main_end(e)),
+            };
+            let c = &self.control;
+            c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
+            match h.kind {
+                Kind::EndOfPass if !sections.is_empty() => {
+                    return Err(MigrateError::Order(
+                        "EndOfPass record after device state".into(),
+                    ));
+                }
+                Kind::EndOfPass => {
+                    if h.count != self.stats.passes + 1 {
+                        return Err(MigrateError::Order(format!(
+                            "end of pass {} after pass {}",
+                            h.count, self.stats.passes
+                        )));
+                    }
+                    self.stats.passes = h.count;
+                    barrier.wait(h.count)?;
+                    self.control.update(|p| p.passes = h.count);
+                }
+                Kind::DeviceState => {
+                    if self.stats.passes == 0 {
+                        return Err(MigrateError::Order(
+                            "device state before any memory pass".into(),
+                        ));
+                    }
+                    let data = self.conn.read_payload(h.len, "receiving device state")?;
+                    sections.push(Section {
+                        id: SectionId::from_u16(h.section),
+                        version: h.count,
+                        data,
+                    });
+                }
+                Kind::Complete => {
+                    if sections.is_empty() {
+                        return Err(MigrateError::Order(
+                            "Complete without any device state".into(),
+                        ));
+                    }
+                    self.join_receivers()?;
+                    return Ok(sections);
+                }
+                Kind::Error => {
+                    let p = self
+                        .conn
+                        .read_payload(h.len, "reading the source's error")?;
+                    return Err(MigrateError::Remote(
+                        String::from_utf8_lossy(&p).into_owned(),
+                    ));
+                }
+                k => {
+                    return Err(MigrateError::Order(format!(
+                        "{k:?} record on the main channel"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The main channel ended: a data channel's failure explains it better, so give the
+    /// receivers a moment to report one.
+    fn explain_main_end(&self, e: MigrateError) -> MigrateError {
+        let barrier = &self.shared.as_ref().expect("channels connected").barrier;
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while barrier.failure().is_none()
+            && self.receivers.iter().any(|r| !r.thread.is_finished())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        barrier.failure().map(MigrateError::Channel).unwrap_or(e)
+    }
+
+    /// After Complete: every data channel must have ended after the last pass.
+    fn join_receivers(&mut self) -> Result<(), MigrateError> {
+        for r in self.receivers.drain(..) {
+            let s = r.thread.join().map_err(|_| {
+                MigrateError::Channel(format!("data channel {}: its receiver panicked", r.channel))
+            })??;
+            if s.passes != self.stats.passes {
+                return Err(MigrateError::ChannelEnded {
+                    channel: r.channel,
+                    after_pass: s.passes,
+                    pass: self.stats.passes,
+                });
+            }
+            self.stats.pages += s.pages;
+            self.stats.zero_pages += s.zero_pages;
+            self.stats.receiver_cpu_ns += s.cpu_ns;
+        }
+        Ok(())
+    }
+
+    /// Phases 4 and 5: load every section, resume the guest, acknowledge with the times.
+    fn load_and_resume(&mut self, sections: &[Section]) -> Result<ReceiveStats, MigrateError> {
+        if self.control.cancelled() {
+            return Err(MigrateError::CancelledHere);
+        }
+        self.control.update(|p| p.phase = IncomingPhase::Loading);
+        let t = Instant::now();
+        self.vm.load_state(sections)?;
+        self.stats.load = t.elapsed();
+        self.stats.resume = self.vm.resume()?;
+        let cpu = stats::thread_cpu_ns() - self.cpu_start + self.stats.receiver_cpu_ns;
+        let mut payload = Vec::with_capacity(wire::RESUMED_SIZE as usize);
+        for v in [
+            self.stats.load.as_nanos() as u64,
+            self.stats.resume.as_nanos() as u64,
+            cpu,
+        ] {
+            payload.extend_from_slice(&v.to_le_bytes());
+        }
+        // The guest runs: from here nothing may fail the session (a lost acknowledgement
+        // leaves the source paused, which is what it must do).
+        let ack = self
+            .conn
+            .write_record(&Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE), &payload)
+            .and_then(|()| self.conn.flush("acknowledging the resume"));
+        if let Err(e) = ack {
+            tracing::warn!(
+                "the guest runs here, but the source did not get the acknowledgement: {e}"
+            );
+        }
+        Ok(self.stats.clone())
+    }
+}
+
+/// Why a data connection's hello does not belong to the migration `main` announced, if it
+/// does not.
+fn channel_refusal(main: &Hello, hello: &Hello, seen: &[bool]) -> Option<(Refusal, String)> {
+    if hello.role != Role::Data {
+        Some((
+            Refusal::Role,
+            format!(
+                "a second connection with role {:?}; extra connections must be data channels",
+                hello.role
+            ),
+        ))
+    } else if hello.uuid != main.uuid {
+        Some((
+            Refusal::UnknownMigration,
+            format!(
+                "data channel {} names migration {:02x?}, not the one in progress",
+                hello.channel, hello.uuid
+            ),
+        ))
+    } else if hello.channel == 0 || hello.channel > main.channels {
+        Some((
+            Refusal::ChannelId,
+            format!(
+                "data channel id {} is out of range 1..={}",
+                hello.channel, main.channels
+            ),
+        ))
+    } else if seen[usize::from(hello.channel)] {
+        Some((
+            Refusal::ChannelId,
+            format!("data channel {} connected twice", hello.channel),
+        ))
+    } else {
+        None
+    }
+}
