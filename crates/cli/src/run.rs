@@ -110,11 +110,6 @@ fn receive(
         ferry_vmm::migration::receive(&mut incoming, listener.as_ref(), &|| !interrupt.requested());
     let stats = match received {
         Ok(stats) => stats,
-        Err(MigrateError::CancelledHere) => {
-            return Err(NoGuest::Stopped(
-                "the incoming migration was cancelled; no guest ran here".into(),
-            ));
-        }
         Err(_) if handle.state() == RunState::Stopped => {
             return Err(NoGuest::Stopped(format!(
                 "{}; no guest ran here",
@@ -123,6 +118,11 @@ fn receive(
                     .stop_reason
                     .map_or("stopped".into(), |r| r.to_string())
             )));
+        }
+        Err(MigrateError::CancelledHere) => {
+            return Err(NoGuest::Stopped(
+                "the incoming migration was cancelled; no guest ran here".into(),
+            ));
         }
         Err(e) => {
             return Err(NoGuest::Failed(

@@ -137,3 +137,24 @@ pub fn stderr(out: &Output) -> String {
 pub fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
+
+/// A free loopback port (bound, then released for the destination to take).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts a destination (`ferry run --incoming`) on a fresh port and waits until its API
+/// answers (it does while it waits for the migration).
+pub fn destination(memory: &str) -> (RunningVm, u16) {
+    let port = free_port();
+    let spec = format!("tcp:127.0.0.1:{port}");
+    let vm = RunningVm::start_with(memory, "", &["--incoming", &spec]);
+    vm.wait_until("the destination's API", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    (vm, port)
+}

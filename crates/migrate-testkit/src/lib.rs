@@ -6,6 +6,8 @@
 //! the page. So a write that races a fetch is either seen by that copy or stays marked for
 //! the next pass, exactly the guarantee write-protection gives a real dirty log.
 
+pub mod craft;
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};

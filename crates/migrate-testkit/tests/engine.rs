@@ -9,6 +9,9 @@ use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::wire::{self, Header, Hello, Kind, Role, SectionId};
 use ferry_migrate::{Control, MigrateError, MigrationStats, Phase, Policy, TimeoutAction};
+use ferry_migrate_testkit::craft::{
+    cat, data_hello, end, hello, main_hello, pages, record, zero_runs,
+};
 use ferry_migrate_testkit::{FakeVm, Writers};
 use proptest::prelude::*;
 
@@ -358,59 +361,6 @@ fn feed(main: &[u8], data: &[Vec<u8>]) -> String {
         let r = receiver.join().unwrap();
         r.expect_err("a bad stream must be refused").to_string()
     })
-}
-
-fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> Vec<u8> {
-    Hello {
-        role,
-        channel,
-        uuid: [uuid; 16],
-        memory_size: memory,
-        status: 0,
-        channels,
-    }
-    .encode()
-    .to_vec()
-}
-
-fn main_hello() -> Vec<u8> {
-    hello(Role::Main, 0, 1, 8 * MIB, 1)
-}
-
-fn data_hello(channel: u16) -> Vec<u8> {
-    hello(Role::Data, channel, 1, 8 * MIB, 1)
-}
-
-fn record(h: Header, payload: &[u8]) -> Vec<u8> {
-    let mut v = h.encode().to_vec();
-    v.extend_from_slice(payload);
-    v
-}
-
-fn pages(gpas: &[u64]) -> Vec<u8> {
-    let mut v = record(Header::pages(gpas.len() as u32), &[]);
-    for g in gpas {
-        v.extend_from_slice(&g.to_le_bytes());
-    }
-    v.extend(std::iter::repeat_n(0xab, gpas.len() * 4096));
-    v
-}
-
-fn zero_runs(runs: &[(u64, u64)]) -> Vec<u8> {
-    let mut v = record(Header::zero_runs(runs.len() as u32), &[]);
-    for &(g, n) in runs {
-        v.extend_from_slice(&g.to_le_bytes());
-        v.extend_from_slice(&n.to_le_bytes());
-    }
-    v
-}
-
-fn end(pass: u32) -> Vec<u8> {
-    record(Header::new(Kind::EndOfPass, pass, 0), &[])
-}
-
-fn cat(parts: &[Vec<u8>]) -> Vec<u8> {
-    parts.concat()
 }
 
 /// A crafted stream: name, main connection bytes, data connections' bytes, expected error.

@@ -221,9 +221,13 @@ fn answer(mut request: Request, vm: &VmHandle) {
     );
     let (code, body) = route(request.method(), request.url(), &body, vm);
     let header = Header::from_bytes("Content-Type", "application/json").expect("static header");
+    // Always a Content-Length, never chunked: tiny_http chunks bodies over 32 KiB, which a
+    // long migration's statistics exceed, and the CLI's client (like most one-shot clients)
+    // reads a plain body.
     let response = Response::from_string(body.to_string())
         .with_status_code(code)
-        .with_header(header);
+        .with_header(header)
+        .with_chunked_threshold(usize::MAX);
     if let Err(e) = request.respond(response) {
         tracing::debug!("API client went away before the answer: {e}");
     }

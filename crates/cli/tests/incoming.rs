@@ -1,0 +1,224 @@
+//! A destination (`ferry run --incoming`) while it waits and while it receives: its API, its
+//! cancel, and strays and hostile connections that must not knock it over.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use common::{RunningVm, destination, ferry, stderr};
+use ferry_migrate::wire::{HELLO_SIZE, Hello, Refusal, Role};
+
+const MIB: u64 = 1 << 20;
+
+fn connect(port: u16) -> TcpStream {
+    TcpStream::connect(("127.0.0.1", port)).unwrap()
+}
+
+/// A main hello as a source of a `memory`-byte guest would send it.
+fn main_hello(memory: u64) -> Vec<u8> {
+    Hello {
+        role: Role::Main,
+        channel: 0,
+        uuid: [0x42; 16],
+        memory_size: memory,
+        status: 0,
+        channels: 1,
+    }
+    .encode()
+    .to_vec()
+}
+
+/// `ferry migrate` from `src` to the destination on `port`, in the background.
+fn start_migrate(src: &RunningVm, port: u16, extra: &[&str]) -> Child {
+    ferry()
+        .args(["migrate", "--to", &format!("tcp:127.0.0.1:{port}")])
+        .args(extra)
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn rejected(dst: &RunningVm) -> u64 {
+    dst.status_of("/migration")["rejected_connections"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn a_waiting_destination_answers_its_api_survives_strays_and_then_receives_a_clean_guest() {
+    // The guest dirties 10 MB/s against a 60 MB/s cap: precopy converges in a few passes, and
+    // the 64 MiB first pass lasts long enough to be watched.
+    let src = RunningVm::start(
+        "256M",
+        "ws=64M pattern=random rate=10 verify-ms=200 log-ms=0",
+    );
+    let (dst, port) = destination("256M");
+    let s = dst.status();
+    assert_eq!(s["state"], "incoming", "{s:#}");
+    let m = dst.status_of("/migration");
+    assert_eq!(m["role"], "destination", "{m:#}");
+    assert_eq!(m["phase"], "waiting", "{m:#}");
+    assert!(
+        m["listening_on"]
+            .as_str()
+            .unwrap()
+            .ends_with(&port.to_string())
+    );
+    assert!(
+        !dst.control("pause").status.success(),
+        "nothing to pause yet"
+    );
+
+    // Before any source: garbage, a truncated hello, a wrong version, an HTTP request, and a
+    // connection that never speaks (left open throughout).
+    let _silent = connect(port);
+    let mut wrong_version = b"FERRYMIG".to_vec();
+    wrong_version.extend_from_slice(&99u32.to_le_bytes());
+    wrong_version.resize(HELLO_SIZE, 0);
+    let strays: [&[u8]; 4] = [
+        &b"NOTFERRY".repeat(8),
+        b"FERRYMIG",
+        &wrong_version,
+        b"GET /vm HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    ];
+    for bytes in strays {
+        let mut c = connect(port);
+        let _ = c.write_all(bytes);
+        let _ = c.shutdown(std::net::Shutdown::Write);
+    }
+    dst.wait_until("four rejections", Duration::from_secs(20), |vm| {
+        rejected(vm) >= 4
+    });
+    assert_eq!(dst.status()["state"], "incoming", "still waiting");
+
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let migrate = start_migrate(
+        &src,
+        port,
+        &[
+            "--max-bandwidth",
+            "60M",
+            "--timeout",
+            "60s",
+            "--timeout-action",
+            "switchover",
+        ],
+    );
+    dst.wait_until("pages arriving", Duration::from_secs(30), |vm| {
+        let m = vm.status_of("/migration");
+        m["phase"] == "precopy" && m["pages_received"].as_u64() > Some(0)
+    });
+    let m = dst.status_of("/migration");
+    assert_eq!(m["channels_connected"], m["channels_announced"], "{m:#}");
+    assert!(
+        m["source"].as_str().unwrap().starts_with("tcp:127.0.0.1:"),
+        "{m:#}"
+    );
+    // A second source while the migration runs is refused and disturbs nothing.
+    let before = rejected(&dst);
+    let mut second = connect(port);
+    second.write_all(&main_hello(256 * MIB)).unwrap();
+    let mut reply = [0u8; HELLO_SIZE];
+    second.read_exact(&mut reply).unwrap();
+    assert_eq!(Hello::decode(&reply).unwrap().status, Refusal::Busy as u32);
+    assert_eq!(rejected(&dst), before + 1);
+
+    let out = migrate.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    dst.wait_until("the guest running here", Duration::from_secs(30), |vm| {
+        vm.status()["state"] == "running"
+    });
+    assert_eq!(dst.status_of("/migration")["phase"], "completed");
+    let resumed = dst.status()["guest"]["verify_passes"].as_u64().unwrap();
+    dst.wait_until("verify passes here", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(resumed + 2)
+    });
+    assert_eq!(dst.status()["guest"]["verify_failures"], 0);
+}
+
+#[test]
+fn cancel_on_the_destination_ends_it_cleanly_and_the_source_keeps_running() {
+    let src = RunningVm::start(
+        "512M",
+        "ws=256M pattern=random rate=50 verify-ms=300 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("512M");
+    let migrate = start_migrate(&src, port, &["--max-bandwidth", "20M"]);
+    dst.wait_until("pages arriving", Duration::from_secs(30), |vm| {
+        vm.status_of("/migration")["pages_received"].as_u64() > Some(0)
+    });
+    let cancel = dst.control("cancel");
+    assert!(cancel.status.success(), "{}", stderr(&cancel));
+    let out = dst.finish(Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cancelled; no guest ran here"),
+        "{}",
+        stderr(&out)
+    );
+    let m = migrate.wait_with_output().unwrap();
+    assert!(!m.status.success());
+    assert!(
+        stderr(&m).contains("cancelled on the destination"),
+        "the source says why: {}",
+        stderr(&m)
+    );
+    assert_eq!(src.status()["state"], "running");
+    let passes = src.status()["guest"]["verify_passes"].as_u64().unwrap();
+    src.wait_until(
+        "verify passes after the cancel",
+        Duration::from_secs(60),
+        |vm| vm.status()["guest"]["verify_passes"].as_u64() >= Some(passes + 2),
+    );
+    assert_eq!(src.status()["guest"]["verify_failures"], 0);
+}
+
+#[test]
+fn a_waiting_destination_stops_on_cancel_or_shutdown() {
+    for verb in ["cancel", "shutdown"] {
+        let (dst, _port) = destination("128M");
+        let out = dst.control(verb);
+        assert!(out.status.success(), "{verb}: {}", stderr(&out));
+        let out = dst.finish(Duration::from_secs(20));
+        assert!(
+            stderr(&out).contains("no guest ran here"),
+            "{verb}: {}",
+            stderr(&out)
+        );
+        assert_eq!(out.status.code(), Some(3), "{verb}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn a_bad_stream_after_a_valid_hello_ends_the_destination_with_the_reason() {
+    let (dst, port) = destination("128M");
+    let mut c = connect(port);
+    c.write_all(&main_hello(128 * MIB)).unwrap();
+    let mut reply = [0u8; HELLO_SIZE];
+    c.read_exact(&mut reply).unwrap();
+    assert_eq!(
+        Hello::decode(&reply).unwrap().status,
+        Refusal::Accepted as u32
+    );
+    // The one announced data channel never connects.
+    let out = dst.finish(Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("the incoming migration failed; no guest runs here")
+            && err.contains("data channel(s) 1 never connected"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,0 +1,65 @@
+//! Hand-made protocol bytes for tests that play a hostile or broken source: hellos and records
+//! built with the engine's own encoders, so a test states only what it changes.
+
+use ferry_migrate::wire::{Header, Hello, Kind, Role};
+
+const MIB: u64 = 1 << 20;
+
+/// A hello of `role`, `channel`, a uuid of sixteen `uuid` bytes, `memory` bytes of RAM and
+/// `channels` data channels.
+pub fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> Vec<u8> {
+    Hello {
+        role,
+        channel,
+        uuid: [uuid; 16],
+        memory_size: memory,
+        status: 0,
+        channels,
+    }
+    .encode()
+    .to_vec()
+}
+
+/// The main hello of migration 1 into an 8 MiB guest with one data channel.
+pub fn main_hello() -> Vec<u8> {
+    hello(Role::Main, 0, 1, 8 * MIB, 1)
+}
+
+/// Data channel `channel`'s hello for [`main_hello`]'s migration.
+pub fn data_hello(channel: u16) -> Vec<u8> {
+    hello(Role::Data, channel, 1, 8 * MIB, 1)
+}
+
+pub fn record(h: Header, payload: &[u8]) -> Vec<u8> {
+    let mut v = h.encode().to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+/// A Pages record of `gpas`, every byte of data 0xab.
+pub fn pages(gpas: &[u64]) -> Vec<u8> {
+    let mut v = record(Header::pages(gpas.len() as u32), &[]);
+    for g in gpas {
+        v.extend_from_slice(&g.to_le_bytes());
+    }
+    v.extend(std::iter::repeat_n(0xab, gpas.len() * 4096));
+    v
+}
+
+/// A ZeroRuns record of `(gpa, pages)` runs.
+pub fn zero_runs(runs: &[(u64, u64)]) -> Vec<u8> {
+    let mut v = record(Header::zero_runs(runs.len() as u32), &[]);
+    for &(g, n) in runs {
+        v.extend_from_slice(&g.to_le_bytes());
+        v.extend_from_slice(&n.to_le_bytes());
+    }
+    v
+}
+
+pub fn end(pass: u32) -> Vec<u8> {
+    record(Header::new(Kind::EndOfPass, pass, 0), &[])
+}
+
+pub fn cat(parts: &[Vec<u8>]) -> Vec<u8> {
+    parts.concat()
+}
