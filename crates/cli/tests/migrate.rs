@@ -54,6 +54,11 @@ fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
             "300ms",
             "--timeout",
             "60s",
+            // Pass 1 then lasts ~0.6 s (128 MiB at 200 MB/s, the limiter counting every page
+            // as sent), so the 200 ms progress poll sees precopy; unlimited, a 28 MB migration
+            // can end between two polls.
+            "--max-bandwidth",
+            "200M",
         ])
         .arg("--api-socket")
         .arg(&src.socket)
