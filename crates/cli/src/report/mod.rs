@@ -1,8 +1,9 @@
 //! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
 //! `ferry report`, which draws statistics written with `--stats-out` as SVG charts
-//! (`plot.rs`, `charts.rs`), alone or side by side.
+//! (`plot.rs`, `charts.rs`, `latency.rs`), alone or side by side.
 
 mod charts;
+mod latency;
 mod live;
 mod plot;
 mod text;

@@ -6,7 +6,7 @@ use ferry_migrate::MigrationStats;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::charts;
+use super::{charts, latency};
 
 /// One migration to draw, named (by its file, or its benchmark scenario).
 #[derive(Clone, Debug)]
@@ -116,7 +116,7 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
             charts::downtime(&cells[2], &run.stats, &scales)?;
             charts::passes(&cells[3], &run.stats, &scales)?;
             if latencies {
-                charts::latency(&cells[4], &run.stats, &scales)?;
+                latency::histogram(&cells[4], &run.stats, &scales)?;
             }
         }
         root.present()?;
