@@ -64,17 +64,23 @@ impl Live {
         bar.set_prefix(phase_name(p.phase));
         // The bar fills with what was sent against what was sent plus what is known to remain;
         // in pass 1, before the first dirty sync, nothing is known to remain: no bar yet.
-        if p.remaining_bytes == 0 && p.phase == Phase::Precopy {
+        // Progress publishes what remains at each dirty sync; once completed, nothing does.
+        let remaining = if p.phase == Phase::Completed {
+            0
+        } else {
+            p.remaining_bytes
+        };
+        if remaining == 0 && p.phase == Phase::Precopy {
             bar.unset_length();
         } else {
-            bar.set_length((p.bytes_sent + p.remaining_bytes).max(1));
+            bar.set_length((p.bytes_sent + remaining).max(1));
         }
         bar.set_position(p.bytes_sent);
         bar.set_message(format!(
             "pass {} · sent {:.1} MB · left {:.1} MB · {:.0} MB/s · dirty {:.0} pages/s · downtime ~{}",
             running_pass(p),
             p.bytes_sent as f64 / 1e6,
-            p.remaining_bytes as f64 / 1e6,
+            remaining as f64 / 1e6,
             p.bandwidth_mb_s,
             p.dirty_rate_pages_per_s,
             p.expected_downtime_ms
