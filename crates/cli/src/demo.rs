@@ -4,6 +4,7 @@
 //! the guest's own verdict: its verify passes on the destination, and the pause it saw.
 
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 
-use crate::report;
+use crate::report::{self, Live, PlainLines};
 
 #[derive(Debug, Args)]
 pub struct DemoArgs {
@@ -45,6 +46,9 @@ pub struct DemoArgs {
     /// Where zero pages are found: inline (sender threads), offload (a scanning thread), none.
     #[arg(long, value_enum, default_value = "inline")]
     zero_detection: crate::migrate::ZeroDetectionArg,
+    /// Write the migration's statistics, with their timeline, as JSON here (for `ferry report`).
+    #[arg(long, value_name = "FILE.json")]
+    stats_out: Option<PathBuf>,
 }
 
 /// Longest the demo waits for any one stage.
@@ -107,6 +111,9 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let progress = progress?;
     if let Some(stats) = &progress.stats {
         report::print_stats(stats);
+        if let Some(path) = &args.stats_out {
+            report::write_stats(path, stats)?;
+        }
     }
     if progress.phase != Phase::Completed {
         bail!(
@@ -147,14 +154,12 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
 
 fn follow(src: &VmHandle) -> anyhow::Result<ferry_migrate::Progress> {
     let deadline = Instant::now() + STAGE_TIMEOUT;
-    let mut last_pass = u32::MAX;
+    let mut live = Live::new(PlainLines::PerPassToStdout);
     loop {
         let p = src.migration().context("no migration")?;
-        if p.pass != last_pass && p.pass > 0 && p.phase == Phase::Precopy {
-            println!("  {}", report::progress_line(&p));
-            last_pass = p.pass;
-        }
+        live.update(&p);
         if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
+            live.finish();
             return Ok(p);
         }
         if Instant::now() > deadline {

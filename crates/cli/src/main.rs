@@ -35,6 +35,7 @@ enum Command {
     /// until it halts or is stopped.
     Run(run::RunArgs),
     /// Migrate a running VM to a `ferry run --incoming` destination, showing progress.
+    #[command(after_help = EXIT_STATUS_HELP)]
     Migrate(migrate::MigrateArgs),
     /// Cancel a running VM's migration (it keeps running).
     Cancel(migrate::CancelArgs),
@@ -48,10 +49,44 @@ enum Command {
     Shutdown(control::ControlArgs),
     /// Write out the built-in guest (for QEMU's -kernel) or list its parameters.
     Guest(guest::GuestArgs),
+    /// Draw migration statistics (from `--stats-out`) as SVG or HTML charts; several runs are
+    /// drawn side by side.
+    Report(report::ReportArgs),
     /// Benchmarks that print a table and JSON lines.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
+
+/// `ferry`'s exit statuses (README.md has the same table).
+pub mod exit {
+    /// The command did what it was asked (a migration completed).
+    pub const COMPLETED: u8 = 0;
+    /// It failed (a migration failed; the source keeps running unless it was handed over).
+    pub const FAILED: u8 = 1;
+    /// Bad flags or values, refused before anything was done (clap's own status for bad flags).
+    pub const USAGE: u8 = 2;
+    /// The migration was cancelled (`ferry cancel` or Ctrl-C; it ended in phase `cancelled`).
+    pub const CANCELLED: u8 = 3;
+}
+
+const EXIT_STATUS_HELP: &str = "Exit status:
+  0  the migration completed; the guest runs on the destination, the source VM is paused
+  1  the migration failed
+  2  usage error: a bad flag or value, refused before anything was done
+  3  the migration was cancelled (ferry cancel, or Ctrl-C); the source VM keeps running
+     (a --timeout with --timeout-action cancel is a failure: 1)";
+
+/// A value the CLI refuses before doing anything: exit status 2, like clap's own errors.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -73,13 +108,18 @@ fn main() -> ExitCode {
         Command::Resume(args) => control::put(&args, "/vm/resume"),
         Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),
         Command::Guest(args) => guest::guest(&args),
+        Command::Report(args) => report::report(&args),
         Command::Bench(cmd) => bench::bench(cmd),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("ferry: error: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(exit::USAGE)
+            } else {
+                ExitCode::from(exit::FAILED)
+            }
         }
     }
 }

@@ -1,19 +1,19 @@
 //! `ferry migrate` and `ferry cancel`: start a migration of a running VM through its API
 //! socket, follow it, print the result.
 
-use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::{Phase, Progress};
 use ferry_vmm::api::client;
 use serde_json::json;
 
-use crate::report;
+use crate::report::{self, Live, PlainLines};
+use crate::{UsageError, exit};
 
 /// How often `ferry migrate` polls the source for progress.
 const POLL: Duration = Duration::from_millis(200);
@@ -46,8 +46,9 @@ pub struct MigrateArgs {
     /// The source VM's API socket.
     #[arg(long)]
     api_socket: PathBuf,
-    /// The destination, started with `ferry run --incoming tcp:HOST:PORT`.
-    #[arg(long, value_name = "tcp:HOST:PORT")]
+    /// The destination, started with `ferry run --incoming tcp:HOST:PORT` (or `unix:PATH`
+    /// for a destination on the same host).
+    #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     to: String,
     /// Longest pause the switchover may cause at the measured bandwidth (QEMU: downtime-limit).
     #[arg(long, default_value = "300ms", value_parser = humantime::parse_duration)]
@@ -72,6 +73,10 @@ pub struct MigrateArgs {
     /// channel), none (every page sent as data, for measurements).
     #[arg(long, value_enum, default_value = "inline")]
     zero_detection: ZeroDetectionArg,
+    /// Write the statistics, with their timeline, as JSON here (for `ferry report`), whether
+    /// the migration completed or not.
+    #[arg(long, value_name = "FILE.json")]
+    stats_out: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -81,14 +86,37 @@ pub struct CancelArgs {
     api_socket: PathBuf,
 }
 
+/// Refuses flag values the source would refuse, before asking it anything.
+fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
+    let to = args.to.as_str();
+    to.parse::<ferry_migrate::transport::Address>()
+        .map_err(|e| UsageError(format!("--to {e}")))?;
+    let max = ferry_migrate::wire::MAX_CHANNELS;
+    if args.channels == 0 || args.channels > max {
+        return Err(UsageError(format!(
+            "--channels {}: use 1 to {max}",
+            args.channels
+        )));
+    }
+    let page = ferry_migrate::wire::PAGE_SIZE;
+    let most = u64::from(ferry_migrate::wire::MAX_PAGES_PER_RECORD) * page;
+    if args.packet_size == 0 || !args.packet_size.is_multiple_of(page) || args.packet_size > most {
+        return Err(UsageError(format!(
+            "--packet-size {}: use a multiple of 4K from 4K to 2M, e.g. 512K",
+            args.packet_size
+        )));
+    }
+    Ok(to)
+}
+
 pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
-    let to = crate::run::tcp_address(&args.to)?;
+    let to = check(args)?;
     let body = json!({
         "to": to,
         "downtime_limit_ms": args.downtime_limit.as_millis() as u64,
         "max_bandwidth": args.max_bandwidth,
         "timeout_ms": args.timeout.map(|t| t.as_millis() as u64),
-                "timeout_action": match args.timeout_action {
+        "timeout_action": match args.timeout_action {
             TimeoutActionArg::Cancel => "cancel",
             TimeoutActionArg::Switchover => "switchover",
         },
@@ -106,38 +134,35 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let progress = follow(&args.api_socket)?;
     if let Some(stats) = &progress.stats {
         report::print_stats(stats);
+        if let Some(path) = &args.stats_out {
+            report::write_stats(path, stats)?;
+        }
     }
+    let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {
             eprintln!(
                 "ferry: migration completed; the guest runs on {to}, the source VM is paused"
             );
-            Ok(ExitCode::SUCCESS)
+            Ok(ExitCode::from(exit::COMPLETED))
         }
-        _ => bail!(
-            "migration {:?}: {}",
-            progress.phase,
-            progress.error.unwrap_or_default()
-        ),
+        Phase::Cancelled => {
+            eprintln!("ferry: migration cancelled ({error}); the source VM keeps running");
+            Ok(ExitCode::from(exit::CANCELLED))
+        }
+        phase => anyhow::bail!("migration {phase:?}: {error}"),
     }
 }
 
-/// Polls `GET /migration` until the migration ends, printing progress.
-fn follow(socket: &std::path::Path) -> anyhow::Result<Progress> {
-    let tty = std::io::stderr().is_terminal();
+/// Polls `GET /migration` until the migration ends, showing progress.
+fn follow(socket: &Path) -> anyhow::Result<Progress> {
+    let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     loop {
         let value = client::request(socket, "GET", "/migration")?;
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
-        let line = report::progress_line(&p);
-        if tty {
-            eprint!("\r{line}");
-        } else {
-            eprintln!("{line}");
-        }
+        live.update(&p);
         if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
-            if tty {
-                eprintln!();
-            }
+            live.finish();
             return Ok(p);
         }
         std::thread::sleep(POLL);

@@ -38,21 +38,6 @@ pub struct RunArgs {
     incoming: Option<String>,
 }
 
-/// Exit status of a `ferry run --incoming` stopped before a guest arrived, and of a
-/// cancelled `ferry migrate`.
-pub const EXIT_CANCELLED: u8 = 3;
-
-/// Parses `tcp:HOST:PORT` into `HOST:PORT`.
-pub fn tcp_address(spec: &str) -> anyhow::Result<&str> {
-    spec.strip_prefix("tcp:")
-        .filter(|a| a.contains(':'))
-        .with_context(|| {
-            format!(
-                "'{spec}' is not a migration address; write tcp:HOST:PORT, e.g. tcp:127.0.0.1:4444"
-            )
-        })
-}
-
 /// What Ctrl-C acts on: the wait for an incoming migration, then the VM.
 #[derive(Debug, Default)]
 struct Interrupt {
@@ -193,7 +178,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             Ok(got) => got,
             Err(NoGuest::Stopped(why)) => {
                 eprintln!("ferry: {why}");
-                return Ok(ExitCode::from(EXIT_CANCELLED));
+                return Ok(ExitCode::from(crate::exit::CANCELLED));
             }
             Err(NoGuest::Failed(e)) => return Err(e),
         },

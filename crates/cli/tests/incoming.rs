@@ -222,3 +222,37 @@ fn a_bad_stream_after_a_valid_hello_ends_the_destination_with_the_reason() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn a_guest_migrates_over_a_unix_socket_and_verifies_clean() {
+    let src = RunningVm::start(
+        "256M",
+        "ws=64M pattern=random rate=20 verify-ms=200 log-ms=0",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("unix:{}", dir.path().join("migrate.sock").display());
+    let dst = RunningVm::start_with("256M", "", &["--incoming", &spec]);
+    dst.wait_until("the destination's API", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    assert_eq!(dst.status_of("/migration")["listening_on"], spec.as_str());
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let out = ferry()
+        .args(["migrate", "--to", &spec, "--timeout", "60s"])
+        .args(["--timeout-action", "switchover"])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    dst.wait_until("the guest running here", Duration::from_secs(30), |vm| {
+        vm.status()["state"] == "running"
+    });
+    let resumed = dst.status()["guest"]["verify_passes"].as_u64().unwrap();
+    dst.wait_until("verify passes here", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(resumed + 2)
+    });
+    assert_eq!(dst.status()["guest"]["verify_failures"], 0);
+}

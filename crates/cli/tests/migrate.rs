@@ -27,6 +27,11 @@ fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
             "300ms",
             "--timeout",
             "60s",
+            // Pass 1 then lasts ~0.6 s (128 MiB at 200 MB/s, the limiter counting every page
+            // as sent), so the 200 ms progress poll sees precopy; unlimited, a 28 MB migration
+            // can end between two polls.
+            "--max-bandwidth",
+            "200M",
         ])
         .arg("--api-socket")
         .arg(&src.socket)
@@ -101,6 +106,53 @@ fn killing_the_destination_mid_precopy_leaves_the_source_running() {
         |vm| vm.status()["guest"]["verify_passes"].as_u64() >= Some(passes + 2),
     );
     assert_eq!(src.status()["guest"]["verify_failures"], 0);
+}
+
+#[test]
+fn a_cancelled_migration_exits_with_status_3_and_the_source_keeps_running() {
+    let src = RunningVm::start(
+        "1G",
+        "ws=512M pattern=random rate=50 verify-ms=300 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (_dst, port) = destination("1G");
+    let stats = src.dir.path().join("cancelled.json");
+    // 20 MB/s: pass 1 of 512 MiB takes ~25 s, so the cancel lands mid-precopy.
+    let migrate = ferry()
+        .args([
+            "migrate",
+            "--to",
+            &format!("tcp:127.0.0.1:{port}"),
+            "--max-bandwidth",
+            "20M",
+        ])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .arg("--stats-out")
+        .arg(&stats)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let cancel = src.control("cancel");
+    assert!(cancel.status.success(), "{}", stderr(&cancel));
+    let out = migrate.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("migration cancelled"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(src.status()["state"], "running");
+    assert_eq!(src.status_of("/migration")["phase"], "cancelled");
+    let written: serde_json::Value =
+        serde_json::from_str(&common::read(&stats)).expect("--stats-out wrote JSON");
+    let timeline = written["timeline"].as_array().expect("a timeline");
+    assert!(timeline.len() > 5, "{written:#}");
+    assert_eq!(timeline.last().unwrap()["phase"], "cancelled");
 }
 
 #[test]

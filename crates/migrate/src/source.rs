@@ -24,7 +24,7 @@ use crate::policy::{self, Decision, Observation, Policy};
 use crate::ram::Ram;
 use crate::scan::ZeroDetection;
 use crate::sender::{ChannelMsg, Sender, SenderConfig};
-use crate::stats::{self, MigrationStats, PassStats};
+use crate::stats::{self, MigrationStats, PassStats, Sample, SampleKind, Timeline};
 use crate::transport::Stream;
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Role};
@@ -121,6 +121,9 @@ pub fn migrate<S: Stream + 'static>(
         limiter_start: Instant::now(),
         limiter_bytes: 0,
         samples: 0,
+        timeline: Timeline::default(),
+        pass: 0,
+        phase: Phase::Setup,
     };
     control.update(|p| p.phase = Phase::Setup);
     let connect = || connect().map(|s| Box::new(s) as Box<dyn Stream>);
@@ -131,6 +134,7 @@ pub fn migrate<S: Stream + 'static>(
     vm.stop_dirty_log();
     match result {
         Ok(()) => {
+            source.mark(Phase::Completed);
             let s = source.finish_stats();
             control.update(|p| {
                 p.phase = Phase::Completed;
@@ -150,6 +154,7 @@ pub fn migrate<S: Stream + 'static>(
                 MigrateError::Cancelled => Phase::Cancelled,
                 _ => Phase::Failed,
             };
+            source.mark(phase);
             let s = source.finish_stats();
             control.update(|p| {
                 p.phase = phase;
@@ -183,6 +188,10 @@ struct Source<'a> {
     limiter_start: Instant,
     limiter_bytes: u64,
     samples: u64,
+    /// The report's time series, and the pass and phase its samples are tagged with.
+    timeline: Timeline,
+    pass: u32,
+    phase: Phase,
 }
 
 impl Source<'_> {
@@ -214,7 +223,7 @@ impl Source<'_> {
         self.open_channels(connect)?;
         vm.start_dirty_log()?;
         self.stats.setup_ms = ms(self.start.elapsed());
-        self.control.update(|p| p.phase = Phase::Precopy);
+        self.set_phase(Phase::Precopy);
 
         self.first_pass(vm)?;
         let mut pass = 1;
@@ -228,6 +237,7 @@ impl Source<'_> {
             last.dirty_rate_pages_per_s =
                 (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
             let dirty_rate = last.dirty_rate_pages_per_s;
+            self.sample(SampleKind::Boundary);
             let now = Observation {
                 remaining_bytes: self.bitmap.count() * PAGE_SIZE,
                 bandwidth: self.bandwidth(),
@@ -268,6 +278,7 @@ impl Source<'_> {
     /// would make each `SEEK_HOLE` walk the rest of a fully populated file: quadratic.)
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
+        self.pass = 1;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
         for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
@@ -313,6 +324,7 @@ impl Source<'_> {
         paused: bool,
         started: Instant,
     ) -> Result<(), MigrateError> {
+        self.pass = pass;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut cursor = Cursor::default();
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
@@ -349,6 +361,7 @@ impl Source<'_> {
             duration_ms: ms(started.elapsed()),
             dirty_rate_pages_per_s: 0.0,
         });
+        self.sample(SampleKind::Boundary);
         Ok(())
     }
 
@@ -434,7 +447,7 @@ impl Source<'_> {
     }
 
     fn switchover(&mut self, vm: &mut dyn SourceVm, pass: u32) -> Result<(), MigrateError> {
-        self.control.update(|p| p.phase = Phase::Switchover);
+        self.set_phase(Phase::Switchover);
         let t0 = Instant::now();
         vm.pause()?;
         self.paused = true;
@@ -528,6 +541,7 @@ impl Source<'_> {
             self.window.pop_front();
         }
         self.samples += 1;
+        self.sample(SampleKind::Tick);
         // Publish progress every 16 records (~32 MiB): often enough to watch, cheap enough.
         if self.samples.is_multiple_of(16) {
             let (sent, bandwidth, elapsed) =
@@ -538,6 +552,36 @@ impl Source<'_> {
                 p.elapsed_ms = ms(elapsed);
             });
         }
+    }
+
+    /// Publishes a new phase and marks it on the timeline.
+    fn set_phase(&mut self, phase: Phase) {
+        self.control.update(|p| p.phase = phase);
+        self.mark(phase);
+    }
+
+    /// Marks a phase on the timeline only (the final phase is published with the statistics).
+    fn mark(&mut self, phase: Phase) {
+        self.phase = phase;
+        self.sample(SampleKind::Boundary);
+    }
+
+    /// Records where the migration stands on the report's timeline.
+    fn sample(&mut self, kind: SampleKind) {
+        let sample = Sample {
+            t_ms: ms(self.start.elapsed()),
+            bytes_sent: self.bytes_written(),
+            remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+            send_rate_mb_s: self.bandwidth() / 1e6,
+            dirty_rate_pages_per_s: self
+                .stats
+                .passes
+                .last()
+                .map_or(0.0, |p| p.dirty_rate_pages_per_s),
+            pass: self.pass,
+            phase: self.phase,
+        };
+        self.timeline.record(sample, kind);
     }
 
     /// Bytes per second over the recent window.
@@ -565,6 +609,7 @@ impl Source<'_> {
 
     fn finish_stats(&mut self) -> MigrationStats {
         let mut s = self.stats.clone();
+        s.timeline = self.timeline.samples().to_vec();
         s.total_ms = ms(self.start.elapsed());
         s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);

@@ -1,6 +1,10 @@
 //! What a migration measured: plain data, filled by the sessions, printed by the CLI.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
+
+use crate::control::Phase;
 
 /// One precopy pass (pass 1 walks populated memory; later passes walk the dirty bitmap; the
 /// last row, `final`, is what was sent with the guest paused).
@@ -56,6 +60,120 @@ pub struct MigrationStats {
     /// Time pass 1 spent re-arming dirty tracking (`clear_dirty`), which write-protects
     /// every page of RAM once.
     pub dirty_clear_ms: f64,
+    /// The migration sampled over time (see [`Timeline`]); empty in statistics written before
+    /// it existed.
+    #[serde(default)]
+    pub timeline: Vec<Sample>,
+    /// Microseconds from a postcopy page fault to its page arriving. Precopy has none: the
+    /// field exists so reports already draw the histogram when postcopy fills it.
+    #[serde(default)]
+    pub page_latencies_us: Vec<f64>,
+}
+
+/// The migration at one moment, for `ferry report`'s timeline.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Since the migration started.
+    pub t_ms: f64,
+    /// Bytes written on all connections so far.
+    pub bytes_sent: u64,
+    /// Dirty bytes known to remain: what the last dirty sync found, less what has been sent
+    /// since (0 during pass 1, before the first sync).
+    pub remaining_bytes: u64,
+    /// Send rate over the bandwidth window.
+    pub send_rate_mb_s: f64,
+    /// The guest's dirty rate as the last sync measured it.
+    pub dirty_rate_pages_per_s: f64,
+    pub pass: u32,
+    pub phase: Phase,
+}
+
+/// Whether a sample may be skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleKind {
+    /// A progress tick: kept only if [`Timeline::interval`] has passed since the last sample.
+    Tick,
+    /// A pass end or phase change: always kept.
+    Boundary,
+}
+
+/// A time series of bounded length. Ticks are kept every [`SAMPLE_INTERVAL`] at most; when
+/// [`MAX_SAMPLES`] are held, every other tick is dropped and the interval doubles, so a long
+/// migration keeps its whole span at a coarser grain and boundaries are never lost.
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    samples: Vec<Sample>,
+    interval_ms: f64,
+}
+
+/// 25 ms between ticks: a chart 1,000 pixels wide over a 25 s migration gets one sample per
+/// pixel, and the shortest passes seen on loopback (tens of ms) still get a few.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(25);
+/// 2,048 samples of ~150 bytes of JSON each keep the statistics under 300 KiB, however long
+/// the migration: 51 s at the full 25 ms grain, then halved resolution per doubling.
+pub const MAX_SAMPLES: usize = 2048;
+
+impl Default for Timeline {
+    fn default() -> Timeline {
+        Timeline {
+            samples: Vec::new(),
+            interval_ms: SAMPLE_INTERVAL.as_secs_f64() * 1000.0,
+        }
+    }
+}
+
+impl Timeline {
+    pub fn record(&mut self, sample: Sample, kind: SampleKind) {
+        let due = self
+            .samples
+            .last()
+            .is_none_or(|last| sample.t_ms - last.t_ms >= self.interval_ms);
+        if kind == SampleKind::Tick && !due {
+            return;
+        }
+        self.samples.push(sample);
+        if self.samples.len() >= MAX_SAMPLES {
+            self.decimate();
+        }
+    }
+
+    /// Current gap between ticks, in ms.
+    pub fn interval(&self) -> f64 {
+        self.interval_ms
+    }
+
+    pub fn samples(&self) -> &[Sample] {
+        &self.samples
+    }
+
+    /// Drops every other sample but the first, the last and those that start a new pass or
+    /// phase; if boundaries alone fill the series (thousands of passes), drops every other one
+    /// regardless.
+    fn decimate(&mut self) {
+        self.interval_ms *= 2.0;
+        let keep = |i: usize, s: &[Sample]| {
+            i == 0
+                || i + 1 == s.len()
+                || i.is_multiple_of(2)
+                || s[i].pass != s[i - 1].pass
+                || s[i].phase != s[i - 1].phase
+        };
+        let old = std::mem::take(&mut self.samples);
+        self.samples = (0..old.len())
+            .filter(|&i| keep(i, &old))
+            .map(|i| old[i].clone())
+            .collect();
+        if self.samples.len() > MAX_SAMPLES * 3 / 4 {
+            let old = std::mem::take(&mut self.samples);
+            let last = old.len() - 1;
+            self.samples = old
+                .into_iter()
+                .enumerate()
+                .filter(|&(i, _)| i.is_multiple_of(2) || i == last)
+                .map(|(_, s)| s)
+                .collect();
+        }
+    }
 }
 
 /// CPU time this thread has used, in ns.
@@ -74,4 +192,46 @@ fn cpu_ns(clock: libc::clockid_t) -> u64 {
         libc::clock_gettime(clock, &mut ts)
     };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(t_ms: f64, pass: u32) -> Sample {
+        Sample {
+            t_ms,
+            pass,
+            phase: Phase::Precopy,
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn ticks_closer_than_the_interval_are_dropped_but_boundaries_are_kept() {
+        let mut t = Timeline::default();
+        t.record(at(0.0, 1), SampleKind::Tick);
+        t.record(at(10.0, 1), SampleKind::Tick);
+        t.record(at(11.0, 1), SampleKind::Boundary);
+        t.record(at(40.0, 2), SampleKind::Tick);
+        let times: Vec<f64> = t.samples().iter().map(|s| s.t_ms).collect();
+        assert_eq!(times, [0.0, 11.0, 40.0]);
+    }
+
+    #[test]
+    fn a_long_migration_stays_bounded_and_keeps_its_span_and_pass_starts() {
+        let mut t = Timeline::default();
+        // An hour at one tick per ms, a new pass every 10 s.
+        for ms in 0..3_600_000u32 {
+            t.record(at(f64::from(ms), 1 + ms / 10_000), SampleKind::Tick);
+        }
+        let s = t.samples();
+        assert!(s.len() < MAX_SAMPLES, "{}", s.len());
+        assert!(s.len() > MAX_SAMPLES / 4, "{}", s.len());
+        assert_eq!(s[0].t_ms, 0.0);
+        assert!(s.last().unwrap().t_ms > 3_500_000.0);
+        let passes: std::collections::BTreeSet<u32> = s.iter().map(|s| s.pass).collect();
+        assert_eq!(passes.len(), 360, "every pass has a sample");
+        assert!(s.windows(2).all(|w| w[0].t_ms < w[1].t_ms));
+    }
 }

@@ -14,6 +14,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,9 @@ pub struct ChannelsBenchArgs {
     /// Only the migration scenarios whose name contains this.
     #[arg(long)]
     scenario: Option<String>,
+    /// Draw each migration scenario into DIR/<scenario>.svg (see `ferry report`).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 const GIB: u64 = 1 << 30;
@@ -41,7 +45,10 @@ pub fn run(args: &ChannelsBenchArgs) -> anyhow::Result<ExitCode> {
     let mut rows = scan_rows();
     rows.extend(zeroing_rows()?);
     if !args.scan_only {
-        rows.extend(migration_rows(args.scenario.as_deref())?);
+        rows.extend(migration_rows(
+            args.scenario.as_deref(),
+            args.report.as_deref(),
+        )?);
     }
     for r in rows {
         println!("{r}");
@@ -140,7 +147,10 @@ fn zeroing_rows() -> anyhow::Result<Vec<serde_json::Value>> {
     Ok(results)
 }
 
-fn migration_rows(only: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>> {
+fn migration_rows(
+    only: Option<&str>,
+    report: Option<&Path>,
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let guest = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2 rate=1";
     let mut scenarios: Vec<(Scenario, u16, Option<u16>)> = Vec::new();
     for channels in [1, 2, 4] {
@@ -193,6 +203,9 @@ fn migration_rows(only: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>> 
             continue;
         }
         let (stats, _) = migrate_once(&s).with_context(|| format!("scenario '{}'", s.name))?;
+        if let Some(dir) = report {
+            crate::report::write_scenario_svg(dir, &s.name, &stats)?;
+        }
         let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
         let mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
         let raw = match raw_streams {

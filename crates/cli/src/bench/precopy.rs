@@ -10,6 +10,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +27,9 @@ pub struct PrecopyBenchArgs {
     /// Only the first N scenarios (for a quick look).
     #[arg(long)]
     only: Option<usize>,
+    /// Draw each scenario's migration into DIR/<scenario>.svg (see `ferry report`).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 /// One migration to measure.
@@ -106,6 +110,9 @@ pub fn run(args: &PrecopyBenchArgs) -> anyhow::Result<ExitCode> {
     {
         let (stats, pause_ms) =
             migrate_once(&s).with_context(|| format!("scenario '{}'", s.name))?;
+        if let Some(dir) = &args.report {
+            crate::report::write_scenario_svg(dir, &s.name, &stats)?;
+        }
         let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
         let data_mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
         let raw_mb_s = raw_tcp(stats.bytes_sent.max(1 << 20))? / 1e6;

@@ -62,5 +62,10 @@ pub fn print_stats(s: &MigrationStats) {
             p.dirty_rate_pages_per_s
         );
     }
-    println!("{}", serde_json::to_string(s).unwrap_or_default());
+    // One line for scripts; the timeline (up to a few hundred KiB) goes only to --stats-out.
+    let mut line = serde_json::to_value(s).unwrap_or_default();
+    if let Some(map) = line.as_object_mut() {
+        map.remove("timeline");
+    }
+    println!("{line}");
 }

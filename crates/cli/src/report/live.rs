@@ -1,0 +1,111 @@
+//! Live progress for `ferry migrate` and `ferry demo`: an indicatif bar when stdout is a
+//! terminal, else the plain lines of [`super::progress_line`] (for logs and pipes).
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use ferry_migrate::{Phase, Progress};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// How the plain lines are printed when stdout is not a terminal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlainLines {
+    /// One line to stderr per update (`ferry migrate`: a log of every poll).
+    EveryUpdateToStderr,
+    /// One indented line to stdout per precopy pass (`ferry demo`: a short story).
+    PerPassToStdout,
+}
+
+/// The spinner turns every 100 ms: smooth to the eye, and far cheaper than the migration.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Shows progress as it arrives.
+#[derive(Debug)]
+pub struct Live {
+    bar: Option<ProgressBar>,
+    plain: PlainLines,
+    last_pass: u32,
+}
+
+impl Live {
+    pub fn new(plain: PlainLines) -> Live {
+        let bar = std::io::stdout().is_terminal().then(|| {
+            let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stdout());
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner:.green} {prefix:<10.bold} [{bar:24.cyan/blue}] {msg}",
+                )
+                .expect("the template is valid")
+                .progress_chars("=> "),
+            );
+            bar.enable_steady_tick(TICK);
+            bar
+        });
+        Live {
+            bar,
+            plain,
+            last_pass: u32::MAX,
+        }
+    }
+
+    pub fn update(&mut self, p: &Progress) {
+        let Some(bar) = &self.bar else {
+            match self.plain {
+                PlainLines::EveryUpdateToStderr => eprintln!("{}", super::progress_line(p)),
+                PlainLines::PerPassToStdout => {
+                    if p.pass != self.last_pass && p.pass > 0 && p.phase == Phase::Precopy {
+                        println!("  {}", super::progress_line(p));
+                        self.last_pass = p.pass;
+                    }
+                }
+            }
+            return;
+        };
+        bar.set_prefix(phase_name(p.phase));
+        // The bar fills with what was sent against what was sent plus what is known to remain;
+        // in pass 1, before the first dirty sync, nothing is known to remain: no bar yet.
+        // Progress publishes what remains at each dirty sync; once completed, nothing does.
+        let remaining = if p.phase == Phase::Completed {
+            0
+        } else {
+            p.remaining_bytes
+        };
+        if remaining == 0 && p.phase == Phase::Precopy {
+            bar.unset_length();
+        } else {
+            bar.set_length((p.bytes_sent + remaining).max(1));
+        }
+        bar.set_position(p.bytes_sent);
+        bar.set_message(format!(
+            "pass {} · sent {:.1} MB · left {:.1} MB · {:.0} MB/s · dirty {:.0} pages/s · downtime ~{}",
+            running_pass(p),
+            p.bytes_sent as f64 / 1e6,
+            remaining as f64 / 1e6,
+            p.bandwidth_mb_s,
+            p.dirty_rate_pages_per_s,
+            p.expected_downtime_ms
+                .map_or("-".to_string(), |d| format!("{d:.0} ms")),
+        ));
+    }
+
+    /// Leaves the bar's last state on screen.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// The pass being sent: progress counts the passes whose dirty sync is done.
+fn running_pass(p: &Progress) -> String {
+    match p.phase {
+        Phase::Setup => "-".into(),
+        Phase::Precopy => (p.pass + 1).to_string(),
+        Phase::Switchover => "final".into(),
+        _ => p.pass.to_string(),
+    }
+}
+
+fn phase_name(phase: Phase) -> String {
+    format!("{phase:?}").to_lowercase()
+}

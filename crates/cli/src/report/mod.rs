@@ -1,0 +1,157 @@
+//! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
+//! `ferry report`, which draws statistics written with `--stats-out` as SVG charts
+//! (`plot.rs`, `charts.rs`, `latency.rs`), alone or side by side.
+
+mod charts;
+mod latency;
+mod live;
+mod plot;
+mod text;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use ferry_migrate::MigrationStats;
+
+pub use live::{Live, PlainLines};
+pub use plot::Run;
+pub use text::{print_stats, progress_line};
+
+use crate::UsageError;
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Statistics written by `--stats-out` (or a `GET /migration` answer, or a `ferry bench`
+    /// JSON row); several are drawn side by side on shared scales.
+    #[arg(required = true, value_name = "STATS.json")]
+    inputs: Vec<PathBuf>,
+    /// The picture: `.svg`, or `.html` for a self-contained page embedding it.
+    #[arg(short, long, value_name = "OUT.svg|OUT.html")]
+    output: PathBuf,
+}
+
+/// What `-o` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Svg,
+    Html,
+}
+
+pub fn report(args: &ReportArgs) -> anyhow::Result<ExitCode> {
+    let format = match args.output.extension().and_then(|e| e.to_str()) {
+        Some("svg") => Format::Svg,
+        Some("html" | "htm") => Format::Html,
+        _ => {
+            return Err(UsageError(format!(
+                "-o {}: write to a .svg or .html file",
+                args.output.display()
+            ))
+            .into());
+        }
+    };
+    let runs = args
+        .inputs
+        .iter()
+        .map(|path| load(path))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let svg = plot::render(&runs)?;
+    let body = match format {
+        Format::Svg => svg,
+        Format::Html => html(&runs, &svg),
+    };
+    std::fs::write(&args.output, body)
+        .with_context(|| format!("cannot write {}", args.output.display()))?;
+    eprintln!("ferry: wrote {}", args.output.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reads one run's statistics, named after its file.
+fn load(path: &Path) -> anyhow::Result<Run> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    // Statistics themselves, or something that carries them under "stats".
+    let stats = match value.get("stats") {
+        Some(inner) if inner.is_object() => inner.clone(),
+        _ => value,
+    };
+    let stats: MigrationStats = serde_json::from_value(stats).with_context(|| {
+        format!(
+            "{} holds no migration statistics; write them with `ferry migrate --stats-out`",
+            path.display()
+        )
+    })?;
+    let name = path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into(),
+    );
+    Ok(Run { name, stats })
+}
+
+/// Writes `stats` as JSON for `ferry report`.
+pub fn write_stats(path: &Path, stats: &MigrationStats) -> anyhow::Result<()> {
+    let json = serde_json::to_string(stats)?;
+    std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Draws one benchmark scenario's migration to `dir/<scenario>.svg` (`ferry bench --report`).
+pub fn write_scenario_svg(
+    dir: &Path,
+    scenario: &str,
+    stats: &MigrationStats,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join(format!("{}.svg", slug(scenario)));
+    let run = Run {
+        name: scenario.to_string(),
+        stats: stats.clone(),
+    };
+    std::fs::write(&path, plot::render(&[run])?)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("ferry: wrote {}", path.display());
+    Ok(())
+}
+
+/// A self-contained page: the SVG inline, the runs' names as its title.
+fn html(runs: &[Run], svg: &str) -> String {
+    let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
+    let title = escape(&format!("ferry report: {}", names.join(" vs ")));
+    format!(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head><meta charset=\"utf-8\"><title>{title}</title></head>\n<body style=\"margin:0;background:#fff\">\n{}\n</body>\n</html>\n",
+        svg.trim_start_matches(|c: char| c != '<')
+            .trim_start_matches("<?xml version=\"1.0\" encoding=\"UTF-8\"?>")
+    )
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A file name for a scenario: lower-case letters, digits and dashes.
+pub fn slug(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_matches('-').to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scenario_names_become_file_names() {
+        assert_eq!(slug("1G ws @ 100 MB/s, 300 ms"), "1g-ws-100-mb-s-300-ms");
+        assert_eq!(slug("64G, 256M touched"), "64g-256m-touched");
+    }
+}
