@@ -129,7 +129,8 @@ fn a_waiting_destination_answers_its_api_survives_strays_and_then_receives_a_cle
     let mut reply = [0u8; HELLO_SIZE];
     second.read_exact(&mut reply).unwrap();
     assert_eq!(Hello::decode(&reply).unwrap().status, Refusal::Busy as u32);
-    assert_eq!(rejected(&dst), before + 1);
+    // (At least: the silent connection's 10 s may run out meanwhile and be counted too.)
+    assert!(rejected(&dst) > before);
 
     let out = migrate.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));

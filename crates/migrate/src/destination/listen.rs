@@ -92,12 +92,13 @@ impl Screen {
             (Gate::Closed, _) => (Refusal::Busy, "a connection after the migration ended"),
         };
         drop(gate);
+        // Counted before the reply, so that a peer that reads its refusal finds it counted.
+        self.control.reject(format!("{peer}: {}", refusal.1));
         let reply = Hello {
             status: refusal.0 as u32,
             ..hello
         };
         let _ = std::io::Write::write_all(&mut stream, &reply.encode());
-        self.control.reject(format!("{peer}: {}", refusal.1));
     }
 
     fn set(&self, gate: Gate) {
