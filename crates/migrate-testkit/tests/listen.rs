@@ -7,7 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_migrate::destination::{self, IncomingControl, IncomingPhase};
+use ferry_migrate::destination::{self, IncomingControl, IncomingPhase, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::wire::{self, Header, Hello, Kind, Refusal, Role, SectionId};
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
@@ -58,6 +58,20 @@ impl Dest {
     fn addr(&self) -> std::net::SocketAddr {
         self.listener.local_addr().unwrap()
     }
+
+    /// Runs `sources` (given the address) while `dst` listens; returns what both returned.
+    fn serve<T>(
+        &self,
+        dst: &mut FakeVm,
+        sources: impl FnOnce(std::net::SocketAddr) -> T,
+    ) -> (T, Result<ReceiveStats, MigrateError>) {
+        let addr = self.addr();
+        std::thread::scope(|s| {
+            let d = s.spawn(|| destination::listen(dst, &self.listener, &self.control, &|| true));
+            let t = sources(addr);
+            (t, d.join().unwrap())
+        })
+    }
 }
 
 fn migrate_to(
@@ -96,11 +110,9 @@ fn wait_for(
 #[test]
 fn garbage_an_http_request_and_a_silent_connection_leave_a_waiting_destination_unharmed() {
     let dest = Dest::new();
-    let addr = dest.addr();
     let mut dst = FakeVm::new(16 * MIB, 1);
     let mut src = running_source(16 * MIB);
-    std::thread::scope(|s| {
-        let d = s.spawn(|| destination::listen(&mut dst, &dest.listener, &dest.control, &|| true));
+    let ((), received) = dest.serve(&mut dst, |addr| {
         // A silent connection: it must not hold the destination up (it is still open when the
         // real source comes).
         let _silent = TcpStream::connect(addr).unwrap();
@@ -127,8 +139,8 @@ fn garbage_an_http_request_and_a_silent_connection_leave_a_waiting_destination_u
         assert_eq!(Hello::decode(&reply).unwrap().status, Refusal::Role as u32);
 
         migrate_to(&mut src, addr, &params(None)).unwrap();
-        d.join().unwrap().unwrap();
     });
+    received.unwrap();
     assert!(dst.resumed);
     assert!(
         src.contents() == dst.contents(),
@@ -150,19 +162,17 @@ fn garbage_an_http_request_and_a_silent_connection_leave_a_waiting_destination_u
 #[test]
 fn a_refused_main_hello_does_not_end_a_waiting_destination() {
     let dest = Dest::new();
-    let addr = dest.addr();
     let mut dst = FakeVm::new(16 * MIB, 1);
     let mut src = running_source(16 * MIB);
     let mut wrong = running_source(8 * MIB);
-    std::thread::scope(|s| {
-        let d = s.spawn(|| destination::listen(&mut dst, &dest.listener, &dest.control, &|| true));
+    let ((), received) = dest.serve(&mut dst, |addr| {
         let e = migrate_to(&mut wrong, addr, &params(None))
             .unwrap_err()
             .to_string();
         assert!(e.contains("memory sizes differ"), "{e}");
         migrate_to(&mut src, addr, &params(None)).unwrap();
-        d.join().unwrap().unwrap();
     });
+    received.unwrap();
     assert!(src.contents() == dst.contents());
     assert!(!wrong.is_paused(), "the refused source keeps running");
 }

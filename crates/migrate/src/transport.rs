@@ -117,15 +117,23 @@ fn accept_polling<S>(
     }
 }
 
+/// An accepted connection made blocking again (it inherits the polling listener's mode).
+fn blocking<S: Stream + 'static>(
+    got: Option<S>,
+    set_nonblocking: fn(&S, bool) -> io::Result<()>,
+) -> io::Result<Option<Box<dyn Stream>>> {
+    got.map(|s| {
+        set_nonblocking(&s, false)?;
+        Ok(Box::new(s) as Box<dyn Stream>)
+    })
+    .transpose()
+}
+
 impl Listener for TcpListener {
     fn accept_within(&self, wait: Duration) -> io::Result<Option<Box<dyn Stream>>> {
         self.set_nonblocking(true)?;
         let got = accept_polling(wait, || self.accept().map(|(s, _)| s))?;
-        got.map(|s| {
-            s.set_nonblocking(false)?;
-            Ok(Box::new(s) as Box<dyn Stream>)
-        })
-        .transpose()
+        blocking(got, TcpStream::set_nonblocking)
     }
     fn local(&self) -> String {
         self.local_addr()
@@ -137,11 +145,7 @@ impl Listener for UnixListener {
     fn accept_within(&self, wait: Duration) -> io::Result<Option<Box<dyn Stream>>> {
         self.set_nonblocking(true)?;
         let got = accept_polling(wait, || self.accept().map(|(s, _)| s))?;
-        got.map(|s| {
-            s.set_nonblocking(false)?;
-            Ok(Box::new(s) as Box<dyn Stream>)
-        })
-        .transpose()
+        blocking(got, UnixStream::set_nonblocking)
     }
     fn local(&self) -> String {
         self.local_addr()
