@@ -158,3 +158,16 @@ pub fn destination(memory: &str) -> (RunningVm, u16) {
     });
     (vm, port)
 }
+
+/// `ferry migrate` from `src` to the destination on `port`, in the background.
+pub fn start_migrate(src: &RunningVm, port: u16, extra: &[&str]) -> std::process::Child {
+    ferry()
+        .args(["migrate", "--to", &format!("tcp:127.0.0.1:{port}")])
+        .args(extra)
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}

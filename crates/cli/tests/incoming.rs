@@ -5,10 +5,9 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use common::{RunningVm, destination, ferry, stderr};
+use common::{RunningVm, destination, ferry, start_migrate, stderr};
 use ferry_migrate::wire::{HELLO_SIZE, Hello, Refusal, Role};
 
 const MIB: u64 = 1 << 20;
@@ -29,19 +28,6 @@ fn main_hello(memory: u64) -> Vec<u8> {
     }
     .encode()
     .to_vec()
-}
-
-/// `ferry migrate` from `src` to the destination on `port`, in the background.
-fn start_migrate(src: &RunningVm, port: u16, extra: &[&str]) -> Child {
-    ferry()
-        .args(["migrate", "--to", &format!("tcp:127.0.0.1:{port}")])
-        .args(extra)
-        .arg("--api-socket")
-        .arg(&src.socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
 }
 
 fn rejected(dst: &RunningVm) -> u64 {

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RunningVm, destination, ferry, stderr};
+use common::{RunningVm, destination, ferry, start_migrate, stderr};
 
 #[test]
 fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
@@ -78,20 +78,7 @@ fn killing_the_destination_mid_precopy_leaves_the_source_running() {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });
     let (mut dst, port) = destination("1G");
-    let migrate = ferry()
-        .args([
-            "migrate",
-            "--to",
-            &format!("tcp:127.0.0.1:{port}"),
-            "--max-bandwidth",
-            "20M",
-        ])
-        .arg("--api-socket")
-        .arg(&src.socket)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let migrate = start_migrate(&src, port, &["--max-bandwidth", "20M"]);
     std::thread::sleep(Duration::from_millis(1500));
     dst.child.kill().unwrap();
     let out = migrate.wait_with_output().unwrap();
@@ -120,22 +107,16 @@ fn a_cancelled_migration_exits_with_status_3_and_the_source_keeps_running() {
     let (_dst, port) = destination("1G");
     let stats = src.dir.path().join("cancelled.json");
     // 20 MB/s: pass 1 of 512 MiB takes ~25 s, so the cancel lands mid-precopy.
-    let migrate = ferry()
-        .args([
-            "migrate",
-            "--to",
-            &format!("tcp:127.0.0.1:{port}"),
+    let migrate = start_migrate(
+        &src,
+        port,
+        &[
             "--max-bandwidth",
             "20M",
-        ])
-        .arg("--api-socket")
-        .arg(&src.socket)
-        .arg("--stats-out")
-        .arg(&stats)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+            "--stats-out",
+            stats.to_str().unwrap(),
+        ],
+    );
     std::thread::sleep(Duration::from_millis(1500));
     let cancel = src.control("cancel");
     assert!(cancel.status.success(), "{}", stderr(&cancel));

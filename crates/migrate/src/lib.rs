@@ -1,5 +1,6 @@
 //! ferry's live-migration engine. It knows nothing of KVM: a VMM implements
-//! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a TCP stream.
+//! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a byte stream
+//! ([`transport::Stream`]: TCP, a Unix socket, or its own).
 //!
 //! - [`wire`]: protocol v1, pure encoding and validation (`docs/protocol.md` is normative).
 //! - [`ram`]: guest RAM regions and the raw page operations (with [`zero`]'s SIMD, the only
@@ -8,7 +9,9 @@
 //! - [`policy`]: when to switch over, as a pure function.
 //! - [`source`] and [`destination`]: the two sessions; [`sender`] and [`receiver`]: the data
 //!   channels' threads; [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
-//! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured.
+//! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
+//!   [`destination::IncomingControl`] is the destination's counterpart.
+//! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
 
 #![deny(unsafe_code)]
 

@@ -222,26 +222,22 @@ impl<'a> Session<'a> {
                     missing.join(", ")
                 )));
             };
-            let Arrival { stream, hello } = arrival;
+            let Arrival { mut stream, hello } = arrival;
             let refusal = channel_refusal(&main, &hello, &seen);
             let mut reply = Hello {
                 status: Refusal::Accepted as u32,
                 memory_size: self.ram.size(),
                 ..hello
             };
-            let answer = |reply: &Hello| {
-                let mut s = stream
-                    .try_clone_stream()
-                    .map_err(|e| MigrateError::io("answering a data channel", e))?;
-                std::io::Write::write_all(&mut s, &reply.encode())
-                    .map_err(|e| MigrateError::io("answering a data channel", e))
-            };
-            if let Some((status, why)) = refusal {
-                reply.status = status as u32;
-                let _ = answer(&reply);
+            if let Some((status, _)) = &refusal {
+                reply.status = *status as u32;
+            }
+            let answered = std::io::Write::write_all(&mut stream, &reply.encode())
+                .map_err(|e| MigrateError::io("answering a data channel", e));
+            if let Some((_, why)) = refusal {
                 return Err(MigrateError::Refused(why));
             }
-            answer(&reply)?;
+            answered?;
             seen[usize::from(hello.channel)] = true;
             let _ = stream.set_read_timeout(Some(RECORD_TIMEOUT));
             self.control.register(stream.as_ref());
