@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{RunningVm, destination, ferry, start_migrate, stderr};
-use ferry_migrate::wire::{HELLO_SIZE, Hello, Refusal, Role};
+use ferry_migrate::wire::{Capabilities, HELLO_SIZE, Hello, Refusal, Role};
 
 const MIB: u64 = 1 << 20;
 
@@ -25,6 +25,7 @@ fn main_hello(memory: u64) -> Vec<u8> {
         memory_size: memory,
         status: 0,
         channels: 1,
+        capabilities: Capabilities::NONE,
     }
     .encode()
     .to_vec()

@@ -1,7 +1,7 @@
 //! Hand-made protocol bytes for tests that play a hostile or broken source: hellos and records
 //! built with the engine's own encoders, so a test states only what it changes.
 
-use ferry_migrate::wire::{Header, Hello, Kind, Role};
+use ferry_migrate::wire::{Capabilities, Header, Hello, Kind, Role, SectionHeader, SectionId};
 
 const MIB: u64 = 1 << 20;
 
@@ -15,6 +15,7 @@ pub fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> 
         memory_size: memory,
         status: 0,
         channels,
+        capabilities: Capabilities::NONE,
     }
     .encode()
     .to_vec()
@@ -34,6 +35,20 @@ pub fn record(h: Header, payload: &[u8]) -> Vec<u8> {
     let mut v = h.encode().to_vec();
     v.extend_from_slice(payload);
     v
+}
+
+/// A DeviceState record: section `id`, `instance`, version 1, then `data`.
+pub fn section(id: u32, instance: u32, data: &[u8]) -> Vec<u8> {
+    let h = SectionHeader {
+        id: SectionId(id),
+        instance,
+        version: 1,
+    };
+    cat(&[
+        Header::device_state(data.len() as u64).encode().to_vec(),
+        h.encode().to_vec(),
+        data.to_vec(),
+    ])
 }
 
 /// A Pages record of `gpas`, every byte of data 0xab.

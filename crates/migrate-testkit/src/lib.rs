@@ -17,6 +17,9 @@ use std::time::Duration;
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::wire::{PAGE_SIZE, SectionId};
+
+/// The fake VM's one kind of device state (the number is the fake VMM's own choice).
+pub const FAKE_VCPU: SectionId = SectionId(1);
 use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
 
 /// Guest RAM: a memfd mapped shared, split into regions with a gap between them (like RAM
@@ -160,11 +163,16 @@ impl FakeVm {
                 writes: AtomicU64::new(0),
             }),
             threads: Vec::new(),
-            state: vec![Section {
-                id: SectionId::Vcpu,
-                version: 1,
-                data: b"fake vcpu".to_vec(),
-            }],
+            // Two instances of one section kind, as a VM with two vCPUs has: every migration
+            // test then checks that the engine keeps instances apart.
+            state: (0..2)
+                .map(|instance| Section {
+                    id: FAKE_VCPU,
+                    instance,
+                    version: 1,
+                    data: format!("fake vcpu {instance}").into_bytes(),
+                })
+                .collect(),
             resumed: false,
         }
     }
@@ -347,7 +355,7 @@ unsafe impl DestinationVm for FakeVm {
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        if sections.iter().any(|s| s.id != SectionId::Vcpu) {
+        if sections.iter().any(|s| s.id != FAKE_VCPU) {
             return Err(VmError::Failed {
                 operation: "load_state",
                 message: "the fake VM has only a vCPU section".into(),

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
-use ferry_migrate::wire::{self, Header, Hello, Kind, Role, SectionId};
+use ferry_migrate::wire::{self, Header, Hello, Kind, Role};
 use ferry_migrate::{Control, MigrateError, MigrationStats, Phase, Policy, TimeoutAction};
 use ferry_migrate_testkit::craft::{
-    cat, data_hello, end, hello, main_hello, pages, record, zero_runs,
+    cat, data_hello, end, hello, main_hello, pages, record, section, zero_runs,
 };
 use ferry_migrate_testkit::{FakeVm, Writers};
 use proptest::prelude::*;
@@ -369,7 +369,7 @@ type Crafted = (&'static str, Vec<u8>, Vec<Vec<u8>>, &'static str);
 #[test]
 fn crafted_bad_streams_are_refused_with_a_clear_error() {
     let ok = main_hello();
-    let state = record(Header::device_state(SectionId::Vcpu, 1, 3), b"abc");
+    let state = section(1, 0, b"abc");
     let complete = record(Header::new(Kind::Complete, 0, 0), &[]);
     let mut bad_magic = ok.clone();
     bad_magic[0] = b'X';
@@ -556,12 +556,10 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
             cat(&[
                 ok.clone(),
                 end(1),
-                Header::device_state(SectionId::Vcpu, 1, 1 << 30)
-                    .encode()
-                    .to_vec(),
+                Header::device_state(1 << 30).encode().to_vec(),
             ]),
             vec![cat(&[data_hello(1), end(1)])],
-            "exceeds the limit of 1048576",
+            "exceeds the limit of 1048592",
         ),
         (
             "complete without state",
@@ -571,14 +569,31 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
         ),
         (
             "unknown section for this VMM",
+            cat(&[ok.clone(), end(1), section(2, 0, b"x"), complete.clone()]),
+            vec![good_data.clone()],
+            "the fake VM has only a vCPU section",
+        ),
+        (
+            "one section instance twice",
             cat(&[
                 ok.clone(),
                 end(1),
-                record(Header::device_state(SectionId::Serial, 1, 1), b"x"),
+                section(1, 1, b"a"),
+                section(1, 1, b"b"),
                 complete.clone(),
             ]),
             vec![good_data.clone()],
-            "the fake VM has only a vCPU section",
+            "section 1 instance 1 sent twice",
+        ),
+        (
+            "section shorter than its header",
+            cat(&[
+                ok.clone(),
+                end(1),
+                record(Header::new(Kind::DeviceState, 0, 8), &[1; 8]),
+            ]),
+            vec![good_data.clone()],
+            "shorter than its 16-byte section header",
         ),
         (
             "resumed from the source",
@@ -629,7 +644,7 @@ fn a_crafted_good_stream_is_accepted() {
         main.write_all(&cat(&[
             end(1),
             end(2),
-            record(Header::device_state(SectionId::Vcpu, 1, 3), b"abc"),
+            section(1, 0, b"abc"),
             record(Header::new(Kind::Complete, 0, 0), &[]),
         ]))
         .unwrap();

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use ferry_migrate::destination::{self, IncomingControl, IncomingPhase, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams};
-use ferry_migrate::wire::{self, Header, Hello, Kind, Refusal, Role, SectionId};
+use ferry_migrate::wire::{self, Header, Hello, Kind, Refusal, Role};
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
-use ferry_migrate_testkit::craft::{cat, data_hello, end, hello, main_hello, pages, record};
+use ferry_migrate_testkit::craft::{
+    cat, data_hello, end, hello, main_hello, pages, record, section,
+};
 use ferry_migrate_testkit::{FakeVm, Writers};
 
 const MIB: u64 = 1 << 20;
@@ -327,7 +329,7 @@ fn a_source_killed_at_any_point_of_a_pass_fails_the_migration_in_seconds() {
         pages(&[0x1000]),
         end(2),
     ]);
-    let state = record(Header::device_state(SectionId::Vcpu, 1, 3), b"abc");
+    let state = section(1, 0, b"abc");
     let complete = record(Header::new(Kind::Complete, 0, 0), &[]);
     let one_pass = pages(&[0]).len();
     let cuts = [

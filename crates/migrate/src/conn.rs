@@ -6,7 +6,7 @@ use std::io::{BufReader, BufWriter, Read, Write};
 
 use crate::error::MigrateError;
 use crate::transport::Stream;
-use crate::wire::{HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind};
+use crate::wire::{HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind, SectionHeader};
 
 /// Send buffer: a few records, so small records (zero pages, pass ends) are coalesced while a
 /// 2 MiB Pages record mostly goes straight to the socket.
@@ -69,6 +69,18 @@ impl Conn {
         debug_assert_eq!(h.len, payload.len() as u64);
         self.write_header(h)?;
         self.write_all(payload, "sending a record")
+    }
+
+    /// Writes a DeviceState record: the section's header, then its data.
+    pub fn write_section(
+        &mut self,
+        section: SectionHeader,
+        data: &[u8],
+        during: &'static str,
+    ) -> Result<(), MigrateError> {
+        self.write_all(&Header::device_state(data.len() as u64).encode(), during)?;
+        self.write_all(&section.encode(), during)?;
+        self.write_all(data, during)
     }
 
     /// Reads and validates the next header.

@@ -27,7 +27,7 @@ use crate::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::stats::{self, MigrationStats, PassStats, Sample, SampleKind, Timeline};
 use crate::transport::Stream;
 use crate::vm::SourceVm;
-use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Role};
+use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Role};
 
 /// Pages re-armed per `clear_dirty` call in pass 1: 64 MiB, about 1 ms of write-protecting on
 /// a normal host, and 1024 calls for a 64 GiB guest.
@@ -39,6 +39,8 @@ const BANDWIDTH_WINDOW: Duration = Duration::from_secs(1);
 const MAX_SLEEP: Duration = Duration::from_millis(50);
 /// How long the source waits for the destination to load the state and resume the guest.
 const RESUME_TIMEOUT: Duration = Duration::from_secs(30);
+/// The protocol features this source asks for: none yet (postcopy will be the first).
+const REQUESTED: Capabilities = Capabilities::NONE;
 
 /// How to migrate.
 #[derive(Clone, Copy, Debug)]
@@ -207,8 +209,15 @@ impl Source<'_> {
             memory_size: self.ram.size(),
             status: 0,
             channels: self.params.channels,
+            capabilities: REQUESTED,
         })?;
         let reply = self.conn.read_hello()?;
+        if !reply.capabilities.is_subset(REQUESTED) {
+            return Err(MigrateError::Order(format!(
+                "the destination granted capabilities {:#x} that were not asked for",
+                reply.capabilities.0
+            )));
+        }
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match reply.status {
                 1 => format!(
@@ -381,6 +390,7 @@ impl Source<'_> {
                 memory_size: self.ram.size(),
                 status: 0,
                 channels: self.params.channels,
+                capabilities: Capabilities::NONE,
             })?;
             let reply = c.read_hello()?;
             if reply.status != wire::Refusal::Accepted as u32 {
@@ -460,10 +470,8 @@ impl Source<'_> {
         let sections = vm.save_state()?;
         let t4 = Instant::now();
         for s in &sections {
-            self.conn.write_record(
-                &Header::device_state(s.id, s.version, s.data.len() as u64),
-                &s.data,
-            )?;
+            self.conn
+                .write_section(s.header(), &s.data, "sending device state")?;
         }
         self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
         self.conn.flush("completing")?;

@@ -9,14 +9,28 @@ use std::time::Duration;
 
 use crate::bitmap::DirtyBitmap;
 use crate::ram::RamRegion;
-use crate::wire::SectionId;
+use crate::wire::{SectionHeader, SectionId};
 
-/// A piece of non-RAM state: a vCPU, a device, the VM clock.
+/// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
+/// version and encodes the data; the engine carries it, bounded, and never looks inside.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Section {
     pub id: SectionId,
+    /// Which of several sections with the same id this is (vCPU 3); 0 for a single one.
+    pub instance: u32,
     pub version: u32,
     pub data: Vec<u8>,
+}
+
+impl Section {
+    /// The header that precedes the data on the wire.
+    pub fn header(&self) -> SectionHeader {
+        SectionHeader {
+            id: self.id,
+            instance: self.instance,
+            version: self.version,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

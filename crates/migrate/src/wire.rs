@@ -1,5 +1,5 @@
 #![forbid(unsafe_code)]
-//! Wire protocol v1: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
+//! Wire protocol v2: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
 //! is the normative text; this module is its implementation and its tests.
 //!
 //! A connection starts with a 64-byte [`Hello`] from the source and a 64-byte [`Hello`] reply
@@ -8,7 +8,9 @@
 
 /// "FERRYMIG".
 pub const MAGIC: [u8; 8] = *b"FERRYMIG";
-pub const VERSION: u32 = 1;
+/// Version 2 added opaque device-state sections (VMM-chosen id, instance, version) and
+/// capability bits in the hello.
+pub const VERSION: u32 = 2;
 pub const HELLO_SIZE: usize = 64;
 pub const HEADER_SIZE: usize = 16;
 /// Guest page size on the wire.
@@ -23,9 +25,18 @@ pub const MAX_ZERO_RUNS_PER_RECORD: u32 = 4096;
 pub const MAX_ZERO_RUN_PAGES: u64 = 1 << 18;
 /// Data channels a migration may open (each is a thread on both sides).
 pub const MAX_CHANNELS: u16 = 64;
-/// A device-state section: a vCPU's state is a few KiB (XSAVE is the bulk); 1 MiB bounds what a
-/// hostile source can make the destination buffer, as Firecracker caps snapshot state.
+/// A device-state section's data: a vCPU's state is a few KiB (XSAVE is the bulk); 1 MiB bounds
+/// what a hostile source can make the destination buffer for one section, as Firecracker caps
+/// snapshot state.
 pub const MAX_SECTION_BYTES: u64 = 1 << 20;
+/// The [`SectionHeader`] that starts a DeviceState payload.
+pub const SECTION_HEADER_SIZE: usize = 16;
+/// Sections in one migration: 64 vCPUs × (vCPU + local APIC) is 128, the interrupt controller
+/// and devices a few dozen more; 1024 leaves room for many virtio devices.
+pub const MAX_SECTIONS: usize = 1024;
+/// All device state of one migration: 64 vCPUs × ~16 KiB is 1 MiB; 64 MiB bounds what the
+/// destination buffers before it loads (it holds every section until Complete).
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
 /// An error message.
 pub const MAX_ERROR_BYTES: u64 = 4096;
 /// The Resumed payload: `load_ns:u64 resume_ns:u64 cpu_ns:u64`.
@@ -53,7 +64,7 @@ pub enum Kind {
     ZeroRuns = 2,
     /// End of precopy pass `count` (1-based). No payload.
     EndOfPass = 3,
-    /// A device-state section: `section` names it, `count` is its version; payload = state.
+    /// A device-state section: payload = a [`SectionHeader`], then the section's data.
     DeviceState = 4,
     /// Source → destination: everything was sent; load, resume and acknowledge. No payload.
     Complete = 5,
@@ -79,30 +90,78 @@ impl Kind {
     }
 }
 
-/// Device-state sections. Every one is mandatory: an unknown id fails the load.
+/// Names a kind of device state. The VMM chooses the numbers and the engine moves them
+/// without knowing what they mean; `0` is invalid so that zeroed bytes never name a section.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u16)]
-pub enum SectionId {
-    Invalid = 0,
-    /// One per vCPU (v1 VMs have one): registers, FPU/XSAVE, MSRs, events, ...
-    Vcpu = 1,
-    /// VM-wide state: the kvmclock value.
-    VmClock = 2,
-    /// The 16550 UART.
-    Serial = 3,
-    /// The telemetry port's counters.
-    Telemetry = 4,
+pub struct SectionId(pub u32);
+
+impl std::fmt::Display for SectionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "section {}", self.0)
+    }
 }
 
-impl SectionId {
-    pub fn from_u16(v: u16) -> SectionId {
-        match v {
-            1 => SectionId::Vcpu,
-            2 => SectionId::VmClock,
-            3 => SectionId::Serial,
-            4 => SectionId::Telemetry,
-            _ => SectionId::Invalid,
+/// The first [`SECTION_HEADER_SIZE`] bytes of a DeviceState payload:
+/// `id:u32 instance:u32 version:u32 reserved:u32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SectionHeader {
+    pub id: SectionId,
+    /// Which one of several sections of the same id (vCPU 3, the second UART); 0 for a single.
+    pub instance: u32,
+    /// The layout version of the data, which the VMM checks when it loads it.
+    pub version: u32,
+}
+
+impl SectionHeader {
+    pub fn encode(&self) -> [u8; SECTION_HEADER_SIZE] {
+        let mut b = [0u8; SECTION_HEADER_SIZE];
+        b[0..4].copy_from_slice(&self.id.0.to_le_bytes());
+        b[4..8].copy_from_slice(&self.instance.to_le_bytes());
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
+        b
+    }
+
+    /// Decodes the header at the start of a DeviceState payload; the rest is the data.
+    pub fn decode(payload: &[u8]) -> Result<(SectionHeader, &[u8]), WireError> {
+        let Some((b, data)) = payload.split_first_chunk::<SECTION_HEADER_SIZE>() else {
+            return Err(WireError::SectionHeader(payload.len()));
+        };
+        let word = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+        if word(0) == 0 {
+            return Err(WireError::InvalidSection);
         }
+        if word(12) != 0 {
+            return Err(WireError::Reserved("section header"));
+        }
+        let h = SectionHeader {
+            id: SectionId(word(0)),
+            instance: word(4),
+            version: word(8),
+        };
+        Ok((h, data))
+    }
+}
+
+/// Optional protocol features, agreed in the main hello: the source asks for a set and the
+/// destination answers with the subset it grants. Version 2 defines none yet; postcopy, its
+/// preempt channel and page checksums will each take a bit, so that a newer source can talk to
+/// an older destination by asking and reading the answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    pub const NONE: Capabilities = Capabilities(0);
+    /// What this side implements.
+    pub const SUPPORTED: Capabilities = Capabilities::NONE;
+
+    /// What a destination grants for a request: the bits it also supports.
+    pub fn grant(self, supported: Capabilities) -> Capabilities {
+        Capabilities(self.0 & supported.0)
+    }
+
+    /// Whether every bit of `self` is in `of`.
+    pub fn is_subset(self, of: Capabilities) -> bool {
+        self.0 & !of.0 == 0
     }
 }
 
@@ -138,8 +197,12 @@ pub enum WireError {
     NotEmpty { kind: Kind, len: u64 },
     #[error("{kind:?} record has an empty batch")]
     Empty { kind: Kind },
-    #[error("unknown device-state section {0}")]
-    UnknownSection(u16),
+    #[error("DeviceState payload of {0} bytes is shorter than its 16-byte section header")]
+    SectionHeader(usize),
+    #[error("device-state section id 0 is invalid")]
+    InvalidSection,
+    #[error("capabilities {0:#x} on a data connection: only the main hello carries capabilities")]
+    DataCapabilities(u64),
 }
 
 /// The first 64 bytes on a connection, in both directions.
@@ -154,6 +217,9 @@ pub struct Hello {
     pub status: u32,
     /// In the main hello: how many data channels follow (1..=[`MAX_CHANNELS`]).
     pub channels: u16,
+    /// In the main hello: the features the source asks for; in its reply, those granted.
+    /// Zero on data connections.
+    pub capabilities: Capabilities,
 }
 
 /// Why a destination refused a connection (the reply hello's `status`).
@@ -173,7 +239,7 @@ pub enum Refusal {
 
 impl Hello {
     /// `magic[8] version:u32 role:u16 channel:u16 uuid[16] memory_size:u64 page_size:u32
-    /// status:u32 channels:u16 reserved[14]`.
+    /// status:u32 channels:u16 capabilities:u64 reserved[6]`.
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
         let mut b = [0u8; HELLO_SIZE];
         b[0..8].copy_from_slice(&MAGIC);
@@ -185,6 +251,7 @@ impl Hello {
         b[40..44].copy_from_slice(&(PAGE_SIZE as u32).to_le_bytes());
         b[44..48].copy_from_slice(&self.status.to_le_bytes());
         b[48..50].copy_from_slice(&self.channels.to_le_bytes());
+        b[50..58].copy_from_slice(&self.capabilities.0.to_le_bytes());
         b
     }
 
@@ -206,8 +273,12 @@ impl Hello {
         if u64::from(page_size) != PAGE_SIZE {
             return Err(WireError::PageSize(page_size));
         }
-        if b[50..].iter().any(|&x| x != 0) {
+        if b[58..].iter().any(|&x| x != 0) {
             return Err(WireError::Reserved("hello"));
+        }
+        let capabilities = Capabilities(u64::from_le_bytes(b[50..58].try_into().unwrap()));
+        if role == Role::Data && capabilities != Capabilities::NONE {
+            return Err(WireError::DataCapabilities(capabilities.0));
         }
         Ok(Hello {
             role,
@@ -216,17 +287,16 @@ impl Hello {
             memory_size: u64::from_le_bytes(b[32..40].try_into().unwrap()),
             status: u32::from_le_bytes(b[44..48].try_into().unwrap()),
             channels: u16::from_le_bytes([b[48], b[49]]),
+            capabilities,
         })
     }
 }
 
-/// A record header: `kind:u16 section:u16 count:u32 len:u64`.
+/// A record header: `kind:u16 reserved:u16 count:u32 len:u64`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub kind: Kind,
-    /// The section id of a DeviceState record; 0 otherwise.
-    pub section: u16,
-    /// Pages, addresses, the pass number, or the section version, by kind.
+    /// Pages, runs or the pass number, by kind; 0 for the others.
     pub count: u32,
     /// Payload bytes that follow.
     pub len: u64,
@@ -234,12 +304,7 @@ pub struct Header {
 
 impl Header {
     pub fn new(kind: Kind, count: u32, len: u64) -> Header {
-        Header {
-            kind,
-            section: 0,
-            count,
-            len,
-        }
+        Header { kind, count, len }
     }
 
     pub fn pages(count: u32) -> Header {
@@ -250,19 +315,14 @@ impl Header {
         Header::new(Kind::ZeroRuns, count, u64::from(count) * 16)
     }
 
-    pub fn device_state(section: SectionId, version: u32, len: u64) -> Header {
-        Header {
-            kind: Kind::DeviceState,
-            section: section as u16,
-            count: version,
-            len,
-        }
+    /// A DeviceState record whose section carries `data_len` bytes after its header.
+    pub fn device_state(data_len: u64) -> Header {
+        Header::new(Kind::DeviceState, 0, SECTION_HEADER_SIZE as u64 + data_len)
     }
 
     pub fn encode(&self) -> [u8; HEADER_SIZE] {
         let mut b = [0u8; HEADER_SIZE];
         b[0..2].copy_from_slice(&(self.kind as u16).to_le_bytes());
-        b[2..4].copy_from_slice(&self.section.to_le_bytes());
         b[4..8].copy_from_slice(&self.count.to_le_bytes());
         b[8..16].copy_from_slice(&self.len.to_le_bytes());
         b
@@ -272,9 +332,11 @@ impl Header {
     /// consistent with each other. What follows the header is then safe to read.
     pub fn decode(b: &[u8; HEADER_SIZE]) -> Result<Header, WireError> {
         let raw_kind = u16::from_le_bytes([b[0], b[1]]);
+        if b[2..4] != [0, 0] {
+            return Err(WireError::Reserved("record header"));
+        }
         let h = Header {
             kind: Kind::from_u16(raw_kind),
-            section: u16::from_le_bytes([b[2], b[3]]),
             count: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             len: u64::from_le_bytes(b[8..16].try_into().unwrap()),
         };
@@ -287,9 +349,6 @@ impl Header {
 
     fn validate(&self) -> Result<(), WireError> {
         let (kind, count, len) = (self.kind, self.count, self.len);
-        if kind != Kind::DeviceState && self.section != 0 {
-            return Err(WireError::Reserved("record header"));
-        }
         let batch = |max: u32, per: u64| {
             if count == 0 {
                 return Err(WireError::Empty { kind });
@@ -315,15 +374,20 @@ impl Header {
                 Ok(())
             }
         };
+        let countless = matches!(
+            kind,
+            Kind::DeviceState | Kind::Complete | Kind::Error | Kind::Resumed
+        );
+        if countless && count != 0 {
+            return Err(WireError::Reserved("record count"));
+        }
         match kind {
             Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
             Kind::ZeroRuns => batch(MAX_ZERO_RUNS_PER_RECORD, 16),
-            Kind::DeviceState => {
-                if SectionId::from_u16(self.section) == SectionId::Invalid {
-                    return Err(WireError::UnknownSection(self.section));
-                }
-                bounded(MAX_SECTION_BYTES)
+            Kind::DeviceState if len < SECTION_HEADER_SIZE as u64 => {
+                Err(WireError::SectionHeader(len as usize))
             }
+            Kind::DeviceState => bounded(SECTION_HEADER_SIZE as u64 + MAX_SECTION_BYTES),
             Kind::Error => bounded(MAX_ERROR_BYTES),
             Kind::Resumed if len != RESUMED_SIZE => Err(WireError::Length {
                 kind,
@@ -360,6 +424,7 @@ mod tests {
             memory_size: 2 << 30,
             status: 0,
             channels: 2,
+            capabilities: Capabilities(1 << 40),
         }
     }
 
@@ -371,8 +436,8 @@ mod tests {
         b[0] = b'X';
         assert!(matches!(Hello::decode(&b), Err(WireError::BadMagic(_))));
         let mut b = h.encode();
-        b[8] = 2;
-        assert_eq!(Hello::decode(&b), Err(WireError::Version(2)));
+        b[8] = 1;
+        assert_eq!(Hello::decode(&b), Err(WireError::Version(1)));
         let mut b = h.encode();
         b[12] = 0;
         assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
@@ -385,6 +450,50 @@ mod tests {
         let mut b = h.encode();
         b[63] = 1;
         assert_eq!(Hello::decode(&b), Err(WireError::Reserved("hello")));
+        let data = Hello {
+            role: Role::Data,
+            channel: 1,
+            ..h
+        };
+        assert_eq!(
+            Hello::decode(&data.encode()),
+            Err(WireError::DataCapabilities(1 << 40))
+        );
+    }
+
+    #[test]
+    fn capabilities_are_granted_as_the_common_subset() {
+        let asked = Capabilities(0b1011);
+        let granted = asked.grant(Capabilities(0b0110));
+        assert_eq!(granted, Capabilities(0b0010));
+        assert!(granted.is_subset(asked));
+        assert!(!Capabilities(0b0100).is_subset(asked));
+        assert_eq!(asked.grant(Capabilities::SUPPORTED), Capabilities::NONE);
+    }
+
+    #[test]
+    fn section_headers_round_trip_and_refuse_zero_ids_and_reserved_bytes() {
+        let h = SectionHeader {
+            id: SectionId(0x4c41_5043),
+            instance: 3,
+            version: 7,
+        };
+        let mut payload = h.encode().to_vec();
+        payload.extend_from_slice(b"state");
+        assert_eq!(SectionHeader::decode(&payload), Ok((h, &b"state"[..])));
+        let mut b = h.encode();
+        b[0..4].fill(0);
+        assert_eq!(SectionHeader::decode(&b), Err(WireError::InvalidSection));
+        let mut b = h.encode();
+        b[15] = 1;
+        assert_eq!(
+            SectionHeader::decode(&b),
+            Err(WireError::Reserved("section header"))
+        );
+        assert_eq!(
+            SectionHeader::decode(&b[..15]),
+            Err(WireError::SectionHeader(15))
+        );
     }
 
     #[test]
@@ -393,7 +502,7 @@ mod tests {
             Header::pages(512),
             Header::zero_runs(1),
             Header::new(Kind::EndOfPass, 3, 0),
-            Header::device_state(SectionId::Vcpu, 1, 9000),
+            Header::device_state(9000),
             Header::new(Kind::Complete, 0, 0),
             Header::new(Kind::Error, 0, 12),
             Header::new(Kind::Resumed, 0, RESUMED_SIZE),
@@ -417,9 +526,15 @@ mod tests {
             ),
             (Header::new(Kind::ZeroRuns, 1, 8), "does not match 16"),
             (
-                Header::device_state(SectionId::Vcpu, 1, (1 << 20) + 1),
-                "exceeds the limit of 1048576",
+                Header::device_state((1 << 20) + 1),
+                "exceeds the limit of 1048592",
             ),
+            (
+                Header::new(Kind::DeviceState, 0, 15),
+                "shorter than its 16-byte section header",
+            ),
+            (Header::new(Kind::DeviceState, 1, 20), "reserved bytes"),
+            (Header::new(Kind::Complete, 2, 0), "reserved bytes"),
             (
                 Header::new(Kind::Error, 0, 1 << 40),
                 "exceeds the limit of 4096",
@@ -434,9 +549,6 @@ mod tests {
         let mut b = Header::new(Kind::Complete, 0, 0).encode();
         b[0] = 99;
         assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(99)));
-        let mut b = Header::device_state(SectionId::Vcpu, 1, 8).encode();
-        b[2] = 77;
-        assert_eq!(Header::decode(&b), Err(WireError::UnknownSection(77)));
         let mut b = Header::new(Kind::Complete, 0, 0).encode();
         b[2] = 1;
         assert_eq!(

@@ -16,6 +16,15 @@ use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::transport::{Address, Listener, Stream};
 use ferry_migrate::wire::SectionId;
+
+/// This VMM's device-state sections. The numbers are its own; the engine carries them.
+mod section {
+    use super::SectionId;
+    pub const VCPU: SectionId = SectionId(1);
+    pub const VM_CLOCK: SectionId = SectionId(2);
+    pub const SERIAL: SectionId = SectionId(3);
+    pub const TELEMETRY: SectionId = SectionId(4);
+}
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, Phase, Policy, Progress, Section, SourceVm, VmError,
 };
@@ -277,22 +286,26 @@ unsafe impl SourceVm for SourceAdapter {
         let telemetry = self.shared.telemetry.lock().unwrap().encode_state();
         Ok(vec![
             Section {
-                id: SectionId::Vcpu,
+                id: section::VCPU,
+                instance: 0,
                 version: state::VCPU_STATE_VERSION,
                 data: vcpu_state,
             },
             Section {
-                id: SectionId::VmClock,
+                id: section::VM_CLOCK,
+                instance: 0,
                 version: state::CLOCK_STATE_VERSION,
                 data: clock,
             },
             Section {
-                id: SectionId::Serial,
+                id: section::SERIAL,
+                instance: 0,
                 version: serial::SERIAL_STATE_VERSION,
                 data: uart,
             },
             Section {
-                id: SectionId::Telemetry,
+                id: section::TELEMETRY,
+                instance: 0,
                 version: TELEMETRY_STATE_VERSION,
                 data: telemetry,
             },
@@ -309,18 +322,18 @@ unsafe impl DestinationVm for IncomingVm {
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
         let fail = |m: String| failed("load_state")(m);
-        for required in [SectionId::Vcpu, SectionId::VmClock] {
+        for required in [section::VCPU, section::VM_CLOCK] {
             if !sections.iter().any(|s| s.id == required) {
                 return Err(fail(format!("the stream has no {required:?} section")));
             }
         }
         for s in sections {
             let want = match s.id {
-                SectionId::Vcpu => state::VCPU_STATE_VERSION,
-                SectionId::VmClock => state::CLOCK_STATE_VERSION,
-                SectionId::Serial => serial::SERIAL_STATE_VERSION,
-                SectionId::Telemetry => TELEMETRY_STATE_VERSION,
-                SectionId::Invalid => return Err(fail("invalid section".into())),
+                section::VCPU => state::VCPU_STATE_VERSION,
+                section::VM_CLOCK => state::CLOCK_STATE_VERSION,
+                section::SERIAL => serial::SERIAL_STATE_VERSION,
+                section::TELEMETRY => TELEMETRY_STATE_VERSION,
+                other => return Err(fail(format!("{other} is unknown to this VMM"))),
             };
             if s.version != want {
                 return Err(fail(format!(
@@ -329,24 +342,24 @@ unsafe impl DestinationVm for IncomingVm {
                 )));
             }
             match s.id {
-                SectionId::Vcpu => state::restore_vcpu(
+                section::VCPU => state::restore_vcpu(
                     &self.shared.kvm.vm,
                     &self.shared.vcpu.lock().unwrap(),
                     &s.data,
                 )
                 .map_err(|e| fail(e.to_string()))?,
-                SectionId::VmClock => state::restore_clock(&self.shared.kvm.vm, &s.data)
+                section::VM_CLOCK => state::restore_clock(&self.shared.kvm.vm, &s.data)
                     .map_err(|e| fail(e.to_string()))?,
-                SectionId::Serial => {
+                section::SERIAL => {
                     let uart =
                         serial::uart_from_state(&s.data, &self.shared.serial).map_err(fail)?;
                     self.shared.devices.lock().unwrap().set_uart(uart);
                 }
-                SectionId::Telemetry => {
+                section::TELEMETRY => {
                     *self.shared.telemetry.lock().unwrap() =
                         GuestTelemetry::decode_state(&s.data).map_err(fail)?;
                 }
-                SectionId::Invalid => unreachable!("refused above"),
+                _ => unreachable!("refused above"),
             }
         }
         Ok(())

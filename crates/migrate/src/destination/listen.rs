@@ -20,7 +20,7 @@ use super::{
 use crate::error::MigrateError;
 use crate::transport::{Listener, Stream};
 use crate::vm::DestinationVm;
-use crate::wire::{Hello, MAX_CHANNELS, Refusal, Role};
+use crate::wire::{self, Hello, MAX_CHANNELS, Refusal, Role};
 
 /// Connections whose hello is being read at once. A source needs 1 + its channels (at most
 /// 65); beyond this, a flood of silent connections is dropped at once instead of holding a
@@ -96,6 +96,7 @@ impl Screen {
         self.control.reject(format!("{peer}: {}", refusal.1));
         let reply = Hello {
             status: refusal.0 as u32,
+            capabilities: wire::Capabilities::NONE,
             ..hello
         };
         let _ = std::io::Write::write_all(&mut stream, &reply.encode());

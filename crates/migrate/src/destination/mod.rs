@@ -17,6 +17,7 @@
 
 mod listen;
 mod progress;
+mod sections;
 mod session;
 
 use std::time::{Duration, Instant};

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::sections::Sections;
 use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
 use crate::conn::Conn;
 use crate::error::MigrateError;
@@ -19,7 +20,7 @@ use crate::receiver::{self, PageBits, PassBarrier, ReceiverStats};
 use crate::stats;
 use crate::transport::Stream;
 use crate::vm::{DestinationVm, Section};
-use crate::wire::{self, Header, Hello, Kind, PAGE_SIZE, Refusal, Role, SectionId};
+use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
 /// What the destination measured.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -102,6 +103,7 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: Refusal::Accepted as u32,
             channels: hello.channels,
+            capabilities: hello.capabilities.grant(Capabilities::SUPPORTED),
         };
         let refusal = if hello.role != Role::Main || hello.channel != 0 {
             Some((
@@ -267,7 +269,7 @@ impl<'a> Session<'a> {
             .expect("channels connected")
             .barrier
             .clone();
-        let mut sections: Vec<Section> = Vec::new();
+        let mut state = Sections::default();
         loop {
             let h = match self.conn.read_header("receiving the migration") {
                 Ok(h) => h,
@@ -276,7 +278,7 @@ impl<'a> Session<'a> {
             let c = &self.control;
             c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
             match h.kind {
-                Kind::EndOfPass if !sections.is_empty() => {
+                Kind::EndOfPass if !state.is_empty() => {
                     return Err(MigrateError::Order(
                         "EndOfPass record after device state".into(),
                     ));
@@ -298,21 +300,17 @@ impl<'a> Session<'a> {
                             "device state before any memory pass".into(),
                         ));
                     }
-                    let data = self.conn.read_payload(h.len, "receiving device state")?;
-                    sections.push(Section {
-                        id: SectionId::from_u16(h.section),
-                        version: h.count,
-                        data,
-                    });
+                    let payload = self.conn.read_payload(h.len, "receiving device state")?;
+                    state.add(&payload)?;
                 }
                 Kind::Complete => {
-                    if sections.is_empty() {
+                    if state.is_empty() {
                         return Err(MigrateError::Order(
                             "Complete without any device state".into(),
                         ));
                     }
                     self.join_receivers()?;
-                    return Ok(sections);
+                    return Ok(state.into_vec());
                 }
                 Kind::Error => {
                     let p = self
