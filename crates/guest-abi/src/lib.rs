@@ -26,6 +26,11 @@ pub const SERIAL_PORT: u16 = 0x3f8;
 /// and the guest runs unchanged.
 pub const TELEMETRY_PORT: u16 = 0x0fe4;
 
+/// The exit port: the guest's last act before it halts for good is a byte written here, so
+/// the VMM learns that it is done (a halted vCPU does not leave KVM when the interrupt
+/// controller is in the kernel). Also unassigned on a PC; QEMU drops the write.
+pub const EXIT_PORT: u16 = 0x0fe8;
+
 /// Longest command line the guest accepts. PVH gives the guest a NUL-terminated string; one
 /// page is ample for `key=value` pairs and bounds what the guest copies at CPL0.
 pub const CMDLINE_MAX: usize = 4096;

@@ -20,6 +20,10 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot create an interrupt line (eventfd): {0}")]
+    Eventfd(std::io::Error),
+    #[error("cannot place a device: {0}")]
+    Bus(#[from] crate::devices::BusError),
     #[error("the VM was stopped before it could start: {0}")]
     Stopped(String),
     #[error("cannot start the vCPU thread: {0}")]

@@ -15,6 +15,7 @@ pub mod error;
 pub mod kvm;
 pub mod memory;
 pub mod migration;
+pub mod sections;
 pub mod vm;
 
 pub use devices::serial::SerialOutput;

@@ -15,24 +15,12 @@ use ferry_migrate::ram::RamRegion;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::transport::{Address, Listener, Stream};
-use ferry_migrate::wire::SectionId;
-
-/// This VMM's device-state sections. The numbers are its own; the engine carries them.
-mod section {
-    use super::SectionId;
-    pub const VCPU: SectionId = SectionId(1);
-    pub const VM_CLOCK: SectionId = SectionId(2);
-    pub const SERIAL: SectionId = SectionId(3);
-    pub const TELEMETRY: SectionId = SectionId(4);
-}
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, Phase, Policy, Progress, Section, SourceVm, VmError,
 };
 
-use crate::devices::serial;
-use crate::devices::telemetry::{GuestTelemetry, TELEMETRY_STATE_VERSION};
-use crate::kvm::state;
 use crate::memory::GuestRam;
+use crate::sections;
 use crate::vm::{IncomingVm, RunState, Shared, VmHandle};
 
 /// How long connecting to a destination may take before the API reports failure.
@@ -277,39 +265,7 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
-        let vcpu = self.shared.vcpu.lock().unwrap();
-        let kvm = &self.shared.kvm.vm;
-        let vcpu_state = state::save_vcpu(kvm, &vcpu, &self.shared.msrs)
-            .map_err(|e| failed("save_state")(e.to_string()))?;
-        let clock = state::save_clock(kvm).map_err(|e| failed("save_state")(e.to_string()))?;
-        let uart = serial::encode_state(&self.shared.devices.lock().unwrap().uart_state());
-        let telemetry = self.shared.telemetry.lock().unwrap().encode_state();
-        Ok(vec![
-            Section {
-                id: section::VCPU,
-                instance: 0,
-                version: state::VCPU_STATE_VERSION,
-                data: vcpu_state,
-            },
-            Section {
-                id: section::VM_CLOCK,
-                instance: 0,
-                version: state::CLOCK_STATE_VERSION,
-                data: clock,
-            },
-            Section {
-                id: section::SERIAL,
-                instance: 0,
-                version: serial::SERIAL_STATE_VERSION,
-                data: uart,
-            },
-            Section {
-                id: section::TELEMETRY,
-                instance: 0,
-                version: TELEMETRY_STATE_VERSION,
-                data: telemetry,
-            },
-        ])
+        sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))
     }
 }
 
@@ -321,48 +277,7 @@ unsafe impl DestinationVm for IncomingVm {
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        let fail = |m: String| failed("load_state")(m);
-        for required in [section::VCPU, section::VM_CLOCK] {
-            if !sections.iter().any(|s| s.id == required) {
-                return Err(fail(format!("the stream has no {required:?} section")));
-            }
-        }
-        for s in sections {
-            let want = match s.id {
-                section::VCPU => state::VCPU_STATE_VERSION,
-                section::VM_CLOCK => state::CLOCK_STATE_VERSION,
-                section::SERIAL => serial::SERIAL_STATE_VERSION,
-                section::TELEMETRY => TELEMETRY_STATE_VERSION,
-                other => return Err(fail(format!("{other} is unknown to this VMM"))),
-            };
-            if s.version != want {
-                return Err(fail(format!(
-                    "{:?} section version {} is not the supported {want}",
-                    s.id, s.version
-                )));
-            }
-            match s.id {
-                section::VCPU => state::restore_vcpu(
-                    &self.shared.kvm.vm,
-                    &self.shared.vcpu.lock().unwrap(),
-                    &s.data,
-                )
-                .map_err(|e| fail(e.to_string()))?,
-                section::VM_CLOCK => state::restore_clock(&self.shared.kvm.vm, &s.data)
-                    .map_err(|e| fail(e.to_string()))?,
-                section::SERIAL => {
-                    let uart =
-                        serial::uart_from_state(&s.data, &self.shared.serial).map_err(fail)?;
-                    self.shared.devices.lock().unwrap().set_uart(uart);
-                }
-                section::TELEMETRY => {
-                    *self.shared.telemetry.lock().unwrap() =
-                        GuestTelemetry::decode_state(&s.data).map_err(fail)?;
-                }
-                _ => unreachable!("refused above"),
-            }
-        }
-        Ok(())
+        sections::load(&self.shared, sections).map_err(|e| failed("load_state")(e.to_string()))
     }
 
     fn resume(&mut self) -> Result<Duration, VmError> {

@@ -16,11 +16,13 @@ use kvm_ioctls::VcpuFd;
 use serde::Serialize;
 
 use crate::boot;
-use crate::devices::Devices;
-use crate::devices::serial::{self, SerialOutput};
+use crate::devices::irq::IrqLine;
+use crate::devices::serial::{SerialDevice, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
+use crate::devices::telemetry_port::{self, TelemetryPort};
+use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
-use crate::kvm::{self, KvmVm, kick, vcpu};
+use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
 use crate::memory::{self, GuestRam};
 
 /// What kind of kernel the VM boots.
@@ -96,10 +98,10 @@ pub(crate) struct Shared {
     pub(crate) kvm: Arc<KvmVm>,
     /// The vCPU; its thread holds the lock only inside `KVM_RUN` and exit handling.
     pub(crate) vcpu: Arc<Mutex<VcpuFd>>,
-    pub(crate) devices: Arc<Mutex<Devices>>,
+    /// Fixed once built; each device has a lock of its own.
+    pub(crate) devices: Devices,
     /// MSRs this host lets a vCPU save and restore.
     pub(crate) msrs: Vec<u32>,
-    pub(crate) serial: SerialOutput,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
     /// On a migration destination: the incoming migration's progress and cancel.
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
@@ -240,22 +242,27 @@ fn check_config(config: &VmConfig) -> Result<(), VmmError> {
     Ok(())
 }
 
-/// RAM, KVM VM with memory slots, a vCPU with its CPUID, and the devices.
+/// The legacy serial ports: COM1 carries the guest's output, COM2 is there as a PC has one
+/// (and so that the VM has two instances of one device kind); its output is discarded.
+const SERIAL_PORTS: [(u16, u32); 2] = [(ferry_guest_abi::SERIAL_PORT, 4), (0x2f8, 3)];
+/// A 16550's eight registers.
+const SERIAL_PORT_LEN: u64 = 8;
+
+/// RAM, KVM VM with memory slots and its interrupt controller, a vCPU with its CPUID, and the
+/// devices.
 fn build(
     config: &VmConfig,
     ram: Arc<GuestRam>,
     incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
 ) -> Result<Arc<Shared>, VmmError> {
-    let uart = serial::uart(&config.serial).map_err(|source| VmmError::Serial {
-        path: format!("{:?}", config.serial),
-        source,
-    })?;
     let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
     kvm_vm.enable_manual_dirty_protect()?;
+    irqchip::create(&kvm_vm.vm)?;
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
     let vcpu_fd = vcpu::create(&kvm_vm, 0)?;
     let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fd)?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
+    let devices = devices(config, &kvm_vm, &ram, &telemetry)?;
     Ok(Arc::new(Shared {
         control: Mutex::new(Control {
             desired: match incoming {
@@ -268,22 +275,54 @@ fn build(
             threads: Vec::new(),
         }),
         changed: Condvar::new(),
-        devices: Arc::new(Mutex::new(Devices::new(
-            uart,
-            telemetry.clone(),
-            ram.clone(),
-        ))),
+        devices,
         telemetry,
         ram,
         kvm: Arc::new(kvm_vm),
         vcpu: Arc::new(Mutex::new(vcpu_fd)),
         msrs,
-        serial: config.serial.clone(),
         migration: Mutex::new(None),
         incoming,
         vcpus: config.vcpus,
         started: Instant::now(),
     }))
+}
+
+/// The serial ports and the telemetry port, on the port bus, their interrupts wired.
+fn devices(
+    config: &VmConfig,
+    kvm_vm: &KvmVm,
+    ram: &Arc<GuestRam>,
+    telemetry: &Arc<Mutex<GuestTelemetry>>,
+) -> Result<Devices, VmmError> {
+    let mut devices = Devices::default();
+    for (instance, (port, gsi)) in SERIAL_PORTS.into_iter().enumerate() {
+        let out = match instance {
+            0 => &config.serial,
+            _ => &SerialOutput::Discard,
+        };
+        let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+        irqchip::connect(&kvm_vm.vm, &line, gsi)?;
+        let uart = SerialDevice::new(out, line).map_err(|source| VmmError::Serial {
+            path: format!("{out:?}"),
+            source,
+        })?;
+        let at = (BusKind::Pio, u64::from(port), SERIAL_PORT_LEN);
+        devices.register(
+            "serial port",
+            instance as u32,
+            at,
+            Arc::new(Mutex::new(uart)),
+        )?;
+    }
+    let port = TelemetryPort::new(telemetry.clone(), ram.clone());
+    let at = (
+        BusKind::Pio,
+        u64::from(ferry_guest_abi::TELEMETRY_PORT),
+        telemetry_port::LEN,
+    );
+    devices.register("telemetry port", 0, at, Arc::new(Mutex::new(port)))?;
+    Ok(devices)
 }
 
 /// Spawns the vCPU thread.
@@ -451,14 +490,14 @@ impl VcpuRunner {
                 return reason;
             }
             let mut vcpu = vcpu.lock().unwrap();
-            let mut devices = self.shared.devices.lock().unwrap();
+            let devices = &self.shared.devices;
             match vcpu::run(&mut vcpu) {
+                vcpu::Exit::IoOut(ferry_guest_abi::EXIT_PORT, _) => return self.halted(&vcpu),
                 vcpu::Exit::IoOut(port, data) => devices.io_out(port, data),
                 vcpu::Exit::IoIn(port, data) => devices.io_in(port, data),
-                vcpu::Exit::MmioRead(addr, data) => devices.mmio(addr, Some(data)),
-                vcpu::Exit::MmioWrite(addr, _) => devices.mmio(addr, None),
+                vcpu::Exit::MmioRead(addr, data) => devices.mmio_read(addr, data),
+                vcpu::Exit::MmioWrite(addr, data) => devices.mmio_write(addr, data),
                 vcpu::Exit::Interrupted => vcpu.set_kvm_immediate_exit(0),
-                vcpu::Exit::Halt => return self.halted(&vcpu),
                 vcpu::Exit::Fatal(why) => {
                     let regs = vcpu::describe_registers(&vcpu);
                     return StopReason::Failed(format!("{why}\n{regs}"));

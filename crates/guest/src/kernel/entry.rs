@@ -296,12 +296,18 @@ exception_common:
     leaq report_stack_top-8(%rip), %rax
     leaq exception_report(%rip), %rcx
     jmp enter_user
-7:  cli
+7:  movw ${exit_port}, %dx
+    outb %al, %dx
+    cli
     hlt
     jmp 7b
 
-    /* The end: reached from a CPL3 `hlt` through the #GP handler. */
+    /* The end: reached from a CPL3 `hlt` through the #GP handler. The write to the exit port
+       tells the VMM the guest is done: with an in-kernel interrupt controller a halted vCPU
+       sleeps in KVM and the VMM would never see the HLT. */
 halt_gate:
+    movw ${exit_port}, %dx
+    outb %al, %dx
     cli
     hlt
     jmp halt_gate
@@ -373,5 +379,6 @@ report_stack_top:
 user_stack: .skip 65536
 user_stack_top:
 "#,
+    exit_port = const ferry_guest_abi::EXIT_PORT,
     options(att_syntax)
 );

@@ -1,119 +1,300 @@
-//! The VMM's devices and the port bus that routes vCPU I/O exits to them.
+//! The VMM's device model: devices on an I/O-port bus and an MMIO bus, each device's state a
+//! versioned section of its own.
+//!
+//! A device implements [`Device`]: bus accesses at an offset into its range, and `save` /
+//! `restore` of its state as bytes of a layout version it names. [`Devices`] registers each
+//! device on a bus under a section kind and an instance number (COM1 and COM2 are two instances
+//! of one kind), routes vCPU exits to them, and saves and loads all of them as sections, so a
+//! new device is one registration and an impl, and the migration engine never learns of it.
 
+pub mod bus;
+pub mod irq;
 pub mod serial;
 pub mod telemetry;
+pub mod telemetry_port;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use ferry_guest_abi::report::REPORT_SIZE;
-use ferry_guest_abi::{SERIAL_PORT, TELEMETRY_PORT};
+use ferry_migrate::Section;
+use ferry_migrate::wire::SectionId;
 
-use crate::memory::GuestRam;
-use serial::Uart;
-use telemetry::GuestTelemetry;
+pub use bus::{Bus, BusError};
 
-/// Ports of the 16550: base and the seven registers after it.
-const SERIAL_PORTS: std::ops::Range<u16> = SERIAL_PORT..SERIAL_PORT + 8;
+/// What a device's state section is: its id and the layout version this VMM writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SectionKind {
+    pub id: SectionId,
+    pub version: u32,
+}
 
-/// Port and MMIO devices of one VM.
+/// Why a device's saved state could not be restored.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DeviceStateError {
+    #[error(
+        "{device} state version {got} is not the supported {want}; use matching ferry versions"
+    )]
+    Version {
+        device: &'static str,
+        got: u32,
+        want: u32,
+    },
+    #[error("{device} state is malformed: {reason}")]
+    Malformed {
+        device: &'static str,
+        reason: String,
+    },
+}
+
+impl DeviceStateError {
+    /// Refuses `got` unless it is `want`.
+    pub fn check_version(device: &'static str, got: u32, want: u32) -> Result<(), Self> {
+        match got == want {
+            true => Ok(()),
+            false => Err(DeviceStateError::Version { device, got, want }),
+        }
+    }
+}
+
+/// A device on a bus, with state that migrates.
+pub trait Device: Send {
+    /// Reads `data.len()` bytes at `offset` into the device's range.
+    fn read(&mut self, offset: u64, data: &mut [u8]);
+    fn write(&mut self, offset: u64, data: &[u8]);
+    /// The section its state travels in.
+    fn kind(&self) -> SectionKind;
+    /// Its state, in the layout of `kind().version`; taken while the vCPUs are paused.
+    fn save(&self) -> Vec<u8>;
+    /// Replaces its state with a saved one of layout `version`, validating every byte.
+    fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError>;
+}
+
+/// Which bus a device sits on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BusKind {
+    Pio,
+    Mmio,
+}
+
+/// A registered device.
+struct Entry {
+    name: &'static str,
+    kind: SectionKind,
+    instance: u32,
+    device: Arc<Mutex<dyn Device>>,
+}
+
+/// Why a section could not be loaded into the devices.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LoadError {
+    #[error(transparent)]
+    State(#[from] DeviceStateError),
+    #[error(
+        "{0} instance {1} names no device of this VM; start the destination with the source's devices"
+    )]
+    NoDevice(SectionId, u32),
+    #[error(
+        "the stream has no state for {name} (instance {instance}); the source has different devices"
+    )]
+    Missing { name: &'static str, instance: u32 },
+}
+
+/// Every device of one VM, on its buses.
+#[derive(Default)]
 pub struct Devices {
-    uart: Uart,
-    telemetry: Arc<Mutex<GuestTelemetry>>,
-    ram: Arc<GuestRam>,
+    pio: Bus,
+    mmio: Bus,
+    entries: Vec<Entry>,
     /// Ports and MMIO pages already reported as unknown: each is logged once, then ignored.
-    unknown_ports: HashSet<u16>,
-    unknown_mmio: HashSet<u64>,
+    unknown: Mutex<HashSet<(BusKind, u64)>>,
 }
 
 impl std::fmt::Debug for Devices {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Devices").finish_non_exhaustive()
+        f.debug_struct("Devices")
+            .field("pio", &self.pio)
+            .field("mmio", &self.mmio)
+            .finish_non_exhaustive()
     }
 }
 
 impl Devices {
-    pub fn new(uart: Uart, telemetry: Arc<Mutex<GuestTelemetry>>, ram: Arc<GuestRam>) -> Devices {
-        Devices {
-            uart,
-            telemetry,
-            ram,
-            unknown_ports: HashSet::new(),
-            unknown_mmio: HashSet::new(),
+    /// Places `device` at `base..base + len` on `bus`, its state saved as `instance` of its
+    /// kind.
+    pub fn register(
+        &mut self,
+        name: &'static str,
+        instance: u32,
+        (bus, base, len): (BusKind, u64, u64),
+        device: Arc<Mutex<dyn Device>>,
+    ) -> Result<(), BusError> {
+        let target = match bus {
+            BusKind::Pio => &mut self.pio,
+            BusKind::Mmio => &mut self.mmio,
+        };
+        target.insert(name, base, len, device.clone())?;
+        let kind = device.lock().unwrap().kind();
+        self.entries.push(Entry {
+            name,
+            kind,
+            instance,
+            device,
+        });
+        Ok(())
+    }
+
+    pub fn io_out(&self, port: u16, data: &[u8]) {
+        if !self.pio.write(port.into(), data) {
+            self.unknown(BusKind::Pio, port.into(), "write to I/O port");
         }
     }
 
-    /// The UART's state, for migration.
-    pub fn uart_state(&self) -> vm_superio::serial::SerialState {
-        self.uart.state()
-    }
-
-    /// Replaces the UART (with one rebuilt from migrated state).
-    pub fn set_uart(&mut self, uart: Uart) {
-        self.uart = uart;
-    }
-
-    pub fn io_out(&mut self, port: u16, data: &[u8]) {
-        match port {
-            p if SERIAL_PORTS.contains(&p) => {
-                if let Err(e) = self.uart.write((p - SERIAL_PORT) as u8, data[0]) {
-                    tracing::warn!("serial output failed: {e:?}");
-                }
-            }
-            TELEMETRY_PORT if data.len() == 4 => {
-                let gpa = u64::from(u32::from_le_bytes(data.try_into().unwrap()));
-                self.telemetry_report(gpa);
-            }
-            _ => self.unknown_port(port, "write"),
+    pub fn io_in(&self, port: u16, data: &mut [u8]) {
+        if !self.pio.read(port.into(), data) {
+            data.fill(0xff);
+            self.unknown(BusKind::Pio, port.into(), "read of I/O port");
         }
     }
 
-    pub fn io_in(&mut self, port: u16, data: &mut [u8]) {
-        match port {
-            p if SERIAL_PORTS.contains(&p) => data[0] = self.uart.read((p - SERIAL_PORT) as u8),
-            _ => {
-                data.fill(0xff);
-                self.unknown_port(port, "read");
-            }
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        if !self.mmio.read(addr, data) {
+            data.fill(0xff);
+            self.unknown(BusKind::Mmio, addr & !0xfff, "read from MMIO page");
         }
     }
 
-    pub fn mmio(&mut self, addr: u64, data: Option<&mut [u8]>) {
-        let write = data.is_none();
-        if let Some(d) = data {
-            d.fill(0xff);
-        }
-        if self.unknown_mmio.insert(addr & !0xfff) {
-            let what = if write { "write to" } else { "read from" };
-            tracing::warn!(
-                "guest {what} unhandled MMIO address {addr:#x} ignored (logged once per page)"
-            );
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        if !self.mmio.write(addr, data) {
+            self.unknown(BusKind::Mmio, addr & !0xfff, "write to MMIO page");
         }
     }
 
-    fn telemetry_report(&mut self, gpa: u64) {
-        let host_ns = telemetry::host_monotonic_ns();
-        let mut bytes = [0u8; REPORT_SIZE];
-        let result = match self.ram.read(gpa, &mut bytes) {
-            Ok(()) => self
-                .telemetry
+    /// Every device's state, one section each.
+    pub fn save(&self) -> Vec<Section> {
+        self.entries
+            .iter()
+            .map(|e| Section {
+                id: e.kind.id,
+                instance: e.instance,
+                version: e.kind.version,
+                data: e.device.lock().unwrap().save(),
+            })
+            .collect()
+    }
+
+    /// Whether `id` is a device section of this VM (the others are the VM's own).
+    pub fn owns(&self, id: SectionId) -> bool {
+        self.entries.iter().any(|e| e.kind.id == id)
+    }
+
+    /// Restores every device from `sections` (those with a device id); each device must find
+    /// its section.
+    pub fn load(&self, sections: &[Section]) -> Result<(), LoadError> {
+        let mut loaded = vec![false; self.entries.len()];
+        for s in sections.iter().filter(|s| self.owns(s.id)) {
+            let i = self
+                .entries
+                .iter()
+                .position(|e| e.instance == s.instance && e.kind.id == s.id)
+                .ok_or(LoadError::NoDevice(s.id, s.instance))?;
+            self.entries[i]
+                .device
                 .lock()
                 .unwrap()
-                .record_bytes(&bytes, host_ns)
-                .map(|_| ())
-                .map_err(|e| format!("{e:?}")),
-            Err(e) => Err(e.to_string()),
-        };
-        if let Err(e) = result {
-            tracing::warn!("invalid telemetry report at {gpa:#x}: {e}");
+                .restore(s.version, &s.data)?;
+            loaded[i] = true;
+        }
+        match loaded.iter().position(|&l| !l) {
+            Some(i) => Err(LoadError::Missing {
+                name: self.entries[i].name,
+                instance: self.entries[i].instance,
+            }),
+            None => Ok(()),
         }
     }
 
-    fn unknown_port(&mut self, port: u16, what: &str) {
-        if self.unknown_ports.insert(port) {
-            tracing::warn!(
-                "guest {what} of unhandled I/O port {port:#x} ignored (logged once per port)"
-            );
+    fn unknown(&self, bus: BusKind, addr: u64, what: &str) {
+        if self.unknown.lock().unwrap().insert((bus, addr)) {
+            tracing::warn!("guest {what} {addr:#x} ignored: no device there (logged once)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::irq::IrqLine;
+    use super::serial::{self, SerialDevice, SerialOutput};
+    use super::*;
+
+    /// Two UARTs with different scratch registers, saved and loaded into a fresh pair.
+    fn pair() -> (Devices, [Arc<Mutex<SerialDevice>>; 2]) {
+        let mut devices = Devices::default();
+        let uarts = [0u16, 1].map(|_| {
+            Arc::new(Mutex::new(
+                SerialDevice::new(&SerialOutput::Discard, IrqLine::unconnected().unwrap()).unwrap(),
+            ))
+        });
+        for (i, (u, port)) in uarts.iter().zip([0x3f8, 0x2f8]).enumerate() {
+            devices
+                .register("uart", i as u32, (BusKind::Pio, port, 8), u.clone())
+                .unwrap();
+        }
+        (devices, uarts)
+    }
+
+    /// The 16550's scratch register, at offset 7.
+    const SCRATCH: u16 = 7;
+
+    #[test]
+    fn two_instances_of_one_kind_migrate_apart() {
+        let (source, _) = pair();
+        source.io_out(0x3f8 + SCRATCH, &[0x11]);
+        source.io_out(0x2f8 + SCRATCH, &[0x22]);
+        let sections = source.save();
+        assert_eq!(sections.len(), 2);
+        assert_eq!(sections[0].id, sections[1].id);
+        assert_ne!(sections[0].instance, sections[1].instance);
+
+        let (destination, _) = pair();
+        destination.load(&sections).unwrap();
+        let mut b = [0u8];
+        destination.io_in(0x3f8 + SCRATCH, &mut b);
+        assert_eq!(b, [0x11]);
+        destination.io_in(0x2f8 + SCRATCH, &mut b);
+        assert_eq!(b, [0x22]);
+    }
+
+    #[test]
+    fn a_missing_or_foreign_instance_is_refused_by_name() {
+        let (source, _) = pair();
+        let mut sections = source.save();
+        let (destination, _) = pair();
+        let second = sections.pop().unwrap();
+        assert_eq!(
+            destination.load(&sections),
+            Err(LoadError::Missing {
+                name: "uart",
+                instance: 1
+            })
+        );
+        sections.push(Section {
+            instance: 9,
+            ..second
+        });
+        assert_eq!(
+            destination.load(&sections),
+            Err(LoadError::NoDevice(serial::SECTION, 9))
+        );
+    }
+
+    #[test]
+    fn unknown_addresses_read_as_all_ones() {
+        let devices = Devices::default();
+        let mut b = [0u8; 4];
+        devices.io_in(0x60, &mut b);
+        assert_eq!(b, [0xff; 4]);
+        devices.mmio_read(0xfee0_0000, &mut b);
+        assert_eq!(b, [0xff; 4]);
+        devices.io_out(0x60, &[1]);
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 
+use super::DeviceStateError;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
 use serde::Serialize;
@@ -118,8 +119,6 @@ pub struct GuestTelemetry {
     raw_config: Vec<[u8; REPORT_SIZE]>,
 }
 
-/// Version of the telemetry section layout.
-pub const TELEMETRY_STATE_VERSION: u32 = 1;
 /// Counters in the telemetry section, in [`GuestTelemetry::encode_state`] order.
 const STATE_WORDS: usize = 13;
 
@@ -271,20 +270,27 @@ impl GuestTelemetry {
         v
     }
 
-    pub fn decode_state(b: &[u8]) -> Result<GuestTelemetry, String> {
+    pub fn decode_state(b: &[u8]) -> Result<GuestTelemetry, DeviceStateError> {
+        let malformed = |reason: String| DeviceStateError::Malformed {
+            device: "telemetry port",
+            reason,
+        };
         let head = STATE_WORDS * 8;
         if b.len() < head
             || !(b.len() - head).is_multiple_of(REPORT_SIZE)
             || b.len() > head + 2 * REPORT_SIZE
         {
-            return Err(format!("telemetry state of {} bytes is malformed", b.len()));
+            return Err(malformed(format!(
+                "{} bytes, want {head} plus up to two {REPORT_SIZE}-byte reports",
+                b.len()
+            )));
         }
         let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
         let mut t = GuestTelemetry::default();
         for raw in b[head..].chunks_exact(REPORT_SIZE) {
             let raw: &[u8; REPORT_SIZE] = raw.try_into().unwrap();
             t.record_bytes(raw, 0)
-                .map_err(|e| format!("telemetry state: {e:?}"))?;
+                .map_err(|e| malformed(format!("a carried report: {e:?}")))?;
         }
         let nonzero = |v: u64| (v != 0).then_some(v);
         t.next_seq = w(0);

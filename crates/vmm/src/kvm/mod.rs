@@ -3,8 +3,11 @@
 //! - `mod.rs`: open `/dev/kvm`, create the VM, register guest RAM as memory slots.
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
+//! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
+//! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log.
 
 pub mod dirty;
+pub mod irqchip;
 pub mod kick;
 pub mod state;
 pub mod vcpu;
@@ -47,6 +50,14 @@ pub enum KvmError {
     },
     #[error("cannot install the vCPU kick signal handler: {0}")]
     Signal(vmm_sys_util::errno::Error),
+    #[error("cannot create the in-kernel interrupt controller: {0}")]
+    Irqchip(vmm_sys_util::errno::Error),
+    #[error("cannot connect an interrupt line to GSI {gsi}: {source}")]
+    Irqfd {
+        gsi: u32,
+        #[source]
+        source: vmm_sys_util::errno::Error,
+    },
 }
 
 /// Opens `/dev/kvm`, mapping the common failures to advice.

@@ -7,8 +7,8 @@
 //! time it never saw pass (the guest-observed pause is measured on the host instead).
 
 use kvm_bindings::{
-    Msrs, kvm_clock_data, kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
-    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    Msrs, kvm_clock_data, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use zerocopy::{FromBytes, IntoBytes};
@@ -21,7 +21,7 @@ const MAX_MSRS: u32 = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("cannot {what} vCPU state: {source}")]
+    #[error("KVM could not {what}: {source}")]
     Kvm {
         what: &'static str,
         #[source]
@@ -37,13 +37,13 @@ pub enum StateError {
     XsaveTooLarge(i32),
 }
 
-fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> StateError {
+pub(super) fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> StateError {
     move |source| StateError::Kvm { what, source }
 }
 
 /// MSRs worth saving: every MSR the host's KVM lists that this vCPU can read.
 pub fn readable_msrs(kvm_fd: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
-    let list = kvm_fd.get_msr_index_list().map_err(kvm("list MSRs of"))?;
+    let list = kvm_fd.get_msr_index_list().map_err(kvm("list the MSRs"))?;
     Ok(list
         .as_slice()
         .iter()
@@ -66,21 +66,39 @@ pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, Stat
         return Err(StateError::XsaveTooLarge(xsave_size));
     }
     let mut out = Vec::with_capacity(8192);
-    put(&mut out, vcpu.get_regs().map_err(kvm("read"))?.as_bytes());
-    put(&mut out, vcpu.get_sregs().map_err(kvm("read"))?.as_bytes());
-    put(&mut out, vcpu.get_xsave().map_err(kvm("read"))?.as_bytes());
-    put(&mut out, vcpu.get_xcrs().map_err(kvm("read"))?.as_bytes());
     put(
         &mut out,
-        vcpu.get_vcpu_events().map_err(kvm("read"))?.as_bytes(),
+        vcpu.get_regs().map_err(kvm("read vCPU state"))?.as_bytes(),
     );
     put(
         &mut out,
-        vcpu.get_mp_state().map_err(kvm("read"))?.as_bytes(),
+        vcpu.get_sregs().map_err(kvm("read vCPU state"))?.as_bytes(),
     );
     put(
         &mut out,
-        vcpu.get_debug_regs().map_err(kvm("read"))?.as_bytes(),
+        vcpu.get_xsave().map_err(kvm("read vCPU state"))?.as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_xcrs().map_err(kvm("read vCPU state"))?.as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_vcpu_events()
+            .map_err(kvm("read vCPU state"))?
+            .as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_mp_state()
+            .map_err(kvm("read vCPU state"))?
+            .as_bytes(),
+    );
+    put(
+        &mut out,
+        vcpu.get_debug_regs()
+            .map_err(kvm("read vCPU state"))?
+            .as_bytes(),
     );
     let entries: Vec<kvm_msr_entry> = msrs
         .iter()
@@ -91,7 +109,7 @@ pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, Stat
         .collect();
     let mut list =
         Msrs::from_entries(&entries).map_err(|e| StateError::Malformed(format!("{e:?}")))?;
-    let read = vcpu.get_msrs(&mut list).map_err(kvm("read MSRs of"))?;
+    let read = vcpu.get_msrs(&mut list).map_err(kvm("read the MSRs"))?;
     out.extend_from_slice(&(read as u32).to_le_bytes());
     for e in &list.as_slice()[..read] {
         out.extend_from_slice(e.as_bytes());
@@ -99,8 +117,16 @@ pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, Stat
     Ok(out)
 }
 
-/// Writes a captured state into a vCPU that has its CPUID set and has not run.
-pub fn restore_vcpu(vm: &VmFd, vcpu: &VcpuFd, bytes: &[u8]) -> Result<(), StateError> {
+/// Writes a captured state, and its local APIC's, into a vCPU that has its CPUID set and has
+/// not run. The order is KVM's: the APIC after the special registers (which hold its base
+/// address), the MSRs after the APIC (the TSC-deadline MSR means something only once the
+/// timer's mode is set), MP state and pending events last.
+pub fn restore_vcpu(
+    vm: &VmFd,
+    vcpu: &VcpuFd,
+    bytes: &[u8],
+    lapic: &kvm_lapic_state,
+) -> Result<(), StateError> {
     let mut r = Reader(bytes);
     let regs: kvm_regs = r.value()?;
     let sregs: kvm_sregs = r.value()?;
@@ -129,16 +155,20 @@ pub fn restore_vcpu(vm: &VmFd, vcpu: &VcpuFd, bytes: &[u8]) -> Result<(), StateE
             vm.check_extension_int(Cap::Xsave2),
         ));
     }
-    vcpu.set_sregs(&sregs).map_err(kvm("write"))?;
-    vcpu.set_regs(&regs).map_err(kvm("write"))?;
+    vcpu.set_sregs(&sregs).map_err(kvm("write vCPU state"))?;
+    vcpu.set_regs(&regs).map_err(kvm("write vCPU state"))?;
     // SAFETY: the host's XSAVE state fits the legacy 4 KiB buffer (checked above), which is
     // the condition under which KVM_SET_XSAVE reads only the struct it is given.
-    unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm("write"))?;
-    vcpu.set_xcrs(&xcrs).map_err(kvm("write"))?;
+    unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm("write vCPU state"))?;
+    vcpu.set_xcrs(&xcrs).map_err(kvm("write vCPU state"))?;
+    vcpu.set_debug_regs(&debugregs)
+        .map_err(kvm("write vCPU state"))?;
+    vcpu.set_lapic(lapic).map_err(kvm("write the local APIC"))?;
     restore_msrs(vcpu, &entries)?;
-    vcpu.set_vcpu_events(&events).map_err(kvm("write"))?;
-    vcpu.set_mp_state(mp_state).map_err(kvm("write"))?;
-    vcpu.set_debug_regs(&debugregs).map_err(kvm("write"))?;
+    vcpu.set_mp_state(mp_state)
+        .map_err(kvm("write vCPU state"))?;
+    vcpu.set_vcpu_events(&events)
+        .map_err(kvm("write vCPU state"))?;
     Ok(())
 }
 
@@ -174,7 +204,7 @@ fn restore_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateErr
 pub fn save_clock(vm: &VmFd) -> Result<Vec<u8>, StateError> {
     Ok(vm
         .get_clock()
-        .map_err(kvm("read the clock of"))?
+        .map_err(kvm("read the VM clock"))?
         .clock
         .to_le_bytes()
         .to_vec())
@@ -189,7 +219,7 @@ pub fn restore_clock(vm: &VmFd, bytes: &[u8]) -> Result<(), StateError> {
         clock,
         ..Default::default()
     })
-    .map_err(kvm("write the clock of"))
+    .map_err(kvm("write the VM clock"))
 }
 
 fn put(out: &mut Vec<u8>, bytes: &[u8]) {

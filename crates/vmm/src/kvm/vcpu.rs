@@ -88,8 +88,6 @@ pub enum Exit<'a> {
     IoIn(u16, &'a mut [u8]),
     MmioRead(u64, &'a mut [u8]),
     MmioWrite(u64, &'a [u8]),
-    /// The guest halted with nothing to wake it (no interrupt controller here).
-    Halt,
     /// A kick, or a signal: check the control state and run again.
     Interrupted,
     /// The VM cannot go on; the text says why.
@@ -103,7 +101,6 @@ pub fn run(vcpu: &mut VcpuFd) -> Exit<'_> {
         Ok(VcpuExit::IoIn(port, data)) => Exit::IoIn(port, data),
         Ok(VcpuExit::MmioRead(addr, data)) => Exit::MmioRead(addr, data),
         Ok(VcpuExit::MmioWrite(addr, data)) => Exit::MmioWrite(addr, data),
-        Ok(VcpuExit::Hlt) => Exit::Halt,
         Ok(VcpuExit::Intr) => Exit::Interrupted,
         Ok(VcpuExit::Shutdown) => Exit::Fatal("the guest shut down the CPU (triple fault)".into()),
         Ok(VcpuExit::FailEntry(reason, cpu)) => Exit::Fatal(format!(

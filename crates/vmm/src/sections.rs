@@ -1,0 +1,245 @@
+//! This VMM's state as migration sections: which ids it uses, what saves each, and the order
+//! they load in. The engine carries sections without knowing them; this module is the one
+//! place that does.
+//!
+//! | id | what | instances |
+//! | --- | --- | --- |
+//! | 1 | a vCPU's registers, FPU, MSRs, events, MP state | vCPU id |
+//! | 2 | the VM's kvmclock | 0 |
+//! | 3 | a 16550 UART (`devices::serial`) | 0 = COM1, 1 = COM2 |
+//! | 4 | the telemetry port (`devices::telemetry_port`) | 0 |
+//! | 5 | the in-kernel PICs and IOAPIC | 0 = PIC master, 1 = PIC slave, 2 = IOAPIC |
+//! | 6 | a vCPU's local APIC | vCPU id |
+//!
+//! Devices on the buses bring their own ids (3 and 4); the VM's own parts are here. Every
+//! section is mandatory both ways: a destination refuses an id or instance it has no part for
+//! and a stream that lacks one of its parts.
+
+use ferry_migrate::Section;
+use ferry_migrate::wire::SectionId;
+
+use crate::devices::{self, DeviceStateError};
+use crate::kvm::irqchip::{self, Chip};
+use crate::kvm::state::{self, StateError};
+use crate::vm::Shared;
+
+pub const VCPU: SectionId = SectionId(1);
+pub const VM_CLOCK: SectionId = SectionId(2);
+pub const IRQCHIP: SectionId = SectionId(5);
+pub const LAPIC: SectionId = SectionId(6);
+/// Layout versions of the VM's own sections.
+const IRQCHIP_VERSION: u32 = 1;
+const LAPIC_VERSION: u32 = 1;
+/// The one vCPU's id (many vCPUs are a later step; their sections are instances of these).
+const VCPU_ID: u32 = 0;
+
+/// Why the VM's state could not be saved or loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SectionError {
+    #[error(transparent)]
+    Kvm(#[from] StateError),
+    #[error(transparent)]
+    Device(#[from] devices::LoadError),
+    #[error("the stream has no {what} section (id {}, instance {instance}); the source is not a ferry VM like this one", id.0)]
+    Missing {
+        what: &'static str,
+        id: SectionId,
+        instance: u32,
+    },
+    #[error(
+        "{0} instance {1} is unknown to this VMM; use matching ferry versions and VM configurations"
+    )]
+    Unknown(SectionId, u32),
+    #[error(transparent)]
+    Version(#[from] DeviceStateError),
+}
+
+fn section(id: SectionId, instance: u32, version: u32, data: Vec<u8>) -> Section {
+    Section {
+        id,
+        instance,
+        version,
+        data,
+    }
+}
+
+fn instance(chip: Chip) -> u32 {
+    Chip::ALL.iter().position(|&c| c == chip).unwrap() as u32
+}
+
+/// Everything but RAM, taken while the vCPUs are paused.
+pub(crate) fn save(shared: &Shared) -> Result<Vec<Section>, SectionError> {
+    let vm = &shared.kvm.vm;
+    let vcpu = shared.vcpu.lock().unwrap();
+    let mut out = vec![
+        section(
+            VCPU,
+            VCPU_ID,
+            state::VCPU_STATE_VERSION,
+            state::save_vcpu(vm, &vcpu, &shared.msrs)?,
+        ),
+        section(LAPIC, VCPU_ID, LAPIC_VERSION, irqchip::save_lapic(&vcpu)?),
+        section(
+            VM_CLOCK,
+            0,
+            state::CLOCK_STATE_VERSION,
+            state::save_clock(vm)?,
+        ),
+    ];
+    for chip in Chip::ALL {
+        let data = irqchip::save_chip(vm, chip)?;
+        out.push(section(IRQCHIP, instance(chip), IRQCHIP_VERSION, data));
+    }
+    out.extend(shared.devices.save());
+    Ok(out)
+}
+
+/// Loads `sections` into a VM whose vCPUs have not run: the clock, the interrupt controller,
+/// then each vCPU with its local APIC, then the devices.
+pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionError> {
+    for s in sections {
+        let known = match s.id {
+            VCPU | LAPIC => s.instance == VCPU_ID,
+            VM_CLOCK => s.instance == 0,
+            IRQCHIP => (s.instance as usize) < Chip::ALL.len(),
+            id => shared.devices.owns(id),
+        };
+        if !known {
+            return Err(SectionError::Unknown(s.id, s.instance));
+        }
+    }
+    let vm = &shared.kvm.vm;
+    let clock = find(
+        sections,
+        VM_CLOCK,
+        0,
+        "VM clock",
+        state::CLOCK_STATE_VERSION,
+    )?;
+    state::restore_clock(vm, clock)?;
+    for chip in Chip::ALL {
+        let data = find(
+            sections,
+            IRQCHIP,
+            instance(chip),
+            "interrupt controller",
+            IRQCHIP_VERSION,
+        )?;
+        irqchip::restore_chip(vm, chip, data)?;
+    }
+    let vcpu_state = find(sections, VCPU, VCPU_ID, "vCPU", state::VCPU_STATE_VERSION)?;
+    let lapic = find(sections, LAPIC, VCPU_ID, "local APIC", LAPIC_VERSION)?;
+    let lapic = irqchip::decode_lapic(lapic)?;
+    state::restore_vcpu(vm, &shared.vcpu.lock().unwrap(), vcpu_state, &lapic)?;
+    shared.devices.load(sections)?;
+    Ok(())
+}
+
+/// The data of the one section `id`/`instance`, checked to be of `version`.
+fn find<'a>(
+    sections: &'a [Section],
+    id: SectionId,
+    instance: u32,
+    what: &'static str,
+    version: u32,
+) -> Result<&'a [u8], SectionError> {
+    let s = sections
+        .iter()
+        .find(|s| s.id == id && s.instance == instance)
+        .ok_or(SectionError::Missing { what, id, instance })?;
+    DeviceStateError::check_version(what, s.version, version)?;
+    Ok(&s.data)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use std::mem::offset_of;
+
+    use kvm_bindings::{kvm_irqchip, kvm_pic_state};
+
+    use super::*;
+    use crate::vm::{GuestKind, IncomingVm, Vm, VmConfig};
+    use crate::{SerialOutput, kvm};
+
+    fn incoming() -> IncomingVm {
+        kvm::require_for_tests();
+        Vm::incoming(VmConfig {
+            memory_bytes: crate::memory::MIN_MEMORY,
+            vcpus: 1,
+            kernel: Arc::from(&[][..]),
+            cmdline: String::new(),
+            guest: GuestKind::Foreign,
+            serial: SerialOutput::Discard,
+        })
+        .unwrap()
+    }
+
+    /// The master PIC's interrupt request register, read from its saved bytes (the chip
+    /// union holds a `kvm_pic_state` for chip 0).
+    fn pic_irr(shared: &Shared) -> u8 {
+        let bytes = irqchip::save_chip(&shared.kvm.vm, Chip::PicMaster).unwrap();
+        bytes[offset_of!(kvm_irqchip, chip) + offset_of!(kvm_pic_state, irr)]
+    }
+
+    /// COM1's interrupt (GSI 4) reaches KVM's interrupt controller through its irqfd, and the
+    /// controller's state, the vCPU with its local APIC and both UARTs move to another VM.
+    #[test]
+    fn serial_interrupts_reach_the_in_kernel_controller_and_its_state_migrates() {
+        const COM1: u16 = ferry_guest_abi::SERIAL_PORT;
+        let a = incoming();
+        let shared = &a.shared;
+        assert_eq!(
+            pic_irr(shared) & 1 << 4,
+            0,
+            "no request before the UART raises it"
+        );
+        shared.devices.io_out(COM1 + 1, &[0x02]); // IER: transmitter empty
+        shared.devices.io_out(COM1, b"x");
+        shared.devices.io_out(0x2f8 + 7, &[0x5c]); // COM2's scratch register
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while pic_irr(shared) & 1 << 4 == 0 {
+            assert!(Instant::now() < deadline, "IRQ 4 never reached the PIC");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let saved = save(shared).unwrap();
+        let count = |id| saved.iter().filter(|s| s.id == id).count();
+        assert_eq!(
+            (
+                count(VCPU),
+                count(LAPIC),
+                count(IRQCHIP),
+                count(crate::devices::serial::SECTION)
+            ),
+            (1, 1, 3, 2)
+        );
+
+        let b = incoming();
+        load(&b.shared, &saved).unwrap();
+        assert_ne!(
+            pic_irr(&b.shared) & 1 << 4,
+            0,
+            "the pending request migrated"
+        );
+        let mut scratch = [0u8];
+        b.shared.devices.io_in(0x2f8 + 7, &mut scratch);
+        assert_eq!(scratch, [0x5c], "COM2 kept its own state");
+
+        let mut unknown = saved.clone();
+        unknown.push(Section {
+            id: SectionId(99),
+            instance: 0,
+            version: 1,
+            data: vec![],
+        });
+        let err = load(&incoming().shared, &unknown).unwrap_err().to_string();
+        assert!(err.contains("section 99 instance 0 is unknown"), "{err}");
+        let without_lapic: Vec<Section> = saved.iter().filter(|s| s.id != LAPIC).cloned().collect();
+        let err = load(&incoming().shared, &without_lapic)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no local APIC section"), "{err}");
+    }
+}
