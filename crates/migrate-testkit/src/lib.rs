@@ -5,8 +5,12 @@
 //! Writers write a page and then mark it; the engine's fetch clears a bit before it copies
 //! the page. So a write that races a fetch is either seen by that copy or stays marked for
 //! the next pass, exactly the guarantee write-protection gives a real dirty log.
+//!
+//! [`craft`] builds hand-made protocol bytes for tests that play a broken source;
+//! [`loopback`] runs a whole migration between two fake VMs over loopback TCP.
 
 pub mod craft;
+pub mod loopback;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -15,6 +15,7 @@ use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
+use crate::source::TestHooks;
 use crate::stats;
 use crate::transport::Stream;
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
@@ -56,24 +57,26 @@ pub struct Sender {
 #[derive(Clone, Debug)]
 pub struct SenderConfig {
     pub zero: ZeroDetection,
-    pub offload_fail_every: Option<u64>,
     /// Bytes written by all senders, for the bandwidth window.
     pub bytes: Arc<AtomicU64>,
 }
 
 impl Sender {
+    /// Starts the sender of data channel `channel`; `hooks` inject test faults (the default
+    /// injects none).
     pub fn start(
         channel: u16,
         stream: Box<dyn Stream>,
         ram: Ram,
         config: SenderConfig,
+        hooks: TestHooks,
     ) -> Result<Sender, MigrateError> {
         let conn =
             Conn::new(stream).map_err(|e| MigrateError::io("setting up a data channel", e))?;
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let thread = std::thread::Builder::new()
             .name(format!("send-{channel}"))
-            .spawn(move || run(conn, ram, rx, config))
+            .spawn(move || run(conn, ram, rx, config, hooks))
             .map_err(|e| MigrateError::io("starting a sender thread", e))?;
         Ok(Sender {
             tx: Some(tx),
@@ -109,9 +112,10 @@ fn run(
     ram: Ram,
     rx: Receiver<ChannelMsg>,
     config: SenderConfig,
+    hooks: TestHooks,
 ) -> Result<SenderStats, MigrateError> {
     let cpu_start = stats::thread_cpu_ns();
-    let mut detector = scan::detector(config.zero, config.offload_fail_every);
+    let mut detector = scan::detector(config.zero, hooks.offload_fail_every);
     let mut s = SenderStats::default();
     let mut out = Output {
         conn: &mut conn,

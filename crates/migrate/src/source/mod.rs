@@ -1,0 +1,358 @@
+//! The sending side: setup, pass 1 over populated memory, dirty passes until the policy says
+//! switch over, then pause, send the rest and the device state, and wait for the destination
+//! to resume the guest.
+//!
+//! One migration is a `Session` value that owns its connection, channel pool, bitmap,
+//! limiter and statistics, and is consumed by `Session::conclude`. Its phases live one to a
+//! file:
+//!
+//! - here: the entry point, the parameters, the handshake on the main connection, and the
+//!   ending (success, or failure with the guest resumed unless it was handed over);
+//! - `precopy.rs`: pass 1, the dirty passes and the policy call between them;
+//! - `switchover.rs`: pause, final pass, device state, Complete, the wait for Resumed, and the
+//!   downtime breakdown;
+//! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline.
+//!
+//! And the parts the phases use: `pool.rs` (the data channels' senders), `limiter.rs` (the
+//! rate limit as a pure value), `bandwidth.rs` (the send-rate window as a pure value),
+//! `reader.rs` (records coming back from the destination on the main connection).
+//!
+//! Pages travel on `channels` data connections, each with a sender thread (see `sender.rs`) fed
+//! batches of `packet_pages` addresses round-robin; the main connection carries pass ends,
+//! device state and Complete. Every step is bounded: batches are at most 2 MiB, dirty tracking
+//! is re-armed in chunks of [`CLEAR_CHUNK_PAGES`], the bitmap walk scans a bounded number of
+//! words per call, and between any two of these the loop checks cancellation and the rate
+//! limit.
+//!
+//! Invariant: the source never runs a guest it handed over. Until Complete is sent, any failure
+//! resumes a paused guest and tells the destination why; after it, the guest stays paused.
+
+#![forbid(unsafe_code)]
+
+mod bandwidth;
+mod limiter;
+mod pool;
+mod precopy;
+mod progress;
+mod reader;
+mod switchover;
+
+use std::time::{Duration, Instant};
+
+use self::bandwidth::BandwidthWindow;
+use self::limiter::{Limiter, Pacing};
+use self::pool::ChannelPool;
+use crate::bitmap::DirtyBitmap;
+use crate::conn::Conn;
+use crate::control::{Control, Phase};
+use crate::error::MigrateError;
+use crate::policy::Policy;
+use crate::ram::Ram;
+use crate::scan::ZeroDetection;
+use crate::stats::{self, MigrationStats, Timeline};
+use crate::transport::Stream;
+use crate::vm::SourceVm;
+use crate::wire::{self, Capabilities, Hello, Role};
+
+pub use self::precopy::CLEAR_CHUNK_PAGES;
+
+/// How to migrate.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceParams {
+    pub policy: Policy,
+    /// Bytes per second, `None` = unlimited.
+    pub max_bandwidth: Option<u64>,
+    pub uuid: [u8; 16],
+    /// Data channels (QEMU: multifd-channels), 1..=[`wire::MAX_CHANNELS`].
+    pub channels: u16,
+    /// Pages per batch (QEMU: the multifd packet size / 4096), 1..=512.
+    pub packet_pages: u32,
+    pub zero: ZeroDetection,
+}
+
+/// The protocol features this source asks for: none yet (postcopy will be the first).
+const REQUESTED: Capabilities = Capabilities::NONE;
+/// Default data channels: two streams already beat one on loopback, and each costs a thread on
+/// both sides of a small machine.
+pub const DEFAULT_CHANNELS: u16 = 2;
+/// Default batch: 512 KiB (128 pages), QEMU's multifd packet size.
+pub const DEFAULT_PACKET_PAGES: u32 = 128;
+
+impl SourceParams {
+    pub fn new(policy: Policy, uuid: [u8; 16]) -> SourceParams {
+        SourceParams {
+            policy,
+            max_bandwidth: None,
+            uuid,
+            channels: DEFAULT_CHANNELS,
+            packet_pages: DEFAULT_PACKET_PAGES,
+            zero: ZeroDetection::Inline,
+        }
+    }
+
+    /// Refuses channel counts and packet sizes the protocol cannot carry.
+    fn check(&self) -> Result<(), MigrateError> {
+        if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
+            return Err(MigrateError::Order(format!(
+                "{} channels requested; use 1 to {}",
+                self.channels,
+                wire::MAX_CHANNELS
+            )));
+        }
+        if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
+            return Err(MigrateError::Order(format!(
+                "packet size of {} pages is outside 1..={} (4 KiB to 2 MiB)",
+                self.packet_pages,
+                wire::MAX_PAGES_PER_RECORD
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Faults a test injects into a migration; [`TestHooks::default`] injects none.
+///
+/// Why a separate value behind a hidden entry point ([`migrate_with_hooks`]) rather than a
+/// cargo feature: cargo unifies features across a workspace build, so a `test-hooks` feature
+/// enabled by the testkit's dev-dependency would be on in the VMM and CLI too whenever they are
+/// built together with the tests, and every check would need running with and without it.
+/// This way the hooks are always compiled (and linted), never part of [`SourceParams`], and
+/// reachable only by naming the hidden function.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TestHooks {
+    /// Make the offload zero-scan engine report every n-th batch as failed.
+    pub offload_fail_every: Option<u64>,
+}
+
+/// Whether the guest runs while a pass sends its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GuestState {
+    /// Precopy: the guest dirties pages behind the pass; the pass is paced and cancellable.
+    Running,
+    /// Switchover: every millisecond is downtime, so the pass is never paced, and it is not
+    /// cancelled half-way (a failure still resumes the guest).
+    Paused,
+}
+
+impl GuestState {
+    /// A paused guest's pages are downtime: they go out as fast as the link takes them.
+    fn pacing(self) -> Pacing {
+        match self {
+            GuestState::Running => Pacing::Limited,
+            GuestState::Paused => Pacing::Unlimited,
+        }
+    }
+}
+
+/// Migrates `vm` over `stream`. On success the source VM is left paused (the guest runs on the
+/// destination); on any failure before the guest was handed over it runs again, with nothing
+/// lost, and a later migration sends everything anew.
+pub fn migrate<S: Stream + 'static>(
+    vm: &mut dyn SourceVm,
+    stream: S,
+    connect: &dyn Fn() -> std::io::Result<S>,
+    params: &SourceParams,
+    control: &Control,
+) -> Result<MigrationStats, MigrateError> {
+    migrate_with_hooks(vm, stream, connect, params, control, &TestHooks::default())
+}
+
+/// [`migrate`] with faults injected: for the engine's own tests only.
+#[doc(hidden)]
+pub fn migrate_with_hooks<S: Stream + 'static>(
+    vm: &mut dyn SourceVm,
+    stream: S,
+    connect: &dyn Fn() -> std::io::Result<S>,
+    params: &SourceParams,
+    control: &Control,
+    hooks: &TestHooks,
+) -> Result<MigrationStats, MigrateError> {
+    params.check()?;
+    let conn = Conn::new(Box::new(stream))
+        .map_err(|e| MigrateError::io("setting up the connection", e))?;
+    let ram = Ram::new(vm.ram())?;
+    let mut session = Session::new(ram, conn, params, *hooks, control);
+    control.update(|p| p.phase = Phase::Setup);
+    let connect = || connect().map(|s| Box::new(s) as Box<dyn Stream>);
+    let result = session.run(vm, &connect);
+    session.conclude(vm, result)
+}
+
+/// One outgoing migration.
+struct Session<'a> {
+    ram: Ram,
+    bitmap: DirtyBitmap,
+    conn: Conn,
+    params: SourceParams,
+    hooks: TestHooks,
+    control: &'a Control,
+    pool: ChannelPool,
+    /// `None` without a bandwidth limit.
+    limiter: Option<Limiter>,
+    bandwidth: BandwidthWindow,
+    guest: GuestState,
+    /// Complete was sent: from here the guest may run on the destination, so the source must
+    /// never run it again.
+    handed_over: bool,
+    start: Instant,
+    cpu_start: u64,
+    stats: MigrationStats,
+    /// Batches sent so far, for publishing progress every few.
+    samples: u64,
+    /// The report's time series, and the pass and phase its samples are tagged with.
+    timeline: Timeline,
+    pass: u32,
+    phase: Phase,
+}
+
+impl<'a> Session<'a> {
+    fn new(
+        ram: Ram,
+        conn: Conn,
+        params: &SourceParams,
+        hooks: TestHooks,
+        control: &'a Control,
+    ) -> Session<'a> {
+        Session {
+            bitmap: DirtyBitmap::new(ram.regions()),
+            ram,
+            conn,
+            params: *params,
+            hooks,
+            control,
+            pool: ChannelPool::default(),
+            limiter: params.max_bandwidth.map(Limiter::new),
+            bandwidth: BandwidthWindow::default(),
+            guest: GuestState::Running,
+            handed_over: false,
+            start: Instant::now(),
+            cpu_start: stats::thread_cpu_ns(),
+            stats: MigrationStats::default(),
+            samples: 0,
+            timeline: Timeline::default(),
+            pass: 0,
+            phase: Phase::Setup,
+        }
+    }
+
+    /// Every phase in order; the first failure ends the run.
+    fn run(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
+    ) -> Result<(), MigrateError> {
+        self.handshake()?;
+        self.pool
+            .open(connect, &self.params, &self.ram, self.hooks)?;
+        vm.start_dirty_log()?;
+        self.stats.setup_ms = ms(self.start.elapsed());
+        self.set_phase(Phase::Precopy);
+        let last_precopy_pass = self.precopy(vm)?;
+        self.switchover(vm, last_precopy_pass + 1)
+    }
+
+    /// Greets the destination on the main connection; a refusal names the cause and the fix.
+    fn handshake(&mut self) -> Result<(), MigrateError> {
+        self.conn.write_hello(&Hello {
+            role: Role::Main,
+            channel: 0,
+            uuid: self.params.uuid,
+            memory_size: self.ram.size(),
+            status: 0,
+            channels: self.params.channels,
+            capabilities: REQUESTED,
+        })?;
+        let reply = self.conn.read_hello()?;
+        if !reply.capabilities.is_subset(REQUESTED) {
+            return Err(MigrateError::Order(format!(
+                "the destination granted capabilities {:#x} that were not asked for",
+                reply.capabilities.0
+            )));
+        }
+        if reply.status != wire::Refusal::Accepted as u32 {
+            return Err(MigrateError::Refused(match reply.status {
+                1 => format!(
+                    "guest memory sizes differ (source {} bytes, destination {} bytes); start the destination with the same --memory",
+                    self.ram.size(),
+                    reply.memory_size
+                ),
+                5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
+                s => format!("status {s}"),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Ends the session: stops the senders and dirty logging, and on failure tells the
+    /// destination why and resumes the guest unless it was handed over.
+    fn conclude(
+        mut self,
+        vm: &mut dyn SourceVm,
+        result: Result<(), MigrateError>,
+    ) -> Result<MigrationStats, MigrateError> {
+        self.pool.abandon();
+        vm.stop_dirty_log();
+        match result {
+            Ok(()) => {
+                self.mark(Phase::Completed);
+                let s = self.finish_stats();
+                self.control.update(|p| {
+                    p.phase = Phase::Completed;
+                    p.stats = Some(s.clone());
+                });
+                Ok(s)
+            }
+            Err(e) => {
+                let e = self.explain(e);
+                if !self.handed_over {
+                    self.conn.send_error(&e.to_string());
+                    if self.guest == GuestState::Paused {
+                        vm.resume()?;
+                    }
+                }
+                let phase = match e {
+                    MigrateError::Cancelled => Phase::Cancelled,
+                    _ => Phase::Failed,
+                };
+                self.mark(phase);
+                let s = self.finish_stats();
+                self.control.update(|p| {
+                    p.phase = phase;
+                    p.error = Some(e.to_string());
+                    p.stats = Some(s);
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// A failed write may hide the destination's own explanation: look for it.
+    fn explain(&mut self, e: MigrateError) -> MigrateError {
+        match e {
+            MigrateError::Io { .. } | MigrateError::Truncated { .. } => {
+                match self.conn.peer_error() {
+                    Some(message) => MigrateError::Remote(message),
+                    None => e,
+                }
+            }
+            e => e,
+        }
+    }
+
+    fn check_control(&self) -> Result<(), MigrateError> {
+        if self.control.cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        Ok(())
+    }
+
+    /// Bytes written on all connections.
+    fn bytes_written(&self) -> u64 {
+        self.conn.bytes_written + self.pool.bytes_written()
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}

@@ -1,0 +1,136 @@
+//! The data channels of one migration: their connections and handshakes, a [`Sender`] thread
+//! each, which batch goes to which, pass ends, closing, and the bytes they wrote.
+//!
+//! Invariants: a pass end is queued on every sender after all of that pass's batches (each
+//! sender writes its queue in order, so the destination's barrier sees every page of a pass
+//! before the pass ends); a sender that stopped is noticed at the next message queued to it
+//! and its own error is returned; every sender is finished (its thread joined) before the
+//! pool is dropped.
+//!
+//! The senders are all alike today, fed round-robin. A priority channel (postcopy's "preempt"
+//! connection, which carries the pages a faulting vCPU waits for ahead of the background
+//! stream) would be one more `Sender` in a field of its own: opened with the others, fed by a
+//! method of its own instead of the round-robin, and included in [`ChannelPool::end_pass`],
+//! [`ChannelPool::close`] and [`ChannelPool::abandon`]; its bytes count in the same counter.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{SourceParams, TestHooks};
+use crate::conn::Conn;
+use crate::error::MigrateError;
+use crate::ram::Ram;
+use crate::sender::{ChannelMsg, Sender, SenderConfig};
+use crate::stats::MigrationStats;
+use crate::transport::Stream;
+use crate::wire::{self, Hello, Role};
+
+/// The data channels' senders.
+#[derive(Debug, Default)]
+pub struct ChannelPool {
+    /// Sender `i` serves data channel `i + 1`.
+    senders: Vec<Sender>,
+    /// The sender the next batch goes to.
+    next: usize,
+    /// Bytes all data channels wrote.
+    bytes: Arc<AtomicU64>,
+}
+
+impl ChannelPool {
+    /// Connects and greets `params.channels` data channels, and starts their senders. A
+    /// refused or failed channel fails the migration; the senders already started are
+    /// finished when the pool is.
+    pub fn open(
+        &mut self,
+        connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
+        params: &SourceParams,
+        ram: &Ram,
+        hooks: TestHooks,
+    ) -> Result<(), MigrateError> {
+        let io = |e| MigrateError::io("connecting a data channel", e);
+        for channel in 1..=params.channels {
+            let stream = connect().map_err(io)?;
+            let mut c = Conn::new(stream.try_clone_stream().map_err(io)?).map_err(io)?;
+            c.write_hello(&Hello {
+                role: Role::Data,
+                channel,
+                uuid: params.uuid,
+                memory_size: ram.size(),
+                status: 0,
+                channels: params.channels,
+                capabilities: wire::Capabilities::NONE,
+            })?;
+            let reply = c.read_hello()?;
+            if reply.status != wire::Refusal::Accepted as u32 {
+                return Err(MigrateError::Refused(format!(
+                    "data channel {channel} refused with status {}",
+                    reply.status
+                )));
+            }
+            let config = SenderConfig {
+                zero: params.zero,
+                bytes: self.bytes.clone(),
+            };
+            self.senders
+                .push(Sender::start(channel, stream, ram.clone(), config, hooks)?);
+        }
+        Ok(())
+    }
+
+    /// Queues a batch of page addresses on the next data channel, round-robin.
+    pub fn queue_pages(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
+        self.queue_for(self.next, ChannelMsg::Pages(gpas))?;
+        self.next = (self.next + 1) % self.senders.len();
+        Ok(())
+    }
+
+    /// Ends `pass` on every data channel, after the batches already queued.
+    pub fn end_pass(&mut self, pass: u32) -> Result<(), MigrateError> {
+        for i in 0..self.senders.len() {
+            self.queue_for(i, ChannelMsg::EndOfPass(pass))?;
+        }
+        Ok(())
+    }
+
+    /// Flushes and closes every data channel and adds the senders' counts to `stats`; a
+    /// sender that failed fails the migration (before the guest is handed over).
+    pub fn close(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError> {
+        for i in 0..self.senders.len() {
+            self.queue_for(i, ChannelMsg::Shutdown)?;
+        }
+        for mut sender in self.senders.drain(..) {
+            let s = sender.finish()?;
+            stats.pages_normal += s.pages_normal;
+            stats.pages_zero += s.pages_zero;
+            stats.zero_scan_fallbacks += s.fallbacks;
+            stats.cpu_seconds_source += s.cpu_ns as f64 / 1e9;
+        }
+        Ok(())
+    }
+
+    /// Closes every remaining sender's queue and joins its thread, ignoring how it ended: the
+    /// migration is over (it failed, or [`ChannelPool::close`] already collected them).
+    pub fn abandon(&mut self) {
+        for mut sender in self.senders.drain(..) {
+            let _ = sender.finish();
+        }
+    }
+
+    /// Bytes written on all data channels so far.
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Queues `msg` for sender `i`; if that sender has stopped, returns why.
+    fn queue_for(&mut self, i: usize, msg: ChannelMsg) -> Result<(), MigrateError> {
+        if self.senders[i].send(msg) {
+            return Ok(());
+        }
+        Err(match self.senders[i].finish() {
+            Err(e) => e,
+            Ok(_) => MigrateError::Order(format!("data channel {} stopped early", i + 1)),
+        })
+    }
+}

@@ -1,0 +1,191 @@
+//! Precopy: pass 1 over populated memory, then dirty passes while the guest runs, with the
+//! policy asked after each dirty sync whether to go on, switch over or give up.
+//!
+//! Invariants: every pass ends with an `EndOfPass` on every data channel and on the main
+//! connection (the destination's barrier counts on it); a running guest's pages are paced by
+//! the limiter, and cancellation is looked at between any two batches.
+
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use super::limiter::{MAX_SLEEP, Pacing};
+use super::{GuestState, Session, ms};
+use crate::bitmap::Cursor;
+use crate::error::MigrateError;
+use crate::policy::{self, Decision, Observation};
+use crate::stats::{PassStats, SampleKind};
+use crate::vm::SourceVm;
+use crate::wire::{self, Header, Kind, PAGE_SIZE};
+
+/// Pages re-armed per `clear_dirty` call in pass 1: 64 MiB, about 1 ms of write-protecting on
+/// a normal host, and 1024 calls for a 64 GiB guest.
+pub const CLEAR_CHUNK_PAGES: u64 = 16 * 1024;
+
+/// What a record costs the link per page: its 8-byte address and the page.
+const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
+
+impl Session<'_> {
+    /// Runs pass 1 and dirty passes until the policy decides; returns the last pass sent.
+    pub(super) fn precopy(&mut self, vm: &mut dyn SourceVm) -> Result<u32, MigrateError> {
+        self.first_pass(vm)?;
+        let mut pass = 1;
+        loop {
+            let pass_started = Instant::now();
+            let before = self.bitmap.count();
+            let t = Instant::now();
+            vm.fetch_dirty(&mut self.bitmap)?;
+            self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
+            let last = self.stats.passes.last_mut().expect("pass 1 ran");
+            last.dirty_rate_pages_per_s =
+                (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
+            let dirty_rate = last.dirty_rate_pages_per_s;
+            self.sample(SampleKind::Boundary);
+            let now = Observation {
+                remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+                bandwidth: self.bandwidth.rate(),
+                elapsed: self.start.elapsed(),
+            };
+            self.publish_pass(pass, &now, dirty_rate);
+            match policy::decide(&self.params.policy, &now) {
+                Decision::Switchover => {
+                    self.stats.converged = policy::fits(&self.params.policy, &now);
+                    return Ok(pass);
+                }
+                Decision::Cancel => {
+                    return Err(MigrateError::Timeout(
+                        self.params.policy.timeout.unwrap_or_default(),
+                    ));
+                }
+                Decision::Iterate => {}
+            }
+            pass += 1;
+            self.dirty_pass(pass, GuestState::Running, pass_started)?;
+        }
+    }
+
+    /// Pass 1: re-arm dirty tracking for each region, chunk by chunk, then send what its
+    /// backing file holds, walking populated ranges with `SEEK_DATA`/`SEEK_HOLE`. Re-arming the
+    /// whole region before looking is what makes the walk safe: a page populated after the look
+    /// was written after its re-arm, so the dirty log has it. (Looking chunk by chunk instead
+    /// would make each `SEEK_HOLE` walk the rest of a fully populated file: quadratic.)
+    fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let started = Instant::now();
+        self.pass = 1;
+        let (mut pages, bytes_before) = (0u64, self.bytes_written());
+        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
+        for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
+            let end = region.gpa + region.size;
+            let t = Instant::now();
+            let mut chunk = region.gpa;
+            while chunk < end {
+                self.check_control()?;
+                let chunk_end = (chunk + CLEAR_CHUNK_PAGES * PAGE_SIZE).min(end);
+                vm.clear_dirty(chunk, (chunk_end - chunk) / PAGE_SIZE)?;
+                chunk = chunk_end;
+            }
+            self.stats.dirty_clear_ms += ms(t.elapsed());
+            let mut at = region.gpa;
+            while let Some((data, hole)) = self
+                .ram
+                .next_data(index, at)
+                .map_err(|e| MigrateError::io("looking for populated memory", e))?
+            {
+                for gpa in (data..hole.min(end)).step_by(PAGE_SIZE as usize) {
+                    batch.push(gpa);
+                    if batch.len() == batch.capacity() {
+                        self.check_control()?;
+                        pages += self.send_pages(&batch, Pacing::Limited)?;
+                        batch.clear();
+                    }
+                }
+                at = hole;
+                if at >= end {
+                    break;
+                }
+            }
+        }
+        pages += self.send_pages(&batch, Pacing::Limited)?;
+        self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages;
+        self.end_pass(1, GuestState::Running, pages, bytes_before, started)
+    }
+
+    /// Sends every page marked in the bitmap. With the guest running the pass is paced and
+    /// cancellable; with it paused (the final pass) it is neither.
+    pub(super) fn dirty_pass(
+        &mut self,
+        pass: u32,
+        guest: GuestState,
+        started: Instant,
+    ) -> Result<(), MigrateError> {
+        self.pass = pass;
+        let (mut pages, bytes_before) = (0u64, self.bytes_written());
+        let mut cursor = Cursor::default();
+        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
+        while !cursor.at_end(&self.bitmap) {
+            if guest == GuestState::Running {
+                self.check_control()?;
+            }
+            self.bitmap.take(&mut cursor, batch.capacity(), &mut batch);
+            pages += self.send_pages(&batch, guest.pacing())?;
+            batch.clear();
+        }
+        self.end_pass(pass, guest, pages, bytes_before, started)
+    }
+
+    /// Ends `pass` on every connection and records what it sent.
+    fn end_pass(
+        &mut self,
+        pass: u32,
+        guest: GuestState,
+        pages: u64,
+        bytes_before: u64,
+        started: Instant,
+    ) -> Result<(), MigrateError> {
+        self.pool.end_pass(pass)?;
+        self.conn
+            .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
+        self.conn.flush("ending a pass")?;
+        self.stats.passes.push(PassStats {
+            pass,
+            paused: guest == GuestState::Paused,
+            pages,
+            bytes: self.bytes_written() - bytes_before,
+            duration_ms: ms(started.elapsed()),
+            dirty_rate_pages_per_s: 0.0,
+        });
+        self.sample(SampleKind::Boundary);
+        Ok(())
+    }
+
+    /// Hands `gpas` to the data channels in batches of `packet_pages`. Returns the pages
+    /// handed over.
+    fn send_pages(&mut self, gpas: &[u64], pacing: Pacing) -> Result<u64, MigrateError> {
+        for batch in gpas.chunks(self.params.packet_pages as usize) {
+            if pacing == Pacing::Limited {
+                self.pace(batch.len() as u64 * BYTES_PER_PAGE)?;
+            }
+            self.pool.queue_pages(batch.to_vec())?;
+        }
+        self.after_batch();
+        Ok(gpas.len() as u64)
+    }
+
+    /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the
+    /// average at or under `max_bandwidth`.
+    fn pace(&mut self, bytes: u64) -> Result<(), MigrateError> {
+        let Some(limiter) = &mut self.limiter else {
+            return Ok(());
+        };
+        limiter.add(bytes);
+        let limiter = *limiter;
+        loop {
+            self.check_control()?;
+            let wait = limiter.wait(self.start.elapsed());
+            if wait.is_zero() {
+                return Ok(());
+            }
+            std::thread::sleep(wait.min(MAX_SLEEP));
+        }
+    }
+}

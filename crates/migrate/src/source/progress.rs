@@ -1,0 +1,98 @@
+//! What the session tells the world while it runs: the phase and figures published through
+//! [`Control`](crate::control::Control), the samples of the report's timeline, and the final
+//! statistics.
+//!
+//! Invariant: a phase change or pass end is always sampled ([`SampleKind::Boundary`]); the
+//! per-batch samples are ticks the timeline thins out, and the per-batch progress is published
+//! only every [`PUBLISH_EVERY`] batches, so observing costs the loop next to nothing.
+
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use super::{Session, ms};
+use crate::control::Phase;
+use crate::policy::Observation;
+use crate::stats::{self, MigrationStats, Sample, SampleKind};
+use crate::wire::PAGE_SIZE;
+
+/// Publish progress every 16 batches (~32 MiB at full-size records): often enough to watch,
+/// cheap enough.
+const PUBLISH_EVERY: u64 = 16;
+
+impl Session<'_> {
+    /// After a batch went to the channels: samples the send rate and the timeline, and now
+    /// and then publishes progress.
+    pub(super) fn after_batch(&mut self) {
+        self.bandwidth.record(Instant::now(), self.bytes_written());
+        self.samples += 1;
+        self.sample(SampleKind::Tick);
+        if self.samples.is_multiple_of(PUBLISH_EVERY) {
+            let (sent, bandwidth, elapsed) = (
+                self.bytes_written(),
+                self.bandwidth.rate(),
+                self.start.elapsed(),
+            );
+            self.control.update(|p| {
+                p.bytes_sent = sent;
+                p.bandwidth_mb_s = bandwidth / 1e6;
+                p.elapsed_ms = ms(elapsed);
+            });
+        }
+    }
+
+    /// Publishes where precopy stands after pass `pass` and the dirty sync that ended it.
+    pub(super) fn publish_pass(&mut self, pass: u32, now: &Observation, dirty_rate: f64) {
+        let sent = self.bytes_written();
+        self.control.update(|p| {
+            p.pass = pass;
+            p.bytes_sent = sent;
+            p.remaining_bytes = now.remaining_bytes;
+            p.bandwidth_mb_s = now.bandwidth / 1e6;
+            p.dirty_rate_pages_per_s = dirty_rate;
+            p.expected_downtime_ms = now.expected_downtime().map(ms);
+            p.elapsed_ms = ms(now.elapsed);
+        });
+    }
+
+    /// Publishes a new phase and marks it on the timeline.
+    pub(super) fn set_phase(&mut self, phase: Phase) {
+        self.control.update(|p| p.phase = phase);
+        self.mark(phase);
+    }
+
+    /// Marks a phase on the timeline only (the final phase is published with the statistics).
+    pub(super) fn mark(&mut self, phase: Phase) {
+        self.phase = phase;
+        self.sample(SampleKind::Boundary);
+    }
+
+    /// Records where the migration stands on the report's timeline.
+    pub(super) fn sample(&mut self, kind: SampleKind) {
+        let sample = Sample {
+            t_ms: ms(self.start.elapsed()),
+            bytes_sent: self.bytes_written(),
+            remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+            send_rate_mb_s: self.bandwidth.rate() / 1e6,
+            dirty_rate_pages_per_s: self
+                .stats
+                .passes
+                .last()
+                .map_or(0.0, |p| p.dirty_rate_pages_per_s),
+            pass: self.pass,
+            phase: self.phase,
+        };
+        self.timeline.record(sample, kind);
+    }
+
+    /// The statistics as they stand, with the totals filled in.
+    pub(super) fn finish_stats(&mut self) -> MigrationStats {
+        let mut s = self.stats.clone();
+        s.timeline = self.timeline.samples().to_vec();
+        s.total_ms = ms(self.start.elapsed());
+        s.bytes_sent = self.bytes_written();
+        s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
+        s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
+        s
+    }
+}

@@ -1,0 +1,88 @@
+//! Switchover: pause the guest, sync and send the last dirty pages, close the data channels,
+//! save and send the device state, send Complete, and wait for the destination to say it
+//! resumed the guest. Measures where the downtime went.
+//!
+//! Invariant: `handed_over` is set right after Complete is flushed. Before that, a failure
+//! resumes the guest here; after it, the guest may run on the destination, so a failure
+//! (including no answer within [`RESUME_TIMEOUT`]) leaves it paused.
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::reader::{self, Awaiting, Inbound, Resumed};
+use super::{GuestState, Session, ms};
+use crate::control::Phase;
+use crate::error::MigrateError;
+use crate::vm::{Section, SourceVm};
+use crate::wire::{Header, Kind};
+
+/// How long the source waits for the destination to load the state and resume the guest: a
+/// load is milliseconds (a few KiB of state per vCPU), so this only bounds a hung destination.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The wait for the destination's answer to Complete.
+const AWAITING_RESUMED: Awaiting = Awaiting {
+    during: "waiting for the destination to resume the guest",
+    expected: "Resumed",
+};
+
+impl Session<'_> {
+    /// Stops the guest here and hands it over; `pass` is the final pass's number.
+    pub(super) fn switchover(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pass: u32,
+    ) -> Result<(), MigrateError> {
+        self.set_phase(Phase::Switchover);
+        let t0 = Instant::now();
+        vm.pause()?;
+        self.guest = GuestState::Paused;
+        let t1 = Instant::now();
+        vm.fetch_dirty(&mut self.bitmap)?;
+        let t2 = Instant::now();
+        self.dirty_pass(pass, GuestState::Paused, t2)?;
+        self.pool.close(&mut self.stats)?;
+        let t3 = Instant::now();
+        let sections = vm.save_state()?;
+        let t4 = Instant::now();
+        self.send_device_state(&sections)?;
+        self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
+        self.conn.flush("completing")?;
+        self.handed_over = true;
+        let resumed = self
+            .await_resumed()
+            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
+        let t6 = Instant::now();
+        let d = &mut self.stats.downtime;
+        d.total_ms = ms(t6 - t0);
+        d.pause_ms = ms(t1 - t0);
+        d.final_sync_ms = ms(t2 - t1);
+        d.final_pages_ms = ms(t3 - t2);
+        d.state_save_ms = ms(t4 - t3);
+        d.load_ms = resumed.load_ns as f64 / 1e6;
+        d.resume_ms = resumed.resume_ns as f64 / 1e6;
+        d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
+        self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
+        Ok(())
+    }
+
+    /// Writes the device-state sections on the main connection, one record each; the flush
+    /// after Complete sends them.
+    fn send_device_state(&mut self, sections: &[Section]) -> Result<(), MigrateError> {
+        for s in sections {
+            self.conn
+                .write_section(s.header(), &s.data, "sending device state")?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the destination's Resumed; its Error, or any other record, fails.
+    fn await_resumed(&mut self) -> Result<Resumed, MigrateError> {
+        let _ = self.conn.stream().set_read_timeout(Some(RESUME_TIMEOUT));
+        match reader::read(&mut self.conn, AWAITING_RESUMED)? {
+            Inbound::Resumed(r) => Ok(r),
+            Inbound::Error(message) => Err(MigrateError::Remote(message)),
+        }
+    }
+}
