@@ -1,4 +1,11 @@
 //! Why a migration failed, with what to do about it.
+//!
+//! [`MigrateError`] is one enum so that `?` works across the engine, but its variants fall into
+//! kinds a caller acts on differently ([`MigrateError::kind`]): a **protocol** error means the
+//! peer sent what the protocol forbids ([`ProtocolError`]: a bad header, an address outside RAM,
+//! records out of order); a **configuration** error means the request cannot work as given
+//! ([`ConfigError`]: fix it and ask again); the **transport**, the **peer**, the **VM** and a
+//! **cancel** are what they say; **internal** is a bug in ferry (a thread that panicked).
 
 #![forbid(unsafe_code)]
 
@@ -8,10 +15,53 @@ use crate::ram::RamError;
 use crate::vm::VmError;
 use crate::wire::WireError;
 
+/// What kind of failure a [`MigrateError`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The peer broke the protocol; nothing was applied that could harm the VM.
+    Protocol,
+    /// The request cannot work as given; fix it.
+    Configuration,
+    /// A connection failed or closed.
+    Transport,
+    /// The peer refused, reported an error, or stopped mid-migration.
+    Peer,
+    /// The VMM failed an operation the engine asked for.
+    Vm,
+    /// Someone cancelled, or a timeout with the cancel action ran out.
+    Cancelled,
+    /// A bug in ferry.
+    Internal,
+}
+
+/// The peer sent something the protocol does not allow.
 #[derive(Debug, thiserror::Error)]
-pub enum MigrateError {
+pub enum ProtocolError {
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error(transparent)]
+    Ram(#[from] RamError),
+    /// A record where it may not come, or a value the protocol's rules refuse.
+    #[error("{0}")]
+    Order(String),
+}
+
+/// A request that cannot work as given.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
     #[error(transparent)]
     Address(#[from] crate::transport::AddressError),
+    /// A parameter outside what the protocol or the engine can do; the text says which.
+    #[error("{0}")]
+    Params(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("invalid migration stream: {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("invalid migration request: {0}")]
+    Config(#[from] ConfigError),
     #[error("connection failed while {during}: {source}")]
     Io {
         during: &'static str,
@@ -20,12 +70,6 @@ pub enum MigrateError {
     },
     #[error("the peer closed the connection while {during} (the stream is truncated)")]
     Truncated { during: &'static str },
-    #[error("invalid migration stream: {0}")]
-    Wire(#[from] WireError),
-    #[error("invalid migration stream: {0}")]
-    Ram(#[from] RamError),
-    #[error("invalid migration stream: {0}")]
-    Order(String),
     #[error("the destination refused the migration: {0}")]
     Refused(String),
     #[error("the other side reported an error: {0}")]
@@ -60,14 +104,117 @@ pub enum MigrateError {
         "the destination did not acknowledge resuming the guest: {0}; the source stays paused because the guest may already run on the destination"
     )]
     Unacknowledged(Box<MigrateError>),
+    #[error("internal error in ferry (please report it): {0}")]
+    Internal(String),
+}
+
+impl From<WireError> for MigrateError {
+    fn from(e: WireError) -> Self {
+        MigrateError::Protocol(e.into())
+    }
+}
+
+impl From<RamError> for MigrateError {
+    fn from(e: RamError) -> Self {
+        MigrateError::Protocol(e.into())
+    }
+}
+
+impl From<crate::transport::AddressError> for MigrateError {
+    fn from(e: crate::transport::AddressError) -> Self {
+        MigrateError::Config(e.into())
+    }
 }
 
 impl MigrateError {
+    /// The peer sent a record where the protocol does not allow it, or a value it refuses.
+    pub fn order(what: impl Into<String>) -> MigrateError {
+        MigrateError::Protocol(ProtocolError::Order(what.into()))
+    }
+
+    /// The request asks for what the engine cannot do.
+    pub fn params(what: impl Into<String>) -> MigrateError {
+        MigrateError::Config(ConfigError::Params(what.into()))
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        use MigrateError as E;
+        match self {
+            E::Protocol(_) => ErrorKind::Protocol,
+            E::Config(_) => ErrorKind::Configuration,
+            E::Io { .. } | E::Truncated { .. } => ErrorKind::Transport,
+            E::Refused(_)
+            | E::Remote(_)
+            | E::ChannelEnded { .. }
+            | E::PassTimeout { .. }
+            | E::Unacknowledged(_) => ErrorKind::Peer,
+            // A sibling connection's failure: its own error carries the kind.
+            E::Channel(_) => ErrorKind::Peer,
+            E::Vm(_) => ErrorKind::Vm,
+            E::Cancelled | E::CancelledHere | E::Timeout(_) => ErrorKind::Cancelled,
+            E::Internal(_) => ErrorKind::Internal,
+        }
+    }
+
     /// Maps an I/O error, telling a closed connection from other failures.
     pub fn io(during: &'static str, source: std::io::Error) -> MigrateError {
         match source.kind() {
             std::io::ErrorKind::UnexpectedEof => MigrateError::Truncated { during },
             _ => MigrateError::Io { during, source },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_follow_the_cause() {
+        let table: &[(MigrateError, ErrorKind, &str)] = &[
+            (
+                WireError::UnknownKind(9).into(),
+                ErrorKind::Protocol,
+                "invalid migration stream: unknown record kind 9",
+            ),
+            (
+                MigrateError::order("Pages on the main channel"),
+                ErrorKind::Protocol,
+                "invalid migration stream: Pages on the main channel",
+            ),
+            (
+                MigrateError::params("0 channels requested; use 1 to 64"),
+                ErrorKind::Configuration,
+                "invalid migration request: 0 channels",
+            ),
+            (
+                "nonsense"
+                    .parse::<crate::transport::Address>()
+                    .unwrap_err()
+                    .into(),
+                ErrorKind::Configuration,
+                "invalid migration request",
+            ),
+            (
+                MigrateError::io("sending", std::io::ErrorKind::UnexpectedEof.into()),
+                ErrorKind::Transport,
+                "closed the connection while sending",
+            ),
+            (
+                MigrateError::Remote("x".into()),
+                ErrorKind::Peer,
+                "the other side",
+            ),
+            (MigrateError::Cancelled, ErrorKind::Cancelled, "cancelled"),
+            (
+                MigrateError::Internal("a sender thread panicked".into()),
+                ErrorKind::Internal,
+                "please report it",
+            ),
+        ];
+        for (e, kind, text) in table {
+            assert_eq!(e.kind(), *kind, "{e}");
+            assert!(e.to_string().contains(text), "{e}");
         }
     }
 }

@@ -2,12 +2,12 @@
 //! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a byte stream
 //! ([`transport::Stream`]: TCP, a Unix socket, or its own).
 //!
-//! - [`wire`]: protocol v1, pure encoding and validation (`docs/protocol.md` is normative).
+//! - [`wire`]: protocol v2, pure encoding and validation (`docs/protocol.md` is normative).
 //! - [`ram`]: guest RAM regions and the raw page operations (with [`zero`]'s SIMD, the only
 //!   `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
 //! - [`policy`]: when to switch over, as a pure function.
-//! - [`source`] and [`destination`]: the two sessions; [`sender`] and [`receiver`]: the data
+//! - [`source`] and [`destination`]: the two sessions; `sender` and `receiver` (internal): the data
 //!   channels' threads; [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart.
@@ -16,16 +16,16 @@
 #![deny(unsafe_code)]
 
 pub mod bitmap;
-pub mod conn;
+mod conn;
 pub mod control;
 pub mod destination;
 pub mod error;
 pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;
-pub mod receiver;
+mod receiver;
 pub mod scan;
-pub mod sender;
+mod sender;
 pub mod source;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;

@@ -130,8 +130,9 @@ impl PassBarrier {
         self.cv.notify_all();
     }
 
-    /// The channels that ended before finishing `pass`.
-    pub fn departed_before(&self, pass: u32) -> Option<(u16, u32)> {
+    /// The channels that ended before finishing `pass` (what a waiter's error names).
+    #[cfg(test)]
+    fn departed_before(&self, pass: u32) -> Option<(u16, u32)> {
         let s = self.state.lock().unwrap();
         s.departed.iter().copied().find(|d| d.1 < pass)
     }
@@ -220,7 +221,7 @@ impl Receiver {
                 Kind::ZeroRuns => self.zero_runs(h.count)?,
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
-                        return Err(MigrateError::Order(format!(
+                        return Err(MigrateError::order(format!(
                             "end of pass {} after pass {} on a data channel",
                             h.count, self.stats.passes
                         )));
@@ -235,7 +236,7 @@ impl Receiver {
                     ));
                 }
                 k => {
-                    return Err(MigrateError::Order(format!(
+                    return Err(MigrateError::order(format!(
                         "{k:?} record on a data channel"
                     )));
                 }
@@ -274,7 +275,7 @@ impl Receiver {
     fn claim(&self, gpa: u64) -> Result<u64, MigrateError> {
         let i = self.shared.ram.page_index(gpa)?;
         if self.shared.claimed.set(i) {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::order(format!(
                 "page {gpa:#x} sent twice in one pass"
             )));
         }
@@ -285,8 +286,8 @@ impl Receiver {
         let words = self.read(count as usize * 8, "receiving page addresses")?;
         let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
         if gpas.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(MigrateError::Order(
-                "page addresses of a record are not strictly increasing".into(),
+            return Err(MigrateError::order(
+                "page addresses of a record are not strictly increasing",
             ));
         }
         let mut indices = Vec::with_capacity(gpas.len());

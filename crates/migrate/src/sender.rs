@@ -95,7 +95,7 @@ impl Sender {
         drop(self.tx.take());
         match self.thread.take().map(|t| t.join()) {
             Some(Ok(r)) => r,
-            Some(Err(_)) => Err(MigrateError::Order("a sender thread panicked".into())),
+            Some(Err(_)) => Err(MigrateError::Internal("a sender thread panicked".into())),
             None => Ok(SenderStats::default()),
         }
     }

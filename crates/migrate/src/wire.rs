@@ -4,7 +4,7 @@
 //!
 //! A connection starts with a 64-byte [`Hello`] from the source and a 64-byte [`Hello`] reply
 //! from the destination, then carries records: a 16-byte [`Header`] and a payload whose length
-//! the header gives and [`Header::validate`] bounds. All integers are little-endian.
+//! the header gives and `Header::validate` bounds. All integers are little-endian.
 
 /// "FERRYMIG".
 pub const MAGIC: [u8; 8] = *b"FERRYMIG";

@@ -24,19 +24,19 @@ impl Sections {
     pub(crate) fn add(&mut self, payload: &[u8]) -> Result<(), MigrateError> {
         let (h, data) = SectionHeader::decode(payload)?;
         if self.sections.len() == wire::MAX_SECTIONS {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::order(format!(
                 "more than {} device-state sections",
                 wire::MAX_SECTIONS
             )));
         }
         if self.bytes + data.len() as u64 > wire::MAX_STATE_BYTES {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::order(format!(
                 "device state exceeds {} bytes in all",
                 wire::MAX_STATE_BYTES
             )));
         }
         if !self.seen.insert((h.id, h.instance)) {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::order(format!(
                 "{} instance {} sent twice",
                 h.id, h.instance
             )));

@@ -279,13 +279,11 @@ impl<'a> Session<'a> {
             c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
             match h.kind {
                 Kind::EndOfPass if !state.is_empty() => {
-                    return Err(MigrateError::Order(
-                        "EndOfPass record after device state".into(),
-                    ));
+                    return Err(MigrateError::order("EndOfPass record after device state"));
                 }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
-                        return Err(MigrateError::Order(format!(
+                        return Err(MigrateError::order(format!(
                             "end of pass {} after pass {}",
                             h.count, self.stats.passes
                         )));
@@ -296,18 +294,14 @@ impl<'a> Session<'a> {
                 }
                 Kind::DeviceState => {
                     if self.stats.passes == 0 {
-                        return Err(MigrateError::Order(
-                            "device state before any memory pass".into(),
-                        ));
+                        return Err(MigrateError::order("device state before any memory pass"));
                     }
                     let payload = self.conn.read_payload(h.len, "receiving device state")?;
                     state.add(&payload)?;
                 }
                 Kind::Complete => {
                     if state.is_empty() {
-                        return Err(MigrateError::Order(
-                            "Complete without any device state".into(),
-                        ));
+                        return Err(MigrateError::order("Complete without any device state"));
                     }
                     self.join_receivers()?;
                     return Ok(state.into_vec());
@@ -321,7 +315,7 @@ impl<'a> Session<'a> {
                     ));
                 }
                 k => {
-                    return Err(MigrateError::Order(format!(
+                    return Err(MigrateError::order(format!(
                         "{k:?} record on the main channel"
                     )));
                 }
@@ -347,7 +341,7 @@ impl<'a> Session<'a> {
     fn join_receivers(&mut self) -> Result<(), MigrateError> {
         for r in self.receivers.drain(..) {
             let s = r.thread.join().map_err(|_| {
-                MigrateError::Channel(format!("data channel {}: its receiver panicked", r.channel))
+                MigrateError::Internal(format!("data channel {}: its receiver panicked", r.channel))
             })??;
             if s.passes != self.stats.passes {
                 return Err(MigrateError::ChannelEnded {

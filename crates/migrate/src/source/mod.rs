@@ -93,14 +93,19 @@ impl SourceParams {
     /// Refuses channel counts and packet sizes the protocol cannot carry.
     fn check(&self) -> Result<(), MigrateError> {
         if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::params(format!(
                 "{} channels requested; use 1 to {}",
                 self.channels,
                 wire::MAX_CHANNELS
             )));
         }
+        if self.max_bandwidth == Some(0) {
+            return Err(MigrateError::params(
+                "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link",
+            ));
+        }
         if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::params(format!(
                 "packet size of {} pages is outside 1..={} (4 KiB to 2 MiB)",
                 self.packet_pages,
                 wire::MAX_PAGES_PER_RECORD
@@ -265,7 +270,7 @@ impl<'a> Session<'a> {
         })?;
         let reply = self.conn.read_hello()?;
         if !reply.capabilities.is_subset(REQUESTED) {
-            return Err(MigrateError::Order(format!(
+            return Err(MigrateError::order(format!(
                 "the destination granted capabilities {:#x} that were not asked for",
                 reply.capabilities.0
             )));
@@ -355,4 +360,46 @@ impl<'a> Session<'a> {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn impossible_parameters_are_configuration_errors_that_name_the_fix() {
+        let ok = SourceParams::new(Policy::default(), [1; 16]);
+        assert!(ok.check().is_ok());
+        let table = [
+            (SourceParams { channels: 0, ..ok }, "use 1 to 64"),
+            (SourceParams { channels: 65, ..ok }, "use 1 to 64"),
+            (
+                SourceParams {
+                    packet_pages: 0,
+                    ..ok
+                },
+                "outside 1..=512",
+            ),
+            (
+                SourceParams {
+                    packet_pages: 513,
+                    ..ok
+                },
+                "outside 1..=512",
+            ),
+            (
+                SourceParams {
+                    max_bandwidth: Some(0),
+                    ..ok
+                },
+                "give a positive limit",
+            ),
+        ];
+        for (p, fix) in table {
+            let e = p.check().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Configuration, "{e}");
+            assert!(e.to_string().contains(fix), "{e}");
+        }
+    }
 }

@@ -130,7 +130,7 @@ impl ChannelPool {
         }
         Err(match self.senders[i].finish() {
             Err(e) => e,
-            Ok(_) => MigrateError::Order(format!("data channel {} stopped early", i + 1)),
+            Ok(_) => MigrateError::order(format!("data channel {} stopped early", i + 1)),
         })
     }
 }

@@ -65,7 +65,7 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
         Kind::Error => Ok(Inbound::Error(
             String::from_utf8_lossy(&payload).into_owned(),
         )),
-        k => Err(MigrateError::Order(format!(
+        k => Err(MigrateError::order(format!(
             "expected {} from the destination, got {k:?}",
             awaiting.expected
         ))),
