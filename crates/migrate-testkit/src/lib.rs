@@ -5,7 +5,12 @@
 //! Writers write a page and then mark it; the engine's fetch clears a bit before it copies
 //! the page. So a write that races a fetch is either seen by that copy or stays marked for
 //! the next pass, exactly the guarantee write-protection gives a real dirty log.
+//!
+//! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
+//! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
+//! on this fake.
 
+pub mod conformance;
 pub mod craft;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -18,6 +23,9 @@ use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::wire::{PAGE_SIZE, SectionId};
 use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
+
+/// The version of the fake's one section (a vCPU named by a few bytes).
+pub const FAKE_STATE_VERSION: u32 = 1;
 
 /// Guest RAM: a memfd mapped shared, split into regions with a gap between them (like RAM
 /// around a PC's MMIO hole).
@@ -80,6 +88,25 @@ impl FakeRam {
     /// The host address of guest page `index` (counting pages across regions).
     fn page_ptr(&self, index: u64) -> *mut u64 {
         (self.base + (index * PAGE_SIZE) as usize) as *mut u64
+    }
+
+    /// The region holding the `pages` pages from `gpa` and the first one's page index
+    /// (counting across regions), or why there is none.
+    fn locate(&self, operation: &'static str, gpa: u64, pages: u64) -> Result<u64, VmError> {
+        let fail = |message: String| VmError::Failed { operation, message };
+        let (i, r) = self
+            .regions
+            .iter()
+            .enumerate()
+            .find(|(_, r)| gpa >= r.gpa && gpa < r.gpa + r.size)
+            .ok_or_else(|| fail(format!("{gpa:#x} is not RAM")))?;
+        let first = (gpa - r.gpa) / PAGE_SIZE;
+        if pages > r.size / PAGE_SIZE - first {
+            return Err(fail(format!(
+                "{pages} pages at {gpa:#x} run past the end of their region"
+            )));
+        }
+        Ok(i as u64 * (r.size / PAGE_SIZE) + first)
     }
 
     fn pages(&self) -> u64 {
@@ -162,7 +189,7 @@ impl FakeVm {
             threads: Vec::new(),
             state: vec![Section {
                 id: SectionId::Vcpu,
-                version: 1,
+                version: FAKE_STATE_VERSION,
                 data: b"fake vcpu".to_vec(),
             }],
             resumed: false,
@@ -201,6 +228,24 @@ impl FakeVm {
     pub fn contents(&self) -> Vec<u8> {
         let _g = self.shared.gate.write().unwrap();
         self.shared.ram.contents()
+    }
+
+    /// Writes `bytes` at `gpa` as the VMM itself would (a device, a loader) and marks the
+    /// pages, whether or not the guest is paused.
+    pub fn write(&self, gpa: u64, bytes: &[u8]) -> Result<(), VmError> {
+        let page_count = (gpa % PAGE_SIZE + bytes.len() as u64).div_ceil(PAGE_SIZE);
+        let first = self
+            .shared
+            .ram
+            .locate("write", gpa / PAGE_SIZE * PAGE_SIZE, page_count)?;
+        let host = self.shared.ram.page_ptr(first) as usize + (gpa % PAGE_SIZE) as usize;
+        // SAFETY: `locate` checked that the bytes lie inside one region of the mapping; writers
+        // may race on a page, which is fine for plain bytes through raw pointers.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
+        for index in first..first + page_count {
+            self.shared.mark(index);
+        }
+        Ok(())
     }
 
     /// Host memory the RAM occupies (the memfd's allocated bytes).
@@ -290,17 +335,7 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
-        let ram = &self.shared.ram;
-        let per = ram.regions[0].size / PAGE_SIZE;
-        let region = ram
-            .regions
-            .iter()
-            .position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
-            .ok_or(VmError::Failed {
-                operation: "clear_dirty",
-                message: format!("{gpa:#x} is not RAM"),
-            })?;
-        let first = region as u64 * per + (gpa - ram.regions[region].gpa) / PAGE_SIZE;
+        let first = self.shared.ram.locate("clear_dirty", gpa, pages)?;
         for i in first..first + pages {
             self.shared.dirty[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::AcqRel);
         }
@@ -308,13 +343,18 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
-        let per_words = (self.shared.ram.regions[0].size / PAGE_SIZE / 64) as usize;
-        for region in 0..into.regions() {
-            let words: Vec<u64> = self.shared.dirty[region * per_words..(region + 1) * per_words]
+        let regions = &self.shared.ram.regions;
+        let per_words = (regions[0].size / PAGE_SIZE / 64) as usize;
+        for (i, r) in regions.iter().enumerate() {
+            let words: Vec<u64> = self.shared.dirty[i * per_words..(i + 1) * per_words]
                 .iter()
                 .map(|w| w.swap(0, Ordering::AcqRel))
                 .collect();
-            into.merge(region, 0, &words);
+            into.merge_at(r.gpa, r.size / PAGE_SIZE, &words)
+                .map_err(|e| VmError::Failed {
+                    operation: "fetch_dirty",
+                    message: e.to_string(),
+                })?;
         }
         Ok(())
     }
@@ -346,12 +386,24 @@ unsafe impl DestinationVm for FakeVm {
         self.shared.ram.regions.clone()
     }
 
+    /// Accepts vCPU sections of [`FAKE_STATE_VERSION`] with some data, as a real VMM validates
+    /// what it loads.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        if sections.iter().any(|s| s.id != SectionId::Vcpu) {
-            return Err(VmError::Failed {
-                operation: "load_state",
-                message: "the fake VM has only a vCPU section".into(),
-            });
+        let fail = |message: String| VmError::Failed {
+            operation: "load_state",
+            message,
+        };
+        for s in sections {
+            if s.id != SectionId::Vcpu {
+                return Err(fail("the fake VM has only a vCPU section".into()));
+            }
+            if s.version != FAKE_STATE_VERSION || s.data.is_empty() {
+                return Err(fail(format!(
+                    "vCPU section version {} with {} bytes; the fake loads version {FAKE_STATE_VERSION} with data",
+                    s.version,
+                    s.data.len()
+                )));
+            }
         }
         self.state = sections.to_vec();
         Ok(())
