@@ -8,7 +8,11 @@
 //!
 //! [`craft`] builds hand-made protocol bytes for tests that play a broken source;
 //! [`loopback`] runs a whole migration between two fake VMs over loopback TCP.
+//! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
+//! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
+//! on this fake.
 
+pub mod conformance;
 pub mod craft;
 pub mod loopback;
 
@@ -25,6 +29,9 @@ use ferry_migrate::wire::{PAGE_SIZE, SectionId};
 /// The fake VM's one kind of device state (the number is the fake VMM's own choice).
 pub const FAKE_VCPU: SectionId = SectionId(1);
 use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
+
+/// The version of the fake's one section (a vCPU named by a few bytes).
+pub const FAKE_STATE_VERSION: u32 = 1;
 
 /// Guest RAM: a memfd mapped shared, split into regions with a gap between them (like RAM
 /// around a PC's MMIO hole).
@@ -87,6 +94,25 @@ impl FakeRam {
     /// The host address of guest page `index` (counting pages across regions).
     fn page_ptr(&self, index: u64) -> *mut u64 {
         (self.base + (index * PAGE_SIZE) as usize) as *mut u64
+    }
+
+    /// The region holding the `pages` pages from `gpa` and the first one's page index
+    /// (counting across regions), or why there is none.
+    fn locate(&self, operation: &'static str, gpa: u64, pages: u64) -> Result<u64, VmError> {
+        let fail = |message: String| VmError::Failed { operation, message };
+        let (i, r) = self
+            .regions
+            .iter()
+            .enumerate()
+            .find(|(_, r)| gpa >= r.gpa && gpa < r.gpa + r.size)
+            .ok_or_else(|| fail(format!("{gpa:#x} is not RAM")))?;
+        let first = (gpa - r.gpa) / PAGE_SIZE;
+        if pages > r.size / PAGE_SIZE - first {
+            return Err(fail(format!(
+                "{pages} pages at {gpa:#x} run past the end of their region"
+            )));
+        }
+        Ok(i as u64 * (r.size / PAGE_SIZE) + first)
     }
 
     fn pages(&self) -> u64 {
@@ -173,7 +199,7 @@ impl FakeVm {
                 .map(|instance| Section {
                     id: FAKE_VCPU,
                     instance,
-                    version: 1,
+                    version: FAKE_STATE_VERSION,
                     data: format!("fake vcpu {instance}").into_bytes(),
                 })
                 .collect(),
@@ -213,6 +239,24 @@ impl FakeVm {
     pub fn contents(&self) -> Vec<u8> {
         let _g = self.shared.gate.write().unwrap();
         self.shared.ram.contents()
+    }
+
+    /// Writes `bytes` at `gpa` as the VMM itself would (a device, a loader) and marks the
+    /// pages, whether or not the guest is paused.
+    pub fn write(&self, gpa: u64, bytes: &[u8]) -> Result<(), VmError> {
+        let page_count = (gpa % PAGE_SIZE + bytes.len() as u64).div_ceil(PAGE_SIZE);
+        let first = self
+            .shared
+            .ram
+            .locate("write", gpa / PAGE_SIZE * PAGE_SIZE, page_count)?;
+        let host = self.shared.ram.page_ptr(first) as usize + (gpa % PAGE_SIZE) as usize;
+        // SAFETY: `locate` checked that the bytes lie inside one region of the mapping; writers
+        // may race on a page, which is fine for plain bytes through raw pointers.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
+        for index in first..first + page_count {
+            self.shared.mark(index);
+        }
+        Ok(())
     }
 
     /// Host memory the RAM occupies (the memfd's allocated bytes).
@@ -302,17 +346,7 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
-        let ram = &self.shared.ram;
-        let per = ram.regions[0].size / PAGE_SIZE;
-        let region = ram
-            .regions
-            .iter()
-            .position(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
-            .ok_or(VmError::Failed {
-                operation: "clear_dirty",
-                message: format!("{gpa:#x} is not RAM"),
-            })?;
-        let first = region as u64 * per + (gpa - ram.regions[region].gpa) / PAGE_SIZE;
+        let first = self.shared.ram.locate("clear_dirty", gpa, pages)?;
         for i in first..first + pages {
             self.shared.dirty[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::AcqRel);
         }
@@ -320,13 +354,18 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
-        let per_words = (self.shared.ram.regions[0].size / PAGE_SIZE / 64) as usize;
-        for region in 0..into.regions() {
-            let words: Vec<u64> = self.shared.dirty[region * per_words..(region + 1) * per_words]
+        let regions = &self.shared.ram.regions;
+        let per_words = (regions[0].size / PAGE_SIZE / 64) as usize;
+        for (i, r) in regions.iter().enumerate() {
+            let words: Vec<u64> = self.shared.dirty[i * per_words..(i + 1) * per_words]
                 .iter()
                 .map(|w| w.swap(0, Ordering::AcqRel))
                 .collect();
-            into.merge(region, 0, &words);
+            into.merge_at(r.gpa, r.size / PAGE_SIZE, &words)
+                .map_err(|e| VmError::Failed {
+                    operation: "fetch_dirty",
+                    message: e.to_string(),
+                })?;
         }
         Ok(())
     }
@@ -358,12 +397,24 @@ unsafe impl DestinationVm for FakeVm {
         self.shared.ram.regions.clone()
     }
 
+    /// Accepts vCPU sections of [`FAKE_STATE_VERSION`] with some data, as a real VMM validates
+    /// what it loads.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        if sections.iter().any(|s| s.id != FAKE_VCPU) {
-            return Err(VmError::Failed {
-                operation: "load_state",
-                message: "the fake VM has only a vCPU section".into(),
-            });
+        let fail = |message: String| VmError::Failed {
+            operation: "load_state",
+            message,
+        };
+        for s in sections {
+            if s.id != FAKE_VCPU {
+                return Err(fail("the fake VM has only a vCPU section".into()));
+            }
+            if s.version != FAKE_STATE_VERSION || s.data.is_empty() {
+                return Err(fail(format!(
+                    "vCPU section version {} with {} bytes; the fake loads version {FAKE_STATE_VERSION} with data",
+                    s.version,
+                    s.data.len()
+                )));
+            }
         }
         self.state = sections.to_vec();
         Ok(())

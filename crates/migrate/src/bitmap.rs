@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::ram::RamRegion;
+use crate::ram::{RamError, RamRegion};
 use crate::wire::PAGE_SIZE;
 
 /// Words a single [`DirtyBitmap::take`] call scans at most: 64 Ki words = 4 Mi pages = 16 GiB of
@@ -81,25 +81,51 @@ impl DirtyBitmap {
         false
     }
 
-    /// ORs `words` (bit i = page `64 * first_word + i` of region `region`) into the bitmap, as
-    /// a dirty log hands them over. Bits past the region's end are ignored.
-    pub fn merge(&mut self, region: usize, first_word: usize, words: &[u64]) {
-        let r = &mut self.regions[region];
-        let last = r.words.len();
-        let tail_mask = match r.pages % 64 {
-            0 => u64::MAX,
-            n => (1u64 << n) - 1,
-        };
+    /// ORs a dirty log's bits into the bitmap: bit i of `words` is the page at
+    /// `gpa + i * PAGE_SIZE`, for the `pages` pages from `gpa`; bits past `pages` are ignored.
+    ///
+    /// The log is placed by guest address, never by a region index, so the VMM's memory slots
+    /// and the engine's (sorted) regions need not be numbered alike. The pages must lie in one
+    /// region: a log that runs past its region's end is an error, not a silent truncation.
+    pub fn merge_at(&mut self, gpa: u64, pages: u64, words: &[u64]) -> Result<(), RamError> {
+        let bad = RamError::NotInOneRegion { gpa, pages };
+        if !gpa.is_multiple_of(PAGE_SIZE) || pages > words.len() as u64 * 64 {
+            return Err(bad);
+        }
+        let r = self
+            .regions
+            .iter_mut()
+            .find(|r| gpa >= r.gpa && (gpa - r.gpa) / PAGE_SIZE < r.pages)
+            .ok_or(RamError::OutOfRange { gpa })?;
+        let first = (gpa - r.gpa) / PAGE_SIZE;
+        if pages > r.pages - first {
+            return Err(bad);
+        }
+        // Bit i of `words` lands on bit `first + i` of the region: word `first / 64 + i / 64`
+        // shifted left by `first % 64`, its high bits spilling into the next word.
+        let shift = first % 64;
+        let mut added = 0;
         for (i, &w) in words.iter().enumerate() {
-            let idx = first_word + i;
-            if idx >= last {
+            let done = i as u64 * 64;
+            if done >= pages {
                 break;
             }
-            let w = if idx + 1 == last { w & tail_mask } else { w };
-            let new = w & !r.words[idx];
-            r.words[idx] |= new;
-            self.count += u64::from(new.count_ones());
+            let w = if pages - done < 64 {
+                w & ((1u64 << (pages - done)) - 1)
+            } else {
+                w
+            };
+            let at = (first / 64) as usize + i;
+            for (idx, bits) in [(at, w << shift), (at + 1, (w >> 1) >> (63 - shift))] {
+                if bits != 0 {
+                    let new = bits & !r.words[idx];
+                    r.words[idx] |= new;
+                    added += u64::from(new.count_ones());
+                }
+            }
         }
+        self.count += added;
+        Ok(())
     }
 
     /// Takes up to `max_pages` marked pages from `cursor` on, clearing their bits and pushing
@@ -168,13 +194,13 @@ mod tests {
         assert!(b.set(5 * PAGE_SIZE));
         assert!(!b.set(5 * PAGE_SIZE));
         assert!(!b.set(200 * PAGE_SIZE), "not RAM");
-        b.merge(0, 0, &[0b1110_0000, u64::MAX]);
+        b.merge_at(0, 100, &[0b1110_0000, u64::MAX]).unwrap();
         assert_eq!(
             b.count(),
             3 + 36,
             "page 5 counted once; bits past page 100 ignored"
         );
-        b.merge(1, 0, &[1 << 63]);
+        b.merge_at(1 << 32, 64, &[1 << 63]).unwrap();
         assert_eq!(b.count(), 40);
         let pages = drain(&mut b, 7);
         assert_eq!(pages.len(), 40);
@@ -187,7 +213,7 @@ mod tests {
     #[test]
     fn take_respects_its_page_budget() {
         let mut b = bitmap();
-        b.merge(0, 0, &[u64::MAX, u64::MAX]);
+        b.merge_at(0, 100, &[u64::MAX, u64::MAX]).unwrap();
         let (mut cursor, mut out) = (Cursor::default(), Vec::new());
         b.take(&mut cursor, 10, &mut out);
         assert_eq!(out.len(), 10);
@@ -211,5 +237,45 @@ mod tests {
         );
         b.take(&mut cursor, 100, &mut out);
         assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn merge_is_placed_by_guest_address_at_any_page_offset() {
+        let mut b = bitmap();
+        // 70 pages from page 30 of the first region: words 0 and 1 of the region, shifted.
+        b.merge_at(30 * PAGE_SIZE, 70, &[u64::MAX, u64::MAX])
+            .unwrap();
+        assert_eq!(b.count(), 70, "bits past the 70 pages are ignored");
+        let pages = drain(&mut b, 1000);
+        assert_eq!(pages.first(), Some(&(30 * PAGE_SIZE)));
+        assert_eq!(pages.last(), Some(&(99 * PAGE_SIZE)));
+        b.merge_at((1 << 32) + PAGE_SIZE, 1, &[1]).unwrap();
+        assert_eq!(drain(&mut b, 10), vec![(1 << 32) + PAGE_SIZE]);
+    }
+
+    #[test]
+    fn merge_refuses_a_log_outside_one_region() {
+        let mut b = bitmap();
+        assert_eq!(
+            b.merge_at(200 * PAGE_SIZE, 1, &[1]),
+            Err(RamError::OutOfRange {
+                gpa: 200 * PAGE_SIZE
+            }),
+            "in the hole between the regions"
+        );
+        assert_eq!(
+            b.merge_at(64 * PAGE_SIZE, 64, &[1]),
+            Err(RamError::NotInOneRegion {
+                gpa: 64 * PAGE_SIZE,
+                pages: 64
+            }),
+            "runs past the region's end (page 100)"
+        );
+        assert_eq!(
+            b.merge_at(0, 65, &[1]),
+            Err(RamError::NotInOneRegion { gpa: 0, pages: 65 }),
+            "more pages than bits"
+        );
+        assert_eq!(b.count(), 0, "a refused log changes nothing");
     }
 }

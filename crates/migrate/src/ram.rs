@@ -3,9 +3,23 @@
 //! read from a socket into, clear back to zero, and find populated ranges with
 //! `SEEK_DATA`/`SEEK_HOLE`.
 //!
-//! With `zero.rs` (SIMD loads) this is the engine's only module with `unsafe`. Its soundness rests on the contract of
-//! [`crate::vm::SourceVm`] and [`crate::vm::DestinationVm`]: the regions a VMM hands over are
-//! mapped, readable and writable, and stay so for as long as the migration session.
+//! With `zero.rs` (SIMD loads) this is the engine's only module with `unsafe`. Its soundness
+//! rests on one invariant of [`Ram`]: **every region of a `Ram` is mapped, readable (and, on a
+//! destination, writable) for as long as the `Ram` and its clones live.** A [`RamRegion`] is
+//! inert data (its fields are public and [`RamRegion::for_test`] makes one with no mapping);
+//! nothing dereferences its `host_addr` until it is inside a `Ram`, and a `Ram` is built only
+//! under a contract someone vouched for in an `unsafe` block or impl:
+//!
+//! - [`Ram::from_regions`] is `unsafe`: its caller states the mappings.
+//! - The engine's own sessions build theirs (crate-internal `Ram::new`) from
+//!   [`crate::vm::SourceVm::ram`] or [`crate::vm::DestinationVm::ram`], whose traits are
+//!   `unsafe` to implement for exactly this promise, and keep the VM borrowed while the `Ram`
+//!   lives.
+//!
+//! The writing operations (`Ram::read_pages`, `Ram::zero_run`) also need the pages to be the
+//! caller's alone while they run. That is the receivers' page claim (a page is claimed once per
+//! pass before it is written), so the two are crate-internal rather than `unsafe`: marking them
+//! `unsafe` would move `unsafe` blocks into `receiver.rs`, which keeps `forbid(unsafe_code)`.
 
 use std::os::fd::RawFd;
 
@@ -27,7 +41,9 @@ pub struct RamRegion {
 }
 
 impl RamRegion {
-    /// A region with no mapping, for pure tests of bitmaps and layouts.
+    /// A region with no mapping (`host_addr` 0, no file), for pure tests of bitmaps and
+    /// layouts. Safe: a region is a description; only a [`Ram`] reads through one, and building
+    /// a `Ram` is where the mapping is vouched for.
     pub fn for_test(gpa: u64, size: u64) -> RamRegion {
         RamRegion {
             gpa,
@@ -51,11 +67,14 @@ pub enum RamError {
     OutOfRange { gpa: u64 },
     #[error("zero run of {pages} pages at {gpa:#x} is empty, too long or leaves its RAM region")]
     BadRun { gpa: u64, pages: u64 },
+    #[error("{pages} pages at {gpa:#x} are not inside one RAM region")]
+    NotInOneRegion { gpa: u64, pages: u64 },
     #[error("RAM region at {gpa:#x} of {size} bytes is not page aligned or overlaps another")]
     BadRegion { gpa: u64, size: u64 },
 }
 
-/// A VM's RAM regions, sorted and checked.
+/// A VM's RAM regions, sorted and checked, each mapped for as long as this value and its
+/// clones live (the module's invariant).
 #[derive(Clone, Debug)]
 pub struct Ram {
     regions: Vec<RamRegion>,
@@ -63,7 +82,16 @@ pub struct Ram {
 }
 
 impl Ram {
-    pub fn new(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
+    /// Sorts and checks `regions` (page aligned, non-empty, non-overlapping).
+    ///
+    /// # Safety
+    ///
+    /// Every region's `size` bytes from `host_addr` must be mapped and readable (and writable,
+    /// if the `Ram` is written through: `Ram::read_pages`, `Ram::zero_run`) for as long as the
+    /// returned `Ram` or any clone of it is used to reach guest memory ([`Ram::copy_page`] and
+    /// the writers); `fd` must be the file backing the mapping at `file_offset` for
+    /// [`Ram::next_data`] to mean anything (a wrong fd gives wrong answers, not unsoundness).
+    pub unsafe fn from_regions(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
         regions.sort_by_key(|r| r.gpa);
         let mut end = 0;
         for r in &regions {
@@ -81,6 +109,17 @@ impl Ram {
         }
         let size = regions.iter().map(|r| r.size).sum();
         Ok(Ram { regions, size })
+    }
+
+    /// [`Ram::from_regions`] for the engine's sessions, whose only arguments are a VM's
+    /// `ram()`: the source's setup and the destination's session call it with `vm.ram()` of the
+    /// VM they borrow for their whole life, and keep the `Ram` no longer.
+    pub(crate) fn new(regions: Vec<RamRegion>) -> Result<Ram, RamError> {
+        // SAFETY: the regions come from `SourceVm::ram` or `DestinationVm::ram` (this function's
+        // contract with its two callers), which the VMM's `unsafe impl` promises are mapped,
+        // readable and writable, backed by `fd`, for as long as the VM lives; the session that
+        // owns the returned `Ram` borrows the VM for longer than it keeps the `Ram`.
+        unsafe { Ram::from_regions(regions) }
     }
 
     pub fn regions(&self) -> &[RamRegion] {
@@ -122,8 +161,8 @@ impl Ram {
     pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<(), RamError> {
         assert_eq!(out.len(), PAGE_SIZE as usize);
         let src = self.page(gpa)?;
-        // SAFETY: `src` is a mapped page of guest RAM (checked above; mapped for the session by
-        // the VM trait contract). The guest may write it concurrently: the bytes are treated as
+        // SAFETY: `src` is a page of guest RAM (checked above), mapped while `self` lives (the
+        // `Ram` invariant). The guest may write it concurrently: the bytes are treated as
         // plain data (every value is valid), and a page changed during the copy is dirty again
         // and sent again, so a torn copy is never the last word.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
@@ -170,19 +209,27 @@ impl Ram {
 }
 
 impl Ram {
-    /// Reads the pages at `gpas` (strictly increasing, each already claimed by the caller for
-    /// this pass) straight from `stream` into guest memory: one `readv` per as many pages as
-    /// the socket has ready, no intermediate buffer.
-    pub fn read_pages(&self, stream: &mut impl std::io::Read, gpas: &[u64]) -> std::io::Result<()> {
+    /// Reads the pages at `gpas` (strictly increasing) straight from `stream` into guest
+    /// memory: one `readv` per as many pages as the socket has ready, no intermediate buffer.
+    ///
+    /// Contract (crate-internal, see the module doc): the pages are the caller's alone until
+    /// this returns: no other thread reads or writes them (the receivers claim each page for
+    /// the pass before writing it), and no vCPU runs.
+    pub(crate) fn read_pages(
+        &self,
+        stream: &mut impl std::io::Read,
+        gpas: &[u64],
+    ) -> std::io::Result<()> {
         let mut slices = Vec::with_capacity(gpas.len());
         for w in gpas.windows(2) {
             assert!(w[0] < w[1], "page addresses must be strictly increasing");
         }
         for &gpa in gpas {
             let host = self.page(gpa).map_err(std::io::Error::other)?;
-            // SAFETY: a mapped, writable guest page (VM trait contract); the addresses are
-            // distinct (strictly increasing) and the caller claimed each for this pass, so no
-            // other slice to it exists now; the destination guest does not run yet.
+            // SAFETY: a mapped, writable guest page (the `Ram` invariant); the addresses are
+            // distinct (strictly increasing) and the caller holds each alone (this function's
+            // crate-internal contract, kept by the receivers' page claim), so no other slice
+            // to it exists now.
             let page =
                 unsafe { std::slice::from_raw_parts_mut(host as *mut u8, PAGE_SIZE as usize) };
             slices.push(std::io::IoSliceMut::new(page));
@@ -203,12 +250,16 @@ impl Ram {
     /// stores. Clearing beats punching a hole in the backing file: `ferry bench channels`
     /// measured 0.27–0.40 µs per page cleared against 1.0–3.9 µs per page punched (runs of 16
     /// and 1), and the pages are populated already, so clearing takes no extra memory.
-    pub fn zero_run(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
+    ///
+    /// Contract (crate-internal): as for `Ram::read_pages`, the pages are the caller's alone
+    /// until this returns.
+    pub(crate) fn zero_run(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
         for i in 0..pages {
             let host = self
                 .page(gpa + i * PAGE_SIZE)
                 .map_err(std::io::Error::other)?;
-            // SAFETY: a mapped, writable guest page the caller claimed for this pass.
+            // SAFETY: a mapped, writable guest page (the `Ram` invariant) that the caller holds
+            // alone (this function's crate-internal contract, kept by the page claim).
             unsafe { std::ptr::write_bytes(host as *mut u8, 0, PAGE_SIZE as usize) };
         }
         Ok(())
@@ -235,9 +286,16 @@ impl Ram {
 mod tests {
     use super::*;
 
+    /// A `Ram` over regions with no mapping, for checking layouts only.
+    fn layout_only(regions: Vec<RamRegion>) -> Result<Ram, RamError> {
+        // SAFETY: the callers only check the layout and address arithmetic (`page`, `size`,
+        // `regions`); nothing reads or writes guest memory through this `Ram`.
+        unsafe { Ram::from_regions(regions) }
+    }
+
     #[test]
     fn regions_are_checked() {
-        let ok = Ram::new(vec![
+        let ok = layout_only(vec![
             RamRegion::for_test(1 << 32, 8192),
             RamRegion::for_test(0, 4096),
         ])
@@ -245,13 +303,13 @@ mod tests {
         assert_eq!(ok.regions()[0].gpa, 0, "sorted");
         assert_eq!(ok.size(), 12288);
         assert!(
-            Ram::new(vec![
+            layout_only(vec![
                 RamRegion::for_test(0, 8192),
                 RamRegion::for_test(4096, 4096)
             ])
             .is_err()
         );
-        assert!(Ram::new(vec![RamRegion::for_test(100, 4096)]).is_err());
+        assert!(layout_only(vec![RamRegion::for_test(100, 4096)]).is_err());
         assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
         assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
     }

@@ -6,12 +6,46 @@
 //! never-touched ranges with `SEEK_DATA`/`SEEK_HOLE` on the same fd. RAM below the hole is at
 //! file offset = guest address; RAM above it continues at 4 GiB, at file offset
 //! [`MMIO_HOLE_START`], so the file has no hole of its own.
+//!
+//! **Every write the VMM makes to guest memory is recorded, by construction.** KVM's dirty log
+//! sees only the guest's writes; a device or loader writing guest memory behind a migration's
+//! back would leave the destination with a stale page and no error. So there is no untracked
+//! way to write: guest memory is a vm-memory [`GuestMemoryMmap`] whose regions carry an
+//! [`AtomicBitmap`] (vm-memory's `backend-bitmap`), and every write vm-memory performs, through
+//! [`GuestRam::write`], the [`Bytes`] methods of [`GuestRam::memory`] (which linux-loader uses)
+//! or a `VolatileSlice` taken from it, sets the page's bit after the bytes land. Reading stays
+//! free. The only ways around the bitmap are raw host pointers (`as_ptr`, `get_host_address`),
+//! which cannot be written through without an `unsafe` block of one's own.
+//!
+//! Why vm-memory's bitmap rather than a tracked writer of our own: the loaders need a
+//! `GuestMemory` to write boot data into, so a view would have to be handed out anyway, and a
+//! view that records is the only one that cannot be misused; vm-memory already marks after the
+//! copy, which is the order the migration needs (the engine clears a bit and then copies the
+//! page, so a write that races the copy stays marked for the next pass). The cost: one bit per
+//! 4 KiB page, always allocated (2 MiB for a 64 GiB guest, 16 MiB at the 512 GiB maximum), and
+//! an atomic OR per page a VMM write touches.
+//!
+//! The bitmap always records; a migration reads it only between [`GuestRam::track_writes`]
+//! on and off, and turning tracking on resets it (earlier writes are covered by the dirty log
+//! starting "initially set").
 
 use std::fs::File;
+use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap,
+};
+
+/// Guest memory as vm-memory sees it, every region with its write bitmap.
+pub type TrackedMemory = GuestMemoryMmap<AtomicBitmap>;
+
+/// The granule of write tracking: the guest page, as KVM's dirty log counts.
+const TRACK_PAGE: NonZeroUsize = NonZeroUsize::new(ferry_guest_abi::PAGE_SIZE as usize).unwrap();
 
 /// Start of the 32-bit MMIO hole: 1 GiB below 4 GiB for 32-bit BARs, the IOAPIC and LAPIC
 /// windows (0xfec0_0000, 0xfee0_0000) and the firmware flash, as PC firmware leaves it.
@@ -113,16 +147,37 @@ pub fn validate_size(size: u64) -> Result<(), MemoryError> {
     Ok(())
 }
 
+/// The pages the VMM wrote in one RAM region since the last take: bit `i` of `words` is the
+/// page at `gpa + i * PAGE_SIZE`, for `pages` pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WriteLog {
+    pub gpa: u64,
+    pub pages: u64,
+    pub words: Vec<u64>,
+}
+
+impl WriteLog {
+    /// The guest addresses of the written pages, in order.
+    pub fn written(&self) -> impl Iterator<Item = u64> + '_ {
+        let page = ferry_guest_abi::PAGE_SIZE;
+        self.words.iter().enumerate().flat_map(move |(i, &w)| {
+            (0..64)
+                .filter(move |b| w & (1 << b) != 0)
+                .map(move |b| self.gpa + (i as u64 * 64 + b) * page)
+        })
+    }
+}
+
 /// Guest RAM backed by one memfd.
 #[derive(Debug)]
 pub struct GuestRam {
     memfd: File,
     size: u64,
     regions: Vec<RamRegion>,
-    memory: GuestMemoryMmap,
-    /// While a migration tracks dirty pages: the pages the VMM itself wrote (KVM's log sees
-    /// only the guest's writes). Drained by the dirty-log merge in `crate::migration`.
-    vmm_writes: std::sync::Mutex<Option<Vec<u64>>>,
+    /// Every region's bitmap records the VMM's writes (see the module doc).
+    memory: TrackedMemory,
+    /// Whether a migration tracks dirty pages: [`GuestRam::take_writes`] reports only then.
+    tracking: AtomicBool,
 }
 
 impl GuestRam {
@@ -139,16 +194,18 @@ impl GuestRam {
             let fd = memfd
                 .try_clone()
                 .map_err(|source| MemoryError::Memfd { source })?;
-            let map = MmapRegionBuilder::new(len as usize)
-                .with_file_offset(FileOffset::new(fd, file_offset))
-                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
-                .build()
-                .map_err(|source| MemoryError::Map {
-                    gpa,
-                    size: len,
-                    source,
-                })?;
+            let bitmap = AtomicBitmap::new(len as usize, TRACK_PAGE);
+            let map: MmapRegion<AtomicBitmap> =
+                MmapRegionBuilder::new_with_bitmap(len as usize, bitmap)
+                    .with_file_offset(FileOffset::new(fd, file_offset))
+                    .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                    .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                    .build()
+                    .map_err(|source| MemoryError::Map {
+                        gpa,
+                        size: len,
+                        source,
+                    })?;
             regions.push(RamRegion {
                 gpa,
                 size: len,
@@ -160,13 +217,13 @@ impl GuestRam {
             );
         }
         let memory =
-            GuestMemoryMmap::from_regions(mapped).map_err(|_| MemoryError::Region { gpa: 0 })?;
+            TrackedMemory::from_regions(mapped).map_err(|_| MemoryError::Region { gpa: 0 })?;
         Ok(GuestRam {
             memfd,
             size,
             regions,
             memory,
-            vmm_writes: std::sync::Mutex::new(None),
+            tracking: AtomicBool::new(false),
         })
     }
 
@@ -178,8 +235,9 @@ impl GuestRam {
         &self.regions
     }
 
-    /// The vm-memory view, for loaders and devices.
-    pub fn memory(&self) -> &GuestMemoryMmap {
+    /// The vm-memory view, for loaders and devices. Writes through it are tracked like
+    /// [`GuestRam::write`]'s: its regions carry the write bitmap.
+    pub fn memory(&self) -> &TrackedMemory {
         &self.memory
     }
 
@@ -204,22 +262,15 @@ impl GuestRam {
             })
     }
 
-    /// Writes guest memory from the VMM side, recording the pages for a running migration.
+    /// Writes guest memory from the VMM side; the pages are recorded (see the module doc).
     pub fn write(&self, gpa: u64, buf: &[u8]) -> Result<(), MemoryError> {
-        let mut tracked = self.vmm_writes.lock().unwrap();
         self.memory
             .write_slice(buf, GuestAddress(gpa))
             .map_err(|source| MemoryError::Access {
                 gpa,
                 len: buf.len(),
                 source,
-            })?;
-        if let Some(pages) = tracked.as_mut() {
-            let page = ferry_guest_abi::PAGE_SIZE;
-            let end = gpa + buf.len() as u64;
-            pages.extend((gpa / page * page..end).step_by(page as usize));
-        }
-        Ok(())
+            })
     }
 
     /// Returns `len` bytes of guest RAM at `gpa` (page aligned, inside one region) to the host:
@@ -249,20 +300,40 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Starts or stops recording the VMM's own writes.
+    /// Starts or stops reporting the VMM's own writes to a migration. Starting forgets what
+    /// was written before: the dirty log starts with every page dirty anyway.
     pub fn track_writes(&self, on: bool) {
-        *self.vmm_writes.lock().unwrap() = on.then(Vec::new);
+        if on {
+            for region in self.memory.iter() {
+                bitmap(region).reset();
+            }
+        }
+        self.tracking.store(on, Ordering::Release);
     }
 
-    /// The pages the VMM wrote since the last call (empty when not tracking).
-    pub fn take_writes(&self) -> Vec<u64> {
-        self.vmm_writes
-            .lock()
-            .unwrap()
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
+    /// Fetch-and-clear of the VMM's writes since the last call, one log per RAM region (none
+    /// when not tracking). A write that lands during the take is either in this take or the
+    /// next: each bitmap word is swapped out atomically, and a write's bit is set after its
+    /// bytes are in memory.
+    pub fn take_writes(&self) -> Vec<WriteLog> {
+        if !self.tracking.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.memory
+            .iter()
+            .map(|region| WriteLog {
+                gpa: region.start_addr().0,
+                pages: region.len() / ferry_guest_abi::PAGE_SIZE,
+                words: bitmap(region).get_and_reset(),
+            })
+            .collect()
     }
+}
+
+/// The write bitmap of one vm-memory region (the mapping's own, not the trait's slice view).
+fn bitmap(region: &GuestRegionMmap<AtomicBitmap>) -> &AtomicBitmap {
+    let map: &MmapRegion<AtomicBitmap> = region;
+    map.bitmap()
 }
 
 fn create_memfd() -> std::io::Result<File> {
@@ -282,6 +353,14 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    /// The pages [`GuestRam::take_writes`] reports, in address order.
+    fn written(ram: &GuestRam) -> Vec<u64> {
+        ram.take_writes()
+            .iter()
+            .flat_map(WriteLog::written)
+            .collect()
+    }
 
     #[test]
     fn small_guest_is_one_region() {
@@ -331,14 +410,45 @@ mod tests {
         assert_eq!(&buf, b"above the hole");
         let allocated = ram.allocated_bytes().unwrap();
         assert!((8192..(1 << 20)).contains(&allocated), "{allocated}");
-        assert!(ram.take_writes().is_empty(), "not tracking");
+        assert!(written(&ram).is_empty(), "not tracking");
         ram.track_writes(true);
         ram.write(5 * GIB + 4000, &[1; 200]).unwrap();
-        assert_eq!(ram.take_writes(), vec![5 * GIB, 5 * GIB + 4096]);
-        assert!(ram.take_writes().is_empty());
+        assert_eq!(written(&ram), vec![5 * GIB, 5 * GIB + 4096]);
+        assert!(written(&ram).is_empty());
         assert!(
             ram.read(3 * GIB + 4096, &mut buf).is_err(),
             "the MMIO hole is not RAM"
         );
+    }
+
+    /// Item 7 of the seams issue: a write through the vm-memory view (as a loader or a device
+    /// makes it) is recorded like one through `GuestRam::write`, and starting to track forgets
+    /// the writes made before.
+    #[test]
+    fn writes_through_the_vm_memory_view_are_tracked() {
+        let ram = GuestRam::new(64 << 20).unwrap();
+        ram.memory()
+            .write_obj(0x1234_5678u32, GuestAddress(0x3000))
+            .unwrap();
+        ram.track_writes(true);
+        assert!(
+            written(&ram).is_empty(),
+            "writes before tracking are forgotten"
+        );
+        ram.memory()
+            .write_obj(0xdead_beefu32, GuestAddress(0x7ffe))
+            .unwrap();
+        ram.memory()
+            .get_slice(GuestAddress(0x20000), 1)
+            .unwrap()
+            .write_obj(7u8, 0)
+            .unwrap();
+        assert_eq!(written(&ram), vec![0x7000, 0x8000, 0x20000]);
+        let logs = ram.take_writes();
+        assert_eq!(logs.len(), 1, "one log per region");
+        assert_eq!((logs[0].gpa, logs[0].pages), (0, (64 << 20) / 4096));
+        ram.track_writes(false);
+        ram.write(0x5000, &[1]).unwrap();
+        assert!(ram.take_writes().is_empty(), "not tracking");
     }
 }

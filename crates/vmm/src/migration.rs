@@ -1,9 +1,10 @@
 //! ferry's migration engine driving this VMM: [`ferry_migrate::SourceVm`] on a running VM and
 //! [`ferry_migrate::DestinationVm`] on an [`IncomingVm`].
 //!
-//! Dirty pages are KVM's log (guest writes) ∪ the pages the VMM wrote itself
-//! ([`GuestRam::write`] records them while a migration tracks): `fetch_dirty` below is the one
-//! place the two are merged.
+//! Dirty pages are KVM's log (guest writes) ∪ the pages the VMM wrote itself (guest memory
+//! records every VMM write, see `crate::memory`; [`GuestRam::take_writes`] hands them over
+//! while a migration tracks): `fetch_dirty` below is the one place the two are merged, both
+//! placed by guest address.
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -194,9 +195,23 @@ fn failed(operation: &'static str) -> impl FnOnce(String) -> VmError {
     move |message| VmError::Failed { operation, message }
 }
 
-struct SourceAdapter {
+/// A running VM as the engine's [`SourceVm`]. A migration makes its own; the conformance
+/// suite (`ferry_migrate_testkit::conformance`) gets one from [`VmHandle::migration_source`].
+#[derive(Debug)]
+pub struct SourceAdapter {
     shared: Arc<Shared>,
     handle: VmHandle,
+}
+
+impl VmHandle {
+    /// This VM as a migration source, for driving the engine's trait directly (the
+    /// conformance suite does). The dirty log has one reader: not while a migration runs.
+    pub fn migration_source(&self) -> SourceAdapter {
+        SourceAdapter {
+            shared: self.0.clone(),
+            handle: self.clone(),
+        }
+    }
 }
 
 // SAFETY: the regions are the GuestRam mappings, which `shared` keeps alive (an Arc held by
@@ -210,44 +225,33 @@ unsafe impl SourceVm for SourceAdapter {
         self.shared.ram.track_writes(true);
         self.shared
             .kvm
-            .set_dirty_logging(&self.shared.ram, true)
+            .set_dirty_logging(true)
             .map_err(|e| failed("start_dirty_log")(e.to_string()))
     }
 
     fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
-        let (slot, r) = self
-            .shared
-            .ram
-            .regions()
-            .iter()
-            .enumerate()
-            .find(|(_, r)| gpa >= r.gpa && gpa < r.gpa + r.size)
-            .ok_or_else(|| failed("clear_dirty")(format!("{gpa:#x} is not RAM")))?;
         self.shared
             .kvm
-            .clear_dirty_log(
-                slot as u32,
-                (gpa - r.gpa) / ferry_guest_abi::PAGE_SIZE,
-                pages,
-                None,
-            )
+            .clear_dirty(gpa, pages)
             .map_err(|e| failed("clear_dirty")(e.to_string()))
     }
 
+    /// KVM's log (the guest's writes) ∪ the VMM's own writes, both placed by guest address.
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
         self.shared
             .kvm
-            .fetch_dirty_log(&self.shared.ram, into)
+            .fetch_dirty_log(into)
             .map_err(|e| failed("fetch_dirty")(e.to_string()))?;
-        for gpa in self.shared.ram.take_writes() {
-            into.set(gpa);
+        for log in self.shared.ram.take_writes() {
+            into.merge_at(log.gpa, log.pages, &log.words)
+                .map_err(|e| failed("fetch_dirty")(format!("the VMM's own writes: {e}")))?;
         }
         Ok(())
     }
 
     fn stop_dirty_log(&mut self) {
         self.shared.ram.track_writes(false);
-        if let Err(e) = self.shared.kvm.set_dirty_logging(&self.shared.ram, false) {
+        if let Err(e) = self.shared.kvm.set_dirty_logging(false) {
             tracing::warn!("could not turn dirty logging off: {e}");
         }
     }

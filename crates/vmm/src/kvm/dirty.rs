@@ -2,19 +2,23 @@
 //! `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` (initially all set) so that fetching the log does not
 //! re-protect memory, and `KVM_CLEAR_DIRTY_LOG` (declared here; kvm-ioctls lacks it) to
 //! re-protect exactly the pages about to be sent, in bounded chunks.
+//!
+//! Slots are found by guest address in the VM's [`super::SlotTable`], and a slot's log is
+//! merged into the engine's bitmap at the slot's guest address: nothing here assumes that slot
+//! `i` is the `i`-th RAM region of anyone's list.
 
 use ferry_migrate::bitmap::DirtyBitmap;
+use ferry_migrate::ram::RamError;
 use kvm_bindings::{
     KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVMIO, kvm_clear_dirty_log,
-    kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap, kvm_userspace_memory_region,
+    kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
 };
 #[allow(unused_imports)] // used inside ioctl_iowr_nr!'s expansion
 use vmm_sys_util::ioctl_ioc_nr;
 use vmm_sys_util::ioctl_iowr_nr;
 
-use super::{KvmError, KvmVm};
-use crate::memory::GuestRam;
+use super::{KvmError, KvmVm, SlotError};
 
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
 
@@ -34,6 +38,19 @@ pub enum DirtyLogError {
         slot: u32,
         #[source]
         source: vmm_sys_util::errno::Error,
+    },
+    #[error("dirty log of {pages} pages at {gpa:#x}: {source}")]
+    Range {
+        gpa: u64,
+        pages: u64,
+        #[source]
+        source: SlotError,
+    },
+    #[error("the dirty log of slot {slot} does not fit the migration's RAM: {source}")]
+    Merge {
+        slot: u32,
+        #[source]
+        source: RamError,
     },
 }
 
@@ -64,20 +81,14 @@ impl KvmVm {
 
     /// Re-registers every RAM slot with dirty logging on or off. Turning it on marks every
     /// page dirty (initially set) without write-protecting anything.
-    pub fn set_dirty_logging(&self, ram: &GuestRam, on: bool) -> Result<(), KvmError> {
-        for (slot, r) in ram.regions().iter().enumerate() {
-            let region = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
-                guest_phys_addr: r.gpa,
-                memory_size: r.size,
-                userspace_addr: r.host_addr,
-            };
+    pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
+        for s in self.slots.slots() {
+            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
             // SAFETY: the same live mapping the slot was created with; only the flags change.
-            unsafe { self.vm.set_user_memory_region(region) }.map_err(|source| {
+            unsafe { self.vm.set_user_memory_region(s.region(flags)) }.map_err(|source| {
                 KvmError::MemorySlot {
-                    gpa: r.gpa,
-                    size: r.size,
+                    gpa: s.gpa,
+                    size: s.size,
                     source,
                 }
             })?;
@@ -85,9 +96,19 @@ impl KvmVm {
         Ok(())
     }
 
+    /// Re-protects the `pages` pages from `gpa`, which must lie in one slot, dropping their
+    /// dirty bits.
+    pub fn clear_dirty(&self, gpa: u64, pages: u64) -> Result<(), DirtyLogError> {
+        let (slot, first) = self
+            .slots
+            .lookup(gpa, pages)
+            .map_err(|source| DirtyLogError::Range { gpa, pages, source })?;
+        self.clear_dirty_log(slot.slot, first, pages, None)
+    }
+
     /// Re-protects `pages` pages of slot `slot` from page `first` (a multiple of 64), dropping
     /// their dirty bits: all of them when `bits` is `None`, else those set in `bits`.
-    pub fn clear_dirty_log(
+    fn clear_dirty_log(
         &self,
         slot: u32,
         first: u64,
@@ -133,29 +154,24 @@ impl KvmVm {
         Ok(())
     }
 
-    /// Fetch-and-clear of KVM's log: ORs every slot's dirty bits into `into` (slot i is RAM
-    /// region i) and re-protects the pages it reported.
-    pub fn fetch_dirty_log(
-        &self,
-        ram: &GuestRam,
-        into: &mut DirtyBitmap,
-    ) -> Result<(), DirtyLogError> {
-        for (slot, r) in ram.regions().iter().enumerate() {
+    /// Fetch-and-clear of KVM's log: ORs every slot's dirty bits into `into` at the slot's
+    /// guest address and re-protects the pages it reported.
+    pub fn fetch_dirty_log(&self, into: &mut DirtyBitmap) -> Result<(), DirtyLogError> {
+        for s in self.slots.slots() {
             let words = self
                 .vm
-                .get_dirty_log(slot as u32, r.size as usize)
+                .get_dirty_log(s.slot, s.size as usize)
                 .map_err(|source| DirtyLogError::Kvm {
                     what: "fetch",
-                    slot: slot as u32,
+                    slot: s.slot,
                     source,
                 })?;
-            into.merge(slot, 0, &words);
-            self.clear_dirty_log(
-                slot as u32,
-                0,
-                r.size / ferry_guest_abi::PAGE_SIZE,
-                Some(&words),
-            )?;
+            into.merge_at(s.gpa, s.pages(), &words)
+                .map_err(|source| DirtyLogError::Merge {
+                    slot: s.slot,
+                    source,
+                })?;
+            self.clear_dirty_log(s.slot, 0, s.pages(), Some(&words))?;
         }
         Ok(())
     }
