@@ -18,6 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::destination::IncomingControl;
+use crate::destination::sink::PageSink;
 use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::transport::Stream;
@@ -162,7 +163,10 @@ pub struct ReceiverStats {
 /// Shared by all receivers of a migration.
 #[derive(Clone, Debug)]
 pub struct Shared {
+    /// The guest's RAM layout, to check addresses.
     pub ram: Ram,
+    /// Where page data lands.
+    pub sink: Arc<dyn PageSink>,
     pub barrier: Arc<PassBarrier>,
     /// Pages that hold data from this migration (a zero run needs no work elsewhere).
     pub written: Arc<PageBits>,
@@ -295,8 +299,8 @@ impl Receiver {
             indices.push(self.claim(gpa)?);
         }
         self.shared
-            .ram
-            .read_pages(&mut self.stream, &gpas)
+            .sink
+            .receive_pages(&mut self.stream, &gpas)
             .map_err(|e| MigrateError::io("receiving pages", e))?;
         for i in indices {
             self.shared.written.set(i);
@@ -342,8 +346,8 @@ impl Receiver {
 
     fn zero(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
         self.shared
-            .ram
-            .zero_run(gpa, pages)
+            .sink
+            .zero(gpa, pages)
             .map_err(|e| MigrateError::io("zeroing pages", e))
     }
 }

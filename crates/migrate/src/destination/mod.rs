@@ -12,6 +12,8 @@
 //! - [`receive`] runs one session on a main connection the caller already accepted (tests, and
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
+//! - `sink` (internal) is how received pages land in memory: straight into mapped RAM for
+//!   precopy, an atomic install for postcopy later.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +21,7 @@ mod listen;
 mod progress;
 mod sections;
 mod session;
+pub(crate) mod sink;
 
 use std::time::{Duration, Instant};
 
