@@ -36,6 +36,20 @@ pub struct RunArgs {
     /// guest it brings. The API socket answers while it waits.
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     incoming: Option<String>,
+    /// With --incoming: populate all of guest RAM before waiting (one thread per core), so the
+    /// migration copies into memory that is already there. The guest's RAM is no longer
+    /// sparse on this host.
+    #[arg(long, requires = "incoming")]
+    prealloc: bool,
+}
+
+/// How an incoming VM's RAM is readied before the migration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ready {
+    /// Left sparse: pages are allocated as they arrive.
+    Sparse,
+    /// Every page populated ahead (`--prealloc`).
+    Prealloc,
 }
 
 /// What Ctrl-C acts on: the wait for an incoming migration, then the VM.
@@ -77,6 +91,7 @@ enum NoGuest {
 fn receive(
     config: VmConfig,
     spec: &str,
+    ready: Ready,
     interrupt: &Interrupt,
     api_socket: Option<&PathBuf>,
 ) -> Result<(Vm, Option<ApiServer>), NoGuest> {
@@ -90,6 +105,21 @@ fn receive(
     let handle = incoming.handle();
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
     let api = start_api(api_socket, &handle).map_err(NoGuest::Failed)?;
+    if ready == Ready::Prealloc {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let took = handle
+            .ram()
+            .prealloc(threads)
+            .context(
+                "cannot preallocate guest RAM (--prealloc); run without it, or free host memory",
+            )
+            .map_err(NoGuest::Failed)?;
+        eprintln!(
+            "ferry: preallocated {} MiB of guest RAM in {} ms ({threads} threads)",
+            handle.ram().size() >> 20,
+            took.as_millis()
+        );
+    }
     eprintln!("ferry: waiting for a migration on {}", listener.local());
     let received =
         ferry_vmm::migration::receive(&mut incoming, listener.as_ref(), &|| !interrupt.requested());
@@ -174,7 +204,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             let api = start_api(args.api_socket.as_ref(), &vm.handle())?;
             (vm, api)
         }
-        Some(spec) => match receive(config, spec, &interrupt, args.api_socket.as_ref()) {
+        Some(spec) => match receive(
+            config,
+            spec,
+            if args.prealloc {
+                Ready::Prealloc
+            } else {
+                Ready::Sparse
+            },
+            &interrupt,
+            args.api_socket.as_ref(),
+        ) {
             Ok(got) => got,
             Err(NoGuest::Stopped(why)) => {
                 eprintln!("ferry: {why}");

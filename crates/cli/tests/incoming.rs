@@ -211,19 +211,26 @@ fn a_bad_stream_after_a_valid_hello_ends_the_destination_with_the_reason() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Also `--prealloc`: the destination's RAM is fully populated before the source connects, and
+/// the guest that lands in it verifies clean.
 #[test]
-fn a_guest_migrates_over_a_unix_socket_and_verifies_clean() {
+fn a_guest_migrates_over_a_unix_socket_into_preallocated_memory_and_verifies_clean() {
     let src = RunningVm::start(
         "256M",
         "ws=64M pattern=random rate=20 verify-ms=200 log-ms=0",
     );
     let dir = tempfile::tempdir().unwrap();
     let spec = format!("unix:{}", dir.path().join("migrate.sock").display());
-    let dst = RunningVm::start_with("256M", "", &["--incoming", &spec]);
+    let dst = RunningVm::start_with("256M", "", &["--incoming", &spec, "--prealloc"]);
     dst.wait_until("the destination's API", Duration::from_secs(30), |vm| {
         vm.socket.exists()
     });
-    assert_eq!(dst.status_of("/migration")["listening_on"], spec.as_str());
+    dst.wait_until("preallocated RAM", Duration::from_secs(30), |vm| {
+        vm.status()["memory_allocated_bytes"].as_u64() == Some(256 << 20)
+    });
+    dst.wait_until("the listener", Duration::from_secs(30), |vm| {
+        vm.status_of("/migration")["listening_on"] == spec.as_str()
+    });
     src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });

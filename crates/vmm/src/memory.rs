@@ -300,6 +300,43 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Populates every page of guest RAM ahead of need (QEMU's `-mem-prealloc`): a migration
+    /// destination then copies incoming pages into memory that is already there instead of
+    /// paying the first-touch cost per page inside the migration. `threads` threads share the
+    /// work in [`PREALLOC_CHUNK`] pieces. Returns how long it took. The guest's RAM is no longer
+    /// sparse afterwards: it occupies its full size on the host.
+    pub fn prealloc(&self, threads: usize) -> std::io::Result<std::time::Duration> {
+        let started = std::time::Instant::now();
+        let chunks: Vec<(u64, u64)> = self
+            .regions
+            .iter()
+            .flat_map(|r| {
+                (0..r.size)
+                    .step_by(PREALLOC_CHUNK as usize)
+                    .map(move |off| (r.host_addr + off, PREALLOC_CHUNK.min(r.size - off)))
+            })
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    scope.spawn(|| -> std::io::Result<()> {
+                        while let Some(&(addr, len)) =
+                            chunks.get(next.fetch_add(1, Ordering::Relaxed))
+                        {
+                            populate(addr, len)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("a prealloc thread panicked"))
+        })?;
+        Ok(started.elapsed())
+    }
+
     /// Starts or stops reporting the VMM's own writes to a migration. Starting forgets what
     /// was written before: the dirty log starts with every page dirty anyway.
     pub fn track_writes(&self, on: bool) {
@@ -328,6 +365,35 @@ impl GuestRam {
             })
             .collect()
     }
+}
+
+/// A piece of preallocation work: 64 MiB is ~16,000 pages (tens of ms at the 2-3 µs a first
+/// touch costs), small enough that threads finish together and large enough that handing out
+/// chunks costs nothing.
+const PREALLOC_CHUNK: u64 = 64 << 20;
+
+/// Allocates and maps `len` bytes of guest RAM at host address `addr` as if written, without
+/// changing a byte (`MADV_POPULATE_WRITE`, Linux 5.14).
+///
+/// Why this and not `fallocate` of the memfd: measured on the project's machine for 1 GiB
+/// (one thread), `fallocate` costs 1.6 µs a page but a copy into the page afterwards still
+/// costs 2.6 µs (the mapping faults); `MADV_POPULATE_WRITE` costs 3.8 µs a page and a copy
+/// afterwards 0.45 µs, against 4.0 µs for a copy into untouched memory. Only populating the
+/// mapping takes the first-touch cost out of the migration.
+fn populate(addr: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: `addr..addr + len` lies inside one of GuestRam's live, writable mappings (the
+    // caller iterates its regions); MADV_POPULATE_WRITE only faults pages in and writes no data.
+    let ret = unsafe {
+        libc::madvise(
+            addr as *mut libc::c_void,
+            len as usize,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The write bitmap of one vm-memory region (the mapping's own, not the trait's slice view).
@@ -424,6 +490,18 @@ mod tests {
     /// Item 7 of the seams issue: a write through the vm-memory view (as a loader or a device
     /// makes it) is recorded like one through `GuestRam::write`, and starting to track forgets
     /// the writes made before.
+    #[test]
+    fn prealloc_populates_every_page_and_keeps_contents() {
+        let ram = GuestRam::new(MIN_MEMORY).unwrap();
+        ram.write(0x5000, b"kept").unwrap();
+        assert!(ram.allocated_bytes().unwrap() < MIN_MEMORY / 2);
+        ram.prealloc(2).unwrap();
+        assert_eq!(ram.allocated_bytes().unwrap(), MIN_MEMORY);
+        let mut b = [0u8; 4];
+        ram.read(0x5000, &mut b).unwrap();
+        assert_eq!(&b, b"kept");
+    }
+
     #[test]
     fn writes_through_the_vm_memory_view_are_tracked() {
         let ram = GuestRam::new(64 << 20).unwrap();
