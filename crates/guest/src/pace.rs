@@ -22,6 +22,19 @@ impl Pace {
         }
     }
 
+    /// The clock reading at which [`Pace::grant`] will give all of `want` pages: how long a
+    /// guest with nothing else to do may sleep. `want` must fit in a [`MAX_BURST_NS`] burst
+    /// (as [`Pace::pages_in`] of anything shorter does), or it is never granted at once.
+    pub fn due_ns(&self, now_ns: u64, want: u64) -> u64 {
+        let spent = self.spent_ns.max(now_ns.saturating_sub(MAX_BURST_NS));
+        spent + (want * 1_000_000_000).div_ceil(self.pages_per_s)
+    }
+
+    /// Pages the rate allows in `ns` nanoseconds (at least one).
+    pub fn pages_in(&self, ns: u64) -> u64 {
+        (self.pages_per_s * ns / 1_000_000_000).max(1)
+    }
+
     /// How many of `want` page writes may happen now.
     pub fn grant(&mut self, now_ns: u64, want: u64) -> u64 {
         self.spent_ns = self.spent_ns.max(now_ns.saturating_sub(MAX_BURST_NS));
@@ -49,6 +62,25 @@ mod tests {
         }
         let want = 2 * 40_000_000 / 4096;
         assert!(total.abs_diff(want) <= 2, "{total} pages, want {want}");
+    }
+
+    #[test]
+    fn due_is_when_the_whole_batch_is_granted() {
+        for (rate, want) in [(1_000_000u64, 1u64), (100_000_000, 24), (4096 * 300, 2)] {
+            let mut pace = Pace::new(rate, 0);
+            pace.grant(1_000, u64::MAX);
+            let due = pace.due_ns(1_000, want);
+            let mut early = pace;
+            assert!(early.grant(due - 1, want) < want, "{rate}: early at {due}");
+            assert_eq!(pace.grant(due, want), want, "{rate}: not granted at {due}");
+        }
+        let pace = Pace::new(1_000_000, 0);
+        assert_eq!(
+            pace.pages_in(1_000_000),
+            1,
+            "1 MB/s: one page a ms at least"
+        );
+        assert_eq!(Pace::new(100_000_000, 0).pages_in(1_000_000), 24);
     }
 
     #[test]

@@ -141,6 +141,8 @@ pub struct VmStatus {
     pub memory_allocated_bytes: u64,
     pub vcpus: u8,
     pub uptime_ms: u64,
+    /// CPU time the vCPU threads have used, summed (a halted vCPU uses none).
+    pub vcpu_cpu_ms: f64,
     pub host_monotonic_ns: u64,
     pub guest: GuestTelemetry,
 }
@@ -440,6 +442,20 @@ impl VmHandle {
         c.stop_reason.clone()
     }
 
+    /// CPU time used by the vCPU threads still alive, in ns.
+    pub fn vcpu_cpu_ns(&self) -> u64 {
+        let c = self.lock();
+        if c.vcpus_alive == 0 {
+            return 0;
+        }
+        c.threads
+            .iter()
+            // SAFETY: as in `kick_all`: under this lock, with a vCPU alive, no vCPU thread
+            // has been joined.
+            .map(|&t| unsafe { kick::thread_cpu_ns(t) })
+            .sum()
+    }
+
     pub fn telemetry(&self) -> GuestTelemetry {
         self.0.telemetry.lock().unwrap().clone()
     }
@@ -449,13 +465,17 @@ impl VmHandle {
     }
 
     pub fn status(&self) -> VmStatus {
+        // Each of these takes the control lock; none may run while another holds it.
+        let stop_reason = self.lock().stop_reason.clone();
+        let vcpu_cpu_ns = self.vcpu_cpu_ns();
         VmStatus {
             state: self.state(),
-            stop_reason: self.lock().stop_reason.clone(),
+            stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
             vcpus: self.0.vcpus,
             uptime_ms: self.0.started.elapsed().as_millis() as u64,
+            vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,
             host_monotonic_ns: crate::devices::telemetry::host_monotonic_ns(),
             guest: self.telemetry(),
         }

@@ -80,7 +80,7 @@ fn verify_is_not_hollow_host_corruption_is_named() {
 #[test]
 fn pause_stops_the_guest_and_resume_continues_it() {
     let t = boot(128 * MIB, "ws=8M log-ms=0");
-    let h = t.vm.handle();
+    let h = t.handle();
     t.wait_for("heartbeats", Duration::from_secs(30), |g| g.heartbeats >= 3);
     h.pause().unwrap();
     assert_eq!(h.state(), RunState::Paused);
@@ -131,4 +131,28 @@ fn guest_exception_prints_vector_and_rip_and_stops_the_vm() {
         "exception 6 (#UD invalid opcode) at RIP 0x",
         Duration::from_secs(10),
     );
+}
+
+/// The vCPU's CPU share (CPU time over wall time) in one second of steady running.
+fn vcpu_share(cmdline: &str) -> f64 {
+    let t = boot(256 * MIB, cmdline);
+    t.wait_for("2 heartbeats", Duration::from_secs(30), |g| {
+        g.heartbeats >= 2
+    });
+    let h = t.handle();
+    let (cpu0, wall0) = (h.vcpu_cpu_ns(), std::time::Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let (cpu1, wall) = (h.vcpu_cpu_ns(), wall0.elapsed());
+    (cpu1 - cpu0) as f64 / wall.as_nanos() as f64
+}
+
+/// A paced guest sleeps on its APIC timer between bursts: its vCPU uses a small fraction of
+/// what a flat-out guest's does (which spins a whole core), and it still writes at its rate.
+#[test]
+fn a_paced_guest_halts_between_batches() {
+    let idle = vcpu_share("ws=16M rate=1 heartbeat-ms=100 log-ms=0");
+    let busy = vcpu_share("ws=16M heartbeat-ms=100 log-ms=0");
+    eprintln!("vCPU share: rate=1 {idle:.3}, flat out {busy:.3}");
+    assert!(idle < 0.2, "a guest at 1 MB/s used {idle:.3} of a core");
+    assert!(idle * 4.0 < busy, "rate=1 {idle:.3} vs flat out {busy:.3}");
 }

@@ -36,6 +36,23 @@ pub fn cpuid(leaf: u32) -> (u32, u32, u32, u32) {
     (r.eax, r.ebx, r.ecx, r.edx)
 }
 
+/// `wrmsr` of `msr` = `value` at CPL3, which the entry code's #GP handler performs for
+/// IA32_TSC_DEADLINE only, halting until an interrupt: the guest's way to sleep (see
+/// `timer.rs`). Returns after the wake-up.
+pub fn wrmsr_sleep(msr: u32, value: u64) {
+    // SAFETY: at CPL3 `wrmsr` raises #GP; the handler arms the deadline, halts with interrupts
+    // on, and resumes after the two-byte instruction with every register as it was.
+    unsafe {
+        asm!(
+            "wrmsr",
+            in("ecx") msr,
+            in("eax") value as u32,
+            in("edx") (value >> 32) as u32,
+            options(nostack, nomem, preserves_flags)
+        )
+    }
+}
+
 /// Halts the machine for good. HLT is privileged, so at CPL3 it raises #GP, which the entry
 /// code's #GP handler turns into a real halt at CPL0 (see `entry.rs`).
 pub fn halt() -> ! {

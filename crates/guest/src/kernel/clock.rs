@@ -100,6 +100,29 @@ impl Clock {
         self.raw_ns().saturating_sub(self.origin)
     }
 
+    /// TSC ticks in `ns` nanoseconds (for a deadline a short while ahead): from kvmclock's
+    /// scale when it is the source (ns = ticks × mul / 2^32, shifted), else from the TSC rate.
+    pub fn tsc_ticks(&self, ns: u64) -> u64 {
+        if self.info.source != Source::KvmClock {
+            return (u128::from(ns) * u128::from(self.info.tsc_hz) / 1_000_000_000) as u64;
+        }
+        let p = &raw const pvclock;
+        // SAFETY: as in `raw_ns`; a torn read of the scale only misplaces one deadline, and the
+        // caller looks at the clock again after waking.
+        let (mul, shift) = unsafe {
+            (
+                addr_of!((*p).tsc_to_system_mul).read_volatile(),
+                addr_of!((*p).tsc_shift).read_volatile(),
+            )
+        };
+        let scaled = (u128::from(ns) << 32) / u128::from(mul.max(1));
+        (if shift < 0 {
+            scaled << -shift
+        } else {
+            scaled >> shift
+        }) as u64
+    }
+
     #[inline]
     fn raw_ns(&self) -> u64 {
         if self.info.source != Source::KvmClock {

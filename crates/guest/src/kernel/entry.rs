@@ -122,6 +122,18 @@ long_mode_start:
     incl %ecx
     cmpl $32, %ecx
     jb 5b
+    /* The local APIC timer's vector and the spurious vector: interrupt gates on the current
+       stack (IST 0). Interrupts are enabled only inside the sleep gate, at CPL0 on IST1, and
+       an IST gate would restart that stack under the #GP frame. */
+    leaq idt+{timer_vector}*16(%rip), %rdi
+    leaq timer_interrupt(%rip), %rax
+    movl $0x8e, %edx
+    call make_gate
+    movb $0, 4(%rdi)
+    leaq idt+0xff*16(%rip), %rdi
+    leaq spurious_interrupt(%rip), %rax
+    call make_gate
+    movb $0, 4(%rdi)
     lidt idt_pointer(%rip)
     movw $0x28, %ax
     ltr %ax
@@ -227,7 +239,7 @@ exc_13:
     exc_err 30
     exc_noerr 31
 
-/* #GP: the CPL3 workload's two privileged needs.
+/* #GP: the CPL3 workload's three privileged needs.
    - Port I/O. IOPL=3 lets CPL3 use in/out, but a hypervisor that runs guest user code in
      hardware ring 3 with the host's IOPL (kvm_pvm does) raises #GP instead. For a #GP from
      CPL3 on one of the forms the workload uses (EC in al,dx; ED in eax,dx; EE out dx,al; EF
@@ -236,6 +248,8 @@ exc_13:
    - Halting. HLT (F4) at CPL3 always raises #GP; from CPL3 it means "stop the machine". (A
      software interrupt gate would be the textbook way, but kvm_pvm answers `int n` from guest
      user mode with #UD.)
+   - Sleeping. `wrmsr` of IA32_TSC_DEADLINE (0F 30 with %ecx = 0x6e0) arms the local APIC
+     timer and halts until it fires (the sleep gate below).
    Anything else is a real fault.
    Stack on entry: error, rip, cs, rflags, rsp, ss. */
 gp_handler:
@@ -254,6 +268,8 @@ gp_handler:
     je 13f
     cmpl $0xf4, %esi
     je halt_gate
+    cmpl $0x0f, %esi
+    je 15f
     popq %rsi
 gp_fault:
     pushq $13
@@ -269,6 +285,26 @@ gp_fault:
     addq $1, 8(%rsp)
     addq $8, %rsp
     iretq
+    /* 0F 30 (wrmsr) of IA32_TSC_DEADLINE from CPL3: the sleep gate. Arm the local APIC timer
+       with the user's %edx:%eax, halt with interrupts on until an interrupt (the timer, or one
+       already pending: STI holds interrupts off until after the HLT has begun), then resume
+       after the instruction. Any other wrmsr is a real fault. */
+15: movq 16(%rsp), %rsi
+    movzbl 1(%rsi), %esi
+    cmpl $0x30, %esi
+    jne 16f
+    cmpl $0x6e0, %ecx
+    jne 16f
+    wrmsr
+    sti
+    hlt
+    cli
+    popq %rsi
+    addq $2, 8(%rsp)
+    addq $8, %rsp
+    iretq
+16: popq %rsi
+    jmp gp_fault
 
 /* Copy the frame (vector, error, rip, cs, rflags, rsp, ss) and CR2 to exception_frame, then
    report at CPL3 on the report stack. An exception while reporting halts on the spot. */
@@ -301,6 +337,19 @@ exception_common:
     cli
     hlt
     jmp 7b
+
+/* The local APIC timer fired (only ever inside the sleep gate): acknowledge it (EOI at the
+   xAPIC's default base, identity-mapped) and return into the gate. */
+timer_interrupt:
+    pushq %rax
+    movl $0xfee000b0, %eax
+    movl $0, (%rax)
+    popq %rax
+    iretq
+
+/* A spurious interrupt needs no EOI. */
+spurious_interrupt:
+    iretq
 
     /* The end: reached from a CPL3 `hlt` through the #GP handler. The write to the exit port
        tells the VMM the guest is done: with an in-kernel interrupt controller a halted vCPU
@@ -380,5 +429,6 @@ user_stack: .skip 65536
 user_stack_top:
 "#,
     exit_port = const ferry_guest_abi::EXIT_PORT,
+    timer_vector = const super::timer::VECTOR,
     options(att_syntax)
 );

@@ -12,4 +12,5 @@ pub mod libc;
 pub mod memory;
 pub mod serial;
 pub mod telemetry;
+pub mod timer;
 pub mod workload;

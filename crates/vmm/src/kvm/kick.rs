@@ -17,6 +17,29 @@ thread_local! {
     static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
 }
 
+/// CPU time thread `t` has used, in ns (0 if it cannot be read).
+///
+/// # Safety
+///
+/// `t` must name a thread that has not been joined (the same condition as [`kick`]'s).
+pub unsafe fn thread_cpu_ns(t: libc::pthread_t) -> u64 {
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: `t` names a live or exited-but-unjoined thread (the caller's contract); the
+    // clock id is written to a local.
+    if unsafe { libc::pthread_getcpuclockid(t, &mut clock) } != 0 {
+        return 0;
+    }
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a local timespec to fill.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// The signal used for kicks.
 pub fn kick_signal() -> libc::c_int {
     SIGRTMIN()

@@ -1,11 +1,13 @@
 //! A vCPU: PVH entry state, the run loop, and what each exit means.
 
 use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_regs, kvm_segment, kvm_sregs};
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_ioctls::{Cap, VcpuExit, VcpuFd};
 
 use super::{KvmError, KvmVm};
 use crate::boot::BootSetup;
 
+/// CPUID.1:ECX bit 24: the local APIC timer has TSC-deadline mode.
+const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
 /// CR0.PE | CR0.ET: protected mode, paging off, as PVH requires at entry.
 const PVH_CR0: u64 = 0x11;
 /// RFLAGS at entry: only the always-one bit.
@@ -21,10 +23,16 @@ pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
         .kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(err("read supported CPUID"))?;
+    // KVM emulates the APIC timer's TSC-deadline mode with its in-kernel APIC but leaves the
+    // CPUID bit to the VMM (it depends on the irqchip being in the kernel, which it is here).
+    let tsc_deadline = vm.kvm.check_extension(Cap::TscDeadlineTimer);
     for entry in cpuid.as_mut_slice() {
         if entry.function == 1 {
             // Initial APIC ID in EBX[31:24].
             entry.ebx = (entry.ebx & 0x00ff_ffff) | (u32::from(id) << 24);
+            if tsc_deadline {
+                entry.ecx |= CPUID_1_ECX_TSC_DEADLINE;
+            }
         }
     }
     vcpu.set_cpuid2(&cpuid).map_err(err("set CPUID"))?;
