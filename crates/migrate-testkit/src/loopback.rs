@@ -1,13 +1,17 @@
 //! A migration between two fake VMs over real loopback TCP, as the engine tests run it: the
 //! destination on a thread of its own, accepting its data channels from the same listener.
+//! [`migrate_into_slow`] makes the destination's data channels take data in at a bounded rate
+//! (a destination still digesting pass 1 when the source pauses its guest).
 
 #![forbid(unsafe_code)]
 
-use std::net::{TcpListener, TcpStream};
+use std::io::{IoSliceMut, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams, TestHooks};
+use ferry_migrate::transport::Stream;
 use ferry_migrate::{Control, MigrateError, MigrationStats};
 
 use crate::FakeVm;
@@ -36,6 +40,109 @@ pub fn acceptor(listener: &TcpListener) -> impl FnMut(Instant) -> std::io::Resul
             }
         }
     }
+}
+
+/// A connection whose reads are paced to `rate` bytes per second from its first read on.
+#[derive(Debug)]
+pub struct Slow {
+    inner: TcpStream,
+    rate: u64,
+    /// When the first read happened, and the bytes read since.
+    since: Option<(Instant, u64)>,
+}
+
+impl Slow {
+    pub fn new(inner: TcpStream, rate: u64) -> Slow {
+        Slow {
+            inner,
+            rate,
+            since: None,
+        }
+    }
+
+    /// Counts `n` bytes read and sleeps until they are within the rate.
+    fn pace(&mut self, n: usize) {
+        let (start, bytes) = self.since.get_or_insert((Instant::now(), 0));
+        *bytes += n as u64;
+        let due = *start + Duration::from_secs_f64(*bytes as f64 / self.rate as f64);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+}
+
+impl Read for Slow {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.pace(n);
+        Ok(n)
+    }
+
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<usize> {
+        let n = self.inner.read_vectored(bufs)?;
+        self.pace(n);
+        Ok(n)
+    }
+}
+
+impl Write for Slow {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Stream for Slow {
+    /// The clone is not paced: the engine clones to write, shut down, or (the main connection)
+    /// to read its few records.
+    fn try_clone_stream(&self) -> std::io::Result<Box<dyn Stream>> {
+        Ok(Box::new(self.inner.try_clone()?))
+    }
+    fn shutdown(&self, how: Shutdown) -> std::io::Result<()> {
+        self.inner.shutdown(how)
+    }
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.inner.set_read_timeout(timeout)
+    }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.inner.set_write_timeout(timeout)
+    }
+    fn peer(&self) -> String {
+        "tcp:(slow loopback)".into()
+    }
+    fn set_low_latency(&self) -> std::io::Result<()> {
+        self.inner.set_nodelay(true)
+    }
+}
+
+/// Migrates `src` into `dst` over loopback, with each of the destination's data channels
+/// reading at most `rate` bytes per second; returns both sides' results.
+pub fn migrate_into_slow(
+    src: &mut FakeVm,
+    dst: &mut FakeVm,
+    p: &SourceParams,
+    control: &Control,
+    rate: u64,
+) -> (
+    Result<MigrationStats, MigrateError>,
+    Result<ReceiveStats, MigrateError>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::scope(|s| {
+        let receiver = s.spawn(|| {
+            let main = Slow::new(listener.accept().unwrap().0, u64::MAX);
+            let mut accept = acceptor(&listener);
+            let mut slow = |deadline| accept(deadline).map(|s| Slow::new(s, rate));
+            destination::receive(dst, main, &mut slow)
+        });
+        let connect = || TcpStream::connect(addr);
+        let sent = source::migrate(src, TcpStream::connect(addr).unwrap(), &connect, p, control);
+        (sent, receiver.join().unwrap())
+    })
 }
 
 /// Migrates `src` into `dst` over loopback; returns both sides' results.

@@ -11,7 +11,7 @@ use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::wire::{self, Hello};
 use ferry_migrate::{Control, MigrateError, Phase, Policy, TimeoutAction};
-use ferry_migrate_testkit::loopback::{migrate, migrate_with_hooks};
+use ferry_migrate_testkit::loopback::{migrate, migrate_into_slow, migrate_with_hooks};
 use ferry_migrate_testkit::{FakeVm, Writers};
 use proptest::prelude::*;
 
@@ -333,4 +333,50 @@ fn a_refused_data_channel_leaves_the_source_running() {
     let before = src.writes();
     std::thread::sleep(Duration::from_millis(50));
     assert!(src.writes() > before, "the guest keeps running");
+}
+
+/// Regression test for the idle guest that paused for up to 105 ms although its final pass
+/// carried ~10 MB: pass 1's tail was still in socket buffers, being digested by a slow
+/// destination, when the source paused, and the final pass queued behind it. With progress
+/// acknowledgements the source waits (the guest running) until the destination has taken in
+/// what was in flight, so the pause carries only the final pass.
+#[test]
+fn an_idle_guest_pauses_only_after_a_slow_destination_took_in_pass_1() {
+    const RATE: u64 = 24_000_000; // per data channel: 48 MB/s for the pair
+    let mut src = FakeVm::new(48 * MIB, 1);
+    src.fill(1);
+    let mut dst = FakeVm::new(48 * MIB, 1);
+    let p = SourceParams::new(
+        Policy {
+            downtime_limit: Duration::from_millis(300),
+            timeout: None,
+            timeout_action: TimeoutAction::Cancel,
+        },
+        [9; 16],
+    );
+    let (sent, received) = migrate_into_slow(&mut src, &mut dst, &p, &Control::default(), RATE);
+    let stats = sent.unwrap();
+    received.unwrap();
+    assert!(src.contents() == dst.contents());
+    assert!(stats.converged, "{stats:?}");
+    // Pass 1 went out faster than the destination took it in, so there was a tail to wait for.
+    assert!(stats.drain_ms > 0.0, "no drain: {stats:?}");
+    // When the guest paused, at most a few ms of data at the destination's rate were in flight
+    // (the policy settles at 2 ms; 1 MiB is 20 ms at 48 MB/s).
+    assert!(
+        stats.in_flight_at_pause_bytes < MIB,
+        "{} bytes in flight at the pause",
+        stats.in_flight_at_pause_bytes
+    );
+    // Everything sent was acknowledged by the end (the destination counts 16 bytes per pass
+    // end on each data channel that the source's count leaves out).
+    assert!(
+        stats.acked_bytes + 1024 >= stats.bytes_sent - wire::HELLO_SIZE as u64,
+        "{stats:?}"
+    );
+    // The final pass of an idle guest is empty, and the pause does not wait for pass 1: well
+    // under the ~100 ms a few MB of socket buffers take at 48 MB/s.
+    let final_pass = stats.passes.last().unwrap();
+    assert!(final_pass.paused && final_pass.pages == 0, "{final_pass:?}");
+    assert!(stats.downtime.total_ms < 60.0, "{:?}", stats.downtime);
 }

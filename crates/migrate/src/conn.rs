@@ -33,6 +33,19 @@ impl Conn {
         })
     }
 
+    /// Hands the read side, with whatever it has already buffered, to a new `Conn` for a
+    /// reader thread; this one keeps the write side and must not read again (its reader is a
+    /// fresh handle, so a stray read would take bytes from the other thread).
+    pub fn split_reader(&mut self) -> std::io::Result<Conn> {
+        let fresh = BufReader::with_capacity(HEADER_SIZE, self.stream().try_clone_stream()?);
+        let reader = std::mem::replace(&mut self.reader, fresh);
+        Ok(Conn {
+            reader,
+            writer: BufWriter::with_capacity(HEADER_SIZE, self.stream().try_clone_stream()?),
+            bytes_written: 0,
+        })
+    }
+
     pub fn stream(&self) -> &dyn Stream {
         self.writer.get_ref().as_ref()
     }

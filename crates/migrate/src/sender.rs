@@ -59,6 +59,9 @@ pub struct SenderConfig {
     pub zero: ZeroDetection,
     /// Bytes written by all senders, for the bandwidth window.
     pub bytes: Arc<AtomicU64>,
+    /// Pages written by all senders (with data or as zero runs), so that the session knows how
+    /// many it queued are not written yet.
+    pub pages: Arc<AtomicU64>,
 }
 
 impl Sender {
@@ -120,6 +123,7 @@ fn run(
     let mut out = Output {
         conn: &mut conn,
         bytes: &config.bytes,
+        pages: &config.pages,
         stats: &mut s,
     };
     for msg in rx {
@@ -169,6 +173,7 @@ fn drain(detector: &mut dyn Detector, out: &mut Output<'_>) -> Result<(), Migrat
 struct Output<'a> {
     conn: &'a mut Conn,
     bytes: &'a AtomicU64,
+    pages: &'a AtomicU64,
     stats: &'a mut SenderStats,
 }
 
@@ -227,6 +232,8 @@ impl Output<'_> {
         self.stats.pages_normal += normal.len() as u64;
         self.bytes
             .fetch_add(self.conn.bytes_written - before, Ordering::Relaxed);
+        self.pages
+            .fetch_add(batch.gpas.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }

@@ -60,6 +60,17 @@ pub struct MigrationStats {
     /// Time pass 1 spent re-arming dirty tracking (`clear_dirty`), which write-protects
     /// every page of RAM once.
     pub dirty_clear_ms: f64,
+    /// Time spent before the switchover waiting, with nothing to send, for the destination to
+    /// take in what was in flight (0 without progress acknowledgements).
+    #[serde(default)]
+    pub drain_ms: f64,
+    /// Bytes sent or queued but not acknowledged by the destination when the guest paused: the
+    /// final pass queued behind them (0 without progress acknowledgements).
+    #[serde(default)]
+    pub in_flight_at_pause_bytes: u64,
+    /// Bytes the destination had acknowledged when the migration ended.
+    #[serde(default)]
+    pub acked_bytes: u64,
     /// The migration sampled over time (see [`Timeline`]); empty in statistics written before
     /// it existed.
     #[serde(default)]

@@ -21,6 +21,9 @@ pub trait Stream: Read + Write + Send + std::fmt::Debug {
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
     /// Bounds every later read (`None`: no bound).
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// Bounds every later write on any handle of the connection (`None`: no bound): a peer
+    /// that stops reading cannot hold a writer forever.
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
     /// Who is on the other end, for logs and progress.
     fn peer(&self) -> String;
     /// Sends small writes at once (TCP: no Nagle delay); records are already written whole
@@ -46,6 +49,9 @@ impl Stream for TcpStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         TcpStream::set_read_timeout(self, timeout)
     }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        TcpStream::set_write_timeout(self, timeout)
+    }
     fn peer(&self) -> String {
         self.peer_addr()
             .map_or_else(|_| "tcp:?".into(), |a| format!("tcp:{a}"))
@@ -65,6 +71,9 @@ impl Stream for UnixStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         UnixStream::set_read_timeout(self, timeout)
     }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        UnixStream::set_write_timeout(self, timeout)
+    }
     fn peer(&self) -> String {
         "unix:(local peer)".into()
     }
@@ -82,6 +91,9 @@ impl Stream for Box<dyn Stream> {
     }
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         (**self).set_read_timeout(timeout)
+    }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        (**self).set_write_timeout(timeout)
     }
     fn peer(&self) -> String {
         (**self).peer()

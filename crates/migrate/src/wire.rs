@@ -41,6 +41,8 @@ pub const MAX_STATE_BYTES: u64 = 64 << 20;
 pub const MAX_ERROR_BYTES: u64 = 4096;
 /// The Resumed payload: `load_ns:u64 resume_ns:u64 cpu_ns:u64`.
 pub const RESUMED_SIZE: u64 = 24;
+/// The Received payload: `bytes:u64 pages:u64`.
+pub const RECEIVED_SIZE: u64 = 16;
 
 /// What a connection is for. `Invalid = 0` so that zeroed bytes never pass as a role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +75,9 @@ pub enum Kind {
     /// Destination → source: the guest runs on the destination. Payload: [`RESUMED_SIZE`]
     /// bytes, the destination's load, resume and CPU times (ns, u64 each).
     Resumed = 7,
+    /// Destination → source, only when [`Capabilities::PROGRESS`] was granted: how much the
+    /// destination has taken in so far. Payload: a [`Received`] ([`RECEIVED_SIZE`] bytes).
+    Received = 8,
 }
 
 impl Kind {
@@ -85,6 +90,7 @@ impl Kind {
             5 => Kind::Complete,
             6 => Kind::Error,
             7 => Kind::Resumed,
+            8 => Kind::Received,
             _ => Kind::Invalid,
         }
     }
@@ -143,16 +149,24 @@ impl SectionHeader {
 }
 
 /// Optional protocol features, agreed in the main hello: the source asks for a set and the
-/// destination answers with the subset it grants. Version 2 defines none yet; postcopy, its
-/// preempt channel and page checksums will each take a bit, so that a newer source can talk to
-/// an older destination by asking and reading the answer.
+/// destination answers with the subset it grants, so that a newer source can talk to an older
+/// destination by asking and reading the answer. Version 2 defines [`Capabilities::PROGRESS`];
+/// postcopy, its preempt channel and page checksums are planned to take bits 0, 1 and 2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
 
 impl Capabilities {
     pub const NONE: Capabilities = Capabilities(0);
+    /// Bit 4: the destination sends [`Kind::Received`] records on the main connection while
+    /// pages arrive, and the source reads them as it sends.
+    pub const PROGRESS: Capabilities = Capabilities(1 << 4);
     /// What this side implements.
-    pub const SUPPORTED: Capabilities = Capabilities::NONE;
+    pub const SUPPORTED: Capabilities = Capabilities::PROGRESS;
+
+    /// Whether every bit of `other` is in `self`.
+    pub fn contains(self, other: Capabilities) -> bool {
+        other.is_subset(self)
+    }
 
     /// What a destination grants for a request: the bits it also supports.
     pub fn grant(self, supported: Capabilities) -> Capabilities {
@@ -162,6 +176,44 @@ impl Capabilities {
     /// Whether every bit of `self` is in `of`.
     pub fn is_subset(self, of: Capabilities) -> bool {
         self.0 & !of.0 == 0
+    }
+}
+
+/// The payload of a [`Kind::Received`] record: what the destination has taken in from every
+/// connection of the migration, counted from the end of the hellos.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Received {
+    /// Record bytes (headers and payloads) the destination has read and validated, on the
+    /// main and every data connection; hellos are not counted.
+    pub bytes: u64,
+    /// Pages (with data, or zero) the destination has written into guest memory.
+    pub pages: u64,
+}
+
+impl Received {
+    pub fn encode(&self) -> [u8; RECEIVED_SIZE as usize] {
+        let mut b = [0u8; RECEIVED_SIZE as usize];
+        b[0..8].copy_from_slice(&self.bytes.to_le_bytes());
+        b[8..16].copy_from_slice(&self.pages.to_le_bytes());
+        b
+    }
+
+    /// Decodes a payload; its length must be [`RECEIVED_SIZE`] (the header's validation
+    /// guarantees it for a record read from a connection).
+    pub fn decode(payload: &[u8]) -> Result<Received, WireError> {
+        let Ok(b) = <&[u8; RECEIVED_SIZE as usize]>::try_from(payload) else {
+            return Err(WireError::Length {
+                kind: Kind::Received,
+                count: 0,
+                len: payload.len() as u64,
+                expected: RECEIVED_SIZE,
+            });
+        };
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        Ok(Received {
+            bytes: word(0),
+            pages: word(8),
+        })
     }
 }
 
@@ -376,7 +428,7 @@ impl Header {
         };
         let countless = matches!(
             kind,
-            Kind::DeviceState | Kind::Complete | Kind::Error | Kind::Resumed
+            Kind::DeviceState | Kind::Complete | Kind::Error | Kind::Resumed | Kind::Received
         );
         if countless && count != 0 {
             return Err(WireError::Reserved("record count"));
@@ -396,6 +448,13 @@ impl Header {
                 expected: RESUMED_SIZE,
             }),
             Kind::Resumed => Ok(()),
+            Kind::Received if len != RECEIVED_SIZE => Err(WireError::Length {
+                kind,
+                count,
+                len,
+                expected: RECEIVED_SIZE,
+            }),
+            Kind::Received => Ok(()),
             Kind::EndOfPass | Kind::Complete => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
@@ -506,6 +565,7 @@ mod tests {
             Header::new(Kind::Complete, 0, 0),
             Header::new(Kind::Error, 0, 12),
             Header::new(Kind::Resumed, 0, RESUMED_SIZE),
+            Header::new(Kind::Received, 0, RECEIVED_SIZE),
         ] {
             assert_eq!(Header::decode(&h.encode()), Ok(h));
         }
@@ -541,6 +601,10 @@ mod tests {
             ),
             (Header::new(Kind::EndOfPass, 1, 8), "must be empty"),
             (Header::new(Kind::Complete, 0, 1), "must be empty"),
+            (Header::new(Kind::Received, 0, 15), "does not match 16"),
+            (Header::new(Kind::Received, 0, 17), "does not match 16"),
+            (Header::new(Kind::Received, 0, 1 << 40), "does not match 16"),
+            (Header::new(Kind::Received, 1, 16), "reserved bytes"),
         ];
         for (h, want) in table {
             let err = Header::decode(&h.encode()).unwrap_err().to_string();
@@ -555,6 +619,56 @@ mod tests {
             Header::decode(&b),
             Err(WireError::Reserved("record header"))
         );
+    }
+
+    #[test]
+    fn received_round_trips_and_refuses_other_lengths() {
+        for r in [
+            Received::default(),
+            Received {
+                bytes: 16 << 20,
+                pages: 4096,
+            },
+            Received {
+                bytes: u64::MAX,
+                pages: u64::MAX,
+            },
+        ] {
+            assert_eq!(Received::decode(&r.encode()), Ok(r));
+        }
+        let b = Received {
+            bytes: 0x0102_0304_0506_0708,
+            pages: 9,
+        }
+        .encode();
+        assert_eq!(b[0], 0x08, "little-endian");
+        assert_eq!(b[8], 9);
+        for len in [0, 8, 15, 17, 24] {
+            let payload = vec![0u8; len];
+            assert!(
+                matches!(
+                    Received::decode(&payload),
+                    Err(WireError::Length { expected: 16, .. })
+                ),
+                "{len} bytes"
+            );
+        }
+        // Kind 8 is Received; the kind after it is still unknown, and 0 still invalid.
+        assert_eq!(Kind::from_u16(8), Kind::Received);
+        assert_eq!(Kind::from_u16(9), Kind::Invalid);
+        assert_eq!(Kind::from_u16(0), Kind::Invalid);
+    }
+
+    #[test]
+    fn progress_is_granted_only_when_asked() {
+        let p = Capabilities::PROGRESS;
+        assert_eq!(p.grant(Capabilities::SUPPORTED), p);
+        assert_eq!(
+            Capabilities::NONE.grant(Capabilities::SUPPORTED),
+            Capabilities::NONE
+        );
+        assert!(Capabilities(p.0 | 1).contains(p));
+        assert!(!Capabilities::NONE.contains(p));
     }
 
     #[test]

@@ -12,11 +12,13 @@
 //! - [`receive`] runs one session on a main connection the caller already accepted (tests, and
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
+//! - `acks` (internal): the thread that tells the source how much arrived, when it asked.
 //! - `sink` (internal) is how received pages land in memory: straight into mapped RAM for
 //!   precopy, an atomic install for postcopy later.
 
 #![forbid(unsafe_code)]
 
+mod acks;
 mod listen;
 mod progress;
 mod sections;

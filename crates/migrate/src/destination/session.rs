@@ -3,6 +3,11 @@
 //! the announced data channels, follows the main channel through the passes, loads the device
 //! state, resumes the guest and acknowledges. Each phase is a method; what the phases share
 //! (connections, receivers, counters) is the session's, and it is consumed when it ends.
+//!
+//! When the source asked for [`Capabilities::PROGRESS`], an [`Acker`] thread acknowledges
+//! what arrived on the main connection from the moment every data channel connected until
+//! Complete (or a failure); the session writes on the main connection only before it starts and
+//! after it stopped.
 
 #![forbid(unsafe_code)]
 
@@ -11,6 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::acks::Acker;
 use super::sections::Sections;
 use super::sink::DirectSink;
 use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
@@ -53,6 +59,10 @@ pub struct Session<'a> {
     ram: Ram,
     shared: Option<receiver::Shared>,
     receivers: Vec<Running>,
+    /// What the main hello's reply granted.
+    granted: Capabilities,
+    /// Acknowledges progress while pages arrive, when [`Capabilities::PROGRESS`] was granted.
+    acker: Option<Acker>,
     stats: ReceiveStats,
     cpu_start: u64,
 }
@@ -88,6 +98,8 @@ impl<'a> Session<'a> {
             ram,
             shared: None,
             receivers: Vec::new(),
+            granted: Capabilities::NONE,
+            acker: None,
             stats: ReceiveStats::default(),
             cpu_start: stats::thread_cpu_ns(),
         })
@@ -142,6 +154,7 @@ impl<'a> Session<'a> {
             return Err(e);
         }
         self.conn.write_hello(&reply)?;
+        self.granted = reply.capabilities;
         self.control.update(|p| {
             p.phase = IncomingPhase::Handshake;
             p.channels_announced = hello.channels;
@@ -154,7 +167,9 @@ impl<'a> Session<'a> {
     pub fn run(mut self, arrivals: &mut dyn Arrivals) -> Result<ReceiveStats, MigrateError> {
         let result = self
             .connect_channels(arrivals)
+            .and_then(|()| self.start_acks())
             .and_then(|()| self.precopy())
+            .and_then(|sections| self.stop_acks().map(|()| sections))
             .and_then(|sections| self.load_and_resume(&sections));
         let result = result.map_err(|e| self.fail(e));
         self.control.unregister_all();
@@ -178,6 +193,8 @@ impl<'a> Session<'a> {
         } else {
             e
         };
+        // The acker's own failure matters less than `e`, which is what the source is told.
+        let _ = self.stop_acks();
         if !matches!(e, MigrateError::Remote(_)) {
             self.conn.send_error(&format!("destination: {e}"));
         }
@@ -189,6 +206,20 @@ impl<'a> Session<'a> {
             let _ = r.thread.join();
         }
         e
+    }
+
+    /// Starts acknowledging progress if the source asked for it.
+    fn start_acks(&mut self) -> Result<(), MigrateError> {
+        if self.granted.contains(Capabilities::PROGRESS) {
+            self.acker = Some(Acker::start(self.conn.stream(), self.control.clone())?);
+        }
+        Ok(())
+    }
+
+    /// Stops acknowledging (the main connection's write side is the session's again); an
+    /// acknowledgement that could not be written ends the migration.
+    fn stop_acks(&mut self) -> Result<(), MigrateError> {
+        self.acker.take().map_or(Ok(()), Acker::stop)
     }
 
     /// Phase 2: every announced data channel connects within [`CHANNEL_TIMEOUT`], naming this

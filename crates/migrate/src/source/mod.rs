@@ -14,8 +14,10 @@
 //! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline.
 //!
 //! And the parts the phases use: `pool.rs` (the data channels' senders), `limiter.rs` (the
-//! rate limit as a pure value), `bandwidth.rs` (the send-rate window as a pure value),
-//! `reader.rs` (records coming back from the destination on the main connection).
+//! rate limit as a pure value), `bandwidth.rs` (the rate window as a pure value), `reader.rs`
+//! (the thread that reads what comes back from the destination on the main connection), and
+//! `acks.rs` (what the destination acknowledged: in flight, its absorption rate, the
+//! observation the policy decides on, and the drain before a switchover).
 //!
 //! Pages travel on `channels` data connections, each with a sender thread (see `sender.rs`) fed
 //! batches of `packet_pages` addresses round-robin; the main connection carries pass ends,
@@ -29,6 +31,7 @@
 
 #![forbid(unsafe_code)]
 
+mod acks;
 mod bandwidth;
 mod limiter;
 mod pool;
@@ -39,9 +42,11 @@ mod switchover;
 
 use std::time::{Duration, Instant};
 
+use self::acks::{AckUse, Acks};
 use self::bandwidth::BandwidthWindow;
 use self::limiter::{Limiter, Pacing};
 use self::pool::ChannelPool;
+use self::reader::{Inbound, InboundReader};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
@@ -70,8 +75,11 @@ pub struct SourceParams {
     pub zero: ZeroDetection,
 }
 
-/// The protocol features this source asks for: none yet (postcopy will be the first).
-const REQUESTED: Capabilities = Capabilities::NONE;
+/// The protocol features this source asks for: progress acknowledgements, so that it decides
+/// the switchover on what the destination has taken in.
+const REQUESTED: Capabilities = Capabilities::PROGRESS;
+/// How long a failed write waits for the destination's explanation on the main connection.
+const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
 /// Default data channels: two streams already beat one on loopback, and each costs a thread on
 /// both sides of a small machine.
 pub const DEFAULT_CHANNELS: u16 = 2;
@@ -196,6 +204,8 @@ struct Session<'a> {
     /// `None` without a bandwidth limit.
     limiter: Option<Limiter>,
     bandwidth: BandwidthWindow,
+    /// The reader of the main connection and what the destination acknowledged.
+    acks: Acks,
     guest: GuestState,
     /// Complete was sent: from here the guest may run on the destination, so the source must
     /// never run it again.
@@ -229,6 +239,7 @@ impl<'a> Session<'a> {
             pool: ChannelPool::default(),
             limiter: params.max_bandwidth.map(Limiter::new),
             bandwidth: BandwidthWindow::default(),
+            acks: Acks::default(),
             guest: GuestState::Running,
             handed_over: false,
             start: Instant::now(),
@@ -286,6 +297,11 @@ impl<'a> Session<'a> {
                 s => format!("status {s}"),
             }));
         }
+        let progress = reply.capabilities.contains(Capabilities::PROGRESS);
+        if progress {
+            self.acks.use_ = AckUse::Live;
+        }
+        self.acks.reader = Some(InboundReader::start(&mut self.conn, progress)?);
         Ok(())
     }
 
@@ -332,24 +348,22 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// A failed write may hide the destination's own explanation: look for it.
+    /// A failed write may hide the destination's own explanation: look for it (on the reader
+    /// thread once it runs; before that, on the connection).
     fn explain(&mut self, e: MigrateError) -> MigrateError {
         match e {
             MigrateError::Io { .. } | MigrateError::Truncated { .. } => {
-                match self.conn.peer_error() {
-                    Some(message) => MigrateError::Remote(message),
-                    None => e,
-                }
+                let message = match &self.acks.reader {
+                    Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
+                        Some(Ok(Inbound::Error(message))) => Some(message),
+                        _ => None,
+                    },
+                    None => self.conn.peer_error(),
+                };
+                message.map_or(e, MigrateError::Remote)
             }
             e => e,
         }
-    }
-
-    fn check_control(&self) -> Result<(), MigrateError> {
-        if self.control.cancelled() {
-            return Err(MigrateError::Cancelled);
-        }
-        Ok(())
     }
 
     /// Bytes written on all connections.

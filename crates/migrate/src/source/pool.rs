@@ -36,6 +36,9 @@ pub struct ChannelPool {
     next: usize,
     /// Bytes all data channels wrote.
     bytes: Arc<AtomicU64>,
+    /// Pages queued on the senders, and pages they wrote: the difference is still on this side.
+    queued_pages: u64,
+    written_pages: Arc<AtomicU64>,
 }
 
 impl ChannelPool {
@@ -72,6 +75,7 @@ impl ChannelPool {
             let config = SenderConfig {
                 zero: params.zero,
                 bytes: self.bytes.clone(),
+                pages: self.written_pages.clone(),
             };
             self.senders
                 .push(Sender::start(channel, stream, ram.clone(), config, hooks)?);
@@ -81,6 +85,7 @@ impl ChannelPool {
 
     /// Queues a batch of page addresses on the next data channel, round-robin.
     pub fn queue_pages(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
+        self.queued_pages += gpas.len() as u64;
         self.queue_for(self.next, ChannelMsg::Pages(gpas))?;
         self.next = (self.next + 1) % self.senders.len();
         Ok(())
@@ -121,6 +126,13 @@ impl ChannelPool {
     /// Bytes written on all data channels so far.
     pub fn bytes_written(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Pages queued on the senders that they have not written yet (at most their queues'
+    /// depth in batches each).
+    pub fn pending_pages(&self) -> u64 {
+        self.queued_pages
+            .saturating_sub(self.written_pages.load(Ordering::Relaxed))
     }
 
     /// Queues `msg` for sender `i`; if that sender has stopped, returns why.

@@ -13,7 +13,7 @@ use super::limiter::{MAX_SLEEP, Pacing};
 use super::{GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
-use crate::policy::{self, Decision, Observation};
+use crate::policy::{self, Decision};
 use crate::stats::{PassStats, SampleKind};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
@@ -30,6 +30,8 @@ impl Session<'_> {
     pub(super) fn precopy(&mut self, vm: &mut dyn SourceVm) -> Result<u32, MigrateError> {
         self.first_pass(vm)?;
         let mut pass = 1;
+        // Whether the sync below ends a pass (rather than a drain, which sent nothing).
+        let mut after_pass = true;
         loop {
             let pass_started = Instant::now();
             let before = self.bitmap.count();
@@ -37,20 +39,23 @@ impl Session<'_> {
             vm.fetch_dirty(&mut self.bitmap)?;
             self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
             let last = self.stats.passes.last_mut().expect("pass 1 ran");
-            last.dirty_rate_pages_per_s =
-                (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
+            if after_pass {
+                last.dirty_rate_pages_per_s =
+                    (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
+            }
             let dirty_rate = last.dirty_rate_pages_per_s;
             self.sample(SampleKind::Boundary);
-            let now = Observation {
-                remaining_bytes: self.bitmap.count() * PAGE_SIZE,
-                bandwidth: self.bandwidth.rate(),
-                elapsed: self.start.elapsed(),
-            };
+            let now = self.observe();
             self.publish_pass(pass, &now, dirty_rate);
+            after_pass = false;
             match policy::decide(&self.params.policy, &now) {
                 Decision::Switchover => {
                     self.stats.converged = policy::fits(&self.params.policy, &now);
                     return Ok(pass);
+                }
+                Decision::Drain => {
+                    self.drain(&now)?;
+                    continue;
                 }
                 Decision::Cancel => {
                     return Err(MigrateError::Timeout(
@@ -60,6 +65,7 @@ impl Session<'_> {
                 Decision::Iterate => {}
             }
             pass += 1;
+            after_pass = true;
             self.dirty_pass(pass, GuestState::Running, pass_started)?;
         }
     }

@@ -21,10 +21,11 @@ use crate::wire::PAGE_SIZE;
 const PUBLISH_EVERY: u64 = 16;
 
 impl Session<'_> {
-    /// After a batch went to the channels: samples the send rate and the timeline, and now
-    /// and then publishes progress.
+    /// After a batch went to the channels: samples the send rate, the destination's
+    /// acknowledgements and the timeline, and now and then publishes progress.
     pub(super) fn after_batch(&mut self) {
         self.bandwidth.record(Instant::now(), self.bytes_written());
+        self.note_acks();
         self.samples += 1;
         self.sample(SampleKind::Tick);
         if self.samples.is_multiple_of(PUBLISH_EVERY) {
@@ -93,6 +94,7 @@ impl Session<'_> {
         s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
         s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
+        s.acked_bytes = self.acks.acked();
         s
     }
 }

@@ -1,19 +1,35 @@
-//! What comes back from the destination on the main connection, read as typed values.
+//! What comes back from the destination on the main connection, read as typed values by a
+//! thread of its own while the session sends.
 //!
-//! Today the destination sends two records there: `Resumed` once the guest runs on its side,
-//! and `Error` when it gives up. [`Inbound`] has a variant for each; a record the destination
-//! may send later (postcopy's page requests) becomes one more variant, and the callers'
-//! matches show where it must be handled. Anything else is a protocol violation and an error
-//! naming what was expected.
+//! The destination sends three records there: `Received` (only when the progress capability
+//! was granted) as pages arrive, `Resumed` once the guest runs on its side, and `Error` when it
+//! gives up. [`Inbound`] has a variant for each; a record the destination may send later
+//! (postcopy's page requests) becomes one more variant, and the callers' matches show where it
+//! must be handled. Anything else is a protocol violation and an error naming what was expected.
 //!
-//! Invariant: a record's header is validated (kind and length, see `wire.rs`) before its
-//! payload is read, so every payload decoded here has the size its kind prescribes.
+//! [`InboundReader`] is the thread. It folds every `Received` into the latest acknowledged
+//! figures (only the newest matters, so they are two counters the session reads, not a queue
+//! that could fill while the session is busy sending), and hands the one record that ends its
+//! reading (`Resumed`, `Error`, or the failure that stopped it) over a channel of depth one.
+//!
+//! Invariants: a record's header is validated (kind and length, see `wire.rs`) before its
+//! payload is read, so every payload decoded here has the size its kind prescribes; the
+//! acknowledged byte count never goes backwards (a destination that says so is refused); once
+//! the reader runs, nothing else reads the main connection.
 
 #![forbid(unsafe_code)]
 
+use std::net::Shutdown;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
 use crate::conn::Conn;
 use crate::error::MigrateError;
-use crate::wire::Kind;
+use crate::transport::Stream;
+use crate::wire::{Kind, Received};
 
 /// A record from the destination on the main connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,6 +38,8 @@ pub enum Inbound {
     Resumed(Resumed),
     /// The destination gave up, and says why.
     Error(String),
+    /// What the destination has taken in so far (progress capability only).
+    Received(Received),
 }
 
 /// The destination's figures in its `Resumed` record, in nanoseconds.
@@ -65,10 +83,117 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
         Kind::Error => Ok(Inbound::Error(
             String::from_utf8_lossy(&payload).into_owned(),
         )),
+        Kind::Received => Ok(Inbound::Received(Received::decode(&payload)?)),
         k => Err(MigrateError::order(format!(
             "expected {} from the destination, got {k:?}",
             awaiting.expected
         ))),
+    }
+}
+
+/// What the reader thread reads while the migration runs.
+const AWAITING_ANY: Awaiting = Awaiting {
+    during: "reading the destination's records",
+    expected: "Received, Resumed or Error",
+};
+
+/// The record that ended the reader's reading, or why it stopped.
+pub type Ending = Result<Inbound, MigrateError>;
+
+/// The thread that reads the main connection from the handshake to the end of the migration.
+#[derive(Debug)]
+pub struct InboundReader {
+    acked_bytes: Arc<AtomicU64>,
+    acked_pages: Arc<AtomicU64>,
+    ending: Receiver<Ending>,
+    /// A handle to shut the read side with, so that the thread's blocked read returns.
+    stream: Box<dyn Stream>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl InboundReader {
+    /// Takes over the reading of `conn` (and what it has buffered); `progress` says whether
+    /// the destination was granted the right to send `Received` records.
+    pub fn start(conn: &mut Conn, progress: bool) -> Result<InboundReader, MigrateError> {
+        let io = |e| MigrateError::io("starting the reader of the main connection", e);
+        let mut reader = conn.split_reader().map_err(io)?;
+        let stream = conn.stream().try_clone_stream().map_err(io)?;
+        let acked_bytes = Arc::new(AtomicU64::new(0));
+        let acked_pages = Arc::new(AtomicU64::new(0));
+        let (tx, ending) = sync_channel(1);
+        let (bytes, pages) = (acked_bytes.clone(), acked_pages.clone());
+        let thread = std::thread::Builder::new()
+            .name("main-reader".into())
+            .spawn(move || {
+                let end = read_until_end(&mut reader, progress, &bytes, &pages);
+                // Depth one and sent once: never blocks. Nobody may be listening any more.
+                let _ = tx.try_send(end);
+            })
+            .map_err(io)?;
+        Ok(InboundReader {
+            acked_bytes,
+            acked_pages,
+            ending,
+            stream,
+            thread: Some(thread),
+        })
+    }
+
+    /// The latest acknowledgement (zero before the first).
+    pub fn acked(&self) -> Received {
+        Received {
+            bytes: self.acked_bytes.load(Ordering::Acquire),
+            pages: self.acked_pages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The record or failure that ended the reading, if it came already. Returned once.
+    pub fn poll(&self) -> Option<Ending> {
+        self.ending.try_recv().ok()
+    }
+
+    /// Waits up to `timeout` for what ends the reading; `None` if nothing came in time.
+    pub fn wait(&self, timeout: Duration) -> Option<Ending> {
+        match self.ending.recv_timeout(timeout) {
+            Ok(end) => Some(end),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+}
+
+impl Drop for InboundReader {
+    /// Shuts the read side so that the thread's read returns, and joins it.
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Read);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reads records, folding `Received` into the counters, until one that ends the reading.
+fn read_until_end(conn: &mut Conn, progress: bool, bytes: &AtomicU64, pages: &AtomicU64) -> Ending {
+    loop {
+        match read(conn, AWAITING_ANY)? {
+            Inbound::Received(_) if !progress => {
+                return Err(MigrateError::order(
+                    "the destination sent Received without the progress capability",
+                ));
+            }
+            Inbound::Received(r) => {
+                let before = bytes.load(Ordering::Relaxed);
+                if r.bytes < before {
+                    return Err(MigrateError::order(format!(
+                        "the destination's received bytes went back from {before} to {}",
+                        r.bytes
+                    )));
+                }
+                pages.store(r.pages, Ordering::Relaxed);
+                bytes.store(r.bytes, Ordering::Release);
+            }
+            end => return Ok(end),
+        }
     }
 }
 
@@ -78,7 +203,7 @@ mod tests {
     use std::os::unix::net::UnixStream;
 
     use super::*;
-    use crate::wire::{Header, RESUMED_SIZE};
+    use crate::wire::{Header, RECEIVED_SIZE, RESUMED_SIZE};
 
     const AWAITING: Awaiting = Awaiting {
         during: "waiting in a test",
@@ -110,8 +235,17 @@ mod tests {
         let error = record(Header::new(Kind::Error, 0, 9), b"no space\xff");
         let end_of_pass = record(Header::new(Kind::EndOfPass, 3, 0), &[]);
         let short_resumed = record(Header::new(Kind::Resumed, 0, 8), &[0; 8]);
+        let received = record(
+            Header::new(Kind::Received, 0, RECEIVED_SIZE),
+            &Received {
+                bytes: 1 << 30,
+                pages: 7,
+            }
+            .encode(),
+        );
+        let long_received = record(Header::new(Kind::Received, 0, 24), &[0; 24]);
         // (name, bytes on the connection, what the read returns, or its error's text)
-        let table: [(&str, Vec<u8>, Result<Inbound, &str>); 6] = [
+        let table: [(&str, Vec<u8>, Result<Inbound, &str>); 8] = [
             (
                 "resumed",
                 resumed,
@@ -136,6 +270,19 @@ mod tests {
                 short_resumed,
                 Err("invalid migration stream"),
             ),
+            (
+                "received",
+                received,
+                Ok(Inbound::Received(Received {
+                    bytes: 1 << 30,
+                    pages: 7,
+                })),
+            ),
+            (
+                "a Received of the wrong size",
+                long_received,
+                Err("invalid migration stream"),
+            ),
             ("closed", vec![], Err("while waiting in a test")),
             (
                 "closed mid-payload",
@@ -152,5 +299,80 @@ mod tests {
                 (got, want) => panic!("{name}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    fn received(bytes: u64) -> Vec<u8> {
+        record(
+            Header::new(Kind::Received, 0, RECEIVED_SIZE),
+            &Received { bytes, pages: 0 }.encode(),
+        )
+    }
+
+    /// Starts a reader on a connection the destination wrote `bytes` to and keeps open.
+    fn reader_over(bytes: &[u8], progress: bool) -> (InboundReader, UnixStream) {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        theirs.write_all(bytes).unwrap();
+        let mut conn = Conn::new(Box::new(ours)).unwrap();
+        (InboundReader::start(&mut conn, progress).unwrap(), theirs)
+    }
+
+    #[test]
+    fn the_reader_folds_acknowledgements_and_hands_over_the_end() {
+        let resumed = record(
+            Header::new(Kind::Resumed, 0, RESUMED_SIZE),
+            &resumed_payload([1, 2, 3]),
+        );
+        let bytes = [received(100), received(5_000), resumed].concat();
+        let (reader, _theirs) = reader_over(&bytes, true);
+        let end = reader.wait(Duration::from_secs(5)).expect("an ending");
+        assert!(matches!(end, Ok(Inbound::Resumed(_))), "{end:?}");
+        assert_eq!(reader.acked().bytes, 5_000);
+        assert!(reader.poll().is_none(), "the ending is handed over once");
+    }
+
+    #[test]
+    fn the_reader_refuses_what_the_destination_may_not_send() {
+        // (name, bytes, progress granted, the error's text)
+        let table = [
+            (
+                "acknowledgement not granted",
+                received(100),
+                false,
+                "without the progress capability",
+            ),
+            (
+                "acknowledgements going back",
+                [received(100), received(99)].concat(),
+                true,
+                "went back from 100 to 99",
+            ),
+            (
+                "a record only the source sends",
+                record(Header::new(Kind::Complete, 0, 0), &[]),
+                true,
+                "expected Received, Resumed or Error",
+            ),
+        ];
+        for (name, bytes, progress, want) in table {
+            let (reader, _theirs) = reader_over(&bytes, progress);
+            match reader.wait(Duration::from_secs(5)) {
+                Some(Err(e)) => assert!(e.to_string().contains(want), "{name}: {e}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_destination_error_ends_the_reading_at_once_and_dropping_stops_a_quiet_reader() {
+        let error = record(Header::new(Kind::Error, 0, 4), b"full");
+        let (reader, _theirs) = reader_over(&[received(1), error].concat(), true);
+        match reader.wait(Duration::from_secs(5)) {
+            Some(Ok(Inbound::Error(m))) => assert_eq!(m, "full"),
+            other => panic!("{other:?}"),
+        }
+        // A destination that says nothing: the reader blocks until it is dropped.
+        let (quiet, _theirs) = reader_over(&[], true);
+        assert!(quiet.wait(Duration::from_millis(20)).is_none());
+        drop(quiet);
     }
 }

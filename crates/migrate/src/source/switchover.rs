@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::reader::{self, Awaiting, Inbound, Resumed};
+use super::reader::{Awaiting, Inbound, Resumed};
 use super::{GuestState, Session, ms};
 use crate::control::Phase;
 use crate::error::MigrateError;
@@ -35,6 +35,8 @@ impl Session<'_> {
         pass: u32,
     ) -> Result<(), MigrateError> {
         self.set_phase(Phase::Switchover);
+        self.note_acks();
+        self.stats.in_flight_at_pause_bytes = self.in_flight();
         let t0 = Instant::now();
         vm.pause()?;
         self.guest = GuestState::Paused;
@@ -77,12 +79,27 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Waits for the destination's Resumed; its Error, or any other record, fails.
+    /// Waits for the destination's Resumed, on the reader thread; its Error, or the reader's
+    /// failure, fails (acknowledgements that still arrive are folded in by the reader).
     fn await_resumed(&mut self) -> Result<Resumed, MigrateError> {
-        let _ = self.conn.stream().set_read_timeout(Some(RESUME_TIMEOUT));
-        match reader::read(&mut self.conn, AWAITING_RESUMED)? {
+        let reader = self
+            .acks
+            .reader
+            .as_ref()
+            .expect("the reader runs from the handshake on");
+        let ending = reader.wait(RESUME_TIMEOUT).unwrap_or_else(|| {
+            Err(MigrateError::io(
+                AWAITING_RESUMED.during,
+                std::io::Error::from(std::io::ErrorKind::TimedOut),
+            ))
+        });
+        self.note_acks();
+        match ending? {
             Inbound::Resumed(r) => Ok(r),
             Inbound::Error(message) => Err(MigrateError::Remote(message)),
+            Inbound::Received(_) => {
+                unreachable!("the reader folds acknowledgements into its counters")
+            }
         }
     }
 }

@@ -1,0 +1,166 @@
+//! What the destination has taken in, as the source uses it: the acknowledged byte count from
+//! the reader thread, the rate at which the destination absorbs data, what is still in flight,
+//! the observation the policy decides on, and the drain the policy may ask for.
+//!
+//! Without acknowledgements (a destination that did not grant the progress capability, or one
+//! that granted it and then said nothing through a whole drain) the source falls back to what
+//! it measured before: the send rate, and nothing counted in flight.
+//!
+//! Invariant: a drain sends nothing, is bounded by [`policy::drain_bound`], and looks at
+//! cancellation and at the destination's records every [`DRAIN_POLL`].
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::bandwidth::BandwidthWindow;
+use super::reader::{Inbound, InboundReader};
+use super::{Session, ms};
+use crate::error::MigrateError;
+use crate::policy::{self, Observation};
+use crate::wire::{HELLO_SIZE, PAGE_SIZE};
+
+/// How often a drain looks at the acknowledgements: a tenth of the destination's interval.
+const DRAIN_POLL: Duration = Duration::from_millis(1);
+/// What a page queued on a sender costs once written: its address and its data (a zero page
+/// costs less; counting it in full only makes the source wait a little longer).
+const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
+
+/// Whether the source may trust acknowledgements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AckUse {
+    /// The destination does not acknowledge (not granted).
+    Unavailable,
+    /// It does; in-flight and absorption come from its acknowledgements.
+    Live,
+    /// It was granted but made no progress through a whole drain: ignored from then on.
+    Stalled,
+}
+
+/// The source's view of the destination's progress.
+#[derive(Debug)]
+pub struct Acks {
+    pub(super) reader: Option<InboundReader>,
+    pub(super) use_: AckUse,
+    /// (arrival time, acknowledged bytes), one sample per new acknowledgement.
+    absorbed: BandwidthWindow,
+    /// The acknowledged byte count last seen.
+    acked: u64,
+}
+
+impl Default for Acks {
+    fn default() -> Acks {
+        Acks {
+            reader: None,
+            use_: AckUse::Unavailable,
+            absorbed: BandwidthWindow::default(),
+            acked: 0,
+        }
+    }
+}
+
+impl Acks {
+    /// Bytes the destination acknowledged so far.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+}
+
+impl Session<'_> {
+    /// Folds a new acknowledgement, if one came, into the absorption window.
+    pub(super) fn note_acks(&mut self) {
+        let Some(reader) = &self.acks.reader else {
+            return;
+        };
+        let acked = reader.acked().bytes;
+        if acked != self.acks.acked {
+            self.acks.acked = acked;
+            self.acks.absorbed.record(Instant::now(), acked);
+        }
+    }
+
+    /// Record bytes sent on every connection (the hellos are not counted on either side) and
+    /// the pages still queued on the senders, at their full cost.
+    fn bytes_committed(&self) -> u64 {
+        self.bytes_written().saturating_sub(HELLO_SIZE as u64)
+            + self.pool.pending_pages() * BYTES_PER_PAGE
+    }
+
+    /// Bytes sent or queued that the destination has not acknowledged; 0 without
+    /// acknowledgements.
+    pub(super) fn in_flight(&self) -> u64 {
+        match self.acks.use_ {
+            AckUse::Live => self.bytes_committed().saturating_sub(self.acks.acked),
+            AckUse::Unavailable | AckUse::Stalled => 0,
+        }
+    }
+
+    /// The rate the policy divides by: what the destination absorbs, once acknowledgements
+    /// have measured it, else the send rate.
+    pub(super) fn rate(&self) -> f64 {
+        let absorbed = self.acks.absorbed.rate();
+        match self.acks.use_ {
+            AckUse::Live if absorbed > 0.0 => absorbed,
+            _ => self.bandwidth.rate(),
+        }
+    }
+
+    /// What the policy decides on, now.
+    pub(super) fn observe(&mut self) -> Observation {
+        self.note_acks();
+        Observation {
+            remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+            in_flight_bytes: self.in_flight(),
+            bandwidth: self.rate(),
+            elapsed: self.start.elapsed(),
+        }
+    }
+
+    /// Waits, sending nothing, until what is in flight has settled or [`policy::drain_bound`]
+    /// passed. A drain through which the destination acknowledged nothing at all means it does
+    /// not acknowledge: the source stops counting on it.
+    pub(super) fn drain(&mut self, now: &Observation) -> Result<(), MigrateError> {
+        let started = Instant::now();
+        let deadline = started + policy::drain_bound(now);
+        let acked_before = self.acks.acked;
+        loop {
+            self.check_control()?;
+            let o = self.observe();
+            if o.settled() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                if self.acks.acked == acked_before {
+                    tracing::warn!(
+                        "the destination acknowledged nothing for {:?}; deciding on the send rate from now on",
+                        policy::drain_bound(now)
+                    );
+                    self.acks.use_ = AckUse::Stalled;
+                }
+                break;
+            }
+            std::thread::sleep(DRAIN_POLL);
+        }
+        self.stats.drain_ms += ms(started.elapsed());
+        Ok(())
+    }
+
+    /// Cancellation, and whatever the destination said that ends the migration (its Error,
+    /// a record out of order, its connection closing) — looked at between any two batches.
+    pub(super) fn check_control(&mut self) -> Result<(), MigrateError> {
+        if self.control.cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        match self.acks.reader.as_ref().and_then(InboundReader::poll) {
+            None => Ok(()),
+            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(message)),
+            Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::order(
+                "the destination sent Resumed before Complete",
+            )),
+            Some(Ok(Inbound::Received(_))) => {
+                unreachable!("the reader folds acknowledgements into its counters")
+            }
+            Some(Err(e)) => Err(e),
+        }
+    }
+}
