@@ -12,7 +12,7 @@
 //! that could fill while the session is busy sending), and hands the one record that ends its
 //! reading (`Resumed`, `Error`, or the failure that stopped it) over a channel of depth one.
 //!
-//! Invariants: a record's header is validated (kind and length, see `wire.rs`) before its
+//! Invariants: a record's header is validated (kind and length, see `wire/`) before its
 //! payload is read, so every payload decoded here has the size its kind prescribes; the
 //! acknowledged byte count never goes backwards (a destination that says so is refused); once
 //! the reader runs, nothing else reads the main connection.

@@ -1,0 +1,211 @@
+//! Round trips and hostile inputs for every encoding in the wire module.
+
+use super::*;
+
+fn hello() -> Hello {
+    Hello {
+        role: Role::Main,
+        channel: 0,
+        uuid: [7; 16],
+        memory_size: 2 << 30,
+        status: 0,
+        channels: 2,
+        capabilities: Capabilities(1 << 40),
+    }
+}
+
+#[test]
+fn hello_round_trips_and_checks_everything() {
+    let h = hello();
+    assert_eq!(Hello::decode(&h.encode()), Ok(h));
+    let mut b = h.encode();
+    b[0] = b'X';
+    assert!(matches!(Hello::decode(&b), Err(WireError::BadMagic(_))));
+    let mut b = h.encode();
+    b[8] = 1;
+    assert_eq!(Hello::decode(&b), Err(WireError::Version(1)));
+    let mut b = h.encode();
+    b[12] = 0;
+    assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
+    let mut b = h.encode();
+    b[12] = 3;
+    assert_eq!(Hello::decode(&b), Err(WireError::Role(3)));
+    let mut b = h.encode();
+    b[41] = 0x20;
+    assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
+    let mut b = h.encode();
+    b[63] = 1;
+    assert_eq!(Hello::decode(&b), Err(WireError::Reserved("hello")));
+    let data = Hello {
+        role: Role::Data,
+        channel: 1,
+        ..h
+    };
+    assert_eq!(
+        Hello::decode(&data.encode()),
+        Err(WireError::DataCapabilities(1 << 40))
+    );
+}
+
+#[test]
+fn capabilities_are_granted_as_the_common_subset() {
+    let asked = Capabilities(0b1011);
+    let granted = asked.grant(Capabilities(0b0110));
+    assert_eq!(granted, Capabilities(0b0010));
+    assert!(granted.is_subset(asked));
+    assert!(!Capabilities(0b0100).is_subset(asked));
+    assert_eq!(asked.grant(Capabilities::SUPPORTED), Capabilities::NONE);
+}
+
+#[test]
+fn section_headers_round_trip_and_refuse_zero_ids_and_reserved_bytes() {
+    let h = SectionHeader {
+        id: SectionId(0x4c41_5043),
+        instance: 3,
+        version: 7,
+    };
+    let mut payload = h.encode().to_vec();
+    payload.extend_from_slice(b"state");
+    assert_eq!(SectionHeader::decode(&payload), Ok((h, &b"state"[..])));
+    let mut b = h.encode();
+    b[0..4].fill(0);
+    assert_eq!(SectionHeader::decode(&b), Err(WireError::InvalidSection));
+    let mut b = h.encode();
+    b[15] = 1;
+    assert_eq!(
+        SectionHeader::decode(&b),
+        Err(WireError::Reserved("section header"))
+    );
+    assert_eq!(
+        SectionHeader::decode(&b[..15]),
+        Err(WireError::SectionHeader(15))
+    );
+}
+
+#[test]
+fn headers_round_trip() {
+    for h in [
+        Header::pages(512),
+        Header::zero_runs(1),
+        Header::new(Kind::EndOfPass, 3, 0),
+        Header::device_state(9000),
+        Header::new(Kind::Complete, 0, 0),
+        Header::new(Kind::Error, 0, 12),
+        Header::new(Kind::Resumed, 0, RESUMED_SIZE),
+        Header::new(Kind::Received, 0, RECEIVED_SIZE),
+    ] {
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
+    }
+}
+
+#[test]
+fn hostile_headers_are_refused() {
+    let table: &[(Header, &str)] = &[
+        (
+            Header::new(Kind::Pages, 513, 513 * 4104),
+            "exceeds the limit of 512",
+        ),
+        (Header::new(Kind::Pages, 2, 4104), "does not match 8208"),
+        (Header::new(Kind::Pages, 0, 0), "empty batch"),
+        (
+            Header::new(Kind::ZeroRuns, 4097, 4097 * 16),
+            "exceeds the limit of 4096",
+        ),
+        (Header::new(Kind::ZeroRuns, 1, 8), "does not match 16"),
+        (
+            Header::device_state((1 << 20) + 1),
+            "exceeds the limit of 1048592",
+        ),
+        (
+            Header::new(Kind::DeviceState, 0, 15),
+            "shorter than its 16-byte section header",
+        ),
+        (Header::new(Kind::DeviceState, 1, 20), "reserved bytes"),
+        (Header::new(Kind::Complete, 2, 0), "reserved bytes"),
+        (
+            Header::new(Kind::Error, 0, 1 << 40),
+            "exceeds the limit of 4096",
+        ),
+        (Header::new(Kind::EndOfPass, 1, 8), "must be empty"),
+        (Header::new(Kind::Complete, 0, 1), "must be empty"),
+        (Header::new(Kind::Received, 0, 15), "does not match 16"),
+        (Header::new(Kind::Received, 0, 17), "does not match 16"),
+        (Header::new(Kind::Received, 0, 1 << 40), "does not match 16"),
+        (Header::new(Kind::Received, 1, 16), "reserved bytes"),
+    ];
+    for (h, want) in table {
+        let err = Header::decode(&h.encode()).unwrap_err().to_string();
+        assert!(err.contains(want), "{h:?}: {err}");
+    }
+    let mut b = Header::new(Kind::Complete, 0, 0).encode();
+    b[0] = 99;
+    assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(99)));
+    let mut b = Header::new(Kind::Complete, 0, 0).encode();
+    b[2] = 1;
+    assert_eq!(
+        Header::decode(&b),
+        Err(WireError::Reserved("record header"))
+    );
+}
+
+#[test]
+fn received_round_trips_and_refuses_other_lengths() {
+    for r in [
+        Received::default(),
+        Received {
+            bytes: 16 << 20,
+            pages: 4096,
+        },
+        Received {
+            bytes: u64::MAX,
+            pages: u64::MAX,
+        },
+    ] {
+        assert_eq!(Received::decode(&r.encode()), Ok(r));
+    }
+    let b = Received {
+        bytes: 0x0102_0304_0506_0708,
+        pages: 9,
+    }
+    .encode();
+    assert_eq!(b[0], 0x08, "little-endian");
+    assert_eq!(b[8], 9);
+    for len in [0, 8, 15, 17, 24] {
+        let payload = vec![0u8; len];
+        assert!(
+            matches!(
+                Received::decode(&payload),
+                Err(WireError::Length { expected: 16, .. })
+            ),
+            "{len} bytes"
+        );
+    }
+    // Kind 8 is Received; the kind after it is still unknown, and 0 still invalid.
+    assert_eq!(Kind::from_u16(8), Kind::Received);
+    assert_eq!(Kind::from_u16(9), Kind::Invalid);
+    assert_eq!(Kind::from_u16(0), Kind::Invalid);
+}
+
+#[test]
+fn progress_is_granted_only_when_asked() {
+    let p = Capabilities::PROGRESS;
+    assert_eq!(p.grant(Capabilities::SUPPORTED), p);
+    assert_eq!(
+        Capabilities::NONE.grant(Capabilities::SUPPORTED),
+        Capabilities::NONE
+    );
+    assert!(Capabilities(p.0 | 1).contains(p));
+    assert!(!Capabilities::NONE.contains(p));
+}
+
+#[test]
+fn addresses_decode_in_order() {
+    let mut bytes = Vec::new();
+    for a in [0x1000u64, 0x2000, 0x1_0000_0000] {
+        bytes.extend_from_slice(&a.to_le_bytes());
+    }
+    assert_eq!(
+        decode_addresses(&bytes).collect::<Vec<_>>(),
+        vec![0x1000, 0x2000, 0x1_0000_0000]
+    );
+}
