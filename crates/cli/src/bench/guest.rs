@@ -8,6 +8,9 @@
 //! [`STABLE`]; the rate is taken from two telemetry samples `--seconds` apart. The
 //! reference is the guest's own write loop, compiled for the host and run on host memory of the
 //! same size in the same process: the ratio is what virtualisation costs the workload.
+//!
+//! Then the vCPU's CPU share at rate 1, 100 and flat out: how much of a core an idling or
+//! paced guest takes (it sleeps on its APIC timer between bursts).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -64,10 +67,49 @@ pub fn run(args: &GuestBenchArgs) -> anyhow::Result<ExitCode> {
             }));
         }
     }
+    println!("{:<10} {:>14} {:>12}", "rate", "vCPU share", "MB/s written");
+    for rate in [Some(1), Some(100), None] {
+        let (share, mb_s) = vcpu_share(rate, window)?;
+        let name = rate.map_or("max".to_string(), |r| format!("{r} MB/s"));
+        println!("{name:<10} {share:>14.3} {mb_s:>12.1}");
+        rows.push(json!({
+            "bench": "guest_cpu", "rate_mb_s": rate, "vcpu_cpu_share": share, "write_mb_s": mb_s,
+        }));
+    }
     for row in rows {
         println!("{row}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The vCPU thread's CPU time over wall time while the guest writes at `rate` MB/s (`None`:
+/// flat out) over a 64 MiB working set, after two heartbeats; and the rate it wrote at. A
+/// paced guest sleeps on its APIC timer between bursts, so its share is far below one core.
+fn vcpu_share(rate: Option<u32>, window: Duration) -> anyhow::Result<(f64, f64)> {
+    let rate_param = rate.map_or(String::new(), |r| format!(" rate={r}"));
+    let vm = Vm::boot(VmConfig {
+        memory_bytes: 256 << 20,
+        vcpus: 1,
+        kernel: Arc::from(ferry_guest_image::ELF),
+        cmdline: format!("ws=64M verify-ms=0 log-ms=0 heartbeat-ms=100{rate_param}"),
+        guest: GuestKind::FerryGuest,
+        serial: SerialOutput::Discard,
+    })?;
+    let h = vm.handle();
+    let started = Instant::now();
+    while h.telemetry().heartbeats < 2 {
+        if started.elapsed() > MAX_WARMUP || h.state() == ferry_vmm::RunState::Stopped {
+            bail!("the guest never reported: {:?}", h.status().stop_reason);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (cpu0, pages0, t0) = (h.vcpu_cpu_ns(), h.telemetry().pages_written, Instant::now());
+    std::thread::sleep(window);
+    let (cpu1, pages1, wall) = (h.vcpu_cpu_ns(), h.telemetry().pages_written, t0.elapsed());
+    h.stop(StopReason::Requested("benchmark done".into()));
+    let share = (cpu1 - cpu0) as f64 / wall.as_nanos() as f64;
+    let mb_s = ((pages1 - pages0) * PAGE_SIZE) as f64 / wall.as_secs_f64() / 1e6;
+    Ok((share, mb_s))
 }
 
 /// Pages per second the guest writes, from its telemetry.
