@@ -12,8 +12,9 @@
 //! - [`receive`] runs one session on a main connection the caller already accepted (tests, and
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
-//! - `sink` (internal) is how received pages land in memory: straight into mapped RAM for
-//!   precopy, an atomic install for postcopy later.
+//! - `sink` (internal) is how received pages land in memory: for precopy straight into
+//!   mapped RAM or through the backing file, as the VMM's [`PageLanding`](crate::PageLanding)
+//!   says; an atomic install for postcopy later.
 
 #![forbid(unsafe_code)]
 
