@@ -24,6 +24,9 @@
 //! - [`dirty_log_restarts`]: stopping and starting again tracks as the first time (a cancelled
 //!   migration is followed by another).
 //! - [`paused_source_saves_state`], [`destination_loads_the_sources_state`]: switchover.
+//! - [`destination_file_is_its_memory`]: a byte written to a destination region's `fd` at
+//!   `file_offset` shows through `host_addr` (with [`PageLanding::File`], the engine writes
+//!   received pages through the file).
 //! - [`destination_refuses_bad_state`]: a section with another version, without its data, or of
 //!   a kind the VMM never saved is refused with an error, not a panic and not a silent success.
 //!
@@ -44,7 +47,7 @@ use std::panic::AssertUnwindSafe;
 use ferry_migrate::bitmap::{Cursor, DirtyBitmap};
 use ferry_migrate::ram::{Ram, RamRegion};
 use ferry_migrate::wire::{PAGE_SIZE, SectionId};
-use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
+use ferry_migrate::{DestinationVm, PageLanding, Section, SourceVm, VmError};
 
 /// Pages a partial clear re-arms in [`dirty_log_starts_all_set`]: one 64-bit word of a dirty
 /// bitmap, the granule KVM's `KVM_CLEAR_DIRTY_LOG` wants a range to start on.
@@ -88,6 +91,7 @@ macro_rules! conformance_tests {
             dirty_log_restarts,
             paused_source_saves_state,
             destination_loads_the_sources_state,
+            destination_file_is_its_memory,
             destination_refuses_bad_state,
         );
     };
@@ -258,6 +262,38 @@ pub fn destination_loads_the_sources_state<F: Fixture>(f: &mut F) {
     let sections = saved_state(f);
     let mut dst = f.destination();
     ok("load_state", dst.load_state(&sections));
+}
+
+/// A destination's memory can be written through its file: a byte written at each region's
+/// first and last page through `fd` reads back through the mapping, whatever
+/// [`DestinationVm::page_landing`] says today (a VMM may change its answer per migration).
+/// The bytes are put back, so a fresh destination stays as it was.
+pub fn destination_file_is_its_memory<F: Fixture>(f: &mut F) {
+    let dst = f.destination();
+    let landing = dst.page_landing();
+    assert!(
+        matches!(landing, PageLanding::Mapping | PageLanding::File),
+        "page_landing() = {landing:?}"
+    );
+    for r in sorted(dst.ram()) {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", r.fd))
+            .unwrap_or_else(|e| panic!("the file of region {:#x} (fd {}): {e}", r.gpa, r.fd));
+        for gpa in [r.gpa + 5, r.gpa + r.size - PAGE_SIZE + 9] {
+            let was = file_byte(&r, gpa);
+            let at = r.file_offset + (gpa - r.gpa);
+            file.write_all_at(&[!was], at)
+                .unwrap_or_else(|e| panic!("writing guest address {gpa:#x} to the file: {e}"));
+            assert_eq!(
+                host_byte(&r, gpa),
+                !was,
+                "a byte written to the file at guest address {gpa:#x} does not show in the mapping"
+            );
+            file.write_all_at(&[was], at).unwrap();
+        }
+    }
 }
 
 /// A destination refuses, with an error, a section of another version, a section without its

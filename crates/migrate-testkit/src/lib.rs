@@ -28,7 +28,7 @@ use ferry_migrate::wire::{PAGE_SIZE, SectionId};
 
 /// The fake VM's one kind of device state (the number is the fake VMM's own choice).
 pub const FAKE_VCPU: SectionId = SectionId(1);
-use ferry_migrate::{DestinationVm, Section, SourceVm, VmError};
+use ferry_migrate::{DestinationVm, PageLanding, Section, SourceVm, VmError};
 
 /// The version of the fake's one section (a vCPU named by a few bytes).
 pub const FAKE_STATE_VERSION: u32 = 1;
@@ -175,6 +175,8 @@ pub struct FakeVm {
     /// The device state it reports (source) or loaded (destination).
     pub state: Vec<Section>,
     pub resumed: bool,
+    /// How a migration into this VM lands its pages (the engine tests run both).
+    pub landing: PageLanding,
 }
 
 impl FakeVm {
@@ -204,6 +206,8 @@ impl FakeVm {
                 })
                 .collect(),
             resumed: false,
+            // The fake's RAM is sparse, which is what `File` is for.
+            landing: PageLanding::File,
         }
     }
 
@@ -391,10 +395,15 @@ unsafe impl SourceVm for FakeVm {
     }
 }
 
-// SAFETY: as for SourceVm; the fake destination runs no writers before `resume`.
+// SAFETY: as for SourceVm (`fd` is the read-write memfd behind the mapping); the fake
+// destination runs no writers before `resume`.
 unsafe impl DestinationVm for FakeVm {
     fn ram(&self) -> Vec<RamRegion> {
         self.shared.ram.regions.clone()
+    }
+
+    fn page_landing(&self) -> PageLanding {
+        self.landing
     }
 
     /// Accepts vCPU sections of [`FAKE_STATE_VERSION`] with some data, as a real VMM validates

@@ -1,12 +1,12 @@
 //! The destination's answers to crafted streams over real TCP loopback, without /dev/kvm: each
 //! malformed stream is refused with an error that names what is wrong, and the well-formed one
-//! is accepted.
+//! is accepted, whichever way the destination lands pages.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 
-use ferry_migrate::destination;
 use ferry_migrate::wire::{Header, Kind, Role};
+use ferry_migrate::{PageLanding, destination};
 use ferry_migrate_testkit::FakeVm;
 use ferry_migrate_testkit::craft::{
     cat, data_hello, end, hello, main_hello, pages, record, section, zero_runs,
@@ -14,13 +14,16 @@ use ferry_migrate_testkit::craft::{
 use ferry_migrate_testkit::loopback::acceptor;
 
 const MIB: u64 = 1 << 20;
+/// Both ways a destination lands pages: every crafted stream is fed to each.
+const LANDINGS: [PageLanding; 2] = [PageLanding::Mapping, PageLanding::File];
 
 /// A crafted migration: the main connection's bytes, then each data connection's bytes
 /// (each connection is opened in order and written whole).
-fn feed(main: &[u8], data: &[Vec<u8>]) -> String {
+fn feed(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let mut dst = FakeVm::new(8 * MIB, 1);
+    dst.landing = landing;
     std::thread::scope(|s| {
         let receiver = s.spawn(|| {
             let main = listener.accept().unwrap().0;
@@ -289,9 +292,11 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
             "closed the connection",
         ),
     ];
-    for (name, main, data, want) in table {
-        let err = feed(&main, &data);
-        assert!(err.contains(want), "{name}: got '{err}'");
+    for landing in LANDINGS {
+        for (name, main, data, want) in &table {
+            let err = feed(main, data, landing);
+            assert!(err.contains(want), "{name}, {landing:?}: got '{err}'");
+        }
     }
 }
 
@@ -299,9 +304,16 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
 /// it states, and pages and zero runs land where they should.
 #[test]
 fn a_crafted_good_stream_is_accepted() {
+    for landing in LANDINGS {
+        good_stream_lands(landing);
+    }
+}
+
+fn good_stream_lands(landing: PageLanding) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let mut dst = FakeVm::new(8 * MIB, 1);
+    dst.landing = landing;
     std::thread::scope(|s| {
         let r = s.spawn(|| {
             let main = listener.accept().unwrap().0;
@@ -335,7 +347,7 @@ fn a_crafted_good_stream_is_accepted() {
     assert_eq!(
         &mem[0x1000..0x1004],
         &[0; 4],
-        "pass 2's zero run replaced pass 1's data"
+        "{landing:?}: pass 2's zero run replaced pass 1's data"
     );
     assert_eq!(&mem[0x2000..0x2004], &[0xab; 4]);
 }

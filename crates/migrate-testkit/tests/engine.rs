@@ -1,6 +1,6 @@
 //! The migration engine over the fake VMM, on real TCP loopback, without /dev/kvm: whole
 //! migrations (memory equal at switchover, channels and zero detection, holes, the per-pass
-//! barrier), and the source's failure paths (cancel, a dead or refusing destination). The
+//! barrier) with both ways of landing pages on the destination, and the source's failure paths (cancel, a dead or refusing destination). The
 //! destination's answers to crafted streams are in `crafted.rs`.
 
 use std::io::{Read, Write};
@@ -10,12 +10,14 @@ use std::time::Duration;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::wire::{self, Hello};
-use ferry_migrate::{Control, MigrateError, Phase, Policy, TimeoutAction};
+use ferry_migrate::{Control, MigrateError, PageLanding, Phase, Policy, TimeoutAction};
 use ferry_migrate_testkit::loopback::{migrate, migrate_into_slow, migrate_with_hooks};
 use ferry_migrate_testkit::{FakeVm, Writers};
 use proptest::prelude::*;
 
 const MIB: u64 = 1 << 20;
+/// Both ways a destination lands pages: each test of whole migrations runs with each.
+const LANDINGS: [PageLanding; 2] = [PageLanding::Mapping, PageLanding::File];
 
 /// Parameters with a 1 s timeout that forces the switchover: a fast fake writer may never let
 /// precopy converge, and the properties tested here must hold either way.
@@ -46,12 +48,14 @@ proptest! {
         zero_percent in 0u8..50,
         downtime_ms in 1u64..200,
         limited in any::<bool>(),
+        landing in prop_oneof![Just(PageLanding::Mapping), Just(PageLanding::File)],
     ) {
         let size = mib * MIB * regions as u64;
         let mut src = FakeVm::new(size, regions);
         src.fill(stride);
         src.start_writers(Writers { threads, seed, zero_percent, interval: Duration::from_micros(50) });
         let mut dst = FakeVm::new(size, regions);
+        dst.landing = landing;
         let limit = limited.then_some(200 * MIB);
         let (sent, received) = migrate(&mut src, &mut dst, &params(downtime_ms, limit), &Control::default());
         let stats = sent.unwrap();
@@ -100,12 +104,15 @@ fn offload_failures_fall_back_to_the_cpu_and_lose_nothing() {
 
 #[test]
 fn every_channel_count_and_detector_moves_memory_exactly() {
-    for (channels, zero) in [
+    for ((channels, zero), landing) in [
         (1, ZeroDetection::Inline),
         (4, ZeroDetection::Inline),
         (2, ZeroDetection::None),
         (3, ZeroDetection::Offload),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|c| LANDINGS.map(|l| (c, l)))
+    {
         let mut src = FakeVm::new(8 * MIB, 2);
         src.fill(3);
         src.start_writers(Writers {
@@ -115,6 +122,7 @@ fn every_channel_count_and_detector_moves_memory_exactly() {
             interval: Duration::from_micros(100),
         });
         let mut dst = FakeVm::new(8 * MIB, 2);
+        dst.landing = landing;
         let p = SourceParams {
             channels,
             packet_pages: 16,
@@ -132,7 +140,7 @@ fn every_channel_count_and_detector_moves_memory_exactly() {
         }
         assert!(
             src.contents() == dst.contents(),
-            "{channels} channels, {zero:?}"
+            "{channels} channels, {zero:?}, {landing:?}"
         );
     }
 }
@@ -141,44 +149,50 @@ fn every_channel_count_and_detector_moves_memory_exactly() {
 /// land after a newer one (the per-pass barrier).
 #[test]
 fn pages_rewritten_every_pass_arrive_in_their_last_version() {
-    let mut src = FakeVm::new(8 * MIB, 2);
-    src.fill(1);
-    src.start_writers(Writers {
-        threads: 2,
-        seed: 7,
-        zero_percent: 30,
-        interval: Duration::ZERO,
-    });
-    let mut dst = FakeVm::new(8 * MIB, 2);
-    let p = SourceParams {
-        channels: 4,
-        packet_pages: 8,
-        ..params(5, None)
-    };
-    let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());
-    let stats = sent.unwrap();
-    received.unwrap();
-    assert!(stats.passes.len() >= 3, "{:?}", stats.passes);
-    assert!(src.contents() == dst.contents());
+    for landing in LANDINGS {
+        let mut src = FakeVm::new(8 * MIB, 2);
+        src.fill(1);
+        src.start_writers(Writers {
+            threads: 2,
+            seed: 7,
+            zero_percent: 30,
+            interval: Duration::ZERO,
+        });
+        let mut dst = FakeVm::new(8 * MIB, 2);
+        dst.landing = landing;
+        let p = SourceParams {
+            channels: 4,
+            packet_pages: 8,
+            ..params(5, None)
+        };
+        let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());
+        let stats = sent.unwrap();
+        received.unwrap();
+        assert!(stats.passes.len() >= 3, "{landing:?}: {:?}", stats.passes);
+        assert!(src.contents() == dst.contents(), "{landing:?}");
+    }
 }
 
 #[test]
 fn holes_are_neither_sent_nor_populated() {
-    let mut src = FakeVm::new(64 * MIB, 2);
-    src.fill(64);
-    let mut dst = FakeVm::new(64 * MIB, 2);
-    let (sent, received) = migrate(&mut src, &mut dst, &params(300, None), &Control::default());
-    let stats = sent.unwrap();
-    received.unwrap();
-    let populated = 64 * MIB / 4096 / 64;
-    assert_eq!(stats.pages_normal, populated);
-    assert_eq!(stats.pages_skipped_holes, 64 * MIB / 4096 - populated);
-    assert!(
-        dst.allocated_bytes() <= 2 * populated * 4096 + MIB,
-        "{}",
-        dst.allocated_bytes()
-    );
-    assert!(src.contents() == dst.contents());
+    for landing in LANDINGS {
+        let mut src = FakeVm::new(64 * MIB, 2);
+        src.fill(64);
+        let mut dst = FakeVm::new(64 * MIB, 2);
+        dst.landing = landing;
+        let (sent, received) = migrate(&mut src, &mut dst, &params(300, None), &Control::default());
+        let stats = sent.unwrap();
+        received.unwrap();
+        let populated = 64 * MIB / 4096 / 64;
+        assert_eq!(stats.pages_normal, populated);
+        assert_eq!(stats.pages_skipped_holes, 64 * MIB / 4096 - populated);
+        assert!(
+            dst.allocated_bytes() <= 2 * populated * 4096 + MIB,
+            "{landing:?}: {}",
+            dst.allocated_bytes()
+        );
+        assert!(src.contents() == dst.contents(), "{landing:?}");
+    }
 }
 
 #[test]

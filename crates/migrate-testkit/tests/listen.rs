@@ -10,13 +10,15 @@ use std::time::{Duration, Instant};
 use ferry_migrate::destination::{self, IncomingControl, IncomingPhase, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::wire::{self, Header, Hello, Kind, Refusal, Role};
-use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
+use ferry_migrate::{Control, MigrateError, PageLanding, Policy, TimeoutAction};
 use ferry_migrate_testkit::craft::{
     cat, data_hello, end, hello, main_hello, pages, record, section,
 };
 use ferry_migrate_testkit::{FakeVm, Writers};
 
 const MIB: u64 = 1 << 20;
+/// Both ways a destination lands pages: the crafted cuts of a source are fed to each.
+const LANDINGS: [PageLanding; 2] = [PageLanding::Mapping, PageLanding::File];
 
 fn params(max_bandwidth: Option<u64>) -> SourceParams {
     let policy = Policy {
@@ -276,10 +278,11 @@ enum Then {
 
 /// Runs a crafted migration over `listen`; returns the destination's error and how long it
 /// took to come.
-fn crafted(main: &[u8], data: &[u8], then: Then) -> (String, Duration) {
+fn crafted(main: &[u8], data: &[u8], then: Then, landing: PageLanding) -> (String, Duration) {
     let dest = Dest::new();
     let addr = dest.addr();
     let mut dst = FakeVm::new(8 * MIB, 1);
+    dst.landing = landing;
     std::thread::scope(|s| {
         let d = s.spawn(|| destination::listen(&mut dst, &dest.listener, &dest.control, &|| true));
         let mut m = TcpStream::connect(addr).unwrap();
@@ -309,13 +312,19 @@ fn crafted(main: &[u8], data: &[u8], then: Then) -> (String, Duration) {
 /// the main channel, still open, ends pass 1. The destination used to wait forever.
 #[test]
 fn regression_a_data_channel_closed_before_its_pass_end_fails_in_seconds() {
-    let (e, took) = crafted(
-        &cat(&[main_hello(), end(1)]),
-        &cat(&[data_hello(1), pages(&[0x1000])]),
-        Then::KeepMain,
-    );
-    assert!(e.contains("data channel 1 ended after pass 0"), "{e}");
-    assert!(took < Duration::from_secs(5), "took {took:?}");
+    for landing in LANDINGS {
+        let (e, took) = crafted(
+            &cat(&[main_hello(), end(1)]),
+            &cat(&[data_hello(1), pages(&[0x1000])]),
+            Then::KeepMain,
+            landing,
+        );
+        assert!(
+            e.contains("data channel 1 ended after pass 0"),
+            "{landing:?}: {e}"
+        );
+        assert!(took < Duration::from_secs(5), "{landing:?}: took {took:?}");
+    }
 }
 
 /// A source killed at each point of a pass: every cut of the data stream, with the main
@@ -340,7 +349,7 @@ fn a_source_killed_at_any_point_of_a_pass_fails_the_migration_in_seconds() {
         wire::HELLO_SIZE + 16 + 16 + 2 * 4096 + 16,            // after EndOfPass(1)
         wire::HELLO_SIZE + 16 + 16 + 2 * 4096 + 16 + one_pass, // before EndOfPass(2)
     ];
-    for cut in cuts {
+    for (cut, landing) in cuts.into_iter().flat_map(|c| LANDINGS.map(|l| (c, l))) {
         for then in [Then::CloseAll, Then::KeepMain] {
             let main = cat(&[
                 main_hello(),
@@ -349,14 +358,14 @@ fn a_source_killed_at_any_point_of_a_pass_fails_the_migration_in_seconds() {
                 state.clone(),
                 complete.clone(),
             ]);
-            let (e, took) = crafted(&main, &data[..cut], then);
+            let (e, took) = crafted(&main, &data[..cut], then, landing);
             assert!(
                 took < Duration::from_secs(5),
-                "cut {cut} {then:?}: took {took:?}"
+                "cut {cut} {then:?} {landing:?}: took {took:?}"
             );
             assert!(
                 e.contains("data channel 1") || e.contains("closed the connection"),
-                "cut {cut} {then:?}: {e}"
+                "cut {cut} {then:?} {landing:?}: {e}"
             );
         }
     }

@@ -42,4 +42,4 @@ pub use error::MigrateError;
 pub use policy::{Policy, TimeoutAction};
 pub use source::SourceParams;
 pub use stats::MigrationStats;
-pub use vm::{DestinationVm, Section, SourceVm, VmError};
+pub use vm::{DestinationVm, PageLanding, Section, SourceVm, VmError};

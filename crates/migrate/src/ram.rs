@@ -16,7 +16,12 @@
 //!   `unsafe` to implement for exactly this promise, and keep the VM borrowed while the `Ram`
 //!   lives.
 //!
-//! The writing operations (`Ram::read_pages`, `Ram::zero_run`) also need the pages to be the
+//! A destination may also write pages through the backing file (`Ram::write_pages`, `pwrite`
+//! at the region's `file_offset`), for the same invariant plus one: each region's `fd` is the
+//! file behind its mapping, so what lands in the file is what the mapping shows and nothing
+//! outside the region's range of the file is touched.
+//!
+//! The writing operations (`Ram::read_pages`, `Ram::write_pages`, `Ram::zero_run`) also need the pages to be the
 //! caller's alone while they run. That is the receivers' page claim (a page is claimed once per
 //! pass before it is written), so the two are crate-internal rather than `unsafe`: marking them
 //! `unsafe` would move `unsafe` blocks into `receiver.rs`, which keeps `forbid(unsafe_code)`.
@@ -89,8 +94,10 @@ impl Ram {
     /// Every region's `size` bytes from `host_addr` must be mapped and readable (and writable,
     /// if the `Ram` is written through: `Ram::read_pages`, `Ram::zero_run`) for as long as the
     /// returned `Ram` or any clone of it is used to reach guest memory ([`Ram::copy_page`] and
-    /// the writers); `fd` must be the file backing the mapping at `file_offset` for
-    /// [`Ram::next_data`] to mean anything (a wrong fd gives wrong answers, not unsoundness).
+    /// the writers); `fd` must be the file backing the mapping at `file_offset`, open for
+    /// writing if the `Ram` is written through the file (`Ram::write_pages`). A wrong fd
+    /// gives wrong answers from [`Ram::next_data`] and, written through, puts guest pages into
+    /// a file that is not guest RAM.
     pub unsafe fn from_regions(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
         regions.sort_by_key(|r| r.gpa);
         let mut end = 0;
@@ -242,6 +249,78 @@ impl Ram {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` (one page per address, in order) to the pages at `gpas` (strictly
+    /// increasing) through the backing file: one `pwrite` per run of consecutive pages inside
+    /// one region, at the region's `file_offset` plus the page's offset in the region. Every
+    /// address is checked to be RAM before anything is written.
+    ///
+    /// Contract (crate-internal): as for `Ram::read_pages`, the pages are the caller's alone
+    /// until this returns.
+    pub(crate) fn write_pages(&self, gpas: &[u64], data: &[u8]) -> std::io::Result<()> {
+        assert_eq!(data.len() as u64, gpas.len() as u64 * PAGE_SIZE);
+        // (region, file offset) of each page, all checked before the first write.
+        let mut at = Vec::with_capacity(gpas.len());
+        for (k, &gpa) in gpas.iter().enumerate() {
+            assert!(
+                k == 0 || gpas[k - 1] < gpa,
+                "page addresses must be strictly increasing"
+            );
+            self.page(gpa).map_err(std::io::Error::other)?;
+            let (i, r) = self
+                .regions
+                .iter()
+                .enumerate()
+                .find(|(_, r)| r.contains(gpa))
+                .expect("page() found the region");
+            at.push((i, r.file_offset + (gpa - r.gpa)));
+        }
+        let mut first = 0;
+        while first < at.len() {
+            let mut end = first + 1;
+            while end < at.len()
+                && at[end].0 == at[first].0
+                && gpas[end] == gpas[end - 1] + PAGE_SIZE
+            {
+                end += 1;
+            }
+            let bytes = &data[first * PAGE_SIZE as usize..end * PAGE_SIZE as usize];
+            self.pwrite_all(self.regions[at[first].0].fd, bytes, at[first].1)?;
+            first = end;
+        }
+        Ok(())
+    }
+
+    /// `pwrite` until all of `bytes` is at `offset` of `fd`.
+    fn pwrite_all(&self, fd: RawFd, mut bytes: &[u8], mut offset: u64) -> std::io::Result<()> {
+        while !bytes.is_empty() {
+            // SAFETY: `bytes` is a live slice for the call; `fd` backs a region of this `Ram`
+            // (`Ram::from_regions`'s contract) and the range `offset..offset + bytes.len()` is
+            // the file range of pages inside that region (`write_pages` checked them), so the
+            // write changes only guest pages the caller holds alone.
+            let n = unsafe {
+                libc::pwrite(
+                    fd,
+                    bytes.as_ptr().cast(),
+                    bytes.len(),
+                    offset as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            bytes = &bytes[n as usize..];
+            offset += n as u64;
         }
         Ok(())
     }

@@ -189,6 +189,7 @@ pub fn start(
                 stream,
                 shared: shared.clone(),
                 stats: ReceiverStats::default(),
+                buffer: Vec::new(),
             }
             .run();
             if let Err(e) = &r {
@@ -204,6 +205,8 @@ struct Receiver {
     stream: Box<dyn Stream>,
     shared: Shared,
     stats: ReceiverStats,
+    /// The sink's staging buffer for this channel (see `PageSink::receive_pages`).
+    buffer: Vec<u8>,
 }
 
 impl Receiver {
@@ -300,7 +303,7 @@ impl Receiver {
         }
         self.shared
             .sink
-            .receive_pages(&mut self.stream, &gpas)
+            .receive_pages(&mut self.stream, &gpas, &mut self.buffer)
             .map_err(|e| MigrateError::io("receiving pages", e))?;
         for i in indices {
             self.shared.written.set(i);

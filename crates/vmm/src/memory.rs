@@ -178,6 +178,9 @@ pub struct GuestRam {
     memory: TrackedMemory,
     /// Whether a migration tracks dirty pages: [`GuestRam::take_writes`] reports only then.
     tracking: AtomicBool,
+    /// Whether [`GuestRam::prealloc`] populated every page (a destination lands pages
+    /// differently in populated RAM).
+    populated: AtomicBool,
 }
 
 impl GuestRam {
@@ -224,6 +227,7 @@ impl GuestRam {
             regions,
             memory,
             tracking: AtomicBool::new(false),
+            populated: AtomicBool::new(false),
         })
     }
 
@@ -334,7 +338,13 @@ impl GuestRam {
                 .into_iter()
                 .try_for_each(|w| w.join().expect("a prealloc thread panicked"))
         })?;
+        self.populated.store(true, Ordering::Release);
         Ok(started.elapsed())
+    }
+
+    /// Whether [`GuestRam::prealloc`] populated all of RAM.
+    pub fn is_populated(&self) -> bool {
+        self.populated.load(Ordering::Acquire)
     }
 
     /// Starts or stops reporting the VMM's own writes to a migration. Starting forgets what

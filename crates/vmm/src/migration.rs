@@ -17,7 +17,8 @@ use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::transport::{Address, Listener, Stream};
 use ferry_migrate::{
-    Control, DestinationVm, MigrateError, Phase, Policy, Progress, Section, SourceVm, VmError,
+    Control, DestinationVm, MigrateError, PageLanding, Phase, Policy, Progress, Section, SourceVm,
+    VmError,
 };
 
 use crate::memory::GuestRam;
@@ -274,10 +275,21 @@ unsafe impl SourceVm for SourceAdapter {
 }
 
 // SAFETY: as for SourceAdapter: the mappings live as long as `shared`; the vCPU thread is not
-// started before `resume`, so nothing runs while the engine writes guest memory.
+// started before `resume`, so nothing runs while the engine writes guest memory; `fd` is the
+// read-write memfd the mappings are made from, so pages written through it show in them.
 unsafe impl DestinationVm for IncomingVm {
     fn ram(&self) -> Vec<RamRegion> {
         ram_regions(&self.shared.ram)
+    }
+
+    /// Preallocated RAM takes a copy into the mapping; sparse RAM is written through the memfd,
+    /// which allocates a page without faulting the mapping (measured in `PageLanding`'s doc).
+    fn page_landing(&self) -> PageLanding {
+        self.landing.unwrap_or(if self.shared.ram.is_populated() {
+            PageLanding::Mapping
+        } else {
+            PageLanding::File
+        })
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {

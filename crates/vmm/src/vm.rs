@@ -153,6 +153,8 @@ pub struct VmStatus {
 pub struct IncomingVm {
     pub(crate) shared: Arc<Shared>,
     pub(crate) running: Option<Vm>,
+    /// How received pages land, if forced (see [`IncomingVm::land_pages`]).
+    pub(crate) landing: Option<ferry_migrate::PageLanding>,
 }
 
 impl Vm {
@@ -179,6 +181,7 @@ impl Vm {
         Ok(IncomingVm {
             shared: build(&config, ram, Some(control))?,
             running: None,
+            landing: None,
         })
     }
 
@@ -203,6 +206,13 @@ impl Vm {
 impl IncomingVm {
     pub fn handle(&self) -> VmHandle {
         VmHandle(self.shared.clone())
+    }
+
+    /// Makes a migration into this VM land its pages as `landing` says, whatever the RAM is
+    /// (`ferry bench ingest` compares both). Without it, pages land in the mapping when RAM was
+    /// preallocated and through the memfd when it is sparse, the faster way for each.
+    pub fn land_pages(&mut self, landing: ferry_migrate::PageLanding) {
+        self.landing = Some(landing);
     }
 
     /// The running VM, once the migration resumed it.

@@ -147,20 +147,30 @@ fn zeroing_rows() -> anyhow::Result<Vec<serde_json::Value>> {
     Ok(results)
 }
 
+/// The built-in guest idling after its prefill, with heartbeats every 2 ms (the resolution of
+/// the pause it reports).
+const IDLE_GUEST: &str = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2 rate=1";
+
+/// A guest of `memory` bytes holding 4 GiB of random (incompressible, never zero) data and
+/// otherwise idle, migrated over `channels` channels.
+pub(super) fn random_data(name: &str, memory: u64, channels: u16) -> Scenario {
+    Scenario::new(
+        name,
+        memory,
+        &format!("ws=4G fill=random {IDLE_GUEST}"),
+        channels,
+    )
+}
+
 fn migration_rows(
     only: Option<&str>,
     report: Option<&Path>,
 ) -> anyhow::Result<Vec<serde_json::Value>> {
-    let guest = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2 rate=1";
+    let guest = IDLE_GUEST;
     let mut scenarios: Vec<(Scenario, u16, Option<u16>)> = Vec::new();
     for channels in [1, 2, 4] {
         scenarios.push((
-            Scenario::new(
-                &format!("4G random data, {channels} ch"),
-                5 * GIB,
-                &format!("ws=4G fill=random {guest}"),
-                channels,
-            ),
+            random_data(&format!("4G random data, {channels} ch"), 5 * GIB, channels),
             channels,
             Some(channels),
         ));
@@ -237,7 +247,7 @@ fn migration_rows(
 
 /// Bytes per second of `n` loopback TCP streams carrying `bytes` in all, in parallel: the
 /// reference a migration over `n` channels is held to.
-fn raw_tcp_streams(bytes: u64, n: u16) -> anyhow::Result<f64> {
+pub(super) fn raw_tcp_streams(bytes: u64, n: u16) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let per = (bytes / u64::from(n)).max(1 << 20);

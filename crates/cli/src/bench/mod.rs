@@ -4,6 +4,7 @@
 
 mod channels;
 mod guest;
+mod ingest;
 mod precopy;
 
 use std::process::ExitCode;
@@ -18,6 +19,9 @@ pub enum BenchCommand {
     Precopy(precopy::PrecopyBenchArgs),
     /// Zero scan, channel scaling and sparse memory, against memory bandwidth and raw TCP.
     Channels(channels::ChannelsBenchArgs),
+    /// Destination ingest: migrations into sparse and preallocated RAM, against raw TCP and
+    /// the cost of landing pages in fresh and populated memory.
+    Ingest(ingest::IngestBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -25,5 +29,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Guest(args) => guest::run(&args),
         BenchCommand::Precopy(args) => precopy::run(&args),
         BenchCommand::Channels(args) => channels::run(&args),
+        BenchCommand::Ingest(args) => ingest::run(&args),
     }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use ferry_migrate::{MigrationStats, Phase, Policy, TimeoutAction};
+use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
@@ -143,9 +143,43 @@ pub fn run(args: &PrecopyBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// How the destination VM is readied before the source connects.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum DestinationRam {
+    /// Left sparse: pages are allocated as they arrive.
+    #[default]
+    Sparse,
+    /// Every page populated first with `GuestRam::prealloc` on one thread per core (what
+    /// `ferry run --incoming --prealloc` does), timed apart from the migration.
+    Prealloc,
+}
+
+/// The destination of one measured migration.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct DestinationSetup {
+    pub ram: DestinationRam,
+    /// How pages land; `None` lets the VMM choose (by whether RAM was preallocated).
+    pub landing: Option<PageLanding>,
+}
+
+/// One measured migration.
+pub(super) struct Migrated {
+    pub stats: MigrationStats,
+    /// The pause the guest saw (ms), from its heartbeats.
+    pub pause_ms: f64,
+    /// How long preallocating the destination took, before the migration started.
+    pub prealloc: Option<Duration>,
+}
+
 /// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
 /// and the pause the guest saw (ms).
 pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
+    let m = migrate_into(s, DestinationSetup::default())?;
+    Ok((m.stats, m.pause_ms))
+}
+
+/// [`migrate_once`] into a destination readied as `setup` says.
+pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Result<Migrated> {
     let config = VmConfig {
         memory_bytes: s.memory,
         vcpus: 1,
@@ -166,6 +200,16 @@ pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)
     .context("the guest did not finish its prefill")?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let mut incoming = Vm::incoming(config)?;
+    if let Some(landing) = setup.landing {
+        incoming.land_pages(landing);
+    }
+    let prealloc = match setup.ram {
+        DestinationRam::Sparse => None,
+        DestinationRam::Prealloc => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Some(incoming.handle().ram().prealloc(threads)?)
+        }
+    };
     let mut request = MigrationRequest::new(
         listener.local_addr()?.to_string(),
         Policy {
@@ -207,7 +251,11 @@ pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)
     let pause_ms = dst.telemetry().migration_pause_ns.unwrap_or(0) as f64 / 1e6;
     src.stop(StopReason::Requested("benchmark done".into()));
     dst.stop(StopReason::Requested("benchmark done".into()));
-    Ok((progress.stats.context("no statistics")?, pause_ms))
+    Ok(Migrated {
+        stats: progress.stats.context("no statistics")?,
+        pause_ms,
+        prealloc,
+    })
 }
 
 fn wait(h: &VmHandle, timeout: Duration, done: impl Fn(&VmHandle) -> bool) -> anyhow::Result<()> {

@@ -13,8 +13,9 @@
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
 //! - `acks` (internal): the thread that tells the source how much arrived, when it asked.
-//! - `sink` (internal) is how received pages land in memory: straight into mapped RAM for
-//!   precopy, an atomic install for postcopy later.
+//! - `sink` (internal) is how received pages land in memory: for precopy straight into
+//!   mapped RAM or through the backing file, as the VMM's [`PageLanding`](crate::PageLanding)
+//!   says; an atomic install for postcopy later.
 
 #![forbid(unsafe_code)]
 

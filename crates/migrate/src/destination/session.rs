@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::acks::Acker;
 use super::sections::Sections;
-use super::sink::DirectSink;
+use super::sink;
 use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
 use crate::conn::Conn;
 use crate::error::MigrateError;
@@ -237,9 +237,7 @@ impl<'a> Session<'a> {
             written: Arc::new(PageBits::new(pages)),
             claimed,
             ram: self.ram.clone(),
-            sink: Arc::new(DirectSink {
-                ram: self.ram.clone(),
-            }),
+            sink: sink::for_landing(self.vm.page_landing(), &self.ram),
             control: self.control.clone(),
         };
         self.shared = Some(shared.clone());

@@ -1,44 +1,104 @@
 //! How received pages land in guest memory: the seam between the receivers (which validate,
 //! claim and order pages) and the memory they fill.
 //!
-//! Precopy needs nothing more than writing into the mapped RAM ([`DirectSink`]): no vCPU runs
-//! on the destination until every page arrived. Postcopy will need another sink, because the
-//! guest runs while pages arrive: a page must appear whole and at once (userfaultfd's
-//! `UFFDIO_COPY` into a missing page, `UFFDIO_ZEROPAGE` for a zero one) and wake the vCPU that
-//! faulted on it. The receivers do not change for it; only the sink the session hands them.
+//! Precopy has two sinks, and the VMM picks one per migration with
+//! [`DestinationVm::page_landing`](crate::vm::DestinationVm::page_landing), by whether its RAM
+//! is populated ([`PageLanding`] has the measurements): [`DirectSink`] reads from the socket
+//! straight into the mapped RAM, [`FileSink`] stages a record in the receiver's buffer and
+//! `pwrite`s it to the backing file. Both are sound for the same reason: no vCPU runs on the
+//! destination until every page arrived. Postcopy will need another sink, because the guest
+//! runs while pages arrive: a page must appear whole and at once (userfaultfd's `UFFDIO_COPY`
+//! into a missing page, `UFFDIO_ZEROPAGE` for a zero one) and wake the vCPU that faulted on
+//! it. The receivers do not change for it; only the sink the session hands them.
 //!
 //! Contract for every sink: the caller has claimed each page for the current pass (the pass
 //! barrier's claim bitmap), so no other thread touches it meanwhile, and the addresses of a
 //! call are RAM (checked by [`Ram::page_index`] or [`Ram::check_run`]) and strictly increasing.
+//! A sink reads exactly the pages' bytes from the stream, whatever it does with them.
 
 #![forbid(unsafe_code)]
 
 use std::io::Read;
+use std::sync::Arc;
 
 use crate::ram::Ram;
+use crate::vm::PageLanding;
+use crate::wire::PAGE_SIZE;
 
 /// Where received pages go.
 pub(crate) trait PageSink: Send + Sync + std::fmt::Debug {
     /// Reads `gpas.len()` pages of data from `stream`, in order, into the pages at `gpas`.
-    fn receive_pages(&self, stream: &mut dyn Read, gpas: &[u64]) -> std::io::Result<()>;
+    /// `buffer` is the calling receiver's own, reused across calls, for a sink that stages
+    /// the data (it grows to the largest record, at most 2 MiB by the wire's cap).
+    fn receive_pages(
+        &self,
+        stream: &mut dyn Read,
+        gpas: &[u64],
+        buffer: &mut Vec<u8>,
+    ) -> std::io::Result<()>;
 
     /// Makes `pages` pages from `gpa` read as zero (they hold data from an earlier pass).
     fn zero(&self, gpa: u64, pages: u64) -> std::io::Result<()>;
 }
 
-/// Precopy's sink: page data is read from the socket straight into the mapped guest RAM.
+/// The sink for `landing` over `ram`.
+pub(crate) fn for_landing(landing: PageLanding, ram: &Ram) -> Arc<dyn PageSink> {
+    match landing {
+        PageLanding::Mapping => Arc::new(DirectSink { ram: ram.clone() }),
+        PageLanding::File => Arc::new(FileSink { ram: ram.clone() }),
+    }
+}
+
+/// Page data read from the socket straight into the mapped guest RAM ([`PageLanding::Mapping`]).
 #[derive(Clone, Debug)]
 pub(crate) struct DirectSink {
     pub(crate) ram: Ram,
 }
 
 impl PageSink for DirectSink {
-    fn receive_pages(&self, stream: &mut dyn Read, gpas: &[u64]) -> std::io::Result<()> {
+    fn receive_pages(
+        &self,
+        stream: &mut dyn Read,
+        gpas: &[u64],
+        _buffer: &mut Vec<u8>,
+    ) -> std::io::Result<()> {
         // The caller claimed every page (this module's contract), which is `read_pages`'s.
         let mut stream = stream;
         self.ram.read_pages(&mut stream, gpas)
     }
 
+    fn zero(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
+        self.ram.zero_run(gpa, pages)
+    }
+}
+
+/// Page data read into the receiver's buffer, then written to the backing file at the pages'
+/// offsets ([`PageLanding::File`]). The whole record is read before any page is written, so a
+/// stream cut inside a record leaves the pages as they were.
+#[derive(Clone, Debug)]
+pub(crate) struct FileSink {
+    pub(crate) ram: Ram,
+}
+
+impl PageSink for FileSink {
+    fn receive_pages(
+        &self,
+        stream: &mut dyn Read,
+        gpas: &[u64],
+        buffer: &mut Vec<u8>,
+    ) -> std::io::Result<()> {
+        let len = gpas.len() * PAGE_SIZE as usize;
+        if buffer.len() < len {
+            buffer.resize(len, 0);
+        }
+        stream.read_exact(&mut buffer[..len])?;
+        // The caller claimed every page (this module's contract), which is `write_pages`'s.
+        self.ram.write_pages(gpas, &buffer[..len])
+    }
+
+    /// Stale pages are cleared through the mapping, as [`DirectSink`] does: a page written
+    /// through the file is in the page cache already, so the clear costs a minor fault and a
+    /// store per page (stale pages are few: those the guest zeroed after they were sent).
     fn zero(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
         self.ram.zero_run(gpa, pages)
     }
