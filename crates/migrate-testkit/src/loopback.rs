@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::transport::Stream;
+use ferry_migrate::wire::Role;
 use ferry_migrate::{Control, MigrateError, MigrationStats};
 
 use crate::FakeVm;
@@ -130,19 +131,11 @@ pub fn migrate_into_slow(
     Result<MigrationStats, MigrateError>,
     Result<ReceiveStats, MigrateError>,
 ) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::scope(|s| {
-        let receiver = s.spawn(|| {
-            let main = Slow::new(listener.accept().unwrap().0, u64::MAX);
-            let mut accept = acceptor(&listener);
-            let mut slow = |deadline| accept(deadline).map(|s| Slow::new(s, rate));
-            destination::receive(dst, main, &mut slow)
-        });
-        let connect = || TcpStream::connect(addr);
-        let sent = source::migrate(src, TcpStream::connect(addr).unwrap(), &connect, p, control);
-        (sent, receiver.join().unwrap())
-    })
+    let wrap = |s: TcpStream, role: Role| match role {
+        Role::Main => Slow::new(s, u64::MAX),
+        _ => Slow::new(s, rate),
+    };
+    over_loopback(src, dst, p, control, &TestHooks::default(), wrap)
 }
 
 /// Migrates `src` into `dst` over loopback; returns both sides' results.
@@ -169,12 +162,30 @@ pub fn migrate_with_hooks(
     Result<MigrationStats, MigrateError>,
     Result<ReceiveStats, MigrateError>,
 ) {
+    over_loopback(src, dst, p, control, hooks, |s, _| s)
+}
+
+/// A whole migration over loopback TCP, the destination's connections (main, then data)
+/// wrapped by `wrap`.
+fn over_loopback<S: Stream + 'static>(
+    src: &mut FakeVm,
+    dst: &mut FakeVm,
+    p: &SourceParams,
+    control: &Control,
+    hooks: &TestHooks,
+    wrap: impl Fn(TcpStream, Role) -> S + Sync,
+) -> (
+    Result<MigrationStats, MigrateError>,
+    Result<ReceiveStats, MigrateError>,
+) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {
         let receiver = s.spawn(|| {
-            let main = listener.accept().unwrap().0;
-            destination::receive(dst, main, &mut acceptor(&listener))
+            let main = wrap(listener.accept().unwrap().0, Role::Main);
+            let mut accept = acceptor(&listener);
+            let mut data = |deadline| accept(deadline).map(|s| wrap(s, Role::Data));
+            destination::receive(dst, main, &mut data)
         });
         let connect = || TcpStream::connect(addr);
         let sent = source::migrate_with_hooks(
