@@ -2,14 +2,14 @@
 
 #![forbid(unsafe_code)]
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, IoSlice, Read, Write};
 
 use crate::error::MigrateError;
 use crate::transport::Stream;
 use crate::wire::{HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind, SectionHeader};
 
-/// Send buffer: a few records, so small records (zero pages, pass ends) are coalesced while a
-/// 2 MiB Pages record mostly goes straight to the socket.
+/// Send buffer: a few records, so small records (zero runs, pass ends, record headers) are
+/// coalesced; page data does not pass through it ([`Conn::write_with_pages`]).
 const WRITE_BUFFER: usize = 4 << 20;
 /// Receive buffer: many 4 KiB page reads are served from one socket read.
 const READ_BUFFER: usize = 1 << 20;
@@ -18,9 +18,70 @@ const READ_BUFFER: usize = 1 << 20;
 #[derive(Debug)]
 pub struct Conn {
     reader: BufReader<Box<dyn Stream>>,
-    writer: BufWriter<Box<dyn Stream>>,
+    writer: Writer,
     /// Payload and header bytes written.
     pub bytes_written: u64,
+}
+
+/// The write side: bytes gathered in `pending` until it fills, a flush, or a vectored write
+/// that takes them along (a `BufWriter` cannot hand its buffer to a `writev` and then drop it).
+#[derive(Debug)]
+struct Writer {
+    stream: Box<dyn Stream>,
+    pending: Vec<u8>,
+    capacity: usize,
+}
+
+impl Writer {
+    fn new(capacity: usize, stream: Box<dyn Stream>) -> Writer {
+        Writer {
+            stream,
+            pending: Vec::new(),
+            capacity,
+        }
+    }
+
+    fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        if self.pending.len() + bytes.len() > self.capacity {
+            self.write_pending()?;
+        }
+        if bytes.len() >= self.capacity {
+            self.stream.write_all(bytes)
+        } else {
+            self.pending.extend_from_slice(bytes);
+            Ok(())
+        }
+    }
+
+    fn write_pending(&mut self) -> std::io::Result<()> {
+        self.stream.write_all(&self.pending)?;
+        self.pending.clear();
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.write_pending()?;
+        self.stream.flush()
+    }
+
+    /// Writes what is pending and then `tail`, in as few `writev` calls as the socket takes.
+    fn write_vectored_all(&mut self, tail: &[IoSlice<'_>]) -> std::io::Result<()> {
+        let mut slices = Vec::with_capacity(tail.len() + 1);
+        slices.push(IoSlice::new(&self.pending));
+        slices.extend_from_slice(tail);
+        let mut rest = &mut slices[..];
+        IoSlice::advance_slices(&mut rest, 0);
+        while !rest.is_empty() {
+            match self.stream.write_vectored(rest) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.pending.clear();
+        Ok(())
+    }
 }
 
 impl Conn {
@@ -28,7 +89,7 @@ impl Conn {
         stream.set_low_latency()?;
         Ok(Conn {
             reader: BufReader::with_capacity(READ_BUFFER, stream.try_clone_stream()?),
-            writer: BufWriter::with_capacity(WRITE_BUFFER, stream),
+            writer: Writer::new(WRITE_BUFFER, stream),
             bytes_written: 0,
         })
     }
@@ -41,13 +102,13 @@ impl Conn {
         let reader = std::mem::replace(&mut self.reader, fresh);
         Ok(Conn {
             reader,
-            writer: BufWriter::with_capacity(HEADER_SIZE, self.stream().try_clone_stream()?),
+            writer: Writer::new(HEADER_SIZE, self.stream().try_clone_stream()?),
             bytes_written: 0,
         })
     }
 
     pub fn stream(&self) -> &dyn Stream {
-        self.writer.get_ref().as_ref()
+        self.writer.stream.as_ref()
     }
 
     pub fn write_hello(&mut self, hello: &Hello) -> Result<(), MigrateError> {
@@ -70,6 +131,20 @@ impl Conn {
             .write_all(bytes)
             .map_err(|e| MigrateError::io(during, e))?;
         self.bytes_written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes what is buffered and then `pages` (e.g. guest memory for a Pages record whose
+    /// header and addresses were just written), without copying the pages into the buffer.
+    pub fn write_with_pages(
+        &mut self,
+        pages: &[IoSlice<'_>],
+        during: &'static str,
+    ) -> Result<(), MigrateError> {
+        self.writer
+            .write_vectored_all(pages)
+            .map_err(|e| MigrateError::io(during, e))?;
+        self.bytes_written += pages.iter().map(|p| p.len() as u64).sum::<u64>();
         Ok(())
     }
 
@@ -141,5 +216,71 @@ impl Conn {
                 .unwrap_or_default();
             String::from_utf8_lossy(&p).into_owned()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A stream that takes at most 1000 bytes per write and one buffer per vectored write (the
+    /// default `write_vectored`), as a slow or simple transport may.
+    #[derive(Clone, Debug, Default)]
+    struct Trickle(Arc<Mutex<Vec<u8>>>);
+
+    impl Read for Trickle {
+        fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+            Ok(0)
+        }
+    }
+
+    impl Write for Trickle {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            let n = b.len().min(1000);
+            self.0.lock().unwrap().extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Stream for Trickle {
+        fn try_clone_stream(&self) -> io::Result<Box<dyn Stream>> {
+            Ok(Box::new(self.clone()))
+        }
+        fn shutdown(&self, _: std::net::Shutdown) -> io::Result<()> {
+            Ok(())
+        }
+        fn set_read_timeout(&self, _: Option<std::time::Duration>) -> io::Result<()> {
+            Ok(())
+        }
+        fn set_write_timeout(&self, _: Option<std::time::Duration>) -> io::Result<()> {
+            Ok(())
+        }
+        fn peer(&self) -> String {
+            "trickle".into()
+        }
+        fn set_low_latency(&self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn pages_written_in_short_writes_follow_the_buffered_bytes_in_order() {
+        let wire = Trickle::default();
+        let mut c = Conn::new(Box::new(wire.clone())).unwrap();
+        let (a, b) = (vec![1u8; 5000], vec![2u8; 3000]);
+        c.write_all(b"head", "test").unwrap();
+        c.write_with_pages(&[IoSlice::new(&a), IoSlice::new(&b)], "test")
+            .unwrap();
+        c.write_all(b"tail", "test").unwrap();
+        c.flush("test").unwrap();
+        let expected = [&b"head"[..], &a, &b, b"tail"].concat();
+        assert_eq!(*wire.0.lock().unwrap(), expected);
+        assert_eq!(c.bytes_written, expected.len() as u64);
     }
 }

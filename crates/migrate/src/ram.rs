@@ -1,6 +1,7 @@
 //! Guest RAM as the engine sees it: regions of host-mapped memory backed by a file (the VMM's
-//! memfd), and the few raw operations migration needs: copy a page out, give a page's bytes to
-//! read from a socket into, clear back to zero, and find populated ranges with
+//! memfd), and the few raw operations migration needs: scan a page for zeros in place and hand
+//! pages to a socket without copying them (the source), give a page's bytes to read from a
+//! socket into, clear back to zero, and find populated ranges with
 //! `SEEK_DATA`/`SEEK_HOLE`.
 //!
 //! With `zero.rs` (SIMD loads) this is the engine's only module with `unsafe`. Its soundness
@@ -93,11 +94,11 @@ impl Ram {
     ///
     /// Every region's `size` bytes from `host_addr` must be mapped and readable (and writable,
     /// if the `Ram` is written through: `Ram::read_pages`, `Ram::zero_run`) for as long as the
-    /// returned `Ram` or any clone of it is used to reach guest memory ([`Ram::copy_page`] and
-    /// the writers); `fd` must be the file backing the mapping at `file_offset`, open for
-    /// writing if the `Ram` is written through the file (`Ram::write_pages`). A wrong fd
-    /// gives wrong answers from [`Ram::next_data`] and, written through, puts guest pages into
-    /// a file that is not guest RAM.
+    /// returned `Ram` or any clone of it is used to reach guest memory (the source's zero scan
+    /// and page slices, and the writers); `fd` must be the file backing the mapping at
+    /// `file_offset`, open for writing if the `Ram` is written through the file
+    /// (`Ram::write_pages`). A wrong fd gives wrong answers from [`Ram::next_data`] and,
+    /// written through, puts guest pages into a file that is not guest RAM.
     pub unsafe fn from_regions(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
         regions.sort_by_key(|r| r.gpa);
         let mut end = 0;
@@ -164,16 +165,62 @@ impl Ram {
         unreachable!("page() found the region")
     }
 
-    /// Copies the page at `gpa` into `out` (zero detection is the sender's detector's job).
-    pub fn copy_page(&self, gpa: u64, out: &mut [u8]) -> Result<(), RamError> {
-        assert_eq!(out.len(), PAGE_SIZE as usize);
-        let src = self.page(gpa)?;
-        // SAFETY: `src` is a page of guest RAM (checked above), mapped while `self` lives (the
-        // `Ram` invariant). The guest may write it concurrently: the bytes are treated as
-        // plain data (every value is valid), and a page changed during the copy is dirty again
-        // and sent again, so a torn copy is never the last word.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
-        Ok(())
+    /// Whether the page at `gpa` is all zeros, read in place (no copy): the sender's zero scan.
+    ///
+    /// The guest may write the page while it is scanned, so the answer describes some mix of
+    /// its old and new bytes. That is harmless for the same reason as for [`Ram::page_slices`]:
+    /// tracking was re-armed before the page was queued, so a page that changes now is dirty
+    /// again and sent again in its newer state.
+    pub(crate) fn is_zero_page(&self, gpa: u64) -> Result<bool, RamError> {
+        let host = self.page(gpa)?;
+        // SAFETY: a page of guest RAM (checked above), mapped and readable while `self` lives
+        // (the `Ram` invariant), and the slice lives only for this call. A vCPU may store to
+        // it meanwhile: those stores come from outside this process's Rust code, every byte
+        // value is valid `u8`, and the scan reads each byte at most once and acts on no more
+        // than "some byte was non-zero", so a racing store can only change the answer, never
+        // the scan's behaviour; the answer is not the last word (see above).
+        let page = unsafe { std::slice::from_raw_parts(host as *const u8, PAGE_SIZE as usize) };
+        Ok(crate::zero::is_zero(page))
+    }
+
+    /// The pages at `gpas` as slices of guest memory for one vectored write to a socket, in
+    /// order, with pages adjacent in host memory merged into one slice (a run of 128 adjacent
+    /// pages is one `iovec`, not 128). The kernel copies from guest memory straight into the
+    /// socket: no copy into a buffer of ours first.
+    ///
+    /// Why sending from live guest memory is as correct as the copy it replaces: the session
+    /// re-arms dirty tracking for a page before it queues the page (pass 1 calls
+    /// `SourceVm::clear_dirty` on a whole region before walking it; a dirty pass walks the
+    /// bitmap that `SourceVm::fetch_dirty`, a fetch-and-clear, filled), so a guest store that lands before the kernel has read the page, or in
+    /// the middle of it, is in the next pass's dirty log, and that pass sends the page again
+    /// in its newer state; the last pass runs with the guest paused. A torn page on the wire
+    /// is never the last word, which is exactly what the copy out of guest memory guaranteed
+    /// (that copy could tear the same way).
+    ///
+    /// Contract (crate-internal): the slices are handed to the kernel (`writev`), not read by
+    /// Rust code, whose reads of memory a vCPU may be writing would race.
+    pub(crate) fn page_slices(&self, gpas: &[u64]) -> Result<Vec<std::io::IoSlice<'_>>, RamError> {
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for &gpa in gpas {
+            let host = self.page(gpa)?;
+            match spans.last_mut() {
+                Some((start, len)) if *start + *len == host => *len += PAGE_SIZE as usize,
+                _ => spans.push((host, PAGE_SIZE as usize)),
+            }
+        }
+        Ok(spans
+            .into_iter()
+            .map(|(start, len)| {
+                // SAFETY: `start..start + len` is whole pages of guest RAM found by `page`
+                // (adjacent host pages, each inside a mapped region), mapped and readable for
+                // as long as `self` lives (the `Ram` invariant), and the slice borrows `self`.
+                // The guest may store to it while the slice lives; the contract above keeps
+                // Rust code from reading it (the kernel copies it), and a torn read by the
+                // kernel is caught by the dirty log (see above).
+                let bytes = unsafe { std::slice::from_raw_parts(start as *const u8, len) };
+                std::io::IoSlice::new(bytes)
+            })
+            .collect())
     }
 
     /// The next populated range of region `region` at or after guest address `from`, as
@@ -358,6 +405,23 @@ impl Ram {
             return Err(RamError::BadRun { gpa, pages });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Ram {
+    /// A one-region `Ram` at guest address 0 over `bytes` (a whole number of pages), leaked so
+    /// that it is mapped for as long as the process lives: for unit tests of code that reads
+    /// guest memory.
+    pub(crate) fn leaked_for_test(bytes: Vec<u8>) -> Ram {
+        let bytes = bytes.leak();
+        let region = RamRegion {
+            host_addr: bytes.as_ptr() as usize,
+            ..RamRegion::for_test(0, bytes.len() as u64)
+        };
+        // SAFETY: the region is a leaked heap allocation of `size` bytes, readable and
+        // writable for the rest of the process; no other reference to it remains.
+        unsafe { Ram::from_regions(vec![region]) }.expect("a whole number of pages")
     }
 }
 

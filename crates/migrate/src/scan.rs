@@ -1,5 +1,8 @@
 //! Zero-page detection behind one interface built for offload (as the Intel DSA series does
-//! it): a sender submits a batch of pages and later collects its completion. Three detectors:
+//! it): a sender submits a batch of page addresses and later collects its completion. The pages
+//! are scanned in place in guest memory (no copy; see `Ram::is_zero_page` for why a page the
+//! guest writes meanwhile is harmless), so a sender that then writes the data pages straight
+//! from guest memory touches each page once. Three detectors:
 //!
 //! - [`Inline`]: the sender's own CPU, vectorised ([`crate::zero`]); completes at once.
 //! - [`Offload`]: a dedicated scanning thread with a work queue and a completion queue; a
@@ -15,10 +18,10 @@ use std::thread::JoinHandle;
 
 use serde::{Deserialize, Serialize};
 
-use crate::wire::PAGE_SIZE;
+use crate::ram::Ram;
 
 /// Batches an offload engine accepts before `submit` blocks: two keep it busy while the sender
-/// copies the next batch.
+/// writes the batch before.
 const OFFLOAD_QUEUE: usize = 2;
 
 /// Which detector a migration uses.
@@ -31,25 +34,29 @@ pub enum ZeroDetection {
     None,
 }
 
-/// Pages copied out of guest memory, to be scanned and then sent.
+/// Pages of guest memory to be scanned and then sent.
 #[derive(Debug)]
 pub struct Batch {
     pub gpas: Vec<u64>,
-    /// `gpas.len()` pages of data.
-    pub data: Vec<u8>,
     /// Filled by the completion: which pages are all zero.
     pub zero: Vec<bool>,
 }
 
 impl Batch {
-    pub fn page(&self, i: usize) -> &[u8] {
-        &self.data[i * PAGE_SIZE as usize..(i + 1) * PAGE_SIZE as usize]
+    pub fn new(gpas: Vec<u64>) -> Batch {
+        Batch {
+            gpas,
+            zero: Vec::new(),
+        }
     }
 
-    /// Scans every page on this CPU.
-    pub fn scan_inline(&mut self) {
-        self.zero = (0..self.gpas.len())
-            .map(|i| crate::zero::is_zero(self.page(i)))
+    /// Scans every page in `ram` on this CPU. A page outside `ram` counts as data: the send
+    /// that follows refuses it with the error that names it.
+    pub fn scan_inline(&mut self, ram: &Ram) {
+        self.zero = self
+            .gpas
+            .iter()
+            .map(|&gpa| ram.is_zero_page(gpa).unwrap_or(false))
             .collect();
     }
 }
@@ -71,13 +78,13 @@ pub trait Detector: Send {
     fn outstanding(&self) -> usize;
 }
 
-/// Builds the detector `kind` for one sender. `fail_every`, for tests, makes an offload engine
-/// report every n-th batch as failed.
-pub fn detector(kind: ZeroDetection, fail_every: Option<u64>) -> Box<dyn Detector> {
+/// Builds the detector `kind` for one sender, over the guest memory `ram`. `fail_every`, for
+/// tests, makes an offload engine report every n-th batch as failed.
+pub fn detector(kind: ZeroDetection, ram: Ram, fail_every: Option<u64>) -> Box<dyn Detector> {
     match kind {
-        ZeroDetection::Inline => Box::new(Immediate::inline()),
-        ZeroDetection::Offload => Box::new(Offload::start(fail_every)),
-        ZeroDetection::None => Box::new(Immediate::none()),
+        ZeroDetection::Inline => Box::new(Immediate::inline(ram)),
+        ZeroDetection::Offload => Box::new(Offload::start(ram, fail_every)),
+        ZeroDetection::None => Box::new(Immediate::none(ram)),
     }
 }
 
@@ -86,7 +93,8 @@ pub fn detector(kind: ZeroDetection, fail_every: Option<u64>) -> Box<dyn Detecto
 #[derive(Debug)]
 pub struct Immediate {
     done: VecDeque<Batch>,
-    scan: fn(&mut Batch),
+    ram: Ram,
+    scan: fn(&mut Batch, &Ram),
 }
 
 /// The sender's own CPU, vectorised.
@@ -95,24 +103,26 @@ pub type Inline = Immediate;
 pub type NoDetection = Immediate;
 
 impl Immediate {
-    pub fn inline() -> Immediate {
+    pub fn inline(ram: Ram) -> Immediate {
         Immediate {
             done: VecDeque::new(),
+            ram,
             scan: Batch::scan_inline,
         }
     }
 
-    pub fn none() -> Immediate {
+    pub fn none(ram: Ram) -> Immediate {
         Immediate {
             done: VecDeque::new(),
-            scan: |b| b.zero = vec![false; b.gpas.len()],
+            ram,
+            scan: |b, _| b.zero = vec![false; b.gpas.len()],
         }
     }
 }
 
 impl Detector for Immediate {
     fn submit(&mut self, mut batch: Batch) {
-        (self.scan)(&mut batch);
+        (self.scan)(&mut batch, &self.ram);
         self.done.push_back(batch);
     }
     fn complete(&mut self) -> Option<Completion> {
@@ -136,7 +146,7 @@ pub struct Offload {
 }
 
 impl Offload {
-    pub fn start(fail_every: Option<u64>) -> Offload {
+    pub fn start(ram: Ram, fail_every: Option<u64>) -> Offload {
         let (work, queue) = sync_channel::<Batch>(OFFLOAD_QUEUE);
         let (finished, done) = sync_channel::<Completion>(OFFLOAD_QUEUE + 1);
         let thread = std::thread::Builder::new()
@@ -145,7 +155,7 @@ impl Offload {
                 for (n, mut batch) in (1u64..).zip(queue) {
                     let ok = !fail_every.is_some_and(|k| n.is_multiple_of(k));
                     if ok {
-                        batch.scan_inline();
+                        batch.scan_inline(&ram);
                     }
                     if finished.send(Completion { batch, ok }).is_err() {
                         break;
@@ -198,25 +208,27 @@ impl Drop for Offload {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::PAGE_SIZE;
 
-    fn batch(pages: &[u8]) -> Batch {
-        let mut data = vec![0u8; pages.len() * PAGE_SIZE as usize];
-        for (i, &b) in pages.iter().enumerate() {
-            data[i * PAGE_SIZE as usize + 100] = b;
+    /// Guest memory of 16 pages where page `i` is zero but for byte 100 of the pages listed.
+    fn ram(marked: &[(u64, u8)]) -> Ram {
+        let mut bytes = vec![0u8; 16 * PAGE_SIZE as usize];
+        for &(page, b) in marked {
+            bytes[(page * PAGE_SIZE) as usize + 100] = b;
         }
-        Batch {
-            gpas: (0..pages.len() as u64).map(|i| i * PAGE_SIZE).collect(),
-            data,
-            zero: Vec::new(),
-        }
+        Ram::leaked_for_test(bytes)
+    }
+
+    fn batch(pages: std::ops::Range<u64>) -> Batch {
+        Batch::new(pages.map(|i| i * PAGE_SIZE).collect())
     }
 
     #[test]
     fn offload_completes_in_order_and_reports_injected_failures() {
-        let mut d = detector(ZeroDetection::Offload, Some(2));
+        let mut d = detector(ZeroDetection::Offload, ram(&[]), Some(2));
         let mut completions = Vec::new();
-        for i in 0..6u8 {
-            d.submit(batch(&[0, i]));
+        for i in 0..6 {
+            d.submit(batch(2 * i..2 * i + 2));
             if d.outstanding() == 2 {
                 completions.push(d.complete().unwrap());
             }
@@ -224,9 +236,9 @@ mod tests {
         while let Some(c) = d.complete() {
             completions.push(c);
         }
-        let order: Vec<u8> = completions
+        let order: Vec<u64> = completions
             .iter()
-            .map(|c| c.batch.data[PAGE_SIZE as usize + 100])
+            .map(|c| c.batch.gpas[0] / PAGE_SIZE / 2)
             .collect();
         assert_eq!(
             order,
@@ -239,22 +251,30 @@ mod tests {
 
     #[test]
     fn every_detector_finds_the_zero_pages() {
+        let memory = ram(&[(1, 7)]);
         for kind in [ZeroDetection::Inline, ZeroDetection::Offload] {
-            let mut d = detector(kind, None);
-            d.submit(batch(&[0, 7, 0]));
+            let mut d = detector(kind, memory.clone(), None);
+            d.submit(batch(0..3));
             let c = d.complete().unwrap();
             assert!(c.ok);
             assert_eq!(c.batch.zero, vec![true, false, true], "{kind:?}");
         }
-        let mut d = detector(ZeroDetection::None, None);
-        d.submit(batch(&[0, 7]));
+        let mut d = detector(ZeroDetection::None, memory, None);
+        d.submit(batch(0..2));
         assert_eq!(d.complete().unwrap().batch.zero, vec![false, false]);
     }
 
     #[test]
+    fn a_page_outside_ram_is_data_for_the_send_to_refuse() {
+        let mut d = detector(ZeroDetection::Inline, ram(&[]), None);
+        d.submit(Batch::new(vec![0, 64 * PAGE_SIZE]));
+        assert_eq!(d.complete().unwrap().batch.zero, vec![true, false]);
+    }
+
+    #[test]
     fn failed_offload_batches_are_marked_for_the_cpu() {
-        let mut d = detector(ZeroDetection::Offload, Some(1));
-        d.submit(batch(&[0]));
+        let mut d = detector(ZeroDetection::Offload, ram(&[]), Some(1));
+        d.submit(batch(0..1));
         let c = d.complete().unwrap();
         assert!(
             !c.ok && c.batch.zero.is_empty(),
