@@ -270,7 +270,7 @@ pub fn destination_loads_the_sources_state<F: Fixture>(f: &mut F) {
 /// The bytes are put back, so a fresh destination stays as it was.
 pub fn destination_file_is_its_memory<F: Fixture>(f: &mut F) {
     let dst = f.destination();
-    let landing = dst.page_landing();
+    let landing = dst.page_landing(1);
     assert!(
         matches!(landing, PageLanding::Mapping | PageLanding::File),
         "page_landing() = {landing:?}"

@@ -402,7 +402,7 @@ unsafe impl DestinationVm for FakeVm {
         self.shared.ram.regions.clone()
     }
 
-    fn page_landing(&self) -> PageLanding {
+    fn page_landing(&self, _channels: u16) -> PageLanding {
         self.landing
     }
 

@@ -93,9 +93,13 @@ pub unsafe trait SourceVm: Send {
 /// (`splice` socket → pipe → memfd measured 4.5 µs into fresh and 3.2 µs into populated
 /// memory: no better than `pwrite`, and it needs a pipe per channel and raw socket fds.)
 /// `ferry bench ingest` measures these references and both landings in a real migration of
-/// 4 GiB of data over 2 channels: into populated RAM `Mapping` took in 1075 MB/s at
-/// 0.23 CPU-s/GiB against `File`'s 568 MB/s at 0.49; into sparse RAM (with the nested host's
-/// memory warm) `File` took in 604 MB/s at 0.87 CPU-s/GiB against `Mapping`'s 404 at 1.29.
+/// 4 GiB of data: into populated RAM `Mapping` took in 1075 MB/s at 0.23 CPU-s/GiB against
+/// `File`'s 568 MB/s at 0.49 (2 channels). Into sparse RAM the channel count decides: one
+/// channel lands faster through the file (605 against 486 MB/s in one run), but with 2 and 4
+/// channels the mapping wins (893 against 596 and 1084 against 648 MB/s, at 1.9 against 2.5
+/// and 1.4 against 2.2 CPU-s/GiB), because a write to a shmem file holds the file's inode lock
+/// (`shmem_file_write_iter`), so parallel receivers' `pwrite`s take turns while their page
+/// faults on the mapping do not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PageLanding {
     /// Read from the socket straight into the mapped pages (`readv`, no intermediate copy).
@@ -120,10 +124,12 @@ pub enum PageLanding {
 pub unsafe trait DestinationVm: Send {
     fn ram(&self) -> Vec<RamRegion>;
 
-    /// How received pages should land in [`DestinationVm::ram`]: [`PageLanding::Mapping`] when
-    /// the RAM is populated (preallocated), [`PageLanding::File`] when it is sparse. Asked once
-    /// per migration, when its data channels start.
-    fn page_landing(&self) -> PageLanding;
+    /// How received pages should land in [`DestinationVm::ram`] when `channels` data channels
+    /// receive in parallel: [`PageLanding::Mapping`] when the RAM is populated (preallocated)
+    /// or several channels write, [`PageLanding::File`] for one channel into sparse RAM (see
+    /// [`PageLanding`] for the measurements). Asked once per migration, when its data channels
+    /// start.
+    fn page_landing(&self, channels: u16) -> PageLanding;
 
     /// Loads all non-RAM state; refuses a section it does not know or cannot validate.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError>;

@@ -310,16 +310,39 @@ impl GuestRam {
     /// work in [`PREALLOC_CHUNK`] pieces. Returns how long it took. The guest's RAM is no longer
     /// sparse afterwards: it occupies its full size on the host.
     pub fn prealloc(&self, threads: usize) -> std::io::Result<std::time::Duration> {
+        let all: Vec<(u64, u64)> = self.regions.iter().map(|r| (r.gpa, r.size)).collect();
+        let took = self.populate_ranges(&all, threads)?;
+        self.populated.store(true, Ordering::Release);
+        Ok(took)
+    }
+
+    /// Populates the guest ranges `(gpa, len)` (page aligned, each inside one region) as
+    /// [`GuestRam::prealloc`] does, on `threads` threads; RAM still counts as sparse afterwards.
+    /// Returns how long it took.
+    pub fn populate_ranges(
+        &self,
+        ranges: &[(u64, u64)],
+        threads: usize,
+    ) -> std::io::Result<std::time::Duration> {
         let started = std::time::Instant::now();
-        let chunks: Vec<(u64, u64)> = self
-            .regions
-            .iter()
-            .flat_map(|r| {
-                (0..r.size)
+        let mut chunks = Vec::new();
+        for &(gpa, len) in ranges {
+            let r = self
+                .regions
+                .iter()
+                .find(|r| gpa >= r.gpa && gpa + len <= r.gpa + r.size)
+                .ok_or_else(|| {
+                    std::io::Error::other(format!(
+                        "{len} bytes at {gpa:#x} are not in one RAM region"
+                    ))
+                })?;
+            let host = r.host_addr + (gpa - r.gpa);
+            chunks.extend(
+                (0..len)
                     .step_by(PREALLOC_CHUNK as usize)
-                    .map(move |off| (r.host_addr + off, PREALLOC_CHUNK.min(r.size - off)))
-            })
-            .collect();
+                    .map(|off| (host + off, PREALLOC_CHUNK.min(len - off))),
+            );
+        }
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| {
             let workers: Vec<_> = (0..threads.max(1))
@@ -338,8 +361,45 @@ impl GuestRam {
                 .into_iter()
                 .try_for_each(|w| w.join().expect("a prealloc thread panicked"))
         })?;
-        self.populated.store(true, Ordering::Release);
         Ok(started.elapsed())
+    }
+
+    /// The populated ranges of guest RAM as `(gpa, len)`, found with `SEEK_DATA`/`SEEK_HOLE`
+    /// on the memfd: what a source could announce so that a destination populates exactly
+    /// those ranges ahead of the data.
+    pub fn data_extents(&self) -> std::io::Result<Vec<(u64, u64)>> {
+        use std::os::fd::AsRawFd;
+        let fd = self.memfd.as_raw_fd();
+        let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
+            // SAFETY: lseek on our own memfd moves only its file offset, which nothing uses
+            // (guest memory is accessed through the mapping or with pread/pwrite).
+            let ret = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
+            if ret < 0 {
+                let e = std::io::Error::last_os_error();
+                return if e.raw_os_error() == Some(libc::ENXIO) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                };
+            }
+            Ok(Some(ret as u64))
+        };
+        let page = ferry_guest_abi::PAGE_SIZE;
+        let mut extents = Vec::new();
+        for r in &self.regions {
+            let end = r.file_offset + r.size;
+            let mut at = r.file_offset;
+            while at < end {
+                let Some(data) = seek(at, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+                    break;
+                };
+                let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+                let (from, to) = (data / page * page, hole.next_multiple_of(page));
+                extents.push((r.gpa + from - r.file_offset, to - from));
+                at = to;
+            }
+        }
+        Ok(extents)
     }
 
     /// Whether [`GuestRam::prealloc`] populated all of RAM.

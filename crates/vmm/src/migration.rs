@@ -284,12 +284,9 @@ unsafe impl DestinationVm for IncomingVm {
 
     /// Preallocated RAM takes a copy into the mapping; sparse RAM is written through the memfd,
     /// which allocates a page without faulting the mapping (measured in `PageLanding`'s doc).
-    fn page_landing(&self) -> PageLanding {
-        self.landing.unwrap_or(if self.shared.ram.is_populated() {
-            PageLanding::Mapping
-        } else {
-            PageLanding::File
-        })
+    fn page_landing(&self, channels: u16) -> PageLanding {
+        self.landing
+            .unwrap_or_else(|| landing_for(self.shared.ram.is_populated(), channels))
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
@@ -313,4 +310,28 @@ pub fn receive(
 ) -> Result<ReceiveStats, MigrateError> {
     let control = vm.control();
     destination::listen(vm, listener, &control, keep_waiting)
+}
+
+/// How pages land by default (`PageLanding` has the measurements): through the mapping into
+/// populated RAM, or when several channels write at once (their `pwrite`s into one shmem file
+/// would take turns on its inode lock); through the file for one channel into sparse RAM.
+fn landing_for(populated: bool, channels: u16) -> PageLanding {
+    if populated || channels > 1 {
+        PageLanding::Mapping
+    } else {
+        PageLanding::File
+    }
+}
+
+#[cfg(test)]
+mod landing_tests {
+    use super::*;
+
+    #[test]
+    fn one_channel_into_sparse_ram_writes_the_file_and_everything_else_the_mapping() {
+        assert_eq!(landing_for(false, 1), PageLanding::File);
+        assert_eq!(landing_for(false, 2), PageLanding::Mapping);
+        assert_eq!(landing_for(true, 1), PageLanding::Mapping);
+        assert_eq!(landing_for(true, 4), PageLanding::Mapping);
+    }
 }

@@ -152,6 +152,10 @@ pub(super) enum DestinationRam {
     /// Every page populated first with `GuestRam::prealloc` on one thread per core (what
     /// `ferry run --incoming --prealloc` does), timed apart from the migration.
     Prealloc,
+    /// Left sparse, but the ranges the source holds data in are populated by one thread while
+    /// the migration runs: what a source announcing its populated extents at setup would let a
+    /// destination do (measured in `ferry bench ingest`; not a protocol feature).
+    Alongside,
 }
 
 /// The destination of one measured migration.
@@ -203,8 +207,12 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
     if let Some(landing) = setup.landing {
         incoming.land_pages(landing);
     }
+    let extents = match setup.ram {
+        DestinationRam::Alongside => src.ram().data_extents()?,
+        _ => Vec::new(),
+    };
     let prealloc = match setup.ram {
-        DestinationRam::Sparse => None,
+        DestinationRam::Sparse | DestinationRam::Alongside => None,
         DestinationRam::Prealloc => {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             Some(incoming.handle().ram().prealloc(threads)?)
@@ -222,6 +230,11 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, &listener);
         let deadline = Instant::now() + Duration::from_secs(120);
+        if !extents.is_empty() {
+            let ram = incoming.handle();
+            let extents = &extents;
+            scope.spawn(move || ram.ram().populate_ranges(extents, 1));
+        }
         let r = scope
             .spawn(move || migration::receive(incoming, listener, &|| Instant::now() < deadline));
         let started = src.start_migration(request).map(|_| ());

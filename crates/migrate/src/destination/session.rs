@@ -237,7 +237,7 @@ impl<'a> Session<'a> {
             written: Arc::new(PageBits::new(pages)),
             claimed,
             ram: self.ram.clone(),
-            sink: sink::for_landing(self.vm.page_landing(), &self.ram),
+            sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
             control: self.control.clone(),
         };
         self.shared = Some(shared.clone());

@@ -3,10 +3,10 @@
 //!
 //! Precopy has two sinks, and the VMM picks one per migration with
 //! [`DestinationVm::page_landing`](crate::vm::DestinationVm::page_landing), by whether its RAM
-//! is populated ([`PageLanding`] has the measurements): [`DirectSink`] reads from the socket
-//! straight into the mapped RAM, [`FileSink`] stages a record in the receiver's buffer and
-//! `pwrite`s it to the backing file. Both are sound for the same reason: no vCPU runs on the
-//! destination until every page arrived. Postcopy will need another sink, because the guest
+//! is populated and how many channels write ([`PageLanding`] has the measurements):
+//! [`DirectSink`] reads from the socket straight into the mapped RAM, [`FileSink`] stages a
+//! record in the receiver's buffer and `pwrite`s it to the backing file. Both are sound for
+//! the same reason: no vCPU runs on the destination until every page arrived. Postcopy will need another sink, because the guest
 //! runs while pages arrive: a page must appear whole and at once (userfaultfd's `UFFDIO_COPY`
 //! into a missing page, `UFFDIO_ZEROPAGE` for a zero one) and wake the vCPU that faulted on
 //! it. The receivers do not change for it; only the sink the session hands them.
