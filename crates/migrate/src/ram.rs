@@ -4,7 +4,7 @@
 //! socket into, clear back to zero, and find populated ranges with
 //! `SEEK_DATA`/`SEEK_HOLE`.
 //!
-//! With `zero.rs` (SIMD loads) this is the engine's only module with `unsafe`. Its soundness
+//! With `zero.rs` (SIMD) and `uffd.rs`, this is the engine's `unsafe` module. Its soundness
 //! rests on one invariant of [`Ram`]: **every region of a `Ram` is mapped, readable (and, on a
 //! destination, writable) for as long as the `Ram` and its clones live.** A [`RamRegion`] is
 //! inert data (its fields are public and [`RamRegion::for_test`] makes one with no mapping);
