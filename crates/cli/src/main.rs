@@ -39,6 +39,9 @@ enum Command {
     Migrate(migrate::MigrateArgs),
     /// Cancel a running VM's migration (it keeps running).
     Cancel(migrate::CancelArgs),
+    /// Switch a running migration started with --postcopy to postcopy now (at the end of the
+    /// pass it is sending).
+    MigratePostcopy(migrate::CancelArgs),
     /// Print a running VM's state and the guest's counters as JSON.
     Status(control::ControlArgs),
     /// Pause a running VM's vCPUs.
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Migrate(args) => migrate::migrate(&args),
         Command::Cancel(args) => migrate::cancel(&args),
+        Command::MigratePostcopy(args) => migrate::start_postcopy(&args),
         Command::Status(args) => control::status(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
         Command::Resume(args) => control::put(&args, "/vm/resume"),

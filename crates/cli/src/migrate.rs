@@ -77,6 +77,15 @@ pub struct MigrateArgs {
     /// the migration completed or not.
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
+    /// Allow switching to postcopy: the guest moves to the destination early and its
+    /// remaining pages follow, those it touches first (QEMU: postcopy-ram). The switch comes
+    /// after --postcopy-after-passes passes or on `ferry migrate-postcopy`. Once the guest ran
+    /// on the destination the migration cannot be cancelled, and a broken connection loses it.
+    #[arg(long)]
+    postcopy: bool,
+    /// With --postcopy: switch after this many precopy passes (1 = right after the first).
+    #[arg(long, value_name = "N", requires = "postcopy")]
+    postcopy_after_passes: Option<u32>,
 }
 
 #[derive(Debug, Args)]
@@ -123,6 +132,8 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "channels": args.channels,
         "packet_size": args.packet_size,
         "zero_detection": ZeroDetection::from(args.zero_detection),
+        "postcopy": args.postcopy,
+        "postcopy_after_passes": args.postcopy_after_passes,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;
@@ -167,6 +178,13 @@ fn follow(socket: &Path) -> anyhow::Result<Progress> {
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// `ferry migrate-postcopy`: switch a running migration to postcopy now.
+pub fn start_postcopy(args: &CancelArgs) -> anyhow::Result<ExitCode> {
+    client::request(&args.api_socket, "PUT", "/migration/postcopy")?;
+    eprintln!("ferry: the migration switches to postcopy at the end of its current pass");
+    Ok(ExitCode::SUCCESS)
 }
 
 pub fn cancel(args: &CancelArgs) -> anyhow::Result<ExitCode> {

@@ -177,6 +177,8 @@ pub struct FakeVm {
     pub resumed: bool,
     /// How a migration into this VM lands its pages (the engine tests run both).
     pub landing: PageLanding,
+    /// Why a postcopy migration gave this destination up after it resumed, if it did.
+    pub abandoned: Option<String>,
 }
 
 impl FakeVm {
@@ -208,6 +210,37 @@ impl FakeVm {
             resumed: false,
             // The fake's RAM is sparse, which is what `File` is for.
             landing: PageLanding::File,
+            abandoned: None,
+        }
+    }
+
+    /// On a destination: starts writer threads that wait until a migration resumes this VM
+    /// (postcopy: they then write pages that may not have arrived yet, and fault), and records
+    /// the pages they write ([`FakeVm::pages_written_here`]).
+    pub fn start_writers_on_resume(&mut self, w: Writers) {
+        self.shared.paused.store(true, Ordering::Release);
+        for d in &self.shared.dirty {
+            d.store(0, Ordering::Release);
+        }
+        self.shared.logging.store(true, Ordering::Release);
+        self.start_writers(w);
+    }
+
+    /// The page indices (counting across regions) written since
+    /// [`FakeVm::start_writers_on_resume`].
+    pub fn pages_written_here(&self) -> Vec<u64> {
+        (0..self.shared.ram.pages())
+            .filter(|&i| {
+                self.shared.dirty[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+            })
+            .collect()
+    }
+
+    /// Stops the writer threads and waits for them.
+    pub fn stop_writers(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
         }
     }
 
@@ -431,6 +464,11 @@ unsafe impl DestinationVm for FakeVm {
 
     fn resume(&mut self) -> Result<Duration, VmError> {
         self.resumed = true;
+        self.shared.paused.store(false, Ordering::Release);
         Ok(Duration::ZERO)
+    }
+
+    fn abandon(&mut self, why: &str) {
+        self.abandoned = Some(why.to_string());
     }
 }

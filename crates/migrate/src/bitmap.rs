@@ -160,6 +160,92 @@ impl DirtyBitmap {
         self.count -= taken as u64;
     }
 
+    /// Whether the page at `gpa` is marked (false for an address outside RAM).
+    pub fn contains(&self, gpa: u64) -> bool {
+        self.regions.iter().any(|r| {
+            gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE && {
+                let page = (gpa - r.gpa) / PAGE_SIZE;
+                r.words[(page / 64) as usize] & (1 << (page % 64)) != 0
+            }
+        })
+    }
+
+    /// Clears the page at `gpa`; whether it was marked (false for an address outside RAM).
+    pub fn test_and_clear(&mut self, gpa: u64) -> bool {
+        for r in &mut self.regions {
+            if gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE {
+                let page = (gpa - r.gpa) / PAGE_SIZE;
+                let (w, bit) = ((page / 64) as usize, 1u64 << (page % 64));
+                let was = r.words[w] & bit != 0;
+                r.words[w] &= !bit;
+                self.count -= u64::from(was);
+                return was;
+            }
+        }
+        false
+    }
+
+    /// A cursor at the page after `gpa` (at its word), for a walk that goes on from there;
+    /// the start if `gpa` is not RAM.
+    pub fn cursor_after(&self, gpa: u64) -> Cursor {
+        for (region, r) in self.regions.iter().enumerate() {
+            if gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE {
+                let page = (gpa - r.gpa) / PAGE_SIZE + 1;
+                return Cursor {
+                    region,
+                    word: (page / 64) as usize,
+                };
+            }
+        }
+        Cursor::default()
+    }
+
+    /// The marked pages as runs `(gpa, pages)` in address order, each inside one region and at
+    /// most `max_pages` long. Walks the whole bitmap (skipping empty words), so it is for the
+    /// one-off uses (postcopy's discard list), not for a loop.
+    pub fn runs(&self, max_pages: u64) -> Vec<(u64, u64)> {
+        self.runs_except(None, max_pages)
+    }
+
+    /// [`DirtyBitmap::runs`] of the pages marked here and not in `except` (a bitmap of the
+    /// same regions).
+    pub fn runs_except(&self, except: Option<&DirtyBitmap>, max_pages: u64) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (k, r) in self.regions.iter().enumerate() {
+            let mut open: Option<(u64, u64)> = None;
+            for (i, &w) in r.words.iter().enumerate() {
+                let w = w & !except.map_or(0, |e| e.regions[k].words[i]);
+                if w == 0 {
+                    if let Some(run) = open.take() {
+                        out.push(run);
+                    }
+                    continue;
+                }
+                for bit in 0..64 {
+                    let gpa = r.gpa + (i as u64 * 64 + bit) * PAGE_SIZE;
+                    if w & (1 << bit) == 0 {
+                        if let Some(run) = open.take() {
+                            out.push(run);
+                        }
+                        continue;
+                    }
+                    open = match open {
+                        Some((start, n)) if n < max_pages => Some((start, n + 1)),
+                        Some(run) => {
+                            out.push(run);
+                            Some((gpa, 1))
+                        }
+                        None => Some((gpa, 1)),
+                    };
+                }
+            }
+            if let Some(run) = open {
+                out.push(run);
+            }
+        }
+        out
+    }
+
     /// Clears every bit.
     pub fn clear(&mut self) {
         for r in &mut self.regions {
@@ -186,6 +272,45 @@ mod tests {
             b.take(&mut cursor, max, &mut out);
         }
         out
+    }
+
+    #[test]
+    fn runs_split_at_gaps_regions_and_the_cap_and_leave_the_bits() {
+        let mut b = bitmap();
+        for p in [0, 1, 2, 63, 64, 65, 99] {
+            b.set(p * PAGE_SIZE);
+        }
+        b.set(1 << 32);
+        b.set((1 << 32) + PAGE_SIZE);
+        assert_eq!(
+            b.runs(2),
+            vec![
+                (0, 2),
+                (2 * PAGE_SIZE, 1),
+                (63 * PAGE_SIZE, 2),
+                (65 * PAGE_SIZE, 1),
+                (99 * PAGE_SIZE, 1),
+                (1 << 32, 2),
+            ]
+        );
+        assert_eq!(b.runs(1000)[0], (0, 3));
+        let mut earlier = bitmap();
+        earlier.set(PAGE_SIZE);
+        earlier.set(64 * PAGE_SIZE);
+        assert_eq!(
+            b.runs_except(Some(&earlier), 1000)[..3],
+            [(0, 1), (2 * PAGE_SIZE, 1), (63 * PAGE_SIZE, 1)]
+        );
+        assert_eq!(b.count(), 9, "runs() only looks");
+        assert!(b.test_and_clear(64 * PAGE_SIZE));
+        assert!(!b.test_and_clear(64 * PAGE_SIZE));
+        assert!(!b.test_and_clear(5000 * PAGE_SIZE), "not RAM");
+        assert_eq!(b.count(), 8);
+        // A walk from after page 63 goes on at page 65 and then the next region.
+        let mut cursor = b.cursor_after(63 * PAGE_SIZE);
+        let mut out = Vec::new();
+        b.take(&mut cursor, 3, &mut out);
+        assert_eq!(out, vec![65 * PAGE_SIZE, 99 * PAGE_SIZE, 1 << 32]);
     }
 
     #[test]

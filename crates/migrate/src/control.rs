@@ -16,6 +16,9 @@ pub enum Phase {
     Setup,
     Precopy,
     Switchover,
+    /// The guest runs on the destination; the source sends the pages it still needs (those it
+    /// asks for first). It can no longer be cancelled: the source's copy is out of date.
+    Postcopy,
     Completed,
     Failed,
     Cancelled,
@@ -41,6 +44,7 @@ pub struct Progress {
 #[derive(Debug, Default)]
 pub struct Control {
     cancel: AtomicBool,
+    postcopy: AtomicBool,
     progress: Mutex<Progress>,
 }
 
@@ -51,6 +55,16 @@ impl Control {
 
     pub fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Asks a migration that has postcopy enabled to switch to it at the end of the pass it is
+    /// sending (`ferry migrate-postcopy`, `PUT /migration/postcopy`).
+    pub fn start_postcopy(&self) {
+        self.postcopy.store(true, Ordering::Relaxed);
+    }
+
+    pub fn postcopy_requested(&self) -> bool {
+        self.postcopy.load(Ordering::Relaxed)
     }
 
     pub fn progress(&self) -> Progress {

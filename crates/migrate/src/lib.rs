@@ -31,11 +31,6 @@ pub mod source;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;
 pub mod transport;
-// The destination's postcopy fault path is its first user; until then only its tests use it.
-#[cfg_attr(
-    not(test),
-    expect(dead_code, reason = "postcopy's fault path is not written yet")
-)]
 #[allow(unsafe_code)] // the userfaultfd syscall, its ioctls, and reads of its messages
 pub(crate) mod uffd;
 #[allow(unsafe_code)]

@@ -391,6 +391,60 @@ impl Ram {
         Ok(())
     }
 
+    /// Registers every region with `uffd` for missing pages (postcopy's destination): from
+    /// then on a touch of a page that is not in the backing file waits for the fault thread.
+    pub(crate) fn register_missing(
+        &self,
+        uffd: &crate::uffd::Uffd,
+    ) -> Result<(), crate::uffd::UffdError> {
+        for r in &self.regions {
+            // SAFETY: the region is mapped for as long as this `Ram` lives (the module's
+            // invariant), and guest memory is reached only through raw pointers (the engine's
+            // copies, the VMM's volatile accesses, the kernel's for KVM), never through Rust
+            // references that a page filled behind them would invalidate.
+            unsafe { uffd.register_missing(r.host_addr, r.size as usize) }?;
+        }
+        Ok(())
+    }
+
+    /// The guest address of the page at host address `addr`, if it is in RAM.
+    pub fn gpa_of_host(&self, addr: usize) -> Option<u64> {
+        self.regions
+            .iter()
+            .find(|r| addr >= r.host_addr && ((addr - r.host_addr) as u64) < r.size)
+            .map(|r| r.gpa + ((addr - r.host_addr) as u64 & !(PAGE_SIZE - 1)))
+    }
+
+    /// Drops `pages` pages from `gpa` (checked to be RAM in one region) out of the backing
+    /// file (`fallocate(PUNCH_HOLE)`): they read as zero afterwards and, under userfaultfd,
+    /// fault as missing. Postcopy's discard of stale pages.
+    ///
+    /// Contract (crate-internal): as for `Ram::read_pages`, the pages are the caller's alone
+    /// until this returns.
+    pub(crate) fn punch(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
+        self.check_run(gpa, pages).map_err(std::io::Error::other)?;
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.contains(gpa))
+            .expect("check_run found the region");
+        // SAFETY: fallocate on the region's backing file (`Ram::from_regions`'s contract) over
+        // the file range of pages inside that region (checked above): it changes only guest
+        // pages, which the caller holds alone, and punching never moves or unmaps the mapping.
+        let ret = unsafe {
+            libc::fallocate(
+                r.fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (r.file_offset + (gpa - r.gpa)) as libc::off_t,
+                (pages * PAGE_SIZE) as libc::off_t,
+            )
+        };
+        if ret != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Checks that `pages` pages from `gpa` are RAM within one region.
     pub fn check_run(&self, gpa: u64, pages: u64) -> Result<(), RamError> {
         self.page(gpa)?;

@@ -18,11 +18,17 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::destination::IncomingControl;
+use crate::destination::postcopy::{Postcopy, PostcopyGate};
 use crate::destination::sink::PageSink;
 use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::transport::Stream;
 use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
+
+/// How long a data channel that read its Postcopy marker waits for the main channel's switch
+/// (the discard list, the device state and the Postcopy record, which the source wrote before
+/// the marker's pages).
+const POSTCOPY_GATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A per-page bitmap shared by the receivers.
 #[derive(Debug)]
@@ -33,14 +39,19 @@ impl PageBits {
         PageBits((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
     }
 
+    /// Whether bit `i` is set.
+    pub fn get(&self, i: u64) -> bool {
+        self.0[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+
     /// Sets bit `i`; returns whether it was already set.
-    fn set(&self, i: u64) -> bool {
+    pub fn set(&self, i: u64) -> bool {
         let bit = 1 << (i % 64);
         self.0[(i / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
     }
 
     /// Clears bit `i`; returns whether it was set.
-    fn clear(&self, i: u64) -> bool {
+    pub fn clear(&self, i: u64) -> bool {
         let bit = 1 << (i % 64);
         self.0[(i / 64) as usize].fetch_and(!bit, Ordering::AcqRel) & bit != 0
     }
@@ -173,6 +184,8 @@ pub struct Shared {
     pub claimed: Arc<PageBits>,
     /// Progress counters and cancellation.
     pub control: Arc<IncomingControl>,
+    /// Opened by the session when the source switches to postcopy.
+    pub postcopy: Arc<PostcopyGate>,
 }
 
 /// Starts the receiver of data channel `channel`.
@@ -190,6 +203,7 @@ pub fn start(
                 shared: shared.clone(),
                 stats: ReceiverStats::default(),
                 buffer: Vec::new(),
+                postcopy: None,
             }
             .run();
             if let Err(e) = &r {
@@ -207,6 +221,8 @@ struct Receiver {
     stats: ReceiverStats,
     /// The sink's staging buffer for this channel (see `PageSink::receive_pages`).
     buffer: Vec<u8>,
+    /// Set once this channel carries postcopy pages.
+    postcopy: Option<Arc<Postcopy>>,
 }
 
 impl Receiver {
@@ -226,6 +242,25 @@ impl Receiver {
             match h.kind {
                 Kind::Pages => self.pages(h.count)?,
                 Kind::ZeroRuns => self.zero_runs(h.count)?,
+                Kind::EndOfPass if self.postcopy.is_some() => {
+                    return Err(MigrateError::order(
+                        "EndOfPass on a data channel after postcopy started",
+                    ));
+                }
+                Kind::Postcopy if self.postcopy.is_some() => {
+                    return Err(MigrateError::order("a second Postcopy on a data channel"));
+                }
+                Kind::Postcopy => {
+                    // Every page of the last pass is in (the barrier); wait for the session to
+                    // register guest RAM and apply the discard list.
+                    let gate = self.shared.postcopy.wait(POSTCOPY_GATE_TIMEOUT);
+                    self.postcopy = Some(gate.ok_or_else(|| {
+                        MigrateError::order(format!(
+                            "Postcopy on data channel {} but the main channel did not switch within {POSTCOPY_GATE_TIMEOUT:?}",
+                            self.channel
+                        ))
+                    })?);
+                }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
                         return Err(MigrateError::order(format!(
@@ -301,6 +336,13 @@ impl Receiver {
         for &gpa in &gpas {
             indices.push(self.claim(gpa)?);
         }
+        if let Some(pc) = &self.postcopy {
+            pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?;
+            self.stats.pages += u64::from(count);
+            let c = &self.shared.control;
+            c.add(&c.pages, u64::from(count));
+            return Ok(());
+        }
         self.shared
             .sink
             .receive_pages(&mut self.stream, &gpas, &mut self.buffer)
@@ -322,6 +364,16 @@ impl Receiver {
         for run in w.chunks_exact(2) {
             let (gpa, pages) = (run[0], run[1]);
             self.shared.ram.check_run(gpa, pages)?;
+            if let Some(pc) = &self.postcopy {
+                for k in 0..pages {
+                    self.claim(gpa + k * PAGE_SIZE)?;
+                }
+                pc.install_zero(gpa, pages)?;
+                self.stats.zero_pages += pages;
+                let c = &self.shared.control;
+                c.add(&c.zero_pages, pages);
+                continue;
+            }
             let mut stale: Option<(u64, u64)> = None;
             for k in 0..pages {
                 let page = gpa + k * PAGE_SIZE;

@@ -46,6 +46,8 @@ const PIPELINE: usize = 1;
 pub enum ChannelMsg {
     Pages(Vec<u64>),
     EndOfPass(u32),
+    /// The pages that follow are postcopy pages: write the marker and flush.
+    Postcopy,
     /// Flush and close the stream.
     Shutdown,
 }
@@ -141,6 +143,8 @@ fn run(
         pages: &config.pages,
         stats: &mut s,
     };
+    // After the postcopy marker every batch goes out whole at once, not pipelined.
+    let mut postcopy = false;
     for msg in rx {
         match msg {
             ChannelMsg::Pages(gpas) => {
@@ -148,12 +152,23 @@ fn run(
                 while detector.outstanding() > PIPELINE {
                     out.send(detector.complete().expect("outstanding batch"))?;
                 }
+                if postcopy {
+                    // A vCPU may be waiting for any of these pages: nothing stays behind.
+                    drain(&mut *detector, &mut out)?;
+                    out.conn.flush("sending postcopy pages")?;
+                }
             }
             ChannelMsg::EndOfPass(pass) => {
                 drain(&mut *detector, &mut out)?;
                 out.conn
                     .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
                 out.conn.flush("ending a pass")?;
+            }
+            ChannelMsg::Postcopy => {
+                postcopy = true;
+                drain(&mut *detector, &mut out)?;
+                out.conn.write_header(&Header::new(Kind::Postcopy, 0, 0))?;
+                out.conn.flush("starting postcopy")?;
             }
             ChannelMsg::Shutdown => {
                 drain(&mut *detector, &mut out)?;

@@ -79,6 +79,36 @@ pub struct MigrationStats {
     /// field exists so reports already draw the histogram when postcopy fills it.
     #[serde(default)]
     pub page_latencies_us: Vec<f64>,
+    /// What postcopy did, if the migration switched to it.
+    #[serde(default)]
+    pub postcopy: Option<PostcopyStats>,
+}
+
+/// A migration's postcopy phase, from the pause to the destination's Done.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PostcopyStats {
+    /// Precopy passes before the switch.
+    pub after_passes: u32,
+    /// Pause to Done: how long the guest's memory was split between the hosts.
+    pub duration_ms: f64,
+    /// Pages the destination had to drop and fetch again (dirty at the switch).
+    pub discarded_pages: u64,
+    /// Pages sent because the destination asked for them.
+    pub pages_requested: u64,
+    /// Pages sent by the background walk.
+    pub pages_background: u64,
+    /// Page request runs the destination sent (a run asked for a page the walk had sent
+    /// already counts too).
+    pub requests: u64,
+    /// Bytes written after the switch, on all connections.
+    pub bytes: u64,
+    /// Fault to page in place, as the destination measured it (µs).
+    pub latency_mean_us: f64,
+    pub latency_p50_us: u64,
+    pub latency_p99_us: u64,
+    pub latency_max_us: u64,
+    /// Bucket k counts requests that took [2^k, 2^(k+1)) µs.
+    pub latency_buckets: Vec<u64>,
 }
 
 /// The migration at one moment, for `ferry report`'s timeline.

@@ -136,4 +136,10 @@ pub unsafe trait DestinationVm: Send {
 
     /// Starts the guest. Returns how long starting took (part of the downtime breakdown).
     fn resume(&mut self) -> Result<Duration, VmError>;
+
+    /// A postcopy migration failed after [`DestinationVm::resume`]: pages the guest has not
+    /// received will never come, so the VM must stop for good, with `why` as its reason. vCPUs
+    /// blocked on a missing page stay blocked (the engine keeps the userfaultfd open so that
+    /// they never read zeros instead); the VMM marks the VM failed and stops the others.
+    fn abandon(&mut self, why: &str);
 }

@@ -39,6 +39,11 @@ pub struct MigrationRequest {
     pub channels: u16,
     pub packet_pages: u32,
     pub zero: ZeroDetection,
+    /// Allow switching to postcopy (the destination must offer it).
+    pub postcopy: bool,
+    /// Switch to postcopy after this many passes; `None`: only when asked
+    /// ([`VmHandle::start_postcopy`]).
+    pub postcopy_after_passes: Option<u32>,
 }
 
 impl MigrationRequest {
@@ -51,6 +56,8 @@ impl MigrationRequest {
             channels: source::DEFAULT_CHANNELS,
             packet_pages: source::DEFAULT_PACKET_PAGES,
             zero: ZeroDetection::Inline,
+            postcopy: false,
+            postcopy_after_passes: None,
         }
     }
 }
@@ -75,7 +82,7 @@ impl VmHandle {
         if slot.as_ref().is_some_and(|c| {
             matches!(
                 c.progress().phase,
-                Phase::Setup | Phase::Precopy | Phase::Switchover
+                Phase::Setup | Phase::Precopy | Phase::Switchover | Phase::Postcopy
             )
         }) {
             return Err(StartError::AlreadyRunning);
@@ -93,6 +100,8 @@ impl VmHandle {
             channels: req.channels,
             packet_pages: req.packet_pages,
             zero: req.zero,
+            postcopy: req.postcopy,
+            postcopy_after_passes: req.postcopy_after_passes,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {
@@ -128,6 +137,18 @@ impl VmHandle {
     /// On a migration destination: the incoming migration's progress.
     pub fn incoming(&self) -> Option<IncomingProgress> {
         self.0.incoming.as_ref().map(|c| c.progress())
+    }
+
+    /// Asks a migration in precopy that has postcopy enabled to switch to it at the end of
+    /// the current pass; false when there is none that can.
+    pub fn start_postcopy(&self) -> bool {
+        match self.0.migration.lock().unwrap().as_ref() {
+            Some(c) if matches!(c.progress().phase, Phase::Setup | Phase::Precopy) => {
+                c.start_postcopy();
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Asks a running migration to stop (on a source in precopy, or on a destination before
@@ -282,8 +303,8 @@ unsafe impl DestinationVm for IncomingVm {
         ram_regions(&self.shared.ram)
     }
 
-    /// Preallocated RAM takes a copy into the mapping; sparse RAM is written through the memfd,
-    /// which allocates a page without faulting the mapping (measured in `PageLanding`'s doc).
+    /// Preallocated RAM, or several channels, take a copy into the mapping; one channel into
+    /// sparse RAM writes through the memfd (measured in `PageLanding`'s doc).
     fn page_landing(&self, channels: u16) -> PageLanding {
         self.landing
             .unwrap_or_else(|| landing_for(self.shared.ram.is_populated(), channels))
@@ -297,6 +318,12 @@ unsafe impl DestinationVm for IncomingVm {
         let t = Instant::now();
         self.start().map_err(|e| failed("resume")(e.to_string()))?;
         Ok(t.elapsed())
+    }
+
+    fn abandon(&mut self, why: &str) {
+        self.handle().stop(crate::StopReason::Failed(format!(
+            "postcopy failed after the guest resumed here, so its memory is incomplete: {why}"
+        )));
     }
 }
 

@@ -102,6 +102,7 @@ fn running_pass(p: &Progress) -> String {
         Phase::Setup => "-".into(),
         Phase::Precopy => (p.pass + 1).to_string(),
         Phase::Switchover => "final".into(),
+        Phase::Postcopy => "post".into(),
         _ => p.pass.to_string(),
     }
 }

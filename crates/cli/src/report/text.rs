@@ -62,6 +62,22 @@ pub fn print_stats(s: &MigrationStats) {
             p.dirty_rate_pages_per_s
         );
     }
+    if let Some(pc) = &s.postcopy {
+        println!(
+            "postcopy         {:>10.1} ms after pass {}: {} pages discarded, {} sent on request ({} requests), {} in the background, {:.1} MB",
+            pc.duration_ms,
+            pc.after_passes,
+            pc.discarded_pages,
+            pc.pages_requested,
+            pc.requests,
+            pc.pages_background,
+            pc.bytes as f64 / 1e6
+        );
+        println!(
+            "fault to page    {:>10.0} µs mean, p50 {} µs, p99 {} µs, max {} µs (on the destination)",
+            pc.latency_mean_us, pc.latency_p50_us, pc.latency_p99_us, pc.latency_max_us
+        );
+    }
     // One line for scripts; the timeline (up to a few hundred KiB) goes only to --stats-out.
     let mut line = serde_json::to_value(s).unwrap_or_default();
     if let Some(map) = line.as_object_mut() {

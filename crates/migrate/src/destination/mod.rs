@@ -21,6 +21,7 @@
 
 mod acks;
 mod listen;
+pub(crate) mod postcopy;
 mod progress;
 mod sections;
 mod session;

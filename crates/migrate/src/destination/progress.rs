@@ -25,6 +25,8 @@ pub enum IncomingPhase {
     Precopy,
     /// Device state is loading and the guest is being resumed.
     Loading,
+    /// The guest runs here while its remaining pages arrive (those it waits for first).
+    Postcopy,
     /// The guest runs here.
     Completed,
     Failed,

@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::acks::Acker;
+use super::postcopy::{FaultThread, Postcopy, PostcopyGate};
 use super::sections::Sections;
 use super::sink;
 use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
@@ -40,6 +41,21 @@ pub struct ReceiveStats {
     pub resume: Duration,
     /// CPU time of the data channels' receiver threads.
     pub receiver_cpu_ns: u64,
+    /// What postcopy did here, if the source switched to it.
+    pub postcopy: Option<PostcopyReceived>,
+}
+
+/// The destination's postcopy figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PostcopyReceived {
+    /// Pages on the discard list, fetched from the source after the switch.
+    pub pages: u64,
+    /// Faults on pages that were not needed (holes), filled with zeros here.
+    pub zero_fills: u64,
+    /// Fault to page in place, for the pages a vCPU waited for.
+    pub latencies: wire::Latencies,
+    /// Resume to the last page in place.
+    pub duration: Duration,
 }
 
 /// A receiver thread and a handle to shut its socket down.
@@ -63,6 +79,10 @@ pub struct Session<'a> {
     granted: Capabilities,
     /// Acknowledges progress while pages arrive, when [`Capabilities::PROGRESS`] was granted.
     acker: Option<Acker>,
+    /// Postcopy's state, from the first Discard (or the Postcopy record) on.
+    postcopy: Option<Arc<Postcopy>>,
+    /// Where the receivers wait for postcopy to begin.
+    gate: Arc<PostcopyGate>,
     stats: ReceiveStats,
     cpu_start: u64,
 }
@@ -100,6 +120,8 @@ impl<'a> Session<'a> {
             receivers: Vec::new(),
             granted: Capabilities::NONE,
             acker: None,
+            postcopy: None,
+            gate: Arc::new(PostcopyGate::default()),
             stats: ReceiveStats::default(),
             cpu_start: stats::thread_cpu_ns(),
         })
@@ -116,7 +138,7 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: Refusal::Accepted as u32,
             channels: hello.channels,
-            capabilities: hello.capabilities.grant(Capabilities::SUPPORTED),
+            capabilities: hello.capabilities.grant(supported()),
         };
         let refusal = if hello.role != Role::Main || hello.channel != 0 {
             Some((
@@ -169,8 +191,11 @@ impl<'a> Session<'a> {
             .connect_channels(arrivals)
             .and_then(|()| self.start_acks())
             .and_then(|()| self.precopy())
-            .and_then(|sections| self.stop_acks().map(|()| sections))
-            .and_then(|sections| self.load_and_resume(&sections));
+            .and_then(|ending| self.stop_acks().map(|()| ending))
+            .and_then(|ending| match ending {
+                PrecopyEnd::Complete(sections) => self.load_and_resume(&sections),
+                PrecopyEnd::Postcopy(sections) => self.postcopy(&sections),
+            });
         let result = result.map_err(|e| self.fail(e));
         self.control.unregister_all();
         self.control.update(|p| match &result {
@@ -239,6 +264,7 @@ impl<'a> Session<'a> {
             ram: self.ram.clone(),
             sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
             control: self.control.clone(),
+            postcopy: self.gate.clone(),
         };
         self.shared = Some(shared.clone());
         let deadline = Instant::now() + CHANNEL_TIMEOUT;
@@ -293,9 +319,10 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Phase 3: the main channel's pass ends, then the device state up to Complete. Returns
-    /// the sections once every receiver finished every pass.
-    fn precopy(&mut self) -> Result<Vec<Section>, MigrateError> {
+    /// Phase 3: the main channel's pass ends, then the device state up to Complete (every
+    /// receiver finished every pass) or, with postcopy, the discard list and the device state
+    /// up to Postcopy.
+    fn precopy(&mut self) -> Result<PrecopyEnd, MigrateError> {
         let barrier = self
             .shared
             .as_ref()
@@ -311,8 +338,38 @@ impl<'a> Session<'a> {
             let c = &self.control;
             c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
             match h.kind {
-                Kind::EndOfPass if !state.is_empty() => {
-                    return Err(MigrateError::order("EndOfPass record after device state"));
+                Kind::EndOfPass if !state.is_empty() || self.postcopy.is_some() => {
+                    return Err(MigrateError::order(
+                        "EndOfPass record after device state or a discard list",
+                    ));
+                }
+                Kind::Discard | Kind::Postcopy
+                    if !self.granted.contains(Capabilities::POSTCOPY) =>
+                {
+                    return Err(MigrateError::order(format!(
+                        "{:?} record without the postcopy capability",
+                        h.kind
+                    )));
+                }
+                Kind::Discard if self.stats.passes == 0 || !state.is_empty() => {
+                    return Err(MigrateError::order(
+                        "a discard list must come after a memory pass and before the device state",
+                    ));
+                }
+                Kind::Discard => {
+                    let payload = self.conn.read_payload(h.len, "receiving a discard list")?;
+                    let pc = self.start_postcopy()?;
+                    let w: Vec<u64> = wire::decode_addresses(&payload).collect();
+                    for run in w.chunks_exact(2) {
+                        pc.discard(run[0], run[1])?;
+                    }
+                }
+                Kind::Postcopy => {
+                    if state.is_empty() {
+                        return Err(MigrateError::order("Postcopy without any device state"));
+                    }
+                    self.start_postcopy()?;
+                    return Ok(PrecopyEnd::Postcopy(state.into_vec()));
                 }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
@@ -332,12 +389,17 @@ impl<'a> Session<'a> {
                     let payload = self.conn.read_payload(h.len, "receiving device state")?;
                     state.add(&payload)?;
                 }
+                Kind::Complete if self.postcopy.is_some() => {
+                    return Err(MigrateError::order(
+                        "Complete after a discard list: postcopy must start with Postcopy",
+                    ));
+                }
                 Kind::Complete => {
                     if state.is_empty() {
                         return Err(MigrateError::order("Complete without any device state"));
                     }
                     self.join_receivers()?;
-                    return Ok(state.into_vec());
+                    return Ok(PrecopyEnd::Complete(state.into_vec()));
                 }
                 Kind::Error => {
                     let p = self
@@ -390,6 +452,126 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
+    /// The postcopy state, made at the first Discard (or at Postcopy, with nothing to
+    /// discard): guest RAM is registered with userfaultfd from here on.
+    fn start_postcopy(&mut self) -> Result<Arc<Postcopy>, MigrateError> {
+        if let Some(pc) = &self.postcopy {
+            return Ok(pc.clone());
+        }
+        let out = self
+            .conn
+            .stream()
+            .try_clone_stream()
+            .map_err(|e| MigrateError::io("starting postcopy", e))?;
+        let pc = Arc::new(Postcopy::new(self.ram.clone(), out)?);
+        self.postcopy = Some(pc.clone());
+        Ok(pc)
+    }
+
+    /// Postcopy: load the state and resume the guest while the receivers install the pages
+    /// that still come and the fault thread asks for those a vCPU waits for; then wait for
+    /// the source's Complete and for every page, and say Done.
+    ///
+    /// Once the guest ran, a failure cannot be undone: the session hands the VM to
+    /// [`DestinationVm::abandon`] and keeps the userfaultfd open for good (see `postcopy.rs`).
+    fn postcopy(&mut self, sections: &[Section]) -> Result<ReceiveStats, MigrateError> {
+        let pc = self.postcopy.clone().expect("Postcopy started it");
+        let faults = FaultThread::start(pc.clone())?;
+        self.gate.open(pc.clone());
+        let discarded = pc.remaining();
+        self.control.update(|p| p.phase = IncomingPhase::Loading);
+        let t = Instant::now();
+        if let Err(e) = self.vm.load_state(sections) {
+            faults.stop();
+            return Err(e.into());
+        }
+        self.stats.load = t.elapsed();
+        self.stats.resume = match self.vm.resume() {
+            Ok(d) => d,
+            Err(e) => {
+                // The vCPUs may have started: the pages they wait for must never become zeros.
+                std::mem::forget(pc.clone());
+                faults.stop();
+                let e = MigrateError::from(e);
+                self.vm.abandon(&e.to_string());
+                return Err(e);
+            }
+        };
+        let resumed_at = Instant::now();
+        self.control.update(|p| p.phase = IncomingPhase::Postcopy);
+        let result = self
+            .write_resumed(&pc)
+            .and_then(|()| self.await_complete())
+            .and_then(|()| self.join_receivers())
+            .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
+            .and_then(|()| pc.finish());
+        faults.stop();
+        if let Err(e) = result {
+            std::mem::forget(pc.clone());
+            self.vm.abandon(&e.to_string());
+            return Err(e);
+        }
+        let latencies = pc.latencies();
+        self.stats.postcopy = Some(PostcopyReceived {
+            pages: discarded,
+            zero_fills: pc.zero_fills(),
+            latencies,
+            duration: resumed_at.elapsed(),
+        });
+        // Every page is here; a lost Done leaves the source waiting, then failing, with the
+        // guest safe here.
+        if let Err(e) = pc.write(
+            &Header::new(Kind::Done, 0, wire::DONE_SIZE),
+            &latencies.encode(),
+        ) {
+            tracing::warn!("every page arrived, but the source did not get Done: {e}");
+        }
+        Ok(self.stats.clone())
+    }
+
+    /// Tells the source the guest runs here (postcopy: through the shared writer).
+    fn write_resumed(&mut self, pc: &Postcopy) -> Result<(), MigrateError> {
+        let cpu = stats::thread_cpu_ns() - self.cpu_start;
+        pc.write(
+            &Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE),
+            &self.resumed_payload(cpu),
+        )
+    }
+
+    /// Postcopy: reads the main connection until the source's Complete (it sent every page).
+    fn await_complete(&mut self) -> Result<(), MigrateError> {
+        let h = self
+            .conn
+            .read_header("waiting for the source's last pages")?;
+        match h.kind {
+            Kind::Complete => Ok(()),
+            Kind::Error => {
+                let p = self
+                    .conn
+                    .read_payload(h.len, "reading the source's error")?;
+                Err(MigrateError::Remote(
+                    String::from_utf8_lossy(&p).into_owned(),
+                ))
+            }
+            k => Err(MigrateError::order(format!(
+                "{k:?} record on the main channel during postcopy"
+            ))),
+        }
+    }
+
+    /// The Resumed payload: load, resume and CPU times.
+    fn resumed_payload(&self, cpu: u64) -> Vec<u8> {
+        let mut payload = Vec::with_capacity(wire::RESUMED_SIZE as usize);
+        for v in [
+            self.stats.load.as_nanos() as u64,
+            self.stats.resume.as_nanos() as u64,
+            cpu,
+        ] {
+            payload.extend_from_slice(&v.to_le_bytes());
+        }
+        payload
+    }
+
     /// Phases 4 and 5: load every section, resume the guest, acknowledge with the times.
     fn load_and_resume(&mut self, sections: &[Section]) -> Result<ReceiveStats, MigrateError> {
         if self.control.cancelled() {
@@ -401,14 +583,7 @@ impl<'a> Session<'a> {
         self.stats.load = t.elapsed();
         self.stats.resume = self.vm.resume()?;
         let cpu = stats::thread_cpu_ns() - self.cpu_start + self.stats.receiver_cpu_ns;
-        let mut payload = Vec::with_capacity(wire::RESUMED_SIZE as usize);
-        for v in [
-            self.stats.load.as_nanos() as u64,
-            self.stats.resume.as_nanos() as u64,
-            cpu,
-        ] {
-            payload.extend_from_slice(&v.to_le_bytes());
-        }
+        let payload = self.resumed_payload(cpu);
         // The guest runs: from here nothing may fail the session (a lost acknowledgement
         // leaves the source paused, which is what it must do).
         let ack = self
@@ -421,6 +596,38 @@ impl<'a> Session<'a> {
             );
         }
         Ok(self.stats.clone())
+    }
+}
+
+/// How long postcopy waits, after the source's Complete and the end of every data channel, for
+/// the last pages to be installed (they are in the receivers' hands by then).
+const ALL_IN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How the main channel ended precopy, with the device state.
+enum PrecopyEnd {
+    /// Every page arrived: load, resume, acknowledge.
+    Complete(Vec<Section>),
+    /// Load, resume, and fetch the rest while the guest runs.
+    Postcopy(Vec<Section>),
+}
+
+/// What this destination offers: postcopy only where a userfaultfd can be opened (it needs
+/// the kernel's support and the permission: `vm.unprivileged_userfaultfd` or
+/// `CAP_SYS_PTRACE`, or access to `/dev/userfaultfd`).
+fn supported() -> Capabilities {
+    let without = Capabilities(Capabilities::SUPPORTED.0 & !Capabilities::POSTCOPY.0);
+    match crate::uffd::Uffd::new() {
+        Ok(u) if u.features().missing_shmem => Capabilities::SUPPORTED,
+        Ok(_) => {
+            tracing::warn!(
+                "postcopy is not offered: this kernel's userfaultfd cannot handle shared memory"
+            );
+            without
+        }
+        Err(e) => {
+            tracing::warn!("postcopy is not offered: {e}");
+            without
+        }
     }
 }
 

@@ -157,9 +157,12 @@ impl Session<'_> {
             Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::order(
                 "the destination sent Resumed before Complete",
             )),
-            Some(Ok(Inbound::Received(_))) => {
-                unreachable!("the reader folds acknowledgements into its counters")
+            Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_))) => {
+                unreachable!("the reader folds acknowledgements and queues requests")
             }
+            Some(Ok(Inbound::Done(_))) => Err(MigrateError::order(
+                "the destination sent Done during precopy",
+            )),
             Some(Err(e)) => Err(e),
         }
     }

@@ -35,6 +35,7 @@ mod acks;
 mod bandwidth;
 mod limiter;
 mod pool;
+mod postcopy;
 mod precopy;
 mod progress;
 mod reader;
@@ -46,7 +47,7 @@ use self::acks::{AckUse, Acks};
 use self::bandwidth::BandwidthWindow;
 use self::limiter::{Limiter, Pacing};
 use self::pool::ChannelPool;
-use self::reader::{Inbound, InboundReader};
+use self::reader::{Granted, Inbound, InboundReader};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
@@ -73,10 +74,18 @@ pub struct SourceParams {
     /// Pages per batch (QEMU: the multifd packet size / 4096), 1..=512.
     pub packet_pages: u32,
     pub zero: ZeroDetection,
+    /// Whether the migration may switch to postcopy (QEMU's postcopy-ram capability): the
+    /// destination must offer it, and the switch comes after
+    /// [`SourceParams::postcopy_after_passes`] passes or when [`Control::start_postcopy`] asks.
+    pub postcopy: bool,
+    /// Switch to postcopy after this many precopy passes (pass 1 counts); `None`: only when
+    /// asked.
+    pub postcopy_after_passes: Option<u32>,
 }
 
-/// The protocol features this source asks for: progress acknowledgements, so that it decides
-/// the switchover on what the destination has taken in.
+/// The protocol features this source always asks for: progress acknowledgements, so that it
+/// decides the switchover on what the destination has taken in. Postcopy is asked for when
+/// [`SourceParams::postcopy`] is set.
 const REQUESTED: Capabilities = Capabilities::PROGRESS;
 /// How long a failed write waits for the destination's explanation on the main connection.
 const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
@@ -100,6 +109,8 @@ impl SourceParams {
             channels: DEFAULT_CHANNELS,
             packet_pages: DEFAULT_PACKET_PAGES,
             zero: ZeroDetection::Inline,
+            postcopy: false,
+            postcopy_after_passes: None,
         }
     }
 
@@ -115,6 +126,16 @@ impl SourceParams {
         if self.max_bandwidth == Some(0) {
             return Err(MigrateError::params(
                 "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link",
+            ));
+        }
+        if self.postcopy_after_passes.is_some() && !self.postcopy {
+            return Err(MigrateError::params(
+                "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.postcopy_after_passes == Some(0) {
+            return Err(MigrateError::params(
+                "postcopy after 0 passes: the switch comes after a pass ends; give 1 or more",
             ));
         }
         if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
@@ -141,6 +162,15 @@ impl SourceParams {
 pub struct TestHooks {
     /// Make the offload zero-scan engine report every n-th batch as failed.
     pub offload_fail_every: Option<u64>,
+}
+
+/// How precopy ended: the pass it sent last, and what comes next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    /// Pause, send the last dirty pages and the state, and hand over.
+    Switchover(u32),
+    /// Pause, hand over with the state, and send the rest while the guest runs there.
+    Postcopy(u32),
 }
 
 /// Whether the guest runs while a pass sends its pages.
@@ -215,6 +245,8 @@ struct Session<'a> {
     /// Complete was sent: from here the guest may run on the destination, so the source must
     /// never run it again.
     handed_over: bool,
+    /// The destination granted postcopy.
+    postcopy_granted: bool,
     start: Instant,
     cpu_start: u64,
     stats: MigrationStats,
@@ -247,6 +279,7 @@ impl<'a> Session<'a> {
             acks: Acks::default(),
             guest: GuestState::Running,
             handed_over: false,
+            postcopy_granted: false,
             start: Instant::now(),
             cpu_start: stats::thread_cpu_ns(),
             stats: MigrationStats::default(),
@@ -269,8 +302,19 @@ impl<'a> Session<'a> {
         vm.start_dirty_log()?;
         self.stats.setup_ms = ms(self.start.elapsed());
         self.set_phase(Phase::Precopy);
-        let last_precopy_pass = self.precopy(vm)?;
-        self.switchover(vm, last_precopy_pass + 1)
+        match self.precopy(vm)? {
+            Ending::Switchover(last) => self.switchover(vm, last + 1),
+            Ending::Postcopy(last) => self.postcopy(vm, last),
+        }
+    }
+
+    /// What to ask the destination for.
+    fn requested(&self) -> Capabilities {
+        if self.params.postcopy {
+            REQUESTED.with(Capabilities::POSTCOPY)
+        } else {
+            REQUESTED
+        }
     }
 
     /// Greets the destination on the main connection; a refusal names the cause and the fix.
@@ -282,10 +326,10 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: 0,
             channels: self.params.channels,
-            capabilities: REQUESTED,
+            capabilities: self.requested(),
         })?;
         let reply = self.conn.read_hello()?;
-        if !reply.capabilities.is_subset(REQUESTED) {
+        if !reply.capabilities.is_subset(self.requested()) {
             return Err(MigrateError::order(format!(
                 "the destination granted capabilities {:#x} that were not asked for",
                 reply.capabilities.0
@@ -302,11 +346,20 @@ impl<'a> Session<'a> {
                 s => format!("status {s}"),
             }));
         }
-        let progress = reply.capabilities.contains(Capabilities::PROGRESS);
-        if progress {
+        let granted = Granted {
+            progress: reply.capabilities.contains(Capabilities::PROGRESS),
+            postcopy: reply.capabilities.contains(Capabilities::POSTCOPY),
+        };
+        if granted.progress {
             self.acks.use_ = AckUse::Live;
         }
-        self.acks.reader = Some(InboundReader::start(&mut self.conn, progress)?);
+        if self.params.postcopy && !granted.postcopy {
+            return Err(MigrateError::Refused(
+                "the destination does not offer postcopy (an older ferry, or userfaultfd is not available to it: see its log); migrate without --postcopy".into(),
+            ));
+        }
+        self.postcopy_granted = granted.postcopy;
+        self.acks.reader = Some(InboundReader::start(&mut self.conn, granted)?);
         Ok(())
     }
 

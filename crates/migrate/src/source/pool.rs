@@ -91,6 +91,14 @@ impl ChannelPool {
         Ok(())
     }
 
+    /// Marks the switch to postcopy on every data channel, after its last pass end.
+    pub fn postcopy(&mut self) -> Result<(), MigrateError> {
+        for i in 0..self.senders.len() {
+            self.queue_for(i, ChannelMsg::Postcopy)?;
+        }
+        Ok(())
+    }
+
     /// Ends `pass` on every data channel, after the batches already queued.
     pub fn end_pass(&mut self, pass: u32) -> Result<(), MigrateError> {
         for i in 0..self.senders.len() {

@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use super::limiter::{MAX_SLEEP, Pacing};
-use super::{GuestState, Session, ms};
+use super::{Ending, GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
 use crate::policy::{self, Decision};
@@ -26,8 +26,9 @@ pub const CLEAR_CHUNK_PAGES: u64 = 16 * 1024;
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
 impl Session<'_> {
-    /// Runs pass 1 and dirty passes until the policy decides; returns the last pass sent.
-    pub(super) fn precopy(&mut self, vm: &mut dyn SourceVm) -> Result<u32, MigrateError> {
+    /// Runs pass 1 and dirty passes until the policy decides or postcopy is due (checked at
+    /// each pass end, before the policy); says which, with the last pass sent.
+    pub(super) fn precopy(&mut self, vm: &mut dyn SourceVm) -> Result<Ending, MigrateError> {
         self.first_pass(vm)?;
         let mut pass = 1;
         // Whether the sync below ends a pass (rather than a drain, which sent nothing).
@@ -48,10 +49,18 @@ impl Session<'_> {
             let now = self.observe();
             self.publish_pass(pass, &now, dirty_rate);
             after_pass = false;
+            if self.postcopy_due(pass) {
+                // As before a switchover: the pause should not wait for the tail of the last
+                // pass still queued for the destination.
+                if !now.settled() {
+                    self.drain(&now)?;
+                }
+                return Ok(Ending::Postcopy(pass));
+            }
             match policy::decide(&self.params.policy, &now) {
                 Decision::Switchover => {
                     self.stats.converged = policy::fits(&self.params.policy, &now);
-                    return Ok(pass);
+                    return Ok(Ending::Switchover(pass));
                 }
                 Decision::Drain => {
                     self.drain(&now)?;
@@ -179,7 +188,7 @@ impl Session<'_> {
 
     /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the
     /// average at or under `max_bandwidth`.
-    fn pace(&mut self, bytes: u64) -> Result<(), MigrateError> {
+    pub(super) fn pace(&mut self, bytes: u64) -> Result<(), MigrateError> {
         let Some(limiter) = &mut self.limiter else {
             return Ok(());
         };

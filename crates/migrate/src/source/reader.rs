@@ -1,16 +1,18 @@
 //! What comes back from the destination on the main connection, read as typed values by a
 //! thread of its own while the session sends.
 //!
-//! The destination sends three records there: `Received` (only when the progress capability
-//! was granted) as pages arrive, `Resumed` once the guest runs on its side, and `Error` when it
-//! gives up. [`Inbound`] has a variant for each; a record the destination may send later
-//! (postcopy's page requests) becomes one more variant, and the callers' matches show where it
-//! must be handled. Anything else is a protocol violation and an error naming what was expected.
+//! The destination sends these records there: `Received` (only when the progress capability
+//! was granted) as pages arrive, `Resumed` once the guest runs on its side, `Error` when it
+//! gives up, and with postcopy granted `PageRequest` (pages a vCPU waits for) and `Done`
+//! (every page is in place). [`Inbound`] has a variant for each; anything else is a protocol
+//! violation and an error naming what was expected.
 //!
 //! [`InboundReader`] is the thread. It folds every `Received` into the latest acknowledged
 //! figures (only the newest matters, so they are two counters the session reads, not a queue
-//! that could fill while the session is busy sending), and hands the one record that ends its
-//! reading (`Resumed`, `Error`, or the failure that stopped it) over a channel of depth one.
+//! that could fill while the session is busy sending), queues page requests for the session to
+//! take (bounded: [`MAX_QUEUED_REQUESTS`]), and hands the records that end a phase over a
+//! channel: `Resumed` (which ends the reading unless postcopy was granted: then `Done` follows),
+//! `Done`, `Error`, or the failure that stopped it.
 //!
 //! Invariants: a record's header is validated (kind and length, see `wire/`) before its
 //! payload is read, so every payload decoded here has the size its kind prescribes; the
@@ -19,17 +21,23 @@
 
 #![forbid(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::net::Shutdown;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::transport::Stream;
-use crate::wire::{Kind, Received};
+use crate::wire::{self, Kind, Latencies, Received};
+
+/// Page request runs the reader holds for the session: 16 MiB of runs. A destination asks for
+/// a page once, when a vCPU first faults on it, so a queue this long means it asks for
+/// everything at once or asks again and again; either is refused.
+pub const MAX_QUEUED_REQUESTS: usize = 1 << 20;
 
 /// A record from the destination on the main connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +48,10 @@ pub enum Inbound {
     Error(String),
     /// What the destination has taken in so far (progress capability only).
     Received(Received),
+    /// Runs `(gpa, pages)` a vCPU on the destination waits for (postcopy only).
+    PageRequest(Vec<(u64, u64)>),
+    /// Every page is in place on the destination, with its request latencies (postcopy only).
+    Done(Box<Latencies>),
 }
 
 /// The destination's figures in its `Resumed` record, in nanoseconds.
@@ -84,6 +96,13 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
             String::from_utf8_lossy(&payload).into_owned(),
         )),
         Kind::Received => Ok(Inbound::Received(Received::decode(&payload)?)),
+        Kind::PageRequest => {
+            let w: Vec<u64> = wire::decode_addresses(&payload).collect();
+            Ok(Inbound::PageRequest(
+                w.chunks_exact(2).map(|r| (r[0], r[1])).collect(),
+            ))
+        }
+        Kind::Done => Ok(Inbound::Done(Box::new(Latencies::decode(&payload)?))),
         k => Err(MigrateError::order(format!(
             "expected {} from the destination, got {k:?}",
             awaiting.expected
@@ -97,6 +116,15 @@ const AWAITING_ANY: Awaiting = Awaiting {
     expected: "Received, Resumed or Error",
 };
 
+/// What the destination may send on the main connection.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Granted {
+    /// Received records.
+    pub progress: bool,
+    /// PageRequest and Done, and reading on after Resumed.
+    pub postcopy: bool,
+}
+
 /// The record that ended the reader's reading, or why it stopped.
 pub type Ending = Result<Inbound, MigrateError>;
 
@@ -105,6 +133,7 @@ pub type Ending = Result<Inbound, MigrateError>;
 pub struct InboundReader {
     acked_bytes: Arc<AtomicU64>,
     acked_pages: Arc<AtomicU64>,
+    requests: Arc<Mutex<VecDeque<(u64, u64)>>>,
     ending: Receiver<Ending>,
     /// A handle to shut the read side with, so that the thread's blocked read returns.
     stream: Box<dyn Stream>,
@@ -112,27 +141,36 @@ pub struct InboundReader {
 }
 
 impl InboundReader {
-    /// Takes over the reading of `conn` (and what it has buffered); `progress` says whether
-    /// the destination was granted the right to send `Received` records.
-    pub fn start(conn: &mut Conn, progress: bool) -> Result<InboundReader, MigrateError> {
+    /// Takes over the reading of `conn` (and what it has buffered); `granted` says which
+    /// optional records the destination may send.
+    pub fn start(conn: &mut Conn, granted: Granted) -> Result<InboundReader, MigrateError> {
         let io = |e| MigrateError::io("starting the reader of the main connection", e);
         let mut reader = conn.split_reader().map_err(io)?;
         let stream = conn.stream().try_clone_stream().map_err(io)?;
         let acked_bytes = Arc::new(AtomicU64::new(0));
         let acked_pages = Arc::new(AtomicU64::new(0));
-        let (tx, ending) = sync_channel(1);
-        let (bytes, pages) = (acked_bytes.clone(), acked_pages.clone());
+        let requests = Arc::new(Mutex::new(VecDeque::new()));
+        // Depth two: a Resumed that does not end the reading, then the ending; each is sent
+        // once, so a send never blocks (nobody may be listening any more).
+        let (tx, ending) = sync_channel(2);
+        let into = Into {
+            bytes: acked_bytes.clone(),
+            pages: acked_pages.clone(),
+            requests: requests.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("main-reader".into())
             .spawn(move || {
-                let end = read_until_end(&mut reader, progress, &bytes, &pages);
-                // Depth one and sent once: never blocks. Nobody may be listening any more.
+                let end = read_until_end(&mut reader, granted, &into, &|resumed| {
+                    let _ = tx.try_send(Ok(resumed));
+                });
                 let _ = tx.try_send(end);
             })
             .map_err(io)?;
         Ok(InboundReader {
             acked_bytes,
             acked_pages,
+            requests,
             ending,
             stream,
             thread: Some(thread),
@@ -145,6 +183,11 @@ impl InboundReader {
             bytes: self.acked_bytes.load(Ordering::Acquire),
             pages: self.acked_pages.load(Ordering::Relaxed),
         }
+    }
+
+    /// Takes the page requests that arrived since the last call, oldest first.
+    pub fn take_requests(&self) -> Vec<(u64, u64)> {
+        self.requests.lock().unwrap().drain(..).collect()
     }
 
     /// The record or failure that ended the reading, if it came already. Returned once.
@@ -172,11 +215,52 @@ impl Drop for InboundReader {
     }
 }
 
-/// Reads records, folding `Received` into the counters, until one that ends the reading.
-fn read_until_end(conn: &mut Conn, progress: bool, bytes: &AtomicU64, pages: &AtomicU64) -> Ending {
+/// Where the reader puts what it folds and queues.
+struct Into {
+    bytes: Arc<AtomicU64>,
+    pages: Arc<AtomicU64>,
+    requests: Arc<Mutex<VecDeque<(u64, u64)>>>,
+}
+
+/// Reads records, folding `Received` into the counters and queueing page requests, until one
+/// that ends the reading; a Resumed under postcopy goes to `resumed` and the reading goes on.
+fn read_until_end(
+    conn: &mut Conn,
+    granted: Granted,
+    into: &Into,
+    resumed: &dyn Fn(Inbound),
+) -> Ending {
+    let (bytes, pages) = (&into.bytes, &into.pages);
+    let mut seen_resumed = false;
     loop {
         match read(conn, AWAITING_ANY)? {
-            Inbound::Received(_) if !progress => {
+            Inbound::PageRequest(_) | Inbound::Done(_) if !granted.postcopy => {
+                return Err(MigrateError::order(
+                    "the destination sent a postcopy record without the postcopy capability",
+                ));
+            }
+            Inbound::PageRequest(_) | Inbound::Done(_) if !seen_resumed => {
+                return Err(MigrateError::order(
+                    "the destination sent a postcopy record before it resumed the guest",
+                ));
+            }
+            Inbound::PageRequest(runs) => {
+                let mut q = into.requests.lock().unwrap();
+                if q.len() + runs.len() > MAX_QUEUED_REQUESTS {
+                    return Err(MigrateError::order(format!(
+                        "the destination has more than {MAX_QUEUED_REQUESTS} page requests outstanding"
+                    )));
+                }
+                q.extend(runs);
+            }
+            Inbound::Resumed(_) if seen_resumed => {
+                return Err(MigrateError::order("the destination sent Resumed twice"));
+            }
+            Inbound::Resumed(r) if granted.postcopy => {
+                seen_resumed = true;
+                resumed(Inbound::Resumed(r));
+            }
+            Inbound::Received(_) if !granted.progress => {
                 return Err(MigrateError::order(
                     "the destination sent Received without the progress capability",
                 ));
@@ -313,7 +397,11 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         theirs.write_all(bytes).unwrap();
         let mut conn = Conn::new(Box::new(ours)).unwrap();
-        (InboundReader::start(&mut conn, progress).unwrap(), theirs)
+        let granted = Granted {
+            progress,
+            postcopy: false,
+        };
+        (InboundReader::start(&mut conn, granted).unwrap(), theirs)
     }
 
     #[test]

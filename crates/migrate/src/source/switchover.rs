@@ -71,7 +71,7 @@ impl Session<'_> {
 
     /// Writes the device-state sections on the main connection, one record each; the flush
     /// after Complete sends them.
-    fn send_device_state(&mut self, sections: &[Section]) -> Result<(), MigrateError> {
+    pub(super) fn send_device_state(&mut self, sections: &[Section]) -> Result<(), MigrateError> {
         for s in sections {
             self.conn
                 .write_section(s.header(), &s.data, "sending device state")?;
@@ -81,7 +81,7 @@ impl Session<'_> {
 
     /// Waits for the destination's Resumed, on the reader thread; its Error, or the reader's
     /// failure, fails (acknowledgements that still arrive are folded in by the reader).
-    fn await_resumed(&mut self) -> Result<Resumed, MigrateError> {
+    pub(super) fn await_resumed(&mut self) -> Result<Resumed, MigrateError> {
         let reader = self
             .acks
             .reader
@@ -97,9 +97,12 @@ impl Session<'_> {
         match ending? {
             Inbound::Resumed(r) => Ok(r),
             Inbound::Error(message) => Err(MigrateError::Remote(message)),
-            Inbound::Received(_) => {
-                unreachable!("the reader folds acknowledgements into its counters")
+            Inbound::Received(_) | Inbound::PageRequest(_) => {
+                unreachable!("the reader folds acknowledgements and queues requests")
             }
+            Inbound::Done(_) => Err(MigrateError::order(
+                "the destination sent Done before it resumed the guest",
+            )),
         }
     }
 }

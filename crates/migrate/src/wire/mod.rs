@@ -43,6 +43,10 @@ pub const MAX_ERROR_BYTES: u64 = 4096;
 pub const RESUMED_SIZE: u64 = 24;
 /// The Received payload: `bytes:u64 pages:u64`.
 pub const RECEIVED_SIZE: u64 = 16;
+/// Buckets of a [`Latencies`] histogram: bucket k counts latencies in [2^k, 2^(k+1)) µs.
+pub const LATENCY_BUCKETS: usize = 32;
+/// The Done payload: a [`Latencies`], `requests:u64 sum_us:u64 max_us:u64` and the buckets.
+pub const DONE_SIZE: u64 = 8 * (3 + LATENCY_BUCKETS as u64);
 
 /// What a connection is for. `Invalid = 0` so that zeroed bytes never pass as a role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +82,19 @@ pub enum Kind {
     /// Destination → source, only when [`Capabilities::PROGRESS`] was granted: how much the
     /// destination has taken in so far. Payload: a [`Received`] ([`RECEIVED_SIZE`] bytes).
     Received = 8,
+    /// Source → destination, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages
+    /// the source will send after the switch; whatever the destination holds for them is stale.
+    Discard = 9,
+    /// Source → destination, postcopy only. On the main connection, after the device state:
+    /// load and resume the guest now, the remaining pages follow. On a data connection, after
+    /// its last EndOfPass: the page records that follow are postcopy pages. No payload.
+    Postcopy = 10,
+    /// Destination → source, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages a
+    /// vCPU waits for.
+    PageRequest = 11,
+    /// Destination → source, main, postcopy only: every page is in place. Payload: the
+    /// destination's request latencies, a [`Latencies`] ([`DONE_SIZE`] bytes).
+    Done = 12,
 }
 
 impl Kind {
@@ -91,6 +108,10 @@ impl Kind {
             6 => Kind::Error,
             7 => Kind::Resumed,
             8 => Kind::Received,
+            9 => Kind::Discard,
+            10 => Kind::Postcopy,
+            11 => Kind::PageRequest,
+            12 => Kind::Done,
             _ => Kind::Invalid,
         }
     }
@@ -150,18 +171,28 @@ impl SectionHeader {
 
 /// Optional protocol features, agreed in the main hello: the source asks for a set and the
 /// destination answers with the subset it grants, so that a newer source can talk to an older
-/// destination by asking and reading the answer. Version 2 defines [`Capabilities::PROGRESS`];
-/// postcopy, its preempt channel and page checksums are planned to take bits 0, 1 and 2.
+/// destination by asking and reading the answer. Version 2 defines [`Capabilities::POSTCOPY`]
+/// and [`Capabilities::PROGRESS`]; postcopy's preempt channel and page checksums are planned to
+/// take bits 1 and 2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
 
 impl Capabilities {
     pub const NONE: Capabilities = Capabilities(0);
+    /// Bit 0: the source may switch to postcopy (Discard, Postcopy), and the destination then
+    /// requests missing pages (PageRequest) and says when it has them all (Done).
+    pub const POSTCOPY: Capabilities = Capabilities(1);
     /// Bit 4: the destination sends [`Kind::Received`] records on the main connection while
     /// pages arrive, and the source reads them as it sends.
     pub const PROGRESS: Capabilities = Capabilities(1 << 4);
     /// What this side implements.
-    pub const SUPPORTED: Capabilities = Capabilities::PROGRESS;
+    pub const SUPPORTED: Capabilities =
+        Capabilities(Capabilities::POSTCOPY.0 | Capabilities::PROGRESS.0);
+
+    /// Both sets' bits.
+    pub fn with(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 | other.0)
+    }
 
     /// Whether every bit of `other` is in `self`.
     pub fn contains(self, other: Capabilities) -> bool {
@@ -213,6 +244,75 @@ impl Received {
         Ok(Received {
             bytes: word(0),
             pages: word(8),
+        })
+    }
+}
+
+/// Postcopy page requests as the destination measured them, from the fault that needed a page
+/// to the page being in place: a histogram in powers of two of microseconds (bucket k counts
+/// [2^k, 2^(k+1)) µs; bucket 0 also counts under 1 µs), with the count, sum and maximum.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Latencies {
+    pub requests: u64,
+    pub sum_us: u64,
+    pub max_us: u64,
+    pub buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl Latencies {
+    /// Counts one latency.
+    pub fn add(&mut self, us: u64) {
+        self.requests += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+        self.max_us = self.max_us.max(us);
+        let k = (u64::BITS - us.max(1).leading_zeros() - 1) as usize;
+        self.buckets[k.min(LATENCY_BUCKETS - 1)] += 1;
+    }
+
+    pub fn mean_us(&self) -> f64 {
+        self.sum_us as f64 / self.requests.max(1) as f64
+    }
+
+    /// The upper bound of the bucket that holds quantile `q` (0..=1), in µs: an estimate within
+    /// a factor of two, as a power-of-two histogram gives it (the maximum caps it).
+    pub fn quantile_us(&self, q: f64) -> u64 {
+        let want = (q * self.requests as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (k, &n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return (1u64 << (k + 1)).min(self.max_us.max(1));
+            }
+        }
+        self.max_us
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        [self.requests, self.sum_us, self.max_us]
+            .iter()
+            .chain(self.buckets.iter())
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
+    }
+
+    /// Decodes a Done payload; its length must be [`DONE_SIZE`].
+    pub fn decode(payload: &[u8]) -> Result<Latencies, WireError> {
+        if payload.len() as u64 != DONE_SIZE {
+            return Err(WireError::Length {
+                kind: Kind::Done,
+                count: 0,
+                len: payload.len() as u64,
+                expected: DONE_SIZE,
+            });
+        }
+        let words: Vec<u64> = decode_addresses(payload).collect();
+        let mut buckets = [0; LATENCY_BUCKETS];
+        buckets.copy_from_slice(&words[3..]);
+        Ok(Latencies {
+            requests: words[0],
+            sum_us: words[1],
+            max_us: words[2],
+            buckets,
         })
     }
 }
@@ -364,7 +464,12 @@ impl Header {
     }
 
     pub fn zero_runs(count: u32) -> Header {
-        Header::new(Kind::ZeroRuns, count, u64::from(count) * 16)
+        Header::runs(Kind::ZeroRuns, count)
+    }
+
+    /// A record of `count` runs `gpa:u64 pages:u64`: ZeroRuns, Discard or PageRequest.
+    pub fn runs(kind: Kind, count: u32) -> Header {
+        Header::new(kind, count, u64::from(count) * 16)
     }
 
     /// A DeviceState record whose section carries `data_len` bytes after its header.
@@ -428,14 +533,22 @@ impl Header {
         };
         let countless = matches!(
             kind,
-            Kind::DeviceState | Kind::Complete | Kind::Error | Kind::Resumed | Kind::Received
+            Kind::DeviceState
+                | Kind::Complete
+                | Kind::Error
+                | Kind::Resumed
+                | Kind::Received
+                | Kind::Postcopy
+                | Kind::Done
         );
         if countless && count != 0 {
             return Err(WireError::Reserved("record count"));
         }
         match kind {
             Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
-            Kind::ZeroRuns => batch(MAX_ZERO_RUNS_PER_RECORD, 16),
+            Kind::ZeroRuns | Kind::Discard | Kind::PageRequest => {
+                batch(MAX_ZERO_RUNS_PER_RECORD, 16)
+            }
             Kind::DeviceState if len < SECTION_HEADER_SIZE as u64 => {
                 Err(WireError::SectionHeader(len as usize))
             }
@@ -455,13 +568,28 @@ impl Header {
                 expected: RECEIVED_SIZE,
             }),
             Kind::Received => Ok(()),
-            Kind::EndOfPass | Kind::Complete => match len {
+            Kind::Done if len != DONE_SIZE => Err(WireError::Length {
+                kind,
+                count,
+                len,
+                expected: DONE_SIZE,
+            }),
+            Kind::Done => Ok(()),
+            Kind::EndOfPass | Kind::Complete | Kind::Postcopy => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },
             Kind::Invalid => Err(WireError::UnknownKind(0)),
         }
     }
+}
+
+/// Encodes runs `(gpa, pages)` as the payload of a ZeroRuns, Discard or PageRequest record.
+pub fn encode_runs(runs: &[(u64, u64)]) -> Vec<u8> {
+    runs.iter()
+        .flat_map(|&(gpa, pages)| [gpa.to_le_bytes(), pages.to_le_bytes()])
+        .flatten()
+        .collect()
 }
 
 /// Decodes the little-endian u64 words of a Pages address list or a ZeroRuns payload.

@@ -52,6 +52,7 @@ fn capabilities_are_granted_as_the_common_subset() {
     let asked = Capabilities(0b1011);
     let granted = asked.grant(Capabilities(0b0110));
     assert_eq!(granted, Capabilities(0b0010));
+    let asked = Capabilities(0b1010 | 1 << 40);
     assert!(granted.is_subset(asked));
     assert!(!Capabilities(0b0100).is_subset(asked));
     assert_eq!(asked.grant(Capabilities::SUPPORTED), Capabilities::NONE);
@@ -93,6 +94,10 @@ fn headers_round_trip() {
         Header::new(Kind::Error, 0, 12),
         Header::new(Kind::Resumed, 0, RESUMED_SIZE),
         Header::new(Kind::Received, 0, RECEIVED_SIZE),
+        Header::runs(Kind::Discard, 4096),
+        Header::new(Kind::Postcopy, 0, 0),
+        Header::runs(Kind::PageRequest, 1),
+        Header::new(Kind::Done, 0, DONE_SIZE),
     ] {
         assert_eq!(Header::decode(&h.encode()), Ok(h));
     }
@@ -132,6 +137,17 @@ fn hostile_headers_are_refused() {
         (Header::new(Kind::Received, 0, 17), "does not match 16"),
         (Header::new(Kind::Received, 0, 1 << 40), "does not match 16"),
         (Header::new(Kind::Received, 1, 16), "reserved bytes"),
+        (
+            Header::runs(Kind::Discard, 4097),
+            "exceeds the limit of 4096",
+        ),
+        (Header::new(Kind::Discard, 0, 0), "empty batch"),
+        (Header::new(Kind::PageRequest, 2, 16), "does not match 32"),
+        (Header::new(Kind::PageRequest, 0, 0), "empty batch"),
+        (Header::new(Kind::Postcopy, 1, 0), "reserved bytes"),
+        (Header::new(Kind::Postcopy, 0, 8), "must be empty"),
+        (Header::new(Kind::Done, 0, 1), "does not match 280"),
+        (Header::new(Kind::Done, 3, DONE_SIZE), "reserved bytes"),
     ];
     for (h, want) in table {
         let err = Header::decode(&h.encode()).unwrap_err().to_string();
@@ -180,9 +196,10 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received; the kind after it is still unknown, and 0 still invalid.
+    // Kind 8 is Received, 12 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
-    assert_eq!(Kind::from_u16(9), Kind::Invalid);
+    assert_eq!(Kind::from_u16(12), Kind::Done);
+    assert_eq!(Kind::from_u16(13), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 
@@ -196,6 +213,45 @@ fn progress_is_granted_only_when_asked() {
     );
     assert!(Capabilities(p.0 | 1).contains(p));
     assert!(!Capabilities::NONE.contains(p));
+}
+
+#[test]
+fn postcopy_is_bit_0_and_runs_encode_as_address_and_count() {
+    assert_eq!(Capabilities::POSTCOPY, Capabilities(1));
+    assert!(Capabilities::SUPPORTED.contains(Capabilities::POSTCOPY));
+    let both = Capabilities::POSTCOPY.with(Capabilities::PROGRESS);
+    assert_eq!(both.grant(Capabilities::SUPPORTED), both);
+    let b = encode_runs(&[(0x1000, 2), (0x8000_0000, 1)]);
+    assert_eq!(b.len(), 32);
+    assert_eq!(
+        decode_addresses(&b).collect::<Vec<_>>(),
+        vec![0x1000, 2, 0x8000_0000, 1]
+    );
+}
+
+#[test]
+fn latencies_bucket_by_powers_of_two_and_round_trip() {
+    let mut l = Latencies::default();
+    for us in [0, 1, 3, 100, 130, 200, 5000] {
+        l.add(us);
+    }
+    assert_eq!(l.requests, 7);
+    assert_eq!(l.max_us, 5000);
+    assert_eq!(l.buckets[0], 2, "0 and 1 µs");
+    assert_eq!(l.buckets[1], 1, "3 µs is in [2, 4)");
+    assert_eq!(l.buckets[6], 1, "100 µs is in [64, 128)");
+    assert_eq!(l.buckets[7], 2, "130 and 200 µs are in [128, 256)");
+    assert_eq!(l.buckets[12], 1, "5000 µs is in [4096, 8192)");
+    assert_eq!(
+        l.quantile_us(0.5),
+        128,
+        "the 4th of 7 is 100 µs, bucket [64, 128)"
+    );
+    assert_eq!(l.quantile_us(1.0), 5000, "capped by the maximum");
+    let b = l.encode();
+    assert_eq!(b.len() as u64, DONE_SIZE);
+    assert_eq!(Latencies::decode(&b), Ok(l));
+    assert!(Latencies::decode(&b[..8]).is_err());
 }
 
 #[test]

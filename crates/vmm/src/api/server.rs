@@ -106,6 +106,11 @@ pub struct MigrateBody {
     pub packet_size: Option<u64>,
     /// `inline` (default), `offload` or `none`.
     pub zero_detection: Option<ZeroDetection>,
+    /// Allow switching to postcopy (`PUT /migration/postcopy`, or after
+    /// `postcopy_after_passes`).
+    #[serde(default)]
+    pub postcopy: bool,
+    pub postcopy_after_passes: Option<u32>,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -144,6 +149,8 @@ impl MigrateBody {
         if let Some(z) = self.zero_detection {
             r.zero = z;
         }
+        r.postcopy = self.postcopy;
+        r.postcopy_after_passes = self.postcopy_after_passes;
         Ok(r)
     }
 }
@@ -188,24 +195,36 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 },
             }
         }
+        (Method::Put, "/migration/postcopy") => match vm.start_postcopy() {
+            true => (200, json!({ "phase": "postcopy requested" })),
+            false => (
+                409,
+                json!({ "error": "no migration is in precopy here; start one with postcopy enabled (ferry migrate --postcopy)" }),
+            ),
+        },
         (Method::Put, "/migration/cancel") => match vm.cancel_migration() {
             true => (200, json!({ "phase": "cancelling" })),
             false => (
                 409,
-                json!({ "error": "no migration is in precopy or incoming; nothing to cancel (a switchover cannot be cancelled, nor a migration whose guest already runs here)" }),
+                json!({ "error": "no migration is in precopy or incoming; nothing to cancel (a switchover or postcopy cannot be cancelled: the guest may already run on the destination)" }),
             ),
         },
         (
             _,
-            "/vm" | "/vm/pause" | "/vm/resume" | "/vm/shutdown" | "/migration"
-            | "/migration/cancel",
+            "/vm"
+            | "/vm/pause"
+            | "/vm/resume"
+            | "/vm/shutdown"
+            | "/migration"
+            | "/migration/cancel"
+            | "/migration/postcopy",
         ) => (
             405,
-            json!({ "error": format!("{method} is not allowed on {path}; see GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel") }),
+            json!({ "error": format!("{method} is not allowed on {path}; see GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy") }),
         ),
         _ => (
             404,
-            json!({ "error": format!("no such endpoint {path}; the API has GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel") }),
+            json!({ "error": format!("no such endpoint {path}; the API has GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy") }),
         ),
     }
 }

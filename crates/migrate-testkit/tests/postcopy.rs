@@ -1,0 +1,147 @@
+//! Postcopy over the fake VMM with a real userfaultfd and real loopback TCP, without
+//! /dev/kvm: the source switches after pass 1 while its guest writes flat out, the
+//! destination's guest (writer threads) runs at once and faults on pages that have not
+//! arrived, and every page ends up in its last version.
+
+use std::time::Duration;
+
+use ferry_migrate::source::SourceParams;
+use ferry_migrate::{Control, Policy, TimeoutAction};
+use ferry_migrate_testkit::loopback::migrate;
+use ferry_migrate_testkit::{FakeVm, Writers};
+
+const MIB: u64 = 1 << 20;
+const PAGE: usize = 4096;
+
+/// Postcopy after pass 1; a downtime limit no flat-out guest meets, so precopy never
+/// switches over by itself first.
+fn postcopy_params(channels: u16, max_bandwidth: Option<u64>) -> SourceParams {
+    let policy = Policy {
+        downtime_limit: Duration::from_micros(1),
+        timeout: Some(Duration::from_secs(60)),
+        timeout_action: TimeoutAction::Switchover,
+    };
+    SourceParams {
+        channels,
+        max_bandwidth,
+        postcopy: true,
+        postcopy_after_passes: Some(1),
+        ..SourceParams::new(policy, [9; 16])
+    }
+}
+
+/// Migrates a guest of `mib` MiB that writes flat out into a destination whose own writers
+/// start at the resume; checks every page the destination's guest did not write against the
+/// paused source, and returns (source stats, destination stats) for further checks.
+fn postcopy_run(
+    mib: u64,
+    channels: u16,
+    max_bandwidth: Option<u64>,
+) -> (
+    ferry_migrate::MigrationStats,
+    ferry_migrate::destination::ReceiveStats,
+) {
+    let size = mib * MIB * 2;
+    let mut src = FakeVm::new(size, 2);
+    src.fill(3);
+    src.start_writers(Writers {
+        threads: 2,
+        seed: 0x5eed,
+        zero_percent: 20,
+        interval: Duration::ZERO,
+    });
+    let mut dst = FakeVm::new(size, 2);
+    // Slow enough that most pages are still the source's when the test compares them.
+    dst.start_writers_on_resume(Writers {
+        threads: 1,
+        seed: 0xd57,
+        zero_percent: 10,
+        interval: Duration::from_millis(50),
+    });
+    let (sent, received) = migrate(
+        &mut src,
+        &mut dst,
+        &postcopy_params(channels, max_bandwidth),
+        &Control::default(),
+    );
+    let sent = sent.expect("the source's side");
+    let received = received.expect("the destination's side");
+    assert!(src.is_paused(), "the source ends paused");
+    assert!(dst.resumed, "the destination runs the guest");
+    assert_eq!(dst.abandoned, None);
+    assert_eq!(dst.state, src.state, "device state moved");
+    dst.stop_writers();
+    let written_here = dst.pages_written_here();
+    let (a, b) = (src.contents(), dst.contents());
+    let mut written = vec![false; a.len() / PAGE];
+    for &i in &written_here {
+        written[i as usize] = true;
+    }
+    let mut compared = 0;
+    for (i, here) in written.iter().enumerate() {
+        if *here {
+            continue;
+        }
+        let range = i * PAGE..(i + 1) * PAGE;
+        assert!(
+            a[range.clone()] == b[range],
+            "page {i} differs from the source's last version ({channels} channels)"
+        );
+        compared += 1;
+    }
+    assert!(
+        compared > written.len() / 8,
+        "{compared} of {} pages compared",
+        written.len()
+    );
+    assert!(!written_here.is_empty(), "the destination's guest ran");
+    (sent, received)
+}
+
+#[test]
+fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
+    for channels in [1, 4] {
+        let (sent, received) = postcopy_run(8, channels, None);
+        let pc = sent.postcopy.expect("the source switched to postcopy");
+        assert_eq!(pc.after_passes, 1);
+        assert!(
+            pc.discarded_pages > 0,
+            "a flat-out guest leaves pages dirty at the switch"
+        );
+        assert_eq!(
+            pc.pages_background + pc.pages_requested,
+            pc.discarded_pages,
+            "every discarded page is sent once"
+        );
+        let here = received.postcopy.expect("the destination ran postcopy");
+        assert_eq!(here.pages, pc.discarded_pages);
+        assert_eq!(sent.passes.len(), 1, "no final pass: postcopy replaces it");
+    }
+}
+
+/// With the background stream held to 4 MiB/s, the destination's guest touches pages long
+/// before the walk reaches them: they come by request, and the latencies are measured.
+#[test]
+fn a_destination_guest_gets_the_pages_it_waits_for_by_request() {
+    let (sent, received) = postcopy_run(4, 2, Some(4 * MIB));
+    let pc = sent.postcopy.expect("postcopy");
+    assert!(pc.pages_requested > 0, "{pc:?}");
+    assert!(pc.requests > 0);
+    let here = received.postcopy.expect("postcopy here");
+    println!(
+        "requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+        pc.pages_requested,
+        pc.discarded_pages,
+        pc.requests,
+        here.latencies.mean_us(),
+        here.latencies.quantile_us(0.5),
+        here.latencies.quantile_us(0.99),
+        here.latencies.max_us
+    );
+    assert!(here.latencies.requests > 0, "{here:?}");
+    assert_eq!(
+        pc.latency_max_us, here.latencies.max_us,
+        "Done carries them"
+    );
+    assert!(here.latencies.max_us >= here.latencies.quantile_us(0.5).min(here.latencies.max_us));
+}

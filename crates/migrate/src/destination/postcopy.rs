@@ -1,0 +1,397 @@
+//! Postcopy on the destination: the guest runs before all of its memory arrived, and a page it
+//! touches that is not here yet is fetched from the source while the vCPU waits.
+//!
+//! Guest RAM is registered with userfaultfd for missing pages when the source switches. From
+//! then on each page is in one of three states, and the fault thread acts on a fault by state:
+//!
+//! - **not needed**: the page is not on the source's discard list, so what precopy left here is
+//!   its last version. That includes pages precopy never wrote: the source skipped them as
+//!   holes or sent them as zero runs onto holes, so they are holes here and the first touch
+//!   faults. The fault thread fills them with `UFFDIO_ZEROPAGE` itself, without asking.
+//! - **needed, not installed**: on the discard list (dirty on the source after it was sent, or
+//!   never sent), punched out of the backing file when the list arrived, and coming from the
+//!   source. A fault asks for it (once: `requested`) on the main connection.
+//! - **installed**: a receiver placed it (`UFFDIO_COPY`, or `UFFDIO_ZEROPAGE` for a zero run)
+//!   and woke whoever waited; a late fault message only needs a wake.
+//!
+//! Invariants: a needed page is installed exactly once (the receivers' claim bitmap refuses a
+//! second copy, and a page not on the list is refused), and only by a receiver, so the fault
+//! thread's zero fill can never race with a copy of data; no page that was installed is ever
+//! written again. If postcopy fails after the guest ran, the userfaultfd is never closed:
+//! closing it would let the kernel fill every missing page with zeros behind the guest's back.
+//! The vCPUs that wait stay waiting, and the VMM is told to stop the VM.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::MigrateError;
+use crate::ram::Ram;
+use crate::receiver::PageBits;
+use crate::transport::Stream;
+use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
+use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
+
+/// How long the fault thread waits for faults before it looks at its stop flag.
+const FAULT_POLL: Duration = Duration::from_millis(20);
+
+/// The destination's postcopy state, shared by the session, the receivers and the fault thread.
+#[derive(Debug)]
+pub(crate) struct Postcopy {
+    ram: Ram,
+    uffd: Uffd,
+    /// Pages on the discard list: each must arrive once.
+    needed: PageBits,
+    installed: PageBits,
+    /// Pages asked for (a page is asked for once).
+    requested: PageBits,
+    /// Needed pages not installed yet.
+    remaining: AtomicU64,
+    /// The write side of the main connection: page requests, and the session's Resumed and
+    /// Done, all through this lock so that records never interleave.
+    out: Mutex<Box<dyn Stream>>,
+    /// When the first fault on each requested page came (by page index), for the latencies.
+    first_fault: Mutex<HashMap<u64, Instant>>,
+    latencies: Mutex<Latencies>,
+    /// Signalled when `remaining` reaches zero or the fault thread fails.
+    all_in: (Mutex<()>, Condvar),
+    failure: Mutex<Option<String>>,
+    stop: AtomicBool,
+    /// Faults on pages that were not needed, filled with zeros here.
+    zero_fills: AtomicU64,
+}
+
+impl Postcopy {
+    /// Opens a userfaultfd and registers all of `ram` for missing pages; `out` is a handle to
+    /// the main connection for writing.
+    pub(crate) fn new(ram: Ram, out: Box<dyn Stream>) -> Result<Postcopy, MigrateError> {
+        let uffd = Uffd::new().map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+        ram.register_missing(&uffd)
+            .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+        let pages = ram.size() / PAGE_SIZE;
+        Ok(Postcopy {
+            ram,
+            uffd,
+            needed: PageBits::new(pages),
+            installed: PageBits::new(pages),
+            requested: PageBits::new(pages),
+            remaining: AtomicU64::new(0),
+            out: Mutex::new(out),
+            first_fault: Mutex::new(HashMap::new()),
+            latencies: Mutex::new(Latencies::default()),
+            all_in: (Mutex::new(()), Condvar::new()),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            zero_fills: AtomicU64::new(0),
+        })
+    }
+
+    /// Puts `pages` pages from `gpa` on the discard list and drops what this side holds of
+    /// them. Called by the session before the guest resumes.
+    pub(crate) fn discard(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
+        self.ram.check_run(gpa, pages)?;
+        for k in 0..pages {
+            let i = self.ram.page_index(gpa + k * PAGE_SIZE)?;
+            if self.needed.set(i) {
+                return Err(MigrateError::order(format!(
+                    "page {:#x} discarded twice",
+                    gpa + k * PAGE_SIZE
+                )));
+            }
+        }
+        self.remaining.fetch_add(pages, Ordering::AcqRel);
+        // The guest does not run and no receiver writes (they wait at the postcopy gate).
+        self.ram
+            .punch(gpa, pages)
+            .map_err(|e| MigrateError::io("discarding stale pages", e))
+    }
+
+    /// Needed pages still missing.
+    pub(crate) fn remaining(&self) -> u64 {
+        self.remaining.load(Ordering::Acquire)
+    }
+
+    /// Writes a record on the main connection.
+    pub(crate) fn write(&self, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
+        let mut out = self.out.lock().unwrap();
+        out.write_all(&header.encode())
+            .and_then(|()| out.write_all(payload))
+            .and_then(|()| out.flush())
+            .map_err(|e| MigrateError::io("writing to the source", e))
+    }
+
+    /// Reads the data of a Pages record whose addresses `gpas` the receiver checked and claimed,
+    /// and installs each page; a page not on the discard list is refused.
+    pub(crate) fn install_pages(
+        &self,
+        stream: &mut dyn Read,
+        gpas: &[u64],
+        buffer: &mut Vec<u8>,
+    ) -> Result<(), MigrateError> {
+        for &gpa in gpas {
+            self.check_needed(gpa)?;
+        }
+        let len = gpas.len() * PAGE_SIZE as usize;
+        if buffer.len() < len {
+            buffer.resize(len, 0);
+        }
+        stream
+            .read_exact(&mut buffer[..len])
+            .map_err(|e| MigrateError::io("receiving postcopy pages", e))?;
+        // Each page without waking, then one wake per run of adjacent pages.
+        let mut run: Option<(usize, usize)> = None;
+        for (k, &gpa) in gpas.iter().enumerate() {
+            let host = self.ram.page(gpa)?;
+            let data = &buffer[k * PAGE_SIZE as usize..(k + 1) * PAGE_SIZE as usize];
+            self.fill(self.uffd.copy(host, data, Wake::Later))?;
+            run = match run {
+                Some((start, n)) if start + n * PAGE_SIZE as usize == host => Some((start, n + 1)),
+                Some((start, n)) => {
+                    self.wake(start, n)?;
+                    Some((host, 1))
+                }
+                None => Some((host, 1)),
+            };
+        }
+        if let Some((start, n)) = run {
+            self.wake(start, n)?;
+        }
+        for &gpa in gpas {
+            self.installed_page(gpa)?;
+        }
+        Ok(())
+    }
+
+    /// Installs a zero run (checked and claimed by the receiver): every page must be needed.
+    pub(crate) fn install_zero(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
+        for k in 0..pages {
+            self.check_needed(gpa + k * PAGE_SIZE)?;
+        }
+        let host = self.ram.page(gpa)?;
+        self.fill(
+            self.uffd
+                .zeropage(host, (pages * PAGE_SIZE) as usize, Wake::Now),
+        )?;
+        for k in 0..pages {
+            self.installed_page(gpa + k * PAGE_SIZE)?;
+        }
+        Ok(())
+    }
+
+    fn check_needed(&self, gpa: u64) -> Result<(), MigrateError> {
+        if self.needed.get(self.ram.page_index(gpa)?) {
+            Ok(())
+        } else {
+            Err(MigrateError::order(format!(
+                "postcopy page {gpa:#x} is not on the discard list: the destination holds its last version"
+            )))
+        }
+    }
+
+    /// A fill's outcome. Only receivers fill needed pages and the fault thread fills only
+    /// pages that are not needed, so a page already there was placed by something outside the
+    /// migration; userfaultfd never overwrites it, and it is kept.
+    fn fill(&self, r: Result<CopyOutcome, crate::uffd::UffdError>) -> Result<(), MigrateError> {
+        match r {
+            Ok(_) => Ok(()),
+            Err(e) => Err(MigrateError::Internal(format!("postcopy: {e}"))),
+        }
+    }
+
+    fn wake(&self, host: usize, pages: usize) -> Result<(), MigrateError> {
+        self.uffd
+            .wake(host, pages * PAGE_SIZE as usize)
+            .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
+    }
+
+    /// Marks a page installed: its latency if a vCPU waited, and the count.
+    fn installed_page(&self, gpa: u64) -> Result<(), MigrateError> {
+        let i = self.ram.page_index(gpa)?;
+        if self.installed.set(i) {
+            return Err(MigrateError::Internal(format!(
+                "postcopy page {gpa:#x} installed twice"
+            )));
+        }
+        if self.requested.get(i)
+            && let Some(t) = self.first_fault.lock().unwrap().remove(&i)
+        {
+            self.latencies
+                .lock()
+                .unwrap()
+                .add(t.elapsed().as_micros() as u64);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.all_in.0.lock().unwrap();
+            self.all_in.1.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Waits until every needed page is installed, the fault thread failed, or `timeout`.
+    pub(crate) fn wait_all_in(&self, timeout: Duration) -> Result<(), MigrateError> {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.all_in.0.lock().unwrap();
+        loop {
+            if let Some(f) = self.failure.lock().unwrap().clone() {
+                return Err(MigrateError::Internal(f));
+            }
+            let left = self.remaining();
+            if left == 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(MigrateError::order(format!(
+                    "{left} postcopy pages never arrived within {timeout:?}"
+                )));
+            }
+            guard = self
+                .all_in
+                .1
+                .wait_timeout(guard, (deadline - now).min(Duration::from_millis(100)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// The request latencies so far.
+    pub(crate) fn latencies(&self) -> Latencies {
+        *self.latencies.lock().unwrap()
+    }
+
+    pub(crate) fn zero_fills(&self) -> u64 {
+        self.zero_fills.load(Ordering::Relaxed)
+    }
+
+    /// Every page is here: faults go back to the kernel (a page the guest never touched is a
+    /// plain hole again).
+    pub(crate) fn finish(&self) -> Result<(), MigrateError> {
+        for r in self.ram.regions() {
+            self.uffd
+                .unregister(r.host_addr, r.size as usize)
+                .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Handles one fault by the page's state (see the module doc); returns a page to ask for.
+    fn on_fault(&self, f: &Fault) -> Result<Option<u64>, MigrateError> {
+        let Some(gpa) = self.ram.gpa_of_host(f.addr) else {
+            return Err(MigrateError::Internal(format!(
+                "a fault at host address {:#x} outside guest RAM",
+                f.addr
+            )));
+        };
+        let i = self.ram.page_index(gpa)?;
+        let host = f.addr & !(PAGE_SIZE as usize - 1);
+        if !self.needed.get(i) {
+            self.zero_fills.fetch_add(1, Ordering::Relaxed);
+            self.fill(self.uffd.zeropage(host, PAGE_SIZE as usize, Wake::Now))?;
+            return Ok(None);
+        }
+        if self.installed.get(i) {
+            self.wake(host, 1)?;
+            return Ok(None);
+        }
+        if self.requested.set(i) {
+            return Ok(None);
+        }
+        self.first_fault.lock().unwrap().insert(i, Instant::now());
+        // Installed between the two looks: the copy woke the waiter already, and the source
+        // ignores a request for a page it sent.
+        Ok(Some(gpa))
+    }
+
+    /// The fault thread's loop: read faults, answer or ask, until stopped.
+    fn run_faults(&self) -> Result<(), MigrateError> {
+        let mut faults = Vec::new();
+        while !self.stop.load(Ordering::Acquire) {
+            faults.clear();
+            self.uffd
+                .read_faults(&mut faults, FAULT_POLL)
+                .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+            let mut ask: Vec<(u64, u64)> = Vec::new();
+            for f in &faults {
+                if let Some(gpa) = self.on_fault(f)? {
+                    ask.push((gpa, 1));
+                }
+            }
+            for chunk in ask.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
+                self.write(
+                    &Header::runs(Kind::PageRequest, chunk.len() as u32),
+                    &wire::encode_runs(chunk),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The fault thread of a postcopy phase.
+#[derive(Debug)]
+pub(crate) struct FaultThread {
+    pc: Arc<Postcopy>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FaultThread {
+    pub(crate) fn start(pc: Arc<Postcopy>) -> Result<FaultThread, MigrateError> {
+        let shared = pc.clone();
+        let thread = std::thread::Builder::new()
+            .name("postcopy-faults".into())
+            .spawn(move || {
+                if let Err(e) = shared.run_faults() {
+                    *shared.failure.lock().unwrap() = Some(format!("the fault thread: {e}"));
+                    let _guard = shared.all_in.0.lock().unwrap();
+                    shared.all_in.1.notify_all();
+                }
+            })
+            .map_err(|e| MigrateError::io("starting the postcopy fault thread", e))?;
+        Ok(FaultThread {
+            pc,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it.
+    pub(crate) fn stop(mut self) {
+        self.pc.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Where receivers wait for postcopy to begin: they read the postcopy marker on their channel
+/// before the session has registered guest RAM, and install nothing until it has.
+#[derive(Debug, Default)]
+pub(crate) struct PostcopyGate {
+    open: Mutex<Option<Arc<Postcopy>>>,
+    cv: Condvar,
+}
+
+impl PostcopyGate {
+    pub(crate) fn open(&self, pc: Arc<Postcopy>) {
+        *self.open.lock().unwrap() = Some(pc);
+        self.cv.notify_all();
+    }
+
+    /// The postcopy state once the session opened the gate; `None` after `timeout`.
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<Arc<Postcopy>> {
+        let deadline = Instant::now() + timeout;
+        let mut open = self.open.lock().unwrap();
+        loop {
+            if let Some(pc) = open.as_ref() {
+                return Some(pc.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            open = self.cv.wait_timeout(open, deadline - now).unwrap().0;
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! Postcopy on the source: pause the guest, tell the destination which pages it must fetch
+//! again (Discard), hand over the device state (Postcopy), and once the guest runs there,
+//! send every remaining page, those a vCPU waits for first.
+//!
+//! Invariants:
+//! - The set of pages still to send is the dirty bitmap after the final sync, and every page
+//!   leaves it exactly once, by the background walk or by a request (`test_and_clear`), so the
+//!   destination receives each missing page once, in the only version there is: the guest
+//!   no longer runs here.
+//! - `handed_over` is set once the Postcopy record is flushed: from then on the destination may
+//!   run the guest, so a failure leaves it paused here, and the migration cannot be cancelled.
+//! - A request is served before the next background batch is queued, and the walk goes on
+//!   right after the requested page (a vCPU that faulted on one page is likely to touch the
+//!   next).
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::reader::Inbound;
+use super::{GuestState, Session, ms};
+use crate::bitmap::{Cursor, DirtyBitmap};
+use crate::control::Phase;
+use crate::error::MigrateError;
+use crate::stats::PostcopyStats;
+use crate::vm::SourceVm;
+use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
+
+/// Discard runs closer than this many pages are merged (see `Session::coalesce`).
+const DISCARD_GAP: u64 = 16;
+
+/// How often the source looks for page requests while the bandwidth limit holds the
+/// background walk back.
+const REQUEST_POLL: Duration = Duration::from_millis(1);
+
+/// How long the source waits for the destination's Done after sending every page: the
+/// destination installs what is in flight and answers; this bounds a destination that hangs.
+const DONE_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Session<'_> {
+    /// Whether precopy should end in postcopy after `pass`.
+    pub(super) fn postcopy_due(&self, pass: u32) -> bool {
+        self.postcopy_granted
+            && (self.control.postcopy_requested()
+                || self.params.postcopy_after_passes.is_some_and(|n| pass >= n))
+    }
+
+    /// Switches to postcopy after precopy pass `pass` and sends the rest.
+    pub(super) fn postcopy(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pass: u32,
+    ) -> Result<(), MigrateError> {
+        self.set_phase(Phase::Switchover);
+        let mut pc = PostcopyStats {
+            after_passes: pass,
+            ..PostcopyStats::default()
+        };
+        // The pages dirty at the last sync will be sent in postcopy whatever happens next: the
+        // destination drops them while the guest still runs here, so that the pause only
+        // covers the pages dirtied since.
+        let mut early = self.bitmap.clone();
+        let runs = self.coalesce(early.runs(wire::MAX_ZERO_RUN_PAGES), None);
+        for &(gpa, pages) in &runs {
+            for k in 0..pages {
+                early.set(gpa + k * PAGE_SIZE);
+                self.bitmap.set(gpa + k * PAGE_SIZE);
+            }
+        }
+        self.send_discards(&runs)?;
+        self.conn.flush("discarding stale pages")?;
+        let t0 = Instant::now();
+        vm.pause()?;
+        self.guest = GuestState::Paused;
+        let t1 = Instant::now();
+        vm.fetch_dirty(&mut self.bitmap)?;
+        let t2 = Instant::now();
+        let late = self.coalesce(
+            self.bitmap
+                .runs_except(Some(&early), wire::MAX_ZERO_RUN_PAGES),
+            Some(&early),
+        );
+        for &(gpa, pages) in &late {
+            for k in 0..pages {
+                self.bitmap.set(gpa + k * PAGE_SIZE);
+            }
+        }
+        pc.discarded_pages = self.bitmap.count();
+        self.send_discards(&late)?;
+        drop(early);
+        self.pool.postcopy()?;
+        let sections = vm.save_state()?;
+        let t3 = Instant::now();
+        self.send_device_state(&sections)?;
+        self.conn.write_header(&Header::new(Kind::Postcopy, 0, 0))?;
+        self.conn.flush("switching to postcopy")?;
+        self.handed_over = true;
+        let bytes_at_switch = self.bytes_written();
+        let resumed = self
+            .await_resumed()
+            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
+        let t4 = Instant::now();
+        let d = &mut self.stats.downtime;
+        d.total_ms = ms(t4 - t0);
+        d.pause_ms = ms(t1 - t0);
+        d.final_sync_ms = ms(t2 - t1);
+        d.state_save_ms = ms(t3 - t2);
+        d.load_ms = resumed.load_ns as f64 / 1e6;
+        d.resume_ms = resumed.resume_ns as f64 / 1e6;
+        d.transfer_ms = (ms(t4 - t3) - d.load_ms - d.resume_ms).max(0.0);
+        self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
+        self.set_phase(Phase::Postcopy);
+
+        self.push_rest(&mut pc)?;
+        self.pool.close(&mut self.stats)?;
+        self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
+        self.conn.flush("completing postcopy")?;
+        let latencies = self.await_done(&mut pc)?;
+        pc.duration_ms = ms(t0.elapsed());
+        pc.bytes = self.bytes_written() - bytes_at_switch;
+        pc.latency_mean_us = latencies.mean_us();
+        pc.latency_p50_us = latencies.quantile_us(0.5);
+        pc.latency_p99_us = latencies.quantile_us(0.99);
+        pc.latency_max_us = latencies.max_us;
+        pc.latency_buckets = latencies.buckets.to_vec();
+        self.stats.postcopy = Some(pc);
+        Ok(())
+    }
+
+    /// Merges discard runs that are fewer than [`DISCARD_GAP`] pages apart (in one region,
+    /// within the wire's run length, and over no page of `done`, which was discarded already):
+    /// each run costs the destination a hole punched in its memory (1–4 µs however short), so
+    /// sending a few clean pages again is cheaper than punching around them. The caller marks
+    /// the merged runs to be sent.
+    fn coalesce(&self, runs: Vec<(u64, u64)>, done: Option<&DirtyBitmap>) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+        for (gpa, pages) in runs {
+            if let Some((start, n)) = out.last_mut() {
+                let end = *start + *n * PAGE_SIZE;
+                let merged = (gpa + pages * PAGE_SIZE - *start) / PAGE_SIZE;
+                let mergeable = gpa >= end
+                    && (gpa - end) / PAGE_SIZE < DISCARD_GAP
+                    && merged <= wire::MAX_ZERO_RUN_PAGES
+                    && self.ram.check_run(*start, merged).is_ok()
+                    && done.is_none_or(|d| {
+                        (end..gpa)
+                            .step_by(PAGE_SIZE as usize)
+                            .all(|g| !d.contains(g))
+                    });
+                if mergeable {
+                    *n = merged;
+                    continue;
+                }
+            }
+            out.push((gpa, pages));
+        }
+        out
+    }
+
+    /// Writes Discard records for `runs`.
+    fn send_discards(&mut self, runs: &[(u64, u64)]) -> Result<(), MigrateError> {
+        for chunk in runs.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
+            self.conn.write_record(
+                &Header::runs(Kind::Discard, chunk.len() as u32),
+                &wire::encode_runs(chunk),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Sends every page left in the bitmap: requested pages as soon as they are asked for,
+    /// the rest by a walk that resumes after the last requested page.
+    fn push_rest(&mut self, pc: &mut PostcopyStats) -> Result<(), MigrateError> {
+        let mut cursor = Cursor::default();
+        let mut batch = Vec::with_capacity(self.params.packet_pages as usize);
+        while self.bitmap.count() > 0 {
+            self.serve_requests(&mut cursor, pc, &mut batch)?;
+            if cursor.at_end(&self.bitmap) {
+                cursor = Cursor::default();
+            }
+            self.bitmap
+                .take(&mut cursor, self.params.packet_pages as usize, &mut batch);
+            if !batch.is_empty() {
+                self.pace_serving(&mut batch, &mut cursor, pc)?;
+                pc.pages_background += batch.len() as u64;
+                self.pool.queue_pages(std::mem::take(&mut batch))?;
+                batch.reserve(self.params.packet_pages as usize);
+                self.after_batch();
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits, as the bandwidth limit says, before the background batch `held` goes out,
+    /// serving requests while it waits (in slices of [`REQUEST_POLL`]): requested pages are not
+    /// held back by the limit, not even those in `held`.
+    fn pace_serving(
+        &mut self,
+        held: &mut Vec<u64>,
+        cursor: &mut Cursor,
+        pc: &mut PostcopyStats,
+    ) -> Result<(), MigrateError> {
+        let Some(limiter) = &mut self.limiter else {
+            return Ok(());
+        };
+        limiter.add(held.len() as u64 * (8 + PAGE_SIZE));
+        let limiter = *limiter;
+        loop {
+            self.serve_requests(cursor, pc, held)?;
+            let wait = limiter.wait(self.start.elapsed());
+            if wait.is_zero() {
+                return Ok(());
+            }
+            std::thread::sleep(wait.min(REQUEST_POLL));
+        }
+    }
+
+    /// Queues the pages the destination asked for that are still to send (in the bitmap, or
+    /// in the background batch `held` that waits for the bandwidth limit), ahead of the walk,
+    /// and moves the walk to just after the last of them. A request for a page already sent
+    /// (it is on its way) is counted and otherwise ignored.
+    fn serve_requests(
+        &mut self,
+        cursor: &mut Cursor,
+        pc: &mut PostcopyStats,
+        held: &mut Vec<u64>,
+    ) -> Result<(), MigrateError> {
+        self.check_ended()?;
+        let reader = self.acks.reader.as_ref().expect("the reader runs");
+        let runs = reader.take_requests();
+        let mut urgent = Vec::new();
+        for (gpa, pages) in runs {
+            pc.requests += 1;
+            self.ram.check_run(gpa, pages).map_err(|e| {
+                MigrateError::order(format!("the destination requested pages outside RAM: {e}"))
+            })?;
+            for k in 0..pages {
+                let page = gpa + k * PAGE_SIZE;
+                if self.bitmap.test_and_clear(page) {
+                    urgent.push(page);
+                } else if let Ok(k) = held.binary_search(&page) {
+                    held.remove(k);
+                    urgent.push(page);
+                }
+            }
+        }
+        let Some(&last) = urgent.last() else {
+            return Ok(());
+        };
+        urgent.sort_unstable();
+        pc.pages_requested += urgent.len() as u64;
+        for chunk in urgent.chunks(self.params.packet_pages as usize) {
+            self.pool.queue_pages(chunk.to_vec())?;
+        }
+        *cursor = self.bitmap.cursor_after(last);
+        self.after_batch();
+        Ok(())
+    }
+
+    /// Fails if the reader ended: the destination's Error, or a broken main connection (the
+    /// destination cannot ask for pages any more).
+    fn check_ended(&mut self) -> Result<(), MigrateError> {
+        let reader = self.acks.reader.as_ref().expect("the reader runs");
+        match reader.poll() {
+            None => Ok(()),
+            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(message)),
+            Some(Ok(Inbound::Done(_))) => Err(MigrateError::order(
+                "the destination said Done before every page was sent",
+            )),
+            Some(Ok(other)) => Err(MigrateError::order(format!(
+                "unexpected {other:?} from the destination during postcopy"
+            ))),
+            Some(Err(e)) => Err(e),
+        }
+    }
+
+    /// Waits for the destination's Done; requests that still arrive are for pages on their
+    /// way and are only counted.
+    fn await_done(&mut self, pc: &mut PostcopyStats) -> Result<Latencies, MigrateError> {
+        let deadline = Instant::now() + DONE_TIMEOUT;
+        let reader = self.acks.reader.as_ref().expect("the reader runs");
+        loop {
+            pc.requests += reader.take_requests().len() as u64;
+            match reader.wait(Duration::from_millis(50)) {
+                Some(Ok(Inbound::Done(l))) => return Ok(*l),
+                Some(Ok(Inbound::Error(message))) => return Err(MigrateError::Remote(message)),
+                Some(Ok(other)) => {
+                    return Err(MigrateError::order(format!(
+                        "expected Done from the destination, got {other:?}"
+                    )));
+                }
+                Some(Err(e)) => return Err(e),
+                None if Instant::now() > deadline => {
+                    return Err(MigrateError::io(
+                        "waiting for the destination to install the last pages",
+                        std::io::Error::from(std::io::ErrorKind::TimedOut),
+                    ));
+                }
+                None => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Postcopy between two VMs of this process over loopback TCP, on real KVM: the source
+//! switches after pass 1 while its guest dirties its working set flat out, the destination's
+//! vCPU faults on pages that have not arrived (userfaultfd), and the guest's own verify passes
+//! stay clean on the destination.
+
+mod common;
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use common::{boot, config, require_kvm, wait_for_telemetry};
+use ferry_migrate::{Phase, Policy, TimeoutAction};
+use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::{RunState, Vm};
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_channels() {
+    for channels in [1, 4] {
+        let src = boot(
+            512 * MIB,
+            "ws=128M pattern=random rate=max verify-ms=200 log-ms=0",
+        );
+        let before = src.wait_for("a clean verify pass", Duration::from_secs(60), |g| {
+            g.verify_passes >= 1
+        });
+        assert_eq!(before.verify_failures, 0);
+        require_kvm();
+        let dir = tempfile::tempdir().unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut incoming =
+            Vm::incoming(config(512 * MIB, "", &dir.path().join("serial.log"))).unwrap();
+        let mut req = MigrationRequest::new(
+            listener.local_addr().unwrap().to_string(),
+            Policy {
+                // No flat-out guest fits 1 ms: precopy never switches over by itself.
+                downtime_limit: Duration::from_millis(1),
+                timeout: Some(Duration::from_secs(60)),
+                timeout_action: TimeoutAction::Cancel,
+            },
+        );
+        req.channels = channels;
+        req.postcopy = true;
+        req.postcopy_after_passes = Some(1);
+        let received = std::thread::scope(|s| {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let (incoming, listener) = (&mut incoming, &listener);
+            let r = s.spawn(move || {
+                migration::receive(incoming, listener, &|| Instant::now() < deadline)
+            });
+            src.handle().start_migration(req).unwrap();
+            r.join().unwrap()
+        });
+        let progress = loop {
+            let p = src.handle().migration().expect("started");
+            if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
+                break p;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let received =
+            received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+        assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+        assert_eq!(
+            src.handle().state(),
+            RunState::Paused,
+            "the source ends paused"
+        );
+        let stats = progress.stats.expect("statistics");
+        let pc = stats
+            .postcopy
+            .clone()
+            .expect("the migration switched to postcopy");
+        assert_eq!(pc.after_passes, 1);
+        assert!(
+            pc.discarded_pages > 0,
+            "a flat-out guest leaves dirty pages: {pc:?}"
+        );
+        assert_eq!(pc.pages_background + pc.pages_requested, pc.discarded_pages);
+        let here = received.postcopy.expect("postcopy on the destination");
+        let dst = incoming.into_running().expect("resumed");
+        let dh = dst.handle();
+        let resumed = dh.telemetry();
+        let after = wait_for_telemetry(
+            &dh,
+            "three verify passes on the destination",
+            Duration::from_secs(60),
+            |g| g.verify_passes >= resumed.verify_passes + 3,
+        );
+        assert_eq!(
+            after.verify_failures, 0,
+            "a bad page after postcopy: {:?}",
+            after.first_failed_verify
+        );
+        assert!(
+            after.pages_written > resumed.pages_written,
+            "the guest keeps writing"
+        );
+        eprintln!(
+            "postcopy, {channels} channel(s): downtime {:.1} ms ({:?}), drain {:.0} ms, postcopy {:.0} ms, {} pages discarded, {} requested in {} requests, {} zero-filled here; fault to page mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+            stats.downtime.total_ms,
+            stats.downtime,
+            stats.drain_ms,
+            pc.duration_ms,
+            pc.discarded_pages,
+            pc.pages_requested,
+            pc.requests,
+            here.zero_fills,
+            here.latencies.mean_us(),
+            here.latencies.quantile_us(0.5),
+            here.latencies.quantile_us(0.99),
+            here.latencies.max_us
+        );
+    }
+}
