@@ -86,6 +86,10 @@ pub struct MigrateArgs {
     /// With --postcopy: switch after this many precopy passes (1 = right after the first).
     #[arg(long, value_name = "N", requires = "postcopy")]
     postcopy_after_passes: Option<u32>,
+    /// With --postcopy: send the pages the destination's guest waits for on a connection of
+    /// their own, never behind the background stream (QEMU: postcopy-preempt).
+    #[arg(long, requires = "postcopy")]
+    postcopy_preempt: bool,
 }
 
 #[derive(Debug, Args)]
@@ -134,6 +138,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "zero_detection": ZeroDetection::from(args.zero_detection),
         "postcopy": args.postcopy,
         "postcopy_after_passes": args.postcopy_after_passes,
+        "postcopy_preempt": args.postcopy_preempt,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;

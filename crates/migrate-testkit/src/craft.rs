@@ -21,6 +21,26 @@ pub fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> 
     .to_vec()
 }
 
+/// [`main_hello`] asking for `capabilities`.
+pub fn main_hello_asking(capabilities: Capabilities) -> Vec<u8> {
+    let mut h = Hello::decode(main_hello().as_slice().try_into().unwrap()).unwrap();
+    h.capabilities = capabilities;
+    h.encode().to_vec()
+}
+
+/// A preempt connection's hello for migration `uuid` of [`main_hello`]'s shape.
+pub fn preempt_hello(uuid: u8) -> Vec<u8> {
+    hello(Role::Preempt, 0, uuid, 8 * MIB, 1)
+}
+
+/// A record of runs `(gpa, pages)`: Discard or PageRequest.
+pub fn runs(kind: Kind, runs: &[(u64, u64)]) -> Vec<u8> {
+    record(
+        Header::runs(kind, runs.len() as u32),
+        &ferry_migrate::wire::encode_runs(runs),
+    )
+}
+
 /// The main hello of migration 1 into an 8 MiB guest with one data channel.
 pub fn main_hello() -> Vec<u8> {
     hello(Role::Main, 0, 1, 8 * MIB, 1)

@@ -5,11 +5,13 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 
+use ferry_migrate::wire::Capabilities;
 use ferry_migrate::wire::{Header, Kind, Role};
 use ferry_migrate::{PageLanding, destination};
 use ferry_migrate_testkit::FakeVm;
 use ferry_migrate_testkit::craft::{
-    cat, data_hello, end, hello, main_hello, pages, record, section, zero_runs,
+    cat, data_hello, end, hello, main_hello, main_hello_asking, pages, preempt_hello, record, runs,
+    section, zero_runs,
 };
 use ferry_migrate_testkit::loopback::acceptor;
 
@@ -20,11 +22,16 @@ const LANDINGS: [PageLanding; 2] = [PageLanding::Mapping, PageLanding::File];
 /// A crafted migration: the main connection's bytes, then each data connection's bytes
 /// (each connection is opened in order and written whole).
 fn feed(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> String {
+    feed_vm(main, data, landing).0
+}
+
+/// [`feed`], also returning the destination VM.
+fn feed_vm(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> (String, FakeVm) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let mut dst = FakeVm::new(8 * MIB, 1);
     dst.landing = landing;
-    std::thread::scope(|s| {
+    let error = std::thread::scope(|s| {
         let receiver = s.spawn(|| {
             let main = listener.accept().unwrap().0;
             destination::receive(&mut dst, main, &mut acceptor(&listener))
@@ -41,7 +48,8 @@ fn feed(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> String {
         }
         let r = receiver.join().unwrap();
         r.expect_err("a bad stream must be refused").to_string()
-    })
+    });
+    (error, dst)
 }
 
 /// A crafted stream: name, main connection bytes, data connections' bytes, expected error.
@@ -127,7 +135,7 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
             "channel never connects",
             hello(Role::Main, 0, 1, 8 * MIB, 2),
             vec![hello(Role::Data, 1, 1, 8 * MIB, 2)],
-            "data channel(s) 2 never connected",
+            "data channel 2 never connected",
         ),
         (
             "second main connection",
@@ -298,6 +306,125 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
             assert!(err.contains(want), "{name}, {landing:?}: got '{err}'");
         }
     }
+}
+
+/// Postcopy's records and the preempt connection, crafted wrong: each is refused with the
+/// reason, including page data for a page the source did not list and a second preempt
+/// connection.
+#[test]
+fn crafted_bad_postcopy_streams_are_refused_with_a_clear_error() {
+    let both = Capabilities::POSTCOPY.with(Capabilities::PREEMPT);
+    let pc = main_hello_asking(both);
+    let postcopy = record(Header::new(Kind::Postcopy, 0, 0), &[]);
+    let state = section(1, 0, b"abc");
+    let pass_1 = cat(&[data_hello(1), end(1)]);
+    let table: Vec<Crafted> = vec![
+        (
+            "a discard list without the capability",
+            cat(&[main_hello(), end(1), runs(Kind::Discard, &[(0x1000, 1)])]),
+            vec![pass_1.clone()],
+            "Discard record without the postcopy capability",
+        ),
+        (
+            "a preempt connection without the capability",
+            main_hello(),
+            vec![preempt_hello(1)],
+            "the preempt capability was not granted",
+        ),
+        (
+            "a preempt connection with a foreign uuid",
+            pc.clone(),
+            vec![preempt_hello(7)],
+            "a preempt connection names migration",
+        ),
+        (
+            "a second preempt connection",
+            pc.clone(),
+            vec![preempt_hello(1), preempt_hello(1)],
+            "a second preempt connection",
+        ),
+        (
+            "a discard list outside RAM",
+            cat(&[pc.clone(), end(1), runs(Kind::Discard, &[(1 << 40, 1)])]),
+            vec![pass_1.clone(), preempt_hello(1)],
+            "outside guest RAM",
+        ),
+        (
+            "a page discarded twice",
+            cat(&[
+                pc.clone(),
+                end(1),
+                runs(Kind::Discard, &[(0x1000, 2)]),
+                runs(Kind::Discard, &[(0x2000, 1)]),
+            ]),
+            vec![pass_1.clone(), preempt_hello(1)],
+            "page 0x2000 discarded twice",
+        ),
+        (
+            "page data for a page not on the discard list",
+            cat(&[
+                pc.clone(),
+                end(1),
+                runs(Kind::Discard, &[(0x1000, 1)]),
+                state.clone(),
+                postcopy.clone(),
+            ]),
+            vec![
+                cat(&[pass_1.clone(), postcopy.clone(), pages(&[0x2000])]),
+                preempt_hello(1),
+            ],
+            "postcopy page 0x2000 is not on the discard list",
+        ),
+        (
+            "a pass end after the switch",
+            cat(&[
+                pc.clone(),
+                end(1),
+                runs(Kind::Discard, &[(0x1000, 1)]),
+                state.clone(),
+                postcopy.clone(),
+            ]),
+            vec![
+                cat(&[pass_1.clone(), postcopy.clone(), end(2)]),
+                preempt_hello(1),
+            ],
+            "EndOfPass on a data channel after postcopy started",
+        ),
+        (
+            "pages on the preempt connection before the switch",
+            cat(&[pc.clone(), end(1)]),
+            vec![pass_1.clone(), cat(&[preempt_hello(1), pages(&[0x1000])])],
+            "Pages on the preempt connection before Postcopy",
+        ),
+    ];
+    for (name, main, data, want) in &table {
+        let err = feed(main, data, PageLanding::Mapping);
+        assert!(err.contains(want), "{name}: got '{err}'");
+    }
+}
+
+/// A source that dies after the switch (its connections end without Complete): the guest ran
+/// on the destination, so the destination cannot hand it back; it names the failure and asks
+/// its VMM to stop the VM for good (the known cost of postcopy without recovery).
+#[test]
+fn a_source_that_dies_in_postcopy_leaves_the_destination_stopped_with_a_clear_error() {
+    let postcopy = record(Header::new(Kind::Postcopy, 0, 0), &[]);
+    let main = cat(&[
+        main_hello_asking(Capabilities::POSTCOPY),
+        end(1),
+        runs(Kind::Discard, &[(0x1000, 4)]),
+        section(1, 0, b"abc"),
+        postcopy.clone(),
+    ]);
+    let data = cat(&[data_hello(1), end(1), postcopy, pages(&[0x1000])]);
+    let (err, dst) = feed_vm(&main, &[data], PageLanding::Mapping);
+    assert!(err.contains("the source's last pages"), "{err}");
+    assert!(dst.resumed, "the guest ran on the destination");
+    let why = dst
+        .abandoned
+        .clone()
+        .expect("the VMM was told to stop the VM");
+    assert!(why.contains("the source's last pages"), "{why}");
 }
 
 /// The well-formed version of the streams above is accepted: so each row fails for the reason

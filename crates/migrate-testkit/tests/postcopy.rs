@@ -15,7 +15,7 @@ const PAGE: usize = 4096;
 
 /// Postcopy after pass 1; a downtime limit no flat-out guest meets, so precopy never
 /// switches over by itself first.
-fn postcopy_params(channels: u16, max_bandwidth: Option<u64>) -> SourceParams {
+fn postcopy_params(channels: u16, max_bandwidth: Option<u64>, preempt: bool) -> SourceParams {
     let policy = Policy {
         downtime_limit: Duration::from_micros(1),
         timeout: Some(Duration::from_secs(60)),
@@ -26,6 +26,7 @@ fn postcopy_params(channels: u16, max_bandwidth: Option<u64>) -> SourceParams {
         max_bandwidth,
         postcopy: true,
         postcopy_after_passes: Some(1),
+        preempt,
         ..SourceParams::new(policy, [9; 16])
     }
 }
@@ -37,6 +38,7 @@ fn postcopy_run(
     mib: u64,
     channels: u16,
     max_bandwidth: Option<u64>,
+    preempt: bool,
 ) -> (
     ferry_migrate::MigrationStats,
     ferry_migrate::destination::ReceiveStats,
@@ -61,7 +63,7 @@ fn postcopy_run(
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &postcopy_params(channels, max_bandwidth),
+        &postcopy_params(channels, max_bandwidth, preempt),
         &Control::default(),
     );
     let sent = sent.expect("the source's side");
@@ -100,8 +102,8 @@ fn postcopy_run(
 
 #[test]
 fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
-    for channels in [1, 4] {
-        let (sent, received) = postcopy_run(8, channels, None);
+    for (channels, preempt) in [(1, false), (4, false), (1, true), (4, true)] {
+        let (sent, received) = postcopy_run(8, channels, None, preempt);
         let pc = sent.postcopy.expect("the source switched to postcopy");
         assert_eq!(pc.after_passes, 1);
         assert!(
@@ -123,13 +125,19 @@ fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
 /// before the walk reaches them: they come by request, and the latencies are measured.
 #[test]
 fn a_destination_guest_gets_the_pages_it_waits_for_by_request() {
-    let (sent, received) = postcopy_run(4, 2, Some(4 * MIB));
+    for preempt in [false, true] {
+        requested_pages_arrive(preempt);
+    }
+}
+
+fn requested_pages_arrive(preempt: bool) {
+    let (sent, received) = postcopy_run(4, 2, Some(4 * MIB), preempt);
     let pc = sent.postcopy.expect("postcopy");
     assert!(pc.pages_requested > 0, "{pc:?}");
     assert!(pc.requests > 0);
     let here = received.postcopy.expect("postcopy here");
     println!(
-        "requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+        "preempt {preempt}: requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
         pc.pages_requested,
         pc.discarded_pages,
         pc.requests,
@@ -144,4 +152,75 @@ fn a_destination_guest_gets_the_pages_it_waits_for_by_request() {
         "Done carries them"
     );
     assert!(here.latencies.max_us >= here.latencies.quantile_us(0.5).min(here.latencies.max_us));
+}
+
+/// A destination that asks for a page outside guest RAM: the source refuses it with the reason
+/// and, the guest having been handed over, stays paused.
+#[test]
+fn a_request_outside_ram_ends_the_migration_and_the_source_stays_paused() {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    use ferry_migrate::source;
+    use ferry_migrate::wire::{self, Header, Hello, Kind};
+
+    let memory = 4 * MIB;
+    let mut src = FakeVm::new(memory, 1);
+    src.fill(1);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accept = |l: &TcpListener| {
+        let mut s = l.accept().unwrap().0;
+        let mut raw = [0u8; wire::HELLO_SIZE];
+        s.read_exact(&mut raw).unwrap();
+        // Granting whatever was asked: the reply echoes the hello.
+        s.write_all(&Hello::decode(&raw).unwrap().encode()).unwrap();
+        s
+    };
+    let destination = std::thread::spawn(move || {
+        let mut main = accept(&listener);
+        let mut data = accept(&listener);
+        let drain = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut data, &mut std::io::sink());
+        });
+        loop {
+            let mut h = [0u8; wire::HEADER_SIZE];
+            main.read_exact(&mut h).unwrap();
+            let h = Header::decode(&h).unwrap();
+            let mut payload = vec![0u8; h.len as usize];
+            main.read_exact(&mut payload).unwrap();
+            if h.kind == Kind::Postcopy {
+                break;
+            }
+        }
+        main.write_all(&Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE).encode())
+            .unwrap();
+        main.write_all(&[0; wire::RESUMED_SIZE as usize]).unwrap();
+        main.write_all(&ferry_migrate_testkit::craft::runs(
+            Kind::PageRequest,
+            &[(1 << 40, 1)],
+        ))
+        .unwrap();
+        // Hold the connection until the source gives up on it.
+        let _ = std::io::copy(&mut main, &mut std::io::sink());
+        drain.join().unwrap();
+    });
+    let connect = || TcpStream::connect(addr);
+    let r = source::migrate(
+        &mut src,
+        TcpStream::connect(addr).unwrap(),
+        &connect,
+        &SourceParams {
+            channels: 1,
+            ..postcopy_params(1, None, false)
+        },
+        &Control::default(),
+    );
+    let err = r.expect_err("a request outside RAM is refused").to_string();
+    assert!(err.contains("requested pages outside RAM"), "{err}");
+    assert!(
+        src.is_paused(),
+        "the guest was handed over: the source stays paused"
+    );
+    destination.join().unwrap();
 }

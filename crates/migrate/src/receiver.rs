@@ -188,14 +188,26 @@ pub struct Shared {
     pub postcopy: Arc<PostcopyGate>,
 }
 
-/// Starts the receiver of data channel `channel`.
+/// How errors name channel `channel`: data channels by number, 0 is the preempt connection.
+pub fn name(channel: u16) -> String {
+    match channel {
+        0 => "the preempt connection".into(),
+        c => format!("data channel {c}"),
+    }
+}
+
+/// Starts the receiver of data channel `channel` (0: the preempt connection, which carries
+/// only postcopy pages: a Postcopy record first, no passes).
 pub fn start(
     channel: u16,
     stream: Box<dyn Stream>,
     shared: Shared,
 ) -> JoinHandle<Result<ReceiverStats, MigrateError>> {
     std::thread::Builder::new()
-        .name(format!("recv-{channel}"))
+        .name(match channel {
+            0 => "recv-preempt".into(),
+            c => format!("recv-{c}"),
+        })
         .spawn(move || {
             let r = Receiver {
                 channel,
@@ -207,7 +219,7 @@ pub fn start(
             }
             .run();
             if let Err(e) = &r {
-                shared.barrier.fail(&format!("data channel {channel}: {e}"));
+                shared.barrier.fail(&format!("{}: {e}", name(channel)));
             }
             r
         })
@@ -232,13 +244,22 @@ impl Receiver {
             let Some(h) = self.read_header()? else {
                 // A clean end of stream is the source's way to close a channel after its last
                 // pass; whether that pass was the last is for the barrier and the main channel
-                // to judge, so say how far this channel got.
-                self.shared.barrier.leave(self.channel, self.stats.passes);
+                // to judge, so say how far this channel got. The preempt connection is no party
+                // to the passes.
+                if self.channel != 0 {
+                    self.shared.barrier.leave(self.channel, self.stats.passes);
+                }
                 self.stats.cpu_ns = crate::stats::thread_cpu_ns() - cpu_start;
                 return Ok(self.stats);
             };
             let c = &self.shared.control;
             c.add(&c.bytes, HEADER_SIZE as u64 + h.len);
+            if self.channel == 0 && self.postcopy.is_none() && h.kind != Kind::Postcopy {
+                return Err(MigrateError::order(format!(
+                    "{:?} on the preempt connection before Postcopy",
+                    h.kind
+                )));
+            }
             match h.kind {
                 Kind::Pages => self.pages(h.count)?,
                 Kind::ZeroRuns => self.zero_runs(h.count)?,
@@ -256,8 +277,8 @@ impl Receiver {
                     let gate = self.shared.postcopy.wait(POSTCOPY_GATE_TIMEOUT);
                     self.postcopy = Some(gate.ok_or_else(|| {
                         MigrateError::order(format!(
-                            "Postcopy on data channel {} but the main channel did not switch within {POSTCOPY_GATE_TIMEOUT:?}",
-                            self.channel
+                            "Postcopy on {} but the main channel did not switch within {POSTCOPY_GATE_TIMEOUT:?}",
+                            name(self.channel)
                         ))
                     })?);
                 }

@@ -22,7 +22,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
 use crate::conn::Conn;
@@ -106,6 +106,20 @@ impl Sender {
     /// Queues a message; on failure the sender has stopped, and [`Sender::finish`] says why.
     pub fn send(&self, msg: ChannelMsg) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.send(msg).is_ok())
+    }
+
+    /// Queues a message if the queue has room: `Ok(None)` when queued, `Ok(Some(msg))` back
+    /// when the queue is full, `Err(msg)` when the sender has stopped ([`Sender::finish`]
+    /// says why).
+    pub fn try_send(&self, msg: ChannelMsg) -> Result<Option<ChannelMsg>, ChannelMsg> {
+        match self.tx.as_ref() {
+            None => Err(msg),
+            Some(tx) => match tx.try_send(msg) {
+                Ok(()) => Ok(None),
+                Err(TrySendError::Full(msg)) => Ok(Some(msg)),
+                Err(TrySendError::Disconnected(msg)) => Err(msg),
+            },
+        }
     }
 
     /// Closes the queue (the sender finishes what it has, or stops if it failed) and returns

@@ -44,6 +44,8 @@ pub struct MigrationRequest {
     /// Switch to postcopy after this many passes; `None`: only when asked
     /// ([`VmHandle::start_postcopy`]).
     pub postcopy_after_passes: Option<u32>,
+    /// With postcopy: requested pages on a preempt connection of their own.
+    pub postcopy_preempt: bool,
 }
 
 impl MigrationRequest {
@@ -58,6 +60,7 @@ impl MigrationRequest {
             zero: ZeroDetection::Inline,
             postcopy: false,
             postcopy_after_passes: None,
+            postcopy_preempt: false,
         }
     }
 }
@@ -102,6 +105,7 @@ impl VmHandle {
             zero: req.zero,
             postcopy: req.postcopy,
             postcopy_after_passes: req.postcopy_after_passes,
+            preempt: req.postcopy_preempt,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {

@@ -16,8 +16,9 @@ use ferry_vmm::{RunState, Vm};
 const MIB: u64 = 1 << 20;
 
 #[test]
-fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_channels() {
-    for channels in [1, 4] {
+fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_channels_with_and_without_preempt()
+ {
+    for (channels, preempt) in [(1, false), (4, false), (1, true), (4, true)] {
         let src = boot(
             512 * MIB,
             "ws=128M pattern=random rate=max verify-ms=200 log-ms=0",
@@ -43,6 +44,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
         req.channels = channels;
         req.postcopy = true;
         req.postcopy_after_passes = Some(1);
+        req.postcopy_preempt = preempt;
         let received = std::thread::scope(|s| {
             let deadline = Instant::now() + Duration::from_secs(60);
             let (incoming, listener) = (&mut incoming, &listener);
@@ -98,7 +100,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
             "the guest keeps writing"
         );
         eprintln!(
-            "postcopy, {channels} channel(s): downtime {:.1} ms ({:?}), drain {:.0} ms, postcopy {:.0} ms, {} pages discarded, {} requested in {} requests, {} zero-filled here; fault to page mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+            "postcopy, {channels} channel(s), preempt {preempt}: downtime {:.1} ms ({:?}), drain {:.0} ms, postcopy {:.0} ms, {} pages discarded, {} requested in {} requests, {} zero-filled here; fault to page mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
             stats.downtime.total_ms,
             stats.downtime,
             stats.drain_ms,

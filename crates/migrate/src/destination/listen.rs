@@ -68,7 +68,7 @@ impl Screen {
                 let _ = self.main.send(Arrival { stream, hello });
                 return;
             }
-            (Gate::Busy { uuid, data: true }, Role::Data) if uuid == hello.uuid => {
+            (Gate::Busy { uuid, data: true }, Role::Data | Role::Preempt) if uuid == hello.uuid => {
                 drop(gate);
                 let _ = self.data.send(Arrival { stream, hello });
                 return;
@@ -81,7 +81,7 @@ impl Screen {
                 Refusal::Busy,
                 "a second source while a migration is under way",
             ),
-            (Gate::Busy { uuid, .. }, Role::Data) if uuid == hello.uuid => (
+            (Gate::Busy { uuid, .. }, Role::Data | Role::Preempt) if uuid == hello.uuid => (
                 Refusal::ChannelId,
                 "a data connection after every announced channel connected",
             ),

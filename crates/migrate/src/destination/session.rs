@@ -268,23 +268,29 @@ impl<'a> Session<'a> {
         };
         self.shared = Some(shared.clone());
         let deadline = Instant::now() + CHANNEL_TIMEOUT;
+        // Slot 0 is the preempt connection, when granted; slots 1.. the data channels.
         let mut seen = vec![false; usize::from(main.channels) + 1];
-        while self.receivers.len() < usize::from(main.channels) {
+        let preempt = self.granted.contains(Capabilities::PREEMPT);
+        let expected = usize::from(main.channels) + usize::from(preempt);
+        while self.receivers.len() < expected {
             if self.control.cancelled() {
                 return Err(MigrateError::CancelledHere);
             }
             let Some(arrival) = arrivals.next(deadline)? else {
-                let missing: Vec<String> = (1..=main.channels)
+                let mut missing: Vec<String> = (1..=main.channels)
                     .filter(|&c| !seen[usize::from(c)])
-                    .map(|c| c.to_string())
+                    .map(|c| format!("data channel {c}"))
                     .collect();
+                if preempt && !seen[0] {
+                    missing.push("the preempt connection".into());
+                }
                 return Err(MigrateError::Refused(format!(
-                    "data channel(s) {} never connected within {CHANNEL_TIMEOUT:?}",
+                    "{} never connected within {CHANNEL_TIMEOUT:?}",
                     missing.join(", ")
                 )));
             };
             let Arrival { mut stream, hello } = arrival;
-            let refusal = channel_refusal(&main, &hello, &seen);
+            let refusal = channel_refusal(&main, &hello, &seen, preempt);
             let mut reply = Hello {
                 status: Refusal::Accepted as u32,
                 memory_size: self.ram.size(),
@@ -310,7 +316,7 @@ impl<'a> Session<'a> {
                 thread: receiver::start(hello.channel, stream, shared.clone()),
                 stream: handle,
             });
-            let connected = self.receivers.len() as u16;
+            let connected = self.receivers.iter().filter(|r| r.channel != 0).count() as u16;
             self.control.update(|p| p.channels_connected = connected);
         }
         arrivals.close();
@@ -436,9 +442,13 @@ impl<'a> Session<'a> {
     fn join_receivers(&mut self) -> Result<(), MigrateError> {
         for r in self.receivers.drain(..) {
             let s = r.thread.join().map_err(|_| {
-                MigrateError::Internal(format!("data channel {}: its receiver panicked", r.channel))
+                MigrateError::Internal(format!(
+                    "{}: its receiver panicked",
+                    receiver::name(r.channel)
+                ))
             })??;
-            if s.passes != self.stats.passes {
+            // The preempt connection (channel 0) carries no passes.
+            if r.channel != 0 && s.passes != self.stats.passes {
                 return Err(MigrateError::ChannelEnded {
                     channel: r.channel,
                     after_pass: s.passes,
@@ -540,9 +550,10 @@ impl<'a> Session<'a> {
 
     /// Postcopy: reads the main connection until the source's Complete (it sent every page).
     fn await_complete(&mut self) -> Result<(), MigrateError> {
-        let h = self
-            .conn
-            .read_header("waiting for the source's last pages")?;
+        let h = match self.conn.read_header("waiting for the source's last pages") {
+            Ok(h) => h,
+            Err(e) => return Err(self.explain_main_end(e)),
+        };
         match h.kind {
             Kind::Complete => Ok(()),
             Kind::Error => {
@@ -631,14 +642,48 @@ fn supported() -> Capabilities {
     }
 }
 
-/// Why a data connection's hello does not belong to the migration `main` announced, if it
-/// does not.
-fn channel_refusal(main: &Hello, hello: &Hello, seen: &[bool]) -> Option<(Refusal, String)> {
+/// Why a data or preempt connection's hello does not belong to the migration `main`
+/// announced, if it does not; `preempt` says whether a preempt connection was granted, and
+/// `seen[0]` whether it connected.
+fn channel_refusal(
+    main: &Hello,
+    hello: &Hello,
+    seen: &[bool],
+    preempt: bool,
+) -> Option<(Refusal, String)> {
+    if hello.role == Role::Preempt {
+        return if !preempt {
+            Some((
+                Refusal::Role,
+                "a preempt connection, but the preempt capability was not granted".into(),
+            ))
+        } else if hello.uuid != main.uuid {
+            Some((
+                Refusal::UnknownMigration,
+                format!(
+                    "a preempt connection names migration {:02x?}, not the one in progress",
+                    hello.uuid
+                ),
+            ))
+        } else if hello.channel != 0 {
+            Some((
+                Refusal::ChannelId,
+                format!(
+                    "a preempt connection with channel id {} (must be 0)",
+                    hello.channel
+                ),
+            ))
+        } else if seen[0] {
+            Some((Refusal::ChannelId, "a second preempt connection".into()))
+        } else {
+            None
+        };
+    }
     if hello.role != Role::Data {
         Some((
             Refusal::Role,
             format!(
-                "a second connection with role {:?}; extra connections must be data channels",
+                "a second connection with role {:?}; extra connections must be data channels (or the preempt connection)",
                 hello.role
             ),
         ))

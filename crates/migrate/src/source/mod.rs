@@ -81,6 +81,9 @@ pub struct SourceParams {
     /// Switch to postcopy after this many precopy passes (pass 1 counts); `None`: only when
     /// asked.
     pub postcopy_after_passes: Option<u32>,
+    /// With postcopy: send the pages the destination asks for on a connection of their own
+    /// (QEMU's postcopy-preempt), not behind the background stream.
+    pub preempt: bool,
 }
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
@@ -111,6 +114,7 @@ impl SourceParams {
             zero: ZeroDetection::Inline,
             postcopy: false,
             postcopy_after_passes: None,
+            preempt: false,
         }
     }
 
@@ -131,6 +135,11 @@ impl SourceParams {
         if self.postcopy_after_passes.is_some() && !self.postcopy {
             return Err(MigrateError::params(
                 "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.preempt && !self.postcopy {
+            return Err(MigrateError::params(
+                "a preempt connection was asked for without enabling postcopy; add --postcopy",
             ));
         }
         if self.postcopy_after_passes == Some(0) {
@@ -247,6 +256,8 @@ struct Session<'a> {
     handed_over: bool,
     /// The destination granted postcopy.
     postcopy_granted: bool,
+    /// The destination granted the preempt connection.
+    preempt_granted: bool,
     start: Instant,
     cpu_start: u64,
     stats: MigrationStats,
@@ -280,6 +291,7 @@ impl<'a> Session<'a> {
             guest: GuestState::Running,
             handed_over: false,
             postcopy_granted: false,
+            preempt_granted: false,
             start: Instant::now(),
             cpu_start: stats::thread_cpu_ns(),
             stats: MigrationStats::default(),
@@ -297,8 +309,13 @@ impl<'a> Session<'a> {
         connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
     ) -> Result<(), MigrateError> {
         self.handshake()?;
-        self.pool
-            .open(connect, &self.params, &self.ram, self.hooks)?;
+        self.pool.open(
+            connect,
+            &self.params,
+            &self.ram,
+            self.hooks,
+            self.preempt_granted,
+        )?;
         vm.start_dirty_log()?;
         self.stats.setup_ms = ms(self.start.elapsed());
         self.set_phase(Phase::Precopy);
@@ -310,10 +327,12 @@ impl<'a> Session<'a> {
 
     /// What to ask the destination for.
     fn requested(&self) -> Capabilities {
-        if self.params.postcopy {
-            REQUESTED.with(Capabilities::POSTCOPY)
-        } else {
-            REQUESTED
+        match (self.params.postcopy, self.params.preempt) {
+            (false, _) => REQUESTED,
+            (true, false) => REQUESTED.with(Capabilities::POSTCOPY),
+            (true, true) => REQUESTED
+                .with(Capabilities::POSTCOPY)
+                .with(Capabilities::PREEMPT),
         }
     }
 
@@ -359,6 +378,12 @@ impl<'a> Session<'a> {
             ));
         }
         self.postcopy_granted = granted.postcopy;
+        self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
+        if self.params.preempt && !self.preempt_granted {
+            return Err(MigrateError::Refused(
+                "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
+            ));
+        }
         self.acks.reader = Some(InboundReader::start(&mut self.conn, granted)?);
         Ok(())
     }

@@ -7,11 +7,11 @@
 //! and its own error is returned; every sender is finished (its thread joined) before the
 //! pool is dropped.
 //!
-//! The senders are all alike today, fed round-robin. A priority channel (postcopy's "preempt"
-//! connection, which carries the pages a faulting vCPU waits for ahead of the background
-//! stream) would be one more `Sender` in a field of its own: opened with the others, fed by a
-//! method of its own instead of the round-robin, and included in [`ChannelPool::end_pass`],
-//! [`ChannelPool::close`] and [`ChannelPool::abandon`]; its bytes count in the same counter.
+//! The data channels' senders are alike, fed round-robin. Postcopy's preempt connection, when
+//! granted, has a sender of its own, fed only by [`ChannelPool::queue_urgent`] (the pages a
+//! vCPU on the destination waits for), so that they never queue behind the background stream
+//! in a data channel's queue or socket; it takes no part in passes, and its bytes count in the
+//! same counter.
 
 #![forbid(unsafe_code)]
 
@@ -32,6 +32,8 @@ use crate::wire::{self, Hello, Role};
 pub struct ChannelPool {
     /// Sender `i` serves data channel `i + 1`.
     senders: Vec<Sender>,
+    /// The preempt connection's sender, when granted.
+    preempt: Option<Sender>,
     /// The sender the next batch goes to.
     next: usize,
     /// Bytes all data channels wrote.
@@ -51,13 +53,21 @@ impl ChannelPool {
         params: &SourceParams,
         ram: &Ram,
         hooks: TestHooks,
+        preempt: bool,
     ) -> Result<(), MigrateError> {
         let io = |e| MigrateError::io("connecting a data channel", e);
-        for channel in 1..=params.channels {
+        let lanes = (1..=params.channels)
+            .map(|c| (Role::Data, c))
+            .chain(preempt.then_some((Role::Preempt, 0)));
+        for (role, channel) in lanes {
             let stream = connect().map_err(io)?;
+            if role == Role::Preempt {
+                // Small records that a vCPU waits for: no Nagle delay.
+                let _ = stream.set_low_latency();
+            }
             let mut c = Conn::new(stream.try_clone_stream().map_err(io)?).map_err(io)?;
             c.write_hello(&Hello {
-                role: Role::Data,
+                role,
                 channel,
                 uuid: params.uuid,
                 memory_size: ram.size(),
@@ -67,8 +77,12 @@ impl ChannelPool {
             })?;
             let reply = c.read_hello()?;
             if reply.status != wire::Refusal::Accepted as u32 {
+                let what = match role {
+                    Role::Preempt => "the preempt connection".to_string(),
+                    _ => format!("data channel {channel}"),
+                };
                 return Err(MigrateError::Refused(format!(
-                    "data channel {channel} refused with status {}",
+                    "{what} refused with status {}",
                     reply.status
                 )));
             }
@@ -77,10 +91,29 @@ impl ChannelPool {
                 bytes: self.bytes.clone(),
                 pages: self.written_pages.clone(),
             };
-            self.senders
-                .push(Sender::start(channel, stream, ram.clone(), config, hooks)?);
+            let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
+            match role {
+                Role::Preempt => self.preempt = Some(sender),
+                _ => self.senders.push(sender),
+            }
         }
         Ok(())
+    }
+
+    /// Queues pages a vCPU waits for: on the preempt connection if there is one, else on the
+    /// next data channel like any batch.
+    pub fn queue_urgent(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
+        let Some(preempt) = &mut self.preempt else {
+            return self.queue_pages(gpas);
+        };
+        self.queued_pages += gpas.len() as u64;
+        if preempt.send(ChannelMsg::Pages(gpas)) {
+            return Ok(());
+        }
+        Err(match preempt.finish() {
+            Err(e) => e,
+            Ok(_) => MigrateError::order("the preempt connection stopped early"),
+        })
     }
 
     /// Queues a batch of page addresses on the next data channel, round-robin.
@@ -91,12 +124,42 @@ impl ChannelPool {
         Ok(())
     }
 
-    /// Marks the switch to postcopy on every data channel, after its last pass end.
+    /// Marks the switch to postcopy on every data channel, after its last pass end, and on
+    /// the preempt connection.
     pub fn postcopy(&mut self) -> Result<(), MigrateError> {
         for i in 0..self.senders.len() {
             self.queue_for(i, ChannelMsg::Postcopy)?;
         }
+        if let Some(p) = &mut self.preempt
+            && !p.send(ChannelMsg::Postcopy)
+        {
+            return Err(p
+                .finish()
+                .err()
+                .unwrap_or_else(|| MigrateError::order("the preempt connection stopped early")));
+        }
         Ok(())
+    }
+
+    /// Queues a batch on the next data channel if its queue has room; gives the batch back if
+    /// it has none (the caller does something else and tries again).
+    pub fn try_queue_pages(&mut self, gpas: Vec<u64>) -> Result<Option<Vec<u64>>, MigrateError> {
+        let n = gpas.len() as u64;
+        match self.senders[self.next].try_send(ChannelMsg::Pages(gpas)) {
+            Ok(None) => {
+                self.queued_pages += n;
+                self.next = (self.next + 1) % self.senders.len();
+                Ok(None)
+            }
+            Ok(Some(ChannelMsg::Pages(gpas))) => Ok(Some(gpas)),
+            Ok(Some(_)) => unreachable!("try_send gives back what it was given"),
+            Err(_) => Err(match self.senders[self.next].finish() {
+                Err(e) => e,
+                Ok(_) => {
+                    MigrateError::order(format!("data channel {} stopped early", self.next + 1))
+                }
+            }),
+        }
     }
 
     /// Ends `pass` on every data channel, after the batches already queued.
@@ -113,7 +176,10 @@ impl ChannelPool {
         for i in 0..self.senders.len() {
             self.queue_for(i, ChannelMsg::Shutdown)?;
         }
-        for mut sender in self.senders.drain(..) {
+        if let Some(p) = &self.preempt {
+            p.send(ChannelMsg::Shutdown);
+        }
+        for mut sender in self.senders.drain(..).chain(self.preempt.take()) {
             let s = sender.finish()?;
             stats.pages_normal += s.pages_normal;
             stats.pages_zero += s.pages_zero;
@@ -126,7 +192,7 @@ impl ChannelPool {
     /// Closes every remaining sender's queue and joins its thread, ignoring how it ended: the
     /// migration is over (it failed, or [`ChannelPool::close`] already collected them).
     pub fn abandon(&mut self) {
-        for mut sender in self.senders.drain(..) {
+        for mut sender in self.senders.drain(..).chain(self.preempt.take()) {
             let _ = sender.finish();
         }
     }

@@ -29,8 +29,8 @@ use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 /// Discard runs closer than this many pages are merged (see `Session::coalesce`).
 const DISCARD_GAP: u64 = 16;
 
-/// How often the source looks for page requests while the bandwidth limit holds the
-/// background walk back.
+/// Longest the source waits for a page request while the bandwidth limit or a full data
+/// channel holds the background walk back; a request that comes ends the wait at once.
 const REQUEST_POLL: Duration = Duration::from_millis(1);
 
 /// How long the source waits for the destination's Done after sending every page: the
@@ -170,49 +170,59 @@ impl Session<'_> {
 
     /// Sends every page left in the bitmap: requested pages as soon as they are asked for,
     /// the rest by a walk that resumes after the last requested page.
+    ///
+    /// The session never blocks where a request could wait: a background batch waits for the
+    /// bandwidth limit or for room in a data channel's queue by waiting for requests (at most
+    /// [`REQUEST_POLL`] at a time), and a request is served as soon as it is queued.
     fn push_rest(&mut self, pc: &mut PostcopyStats) -> Result<(), MigrateError> {
+        let packet = self.params.packet_pages as usize;
         let mut cursor = Cursor::default();
-        let mut batch = Vec::with_capacity(self.params.packet_pages as usize);
-        while self.bitmap.count() > 0 {
-            self.serve_requests(&mut cursor, pc, &mut batch)?;
-            if cursor.at_end(&self.bitmap) {
-                cursor = Cursor::default();
+        // The background batch taken from the bitmap and not queued yet.
+        let mut held: Vec<u64> = Vec::with_capacity(packet);
+        loop {
+            self.serve_requests(&mut cursor, pc, &mut held)?;
+            if held.is_empty() {
+                if self.bitmap.count() == 0 {
+                    return Ok(());
+                }
+                if cursor.at_end(&self.bitmap) {
+                    cursor = Cursor::default();
+                }
+                self.bitmap.take(&mut cursor, packet, &mut held);
+                if let Some(l) = &mut self.limiter {
+                    l.add(held.len() as u64 * (8 + PAGE_SIZE));
+                }
+                continue;
             }
-            self.bitmap
-                .take(&mut cursor, self.params.packet_pages as usize, &mut batch);
-            if !batch.is_empty() {
-                self.pace_serving(&mut batch, &mut cursor, pc)?;
-                pc.pages_background += batch.len() as u64;
-                self.pool.queue_pages(std::mem::take(&mut batch))?;
-                batch.reserve(self.params.packet_pages as usize);
-                self.after_batch();
+            let wait = self
+                .limiter
+                .map_or(Duration::ZERO, |l| l.wait(self.start.elapsed()));
+            if !wait.is_zero() {
+                self.wait_requests(wait.min(REQUEST_POLL));
+                continue;
+            }
+            let n = held.len() as u64;
+            match self.pool.try_queue_pages(std::mem::take(&mut held))? {
+                None => {
+                    pc.pages_background += n;
+                    held.reserve(packet);
+                    self.after_batch();
+                }
+                Some(back) => {
+                    held = back;
+                    self.wait_requests(REQUEST_POLL);
+                }
             }
         }
-        Ok(())
     }
 
-    /// Waits, as the bandwidth limit says, before the background batch `held` goes out,
-    /// serving requests while it waits (in slices of [`REQUEST_POLL`]): requested pages are not
-    /// held back by the limit, not even those in `held`.
-    fn pace_serving(
-        &mut self,
-        held: &mut Vec<u64>,
-        cursor: &mut Cursor,
-        pc: &mut PostcopyStats,
-    ) -> Result<(), MigrateError> {
-        let Some(limiter) = &mut self.limiter else {
-            return Ok(());
-        };
-        limiter.add(held.len() as u64 * (8 + PAGE_SIZE));
-        let limiter = *limiter;
-        loop {
-            self.serve_requests(cursor, pc, held)?;
-            let wait = limiter.wait(self.start.elapsed());
-            if wait.is_zero() {
-                return Ok(());
-            }
-            std::thread::sleep(wait.min(REQUEST_POLL));
-        }
+    /// Waits up to `timeout` for a page request (or less, if one is queued already).
+    fn wait_requests(&self, timeout: Duration) {
+        self.acks
+            .reader
+            .as_ref()
+            .expect("the reader runs")
+            .wait_requests(timeout);
     }
 
     /// Queues the pages the destination asked for that are still to send (in the bitmap, or
@@ -250,7 +260,7 @@ impl Session<'_> {
         urgent.sort_unstable();
         pc.pages_requested += urgent.len() as u64;
         for chunk in urgent.chunks(self.params.packet_pages as usize) {
-            self.pool.queue_pages(chunk.to_vec())?;
+            self.pool.queue_urgent(chunk.to_vec())?;
         }
         *cursor = self.bitmap.cursor_after(last);
         self.after_batch();

@@ -25,7 +25,7 @@ use std::collections::VecDeque;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -133,7 +133,7 @@ pub type Ending = Result<Inbound, MigrateError>;
 pub struct InboundReader {
     acked_bytes: Arc<AtomicU64>,
     acked_pages: Arc<AtomicU64>,
-    requests: Arc<Mutex<VecDeque<(u64, u64)>>>,
+    requests: Arc<Requests>,
     ending: Receiver<Ending>,
     /// A handle to shut the read side with, so that the thread's blocked read returns.
     stream: Box<dyn Stream>,
@@ -149,7 +149,7 @@ impl InboundReader {
         let stream = conn.stream().try_clone_stream().map_err(io)?;
         let acked_bytes = Arc::new(AtomicU64::new(0));
         let acked_pages = Arc::new(AtomicU64::new(0));
-        let requests = Arc::new(Mutex::new(VecDeque::new()));
+        let requests = Arc::new(Requests::default());
         // Depth two: a Resumed that does not end the reading, then the ending; each is sent
         // once, so a send never blocks (nobody may be listening any more).
         let (tx, ending) = sync_channel(2);
@@ -187,7 +187,15 @@ impl InboundReader {
 
     /// Takes the page requests that arrived since the last call, oldest first.
     pub fn take_requests(&self) -> Vec<(u64, u64)> {
-        self.requests.lock().unwrap().drain(..).collect()
+        self.requests.queue.lock().unwrap().drain(..).collect()
+    }
+
+    /// Waits up to `timeout` for a page request to be queued (returns at once if one is).
+    pub fn wait_requests(&self, timeout: Duration) {
+        let q = self.requests.queue.lock().unwrap();
+        if q.is_empty() {
+            let _ = self.requests.arrived.wait_timeout(q, timeout);
+        }
     }
 
     /// The record or failure that ended the reading, if it came already. Returned once.
@@ -215,11 +223,18 @@ impl Drop for InboundReader {
     }
 }
 
+/// Page requests the reader queued for the session, and a condvar it signals on each.
+#[derive(Debug, Default)]
+struct Requests {
+    queue: Mutex<VecDeque<(u64, u64)>>,
+    arrived: Condvar,
+}
+
 /// Where the reader puts what it folds and queues.
 struct Into {
     bytes: Arc<AtomicU64>,
     pages: Arc<AtomicU64>,
-    requests: Arc<Mutex<VecDeque<(u64, u64)>>>,
+    requests: Arc<Requests>,
 }
 
 /// Reads records, folding `Received` into the counters and queueing page requests, until one
@@ -245,13 +260,14 @@ fn read_until_end(
                 ));
             }
             Inbound::PageRequest(runs) => {
-                let mut q = into.requests.lock().unwrap();
+                let mut q = into.requests.queue.lock().unwrap();
                 if q.len() + runs.len() > MAX_QUEUED_REQUESTS {
                     return Err(MigrateError::order(format!(
                         "the destination has more than {MAX_QUEUED_REQUESTS} page requests outstanding"
                     )));
                 }
                 q.extend(runs);
+                into.requests.arrived.notify_all();
             }
             Inbound::Resumed(_) if seen_resumed => {
                 return Err(MigrateError::order("the destination sent Resumed twice"));

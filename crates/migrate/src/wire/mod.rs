@@ -57,6 +57,9 @@ pub enum Role {
     Main = 1,
     /// Page batches; `channel` is 1..=channels, as announced in the main hello.
     Data = 2,
+    /// Postcopy's requested pages, ahead of the data channels' background stream; `channel`
+    /// is 0. Only with [`Capabilities::PREEMPT`] granted, and at most one.
+    Preempt = 3,
 }
 
 /// Record kinds. `Invalid = 0`.
@@ -171,9 +174,9 @@ impl SectionHeader {
 
 /// Optional protocol features, agreed in the main hello: the source asks for a set and the
 /// destination answers with the subset it grants, so that a newer source can talk to an older
-/// destination by asking and reading the answer. Version 2 defines [`Capabilities::POSTCOPY`]
-/// and [`Capabilities::PROGRESS`]; postcopy's preempt channel and page checksums are planned to
-/// take bits 1 and 2.
+/// destination by asking and reading the answer. Version 2 defines [`Capabilities::POSTCOPY`],
+/// [`Capabilities::PREEMPT`] and [`Capabilities::PROGRESS`]; page checksums are planned to take
+/// bit 2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
 
@@ -182,12 +185,15 @@ impl Capabilities {
     /// Bit 0: the source may switch to postcopy (Discard, Postcopy), and the destination then
     /// requests missing pages (PageRequest) and says when it has them all (Done).
     pub const POSTCOPY: Capabilities = Capabilities(1);
+    /// Bit 1, with postcopy: a preempt connection (role 3) carries the pages the destination
+    /// asked for, so that they never wait behind the data channels' background stream.
+    pub const PREEMPT: Capabilities = Capabilities(1 << 1);
     /// Bit 4: the destination sends [`Kind::Received`] records on the main connection while
     /// pages arrive, and the source reads them as it sends.
     pub const PROGRESS: Capabilities = Capabilities(1 << 4);
     /// What this side implements.
     pub const SUPPORTED: Capabilities =
-        Capabilities(Capabilities::POSTCOPY.0 | Capabilities::PROGRESS.0);
+        Capabilities(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0 | Capabilities::PROGRESS.0);
 
     /// Both sets' bits.
     pub fn with(self, other: Capabilities) -> Capabilities {
@@ -419,6 +425,7 @@ impl Hello {
         let role = match u16::from_le_bytes([b[12], b[13]]) {
             1 => Role::Main,
             2 => Role::Data,
+            3 => Role::Preempt,
             r => return Err(WireError::Role(r)),
         };
         let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
@@ -429,7 +436,7 @@ impl Hello {
             return Err(WireError::Reserved("hello"));
         }
         let capabilities = Capabilities(u64::from_le_bytes(b[50..58].try_into().unwrap()));
-        if role == Role::Data && capabilities != Capabilities::NONE {
+        if role != Role::Main && capabilities != Capabilities::NONE {
             return Err(WireError::DataCapabilities(capabilities.0));
         }
         Ok(Hello {

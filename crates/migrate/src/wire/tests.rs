@@ -28,8 +28,8 @@ fn hello_round_trips_and_checks_everything() {
     b[12] = 0;
     assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
     let mut b = h.encode();
-    b[12] = 3;
-    assert_eq!(Hello::decode(&b), Err(WireError::Role(3)));
+    b[12] = 4;
+    assert_eq!(Hello::decode(&b), Err(WireError::Role(4)));
     let mut b = h.encode();
     b[41] = 0x20;
     assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
@@ -45,6 +45,21 @@ fn hello_round_trips_and_checks_everything() {
         Hello::decode(&data.encode()),
         Err(WireError::DataCapabilities(1 << 40))
     );
+    let preempt = Hello {
+        role: Role::Preempt,
+        channel: 0,
+        ..h
+    };
+    assert_eq!(
+        Hello::decode(&preempt.encode()),
+        Err(WireError::DataCapabilities(1 << 40)),
+        "a preempt hello carries no capabilities either"
+    );
+    let preempt = Hello {
+        capabilities: Capabilities::NONE,
+        ..preempt
+    };
+    assert_eq!(Hello::decode(&preempt.encode()), Ok(preempt));
 }
 
 #[test]
@@ -52,10 +67,10 @@ fn capabilities_are_granted_as_the_common_subset() {
     let asked = Capabilities(0b1011);
     let granted = asked.grant(Capabilities(0b0110));
     assert_eq!(granted, Capabilities(0b0010));
-    let asked = Capabilities(0b1010 | 1 << 40);
     assert!(granted.is_subset(asked));
     assert!(!Capabilities(0b0100).is_subset(asked));
-    assert_eq!(asked.grant(Capabilities::SUPPORTED), Capabilities::NONE);
+    let unknown = Capabilities(0b1000 | 1 << 40);
+    assert_eq!(unknown.grant(Capabilities::SUPPORTED), Capabilities::NONE);
 }
 
 #[test]

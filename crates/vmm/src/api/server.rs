@@ -111,6 +111,9 @@ pub struct MigrateBody {
     #[serde(default)]
     pub postcopy: bool,
     pub postcopy_after_passes: Option<u32>,
+    /// With postcopy: requested pages on a preempt connection of their own.
+    #[serde(default)]
+    pub postcopy_preempt: bool,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -151,6 +154,7 @@ impl MigrateBody {
         }
         r.postcopy = self.postcopy;
         r.postcopy_after_passes = self.postcopy_after_passes;
+        r.postcopy_preempt = self.postcopy_preempt;
         Ok(r)
     }
 }
