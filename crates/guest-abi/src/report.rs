@@ -109,6 +109,15 @@ pub mod boot {
 pub mod heartbeat {
     /// Bad pages found by all verify passes so far.
     pub const BAD_PAGES_TOTAL: usize = 0;
+    /// The longest batch of page writes since the previous heartbeat (ns): a guest that waits
+    /// for memory (postcopy, a pause) sees it here, measured inside the guest.
+    pub const MAX_BATCH_NS: usize = 1;
+    /// Batches of page writes that took longer than [`SLOW_BATCH_NS`] so far.
+    pub const SLOW_BATCHES: usize = 2;
+    /// Their total time (ns) so far.
+    pub const SLOW_BATCH_TIME_NS: usize = 3;
+    /// What makes a batch slow: a batch of writes takes ~0.1–0.3 ms when memory is there.
+    pub const SLOW_BATCH_NS: u64 = 1_000_000;
 }
 
 pub mod verify {

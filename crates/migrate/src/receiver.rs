@@ -353,16 +353,21 @@ impl Receiver {
                 "page addresses of a record are not strictly increasing",
             ));
         }
-        let mut indices = Vec::with_capacity(gpas.len());
-        for &gpa in &gpas {
-            indices.push(self.claim(gpa)?);
-        }
         if let Some(pc) = &self.postcopy {
+            // No claim: a postcopy page may come twice (a requested page again on the preempt
+            // connection), and installing is atomic; the first copy wins.
+            for &gpa in &gpas {
+                self.shared.ram.page_index(gpa)?;
+            }
             pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?;
             self.stats.pages += u64::from(count);
             let c = &self.shared.control;
             c.add(&c.pages, u64::from(count));
             return Ok(());
+        }
+        let mut indices = Vec::with_capacity(gpas.len());
+        for &gpa in &gpas {
+            indices.push(self.claim(gpa)?);
         }
         self.shared
             .sink
@@ -386,9 +391,6 @@ impl Receiver {
             let (gpa, pages) = (run[0], run[1]);
             self.shared.ram.check_run(gpa, pages)?;
             if let Some(pc) = &self.postcopy {
-                for k in 0..pages {
-                    self.claim(gpa + k * PAGE_SIZE)?;
-                }
                 pc.install_zero(gpa, pages)?;
                 self.stats.zero_pages += pages;
                 let c = &self.shared.control;

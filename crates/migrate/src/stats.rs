@@ -97,6 +97,10 @@ pub struct PostcopyStats {
     pub pages_requested: u64,
     /// Pages sent by the background walk.
     pub pages_background: u64,
+    /// Requested pages the walk had sent already, sent again on the preempt connection so
+    /// that the vCPU waiting for them does not wait behind the background stream.
+    #[serde(default)]
+    pub pages_resent: u64,
     /// Page request runs the destination sent (a run asked for a page the walk had sent
     /// already counts too).
     pub requests: u64,

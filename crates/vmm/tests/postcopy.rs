@@ -100,7 +100,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
             "the guest keeps writing"
         );
         eprintln!(
-            "postcopy, {channels} channel(s), preempt {preempt}: downtime {:.1} ms ({:?}), drain {:.0} ms, postcopy {:.0} ms, {} pages discarded, {} requested in {} requests, {} zero-filled here; fault to page mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+            "postcopy, {channels} channel(s), preempt {preempt}: downtime {:.1} ms ({:?}), drain {:.0} ms, postcopy {:.0} ms, {} pages discarded, {} requested in {} requests, {} zero-filled here, {} faults; fault to page mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs; the guest's longest write batch {:.1} ms, {} batches over 1 ms",
             stats.downtime.total_ms,
             stats.downtime,
             stats.drain_ms,
@@ -109,10 +109,13 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
             pc.pages_requested,
             pc.requests,
             here.zero_fills,
+            here.faults,
             here.latencies.mean_us(),
             here.latencies.quantile_us(0.5),
             here.latencies.quantile_us(0.99),
-            here.latencies.max_us
+            here.latencies.max_us,
+            after.max_batch_ns as f64 / 1e6,
+            after.slow_batches
         );
     }
 }

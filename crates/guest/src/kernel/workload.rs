@@ -183,6 +183,11 @@ struct Workload {
     timer: Option<Timer>,
     cursor: u64,
     counters: Counters,
+    /// The longest write batch since the last heartbeat, and the slow batches so far (see
+    /// `report::heartbeat`): the stall the guest itself sees.
+    max_batch_ns: u64,
+    slow_batches: u64,
+    slow_batch_ns: u64,
 }
 
 impl Workload {
@@ -205,6 +210,9 @@ impl Workload {
             timer: Timer::start(),
             cursor: 0,
             counters: Counters::default(),
+            max_batch_ns: 0,
+            slow_batches: 0,
+            slow_batch_ns: 0,
         }
     }
 
@@ -246,6 +254,9 @@ impl Workload {
             if now >= next_heartbeat {
                 let mut detail = [0; report::DETAIL_WORDS];
                 detail[report::heartbeat::BAD_PAGES_TOTAL] = self.counters.bad_pages;
+                detail[report::heartbeat::MAX_BATCH_NS] = core::mem::take(&mut self.max_batch_ns);
+                detail[report::heartbeat::SLOW_BATCHES] = self.slow_batches;
+                detail[report::heartbeat::SLOW_BATCH_TIME_NS] = self.slow_batch_ns;
                 let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
                 telemetry::send(&hb);
                 next_heartbeat = now + every(self.p.heartbeat_ms);
@@ -301,9 +312,16 @@ impl Workload {
                 }
                 continue;
             }
+            let started = self.clock.now_ns();
             match self.p.pattern {
                 Pattern::Sequential => self.write_sequential(n),
                 Pattern::Random | Pattern::HotCold => self.write_picked(n),
+            }
+            let took = self.clock.now_ns().saturating_sub(started);
+            self.max_batch_ns = self.max_batch_ns.max(took);
+            if took > report::heartbeat::SLOW_BATCH_NS {
+                self.slow_batches += 1;
+                self.slow_batch_ns += took;
             }
             self.counters.pages_written += n;
         }

@@ -14,10 +14,13 @@
 //! - **installed**: a receiver placed it (`UFFDIO_COPY`, or `UFFDIO_ZEROPAGE` for a zero run)
 //!   and woke whoever waited; a late fault message only needs a wake.
 //!
-//! Invariants: a needed page is installed exactly once (the receivers' claim bitmap refuses a
-//! second copy, and a page not on the list is refused), and only by a receiver, so the fault
-//! thread's zero fill can never race with a copy of data; no page that was installed is ever
-//! written again. If postcopy fails after the guest ran, the userfaultfd is never closed:
+//! Invariants: a needed page is installed exactly once and only by a receiver, so the fault
+//! thread's zero fill can never race with a copy of data; a page not on the list is refused.
+//! A listed page may arrive twice (the source sends a requested page again on the preempt
+//! connection when its first copy is still behind the background stream): installing is
+//! atomic and never overwrites (`UFFDIO_COPY` answers EEXIST), so the first copy wins and the
+//! second is dropped; both are the same bytes, since the source's guest no longer runs. No page
+//! that was installed is ever written again. If postcopy fails after the guest ran, the userfaultfd is never closed:
 //! closing it would let the kernel fill every missing page with zeros behind the guest's back.
 //! The vCPUs that wait stay waiting, and the VMM is told to stop the VM.
 
@@ -62,6 +65,8 @@ pub(crate) struct Postcopy {
     stop: AtomicBool,
     /// Faults on pages that were not needed, filled with zeros here.
     zero_fills: AtomicU64,
+    /// Fault messages read.
+    faults: AtomicU64,
 }
 
 impl Postcopy {
@@ -86,6 +91,7 @@ impl Postcopy {
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
             zero_fills: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
         })
     }
 
@@ -207,13 +213,12 @@ impl Postcopy {
             .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
     }
 
-    /// Marks a page installed: its latency if a vCPU waited, and the count.
+    /// Marks a page installed: its latency if a vCPU waited, and the count. A second copy
+    /// of a page (it found the page there) changes nothing.
     fn installed_page(&self, gpa: u64) -> Result<(), MigrateError> {
         let i = self.ram.page_index(gpa)?;
         if self.installed.set(i) {
-            return Err(MigrateError::Internal(format!(
-                "postcopy page {gpa:#x} installed twice"
-            )));
+            return Ok(());
         }
         if self.requested.get(i)
             && let Some(t) = self.first_fault.lock().unwrap().remove(&i)
@@ -266,6 +271,10 @@ impl Postcopy {
         self.zero_fills.load(Ordering::Relaxed)
     }
 
+    pub(crate) fn faults(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+
     /// Every page is here: faults go back to the kernel (a page the guest never touched is a
     /// plain hole again).
     pub(crate) fn finish(&self) -> Result<(), MigrateError> {
@@ -313,6 +322,8 @@ impl Postcopy {
             self.uffd
                 .read_faults(&mut faults, FAULT_POLL)
                 .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+            self.faults
+                .fetch_add(faults.len() as u64, Ordering::Relaxed);
             let mut ask: Vec<(u64, u64)> = Vec::new();
             for f in &faults {
                 if let Some(gpa) = self.on_fault(f)? {

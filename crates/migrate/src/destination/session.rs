@@ -52,6 +52,8 @@ pub struct PostcopyReceived {
     pub pages: u64,
     /// Faults on pages that were not needed (holes), filled with zeros here.
     pub zero_fills: u64,
+    /// Fault messages the fault thread read (a vCPU or VMM thread touching a missing page).
+    pub faults: u64,
     /// Fault to page in place, for the pages a vCPU waited for.
     pub latencies: wire::Latencies,
     /// Resume to the last page in place.
@@ -525,6 +527,7 @@ impl<'a> Session<'a> {
         self.stats.postcopy = Some(PostcopyReceived {
             pages: discarded,
             zero_fills: pc.zero_fills(),
+            faults: pc.faults(),
             latencies,
             duration: resumed_at.elapsed(),
         });

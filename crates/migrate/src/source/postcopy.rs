@@ -111,7 +111,8 @@ impl Session<'_> {
         self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
         self.set_phase(Phase::Postcopy);
 
-        self.push_rest(&mut pc)?;
+        let listed = self.bitmap.clone();
+        self.push_rest(&mut pc, &listed)?;
         self.pool.close(&mut self.stats)?;
         self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
         self.conn.flush("completing postcopy")?;
@@ -174,13 +175,17 @@ impl Session<'_> {
     /// The session never blocks where a request could wait: a background batch waits for the
     /// bandwidth limit or for room in a data channel's queue by waiting for requests (at most
     /// [`REQUEST_POLL`] at a time), and a request is served as soon as it is queued.
-    fn push_rest(&mut self, pc: &mut PostcopyStats) -> Result<(), MigrateError> {
+    fn push_rest(
+        &mut self,
+        pc: &mut PostcopyStats,
+        listed: &DirtyBitmap,
+    ) -> Result<(), MigrateError> {
         let packet = self.params.packet_pages as usize;
         let mut cursor = Cursor::default();
         // The background batch taken from the bitmap and not queued yet.
         let mut held: Vec<u64> = Vec::with_capacity(packet);
         loop {
-            self.serve_requests(&mut cursor, pc, &mut held)?;
+            self.serve_requests(&mut cursor, pc, &mut held, listed)?;
             if held.is_empty() {
                 if self.bitmap.count() == 0 {
                     return Ok(());
@@ -229,16 +234,23 @@ impl Session<'_> {
     /// in the background batch `held` that waits for the bandwidth limit), ahead of the walk,
     /// and moves the walk to just after the last of them. A request for a page already sent
     /// (it is on its way) is counted and otherwise ignored.
+    ///
+    /// With the preempt connection, a request for a listed page the walk already queued is
+    /// served again on it: the first copy may wait behind megabytes of background stream, and
+    /// the page's bytes cannot change any more (the guest runs on the destination), so the
+    /// destination keeps whichever copy lands first and drops the other.
     fn serve_requests(
         &mut self,
         cursor: &mut Cursor,
         pc: &mut PostcopyStats,
         held: &mut Vec<u64>,
+        listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         self.check_ended()?;
         let reader = self.acks.reader.as_ref().expect("the reader runs");
         let runs = reader.take_requests();
         let mut urgent = Vec::new();
+        let mut again = Vec::new();
         for (gpa, pages) in runs {
             pc.requests += 1;
             self.ram.check_run(gpa, pages).map_err(|e| {
@@ -251,8 +263,15 @@ impl Session<'_> {
                 } else if let Ok(k) = held.binary_search(&page) {
                     held.remove(k);
                     urgent.push(page);
+                } else if self.preempt_granted && listed.contains(page) {
+                    again.push(page);
                 }
             }
+        }
+        again.sort_unstable();
+        pc.pages_resent += again.len() as u64;
+        for chunk in again.chunks(self.params.packet_pages as usize) {
+            self.pool.queue_urgent(chunk.to_vec())?;
         }
         let Some(&last) = urgent.last() else {
             return Ok(());

@@ -101,6 +101,12 @@ pub struct GuestTelemetry {
     pub verify_passes: u64,
     pub verify_failures: u64,
     pub bad_pages_total: u64,
+    /// The longest batch of page writes the guest timed, over the heartbeats this VMM
+    /// received (a destination's includes the pause across the migration).
+    pub max_batch_ns: u64,
+    /// Write batches the guest timed over 1 ms, and their total time, since it booted.
+    pub slow_batches: u64,
+    pub slow_batch_ns: u64,
     pub last_verify: Option<VerifyResult>,
     pub first_failed_verify: Option<VerifyResult>,
     pub exception: Option<GuestException>,
@@ -215,6 +221,11 @@ impl GuestTelemetry {
                 self.bad_pages_total = self
                     .bad_pages_total
                     .max(d[report::heartbeat::BAD_PAGES_TOTAL]);
+                self.max_batch_ns = self.max_batch_ns.max(d[report::heartbeat::MAX_BATCH_NS]);
+                self.slow_batches = self.slow_batches.max(d[report::heartbeat::SLOW_BATCHES]);
+                self.slow_batch_ns = self
+                    .slow_batch_ns
+                    .max(d[report::heartbeat::SLOW_BATCH_TIME_NS]);
             }
             Kind::Verify => {
                 let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);
