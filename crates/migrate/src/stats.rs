@@ -93,6 +93,9 @@ pub struct PostcopyStats {
     pub duration_ms: f64,
     /// Pages the destination had to drop and fetch again (dirty at the switch).
     pub discarded_pages: u64,
+    /// Discard lists sent before the pause, each after the destination applied the last.
+    #[serde(default)]
+    pub early_discard_rounds: u32,
     /// Pages sent because the destination asked for them.
     pub pages_requested: u64,
     /// Pages sent by the background walk.

@@ -5,6 +5,7 @@
 mod channels;
 mod guest;
 mod ingest;
+mod postcopy;
 mod precopy;
 
 use std::process::ExitCode;
@@ -22,6 +23,9 @@ pub enum BenchCommand {
     /// Destination ingest: migrations into sparse and preallocated RAM, against raw TCP and
     /// the cost of landing pages in fresh and populated memory.
     Ingest(ingest::IngestBenchArgs),
+    /// Postcopy with and without the preempt connection, on loopback and a link capped at
+    /// 1 GB/s, against the raw 4 KiB request/response round trip on the same link.
+    Postcopy(postcopy::PostcopyBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -30,5 +34,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Precopy(args) => precopy::run(&args),
         BenchCommand::Channels(args) => channels::run(&args),
         BenchCommand::Ingest(args) => ingest::run(&args),
+        BenchCommand::Postcopy(args) => postcopy::run(&args),
     }
 }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
+use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
@@ -39,6 +40,9 @@ pub(super) struct Scenario {
     pub cmdline: String,
     pub downtime: Duration,
     pub channels: u16,
+    /// Switch to postcopy after pass 1 (with the preempt connection if `true`); `None`:
+    /// precopy only.
+    pub postcopy: Option<bool>,
 }
 
 impl Scenario {
@@ -50,6 +54,7 @@ impl Scenario {
             cmdline: cmdline.into(),
             downtime: Duration::from_millis(300),
             channels,
+            postcopy: None,
         }
     }
 }
@@ -66,6 +71,7 @@ fn scenarios() -> Vec<Scenario> {
             cmdline: format!("ws=256M rate=1 {GUEST}"),
             downtime: Duration::from_millis(300),
             channels: 1,
+            postcopy: None,
         },
         Scenario {
             name: "2G random data, idle".into(),
@@ -73,6 +79,7 @@ fn scenarios() -> Vec<Scenario> {
             cmdline: format!("ws=2G fill=random rate=1 {GUEST}"),
             downtime: Duration::from_millis(300),
             channels: 1,
+            postcopy: None,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -83,6 +90,7 @@ fn scenarios() -> Vec<Scenario> {
                 cmdline: format!("ws=1G pattern=random rate={rate} {GUEST}"),
                 downtime: Duration::from_millis(limit),
                 channels: 1,
+                postcopy: None,
             });
         }
     }
@@ -173,6 +181,9 @@ pub(super) struct Migrated {
     pub pause_ms: f64,
     /// How long preallocating the destination took, before the migration started.
     pub prealloc: Option<Duration>,
+    /// The destination guest's telemetry once the migration completed (its longest write
+    /// batch includes the pause and any postcopy stall).
+    pub guest: GuestTelemetry,
 }
 
 /// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
@@ -184,6 +195,15 @@ pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)
 
 /// [`migrate_once`] into a destination readied as `setup` says.
 pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Result<Migrated> {
+    migrate_over(s, setup, TcpListener::bind("127.0.0.1:0")?)
+}
+
+/// [`migrate_into`] a destination that listens on `listener` (e.g. across a capped link).
+pub(super) fn migrate_over(
+    s: &Scenario,
+    setup: DestinationSetup,
+    listener: TcpListener,
+) -> anyhow::Result<Migrated> {
     let config = VmConfig {
         memory_bytes: s.memory,
         vcpus: 1,
@@ -202,7 +222,6 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
             && t.heartbeats > 100
     })
     .context("the guest did not finish its prefill")?;
-    let listener = TcpListener::bind("127.0.0.1:0")?;
     let mut incoming = Vm::incoming(config)?;
     if let Some(landing) = setup.landing {
         incoming.land_pages(landing);
@@ -227,6 +246,11 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
         },
     );
     request.channels = s.channels;
+    if let Some(preempt) = s.postcopy {
+        request.postcopy = true;
+        request.postcopy_after_passes = Some(1);
+        request.postcopy_preempt = preempt;
+    }
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, &listener);
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -243,8 +267,12 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
     received.0?;
     received.1.context("destination")?;
     wait(&src, Duration::from_secs(120), |h| {
-        h.migration()
-            .is_some_and(|p| !matches!(p.phase, Phase::Setup | Phase::Precopy | Phase::Switchover))
+        h.migration().is_some_and(|p| {
+            !matches!(
+                p.phase,
+                Phase::Setup | Phase::Precopy | Phase::Switchover | Phase::Postcopy
+            )
+        })
     })?;
     let progress = src.migration().context("no migration")?;
     if progress.phase != Phase::Completed {
@@ -261,13 +289,15 @@ pub(super) fn migrate_into(s: &Scenario, setup: DestinationSetup) -> anyhow::Res
     wait(&dst, Duration::from_secs(10), |h| {
         h.telemetry().migration_pause_ns.is_some()
     })?;
-    let pause_ms = dst.telemetry().migration_pause_ns.unwrap_or(0) as f64 / 1e6;
+    let guest = dst.telemetry();
+    let pause_ms = guest.migration_pause_ns.unwrap_or(0) as f64 / 1e6;
     src.stop(StopReason::Requested("benchmark done".into()));
     dst.stop(StopReason::Requested("benchmark done".into()));
     Ok(Migrated {
         stats: progress.stats.context("no statistics")?,
         pause_ms,
         prealloc,
+        guest,
     })
 }
 

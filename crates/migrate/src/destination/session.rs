@@ -343,8 +343,13 @@ impl<'a> Session<'a> {
                 Ok(h) => h,
                 Err(e) => return Err(self.explain_main_end(e)),
             };
+            // A discard list counts as received once it is applied: the source waits for that
+            // before pausing its guest, so that the punching is not downtime.
+            let record = wire::HEADER_SIZE as u64 + h.len;
             let c = &self.control;
-            c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
+            if h.kind != Kind::Discard {
+                c.add(&c.bytes, record);
+            }
             match h.kind {
                 Kind::EndOfPass if !state.is_empty() || self.postcopy.is_some() => {
                     return Err(MigrateError::order(
@@ -371,6 +376,8 @@ impl<'a> Session<'a> {
                     for run in w.chunks_exact(2) {
                         pc.discard(run[0], run[1])?;
                     }
+                    let c = &self.control;
+                    c.add(&c.bytes, record);
                 }
                 Kind::Postcopy => {
                     if state.is_empty() {

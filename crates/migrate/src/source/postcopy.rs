@@ -26,6 +26,15 @@ use crate::stats::PostcopyStats;
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 
+/// Discard lists sent while the guest still runs, at most: each one waits for the destination
+/// to apply the one before and lists the pages dirtied meanwhile.
+const EARLY_DISCARD_ROUNDS: u32 = 4;
+/// Few enough pages for the destination to punch out within the pause (~2 ms): no further
+/// round before pausing.
+const LATE_DISCARD_PAGES: u64 = 4096;
+/// Longest wait for the destination to apply a discard list before the next round.
+const DISCARD_WAIT: Duration = Duration::from_secs(2);
+
 /// Discard runs closer than this many pages are merged (see `Session::coalesce`).
 const DISCARD_GAP: u64 = 16;
 
@@ -57,18 +66,31 @@ impl Session<'_> {
             ..PostcopyStats::default()
         };
         // The pages dirty at the last sync will be sent in postcopy whatever happens next: the
-        // destination drops them while the guest still runs here, so that the pause only
-        // covers the pages dirtied since.
-        let mut early = self.bitmap.clone();
-        let runs = self.coalesce(early.runs(wire::MAX_ZERO_RUN_PAGES), None);
-        for &(gpa, pages) in &runs {
-            for k in 0..pages {
-                early.set(gpa + k * PAGE_SIZE);
-                self.bitmap.set(gpa + k * PAGE_SIZE);
+        // destination drops them while the guest still runs here (punching a GiB out of its
+        // memory takes it ~0.2 s), and again those dirtied meanwhile, so that the pause only
+        // covers the last few.
+        let mut early = DirtyBitmap::new(self.ram.regions());
+        for round in 1..=EARLY_DISCARD_ROUNDS {
+            let runs = self.coalesce(
+                self.bitmap
+                    .runs_except(Some(&early), wire::MAX_ZERO_RUN_PAGES),
+                Some(&early),
+            );
+            let pages: u64 = runs.iter().map(|r| r.1).sum();
+            for &(gpa, n) in &runs {
+                for k in 0..n {
+                    early.set(gpa + k * PAGE_SIZE);
+                    self.bitmap.set(gpa + k * PAGE_SIZE);
+                }
             }
+            self.send_discards(&runs)?;
+            self.conn.flush("discarding stale pages")?;
+            pc.early_discard_rounds = round;
+            if pages <= LATE_DISCARD_PAGES || !self.wait_applied()? {
+                break;
+            }
+            vm.fetch_dirty(&mut self.bitmap)?;
         }
-        self.send_discards(&runs)?;
-        self.conn.flush("discarding stale pages")?;
         let t0 = Instant::now();
         vm.pause()?;
         self.guest = GuestState::Paused;
@@ -156,6 +178,27 @@ impl Session<'_> {
             out.push((gpa, pages));
         }
         out
+    }
+
+    /// Waits (bounded by [`DISCARD_WAIT`]) until the destination acknowledged everything
+    /// sent, the discard lists included (it acknowledges one once applied); false when it does
+    /// not acknowledge, or took too long.
+    fn wait_applied(&mut self) -> Result<bool, MigrateError> {
+        let deadline = Instant::now() + DISCARD_WAIT;
+        loop {
+            self.check_control()?;
+            self.note_acks();
+            if self.acks.use_ != super::acks::AckUse::Live {
+                return Ok(false);
+            }
+            if self.in_flight() == 0 {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Writes Discard records for `runs`.

@@ -1,0 +1,319 @@
+//! `ferry bench postcopy`: postcopy on the built-in guest, with and without the preempt
+//! connection, on loopback and on a link capped at 1 GB/s, against the raw 4 KiB
+//! request/response round trip on the same link measured in the same run (idle, and beside a
+//! bulk stream that fills the link, as the background stream does in postcopy).
+//!
+//! The capped link is a veth pair into a network namespace of its own, with `tc tbf` at
+//! 8 Gbit/s on both ends; the destination's listener is created inside the namespace, so every
+//! connection of the migration crosses the link while both VMs stay in this process. It needs
+//! root (`ip netns`, `tc`); without it the capped rows are skipped with a message saying why.
+//!
+//! Each migration: a 2 GiB guest writing a 1 GiB working set of random pages at 400 MB/s and
+//! flat out, switched to postcopy after pass 1, over 2 data channels. The guest's own stall is
+//! its longest batch of writes after the switch (the pause included) and the time it spent in
+//! batches over 1 ms; the request latency is the destination's, from a fault to its page in
+//! place.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde_json::json;
+
+use super::precopy::{DestinationSetup, Scenario, migrate_over};
+
+#[derive(Debug, Args)]
+pub struct PostcopyBenchArgs {
+    /// Only the migrations whose name contains this (the references always run).
+    #[arg(long)]
+    scenario: Option<String>,
+}
+
+const GIB: u64 = 1 << 30;
+/// Round trips per latency reference.
+const ROUND_TRIPS: usize = 2000;
+/// The capped link's rate: 1 GB/s.
+const LINK_RATE: &str = "8gbit";
+
+pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
+    let capped = match CappedLink::new() {
+        Ok(l) => Some(l),
+        Err(e) => {
+            eprintln!(
+                "ferry bench postcopy: NO CAPPED LINK, its rows are skipped: {e:#} (run as root with iproute2's ip and tc)"
+            );
+            None
+        }
+    };
+    let mut rows = Vec::new();
+    println!("references (same run): 16-byte request, 4 KiB answer");
+    let mut links: Vec<(&str, Option<&CappedLink>)> = vec![("loopback", None)];
+    if let Some(c) = &capped {
+        links.push(("capped 1 GB/s", Some(c)));
+    }
+    for &(name, link) in &links {
+        for busy in [false, true] {
+            let r = round_trips(link, busy)?;
+            println!(
+                "  {:<14} {:<18} mean {:>7.0} µs  p50 {:>6.0} µs  p99 {:>7.0} µs  max {:>7.0} µs",
+                name,
+                if busy { "beside a bulk stream" } else { "idle" },
+                r.mean,
+                r.p50,
+                r.p99,
+                r.max
+            );
+            rows.push(json!({"bench": "postcopy_ref", "link": name, "busy": busy,
+                "mean_us": r.mean, "p50_us": r.p50, "p99_us": r.p99, "max_us": r.max}));
+        }
+    }
+    println!(
+        "\n2 GiB guest, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms"
+    );
+    println!(
+        "{:<34} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
+        "migration",
+        "total ms",
+        "down",
+        "post ms",
+        "stall ms",
+        "slow ms",
+        "asked",
+        "again",
+        "mean µs",
+        "p50",
+        "p99",
+        "max"
+    );
+    for &(link_name, link) in &links {
+        for rate in ["400", "max"] {
+            for preempt in [false, true] {
+                let name = format!(
+                    "{link_name}, {rate} MB/s, {}",
+                    if preempt { "preempt" } else { "no preempt" }
+                );
+                if args.scenario.as_deref().is_some_and(|o| !name.contains(o)) {
+                    continue;
+                }
+                let s = Scenario {
+                    postcopy: Some(preempt),
+                    ..Scenario::new(
+                        &name,
+                        2 * GIB,
+                        &format!(
+                            "ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"
+                        ),
+                        2,
+                    )
+                };
+                let listener = match link {
+                    None => TcpListener::bind("127.0.0.1:0")?,
+                    Some(l) => l.listener()?,
+                };
+                let m = migrate_over(&s, DestinationSetup::default(), listener)
+                    .with_context(|| format!("migration '{name}'"))?;
+                let st = &m.stats;
+                let pc = st
+                    .postcopy
+                    .clone()
+                    .context("the migration did not switch to postcopy")?;
+                let stall_ms = m.guest.max_batch_ns as f64 / 1e6;
+                let slow_ms = m.guest.slow_batch_ns as f64 / 1e6;
+                println!(
+                    "{:<34} {:>8.0} {:>7.1} {:>7.0} {:>8.1} {:>8.0} {:>6} {:>6} {:>8.0} {:>7} {:>7} {:>7}",
+                    name,
+                    st.total_ms,
+                    st.downtime.total_ms,
+                    pc.duration_ms,
+                    stall_ms,
+                    slow_ms,
+                    pc.pages_requested,
+                    pc.pages_resent,
+                    pc.latency_mean_us,
+                    pc.latency_p50_us,
+                    pc.latency_p99_us,
+                    pc.latency_max_us
+                );
+                rows.push(
+                    json!({"bench": "postcopy", "migration": name, "link": link_name,
+                    "rate": rate, "preempt": preempt, "total_ms": st.total_ms,
+                    "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
+                    "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
+                    "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
+                );
+            }
+        }
+    }
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Round-trip times in µs.
+struct RoundTrips {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+/// [`ROUND_TRIPS`] 16-byte requests each answered with 4 KiB, over `link` (loopback if
+/// `None`); with `busy`, beside a bulk stream in the same direction as the answers.
+fn round_trips(link: Option<&CappedLink>, busy: bool) -> anyhow::Result<RoundTrips> {
+    let listen = || match link {
+        None => TcpListener::bind("127.0.0.1:0").map_err(anyhow::Error::from),
+        Some(l) => l.listener(),
+    };
+    let server = listen()?;
+    let addr = server.local_addr()?;
+    let answering = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = server.accept()?;
+        s.set_nodelay(true)?;
+        let (mut req, page) = ([0u8; 16], vec![0x5au8; 4096]);
+        while s.read_exact(&mut req).is_ok() {
+            s.write_all(&page)?;
+        }
+        Ok(())
+    });
+    // The bulk stream: the destination side writes as fast as the link takes it back to us,
+    // as postcopy's background pages flow; it stops when we close it.
+    let bulk = if busy {
+        let bulk_server = listen()?;
+        let bulk_addr = bulk_server.local_addr()?;
+        let mut reader = TcpStream::connect(bulk_addr)?;
+        let stop = reader.try_clone()?;
+        let writer = std::thread::spawn(move || {
+            if let Ok((mut s, _)) = bulk_server.accept() {
+                let chunk = vec![0u8; 1 << 20];
+                while s.write_all(&chunk).is_ok() {}
+            }
+        });
+        let draining = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 20];
+            while matches!(reader.read(&mut buf), Ok(n) if n > 0) {}
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        Some((writer, draining, stop))
+    } else {
+        None
+    };
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let mut page = vec![0u8; 4096];
+    let mut us = Vec::with_capacity(ROUND_TRIPS);
+    for _ in 0..ROUND_TRIPS {
+        let t = Instant::now();
+        s.write_all(&[1u8; 16])?;
+        s.read_exact(&mut page)?;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(s);
+    answering.join().expect("answering thread")?;
+    if let Some((writer, draining, stop)) = bulk {
+        // Shutting the bulk connection down ends both its reader and (its writes failing)
+        // its writer.
+        let _ = stop.shutdown(std::net::Shutdown::Both);
+        let _ = draining.join();
+        let _ = writer.join();
+    }
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| us[((us.len() as f64 * q) as usize).min(us.len() - 1)];
+    Ok(RoundTrips {
+        mean: us.iter().sum::<f64>() / us.len() as f64,
+        p50: at(0.5),
+        p99: at(0.99),
+        max: us[us.len() - 1],
+    })
+}
+
+/// A veth pair into a network namespace of its own, both ends shaped to [`LINK_RATE`] with
+/// `tc tbf`. Removed on drop.
+struct CappedLink {
+    netns: String,
+    /// The address of the namespace's end.
+    remote: String,
+}
+
+impl CappedLink {
+    fn new() -> anyhow::Result<CappedLink> {
+        let id = std::process::id() % 100_000;
+        let netns = format!("ferry-bench-{id}");
+        let (here, there) = (format!("fbh{id}"), format!("fbt{id}"));
+        // A namespace of this name left by a run that was killed goes first.
+        let _ = sh(&["ip", "netns", "del", &netns]);
+        let link = CappedLink {
+            netns: netns.clone(),
+            remote: "10.253.77.2".into(),
+        };
+        // A half-made link is removed by `link`'s drop if a step fails.
+        sh(&["ip", "netns", "add", &netns])?;
+        sh(&[
+            "ip", "link", "add", &here, "type", "veth", "peer", "name", &there, "netns", &netns,
+        ])?;
+        sh(&["ip", "addr", "add", "10.253.77.1/30", "dev", &here])?;
+        sh(&["ip", "link", "set", &here, "up"])?;
+        let inside = |args: &[&str]| {
+            let mut v = vec!["ip", "netns", "exec", netns.as_str()];
+            v.extend_from_slice(args);
+            sh(&v)
+        };
+        inside(&["ip", "addr", "add", "10.253.77.2/30", "dev", &there])?;
+        inside(&["ip", "link", "set", &there, "up"])?;
+        inside(&["ip", "link", "set", "lo", "up"])?;
+        // burst: at least a timer tick of the rate (1 GB/s / 1000 Hz = 1 MB); latency bounds
+        // the queue to 2 ms of the rate.
+        let tbf = [
+            "root", "tbf", "rate", LINK_RATE, "burst", "2mb", "latency", "2ms",
+        ];
+        let mut tc: Vec<&str> = vec!["tc", "qdisc", "add", "dev", &here];
+        tc.extend_from_slice(&tbf);
+        sh(&tc)?;
+        let mut tc: Vec<&str> = vec!["tc", "qdisc", "add", "dev", &there];
+        tc.extend_from_slice(&tbf);
+        inside(&tc)?;
+        Ok(link)
+    }
+
+    /// A listener on the namespace's end of the link: made by a thread that entered the
+    /// namespace (a socket stays in the namespace it was made in, whichever thread uses it).
+    fn listener(&self) -> anyhow::Result<TcpListener> {
+        let path = format!("/var/run/netns/{}", self.netns);
+        let addr = format!("{}:0", self.remote);
+        std::thread::spawn(move || -> anyhow::Result<TcpListener> {
+            let ns = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
+            // This thread only, and it ends right after making the socket.
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering {path}"))?;
+            Ok(TcpListener::bind(&addr)?)
+        })
+        .join()
+        .expect("the namespace thread")
+    }
+}
+
+impl Drop for CappedLink {
+    fn drop(&mut self) {
+        // Deleting the namespace removes its veth end, and with it the pair.
+        let _ = sh(&["ip", "netns", "del", &self.netns]);
+    }
+}
+
+/// Runs a command; fails with its stderr.
+fn sh(argv: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new(argv[0])
+        .args(&argv[1..])
+        .output()
+        .with_context(|| format!("running {}", argv[0]))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            argv.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
