@@ -116,6 +116,11 @@ pub struct PostcopyStats {
     pub latency_max_us: u64,
     /// Bucket k counts requests that took [2^k, 2^(k+1)) µs.
     pub latency_buckets: Vec<u64>,
+    /// Time the destination's threads waited for pages they asked for: the sum of the
+    /// fault-to-page times (QEMU's postcopy blocktime; exact for one vCPU, and with several
+    /// a wait on a page another vCPU asked for first is not counted).
+    #[serde(default)]
+    pub vcpu_blocktime_ms: f64,
 }
 
 /// The migration at one moment, for `ferry report`'s timeline.

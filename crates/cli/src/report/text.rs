@@ -74,8 +74,12 @@ pub fn print_stats(s: &MigrationStats) {
             pc.bytes as f64 / 1e6
         );
         println!(
-            "fault to page    {:>10.0} µs mean, p50 {} µs, p99 {} µs, max {} µs (on the destination)",
-            pc.latency_mean_us, pc.latency_p50_us, pc.latency_p99_us, pc.latency_max_us
+            "fault to page    {:>10.0} µs mean, p50 {} µs, p99 {} µs, max {} µs (on the destination); blocktime {:.1} ms",
+            pc.latency_mean_us,
+            pc.latency_p50_us,
+            pc.latency_p99_us,
+            pc.latency_max_us,
+            pc.vcpu_blocktime_ms
         );
     }
     // One line for scripts; the timeline (up to a few hundred KiB) goes only to --stats-out.

@@ -146,6 +146,7 @@ impl Session<'_> {
         pc.latency_p99_us = latencies.quantile_us(0.99);
         pc.latency_max_us = latencies.max_us;
         pc.latency_buckets = latencies.buckets.to_vec();
+        pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
         self.stats.postcopy = Some(pc);
         Ok(())
     }
