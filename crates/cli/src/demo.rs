@@ -68,6 +68,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         cmdline: cmdline.clone(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        host_pages: Default::default(),
     };
     println!(
         "ferry demo: source VM, {} MiB RAM, guest `{cmdline}`",

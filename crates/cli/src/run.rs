@@ -10,6 +10,7 @@ use clap::Args;
 use ferry_migrate::MigrateError;
 use ferry_migrate::transport::Address;
 use ferry_vmm::api::server::ApiServer;
+use ferry_vmm::memory::HostPages;
 use ferry_vmm::{GuestKind, RunState, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 
 #[derive(Debug, Args)]
@@ -41,6 +42,11 @@ pub struct RunArgs {
     /// sparse on this host.
     #[arg(long, requires = "incoming")]
     prealloc: bool,
+    /// Back guest RAM with 2 MiB huge pages from the host's hugetlbfs pool (reserve them
+    /// first: /proc/sys/vm/nr_hugepages); all of RAM is reserved at start. Precopy migrates it
+    /// (into a destination started with --hugepages too, or not); postcopy does not yet.
+    #[arg(long)]
+    hugepages: bool,
 }
 
 /// How an incoming VM's RAM is readied before the migration.
@@ -196,6 +202,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         cmdline: args.cmdline,
         guest,
         serial,
+        host_pages: if args.hugepages {
+            HostPages::Huge2M
+        } else {
+            HostPages::Small
+        },
     };
     let interrupt = Interrupt::install()?;
     let (vm, _api) = match &args.incoming {

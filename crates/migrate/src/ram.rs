@@ -407,6 +407,21 @@ impl Ram {
         Ok(())
     }
 
+    /// Whether any region is backed by hugetlbfs (its host pages are huge): postcopy, which
+    /// places 4 KiB pages, cannot run over it.
+    pub fn on_hugetlbfs(&self) -> bool {
+        /// `HUGETLBFS_MAGIC` from linux/magic.h.
+        const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+        self.regions.iter().any(|r| {
+            // SAFETY: fstatfs writes one `statfs` into the zeroed value we own; `r.fd` is the
+            // region's file (an invalid fd only makes the call fail).
+            let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let ok = unsafe { libc::fstatfs(r.fd, &mut st) } == 0;
+            ok && st.f_type as i64 == HUGETLBFS_MAGIC
+        })
+    }
+
     /// The guest address of the page at host address `addr`, if it is in RAM.
     pub fn gpa_of_host(&self, addr: usize) -> Option<u64> {
         self.regions

@@ -69,6 +69,12 @@ pub enum MemoryError {
     TooLarge { size: u64 },
     #[error("--memory {} is not a multiple of 2M; round it, e.g. to {}M", Size(*size), size.div_ceil(MEMORY_GRANULE) * 2)]
     Unaligned { size: u64 },
+    #[error(
+        "not enough free 2 MiB huge pages for {} of guest RAM: reserve {} more first (as root: sysctl vm.nr_hugepages=<the current value + that>), or run without --hugepages",
+        Size(*size),
+        size / (2 << 20)
+    )]
+    HugePages { size: u64 },
     #[error("cannot create the guest RAM memfd: {source}")]
     Memfd {
         #[source]
@@ -181,16 +187,40 @@ pub struct GuestRam {
     /// Whether [`GuestRam::prealloc`] populated every page (a destination lands pages
     /// differently in populated RAM).
     populated: AtomicBool,
+    pages: HostPages,
+}
+
+/// The host pages guest RAM is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostPages {
+    /// 4 KiB pages of a memfd, allocated as the guest touches them.
+    #[default]
+    Small,
+    /// 2 MiB hugetlbfs pages (`ferry run --hugepages`), reserved up front.
+    Huge2M,
 }
 
 impl GuestRam {
-    /// Creates `size` bytes of sparse guest RAM.
+    /// Creates `size` bytes of sparse guest RAM in 4 KiB pages.
     pub fn new(size: u64) -> Result<GuestRam, MemoryError> {
+        GuestRam::with_pages(size, HostPages::Small)
+    }
+
+    /// Creates `size` bytes of guest RAM backed by `pages`. Huge pages come from the host's
+    /// hugetlbfs pool (`/proc/sys/vm/nr_hugepages`), reserved in full when RAM is mapped (so
+    /// a short pool is an error here, not a crash when the guest touches its memory), and
+    /// cannot be written through the memfd (a destination lands pages through the mapping).
+    pub fn with_pages(size: u64, pages: HostPages) -> Result<GuestRam, MemoryError> {
         validate_size(size)?;
-        let memfd = create_memfd().map_err(|source| MemoryError::Memfd { source })?;
+        let memfd = create_memfd(pages).map_err(|source| MemoryError::Memfd { source })?;
         memfd
             .set_len(size)
             .map_err(|source| MemoryError::Resize { size, source })?;
+        let flags = match pages {
+            HostPages::Small => libc::MAP_SHARED | libc::MAP_NORESERVE,
+            HostPages::Huge2M => libc::MAP_SHARED,
+        };
         let mut regions = Vec::new();
         let mut mapped = Vec::new();
         for (gpa, len, file_offset) in layout(size) {
@@ -202,12 +232,15 @@ impl GuestRam {
                 MmapRegionBuilder::new_with_bitmap(len as usize, bitmap)
                     .with_file_offset(FileOffset::new(fd, file_offset))
                     .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                    .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                    .with_mmap_flags(flags)
                     .build()
-                    .map_err(|source| MemoryError::Map {
-                        gpa,
-                        size: len,
-                        source,
+                    .map_err(|source| match pages {
+                        HostPages::Huge2M => MemoryError::HugePages { size },
+                        HostPages::Small => MemoryError::Map {
+                            gpa,
+                            size: len,
+                            source,
+                        },
                     })?;
             regions.push(RamRegion {
                 gpa,
@@ -228,7 +261,13 @@ impl GuestRam {
             memory,
             tracking: AtomicBool::new(false),
             populated: AtomicBool::new(false),
+            pages,
         })
+    }
+
+    /// The host pages backing guest RAM.
+    pub fn host_pages(&self) -> HostPages {
+        self.pages
     }
 
     pub fn size(&self) -> u64 {
@@ -472,9 +511,13 @@ fn bitmap(region: &GuestRegionMmap<AtomicBitmap>) -> &AtomicBitmap {
     map.bitmap()
 }
 
-fn create_memfd() -> std::io::Result<File> {
+fn create_memfd(pages: HostPages) -> std::io::Result<File> {
+    let flags = match pages {
+        HostPages::Small => libc::MFD_CLOEXEC,
+        HostPages::Huge2M => libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+    };
     // SAFETY: memfd_create takes a NUL-terminated name and flags and returns a new fd or -1.
-    let fd = unsafe { libc::memfd_create(c"ferry-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"ferry-guest-ram".as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }

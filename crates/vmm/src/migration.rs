@@ -311,7 +311,13 @@ unsafe impl DestinationVm for IncomingVm {
     /// sparse RAM writes through the memfd (measured in `PageLanding`'s doc).
     fn page_landing(&self, channels: u16) -> PageLanding {
         self.landing
-            .unwrap_or_else(|| landing_for(self.shared.ram.is_populated(), channels))
+            .unwrap_or_else(|| match self.shared.ram.host_pages() {
+                // hugetlbfs has no write(): huge pages land through the mapping.
+                crate::memory::HostPages::Huge2M => PageLanding::Mapping,
+                crate::memory::HostPages::Small => {
+                    landing_for(self.shared.ram.is_populated(), channels)
+                }
+            })
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {

@@ -173,6 +173,7 @@ mod tests {
             cmdline: String::new(),
             guest: GuestKind::Foreign,
             serial: SerialOutput::Discard,
+            host_pages: Default::default(),
         })
         .unwrap()
     }

@@ -44,6 +44,8 @@ pub struct VmConfig {
     pub cmdline: String,
     pub guest: GuestKind,
     pub serial: SerialOutput,
+    /// What guest RAM is made of: 4 KiB pages, or 2 MiB huge pages (`--hugepages`).
+    pub host_pages: crate::memory::HostPages,
 }
 
 /// Why a VM stopped.
@@ -162,7 +164,10 @@ impl Vm {
     /// Everything that can be checked without KVM is checked first.
     pub fn boot(config: VmConfig) -> Result<Vm, VmmError> {
         check_config(&config)?;
-        let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
+        let ram = Arc::new(GuestRam::with_pages(
+            config.memory_bytes,
+            config.host_pages,
+        )?);
         let setup = boot::load(&ram, &config.kernel, &config.cmdline)?;
         if config.guest == GuestKind::FerryGuest {
             boot::check_workload(&config.cmdline, &ram, setup.image_end)?;
@@ -176,7 +181,10 @@ impl Vm {
     /// and command line are not used: the guest arrives with its memory.
     pub fn incoming(config: VmConfig) -> Result<IncomingVm, VmmError> {
         check_config(&config)?;
-        let ram = Arc::new(GuestRam::new(config.memory_bytes)?);
+        let ram = Arc::new(GuestRam::with_pages(
+            config.memory_bytes,
+            config.host_pages,
+        )?);
         let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
         Ok(IncomingVm {
             shared: build(&config, ram, Some(control))?,

@@ -211,6 +211,7 @@ pub(super) fn migrate_over(
         cmdline: s.cmdline.clone(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        host_pages: Default::default(),
     };
     let source = Vm::boot(config.clone())?;
     let src = source.handle();

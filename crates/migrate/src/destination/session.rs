@@ -140,7 +140,7 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: Refusal::Accepted as u32,
             channels: hello.channels,
-            capabilities: hello.capabilities.grant(supported()),
+            capabilities: hello.capabilities.grant(supported(&self.ram)),
         };
         let refusal = if hello.role != Role::Main || hello.channel != 0 {
             Some((
@@ -634,9 +634,17 @@ enum PrecopyEnd {
 
 /// What this destination offers: postcopy only where a userfaultfd can be opened (it needs
 /// the kernel's support and the permission: `vm.unprivileged_userfaultfd` or
-/// `CAP_SYS_PTRACE`, or access to `/dev/userfaultfd`).
-fn supported() -> Capabilities {
-    let without = Capabilities(Capabilities::SUPPORTED.0 & !Capabilities::POSTCOPY.0);
+/// `CAP_SYS_PTRACE`, or access to `/dev/userfaultfd`), and not over huge pages yet.
+fn supported(ram: &Ram) -> Capabilities {
+    let without = Capabilities(
+        Capabilities::SUPPORTED.0 & !(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0),
+    );
+    if ram.on_hugetlbfs() {
+        tracing::warn!(
+            "postcopy is not offered: guest RAM is on huge pages, which postcopy does not handle yet"
+        );
+        return without;
+    }
     match crate::uffd::Uffd::new() {
         Ok(u) if u.features().missing_shmem => Capabilities::SUPPORTED,
         Ok(_) => {

@@ -374,7 +374,7 @@ impl<'a> Session<'a> {
         }
         if self.params.postcopy && !granted.postcopy {
             return Err(MigrateError::Refused(
-                "the destination does not offer postcopy (an older ferry, or userfaultfd is not available to it: see its log); migrate without --postcopy".into(),
+                "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
             ));
         }
         self.postcopy_granted = granted.postcopy;

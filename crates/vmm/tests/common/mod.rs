@@ -30,6 +30,7 @@ pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig 
         cmdline: cmdline.into(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::File(serial.into()),
+        host_pages: Default::default(),
     }
 }
 
