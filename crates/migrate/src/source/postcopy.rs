@@ -113,24 +113,9 @@ impl Session<'_> {
         self.pool.postcopy()?;
         let sections = vm.save_state()?;
         let t3 = Instant::now();
-        self.send_device_state(&sections)?;
-        self.conn.write_header(&Header::new(Kind::Postcopy, 0, 0))?;
-        self.conn.flush("switching to postcopy")?;
-        self.handed_over = true;
+        // No final pages: they come after the switch.
+        self.hand_over(&sections, Kind::Postcopy, [t0, t1, t2, t2, t3])?;
         let bytes_at_switch = self.bytes_written();
-        let resumed = self
-            .await_resumed()
-            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
-        let t4 = Instant::now();
-        let d = &mut self.stats.downtime;
-        d.total_ms = ms(t4 - t0);
-        d.pause_ms = ms(t1 - t0);
-        d.final_sync_ms = ms(t2 - t1);
-        d.state_save_ms = ms(t3 - t2);
-        d.load_ms = resumed.load_ns as f64 / 1e6;
-        d.resume_ms = resumed.resume_ns as f64 / 1e6;
-        d.transfer_ms = (ms(t4 - t3) - d.load_ms - d.resume_ms).max(0.0);
-        self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
         self.set_phase(Phase::Postcopy);
 
         let listed = self.bitmap.clone();

@@ -48,9 +48,23 @@ impl Session<'_> {
         let t3 = Instant::now();
         let sections = vm.save_state()?;
         let t4 = Instant::now();
-        self.send_device_state(&sections)?;
-        self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
-        self.conn.flush("completing")?;
+        self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4])
+    }
+
+    /// Sends the saved state and `last` (Complete, or Postcopy), hands the guest over, waits
+    /// for the destination's Resumed and records where the downtime went; `steps` are when
+    /// the pause was asked for, the guest paused, the final sync, the final pages and the
+    /// state save ended.
+    pub(super) fn hand_over(
+        &mut self,
+        sections: &[Section],
+        last: Kind,
+        steps: [Instant; 5],
+    ) -> Result<(), MigrateError> {
+        let [t0, t1, t2, t3, t4] = steps;
+        self.send_device_state(sections)?;
+        self.conn.write_header(&Header::new(last, 0, 0))?;
+        self.conn.flush("handing the guest over")?;
         self.handed_over = true;
         let resumed = self
             .await_resumed()
