@@ -276,15 +276,10 @@ impl Session<'_> {
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         self.check_ended()?;
-        let reader = self.acks.reader.as_ref().expect("the reader runs");
-        let runs = reader.take_requests();
+        let runs = self.take_requests(pc)?;
         let mut urgent = Vec::new();
         let mut again = Vec::new();
         for (gpa, pages) in runs {
-            pc.requests += 1;
-            self.ram.check_run(gpa, pages).map_err(|e| {
-                MigrateError::order(format!("the destination requested pages outside RAM: {e}"))
-            })?;
             for k in 0..pages {
                 let page = gpa + k * PAGE_SIZE;
                 if self.bitmap.test_and_clear(page) {
@@ -315,6 +310,24 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// The page requests queued since the last call, counted and checked: a request outside
+    /// RAM ends the migration.
+    fn take_requests(&self, pc: &mut PostcopyStats) -> Result<Vec<(u64, u64)>, MigrateError> {
+        let runs = self
+            .acks
+            .reader
+            .as_ref()
+            .expect("the reader runs")
+            .take_requests();
+        for &(gpa, pages) in &runs {
+            pc.requests += 1;
+            self.ram.check_run(gpa, pages).map_err(|e| {
+                MigrateError::order(format!("the destination requested pages outside RAM: {e}"))
+            })?;
+        }
+        Ok(runs)
+    }
+
     /// Fails if the reader ended: the destination's Error, or a broken main connection (the
     /// destination cannot ask for pages any more).
     fn check_ended(&mut self) -> Result<(), MigrateError> {
@@ -333,12 +346,12 @@ impl Session<'_> {
     }
 
     /// Waits for the destination's Done; requests that still arrive are for pages on their
-    /// way and are only counted.
+    /// way and are only counted (and checked).
     fn await_done(&mut self, pc: &mut PostcopyStats) -> Result<Latencies, MigrateError> {
         let deadline = Instant::now() + DONE_TIMEOUT;
-        let reader = self.acks.reader.as_ref().expect("the reader runs");
         loop {
-            pc.requests += reader.take_requests().len() as u64;
+            self.take_requests(pc)?;
+            let reader = self.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {
                 Some(Ok(Inbound::Done(l))) => return Ok(*l),
                 Some(Ok(Inbound::Error(message))) => return Err(MigrateError::Remote(message)),
