@@ -144,13 +144,13 @@ fn a_short_huge_page_pool_is_an_error_that_names_the_fix() {
     require_kvm();
     let dir = tempfile::tempdir().unwrap();
     // 64 GiB of huge pages is more than this host's pool and memory.
-    let e = Vm::boot(VmConfig {
+    let e = match Vm::boot(VmConfig {
         memory_bytes: 64 << 30,
         ..huge("", &dir.path().join("serial.log"))
-    })
-    .err()
-    .expect("a pool too short for the guest is refused")
-    .to_string();
+    }) {
+        Ok(_) => panic!("a pool too short for the guest is refused"),
+        Err(e) => e.to_string(),
+    };
     assert!(
         e.contains("reserve 32768 more") && e.contains("nr_hugepages"),
         "{e}"
