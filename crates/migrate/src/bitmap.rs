@@ -200,15 +200,10 @@ impl DirtyBitmap {
         Cursor::default()
     }
 
-    /// The marked pages as runs `(gpa, pages)` in address order, each inside one region and at
-    /// most `max_pages` long. Walks the whole bitmap (skipping empty words), so it is for the
-    /// one-off uses (postcopy's discard list), not for a loop.
-    pub fn runs(&self, max_pages: u64) -> Vec<(u64, u64)> {
-        self.runs_except(None, max_pages)
-    }
-
-    /// [`DirtyBitmap::runs`] of the pages marked here and not in `except` (a bitmap of the
-    /// same regions).
+    /// The pages marked here and not in `except` (a bitmap of the same regions), as runs
+    /// `(gpa, pages)` in address order, each inside one region and at most `max_pages` long.
+    /// Walks the whole bitmap (skipping empty words), so it is for the one-off uses
+    /// (postcopy's discard lists), not for a loop.
     pub fn runs_except(&self, except: Option<&DirtyBitmap>, max_pages: u64) -> Vec<(u64, u64)> {
         let mut out: Vec<(u64, u64)> = Vec::new();
         for (k, r) in self.regions.iter().enumerate() {
@@ -283,7 +278,7 @@ mod tests {
         b.set(1 << 32);
         b.set((1 << 32) + PAGE_SIZE);
         assert_eq!(
-            b.runs(2),
+            b.runs_except(None, 2),
             vec![
                 (0, 2),
                 (2 * PAGE_SIZE, 1),
@@ -293,7 +288,7 @@ mod tests {
                 (1 << 32, 2),
             ]
         );
-        assert_eq!(b.runs(1000)[0], (0, 3));
+        assert_eq!(b.runs_except(None, 1000)[0], (0, 3));
         let mut earlier = bitmap();
         earlier.set(PAGE_SIZE);
         earlier.set(64 * PAGE_SIZE);
@@ -301,7 +296,7 @@ mod tests {
             b.runs_except(Some(&earlier), 1000)[..3],
             [(0, 1), (2 * PAGE_SIZE, 1), (63 * PAGE_SIZE, 1)]
         );
-        assert_eq!(b.count(), 9, "runs() only looks");
+        assert_eq!(b.count(), 9, "runs_except() only looks");
         assert!(b.test_and_clear(64 * PAGE_SIZE));
         assert!(!b.test_and_clear(64 * PAGE_SIZE));
         assert!(!b.test_and_clear(5000 * PAGE_SIZE), "not RAM");

@@ -228,38 +228,42 @@ impl Ram {
     /// `None` when the rest of the region is a hole.
     pub fn next_data(&self, region: usize, from: u64) -> std::io::Result<Option<(u64, u64)>> {
         let r = &self.regions[region];
-        let end = r.file_offset + r.size;
         let at = r.file_offset + (from - r.gpa);
-        if at >= end {
-            return Ok(None);
-        }
-        let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
-            // SAFETY: lseek on the region's file descriptor; it moves only the file offset,
-            // which nothing else in ferry uses (all guest memory access is through the mapping).
-            let ret = unsafe { libc::lseek(r.fd, offset as libc::off_t, whence) };
-            if ret < 0 {
-                let e = std::io::Error::last_os_error();
-                return if e.raw_os_error() == Some(libc::ENXIO) {
-                    Ok(None)
-                } else {
-                    Err(e)
-                };
-            }
-            Ok(Some(ret as u64))
-        };
-        let Some(data) = seek(at, libc::SEEK_DATA)? else {
-            return Ok(None);
-        };
-        if data >= end {
-            return Ok(None);
-        }
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
-        let page_down = |x: u64| x / PAGE_SIZE * PAGE_SIZE;
-        Ok(Some((
-            r.gpa + page_down(data - r.file_offset),
-            r.gpa + (hole - r.file_offset).next_multiple_of(PAGE_SIZE),
-        )))
+        Ok(next_data_in_file(r.fd, at, r.file_offset + r.size)?
+            .map(|(data, hole)| (r.gpa + data - r.file_offset, r.gpa + hole - r.file_offset)))
     }
+}
+
+/// The next populated range of file `fd` at or after offset `from` and before `end`, as
+/// `(start, end)` offsets rounded out to whole pages, found with `SEEK_DATA`/`SEEK_HOLE`;
+/// `None` when the rest up to `end` is a hole. Moves the file's offset, which guest RAM's users
+/// never rely on (they go through the mapping, or `pread`/`pwrite` at explicit offsets).
+pub fn next_data_in_file(fd: RawFd, from: u64, end: u64) -> std::io::Result<Option<(u64, u64)>> {
+    if from >= end {
+        return Ok(None);
+    }
+    let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
+        // SAFETY: lseek takes plain integers and only moves the file offset of `fd` (an
+        // invalid fd makes it fail); no memory is read or written.
+        let ret = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
+        if ret < 0 {
+            let e = std::io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::ENXIO) {
+                Ok(None)
+            } else {
+                Err(e)
+            };
+        }
+        Ok(Some(ret as u64))
+    };
+    let Some(data) = seek(from, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+        return Ok(None);
+    };
+    let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+    Ok(Some((
+        data / PAGE_SIZE * PAGE_SIZE,
+        hole.next_multiple_of(PAGE_SIZE),
+    )))
 }
 
 impl Ram {
@@ -413,10 +417,10 @@ impl Ram {
         /// `HUGETLBFS_MAGIC` from linux/magic.h.
         const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
         self.regions.iter().any(|r| {
-            // SAFETY: fstatfs writes one `statfs` into the zeroed value we own; `r.fd` is the
-            // region's file (an invalid fd only makes the call fail).
+            // SAFETY: `statfs` is plain integers, for which all-zero bytes are a valid value.
             let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
+            // SAFETY: fstatfs writes one `statfs` into `st`, which we own for the call; `r.fd`
+            // is the region's file (an invalid fd only makes the call fail).
             let ok = unsafe { libc::fstatfs(r.fd, &mut st) } == 0;
             ok && st.f_type as i64 == HUGETLBFS_MAGIC
         })

@@ -355,10 +355,8 @@ impl Receiver {
         }
         if let Some(pc) = &self.postcopy {
             // No claim: a postcopy page may come twice (a requested page again on the preempt
-            // connection), and installing is atomic; the first copy wins.
-            for &gpa in &gpas {
-                self.shared.ram.page_index(gpa)?;
-            }
+            // connection), and installing is atomic; the first copy wins. `install_pages` checks
+            // every address before it reads the data.
             pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?;
             self.stats.pages += u64::from(count);
             let c = &self.shared.control;

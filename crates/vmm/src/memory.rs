@@ -407,33 +407,13 @@ impl GuestRam {
     /// on the memfd: what a source could announce so that a destination populates exactly
     /// those ranges ahead of the data.
     pub fn data_extents(&self) -> std::io::Result<Vec<(u64, u64)>> {
-        use std::os::fd::AsRawFd;
-        let fd = self.memfd.as_raw_fd();
-        let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
-            // SAFETY: lseek on our own memfd moves only its file offset, which nothing uses
-            // (guest memory is accessed through the mapping or with pread/pwrite).
-            let ret = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
-            if ret < 0 {
-                let e = std::io::Error::last_os_error();
-                return if e.raw_os_error() == Some(libc::ENXIO) {
-                    Ok(None)
-                } else {
-                    Err(e)
-                };
-            }
-            Ok(Some(ret as u64))
-        };
-        let page = ferry_guest_abi::PAGE_SIZE;
         let mut extents = Vec::new();
         for r in &self.regions {
             let end = r.file_offset + r.size;
             let mut at = r.file_offset;
-            while at < end {
-                let Some(data) = seek(at, libc::SEEK_DATA)?.filter(|&d| d < end) else {
-                    break;
-                };
-                let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
-                let (from, to) = (data / page * page, hole.next_multiple_of(page));
+            while let Some((from, to)) =
+                ferry_migrate::ram::next_data_in_file(self.memfd.as_raw_fd(), at, end)?
+            {
                 extents.push((r.gpa + from - r.file_offset, to - from));
                 at = to;
             }

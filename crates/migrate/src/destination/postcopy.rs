@@ -137,9 +137,10 @@ impl Postcopy {
         gpas: &[u64],
         buffer: &mut Vec<u8>,
     ) -> Result<(), MigrateError> {
-        for &gpa in gpas {
-            self.check_needed(gpa)?;
-        }
+        let indices = gpas
+            .iter()
+            .map(|&gpa| self.needed_index(gpa))
+            .collect::<Result<Vec<u64>, MigrateError>>()?;
         let len = gpas.len() * PAGE_SIZE as usize;
         if buffer.len() < len {
             buffer.resize(len, 0);
@@ -152,7 +153,7 @@ impl Postcopy {
         for (k, &gpa) in gpas.iter().enumerate() {
             let host = self.ram.page(gpa)?;
             let data = &buffer[k * PAGE_SIZE as usize..(k + 1) * PAGE_SIZE as usize];
-            self.fill(self.uffd.copy(host, data, Wake::Later))?;
+            placed(self.uffd.copy(host, data, Wake::Later))?;
             run = match run {
                 Some((start, n)) if start + n * PAGE_SIZE as usize == host => Some((start, n + 1)),
                 Some((start, n)) => {
@@ -165,45 +166,38 @@ impl Postcopy {
         if let Some((start, n)) = run {
             self.wake(start, n)?;
         }
-        for &gpa in gpas {
-            self.installed_page(gpa)?;
+        for i in indices {
+            self.installed(i);
         }
         Ok(())
     }
 
-    /// Installs a zero run (checked and claimed by the receiver): every page must be needed.
+    /// Installs a zero run (checked to be one RAM region by the receiver): every page must be
+    /// needed.
     pub(crate) fn install_zero(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
-        for k in 0..pages {
-            self.check_needed(gpa + k * PAGE_SIZE)?;
-        }
+        let indices = (0..pages)
+            .map(|k| self.needed_index(gpa + k * PAGE_SIZE))
+            .collect::<Result<Vec<u64>, MigrateError>>()?;
         let host = self.ram.page(gpa)?;
-        self.fill(
+        placed(
             self.uffd
                 .zeropage(host, (pages * PAGE_SIZE) as usize, Wake::Now),
         )?;
-        for k in 0..pages {
-            self.installed_page(gpa + k * PAGE_SIZE)?;
+        for i in indices {
+            self.installed(i);
         }
         Ok(())
     }
 
-    fn check_needed(&self, gpa: u64) -> Result<(), MigrateError> {
-        if self.needed.get(self.ram.page_index(gpa)?) {
-            Ok(())
+    /// The page index of `gpa`, which must be RAM and on the discard list.
+    fn needed_index(&self, gpa: u64) -> Result<u64, MigrateError> {
+        let i = self.ram.page_index(gpa)?;
+        if self.needed.get(i) {
+            Ok(i)
         } else {
             Err(MigrateError::order(format!(
                 "postcopy page {gpa:#x} is not on the discard list: the destination holds its last version"
             )))
-        }
-    }
-
-    /// A fill's outcome. Only receivers fill needed pages and the fault thread fills only
-    /// pages that are not needed, so a page already there was placed by something outside the
-    /// migration; userfaultfd never overwrites it, and it is kept.
-    fn fill(&self, r: Result<CopyOutcome, crate::uffd::UffdError>) -> Result<(), MigrateError> {
-        match r {
-            Ok(_) => Ok(()),
-            Err(e) => Err(MigrateError::Internal(format!("postcopy: {e}"))),
         }
     }
 
@@ -213,12 +207,11 @@ impl Postcopy {
             .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
     }
 
-    /// Marks a page installed: its latency if a vCPU waited, and the count. A second copy
+    /// Marks page `i` installed: its latency if a vCPU waited, and the count. A second copy
     /// of a page (it found the page there) changes nothing.
-    fn installed_page(&self, gpa: u64) -> Result<(), MigrateError> {
-        let i = self.ram.page_index(gpa)?;
+    fn installed(&self, i: u64) {
         if self.installed.set(i) {
-            return Ok(());
+            return;
         }
         if self.requested.get(i)
             && let Some(t) = self.first_fault.lock().unwrap().remove(&i)
@@ -232,7 +225,6 @@ impl Postcopy {
             let _guard = self.all_in.0.lock().unwrap();
             self.all_in.1.notify_all();
         }
-        Ok(())
     }
 
     /// Waits until every needed page is installed, the fault thread failed, or `timeout`.
@@ -298,7 +290,7 @@ impl Postcopy {
         let host = f.addr & !(PAGE_SIZE as usize - 1);
         if !self.needed.get(i) {
             self.zero_fills.fetch_add(1, Ordering::Relaxed);
-            self.fill(self.uffd.zeropage(host, PAGE_SIZE as usize, Wake::Now))?;
+            placed(self.uffd.zeropage(host, PAGE_SIZE as usize, Wake::Now))?;
             return Ok(None);
         }
         if self.installed.get(i) {
@@ -339,6 +331,13 @@ impl Postcopy {
         }
         Ok(())
     }
+}
+
+/// A fill's outcome. A page already there is kept (userfaultfd never overwrites): for a listed
+/// page it is the other copy of a page sent twice; for a hole, a page someone placed first.
+fn placed(r: Result<CopyOutcome, crate::uffd::UffdError>) -> Result<(), MigrateError> {
+    r.map(|_| ())
+        .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
 }
 
 /// The fault thread of a postcopy phase.
