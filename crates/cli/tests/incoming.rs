@@ -26,6 +26,7 @@ fn main_hello(memory: u64) -> Vec<u8> {
         status: 0,
         channels: 1,
         capabilities: Capabilities::NONE,
+        postcopy_page_shift: 0,
     }
     .encode()
     .to_vec()

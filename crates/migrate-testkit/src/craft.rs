@@ -16,6 +16,7 @@ pub fn hello(role: Role, channel: u16, uuid: u8, memory: u64, channels: u16) -> 
         status: 0,
         channels,
         capabilities: Capabilities::NONE,
+        postcopy_page_shift: 0,
     }
     .encode()
     .to_vec()

@@ -241,6 +241,37 @@ impl DirtyBitmap {
         out
     }
 
+    /// Marks every page of each unit of `unit_pages` pages (a multiple of 64, counted from
+    /// each region's start) that has a page marked: postcopy over huge pages moves whole host
+    /// pages. Walks the whole bitmap, 8 words at a time for 2 MiB units.
+    pub fn round_out(&mut self, unit_pages: u64) {
+        if unit_pages <= 1 {
+            return;
+        }
+        assert!(
+            unit_pages.is_multiple_of(64),
+            "units of {unit_pages} pages are not whole words"
+        );
+        let per = (unit_pages / 64) as usize;
+        for r in &mut self.regions {
+            let pages = r.pages;
+            for (u, words) in r.words.chunks_mut(per).enumerate() {
+                if words.iter().all(|&w| w == 0) {
+                    continue;
+                }
+                for (k, w) in words.iter_mut().enumerate() {
+                    let first = (u * per + k) as u64 * 64;
+                    let full = match pages.saturating_sub(first) {
+                        n if n >= 64 => u64::MAX,
+                        n => (1u64 << n) - 1,
+                    };
+                    self.count += u64::from((full & !*w).count_ones());
+                    *w |= full;
+                }
+            }
+        }
+    }
+
     /// Clears every bit.
     pub fn clear(&mut self) {
         for r in &mut self.regions {
@@ -267,6 +298,29 @@ mod tests {
             b.take(&mut cursor, max, &mut out);
         }
         out
+    }
+
+    #[test]
+    fn round_out_marks_whole_units_and_counts_them() {
+        let mut b = DirtyBitmap::new(&[
+            RamRegion::for_test(0, 2048 * PAGE_SIZE),
+            RamRegion::for_test(1 << 32, 1100 * PAGE_SIZE),
+        ]);
+        b.set(513 * PAGE_SIZE);
+        b.set(1023 * PAGE_SIZE);
+        b.set((1 << 32) + 1030 * PAGE_SIZE);
+        b.round_out(512);
+        assert_eq!(b.count(), 512 + (1100 - 1024));
+        assert_eq!(
+            b.runs_except(None, 1 << 20),
+            vec![(512 * PAGE_SIZE, 512), ((1 << 32) + 1024 * PAGE_SIZE, 76)]
+        );
+        b.round_out(512);
+        assert_eq!(b.count(), 588, "rounding twice adds nothing");
+        let mut one = bitmap();
+        one.set(5 * PAGE_SIZE);
+        one.round_out(1);
+        assert_eq!(one.count(), 1);
     }
 
     #[test]

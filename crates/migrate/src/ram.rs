@@ -411,19 +411,27 @@ impl Ram {
         Ok(())
     }
 
-    /// Whether any region is backed by hugetlbfs (its host pages are huge): postcopy, which
-    /// places 4 KiB pages, cannot run over it.
-    pub fn on_hugetlbfs(&self) -> bool {
+    /// The size of the host pages behind guest RAM: 4 KiB for shmem and anonymous memory, the
+    /// huge page size for hugetlbfs; `None` when regions differ. Postcopy places whole host
+    /// pages, so this is its unit.
+    pub fn host_page_size(&self) -> Option<u64> {
         /// `HUGETLBFS_MAGIC` from linux/magic.h.
         const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
-        self.regions.iter().any(|r| {
+        let mut sizes = self.regions.iter().map(|r| {
             // SAFETY: `statfs` is plain integers, for which all-zero bytes are a valid value.
             let mut st: libc::statfs = unsafe { std::mem::zeroed() };
             // SAFETY: fstatfs writes one `statfs` into `st`, which we own for the call; `r.fd`
             // is the region's file (an invalid fd only makes the call fail).
             let ok = unsafe { libc::fstatfs(r.fd, &mut st) } == 0;
-            ok && st.f_type as i64 == HUGETLBFS_MAGIC
-        })
+            // hugetlbfs reports its page size as the block size.
+            if ok && st.f_type as i64 == HUGETLBFS_MAGIC {
+                st.f_bsize as u64
+            } else {
+                PAGE_SIZE
+            }
+        });
+        let first = sizes.next().unwrap_or(PAGE_SIZE);
+        sizes.all(|s| s == first).then_some(first)
     }
 
     /// The guest address of the page at host address `addr`, if it is in RAM.

@@ -18,6 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::destination::IncomingControl;
+use crate::destination::assemble::Assembler;
 use crate::destination::postcopy::{Postcopy, PostcopyGate};
 use crate::destination::sink::PageSink;
 use crate::error::MigrateError;
@@ -216,6 +217,7 @@ pub fn start(
                 stats: ReceiverStats::default(),
                 buffer: Vec::new(),
                 postcopy: None,
+                assembler: None,
             }
             .run();
             if let Err(e) = &r {
@@ -235,6 +237,8 @@ struct Receiver {
     buffer: Vec<u8>,
     /// Set once this channel carries postcopy pages.
     postcopy: Option<Arc<Postcopy>>,
+    /// Postcopy's huge pages in progress, when the host pages are huge.
+    assembler: Option<Assembler>,
 }
 
 impl Receiver {
@@ -246,6 +250,15 @@ impl Receiver {
                 // pass; whether that pass was the last is for the barrier and the main channel
                 // to judge, so say how far this channel got. The preempt connection is no party
                 // to the passes.
+                if let Some(a) = &self.assembler
+                    && a.open_units() > 0
+                {
+                    return Err(MigrateError::order(format!(
+                        "the source closed {} with {} huge pages incomplete",
+                        name(self.channel),
+                        a.open_units()
+                    )));
+                }
                 if self.channel != 0 {
                     self.shared.barrier.leave(self.channel, self.stats.passes);
                 }
@@ -275,12 +288,16 @@ impl Receiver {
                     // Every page of the last pass is in (the barrier); wait for the session to
                     // register guest RAM and apply the discard list.
                     let gate = self.shared.postcopy.wait(POSTCOPY_GATE_TIMEOUT);
-                    self.postcopy = Some(gate.ok_or_else(|| {
+                    let pc = gate.ok_or_else(|| {
                         MigrateError::order(format!(
                             "Postcopy on {} but the main channel did not switch within {POSTCOPY_GATE_TIMEOUT:?}",
                             name(self.channel)
                         ))
-                    })?);
+                    })?;
+                    if pc.unit_pages() > 1 {
+                        self.assembler = Some(Assembler::new(pc.unit_pages()));
+                    }
+                    self.postcopy = Some(pc);
                 }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
@@ -355,9 +372,12 @@ impl Receiver {
         }
         if let Some(pc) = &self.postcopy {
             // No claim: a postcopy page may come twice (a requested page again on the preempt
-            // connection), and installing is atomic; the first copy wins. `install_pages` checks
-            // every address before it reads the data.
-            pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?;
+            // connection), and installing is atomic; the first copy wins. Both install paths
+            // check every address before they read the data.
+            match &mut self.assembler {
+                Some(a) => a.pages(pc.as_ref(), &mut self.stream, &gpas)?,
+                None => pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?,
+            }
             self.stats.pages += u64::from(count);
             let c = &self.shared.control;
             c.add(&c.pages, u64::from(count));
@@ -389,7 +409,10 @@ impl Receiver {
             let (gpa, pages) = (run[0], run[1]);
             self.shared.ram.check_run(gpa, pages)?;
             if let Some(pc) = &self.postcopy {
-                pc.install_zero(gpa, pages)?;
+                match &mut self.assembler {
+                    Some(a) => a.zero(pc.as_ref(), gpa, pages)?,
+                    None => pc.install_zero(gpa, pages)?,
+                }
                 self.stats.zero_pages += pages;
                 let c = &self.shared.control;
                 c.add(&c.zero_pages, pages);

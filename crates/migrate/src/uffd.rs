@@ -26,8 +26,9 @@
 //! - **Dropping the `Uffd` closes the fd**, which unregisters every range and wakes every
 //!   waiting thread; a page still missing then reads as zeros (shmem fills the hole). Drop it
 //!   only when every page has been placed or the VM is stopped for good.
-//! - **Pages are 4 KiB** ([`PAGE_SIZE`]), the page of shmem (memfd) and anonymous memory.
-//!   hugetlbfs-backed RAM would need its huge page as the unit of every call.
+//! - **Pages are 4 KiB** ([`PAGE_SIZE`]), the page of shmem (memfd) and anonymous memory,
+//!   except for [`Uffd::copy_pages`]: on hugetlbfs the kernel places only whole huge pages
+//!   (and has no zeropage), and registration, wake and unregister must cover whole huge pages.
 //! - **Balloon removals vs userfaultfd.** `MADV_DONTNEED`/`MADV_REMOVE` on a registered range
 //!   makes its pages missing again, so the next touch faults as if the page had never arrived,
 //!   and this module does not ask for `UFFD_FEATURE_EVENT_REMOVE`, which would tell it. Postcopy
@@ -102,11 +103,12 @@ pub enum UffdError {
         features: u64,
         ioctls: u64,
     },
-    #[error("{what} at {addr:#x} of {len} bytes: not a non-empty run of whole 4 KiB pages")]
+    #[error("{what} at {addr:#x} of {len} bytes: not a non-empty run of whole {page}-byte pages")]
     Unaligned {
         what: &'static str,
         addr: usize,
         len: usize,
+        page: usize,
     },
     #[error(
         "registering {len} bytes at {addr:#x} for missing-page faults failed: {source} — the \
@@ -375,12 +377,26 @@ impl Uffd {
     /// unchanged ([`CopyOutcome`]). With [`Wake::Now`], every thread waiting on the range is
     /// released when this returns, including waiters on pages that were already there.
     pub fn copy(&self, dst: usize, src: &[u8], wake: Wake) -> Result<CopyOutcome, UffdError> {
-        self.fill(dst, src.len(), Fill::Copy(src), wake)
+        self.fill(dst, src.len(), PAGE, Fill::Copy(src), wake)
     }
 
-    /// Places zero pages at `dst`, like [`Uffd::copy`] of zeros without the zeros in memory.
+    /// [`Uffd::copy`] into memory whose host pages are `page` bytes (hugetlbfs): the kernel
+    /// places only whole host pages, so `dst` and `src.len()` must be multiples of `page`, and
+    /// a page already there is skipped whole.
+    pub fn copy_pages(
+        &self,
+        dst: usize,
+        src: &[u8],
+        page: usize,
+        wake: Wake,
+    ) -> Result<CopyOutcome, UffdError> {
+        self.fill(dst, src.len(), page, Fill::Copy(src), wake)
+    }
+
+    /// Places zero pages at `dst`, like [`Uffd::copy`] of zeros without the zeros in memory
+    /// (shmem and anonymous memory only: hugetlbfs has no `UFFDIO_ZEROPAGE`).
     pub fn zeropage(&self, dst: usize, len: usize, wake: Wake) -> Result<CopyOutcome, UffdError> {
-        self.fill(dst, len, Fill::Zero, wake)
+        self.fill(dst, len, PAGE, Fill::Zero, wake)
     }
 
     /// Releases the threads waiting on pages in `len` bytes at `addr` (after [`Wake::Later`]).
@@ -506,15 +522,17 @@ impl Uffd {
 
     /// UFFDIO_COPY or UFFDIO_ZEROPAGE over `len` bytes at `dst`, to the end of the range: a
     /// partial answer (the kernel stopped early, `EAGAIN`) is retried from where it stopped,
-    /// and an `EEXIST` skips the one page that is already there (a retry starts exactly at it).
+    /// and an `EEXIST` skips the one host page of `page` bytes that is already there (a retry
+    /// starts exactly at it).
     fn fill(
         &self,
         dst: usize,
         len: usize,
+        page: usize,
         fill: Fill<'_>,
         wake: Wake,
     ) -> Result<CopyOutcome, UffdError> {
-        check_pages(fill.name(), dst, len)?;
+        check_aligned(fill.name(), dst, len, page)?;
         let mut done = 0;
         let mut copied = 0;
         let mut stalled = 0;
@@ -526,7 +544,7 @@ impl Uffd {
                     copied += n;
                     stalled = 0;
                 }
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => done += PAGE,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => done += page,
                 Err(e)
                     if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EINTR))
                         && stalled < MAX_STALLED_RETRIES =>
@@ -636,8 +654,23 @@ impl Uffd {
 /// Checks that `len` bytes at `addr` are a non-empty run of whole pages, so that the kernel's
 /// EINVAL is kept for what only it can know.
 fn check_pages(what: &'static str, addr: usize, len: usize) -> Result<(), UffdError> {
-    if len == 0 || !addr.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) {
-        return Err(UffdError::Unaligned { what, addr, len });
+    check_aligned(what, addr, len, PAGE)
+}
+
+/// [`check_pages`] for host pages of `page` bytes.
+fn check_aligned(
+    what: &'static str,
+    addr: usize,
+    len: usize,
+    page: usize,
+) -> Result<(), UffdError> {
+    if len == 0 || !addr.is_multiple_of(page) || !len.is_multiple_of(page) {
+        return Err(UffdError::Unaligned {
+            what,
+            addr,
+            len,
+            page,
+        });
     }
     Ok(())
 }

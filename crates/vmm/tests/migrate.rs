@@ -6,11 +6,12 @@ mod common;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use common::{TestVm, boot, config, require_kvm, wait_for_telemetry};
+use common::{
+    TestVm, boot, config, require_kvm, verifies_clean, wait_for_telemetry, wait_migration,
+};
 use ferry_migrate::{Phase, Policy, Progress, TimeoutAction};
-use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::{self, MigrationRequest};
-use ferry_vmm::{RunState, Vm, VmHandle};
+use ferry_vmm::{RunState, Vm};
 
 const MIB: u64 = 1 << 20;
 
@@ -41,38 +42,6 @@ fn request(d: &Destination, downtime_ms: u64, max_bandwidth: Option<u64>) -> Mig
     );
     r.max_bandwidth = max_bandwidth;
     r
-}
-
-/// Waits for `passes` more verify passes on a migrated guest and checks that none failed and
-/// that heartbeats continue.
-fn verifies_clean(dst: &Vm, passes: u64) -> GuestTelemetry {
-    let dh = dst.handle();
-    let resumed = dh.telemetry();
-    let after = wait_for_telemetry(
-        &dh,
-        "verify passes on the destination",
-        Duration::from_secs(60),
-        |g| g.verify_passes >= resumed.verify_passes + passes,
-    );
-    assert_eq!(
-        after.verify_failures, 0,
-        "a bad page after migration: {:?}",
-        after.first_failed_verify
-    );
-    assert!(after.heartbeats > resumed.heartbeats, "heartbeats continue");
-    after
-}
-
-fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let p = h.migration().expect("a migration was started");
-        if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
-            return p;
-        }
-        assert!(Instant::now() < deadline, "migration did not end: {p:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Migrates `src` into a fresh destination VM and returns it running.

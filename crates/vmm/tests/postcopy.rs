@@ -6,11 +6,11 @@
 mod common;
 
 use std::net::TcpListener;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{boot, config, require_kvm, wait_for_telemetry};
+use common::{boot, config, receive_from, require_kvm, wait_for_telemetry};
 use ferry_migrate::{Phase, Policy, TimeoutAction};
-use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::migration::MigrationRequest;
 use ferry_vmm::{RunState, Vm};
 
 const MIB: u64 = 1 << 20;
@@ -45,22 +45,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
         req.postcopy = true;
         req.postcopy_after_passes = Some(1);
         req.postcopy_preempt = preempt;
-        let received = std::thread::scope(|s| {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            let (incoming, listener) = (&mut incoming, &listener);
-            let r = s.spawn(move || {
-                migration::receive(incoming, listener, &|| Instant::now() < deadline)
-            });
-            src.handle().start_migration(req).unwrap();
-            r.join().unwrap()
-        });
-        let progress = loop {
-            let p = src.handle().migration().expect("started");
-            if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
-                break p;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
         let received =
             received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
         assert_eq!(progress.phase, Phase::Completed, "{progress:?}");

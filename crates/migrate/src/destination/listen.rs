@@ -97,6 +97,7 @@ impl Screen {
         let reply = Hello {
             status: refusal.0 as u32,
             capabilities: wire::Capabilities::NONE,
+            postcopy_page_shift: 0,
             ..hello
         };
         let _ = std::io::Write::write_all(&mut stream, &reply.encode());

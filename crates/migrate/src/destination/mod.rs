@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 mod acks;
+pub(crate) mod assemble;
 mod listen;
 pub(crate) mod postcopy;
 mod progress;

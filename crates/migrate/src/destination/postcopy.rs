@@ -23,6 +23,14 @@
 //! that was installed is ever written again. If postcopy fails after the guest ran, the userfaultfd is never closed:
 //! closing it would let the kernel fill every missing page with zeros behind the guest's back.
 //! The vCPUs that wait stay waiting, and the VMM is told to stop the VM.
+//!
+//! **The unit is the host page.** Over hugetlbfs, userfaultfd places only whole 2 MiB pages,
+//! so everything above happens per huge page of 512 wire pages: the source discards, sends and
+//! serves whole huge pages (the destination told it the size in its hello), a fault asks for
+//! the huge page around it, a hole not needed is filled with a copy of zeros (hugetlbfs has no
+//! `UFFDIO_ZEROPAGE`), and a receiver assembles each huge page from its Pages and ZeroRuns
+//! records (`assemble.rs`) before one `UFFDIO_COPY` places it. The page bits stay per 4 KiB
+//! page and are set for whole units.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -46,6 +54,11 @@ const FAULT_POLL: Duration = Duration::from_millis(20);
 pub(crate) struct Postcopy {
     ram: Ram,
     uffd: Uffd,
+    /// The host page in bytes (4 KiB, or 2 MiB on hugetlbfs): what one fault asks for and
+    /// one copy places.
+    unit: u64,
+    /// A unit of zeros for filling huge holes (hugetlbfs has no zeropage), made at first use.
+    zeros: std::sync::OnceLock<Vec<u8>>,
     /// Pages on the discard list: each must arrive once.
     needed: PageBits,
     installed: PageBits,
@@ -77,9 +90,14 @@ impl Postcopy {
         ram.register_missing(&uffd)
             .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
         let pages = ram.size() / PAGE_SIZE;
+        let unit = ram.host_page_size().ok_or_else(|| {
+            MigrateError::Internal("postcopy: guest RAM mixes host page sizes".into())
+        })?;
         Ok(Postcopy {
             ram,
             uffd,
+            unit,
+            zeros: std::sync::OnceLock::new(),
             needed: PageBits::new(pages),
             installed: PageBits::new(pages),
             requested: PageBits::new(pages),
@@ -99,6 +117,12 @@ impl Postcopy {
     /// them. Called by the session before the guest resumes.
     pub(crate) fn discard(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
         self.ram.check_run(gpa, pages)?;
+        if !gpa.is_multiple_of(self.unit) || !(pages * PAGE_SIZE).is_multiple_of(self.unit) {
+            return Err(MigrateError::order(format!(
+                "discard run of {pages} pages at {gpa:#x} is not whole {} KiB host pages, the unit this destination announced",
+                self.unit >> 10
+            )));
+        }
         for k in 0..pages {
             let i = self.ram.page_index(gpa + k * PAGE_SIZE)?;
             if self.needed.set(i) {
@@ -113,6 +137,46 @@ impl Postcopy {
         self.ram
             .punch(gpa, pages)
             .map_err(|e| MigrateError::io("discarding stale pages", e))
+    }
+
+    /// Wire pages per host page (1, or 512 on 2 MiB hugetlbfs pages).
+    pub(crate) fn unit_pages(&self) -> u64 {
+        self.unit / PAGE_SIZE
+    }
+
+    /// Places the whole host page at `gpa` (a unit's start; every page checked to be needed)
+    /// from `data`, one unit of bytes, and wakes its waiters. A unit already there (its other
+    /// copy won) is left as it is.
+    pub(crate) fn place_unit(&self, gpa: u64, data: &[u8]) -> Result<(), MigrateError> {
+        let host = self.ram.page(gpa)?;
+        placed(
+            self.uffd
+                .copy_pages(host, data, self.unit as usize, Wake::Now),
+        )?;
+        let first = self.ram.page_index(gpa)?;
+        for i in first..first + self.unit_pages() {
+            self.installed(i);
+        }
+        Ok(())
+    }
+
+    /// [`Postcopy::place_unit`] of zeros.
+    pub(crate) fn place_zero_unit(&self, gpa: u64) -> Result<(), MigrateError> {
+        self.place_unit(gpa, self.zeros())
+    }
+
+    fn zeros(&self) -> &[u8] {
+        self.zeros.get_or_init(|| vec![0; self.unit as usize])
+    }
+
+    /// Fills the hole at `host` (a unit's start) with zeros.
+    fn zero_fill(&self, host: usize) -> Result<(), MigrateError> {
+        placed(if self.unit == PAGE_SIZE {
+            self.uffd.zeropage(host, PAGE_SIZE as usize, Wake::Now)
+        } else {
+            self.uffd
+                .copy_pages(host, self.zeros(), self.unit as usize, Wake::Now)
+        })
     }
 
     /// Needed pages still missing.
@@ -190,7 +254,7 @@ impl Postcopy {
     }
 
     /// The page index of `gpa`, which must be RAM and on the discard list.
-    fn needed_index(&self, gpa: u64) -> Result<u64, MigrateError> {
+    pub(crate) fn needed_index(&self, gpa: u64) -> Result<u64, MigrateError> {
         let i = self.ram.page_index(gpa)?;
         if self.needed.get(i) {
             Ok(i)
@@ -202,8 +266,12 @@ impl Postcopy {
     }
 
     fn wake(&self, host: usize, pages: usize) -> Result<(), MigrateError> {
+        self.wake_bytes(host, pages * PAGE_SIZE as usize)
+    }
+
+    fn wake_bytes(&self, host: usize, len: usize) -> Result<(), MigrateError> {
         self.uffd
-            .wake(host, pages * PAGE_SIZE as usize)
+            .wake(host, len)
             .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
     }
 
@@ -278,23 +346,25 @@ impl Postcopy {
         Ok(())
     }
 
-    /// Handles one fault by the page's state (see the module doc); returns a page to ask for.
+    /// Handles one fault by the state of its host page (see the module doc); returns the
+    /// start of a unit to ask for.
     fn on_fault(&self, f: &Fault) -> Result<Option<u64>, MigrateError> {
-        let Some(gpa) = self.ram.gpa_of_host(f.addr) else {
+        // Units are aligned in guest and host address alike (regions start on one).
+        let host = f.addr & !(self.unit as usize - 1);
+        let Some(gpa) = self.ram.gpa_of_host(host) else {
             return Err(MigrateError::Internal(format!(
                 "a fault at host address {:#x} outside guest RAM",
                 f.addr
             )));
         };
         let i = self.ram.page_index(gpa)?;
-        let host = f.addr & !(PAGE_SIZE as usize - 1);
         if !self.needed.get(i) {
             self.zero_fills.fetch_add(1, Ordering::Relaxed);
-            placed(self.uffd.zeropage(host, PAGE_SIZE as usize, Wake::Now))?;
+            self.zero_fill(host)?;
             return Ok(None);
         }
         if self.installed.get(i) {
-            self.wake(host, 1)?;
+            self.wake_bytes(host, self.unit as usize)?;
             return Ok(None);
         }
         if self.requested.set(i) {
@@ -319,7 +389,7 @@ impl Postcopy {
             let mut ask: Vec<(u64, u64)> = Vec::new();
             for f in &faults {
                 if let Some(gpa) = self.on_fault(f)? {
-                    ask.push((gpa, 1));
+                    ask.push((gpa, self.unit_pages()));
                 }
             }
             for chunk in ask.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {

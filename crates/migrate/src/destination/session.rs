@@ -133,6 +133,7 @@ impl<'a> Session<'a> {
     /// error). A refused session has touched nothing.
     pub fn handshake(mut self) -> Result<Session<'a>, MigrateError> {
         let hello = self.hello;
+        let (offered, page_shift) = supported(&self.ram);
         let mut reply = Hello {
             role: Role::Main,
             channel: 0,
@@ -140,7 +141,8 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: Refusal::Accepted as u32,
             channels: hello.channels,
-            capabilities: hello.capabilities.grant(supported(&self.ram)),
+            capabilities: hello.capabilities.grant(offered),
+            postcopy_page_shift: 0,
         };
         let refusal = if hello.role != Role::Main || hello.channel != 0 {
             Some((
@@ -176,6 +178,9 @@ impl<'a> Session<'a> {
             }
             self.control.unregister_all();
             return Err(e);
+        }
+        if reply.capabilities.contains(Capabilities::POSTCOPY) {
+            reply.postcopy_page_shift = page_shift;
         }
         self.conn.write_hello(&reply)?;
         self.granted = reply.capabilities;
@@ -632,33 +637,52 @@ enum PrecopyEnd {
     Postcopy(Vec<Section>),
 }
 
-/// What this destination offers: postcopy only where a userfaultfd can be opened (it needs
-/// the kernel's support and the permission: `vm.unprivileged_userfaultfd` or
-/// `CAP_SYS_PTRACE`, or access to `/dev/userfaultfd`), and not over huge pages yet.
-fn supported(ram: &Ram) -> Capabilities {
+/// What this destination offers, and the page shift postcopy uses: postcopy only where a
+/// userfaultfd can be opened (it needs the kernel's support and the permission:
+/// `vm.unprivileged_userfaultfd` or `CAP_SYS_PTRACE`, or access to `/dev/userfaultfd`) that
+/// handles guest RAM's memory: shmem, or 2 MiB hugetlbfs pages with every region starting and
+/// ending on one (postcopy's unit is the host page).
+fn supported(ram: &Ram) -> (Capabilities, u8) {
     let without = Capabilities(
         Capabilities::SUPPORTED.0 & !(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0),
     );
-    if ram.on_hugetlbfs() {
-        tracing::warn!(
-            "postcopy is not offered: guest RAM is on huge pages, which postcopy does not handle yet"
-        );
-        return without;
+    let refuse = |why: &str| {
+        tracing::warn!("postcopy is not offered: {why}");
+        (without, 0)
+    };
+    let shift = match ram.host_page_size() {
+        Some(PAGE_SIZE) => wire::SMALL_PAGE_SHIFT,
+        Some(HUGE_PAGE) => wire::HUGE_PAGE_SHIFT,
+        Some(other) => {
+            return refuse(&format!(
+                "guest RAM is on {} KiB host pages; postcopy handles 4 KiB and 2 MiB pages",
+                other >> 10
+            ));
+        }
+        None => return refuse("guest RAM mixes host page sizes"),
+    };
+    if shift == wire::HUGE_PAGE_SHIFT
+        && ram
+            .regions()
+            .iter()
+            .any(|r| !r.gpa.is_multiple_of(HUGE_PAGE) || !r.size.is_multiple_of(HUGE_PAGE))
+    {
+        return refuse("a region of guest RAM does not start and end on a 2 MiB page");
     }
     match crate::uffd::Uffd::new() {
-        Ok(u) if u.features().missing_shmem => Capabilities::SUPPORTED,
-        Ok(_) => {
-            tracing::warn!(
-                "postcopy is not offered: this kernel's userfaultfd cannot handle shared memory"
-            );
-            without
+        Ok(u) if shift == wire::SMALL_PAGE_SHIFT && !u.features().missing_shmem => {
+            refuse("this kernel's userfaultfd cannot handle shared memory")
         }
-        Err(e) => {
-            tracing::warn!("postcopy is not offered: {e}");
-            without
+        Ok(u) if shift == wire::HUGE_PAGE_SHIFT && !u.features().missing_hugetlbfs => {
+            refuse("this kernel's userfaultfd cannot handle hugetlbfs")
         }
+        Ok(_) => (Capabilities::SUPPORTED, shift),
+        Err(e) => refuse(&e.to_string()),
     }
 }
+
+/// A 2 MiB huge page.
+const HUGE_PAGE: u64 = 1 << wire::HUGE_PAGE_SHIFT;
 
 /// Why a data or preempt connection's hello does not belong to the migration `main`
 /// announced, if it does not; `preempt` says whether a preempt connection was granted, and

@@ -258,6 +258,9 @@ struct Session<'a> {
     postcopy_granted: bool,
     /// The destination granted the preempt connection.
     preempt_granted: bool,
+    /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
+    /// postcopy discards, sends and serves whole units.
+    postcopy_unit: u64,
     start: Instant,
     cpu_start: u64,
     stats: MigrationStats,
@@ -292,6 +295,7 @@ impl<'a> Session<'a> {
             handed_over: false,
             postcopy_granted: false,
             preempt_granted: false,
+            postcopy_unit: 1,
             start: Instant::now(),
             cpu_start: stats::thread_cpu_ns(),
             stats: MigrationStats::default(),
@@ -346,6 +350,7 @@ impl<'a> Session<'a> {
             status: 0,
             channels: self.params.channels,
             capabilities: self.requested(),
+            postcopy_page_shift: 0,
         })?;
         let reply = self.conn.read_hello()?;
         if !reply.capabilities.is_subset(self.requested()) {
@@ -378,6 +383,13 @@ impl<'a> Session<'a> {
             ));
         }
         self.postcopy_granted = granted.postcopy;
+        self.postcopy_unit = reply.postcopy_unit_pages();
+        if granted.postcopy && self.postcopy_unit > u64::from(wire::MAX_PAGES_PER_RECORD) {
+            return Err(MigrateError::order(format!(
+                "the destination's postcopy pages of {} wire pages exceed a record",
+                self.postcopy_unit
+            )));
+        }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
         if self.params.preempt && !self.preempt_granted {
             return Err(MigrateError::Refused(

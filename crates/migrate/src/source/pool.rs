@@ -74,6 +74,7 @@ impl ChannelPool {
                 status: 0,
                 channels: params.channels,
                 capabilities: wire::Capabilities::NONE,
+                postcopy_page_shift: 0,
             })?;
             let reply = c.read_hello()?;
             if reply.status != wire::Refusal::Accepted as u32 {

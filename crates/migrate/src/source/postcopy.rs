@@ -69,6 +69,8 @@ impl Session<'_> {
         // destination drops them while the guest still runs here (punching a GiB out of its
         // memory takes it ~0.2 s), and again those dirtied meanwhile, so that the pause only
         // covers the last few.
+        let unit = self.postcopy_unit;
+        self.bitmap.round_out(unit);
         let mut early = DirtyBitmap::new(self.ram.regions());
         for round in 1..=EARLY_DISCARD_ROUNDS {
             let runs = self.coalesce(
@@ -90,12 +92,14 @@ impl Session<'_> {
                 break;
             }
             vm.fetch_dirty(&mut self.bitmap)?;
+            self.bitmap.round_out(unit);
         }
         let t0 = Instant::now();
         vm.pause()?;
         self.guest = GuestState::Paused;
         let t1 = Instant::now();
         vm.fetch_dirty(&mut self.bitmap)?;
+        self.bitmap.round_out(unit);
         let t2 = Instant::now();
         let late = self.coalesce(
             self.bitmap
@@ -113,13 +117,25 @@ impl Session<'_> {
         self.pool.postcopy()?;
         let sections = vm.save_state()?;
         let t3 = Instant::now();
-        // No final pages: they come after the switch.
-        self.hand_over(&sections, Kind::Postcopy, [t0, t1, t2, t2, t3])?;
+        // No final pages: they come after the switch. The destination may ask for pages while
+        // it loads the state (a VMM's load can touch guest memory: KVM reads a vCPU's clock
+        // page when its MSR is set); they are served at once.
+        let listed = self.bitmap.clone();
+        let mut cursor = Cursor::default();
+        self.acks
+            .reader
+            .as_ref()
+            .expect("the reader runs")
+            .allow_requests();
+        self.hand_over(
+            &sections,
+            Kind::Postcopy,
+            [t0, t1, t2, t2, t3],
+            Some(&mut |s: &mut Self| s.serve_taken(&mut cursor, &mut pc, &mut Vec::new(), &listed)),
+        )?;
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
-
-        let listed = self.bitmap.clone();
-        self.push_rest(&mut pc, &listed)?;
+        self.push_rest(&mut pc, &listed, cursor)?;
         self.pool.close(&mut self.stats)?;
         self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
         self.conn.flush("completing postcopy")?;
@@ -208,9 +224,9 @@ impl Session<'_> {
         &mut self,
         pc: &mut PostcopyStats,
         listed: &DirtyBitmap,
+        mut cursor: Cursor,
     ) -> Result<(), MigrateError> {
-        let packet = self.params.packet_pages as usize;
-        let mut cursor = Cursor::default();
+        let packet = self.batch_pages();
         // The background batch taken from the bitmap and not queued yet.
         let mut held: Vec<u64> = Vec::with_capacity(packet);
         loop {
@@ -223,6 +239,13 @@ impl Session<'_> {
                     cursor = Cursor::default();
                 }
                 self.bitmap.take(&mut cursor, packet, &mut held);
+                // A take that stopped at its scan bound inside a unit goes on to the unit's end.
+                while !held.len().is_multiple_of(self.postcopy_unit as usize)
+                    && !cursor.at_end(&self.bitmap)
+                {
+                    self.bitmap
+                        .take(&mut cursor, packet - held.len(), &mut held);
+                }
                 if let Some(l) = &mut self.limiter {
                     l.add(held.len() as u64 * (8 + PAGE_SIZE));
                 }
@@ -247,6 +270,17 @@ impl Session<'_> {
                     self.wait_requests(REQUEST_POLL);
                 }
             }
+        }
+    }
+
+    /// Pages in one postcopy batch: the packet, or one destination host page when those are
+    /// bigger, so that a huge page travels whole in one batch on one connection (the
+    /// destination assembles it there; see `destination/assemble.rs`).
+    fn batch_pages(&self) -> usize {
+        if self.postcopy_unit > 1 {
+            self.postcopy_unit as usize
+        } else {
+            self.params.packet_pages as usize
         }
     }
 
@@ -276,12 +310,31 @@ impl Session<'_> {
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         self.check_ended()?;
-        let runs = self.take_requests(pc)?;
+        self.serve_taken(cursor, pc, held, listed)
+    }
+
+    /// [`Session::serve_requests`] without looking at how the reader ended (while the source
+    /// waits for Resumed, which ends nothing).
+    fn serve_taken(
+        &mut self,
+        cursor: &mut Cursor,
+        pc: &mut PostcopyStats,
+        held: &mut Vec<u64>,
+        listed: &DirtyBitmap,
+    ) -> Result<(), MigrateError> {
+        let unit = self.postcopy_unit * PAGE_SIZE;
+        let runs = self.take_requests(pc)?.into_iter().map(|(gpa, pages)| {
+            // Whole host pages of the destination, whatever it asked.
+            let start = gpa - gpa % unit;
+            (
+                start,
+                (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
+            )
+        });
         let mut urgent = Vec::new();
         let mut again = Vec::new();
-        for (gpa, pages) in runs {
-            for k in 0..pages {
-                let page = gpa + k * PAGE_SIZE;
+        for (gpa, bytes) in runs {
+            for page in (gpa..gpa + bytes).step_by(PAGE_SIZE as usize) {
                 if self.bitmap.test_and_clear(page) {
                     urgent.push(page);
                 } else if let Ok(k) = held.binary_search(&page) {
@@ -294,7 +347,7 @@ impl Session<'_> {
         }
         again.sort_unstable();
         pc.pages_resent += again.len() as u64;
-        for chunk in again.chunks(self.params.packet_pages as usize) {
+        for chunk in again.chunks(self.batch_pages()) {
             self.pool.queue_urgent(chunk.to_vec())?;
         }
         let Some(&last) = urgent.last() else {
@@ -302,7 +355,7 @@ impl Session<'_> {
         };
         urgent.sort_unstable();
         pc.pages_requested += urgent.len() as u64;
-        for chunk in urgent.chunks(self.params.packet_pages as usize) {
+        for chunk in urgent.chunks(self.batch_pages()) {
             self.pool.queue_urgent(chunk.to_vec())?;
         }
         *cursor = self.bitmap.cursor_after(last);

@@ -190,6 +190,12 @@ impl InboundReader {
         self.requests.queue.lock().unwrap().drain(..).collect()
     }
 
+    /// From now on page requests are in order: the source sent Postcopy, and the destination
+    /// may fault (while it loads the device state, too) before it resumes the guest.
+    pub fn allow_requests(&self) {
+        self.requests.allowed.store(true, Ordering::Release);
+    }
+
     /// Waits up to `timeout` for a page request to be queued (returns at once if one is).
     pub fn wait_requests(&self, timeout: Duration) {
         let q = self.requests.queue.lock().unwrap();
@@ -228,6 +234,8 @@ impl Drop for InboundReader {
 struct Requests {
     queue: Mutex<VecDeque<(u64, u64)>>,
     arrived: Condvar,
+    /// Set by the session when it switched to postcopy; a request before is refused.
+    allowed: std::sync::atomic::AtomicBool,
 }
 
 /// Where the reader puts what it folds and queues.
@@ -254,9 +262,14 @@ fn read_until_end(
                     "the destination sent a postcopy record without the postcopy capability",
                 ));
             }
-            Inbound::PageRequest(_) | Inbound::Done(_) if !seen_resumed => {
+            Inbound::PageRequest(_) if !into.requests.allowed.load(Ordering::Acquire) => {
                 return Err(MigrateError::order(
-                    "the destination sent a postcopy record before it resumed the guest",
+                    "the destination sent a page request before the source switched to postcopy",
+                ));
+            }
+            Inbound::Done(_) if !seen_resumed => {
+                return Err(MigrateError::order(
+                    "the destination sent Done before it resumed the guest",
                 ));
             }
             Inbound::PageRequest(runs) => {
@@ -432,6 +445,39 @@ mod tests {
         assert!(matches!(end, Ok(Inbound::Resumed(_))), "{end:?}");
         assert_eq!(reader.acked().bytes, 5_000);
         assert!(reader.poll().is_none(), "the ending is handed over once");
+    }
+
+    #[test]
+    fn page_requests_are_taken_once_the_source_switched_and_refused_before() {
+        let request = record(
+            Header::runs(Kind::PageRequest, 1),
+            &crate::wire::encode_runs(&[(0x2000, 1)]),
+        );
+        let postcopy = Granted {
+            progress: false,
+            postcopy: true,
+        };
+        let start = |allow: bool| {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            let mut conn = Conn::new(Box::new(ours)).unwrap();
+            let reader = InboundReader::start(&mut conn, postcopy).unwrap();
+            if allow {
+                reader.allow_requests();
+            }
+            (reader, theirs)
+        };
+        let (early, mut theirs) = start(false);
+        theirs.write_all(&request).unwrap();
+        let end = early.wait(Duration::from_secs(5)).expect("an ending");
+        let e = end.expect_err("a request before the switch is refused");
+        assert!(e.to_string().contains("before the source switched"), "{e}");
+
+        // After the switch, a request is queued even before Resumed (a load that faults).
+        let (switched, mut theirs) = start(true);
+        theirs.write_all(&request).unwrap();
+        switched.wait_requests(Duration::from_secs(5));
+        assert_eq!(switched.take_requests(), vec![(0x2000, 1)]);
+        assert!(switched.poll().is_none(), "nothing ended the reading");
     }
 
     #[test]

@@ -21,13 +21,21 @@ use crate::wire::{Header, Kind};
 /// load is milliseconds (a few KiB of state per vCPU), so this only bounds a hung destination.
 const RESUME_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How often the source looks for page requests while a postcopy destination loads the state:
+/// a Resumed ends the wait at once, and a load that faults waits at most this long extra.
+const LOAD_TICK: Duration = Duration::from_micros(200);
+
 /// The wait for the destination's answer to Complete.
 const AWAITING_RESUMED: Awaiting = Awaiting {
     during: "waiting for the destination to resume the guest",
     expected: "Resumed",
 };
 
-impl Session<'_> {
+/// What the source does between looks for Resumed while a postcopy destination loads.
+pub(super) type ServeWhileLoading<'f, 'a> =
+    &'f mut dyn FnMut(&mut Session<'a>) -> Result<(), MigrateError>;
+
+impl<'a> Session<'a> {
     /// Stops the guest here and hands it over; `pass` is the final pass's number.
     pub(super) fn switchover(
         &mut self,
@@ -48,18 +56,21 @@ impl Session<'_> {
         let t3 = Instant::now();
         let sections = vm.save_state()?;
         let t4 = Instant::now();
-        self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4])
+        self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4], None)
     }
 
     /// Sends the saved state and `last` (Complete, or Postcopy), hands the guest over, waits
     /// for the destination's Resumed and records where the downtime went; `steps` are when
     /// the pause was asked for, the guest paused, the final sync, the final pages and the
-    /// state save ended.
+    /// state save ended. `serve`, in postcopy, answers the page requests of a destination
+    /// whose state load touches a page it does not have yet, every [`LOAD_TICK`] while it
+    /// waits.
     pub(super) fn hand_over(
         &mut self,
         sections: &[Section],
         last: Kind,
         steps: [Instant; 5],
+        serve: Option<ServeWhileLoading<'_, 'a>>,
     ) -> Result<(), MigrateError> {
         let [t0, t1, t2, t3, t4] = steps;
         self.send_device_state(sections)?;
@@ -67,7 +78,7 @@ impl Session<'_> {
         self.conn.flush("handing the guest over")?;
         self.handed_over = true;
         let resumed = self
-            .await_resumed()
+            .await_resumed(serve)
             .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
         let t6 = Instant::now();
         let d = &mut self.stats.downtime;
@@ -93,20 +104,38 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Waits for the destination's Resumed, on the reader thread; its Error, or the reader's
-    /// failure, fails (acknowledgements that still arrive are folded in by the reader).
-    pub(super) fn await_resumed(&mut self) -> Result<Resumed, MigrateError> {
-        let reader = self
-            .acks
-            .reader
-            .as_ref()
-            .expect("the reader runs from the handshake on");
-        let ending = reader.wait(RESUME_TIMEOUT).unwrap_or_else(|| {
-            Err(MigrateError::io(
-                AWAITING_RESUMED.during,
-                std::io::Error::from(std::io::ErrorKind::TimedOut),
-            ))
-        });
+    /// Waits for the destination's Resumed, on the reader thread, calling `serve` every
+    /// [`LOAD_TICK`] meanwhile if given; its Error, or the reader's failure, fails
+    /// (acknowledgements that still arrive are folded in by the reader).
+    pub(super) fn await_resumed(
+        &mut self,
+        mut serve: Option<ServeWhileLoading<'_, 'a>>,
+    ) -> Result<Resumed, MigrateError> {
+        let deadline = Instant::now() + RESUME_TIMEOUT;
+        let tick = if serve.is_some() {
+            LOAD_TICK
+        } else {
+            RESUME_TIMEOUT
+        };
+        let ending = loop {
+            let reader = self
+                .acks
+                .reader
+                .as_ref()
+                .expect("the reader runs from the handshake on");
+            if let Some(e) = reader.wait(tick) {
+                break e;
+            }
+            if Instant::now() >= deadline {
+                break Err(MigrateError::io(
+                    AWAITING_RESUMED.during,
+                    std::io::Error::from(std::io::ErrorKind::TimedOut),
+                ));
+            }
+            if let Some(serve) = serve.as_mut() {
+                serve(self)?;
+            }
+        };
         self.note_acks();
         match ending? {
             Inbound::Resumed(r) => Ok(r),

@@ -361,6 +361,10 @@ pub enum WireError {
     InvalidSection,
     #[error("capabilities {0:#x} on a data connection: only the main hello carries capabilities")]
     DataCapabilities(u64),
+    #[error(
+        "postcopy page shift {0} in a hello: only a main reply names one, 12 (4 KiB) or 21 (2 MiB)"
+    )]
+    PostcopyPage(u8),
 }
 
 /// The first 64 bytes on a connection, in both directions.
@@ -378,7 +382,18 @@ pub struct Hello {
     /// In the main hello: the features the source asks for; in its reply, those granted.
     /// Zero on data connections.
     pub capabilities: Capabilities,
+    /// In the destination's main reply when it grants postcopy: log2 of the host page in which
+    /// it places postcopy pages ([`SMALL_PAGE_SHIFT`] or [`HUGE_PAGE_SHIFT`]), so that the
+    /// source discards, sends and serves whole host pages. Zero everywhere else, and in a
+    /// reply without postcopy.
+    pub postcopy_page_shift: u8,
 }
+
+/// `postcopy_page_shift` for 4 KiB host pages (shmem, anonymous memory).
+pub const SMALL_PAGE_SHIFT: u8 = 12;
+/// `postcopy_page_shift` for 2 MiB host pages (hugetlbfs): userfaultfd places a huge page
+/// whole, so postcopy moves guest memory in units of 512 wire pages.
+pub const HUGE_PAGE_SHIFT: u8 = 21;
 
 /// Why a destination refused a connection (the reply hello's `status`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -397,7 +412,7 @@ pub enum Refusal {
 
 impl Hello {
     /// `magic[8] version:u32 role:u16 channel:u16 uuid[16] memory_size:u64 page_size:u32
-    /// status:u32 channels:u16 capabilities:u64 reserved[6]`.
+    /// status:u32 channels:u16 capabilities:u64 postcopy_page_shift:u8 reserved[5]`.
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
         let mut b = [0u8; HELLO_SIZE];
         b[0..8].copy_from_slice(&MAGIC);
@@ -410,6 +425,7 @@ impl Hello {
         b[44..48].copy_from_slice(&self.status.to_le_bytes());
         b[48..50].copy_from_slice(&self.channels.to_le_bytes());
         b[50..58].copy_from_slice(&self.capabilities.0.to_le_bytes());
+        b[58] = self.postcopy_page_shift;
         b
     }
 
@@ -432,8 +448,14 @@ impl Hello {
         if u64::from(page_size) != PAGE_SIZE {
             return Err(WireError::PageSize(page_size));
         }
-        if b[58..].iter().any(|&x| x != 0) {
+        if b[59..].iter().any(|&x| x != 0) {
             return Err(WireError::Reserved("hello"));
+        }
+        let postcopy_page_shift = b[58];
+        if ![0, SMALL_PAGE_SHIFT, HUGE_PAGE_SHIFT].contains(&postcopy_page_shift)
+            || (role != Role::Main && postcopy_page_shift != 0)
+        {
+            return Err(WireError::PostcopyPage(postcopy_page_shift));
         }
         let capabilities = Capabilities(u64::from_le_bytes(b[50..58].try_into().unwrap()));
         if role != Role::Main && capabilities != Capabilities::NONE {
@@ -447,7 +469,17 @@ impl Hello {
             status: u32::from_le_bytes(b[44..48].try_into().unwrap()),
             channels: u16::from_le_bytes([b[48], b[49]]),
             capabilities,
+            postcopy_page_shift,
         })
+    }
+
+    /// Wire pages per host page of postcopy, from the destination's main reply (a reply
+    /// without a shift means 4 KiB pages).
+    pub fn postcopy_unit_pages(&self) -> u64 {
+        match self.postcopy_page_shift {
+            0 => 1,
+            s => 1 << (s - SMALL_PAGE_SHIFT),
+        }
     }
 }
 

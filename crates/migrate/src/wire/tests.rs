@@ -11,6 +11,7 @@ fn hello() -> Hello {
         status: 0,
         channels: 2,
         capabilities: Capabilities(1 << 40),
+        postcopy_page_shift: 0,
     }
 }
 
@@ -57,6 +58,7 @@ fn hello_round_trips_and_checks_everything() {
     );
     let preempt = Hello {
         capabilities: Capabilities::NONE,
+        postcopy_page_shift: 0,
         ..preempt
     };
     assert_eq!(Hello::decode(&preempt.encode()), Ok(preempt));

@@ -7,8 +7,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::net::TcpListener;
+
+use ferry_migrate::destination::ReceiveStats;
+use ferry_migrate::{MigrateError, Phase, Progress};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
-use ferry_vmm::{GuestKind, SerialOutput, Vm, VmConfig};
+use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::{GuestKind, IncomingVm, SerialOutput, Vm, VmConfig, VmHandle};
 
 /// A booted test VM with its serial output in a temporary file.
 pub struct TestVm {
@@ -83,6 +88,56 @@ impl TestVm {
     pub fn serial_log(&self) -> String {
         std::fs::read_to_string(&self.serial).unwrap_or_default()
     }
+}
+
+/// Waits for `passes` more verify passes on a migrated guest and checks that none failed and
+/// that heartbeats continue.
+pub fn verifies_clean(dst: &Vm, passes: u64) -> GuestTelemetry {
+    let dh = dst.handle();
+    let resumed = dh.telemetry();
+    let after = wait_for_telemetry(
+        &dh,
+        "verify passes on the destination",
+        Duration::from_secs(60),
+        |g| g.verify_passes >= resumed.verify_passes + passes,
+    );
+    assert_eq!(
+        after.verify_failures, 0,
+        "a bad page after migration: {:?}",
+        after.first_failed_verify
+    );
+    assert!(after.heartbeats > resumed.heartbeats, "heartbeats continue");
+    after
+}
+
+pub fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let p = h.migration().expect("a migration was started");
+        if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
+            return p;
+        }
+        assert!(Instant::now() < deadline, "migration did not end: {p:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `req` from `src` into `incoming`, which listens on `listener`: the destination's
+/// result and the source's last progress, once both ended.
+pub fn receive_from(
+    src: &VmHandle,
+    incoming: &mut IncomingVm,
+    listener: &TcpListener,
+    req: MigrationRequest,
+) -> (Result<ReceiveStats, MigrateError>, Progress) {
+    let received = std::thread::scope(|s| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let r =
+            s.spawn(move || migration::receive(incoming, listener, &|| Instant::now() < deadline));
+        src.start_migration(req).unwrap();
+        r.join().unwrap()
+    });
+    (received, wait_migration(src, Duration::from_secs(60)))
 }
 
 /// Polls a VM's telemetry until `done` holds, or panics after `timeout`.
