@@ -44,7 +44,8 @@ pub struct RunArgs {
     prealloc: bool,
     /// Back guest RAM with 2 MiB huge pages from the host's hugetlbfs pool (reserve them
     /// first: /proc/sys/vm/nr_hugepages); all of RAM is reserved at start. Precopy migrates it
-    /// (into a destination started with --hugepages too, or not); postcopy does not yet.
+    /// (into a destination started with --hugepages too, or not), and so does postcopy, in
+    /// whole 2 MiB pages when the destination is on huge pages.
     #[arg(long)]
     hugepages: bool,
 }

@@ -7,6 +7,7 @@
 //! | `pattern` | `seq`, `random`, `hotcold` | `seq` | which page each write goes to |
 //! | `hot` | percent of the working set, 1–100 | 10 | the hot share for `hotcold` ([`HOT_WRITE_PERCENT`]% of writes go there) |
 //! | `zero` | percent, 0–100 | 0 | share of writes that leave the page all zeros |
+//! | `read` | percent, 0–100 | 0 | share of accesses that read a page and check it against its last write instead of writing it (`rate` paces all accesses) |
 //! | `verify-ms` | ms, 0 = never | 1000 | interval between verify passes |
 //! | `heartbeat-ms` | ms, ≥ 1 | 10 | interval between telemetry heartbeats |
 //! | `log-ms` | ms, 0 = never | 1000 | interval between human lines on the serial port |
@@ -61,6 +62,12 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "percent 0-100",
         "0",
         "share of writes that leave the page all zeros",
+    ),
+    (
+        "read",
+        "percent 0-100",
+        "0",
+        "share of accesses that read and check a page instead of writing it",
     ),
     (
         "verify-ms",
@@ -169,6 +176,7 @@ pub struct Params {
     pub pattern: Pattern,
     pub hot_percent: u8,
     pub zero_percent: u8,
+    pub read_percent: u8,
     pub verify_ms: u32,
     pub heartbeat_ms: u32,
     pub log_ms: u32,
@@ -187,6 +195,7 @@ impl Default for Params {
             pattern: Pattern::Sequential,
             hot_percent: 10,
             zero_percent: 0,
+            read_percent: 0,
             verify_ms: 1000,
             heartbeat_ms: 10,
             log_ms: 1000,
@@ -286,6 +295,7 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             }
             "hot" => p.hot_percent = parse_percent(value, 1).ok_or(bad("a percentage 1-100"))?,
             "zero" => p.zero_percent = parse_percent(value, 0).ok_or(bad("a percentage 0-100"))?,
+            "read" => p.read_percent = parse_percent(value, 0).ok_or(bad("a percentage 0-100"))?,
             "verify-ms" => p.verify_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?,
             "heartbeat-ms" => {
                 p.heartbeat_ms = parse_u32(value)
@@ -369,14 +379,17 @@ mod tests {
     #[test]
     fn every_key_parses() {
         let p = parse(
-            "ws=64M rate=400 pattern=hotcold hot=20 zero=15 verify-ms=250 heartbeat-ms=5 \
+            "ws=64M rate=400 pattern=hotcold hot=20 zero=15 read=30 verify-ms=250 heartbeat-ms=5 \
              log-ms=0 run-ms=3000 fault-after-ms=9 seed=42",
         )
         .unwrap();
         assert_eq!(p.working_set, Some(64 << 20));
         assert_eq!(p.rate, Rate::MegabytesPerSecond(400));
         assert_eq!(p.pattern, Pattern::HotCold);
-        assert_eq!((p.hot_percent, p.zero_percent), (20, 15));
+        assert_eq!(
+            (p.hot_percent, p.zero_percent, p.read_percent),
+            (20, 15, 30)
+        );
         assert_eq!((p.verify_ms, p.heartbeat_ms, p.log_ms), (250, 5, 0));
         assert_eq!((p.run_ms, p.fault_after_ms, p.seed), (3000, 9, 42));
     }
@@ -394,6 +407,7 @@ mod tests {
             ("rate=0", "'max' or megabytes per second"),
             ("pattern=zigzag", "seq, random or hotcold"),
             ("zero=101", "a percentage 0-100"),
+            ("read=101", "a percentage 0-100"),
             ("hot=0", "a percentage 1-100"),
             ("heartbeat-ms=0", "at least 1"),
             ("verify-ms=-1", "milliseconds"),

@@ -109,13 +109,17 @@ pub mod boot {
 pub mod heartbeat {
     /// Bad pages found by all verify passes so far.
     pub const BAD_PAGES_TOTAL: usize = 0;
-    /// The longest batch of page writes since the previous heartbeat (ns): a guest that waits
+    /// The longest batch of page accesses since the previous heartbeat (ns): a guest that waits
     /// for memory (postcopy, a pause) sees it here, measured inside the guest.
     pub const MAX_BATCH_NS: usize = 1;
     /// Batches of page writes that took longer than [`SLOW_BATCH_NS`] so far.
     pub const SLOW_BATCHES: usize = 2;
     /// Their total time (ns) so far.
     pub const SLOW_BATCH_TIME_NS: usize = 3;
+    /// Pages read and checked so far (`read=`).
+    pub const PAGES_READ: usize = 4;
+    /// Reads that found a page not holding its last write, so far.
+    pub const BAD_READS: usize = 5;
     /// What makes a batch slow: a batch of writes takes ~0.1–0.3 ms when memory is there.
     pub const SLOW_BATCH_NS: u64 = 1_000_000;
 }

@@ -119,7 +119,7 @@ fn a_huge_page_guest_migrates_by_postcopy_in_whole_huge_pages() {
     for (channels, preempt) in [(1, false), (4, true)] {
         let dir = tempfile::tempdir().unwrap();
         let src = huge_source(
-            "ws=128M pattern=random rate=max verify-ms=200 log-ms=0",
+            "ws=128M pattern=random read=30 rate=max verify-ms=200 log-ms=0",
             dir.path(),
         );
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -21,7 +21,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
     for (channels, preempt) in [(1, false), (4, false), (1, true), (4, true)] {
         let src = boot(
             512 * MIB,
-            "ws=128M pattern=random rate=max verify-ms=200 log-ms=0",
+            "ws=128M pattern=random read=30 rate=max verify-ms=200 log-ms=0",
         );
         let before = src.wait_for("a clean verify pass", Duration::from_secs(60), |g| {
             g.verify_passes >= 1

@@ -9,7 +9,9 @@
 //! root (`ip netns`, `tc`); without it the capped rows are skipped with a message saying why.
 //!
 //! Each migration: a 2 GiB guest writing a 1 GiB working set of random pages at 400 MB/s and
-//! flat out, switched to postcopy after pass 1, over 2 data channels. The guest's own stall is
+//! flat out, switched to postcopy after pass 1, over 2 data channels, with guest RAM on 4 KiB
+//! pages and on 2 MiB huge pages (both sides; the bench raises the host's huge page pool for
+//! those rows and puts it back, and skips them with a message if it cannot). The guest's own stall is
 //! its longest batch of writes after the switch (the pause included) and the time it spent in
 //! batches over 1 ms; the request latency is the destination's, from a fault to its page in
 //! place.
@@ -22,6 +24,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::json;
+
+use ferry_vmm::memory::HostPages;
 
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
 
@@ -71,10 +75,10 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     println!(
-        "\n2 GiB guest, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms"
+        "\n2 GiB guest on 4 KiB or 2 MiB host pages, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms"
     );
     println!(
-        "{:<34} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
+        "{:<38} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
         "migration",
         "total ms",
         "down",
@@ -88,69 +92,123 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         "p99",
         "max"
     );
-    for &(link_name, link) in &links {
-        for rate in ["400", "max"] {
-            for preempt in [false, true] {
-                let name = format!(
-                    "{link_name}, {rate} MB/s, {}",
-                    if preempt { "preempt" } else { "no preempt" }
-                );
-                if args.scenario.as_deref().is_some_and(|o| !name.contains(o)) {
+    // Raised for the 2M rows only, and put back when the bench ends.
+    let mut pool = None;
+    for (pages, host_pages) in [("4K", HostPages::Small), ("2M", HostPages::Huge2M)] {
+        if host_pages == HostPages::Huge2M {
+            // Both VMs' RAM, and a few pages of slack.
+            match HugePool::reserve(2 * 2 * GIB / (2 << 20) + 16) {
+                Ok(p) => pool = Some(p),
+                Err(e) => {
+                    eprintln!(
+                        "ferry bench postcopy: NO HUGE PAGES, the 2M rows are skipped: {e:#}"
+                    );
                     continue;
                 }
-                let s = Scenario {
-                    postcopy: Some(preempt),
-                    ..Scenario::new(
-                        &name,
-                        2 * GIB,
-                        &format!(
-                            "ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"
-                        ),
-                        2,
-                    )
-                };
-                let listener = match link {
-                    None => TcpListener::bind("127.0.0.1:0")?,
-                    Some(l) => l.listener()?,
-                };
-                let m = migrate_over(&s, DestinationSetup::default(), listener)
-                    .with_context(|| format!("migration '{name}'"))?;
-                let st = &m.stats;
-                let pc = st
-                    .postcopy
-                    .clone()
-                    .context("the migration did not switch to postcopy")?;
-                let stall_ms = m.guest.max_batch_ns as f64 / 1e6;
-                let slow_ms = m.guest.slow_batch_ns as f64 / 1e6;
-                println!(
-                    "{:<34} {:>8.0} {:>7.1} {:>7.0} {:>8.1} {:>8.0} {:>6} {:>6} {:>8.0} {:>7} {:>7} {:>7}",
-                    name,
-                    st.total_ms,
-                    st.downtime.total_ms,
-                    pc.duration_ms,
-                    stall_ms,
-                    slow_ms,
-                    pc.pages_requested,
-                    pc.pages_resent,
-                    pc.latency_mean_us,
-                    pc.latency_p50_us,
-                    pc.latency_p99_us,
-                    pc.latency_max_us
-                );
-                rows.push(
-                    json!({"bench": "postcopy", "migration": name, "link": link_name,
+            }
+        }
+        for &(link_name, link) in &links {
+            for rate in ["400", "max"] {
+                for preempt in [false, true] {
+                    let name = format!(
+                        "{pages} {link_name}, {rate} MB/s, {}",
+                        if preempt { "preempt" } else { "no preempt" }
+                    );
+                    if args.scenario.as_deref().is_some_and(|o| !name.contains(o)) {
+                        continue;
+                    }
+                    let s = Scenario {
+                        postcopy: Some(preempt),
+                        host_pages,
+                        ..Scenario::new(
+                            &name,
+                            2 * GIB,
+                            &format!(
+                                "ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"
+                            ),
+                            2,
+                        )
+                    };
+                    let listener = match link {
+                        None => TcpListener::bind("127.0.0.1:0")?,
+                        Some(l) => l.listener()?,
+                    };
+                    let m = migrate_over(&s, DestinationSetup::default(), listener)
+                        .with_context(|| format!("migration '{name}'"))?;
+                    let st = &m.stats;
+                    let pc = st
+                        .postcopy
+                        .clone()
+                        .context("the migration did not switch to postcopy")?;
+                    let stall_ms = m.guest.max_batch_ns as f64 / 1e6;
+                    let slow_ms = m.guest.slow_batch_ns as f64 / 1e6;
+                    println!(
+                        "{:<38} {:>8.0} {:>7.1} {:>7.0} {:>8.1} {:>8.0} {:>6} {:>6} {:>8.0} {:>7} {:>7} {:>7}",
+                        name,
+                        st.total_ms,
+                        st.downtime.total_ms,
+                        pc.duration_ms,
+                        stall_ms,
+                        slow_ms,
+                        pc.pages_requested,
+                        pc.pages_resent,
+                        pc.latency_mean_us,
+                        pc.latency_p50_us,
+                        pc.latency_p99_us,
+                        pc.latency_max_us
+                    );
+                    rows.push(
+                    json!({"bench": "postcopy", "migration": name, "link": link_name, "pages": pages,
                     "rate": rate, "preempt": preempt, "total_ms": st.total_ms,
                     "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
                     "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
                     "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
                 );
+                }
             }
         }
     }
+    drop(pool);
     for r in rows {
         println!("{r}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The host's huge page pool raised by some pages for as long as this lives.
+struct HugePool {
+    before: u64,
+}
+
+const POOL: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePool {
+    fn reserve(pages: u64) -> anyhow::Result<HugePool> {
+        let read = || -> anyhow::Result<u64> {
+            Ok(std::fs::read_to_string(POOL)
+                .with_context(|| format!("reading {POOL}"))?
+                .trim()
+                .parse()?)
+        };
+        let before = read()?;
+        std::fs::write(POOL, (before + pages).to_string())
+            .with_context(|| format!("raising {POOL} by {pages} (needs root)"))?;
+        let pool = HugePool { before };
+        let got = read()?;
+        if got < before + pages {
+            bail!(
+                "the host gave {} of the {pages} huge pages asked for (memory too fragmented?)",
+                got - before
+            );
+        }
+        Ok(pool)
+    }
+}
+
+impl Drop for HugePool {
+    fn drop(&mut self) {
+        let _ = std::fs::write(POOL, self.before.to_string());
+    }
 }
 
 /// Round-trip times in µs.

@@ -19,6 +19,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
+use ferry_vmm::memory::HostPages;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
@@ -43,6 +44,8 @@ pub(super) struct Scenario {
     /// Switch to postcopy after pass 1 (with the preempt connection if `true`); `None`:
     /// precopy only.
     pub postcopy: Option<bool>,
+    /// Guest RAM on both sides on these host pages.
+    pub host_pages: HostPages,
 }
 
 impl Scenario {
@@ -55,6 +58,7 @@ impl Scenario {
             downtime: Duration::from_millis(300),
             channels,
             postcopy: None,
+            host_pages: HostPages::Small,
         }
     }
 }
@@ -72,6 +76,7 @@ fn scenarios() -> Vec<Scenario> {
             downtime: Duration::from_millis(300),
             channels: 1,
             postcopy: None,
+            host_pages: HostPages::Small,
         },
         Scenario {
             name: "2G random data, idle".into(),
@@ -80,6 +85,7 @@ fn scenarios() -> Vec<Scenario> {
             downtime: Duration::from_millis(300),
             channels: 1,
             postcopy: None,
+            host_pages: HostPages::Small,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -91,6 +97,7 @@ fn scenarios() -> Vec<Scenario> {
                 downtime: Duration::from_millis(limit),
                 channels: 1,
                 postcopy: None,
+                host_pages: HostPages::Small,
             });
         }
     }
@@ -211,7 +218,7 @@ pub(super) fn migrate_over(
         cmdline: s.cmdline.clone(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
-        host_pages: Default::default(),
+        host_pages: s.host_pages,
     };
     let source = Vm::boot(config.clone())?;
     let src = source.handle();

@@ -2,7 +2,7 @@
 //! forever (or for `run-ms`), reporting through telemetry and the serial port.
 
 use ferry_guest::pace::Pace;
-use ferry_guest::pattern::Picker;
+use ferry_guest::pattern::{Picker, Rng};
 use ferry_guest::plan::{self, Plan, PlanError};
 use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
 use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
@@ -183,8 +183,13 @@ struct Workload {
     timer: Option<Timer>,
     cursor: u64,
     counters: Counters,
-    /// The longest write batch since the last heartbeat, and the slow batches so far (see
-    /// `report::heartbeat`): the stall the guest itself sees.
+    /// Decides which accesses read (`read=`), apart from the picker so that the pages written
+    /// are the same whatever the read share.
+    reads: Rng,
+    pages_read: u64,
+    bad_reads: u64,
+    /// The longest batch of accesses since the last heartbeat, and the slow batches so far
+    /// (see `report::heartbeat`): the stall the guest itself sees.
     max_batch_ns: u64,
     slow_batches: u64,
     slow_batch_ns: u64,
@@ -208,6 +213,9 @@ impl Workload {
             record,
             pace,
             timer: Timer::start(),
+            reads: Rng::new(p.seed ^ 0x7265_6164),
+            pages_read: 0,
+            bad_reads: 0,
             cursor: 0,
             counters: Counters::default(),
             max_batch_ns: 0,
@@ -224,6 +232,31 @@ impl Workload {
             Fill::Stamp => memory::write_stamp(pfn, word),
             Fill::Random => memory::write_filled(pfn, word),
         }
+    }
+
+    /// Whether the page at `pfn` holds `want`, as `fill=` writes it.
+    fn holds(&self, pfn: u64, want: u64) -> bool {
+        match self.p.fill {
+            Fill::Stamp => memory::page_matches(pfn, want),
+            Fill::Random => memory::page_matches_filled(pfn, want),
+        }
+    }
+
+    /// One access to working-set page `index` at frame `pfn`: with `read=`'s odds a read that
+    /// checks the page against its last write, else a write of its next generation.
+    #[inline(always)]
+    fn access(&mut self, index: usize, pfn: u64) {
+        if self.p.read_percent != 0 && self.reads.below(100) < u64::from(self.p.read_percent) {
+            let want = expected_word(pfn, self.record[index], self.p.zero_percent);
+            if !self.holds(pfn, want) {
+                self.bad_reads += 1;
+            }
+            self.pages_read += 1;
+            return;
+        }
+        self.record[index] = next_generation(self.record[index]);
+        self.store(pfn, self.record[index]);
+        self.counters.pages_written += 1;
     }
 
     /// `prefill=1`: every page once, in order, before the workload (and its clock) starts.
@@ -257,6 +290,8 @@ impl Workload {
                 detail[report::heartbeat::MAX_BATCH_NS] = core::mem::take(&mut self.max_batch_ns);
                 detail[report::heartbeat::SLOW_BATCHES] = self.slow_batches;
                 detail[report::heartbeat::SLOW_BATCH_TIME_NS] = self.slow_batch_ns;
+                detail[report::heartbeat::PAGES_READ] = self.pages_read;
+                detail[report::heartbeat::BAD_READS] = self.bad_reads;
                 let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
                 telemetry::send(&hb);
                 next_heartbeat = now + every(self.p.heartbeat_ms);
@@ -323,7 +358,6 @@ impl Workload {
                 self.slow_batches += 1;
                 self.slow_batch_ns += took;
             }
-            self.counters.pages_written += n;
         }
     }
 
@@ -342,9 +376,7 @@ impl Workload {
             let run = n.min(extent.first_index + extent.pages - index);
             let first_pfn = extent.first_pfn + (index - extent.first_index);
             for k in 0..run {
-                let i = (index + k) as usize;
-                self.record[i] = next_generation(self.record[i]);
-                self.store(first_pfn + k, self.record[i]);
+                self.access((index + k) as usize, first_pfn + k);
             }
             self.cursor = (index + run) % self.plan.pages;
             n -= run;
@@ -353,9 +385,8 @@ impl Workload {
 
     fn write_picked(&mut self, n: u64) {
         for _ in 0..n {
-            let index = self.picker.next_index() as usize;
-            self.record[index] = next_generation(self.record[index]);
-            self.store(self.plan.pfn(index as u64), self.record[index]);
+            let index = self.picker.next_index();
+            self.access(index as usize, self.plan.pfn(index));
         }
     }
 
@@ -371,11 +402,7 @@ impl Workload {
             for (k, &generation) in records.iter().enumerate() {
                 let pfn = e.first_pfn + k as u64;
                 let want = expected_word(pfn, generation, zero);
-                let good = match self.p.fill {
-                    Fill::Stamp => memory::page_matches(pfn, want),
-                    Fill::Random => memory::page_matches_filled(pfn, want),
-                };
-                if !good {
+                if !self.holds(pfn, want) {
                     if (bad as usize) < listed.len() {
                         listed[bad as usize] = pfn;
                     }

@@ -107,6 +107,10 @@ pub struct GuestTelemetry {
     /// Write batches the guest timed over 1 ms, and their total time, since it booted.
     pub slow_batches: u64,
     pub slow_batch_ns: u64,
+    /// Pages the guest read and checked (`read=`), and those that did not hold their last
+    /// write: a page migration lost or served stale, caught the moment it was read.
+    pub pages_read: u64,
+    pub bad_reads: u64,
     pub last_verify: Option<VerifyResult>,
     pub first_failed_verify: Option<VerifyResult>,
     pub exception: Option<GuestException>,
@@ -226,6 +230,8 @@ impl GuestTelemetry {
                 self.slow_batch_ns = self
                     .slow_batch_ns
                     .max(d[report::heartbeat::SLOW_BATCH_TIME_NS]);
+                self.pages_read = self.pages_read.max(d[report::heartbeat::PAGES_READ]);
+                self.bad_reads = self.bad_reads.max(d[report::heartbeat::BAD_READS]);
             }
             Kind::Verify => {
                 let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);

@@ -107,6 +107,10 @@ pub fn verifies_clean(dst: &Vm, passes: u64) -> GuestTelemetry {
         after.first_failed_verify
     );
     assert!(after.heartbeats > resumed.heartbeats, "heartbeats continue");
+    assert_eq!(
+        after.bad_reads, 0,
+        "the guest read a page that did not hold its last write"
+    );
     after
 }
 
