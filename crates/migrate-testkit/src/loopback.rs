@@ -117,6 +117,9 @@ impl Stream for Slow {
     fn set_low_latency(&self) -> std::io::Result<()> {
         self.inner.set_nodelay(true)
     }
+    fn set_urgent(&self) -> std::io::Result<()> {
+        ferry_migrate::transport::Stream::set_urgent(&self.inner)
+    }
 }
 
 /// Migrates `src` into `dst` over loopback, with each of the destination's data channels

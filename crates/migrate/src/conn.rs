@@ -267,6 +267,9 @@ mod tests {
         fn set_low_latency(&self) -> io::Result<()> {
             Ok(())
         }
+        fn set_urgent(&self) -> io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct MigrationRequest {
     pub postcopy_after_passes: Option<u32>,
     /// With postcopy: requested pages on a preempt connection of their own.
     pub postcopy_preempt: bool,
+    /// Mark the preempt connection's packets urgent (on by default; see
+    /// `SourceParams::preempt_priority`).
+    pub postcopy_preempt_priority: bool,
 }
 
 impl MigrationRequest {
@@ -61,6 +64,7 @@ impl MigrationRequest {
             postcopy: false,
             postcopy_after_passes: None,
             postcopy_preempt: false,
+            postcopy_preempt_priority: true,
         }
     }
 }
@@ -106,6 +110,7 @@ impl VmHandle {
             postcopy: req.postcopy,
             postcopy_after_passes: req.postcopy_after_passes,
             preempt: req.postcopy_preempt,
+            preempt_priority: req.postcopy_preempt_priority,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {

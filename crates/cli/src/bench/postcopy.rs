@@ -43,7 +43,7 @@ const ROUND_TRIPS: usize = 2000;
 const LINK_RATE: &str = "8gbit";
 
 pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
-    let capped = match CappedLink::new() {
+    let link = |prio: bool| match CappedLink::new(prio) {
         Ok(l) => Some(l),
         Err(e) => {
             eprintln!(
@@ -52,33 +52,47 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
             None
         }
     };
+    let capped = link(false);
+    let banded = link(true);
     let mut rows = Vec::new();
     println!("references (same run): 16-byte request, 4 KiB answer");
     let mut links: Vec<(&str, Option<&CappedLink>)> = vec![("loopback", None)];
     if let Some(c) = &capped {
         links.push(("capped 1 GB/s", Some(c)));
     }
-    for &(name, link) in &links {
-        for busy in [false, true] {
-            let r = round_trips(link, busy)?;
-            println!(
-                "  {:<14} {:<18} mean {:>7.0} µs  p50 {:>6.0} µs  p99 {:>7.0} µs  max {:>7.0} µs",
-                name,
-                if busy { "beside a bulk stream" } else { "idle" },
-                r.mean,
-                r.p50,
-                r.p99,
-                r.max
-            );
-            rows.push(json!({"bench": "postcopy_ref", "link": name, "busy": busy,
-                "mean_us": r.mean, "p50_us": r.p50, "p99_us": r.p99, "max_us": r.max}));
-        }
+    let mut refs: Vec<(&str, Option<&CappedLink>, bool, bool)> = links
+        .iter()
+        .flat_map(|&(name, l)| [(name, l, false, false), (name, l, true, false)])
+        .collect();
+    if let Some(b) = &banded {
+        refs.push((PRIO_LINK, Some(b), true, false));
+        refs.push((PRIO_LINK, Some(b), true, true));
+    }
+    for (name, link, busy, marked) in refs {
+        let r = round_trips(link, busy, marked)?;
+        println!(
+            "  {:<28} {:<30} mean {:>7.0} µs  p50 {:>6.0} µs  p99 {:>7.0} µs  max {:>7.0} µs",
+            name,
+            match (busy, marked) {
+                (false, _) => "idle",
+                (true, false) => "beside a bulk stream",
+                (true, true) => "beside a bulk stream, marked",
+            },
+            r.mean,
+            r.p50,
+            r.p99,
+            r.max
+        );
+        rows.push(
+            json!({"bench": "postcopy_ref", "link": name, "busy": busy, "marked": marked,
+            "mean_us": r.mean, "p50_us": r.p50, "p99_us": r.p99, "max_us": r.max}),
+        );
     }
     println!(
         "\n2 GiB guest on 4 KiB or 2 MiB host pages, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms"
     );
     println!(
-        "{:<38} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
+        "{:<56} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
         "migration",
         "total ms",
         "down",
@@ -92,6 +106,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         "p99",
         "max"
     );
+    let wanted = |name: &str| args.scenario.as_deref().is_none_or(|o| name.contains(o));
     // Raised for the 2M rows only, and put back when the bench ends.
     let mut pool = None;
     for (pages, host_pages) in [("4K", HostPages::Small), ("2M", HostPages::Huge2M)] {
@@ -114,65 +129,99 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
                         "{pages} {link_name}, {rate} MB/s, {}",
                         if preempt { "preempt" } else { "no preempt" }
                     );
-                    if args.scenario.as_deref().is_some_and(|o| !name.contains(o)) {
-                        continue;
+                    if wanted(&name) {
+                        let s = Scenario {
+                            postcopy: Some(preempt),
+                            host_pages,
+                            ..scenario(&name, rate)
+                        };
+                        rows.push(migrate_row(&s, link_name, link)?);
                     }
-                    let s = Scenario {
-                        postcopy: Some(preempt),
-                        host_pages,
-                        ..Scenario::new(
-                            &name,
-                            2 * GIB,
-                            &format!(
-                                "ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"
-                            ),
-                            2,
-                        )
-                    };
-                    let listener = match link {
-                        None => TcpListener::bind("127.0.0.1:0")?,
-                        Some(l) => l.listener()?,
-                    };
-                    let m = migrate_over(&s, DestinationSetup::default(), listener)
-                        .with_context(|| format!("migration '{name}'"))?;
-                    let st = &m.stats;
-                    let pc = st
-                        .postcopy
-                        .clone()
-                        .context("the migration did not switch to postcopy")?;
-                    let stall_ms = m.guest.max_batch_ns as f64 / 1e6;
-                    let slow_ms = m.guest.slow_batch_ns as f64 / 1e6;
-                    println!(
-                        "{:<38} {:>8.0} {:>7.1} {:>7.0} {:>8.1} {:>8.0} {:>6} {:>6} {:>8.0} {:>7} {:>7} {:>7}",
-                        name,
-                        st.total_ms,
-                        st.downtime.total_ms,
-                        pc.duration_ms,
-                        stall_ms,
-                        slow_ms,
-                        pc.pages_requested,
-                        pc.pages_resent,
-                        pc.latency_mean_us,
-                        pc.latency_p50_us,
-                        pc.latency_p99_us,
-                        pc.latency_max_us
-                    );
-                    rows.push(
-                    json!({"bench": "postcopy", "migration": name, "link": link_name, "pages": pages,
-                    "rate": rate, "preempt": preempt, "total_ms": st.total_ms,
-                    "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
-                    "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
-                    "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
-                );
                 }
             }
         }
     }
     drop(pool);
+    // The preempt connection's urgent marking, on a link whose queue serves it first.
+    for rate in ["400", "max"] {
+        for marked in [false, true] {
+            let name = format!(
+                "4K {PRIO_LINK}, {rate} MB/s, preempt{}",
+                if marked { ", marked" } else { "" }
+            );
+            if let Some(b) = &banded
+                && wanted(&name)
+            {
+                let s = Scenario {
+                    postcopy: Some(true),
+                    preempt_priority: marked,
+                    ..scenario(&name, rate)
+                };
+                rows.push(migrate_row(&s, PRIO_LINK, Some(b))?);
+            }
+        }
+    }
     for r in rows {
         println!("{r}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The link with priority bands under its cap.
+const PRIO_LINK: &str = "capped 1 GB/s, prio bands";
+
+/// A bench migration: the guest dirtying its working set at `rate` MB/s.
+fn scenario(name: &str, rate: &str) -> Scenario {
+    Scenario::new(
+        name,
+        2 * GIB,
+        &format!("ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"),
+        2,
+    )
+}
+
+/// Runs `s` across `link` (loopback if `None`), prints its row and returns its JSON.
+fn migrate_row(
+    s: &Scenario,
+    link_name: &str,
+    link: Option<&CappedLink>,
+) -> anyhow::Result<serde_json::Value> {
+    let listener = match link {
+        None => TcpListener::bind("127.0.0.1:0")?,
+        Some(l) => l.listener()?,
+    };
+    let m = migrate_over(s, DestinationSetup::default(), listener)
+        .with_context(|| format!("migration '{}'", s.name))?;
+    let st = &m.stats;
+    let pc = st
+        .postcopy
+        .clone()
+        .context("the migration did not switch to postcopy")?;
+    let stall_ms = m.guest.max_batch_ns as f64 / 1e6;
+    let slow_ms = m.guest.slow_batch_ns as f64 / 1e6;
+    println!(
+        "{:<56} {:>8.0} {:>7.1} {:>7.0} {:>8.1} {:>8.0} {:>6} {:>6} {:>8.0} {:>7} {:>7} {:>7}",
+        s.name,
+        st.total_ms,
+        st.downtime.total_ms,
+        pc.duration_ms,
+        stall_ms,
+        slow_ms,
+        pc.pages_requested,
+        pc.pages_resent,
+        pc.latency_mean_us,
+        pc.latency_p50_us,
+        pc.latency_p99_us,
+        pc.latency_max_us
+    );
+    Ok(
+        json!({"bench": "postcopy", "migration": s.name, "link": link_name,
+        "pages": if s.host_pages == HostPages::Huge2M { "2M" } else { "4K" },
+        "preempt": s.postcopy, "marked": s.preempt_priority, "total_ms": st.total_ms,
+        "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
+        "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
+        "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
+    )
 }
 
 /// The host's huge page pool raised by some pages for as long as this lives.
@@ -221,7 +270,9 @@ struct RoundTrips {
 
 /// [`ROUND_TRIPS`] 16-byte requests each answered with 4 KiB, over `link` (loopback if
 /// `None`); with `busy`, beside a bulk stream in the same direction as the answers.
-fn round_trips(link: Option<&CappedLink>, busy: bool) -> anyhow::Result<RoundTrips> {
+/// The round trip across `link` (loopback if `None`), beside a bulk stream if `busy`, with the
+/// answers marked urgent (as the preempt connection is) if `marked`.
+fn round_trips(link: Option<&CappedLink>, busy: bool, marked: bool) -> anyhow::Result<RoundTrips> {
     let listen = || match link {
         None => TcpListener::bind("127.0.0.1:0").map_err(anyhow::Error::from),
         Some(l) => l.listener(),
@@ -231,6 +282,9 @@ fn round_trips(link: Option<&CappedLink>, busy: bool) -> anyhow::Result<RoundTri
     let answering = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = server.accept()?;
         s.set_nodelay(true)?;
+        if marked {
+            ferry_migrate::transport::Stream::set_urgent(&s)?;
+        }
         let (mut req, page) = ([0u8; 16], vec![0x5au8; 4096]);
         while s.read_exact(&mut req).is_ok() {
             s.write_all(&page)?;
@@ -297,42 +351,56 @@ struct CappedLink {
 }
 
 impl CappedLink {
-    fn new() -> anyhow::Result<CappedLink> {
-        let id = std::process::id() % 100_000;
+    /// A capped link; with `prio`, the cap's queue has priority bands (under the `tbf`, as
+    /// deep in all as the plain link's queue), so that urgent packets (`SO_PRIORITY` 6) leave
+    /// before the bulk ones queued earlier.
+    fn new(prio: bool) -> anyhow::Result<CappedLink> {
+        let id = std::process::id() % 10_000 * 10 + u32::from(prio);
         let netns = format!("ferry-bench-{id}");
         let (here, there) = (format!("fbh{id}"), format!("fbt{id}"));
+        let net = if prio { "10.253.78" } else { "10.253.77" };
         // A namespace of this name left by a run that was killed goes first.
         let _ = sh(&["ip", "netns", "del", &netns]);
         let link = CappedLink {
             netns: netns.clone(),
-            remote: "10.253.77.2".into(),
+            remote: format!("{net}.2"),
         };
         // A half-made link is removed by `link`'s drop if a step fails.
         sh(&["ip", "netns", "add", &netns])?;
         sh(&[
             "ip", "link", "add", &here, "type", "veth", "peer", "name", &there, "netns", &netns,
         ])?;
-        sh(&["ip", "addr", "add", "10.253.77.1/30", "dev", &here])?;
+        sh(&["ip", "addr", "add", &format!("{net}.1/30"), "dev", &here])?;
         sh(&["ip", "link", "set", &here, "up"])?;
         let inside = |args: &[&str]| {
             let mut v = vec!["ip", "netns", "exec", netns.as_str()];
             v.extend_from_slice(args);
             sh(&v)
         };
-        inside(&["ip", "addr", "add", "10.253.77.2/30", "dev", &there])?;
+        inside(&["ip", "addr", "add", &format!("{net}.2/30"), "dev", &there])?;
         inside(&["ip", "link", "set", &there, "up"])?;
         inside(&["ip", "link", "set", "lo", "up"])?;
         // burst: at least a timer tick of the rate (1 GB/s / 1000 Hz = 1 MB); latency bounds
         // the queue to 2 ms of the rate.
         let tbf = [
-            "root", "tbf", "rate", LINK_RATE, "burst", "2mb", "latency", "2ms",
+            "root", "handle", "1:", "tbf", "rate", LINK_RATE, "burst", "2mb", "latency", "2ms",
         ];
-        let mut tc: Vec<&str> = vec!["tc", "qdisc", "add", "dev", &here];
-        tc.extend_from_slice(&tbf);
-        sh(&tc)?;
-        let mut tc: Vec<&str> = vec!["tc", "qdisc", "add", "dev", &there];
-        tc.extend_from_slice(&tbf);
-        inside(&tc)?;
+        // The bands: pfifo_fast (the `prio` qdisc is not in every kernel; pfifo_fast is, and its
+        // priomap sends priority 6 to band 0, priority 0 to band 1). It holds the device's
+        // txqueuelen in packets: 64 of up to 64 KiB (GSO) is the 4 MB tbf's own queue holds
+        // (rate × latency + burst).
+        let bands = ["parent", "1:1", "handle", "10:", "pfifo_fast"];
+        for (dev, ns) in [(&here, false), (&there, true)] {
+            let mut cmds: Vec<Vec<&str>> =
+                vec![[&["tc", "qdisc", "add", "dev", dev], &tbf[..]].concat()];
+            if prio {
+                cmds.push([&["tc", "qdisc", "add", "dev", dev], &bands[..]].concat());
+                cmds.push(vec!["ip", "link", "set", "dev", dev, "txqueuelen", "64"]);
+            }
+            for c in cmds {
+                if ns { inside(&c)? } else { sh(&c)? }
+            }
+        }
         Ok(link)
     }
 

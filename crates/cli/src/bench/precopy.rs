@@ -46,6 +46,8 @@ pub(super) struct Scenario {
     pub postcopy: Option<bool>,
     /// Guest RAM on both sides on these host pages.
     pub host_pages: HostPages,
+    /// With postcopy's preempt connection: mark it urgent (the default).
+    pub preempt_priority: bool,
 }
 
 impl Scenario {
@@ -59,6 +61,7 @@ impl Scenario {
             channels,
             postcopy: None,
             host_pages: HostPages::Small,
+            preempt_priority: true,
         }
     }
 }
@@ -77,6 +80,7 @@ fn scenarios() -> Vec<Scenario> {
             channels: 1,
             postcopy: None,
             host_pages: HostPages::Small,
+            preempt_priority: true,
         },
         Scenario {
             name: "2G random data, idle".into(),
@@ -86,6 +90,7 @@ fn scenarios() -> Vec<Scenario> {
             channels: 1,
             postcopy: None,
             host_pages: HostPages::Small,
+            preempt_priority: true,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -98,6 +103,7 @@ fn scenarios() -> Vec<Scenario> {
                 channels: 1,
                 postcopy: None,
                 host_pages: HostPages::Small,
+                preempt_priority: true,
             });
         }
     }
@@ -258,6 +264,7 @@ pub(super) fn migrate_over(
         request.postcopy = true;
         request.postcopy_after_passes = Some(1);
         request.postcopy_preempt = preempt;
+        request.postcopy_preempt_priority = s.preempt_priority;
     }
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, &listener);

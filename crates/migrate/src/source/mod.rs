@@ -84,6 +84,9 @@ pub struct SourceParams {
     /// With postcopy: send the pages the destination asks for on a connection of their own
     /// (QEMU's postcopy-preempt), not behind the background stream.
     pub preempt: bool,
+    /// Mark the preempt connection's packets urgent (`Stream::set_urgent`), so that a link
+    /// whose queue has priority bands sends them ahead of the background stream.
+    pub preempt_priority: bool,
 }
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
@@ -115,6 +118,7 @@ impl SourceParams {
             postcopy: false,
             postcopy_after_passes: None,
             preempt: false,
+            preempt_priority: true,
         }
     }
 
