@@ -131,7 +131,9 @@ impl Session<'_> {
             &sections,
             Kind::Postcopy,
             [t0, t1, t2, t2, t3],
-            Some(&mut |s: &mut Self| s.serve_taken(&mut cursor, &mut pc, &mut Vec::new(), &listed)),
+            Some(&mut |s: &mut Self| {
+                s.serve_requests(&mut cursor, &mut pc, &mut Vec::new(), &listed)
+            }),
         )?;
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
@@ -230,6 +232,7 @@ impl Session<'_> {
         // The background batch taken from the bitmap and not queued yet.
         let mut held: Vec<u64> = Vec::with_capacity(packet);
         loop {
+            self.check_ended()?;
             self.serve_requests(&mut cursor, pc, &mut held, listed)?;
             if held.is_empty() {
                 if self.bitmap.count() == 0 {
@@ -302,20 +305,10 @@ impl Session<'_> {
     /// served again on it: the first copy may wait behind megabytes of background stream, and
     /// the page's bytes cannot change any more (the guest runs on the destination), so the
     /// destination keeps whichever copy lands first and drops the other.
+    ///
+    /// It does not look at how the reader ended: the caller does, except while the source
+    /// waits for Resumed (which ends nothing) during a load that faults.
     fn serve_requests(
-        &mut self,
-        cursor: &mut Cursor,
-        pc: &mut PostcopyStats,
-        held: &mut Vec<u64>,
-        listed: &DirtyBitmap,
-    ) -> Result<(), MigrateError> {
-        self.check_ended()?;
-        self.serve_taken(cursor, pc, held, listed)
-    }
-
-    /// [`Session::serve_requests`] without looking at how the reader ended (while the source
-    /// waits for Resumed, which ends nothing).
-    fn serve_taken(
         &mut self,
         cursor: &mut Cursor,
         pc: &mut PostcopyStats,
