@@ -10,44 +10,15 @@ use std::time::Duration;
 
 use common::{config, receive_from, require_kvm, verifies_clean, wait_for_telemetry};
 use ferry_migrate::{Phase, Policy, TimeoutAction};
-use ferry_vmm::memory::HostPages;
+use ferry_vmm::memory::{HostPages, HugePagePool};
 use ferry_vmm::migration::MigrationRequest;
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
 const MEMORY: u64 = 256 * MIB;
-const POOL: &str = "/proc/sys/vm/nr_hugepages";
-
 /// Raises the host's huge page pool by `pages` for the test's life.
-struct Reserved(u64);
-
-impl Reserved {
-    fn more(pages: u64) -> Reserved {
-        let now: u64 = std::fs::read_to_string(POOL)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        std::fs::write(POOL, (now + pages).to_string())
-            .unwrap_or_else(|e| panic!("cannot reserve huge pages in {POOL} (run as root): {e}"));
-        let got: u64 = std::fs::read_to_string(POOL)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        assert!(
-            got >= now + pages,
-            "the host gave {} of {pages} huge pages asked for (memory too fragmented?)",
-            got - now
-        );
-        Reserved(now)
-    }
-}
-
-impl Drop for Reserved {
-    fn drop(&mut self) {
-        let _ = std::fs::write(POOL, self.0.to_string());
-    }
+fn reserve(pages: u64) -> HugePagePool {
+    HugePagePool::reserve_more(pages).unwrap_or_else(|e| panic!("cannot reserve huge pages: {e}"))
 }
 
 fn huge(cmdline: &str, serial: &std::path::Path) -> VmConfig {
@@ -90,7 +61,7 @@ fn huge_source(cmdline: &str, dir: &std::path::Path) -> Vm {
 fn a_huge_page_guest_migrates_by_precopy() {
     require_kvm();
     let _turn = POOL_USERS.lock().unwrap_or_else(|e| e.into_inner());
-    let _pool = Reserved::more(2 * MEMORY / (2 * MIB) + 8);
+    let _pool = reserve(2 * MEMORY / (2 * MIB) + 8);
     let dir = tempfile::tempdir().unwrap();
     let src = huge_source(
         "ws=64M pattern=random rate=100 verify-ms=200 log-ms=0",
@@ -115,7 +86,7 @@ fn a_huge_page_guest_migrates_by_precopy() {
 fn a_huge_page_guest_migrates_by_postcopy_in_whole_huge_pages() {
     require_kvm();
     let _turn = POOL_USERS.lock().unwrap_or_else(|e| e.into_inner());
-    let _pool = Reserved::more(2 * MEMORY / (2 * MIB) + 8);
+    let _pool = reserve(2 * MEMORY / (2 * MIB) + 8);
     for (channels, preempt) in [(1, false), (4, true)] {
         let dir = tempfile::tempdir().unwrap();
         let src = huge_source(

@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::json;
 
-use ferry_vmm::memory::HostPages;
+use ferry_vmm::memory::{HostPages, HugePagePool};
 
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
 
@@ -112,7 +112,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
     for (pages, host_pages) in [("4K", HostPages::Small), ("2M", HostPages::Huge2M)] {
         if host_pages == HostPages::Huge2M {
             // Both VMs' RAM, and a few pages of slack.
-            match HugePool::reserve(2 * 2 * GIB / (2 << 20) + 16) {
+            match HugePagePool::reserve_more(2 * 2 * GIB / (2 << 20) + 16) {
                 Ok(p) => pool = Some(p),
                 Err(e) => {
                     eprintln!(
@@ -222,42 +222,6 @@ fn migrate_row(
         "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
         "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
     )
-}
-
-/// The host's huge page pool raised by some pages for as long as this lives.
-struct HugePool {
-    before: u64,
-}
-
-const POOL: &str = "/proc/sys/vm/nr_hugepages";
-
-impl HugePool {
-    fn reserve(pages: u64) -> anyhow::Result<HugePool> {
-        let read = || -> anyhow::Result<u64> {
-            Ok(std::fs::read_to_string(POOL)
-                .with_context(|| format!("reading {POOL}"))?
-                .trim()
-                .parse()?)
-        };
-        let before = read()?;
-        std::fs::write(POOL, (before + pages).to_string())
-            .with_context(|| format!("raising {POOL} by {pages} (needs root)"))?;
-        let pool = HugePool { before };
-        let got = read()?;
-        if got < before + pages {
-            bail!(
-                "the host gave {} of the {pages} huge pages asked for (memory too fragmented?)",
-                got - before
-            );
-        }
-        Ok(pool)
-    }
-}
-
-impl Drop for HugePool {
-    fn drop(&mut self) {
-        let _ = std::fs::write(POOL, self.before.to_string());
-    }
 }
 
 /// Round-trip times in µs.
