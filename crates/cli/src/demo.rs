@@ -94,6 +94,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             downtime_limit: args.downtime_limit,
             timeout: Some(Duration::from_secs(60)),
             timeout_action: TimeoutAction::Switchover,
+            ..Policy::default()
         },
     );
     request.max_bandwidth = args.max_bandwidth;

@@ -22,6 +22,13 @@ const POLL: Duration = Duration::from_millis(200);
 pub enum TimeoutActionArg {
     Cancel,
     Switchover,
+    Postcopy,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -59,9 +66,19 @@ pub struct MigrateArgs {
     /// Give up converging after this long, e.g. 60s. Default: no timeout.
     #[arg(long, value_parser = humantime::parse_duration)]
     timeout: Option<Duration>,
-    /// What to do at the timeout: cancel (the source keeps running) or force the switchover.
+    /// What to do at the timeout: cancel (the source keeps running), force the switchover,
+    /// or switch to postcopy (needs --postcopy).
     #[arg(long, value_enum, default_value = "cancel")]
     timeout_action: TimeoutActionArg,
+    /// Throttle the guest's vCPUs when precopy stalls (the guest dirties more than half of
+    /// what each pass sends, two passes in a row): 20% of their time asleep, 10 points more
+    /// per further stalled pass, up to --max-throttle (QEMU: auto-converge). On by default:
+    /// it needs nothing from the destination and cannot lose the VM.
+    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
+    auto_converge: OnOff,
+    /// Auto-converge's highest throttle, percent of vCPU time asleep (1 to 99).
+    #[arg(long, default_value_t = 99, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
+    max_throttle: u8,
     /// Data channels, each a TCP connection with a sender and a receiver thread (QEMU:
     /// multifd-channels).
     #[arg(long, default_value_t = ferry_migrate::source::DEFAULT_CHANNELS)]
@@ -79,8 +96,9 @@ pub struct MigrateArgs {
     stats_out: Option<PathBuf>,
     /// Allow switching to postcopy: the guest moves to the destination early and its
     /// remaining pages follow, those it touches first (QEMU: postcopy-ram). The switch comes
-    /// after --postcopy-after-passes passes or on `ferry migrate-postcopy`. Once the guest ran
-    /// on the destination the migration cannot be cancelled, and a broken connection loses it.
+    /// after --postcopy-after-passes passes, on a stall with --postcopy-on-stall, or on `ferry
+    /// migrate-postcopy`. Once the guest ran on the destination the migration cannot be
+    /// cancelled.
     #[arg(long)]
     postcopy: bool,
     /// With --postcopy: switch after this many precopy passes (1 = right after the first).
@@ -90,6 +108,9 @@ pub struct MigrateArgs {
     /// their own, never behind the background stream (QEMU: postcopy-preempt).
     #[arg(long, requires = "postcopy")]
     postcopy_preempt: bool,
+    /// With --postcopy: switch to postcopy when precopy stalls, before throttling the guest.
+    #[arg(long, requires = "postcopy")]
+    postcopy_on_stall: bool,
 }
 
 #[derive(Debug, Args)]
@@ -104,6 +125,11 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
     let to = args.to.as_str();
     to.parse::<ferry_migrate::transport::Address>()
         .map_err(|e| UsageError(format!("--to {e}")))?;
+    if matches!(args.timeout_action, TimeoutActionArg::Postcopy) && !args.postcopy {
+        return Err(UsageError(
+            "--timeout-action postcopy needs --postcopy".into(),
+        ));
+    }
     let max = ferry_migrate::wire::MAX_CHANNELS;
     if args.channels == 0 || args.channels > max {
         return Err(UsageError(format!(
@@ -132,7 +158,11 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "timeout_action": match args.timeout_action {
             TimeoutActionArg::Cancel => "cancel",
             TimeoutActionArg::Switchover => "switchover",
+            TimeoutActionArg::Postcopy => "postcopy",
         },
+        "auto_converge": args.auto_converge == OnOff::On,
+        "max_throttle": args.max_throttle,
+        "postcopy_on_stall": args.postcopy_on_stall,
         "channels": args.channels,
         "packet_size": args.packet_size,
         "zero_detection": ZeroDetection::from(args.zero_detection),

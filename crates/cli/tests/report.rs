@@ -44,6 +44,7 @@ fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
             bytes: mb_per_pass * 1_000_000,
             duration_ms: 100.0,
             dirty_rate_pages_per_s: 20_000.0,
+            throttle_percent: 0,
         })
         .collect();
     pass_rows.push(PassStats {
@@ -53,6 +54,7 @@ fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
         bytes: 800_000,
         duration_ms: 12.0,
         dirty_rate_pages_per_s: 0.0,
+        throttle_percent: 0,
     });
     MigrationStats {
         total_ms: f64::from(passes * 100 + 40),

@@ -90,6 +90,7 @@ macro_rules! conformance_tests {
             fetch_clears_what_it_reports,
             dirty_log_restarts,
             paused_source_saves_state,
+            throttle_is_set_and_lifted_or_refused,
             destination_loads_the_sources_state,
             destination_file_is_its_memory,
             destination_refuses_bad_state,
@@ -255,6 +256,23 @@ pub fn paused_source_saves_state<F: Fixture>(f: &mut F) {
     let sections = ok("save_state", src.save_state());
     assert!(!sections.is_empty(), "save_state returned no sections");
     ok("resume", src.resume());
+}
+
+/// A throttle is taken and lifted, in any state a migration may set it (running, and lifted
+/// while paused); or refused as unsupported, never failed otherwise (the engine turns
+/// auto-converge off on `Unsupported` and fails the migration on anything else).
+pub fn throttle_is_set_and_lifted_or_refused<F: Fixture>(f: &mut F) {
+    let mut src = f.source();
+    match src.set_throttle(50) {
+        Err(VmError::Unsupported { .. }) => return,
+        r => ok("set_throttle(50)", r),
+    }
+    ok("set_throttle(99)", src.set_throttle(99));
+    ok("pause", src.pause());
+    ok("set_throttle(0) while paused", src.set_throttle(0));
+    ok("resume", src.resume());
+    ok("set_throttle(20)", src.set_throttle(20));
+    ok("set_throttle(0)", src.set_throttle(0));
 }
 
 /// What a paused source saved, a fresh destination loads.

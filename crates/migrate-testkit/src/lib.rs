@@ -17,7 +17,7 @@ pub mod craft;
 pub mod loopback;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -146,6 +146,8 @@ struct Shared {
     logging: AtomicBool,
     dirty: Vec<AtomicU64>,
     writes: AtomicU64,
+    /// Auto-converge's throttle, percent: each writer sleeps that share of its time.
+    throttle: AtomicU8,
 }
 
 impl Shared {
@@ -195,6 +197,7 @@ impl FakeVm {
                 logging: AtomicBool::new(false),
                 dirty: (0..words).map(|_| AtomicU64::new(0)).collect(),
                 writes: AtomicU64::new(0),
+                throttle: AtomicU8::new(0),
             }),
             threads: Vec::new(),
             // Two instances of one section kind, as a VM with two vCPUs has: every migration
@@ -268,6 +271,11 @@ impl FakeVm {
         self.shared.paused.load(Ordering::Acquire)
     }
 
+    /// The throttle a migration set, percent.
+    pub fn throttle(&self) -> u8 {
+        self.shared.throttle.load(Ordering::Relaxed)
+    }
+
     pub fn is_logging(&self) -> bool {
         self.shared.logging.load(Ordering::Acquire)
     }
@@ -333,6 +341,7 @@ fn writer(shared: &Shared, w: Writers, id: u64) {
             std::thread::sleep(Duration::from_micros(200));
             continue;
         }
+        let started = std::time::Instant::now();
         {
             let _g = shared.gate.read().unwrap();
             if shared.paused.load(Ordering::Acquire) {
@@ -355,6 +364,11 @@ fn writer(shared: &Shared, w: Writers, id: u64) {
         }
         if !w.interval.is_zero() {
             std::thread::sleep(w.interval);
+        }
+        // Throttled as a VMM throttles a vCPU: asleep `percent` of the time.
+        let percent = u32::from(shared.throttle.load(Ordering::Relaxed).min(99));
+        if percent > 0 {
+            std::thread::sleep(started.elapsed() * percent / (100 - percent));
         }
     }
 }
@@ -420,6 +434,11 @@ unsafe impl SourceVm for FakeVm {
 
     fn resume(&mut self) -> Result<(), VmError> {
         self.shared.paused.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> Result<(), VmError> {
+        self.shared.throttle.store(percent, Ordering::Relaxed);
         Ok(())
     }
 

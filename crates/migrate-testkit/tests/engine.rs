@@ -26,6 +26,7 @@ fn params(downtime_ms: u64, max_bandwidth: Option<u64>) -> SourceParams {
         downtime_limit: Duration::from_millis(downtime_ms),
         timeout: Some(Duration::from_secs(1)),
         timeout_action: TimeoutAction::Switchover,
+        ..Policy::default()
     };
     SourceParams {
         max_bandwidth,
@@ -365,6 +366,7 @@ fn an_idle_guest_pauses_only_after_a_slow_destination_took_in_pass_1() {
             downtime_limit: Duration::from_millis(300),
             timeout: None,
             timeout_action: TimeoutAction::Cancel,
+            ..Policy::default()
         },
         [9; 16],
     );

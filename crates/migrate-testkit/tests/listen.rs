@@ -25,6 +25,7 @@ fn params(max_bandwidth: Option<u64>) -> SourceParams {
         downtime_limit: Duration::from_millis(300),
         timeout: Some(Duration::from_secs(2)),
         timeout_action: TimeoutAction::Switchover,
+        ..Policy::default()
     };
     SourceParams {
         max_bandwidth,

@@ -20,6 +20,7 @@ fn postcopy_params(channels: u16, max_bandwidth: Option<u64>, preempt: bool) -> 
         downtime_limit: Duration::from_micros(1),
         timeout: Some(Duration::from_secs(60)),
         timeout_action: TimeoutAction::Switchover,
+        ..Policy::default()
     };
     SourceParams {
         channels,

@@ -35,6 +35,9 @@ pub struct Progress {
     pub dirty_rate_pages_per_s: f64,
     pub expected_downtime_ms: Option<f64>,
     pub elapsed_ms: f64,
+    /// The auto-converge throttle in force, percent (0: none).
+    #[serde(default)]
+    pub throttle_percent: u8,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,

@@ -42,7 +42,7 @@ pub mod zero;
 
 pub use control::{Control, Phase, Progress};
 pub use error::MigrateError;
-pub use policy::{Policy, TimeoutAction};
+pub use policy::{AutoConverge, Policy, TimeoutAction};
 pub use source::SourceParams;
 pub use stats::MigrationStats;
 pub use vm::{DestinationVm, PageLanding, Section, SourceVm, VmError};

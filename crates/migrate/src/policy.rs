@@ -1,4 +1,5 @@
-//! When precopy stops iterating: a pure function from what was measured to what to do.
+//! When precopy stops iterating, and what it does when it cannot: a pure function from what
+//! was measured to what to do.
 //!
 //! The work a switchover must do is what is still dirty *and* what was sent but not yet taken
 //! in by the destination (in flight: queued in the source's senders, in socket buffers, being
@@ -6,6 +7,13 @@
 //! predicted downtime is their sum over that rate. Pausing while much is in flight would make
 //! the final pass queue behind it; waiting for it instead ([`Decision::Drain`]) costs the guest
 //! nothing, so the policy drains before it switches over.
+//!
+//! A guest that dirties memory about as fast as the link carries it never fits. Precopy has
+//! *stalled* when, for [`STALL_PASSES`] passes in a row, the guest dirtied more than half of
+//! what the pass sent (QEMU's auto-converge trigger). A stalled migration switches to
+//! postcopy if it may ([`Policy::postcopy_on_stall`]), else slows the guest down
+//! ([`Policy::auto_converge`]: its vCPUs sleep a share of every 10 ms, starting at 20% and
+//! growing 10 points per stalled pass up to a cap), else keeps iterating until the timeout.
 
 #![forbid(unsafe_code)]
 
@@ -22,14 +30,60 @@ pub enum TimeoutAction {
     Cancel,
     /// Pause the guest and send the rest, however long that takes.
     Switchover,
+    /// Switch to postcopy: the guest moves now and its remaining pages follow. Needs postcopy
+    /// to be enabled (and granted); the pause is as short as with a converged migration.
+    Postcopy,
+}
+
+/// Auto-converge: the throttle steps, in percent of each vCPU's time spent asleep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct AutoConverge {
+    /// The first throttle (QEMU's cpu-throttle-initial, 20).
+    pub initial: u8,
+    /// Added per further stalled pass (QEMU's cpu-throttle-increment, 10).
+    pub increment: u8,
+    /// The most it throttles, below 100 (QEMU's max-cpu-throttle, 99).
+    pub max: u8,
+}
+
+impl Default for AutoConverge {
+    fn default() -> Self {
+        AutoConverge {
+            initial: 20,
+            increment: 10,
+            max: 99,
+        }
+    }
+}
+
+impl AutoConverge {
+    /// The throttle after `current` when precopy is still stalled, or `None` at the cap.
+    pub fn next(&self, current: u8) -> Option<u8> {
+        let next = match current {
+            0 => self.initial,
+            c => c.saturating_add(self.increment),
+        }
+        .min(self.max);
+        (next > current).then_some(next)
+    }
 }
 
 /// The knobs, named as QEMU names them.
+///
+/// The default is what a careful operator wants: a migration that finishes and can lose
+/// nothing. Auto-converge is on, because slowing the guest for a few seconds needs nothing from
+/// the destination and leaves the source's copy whole until the pause; postcopy on a stall is
+/// off, because it needs postcopy enabled on both sides and puts the guest's memory on two
+/// hosts until it completes. No timeout: with the throttle, precopy finishes on its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Policy {
     pub downtime_limit: Duration,
     pub timeout: Option<Duration>,
     pub timeout_action: TimeoutAction,
+    /// Throttle the guest when precopy stalls; `None`: never.
+    pub auto_converge: Option<AutoConverge>,
+    /// Switch to postcopy when precopy stalls (and postcopy was granted), before throttling.
+    pub postcopy_on_stall: bool,
 }
 
 impl Default for Policy {
@@ -38,8 +92,20 @@ impl Default for Policy {
             downtime_limit: Duration::from_millis(300),
             timeout: None,
             timeout_action: TimeoutAction::Cancel,
+            auto_converge: Some(AutoConverge::default()),
+            postcopy_on_stall: false,
         }
     }
+}
+
+/// Passes in a row that must dirty more than half of what they sent before precopy counts as
+/// stalled: QEMU's auto-converge waits for two such syncs, so that one burst does not throttle.
+pub const STALL_PASSES: u32 = 2;
+
+/// The stall count after a pass that sent `sent` bytes while the guest dirtied `dirtied`:
+/// one more when the guest dirtied more than half of it, else back to 0.
+pub fn stall_count(before: u32, sent: u64, dirtied: u64) -> u32 {
+    if dirtied > sent / 2 { before + 1 } else { 0 }
 }
 
 /// What the loop knows after a dirty sync.
@@ -55,6 +121,12 @@ pub struct Observation {
     pub bandwidth: f64,
     /// Time since the migration started.
     pub elapsed: Duration,
+    /// Passes in a row that dirtied more than half of what they sent ([`stall_count`]).
+    pub stalled_passes: u32,
+    /// The throttle in force, percent.
+    pub throttle: u8,
+    /// Whether the destination granted postcopy.
+    pub postcopy_granted: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +139,10 @@ pub enum Decision {
     Drain,
     /// Pause the guest and send the rest.
     Switchover,
+    /// Hand the guest over now and send the rest while it runs there.
+    Postcopy,
+    /// Set the guest's throttle to this percent, then run another pass.
+    Throttle(u8),
     /// Stop trying; the source keeps running.
     Cancel,
 }
@@ -103,7 +179,8 @@ impl Observation {
 
 /// Switch over when the rest, with what is in flight, fits in the downtime limit at the
 /// measured bandwidth and little is in flight; drain first when only the dirty pages fit;
-/// otherwise iterate until the timeout, then do what the policy says.
+/// at the timeout do what the policy says; when stalled switch to postcopy or throttle (if
+/// the policy allows); otherwise iterate.
 pub fn decide(policy: &Policy, now: &Observation) -> Decision {
     let dirty_only = Observation {
         in_flight_bytes: 0,
@@ -116,12 +193,25 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
             Decision::Drain
         };
     }
-    match policy.timeout {
-        Some(t) if now.elapsed >= t => match policy.timeout_action {
+    if policy.timeout.is_some_and(|t| now.elapsed >= t) {
+        return match policy.timeout_action {
             TimeoutAction::Cancel => Decision::Cancel,
             TimeoutAction::Switchover => Decision::Switchover,
-        },
-        _ => Decision::Iterate,
+            TimeoutAction::Postcopy if now.postcopy_granted => Decision::Postcopy,
+            // Not granted (the source checks this cannot be asked for without postcopy):
+            // the only way left to finish.
+            TimeoutAction::Postcopy => Decision::Switchover,
+        };
+    }
+    if now.stalled_passes < STALL_PASSES {
+        return Decision::Iterate;
+    }
+    if policy.postcopy_on_stall && now.postcopy_granted {
+        return Decision::Postcopy;
+    }
+    match policy.auto_converge.and_then(|a| a.next(now.throttle)) {
+        Some(throttle) => Decision::Throttle(throttle),
+        None => Decision::Iterate,
     }
 }
 
@@ -155,6 +245,9 @@ mod tests {
             in_flight_bytes: 0,
             bandwidth: bandwidth_mb_s * MB as f64,
             elapsed: Duration::from_secs(elapsed_s),
+            stalled_passes: 0,
+            throttle: 0,
+            postcopy_granted: false,
         }
     }
 
@@ -253,6 +346,123 @@ mod tests {
         assert_eq!(in_flight(100, 50.0, 0.0).expected_downtime(), None);
         assert!(fits(&Policy::default(), &in_flight(250, 50.0, 1000.0)));
         assert!(!fits(&Policy::default(), &in_flight(250, 51.0, 1000.0)));
+    }
+
+    fn stalled(passes: u32, throttle: u8, postcopy_granted: bool) -> Observation {
+        Observation {
+            stalled_passes: passes,
+            throttle,
+            postcopy_granted,
+            ..obs(1000, 1000.0, 5)
+        }
+    }
+
+    #[test]
+    fn a_stalled_precopy_switches_to_postcopy_or_throttles_as_the_policy_allows() {
+        let careful = Policy::default();
+        let plain = Policy {
+            auto_converge: None,
+            ..Policy::default()
+        };
+        let on_stall = Policy {
+            postcopy_on_stall: true,
+            ..Policy::default()
+        };
+        let capped = Policy {
+            auto_converge: Some(AutoConverge {
+                max: 50,
+                ..AutoConverge::default()
+            }),
+            postcopy_on_stall: true,
+            ..Policy::default()
+        };
+        // (policy, stalled passes, throttle in force, postcopy granted, decision)
+        let table = [
+            // One stalled pass is not a stall yet.
+            (careful, 1, 0, false, Decision::Iterate),
+            (careful, 2, 0, false, Decision::Throttle(20)),
+            (careful, 3, 20, false, Decision::Throttle(30)),
+            (careful, 2, 90, false, Decision::Throttle(99)),
+            (careful, 2, 99, false, Decision::Iterate),
+            // Postcopy granted but not asked for on a stall: the careful default throttles.
+            (careful, 2, 0, true, Decision::Throttle(20)),
+            (plain, 5, 0, false, Decision::Iterate),
+            (plain, 5, 0, true, Decision::Iterate),
+            // Asked for and granted: postcopy first, whatever the throttle.
+            (on_stall, 2, 0, true, Decision::Postcopy),
+            (on_stall, 1, 0, true, Decision::Iterate),
+            (on_stall, 2, 40, true, Decision::Postcopy),
+            // Asked for but not granted: throttling is what is left.
+            (on_stall, 2, 0, false, Decision::Throttle(20)),
+            (capped, 2, 40, false, Decision::Throttle(50)),
+            (capped, 2, 50, false, Decision::Iterate),
+        ];
+        for (policy, passes, throttle, granted, want) in table {
+            let o = stalled(passes, throttle, granted);
+            assert_eq!(decide(&policy, &o), want, "{policy:?} {o:?}");
+        }
+        // A stalled guest that fits is switched over, not throttled.
+        let fits = Observation {
+            remaining_bytes: 10 * MB,
+            ..stalled(4, 0, true)
+        };
+        assert_eq!(decide(&on_stall, &fits), Decision::Switchover);
+    }
+
+    #[test]
+    fn the_timeout_comes_before_the_stall_rules() {
+        let timed = |action| Policy {
+            timeout: Some(Duration::from_secs(5)),
+            timeout_action: action,
+            postcopy_on_stall: true,
+            ..Policy::default()
+        };
+        let table = [
+            (TimeoutAction::Cancel, true, Decision::Cancel),
+            (TimeoutAction::Switchover, true, Decision::Switchover),
+            (TimeoutAction::Postcopy, true, Decision::Postcopy),
+            (TimeoutAction::Postcopy, false, Decision::Switchover),
+        ];
+        for (action, granted, want) in table {
+            let o = stalled(0, 0, granted);
+            assert_eq!(decide(&timed(action), &o), want, "{action:?} {o:?}");
+        }
+    }
+
+    #[test]
+    fn a_pass_is_stalled_when_the_guest_dirtied_more_than_half_of_what_it_sent() {
+        // (stalled before, MB sent, MB dirtied, stalled after)
+        let table = [
+            (0, 1000, 501, 1),
+            (1, 1000, 900, 2),
+            (3, 1000, 500, 0),
+            (2, 1000, 10, 0),
+            (0, 0, 1, 1),
+            (0, 0, 0, 0),
+        ];
+        for (before, sent, dirtied, want) in table {
+            assert_eq!(stall_count(before, sent * MB, dirtied * MB), want);
+        }
+    }
+
+    #[test]
+    fn throttle_steps_start_at_the_initial_grow_by_the_increment_and_stop_at_the_cap() {
+        let a = AutoConverge::default();
+        let mut steps = vec![];
+        let mut t = 0;
+        while let Some(n) = a.next(t) {
+            steps.push(n);
+            t = n;
+        }
+        assert_eq!(steps, [20, 30, 40, 50, 60, 70, 80, 90, 99]);
+        let odd = AutoConverge {
+            initial: 60,
+            increment: 30,
+            max: 80,
+        };
+        assert_eq!(odd.next(0), Some(60));
+        assert_eq!(odd.next(60), Some(80));
+        assert_eq!(odd.next(80), None);
     }
 
     #[test]

@@ -17,6 +17,9 @@ pub struct PassStats {
     pub duration_ms: f64,
     /// Pages the guest dirtied per second while this pass ran (from the sync that ended it).
     pub dirty_rate_pages_per_s: f64,
+    /// The auto-converge throttle in force while this pass ran, percent.
+    #[serde(default)]
+    pub throttle_percent: u8,
 }
 
 /// Where the downtime went, as the source measures it (and the destination reports its part).
@@ -82,6 +85,25 @@ pub struct MigrationStats {
     /// What postcopy did, if the migration switched to it.
     #[serde(default)]
     pub postcopy: Option<PostcopyStats>,
+    /// The highest auto-converge throttle the guest ran under, percent (0: never throttled).
+    #[serde(default)]
+    pub throttle_max_percent: u8,
+    /// The policy wanted to throttle but the VMM cannot: auto-converge was off.
+    #[serde(default)]
+    pub throttle_unsupported: bool,
+}
+
+/// Why a migration switched to postcopy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PostcopyTrigger {
+    /// `ferry migrate-postcopy` / `PUT /migration/postcopy`.
+    #[default]
+    Asked,
+    /// The pass count given with the migration.
+    AfterPasses,
+    /// The policy: precopy stalled, or the timeout's action.
+    Policy,
 }
 
 /// A migration's postcopy phase, from the pause to the destination's Done.
@@ -89,6 +111,9 @@ pub struct MigrationStats {
 pub struct PostcopyStats {
     /// Precopy passes before the switch.
     pub after_passes: u32,
+    /// Why it switched.
+    #[serde(default)]
+    pub trigger: PostcopyTrigger,
     /// Pause to Done: how long the guest's memory was split between the hosts.
     pub duration_ms: f64,
     /// Pages the destination had to drop and fetch again (dirty at the switch).

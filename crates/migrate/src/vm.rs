@@ -77,6 +77,20 @@ pub unsafe trait SourceVm: Send {
 
     /// All non-RAM state, taken while paused.
     fn save_state(&mut self) -> Result<Vec<Section>, VmError>;
+
+    /// Slows the guest down for auto-converge: every vCPU spends `percent` (0..=99) of its
+    /// time asleep, in slices short enough that the guest sees a slower CPU rather than
+    /// pauses (QEMU sleeps a vCPU `percent / (100 - percent)` of every 10 ms it runs). 0
+    /// lifts it. The engine lifts it when the migration ends, however it ends.
+    ///
+    /// A VMM that cannot throttle keeps this default; the engine then turns auto-converge off
+    /// for that migration and says so.
+    fn set_throttle(&mut self, percent: u8) -> Result<(), VmError> {
+        let _ = percent;
+        Err(VmError::Unsupported {
+            operation: "throttling the vCPUs",
+        })
+    }
 }
 
 /// How the destination writes received pages into guest RAM. The VMM chooses, because only it

@@ -16,6 +16,7 @@ pub mod kvm;
 pub mod memory;
 pub mod migration;
 pub mod sections;
+pub mod throttle;
 pub mod vm;
 
 pub use devices::serial::SerialOutput;

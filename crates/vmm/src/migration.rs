@@ -299,6 +299,12 @@ unsafe impl SourceVm for SourceAdapter {
             .map_err(|e| failed("resume")(e.to_string()))
     }
 
+    fn set_throttle(&mut self, percent: u8) -> Result<(), VmError> {
+        self.handle
+            .set_throttle(percent)
+            .map_err(|e| failed("throttle")(e.to_string()))
+    }
+
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
         sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))
     }

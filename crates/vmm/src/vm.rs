@@ -24,6 +24,7 @@ use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
 use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
 use crate::memory::{self, GuestRam};
+use crate::throttle::{self, Throttle};
 
 /// What kind of kernel the VM boots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +108,8 @@ pub(crate) struct Shared {
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
     /// On a migration destination: the incoming migration's progress and cancel.
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
+    /// Auto-converge's throttle (see `throttle.rs`).
+    throttle: Throttle,
     vcpus: u8,
     started: Instant,
 }
@@ -145,6 +148,8 @@ pub struct VmStatus {
     pub uptime_ms: u64,
     /// CPU time the vCPU threads have used, summed (a halted vCPU uses none).
     pub vcpu_cpu_ms: f64,
+    /// Auto-converge's throttle in force, percent of each vCPU's time spent asleep.
+    pub throttle_percent: u8,
     pub host_monotonic_ns: u64,
     pub guest: GuestTelemetry,
 }
@@ -303,6 +308,7 @@ fn build(
         msrs,
         migration: Mutex::new(None),
         incoming,
+        throttle: Throttle::default(),
         vcpus: config.vcpus,
         started: Instant::now(),
     }))
@@ -474,6 +480,31 @@ impl VmHandle {
             .sum()
     }
 
+    /// Throttles every vCPU to run `100 - percent`% of the time (auto-converge; 0 lifts it,
+    /// above 99 is 99). See `throttle.rs`.
+    pub fn set_throttle(&self, percent: u8) -> Result<(), ControlError> {
+        if let Some(r) = &self.lock().stop_reason {
+            return Err(ControlError::Stopped(r.clone()));
+        }
+        if self.0.throttle.set(percent) {
+            let vm = Arc::downgrade(&self.0);
+            let spawned = std::thread::Builder::new()
+                .name("throttle".into())
+                .spawn(move || tick(&vm));
+            if spawned.is_err() {
+                // No ticker: a vCPU that exits for its own reasons is still throttled, and
+                // the next set tries again.
+                self.0.throttle.keep_ticking(false);
+                tracing::warn!("could not start the throttle's ticker thread");
+            }
+        }
+        Ok(())
+    }
+
+    pub fn throttle_percent(&self) -> u8 {
+        self.0.throttle.percent()
+    }
+
     pub fn telemetry(&self) -> GuestTelemetry {
         self.0.telemetry.lock().unwrap().clone()
     }
@@ -494,9 +525,27 @@ impl VmHandle {
             vcpus: self.0.vcpus,
             uptime_ms: self.0.started.elapsed().as_millis() as u64,
             vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,
+            throttle_percent: self.throttle_percent(),
             host_monotonic_ns: crate::devices::telemetry::host_monotonic_ns(),
             guest: self.telemetry(),
         }
+    }
+}
+
+/// The throttle's ticker: kicks every vCPU out of `KVM_RUN` each timeslice while a throttle
+/// is set, so that each looks at how long it ran. Holds the VM weakly: a dropped VM ends it.
+fn tick(vm: &std::sync::Weak<Shared>) {
+    loop {
+        std::thread::sleep(throttle::TIMESLICE);
+        let Some(shared) = vm.upgrade() else {
+            return;
+        };
+        let c = shared.control.lock().unwrap();
+        let alive = c.stop_reason.is_none();
+        if !shared.throttle.keep_ticking(alive) {
+            return;
+        }
+        VmHandle::kick_all(&c);
     }
 }
 
@@ -523,9 +572,23 @@ impl VcpuRunner {
 
     /// Runs until the VM must stop, and says why.
     fn run_loop(&self, vcpu: &Mutex<VcpuFd>) -> StopReason {
+        // When the vCPU last started running after a wait, and until when it sleeps now.
+        let mut running_since = Instant::now();
+        let mut asleep_until = None;
         loop {
-            if let Some(reason) = self.wait_while_paused() {
+            if let Some(reason) = self.wait_while_paused(asleep_until.take(), &mut running_since) {
                 return reason;
+            }
+            if self.shared.throttle.percent() == 0 {
+                // Unthrottled time is not owed: a throttle set later counts from its first
+                // slice.
+                running_since = Instant::now();
+            } else {
+                let sleep = self.shared.throttle.sleep_after(running_since.elapsed());
+                if !sleep.is_zero() {
+                    asleep_until = Some(Instant::now() + sleep);
+                    continue;
+                }
             }
             let mut vcpu = vcpu.lock().unwrap();
             let devices = &self.shared.devices;
@@ -544,13 +607,32 @@ impl VcpuRunner {
         }
     }
 
-    /// Parks while the VM is paused; returns a reason when it must stop.
-    fn wait_while_paused(&self) -> Option<StopReason> {
+    /// Parks while the VM is paused, and while running until `asleep_until` (a throttle's
+    /// sleep, which counts as parked, so that a pause does not wait for it to end); returns a
+    /// reason when it must stop. A vCPU that parked starts its next timeslice when it leaves
+    /// (`running_since`), so time paused is never taken for time run.
+    fn wait_while_paused(
+        &self,
+        asleep_until: Option<Instant>,
+        running_since: &mut Instant,
+    ) -> Option<StopReason> {
         let mut c = self.shared.control.lock().unwrap();
         let mut parked = false;
         loop {
             match c.desired {
-                RunState::Running => break,
+                RunState::Running => {
+                    let Some(left) =
+                        asleep_until.and_then(|t| t.checked_duration_since(Instant::now()))
+                    else {
+                        break;
+                    };
+                    if !parked {
+                        parked = true;
+                        c.vcpus_parked += 1;
+                        self.shared.changed.notify_all();
+                    }
+                    c = self.shared.changed.wait_timeout(c, left).unwrap().0;
+                }
                 RunState::Stopped => {
                     if parked {
                         c.vcpus_parked -= 1;
@@ -575,6 +657,7 @@ impl VcpuRunner {
         }
         if parked {
             c.vcpus_parked -= 1;
+            *running_since = Instant::now();
         }
         None
     }

@@ -35,6 +35,7 @@ fn request(listener: &TcpListener, postcopy: bool) -> MigrationRequest {
             downtime_limit: Duration::from_millis(300),
             timeout: Some(Duration::from_secs(60)),
             timeout_action: TimeoutAction::Cancel,
+            ..Policy::default()
         },
     );
     r.postcopy = postcopy;

@@ -36,6 +36,7 @@ fn request(d: &Destination, downtime_ms: u64, max_bandwidth: Option<u64>) -> Mig
             downtime_limit: Duration::from_millis(downtime_ms),
             timeout: Some(Duration::from_secs(60)),
             timeout_action: TimeoutAction::Cancel,
+            ..Policy::default()
         },
     );
     r.max_bandwidth = max_bandwidth;

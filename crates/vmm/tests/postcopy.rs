@@ -39,6 +39,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
                 downtime_limit: Duration::from_millis(1),
                 timeout: Some(Duration::from_secs(60)),
                 timeout_action: TimeoutAction::Cancel,
+                ..Policy::default()
             },
         );
         req.channels = channels;

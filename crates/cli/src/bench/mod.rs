@@ -5,6 +5,7 @@
 mod channels;
 mod guest;
 mod ingest;
+mod link;
 mod postcopy;
 mod precopy;
 

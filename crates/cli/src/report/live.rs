@@ -77,7 +77,7 @@ impl Live {
         }
         bar.set_position(p.bytes_sent);
         bar.set_message(format!(
-            "pass {} · sent {:.1} MB · left {:.1} MB · {:.0} MB/s · dirty {:.0} pages/s · downtime ~{}",
+            "pass {} · sent {:.1} MB · left {:.1} MB · {:.0} MB/s · dirty {:.0} pages/s · downtime ~{}{}",
             running_pass(p),
             p.bytes_sent as f64 / 1e6,
             remaining as f64 / 1e6,
@@ -85,6 +85,7 @@ impl Live {
             p.dirty_rate_pages_per_s,
             p.expected_downtime_ms
                 .map_or("-".to_string(), |d| format!("{d:.0} ms")),
+            super::text::throttled(p.throttle_percent),
         ));
     }
 

@@ -5,7 +5,7 @@ use ferry_migrate::{MigrationStats, Progress};
 /// One line of live progress.
 pub fn progress_line(p: &Progress) -> String {
     format!(
-        "{:<10} pass {:>2}  remaining {:>9.1} MB  sent {:>9.1} MB  {:>7.1} MB/s  dirty {:>9.0} pages/s  expected downtime {}",
+        "{:<10} pass {:>2}  remaining {:>9.1} MB  sent {:>9.1} MB  {:>7.1} MB/s  dirty {:>9.0} pages/s  expected downtime {}{}",
         format!("{:?}", p.phase).to_lowercase(),
         p.pass,
         p.remaining_bytes as f64 / 1e6,
@@ -14,7 +14,17 @@ pub fn progress_line(p: &Progress) -> String {
         p.dirty_rate_pages_per_s,
         p.expected_downtime_ms
             .map_or("-".to_string(), |d| format!("{d:.1} ms")),
+        throttled(p.throttle_percent),
     )
+}
+
+/// "  throttle N%" when the guest is throttled.
+pub fn throttled(percent: u8) -> String {
+    if percent == 0 {
+        String::new()
+    } else {
+        format!("  throttle {percent}%")
+    }
 }
 
 /// The statistics as a table, then as one JSON line.
@@ -47,26 +57,41 @@ pub fn print_stats(s: &MigrationStats) {
         "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms",
         s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms
     );
+    if s.throttle_max_percent > 0 {
+        println!(
+            "auto-converge    throttled the guest up to {}% while precopy stalled",
+            s.throttle_max_percent
+        );
+    }
+    if s.throttle_unsupported {
+        println!("auto-converge    off: the VMM cannot throttle its vCPUs");
+    }
     println!(
-        "{:>6} {:>7} {:>10} {:>11} {:>12} {:>16}",
-        "pass", "paused", "pages", "MB", "ms", "dirty pages/s"
+        "{:>6} {:>7} {:>10} {:>11} {:>12} {:>16} {:>9}",
+        "pass", "paused", "pages", "MB", "ms", "dirty pages/s", "throttle"
     );
     for p in &s.passes {
         println!(
-            "{:>6} {:>7} {:>10} {:>11.1} {:>12.1} {:>16.0}",
+            "{:>6} {:>7} {:>10} {:>11.1} {:>12.1} {:>16.0} {:>8}%",
             p.pass,
             if p.paused { "yes" } else { "no" },
             p.pages,
             p.bytes as f64 / 1e6,
             p.duration_ms,
-            p.dirty_rate_pages_per_s
+            p.dirty_rate_pages_per_s,
+            p.throttle_percent
         );
     }
     if let Some(pc) = &s.postcopy {
         println!(
-            "postcopy         {:>10.1} ms after pass {}: {} pages discarded, {} sent on request ({} requests), {} in the background, {:.1} MB",
+            "postcopy         {:>10.1} ms after pass {} ({}): {} pages discarded, {} sent on request ({} requests), {} in the background, {:.1} MB",
             pc.duration_ms,
             pc.after_passes,
+            match pc.trigger {
+                ferry_migrate::stats::PostcopyTrigger::Asked => "asked for",
+                ferry_migrate::stats::PostcopyTrigger::AfterPasses => "pass count",
+                ferry_migrate::stats::PostcopyTrigger::Policy => "policy",
+            },
             pc.discarded_pages,
             pc.pages_requested,
             pc.requests,

@@ -113,6 +113,9 @@ impl Session<'_> {
             in_flight_bytes: self.in_flight(),
             bandwidth: self.rate(),
             elapsed: self.start.elapsed(),
+            stalled_passes: self.stalled_passes,
+            throttle: self.throttle,
+            postcopy_granted: self.postcopy_granted,
         }
     }
 

@@ -146,6 +146,24 @@ impl SourceParams {
                 "a preempt connection was asked for without enabling postcopy; add --postcopy",
             ));
         }
+        if self.policy.postcopy_on_stall && !self.postcopy {
+            return Err(MigrateError::params(
+                "postcopy on a stall was asked for without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy && !self.postcopy {
+            return Err(MigrateError::params(
+                "a timeout action of postcopy was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if let Some(a) = self.policy.auto_converge
+            && (a.initial == 0 || a.max >= 100 || a.initial > a.max)
+        {
+            return Err(MigrateError::params(format!(
+                "auto-converge throttle of {}% rising to {}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100",
+                a.initial, a.max
+            )));
+        }
         if self.postcopy_after_passes == Some(0) {
             return Err(MigrateError::params(
                 "postcopy after 0 passes: the switch comes after a pass ends; give 1 or more",
@@ -182,8 +200,8 @@ pub struct TestHooks {
 enum Ending {
     /// Pause, send the last dirty pages and the state, and hand over.
     Switchover(u32),
-    /// Pause, hand over with the state, and send the rest while the guest runs there.
-    Postcopy(u32),
+    /// Pause, hand over with the state, and send the rest while the guest runs there; and why.
+    Postcopy(u32, crate::stats::PostcopyTrigger),
 }
 
 /// Whether the guest runs while a pass sends its pages.
@@ -260,6 +278,10 @@ struct Session<'a> {
     handed_over: bool,
     /// The destination granted postcopy.
     postcopy_granted: bool,
+    /// Passes in a row that dirtied more than half of what they sent (`policy::stall_count`).
+    stalled_passes: u32,
+    /// The auto-converge throttle in force, percent; lifted when the session concludes.
+    throttle: u8,
     /// The destination granted the preempt connection.
     preempt_granted: bool,
     /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
@@ -298,6 +320,8 @@ impl<'a> Session<'a> {
             guest: GuestState::Running,
             handed_over: false,
             postcopy_granted: false,
+            stalled_passes: 0,
+            throttle: 0,
             preempt_granted: false,
             postcopy_unit: 1,
             start: Instant::now(),
@@ -329,7 +353,7 @@ impl<'a> Session<'a> {
         self.set_phase(Phase::Precopy);
         match self.precopy(vm)? {
             Ending::Switchover(last) => self.switchover(vm, last + 1),
-            Ending::Postcopy(last) => self.postcopy(vm, last),
+            Ending::Postcopy(last, trigger) => self.postcopy(vm, last, trigger),
         }
     }
 
@@ -413,6 +437,13 @@ impl<'a> Session<'a> {
     ) -> Result<MigrationStats, MigrateError> {
         self.pool.abandon();
         vm.stop_dirty_log();
+        if self.throttle > 0 {
+            if let Err(e) = vm.set_throttle(0) {
+                tracing::warn!("could not lift the guest's throttle: {e}");
+            }
+            self.throttle = 0;
+            self.control.update(|p| p.throttle_percent = 0);
+        }
         match result {
             Ok(()) => {
                 self.mark(Phase::Completed);

@@ -22,7 +22,7 @@ use super::{GuestState, Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
 use crate::error::MigrateError;
-use crate::stats::PostcopyStats;
+use crate::stats::{PostcopyStats, PostcopyTrigger};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 
@@ -47,11 +47,18 @@ const REQUEST_POLL: Duration = Duration::from_millis(1);
 const DONE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Session<'_> {
-    /// Whether precopy should end in postcopy after `pass`.
-    pub(super) fn postcopy_due(&self, pass: u32) -> bool {
-        self.postcopy_granted
-            && (self.control.postcopy_requested()
-                || self.params.postcopy_after_passes.is_some_and(|n| pass >= n))
+    /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
+    /// count), and how; the policy's own reasons come after.
+    pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
+        if !self.postcopy_granted {
+            None
+        } else if self.control.postcopy_requested() {
+            Some(PostcopyTrigger::Asked)
+        } else if self.params.postcopy_after_passes.is_some_and(|n| pass >= n) {
+            Some(PostcopyTrigger::AfterPasses)
+        } else {
+            None
+        }
     }
 
     /// Switches to postcopy after precopy pass `pass` and sends the rest.
@@ -59,10 +66,12 @@ impl Session<'_> {
         &mut self,
         vm: &mut dyn SourceVm,
         pass: u32,
+        trigger: PostcopyTrigger,
     ) -> Result<(), MigrateError> {
         self.set_phase(Phase::Switchover);
         let mut pc = PostcopyStats {
             after_passes: pass,
+            trigger,
             ..PostcopyStats::default()
         };
         // The pages dirty at the last sync will be sent in postcopy whatever happens next: the

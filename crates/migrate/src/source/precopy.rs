@@ -14,8 +14,8 @@ use super::{Ending, GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
 use crate::policy::{self, Decision};
-use crate::stats::{PassStats, SampleKind};
-use crate::vm::SourceVm;
+use crate::stats::{PassStats, PostcopyTrigger, SampleKind};
+use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
 
 /// Pages re-armed per `clear_dirty` call in pass 1: 64 MiB, about 1 ms of write-protecting on
@@ -26,8 +26,9 @@ pub const CLEAR_CHUNK_PAGES: u64 = 16 * 1024;
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
 impl Session<'_> {
-    /// Runs pass 1 and dirty passes until the policy decides or postcopy is due (checked at
-    /// each pass end, before the policy); says which, with the last pass sent.
+    /// Runs pass 1 and dirty passes until the policy decides or postcopy is asked for (looked
+    /// at after each pass, before the policy); says which, with the last pass sent. Between
+    /// passes it throttles the guest when the policy says so.
     pub(super) fn precopy(&mut self, vm: &mut dyn SourceVm) -> Result<Ending, MigrateError> {
         self.first_pass(vm)?;
         let mut pass = 1;
@@ -41,26 +42,36 @@ impl Session<'_> {
             self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
             let last = self.stats.passes.last_mut().expect("pass 1 ran");
             if after_pass {
+                let dirtied = self.bitmap.count() - before;
                 last.dirty_rate_pages_per_s =
-                    (self.bitmap.count() - before) as f64 / (last.duration_ms / 1000.0).max(1e-3);
+                    dirtied as f64 / (last.duration_ms / 1000.0).max(1e-3);
+                self.stalled_passes =
+                    policy::stall_count(self.stalled_passes, last.bytes, dirtied * PAGE_SIZE);
             }
             let dirty_rate = last.dirty_rate_pages_per_s;
             self.sample(SampleKind::Boundary);
             let now = self.observe();
             self.publish_pass(pass, &now, dirty_rate);
             after_pass = false;
-            if self.postcopy_due(pass) {
-                // As before a switchover: the pause should not wait for the tail of the last
-                // pass still queued for the destination.
-                if !now.settled() {
-                    self.drain(&now)?;
-                }
-                return Ok(Ending::Postcopy(pass));
-            }
-            match policy::decide(&self.params.policy, &now) {
+            let (decision, trigger) = match self.postcopy_asked(pass) {
+                Some(trigger) => (Decision::Postcopy, trigger),
+                None => (
+                    policy::decide(&self.params.policy, &now),
+                    PostcopyTrigger::Policy,
+                ),
+            };
+            match decision {
                 Decision::Switchover => {
                     self.stats.converged = policy::fits(&self.params.policy, &now);
                     return Ok(Ending::Switchover(pass));
+                }
+                Decision::Postcopy => {
+                    // As before a switchover: the pause should not wait for the tail of the
+                    // last pass still queued for the destination.
+                    if !now.settled() {
+                        self.drain(&now)?;
+                    }
+                    return Ok(Ending::Postcopy(pass, trigger));
                 }
                 Decision::Drain => {
                     self.drain(&now)?;
@@ -71,11 +82,34 @@ impl Session<'_> {
                         self.params.policy.timeout.unwrap_or_default(),
                     ));
                 }
+                Decision::Throttle(percent) => self.throttle(vm, percent)?,
                 Decision::Iterate => {}
             }
             pass += 1;
             after_pass = true;
             self.dirty_pass(pass, GuestState::Running, pass_started)?;
+        }
+    }
+
+    /// Sets the guest's throttle for the passes to come. A VMM that cannot throttle turns
+    /// auto-converge off for the rest of this migration (said in the log and the statistics).
+    fn throttle(&mut self, vm: &mut dyn SourceVm, percent: u8) -> Result<(), MigrateError> {
+        match vm.set_throttle(percent) {
+            Ok(()) => {
+                self.throttle = percent;
+                self.stats.throttle_max_percent = self.stats.throttle_max_percent.max(percent);
+                self.control.update(|p| p.throttle_percent = percent);
+                Ok(())
+            }
+            Err(VmError::Unsupported { .. }) => {
+                tracing::warn!(
+                    "the VMM cannot throttle its vCPUs: auto-converge is off for this migration"
+                );
+                self.params.policy.auto_converge = None;
+                self.stats.throttle_unsupported = true;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -164,6 +198,7 @@ impl Session<'_> {
         self.stats.passes.push(PassStats {
             pass,
             paused: guest == GuestState::Paused,
+            throttle_percent: self.throttle,
             pages,
             bytes: self.bytes_written() - bytes_before,
             duration_ms: ms(started.elapsed()),

@@ -10,7 +10,7 @@ use tiny_http::{Header, Method, Request, Response, Server};
 use std::time::Duration;
 
 use ferry_migrate::scan::ZeroDetection;
-use ferry_migrate::{Policy, TimeoutAction};
+use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
 
 use crate::migration::{MigrationRequest, StartError};
 use crate::vm::{StopReason, VmHandle};
@@ -114,10 +114,22 @@ pub struct MigrateBody {
     /// With postcopy: requested pages on a preempt connection of their own.
     #[serde(default)]
     pub postcopy_preempt: bool,
+    /// Throttle the guest when precopy stalls; absent = on (the careful default).
+    #[serde(default = "default_true")]
+    pub auto_converge: bool,
+    /// Auto-converge's highest throttle, percent; absent = 99.
+    pub max_throttle: Option<u8>,
+    /// With postcopy: switch to it when precopy stalls, before throttling.
+    #[serde(default)]
+    pub postcopy_on_stall: bool,
 }
 
 fn default_downtime_ms() -> u64 {
     300
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl MigrateBody {
@@ -125,16 +137,28 @@ impl MigrateBody {
         let timeout_action = match self.timeout_action.as_deref() {
             None | Some("cancel") => TimeoutAction::Cancel,
             Some("switchover") => TimeoutAction::Switchover,
+            Some("postcopy") => TimeoutAction::Postcopy,
             Some(other) => {
                 return Err(format!(
-                    "timeout_action '{other}' is neither 'cancel' nor 'switchover'"
+                    "timeout_action '{other}' is none of 'cancel', 'switchover' and 'postcopy'"
                 ));
             }
         };
+        let auto_converge = self.auto_converge.then(|| {
+            let d = AutoConverge::default();
+            let max = self.max_throttle.unwrap_or(d.max);
+            AutoConverge {
+                initial: d.initial.min(max),
+                max,
+                ..d
+            }
+        });
         let policy = Policy {
             downtime_limit: Duration::from_millis(self.downtime_limit_ms),
             timeout: self.timeout_ms.map(Duration::from_millis),
             timeout_action,
+            auto_converge,
+            postcopy_on_stall: self.postcopy_on_stall,
         };
         let mut r = MigrationRequest::new(self.to.clone(), policy);
         r.max_bandwidth = self.max_bandwidth;
