@@ -2,8 +2,9 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +20,10 @@ pub enum Phase {
     /// The guest runs on the destination; the source sends the pages it still needs (those it
     /// asks for first). It can no longer be cancelled: the source's copy is out of date.
     Postcopy,
+    /// A connection broke (or `PUT /migration/pause` broke them) in postcopy: the guest runs on
+    /// the destination and waits for missing pages; the source keeps what it still has to
+    /// send and waits for `ferry migrate --resume` to reconnect.
+    PostcopyPaused,
     Completed,
     Failed,
     Cancelled,
@@ -38,6 +43,9 @@ pub struct Progress {
     /// The auto-converge throttle in force, percent (0: none).
     #[serde(default)]
     pub throttle_percent: u8,
+    /// Times a postcopy migration recovered from a broken connection so far.
+    #[serde(default)]
+    pub recoveries: u32,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,
@@ -48,6 +56,11 @@ pub struct Progress {
 pub struct Control {
     cancel: AtomicBool,
     postcopy: AtomicBool,
+    /// Break the connections of a migration in postcopy, as a failure would.
+    pause: AtomicBool,
+    /// Where a paused postcopy migration reconnects to, once asked.
+    resume: Mutex<Option<crate::transport::Address>>,
+    resume_asked: Condvar,
     progress: Mutex<Progress>,
 }
 
@@ -68,6 +81,33 @@ impl Control {
 
     pub fn postcopy_requested(&self) -> bool {
         self.postcopy.load(Ordering::Relaxed)
+    }
+
+    /// Breaks a postcopy migration's connections as a network failure would (QEMU's
+    /// migrate-pause; `PUT /migration/pause`): both sides go to postcopy-paused.
+    pub fn pause_postcopy(&self) {
+        self.pause.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a pause was asked for and not yet acted on; clears the request.
+    pub fn take_pause(&self) -> bool {
+        self.pause.swap(false, Ordering::Relaxed)
+    }
+
+    /// Asks a migration in postcopy-paused to reconnect to `to` (`ferry migrate --resume`,
+    /// `PUT /migration/resume`).
+    pub fn resume_postcopy(&self, to: crate::transport::Address) {
+        *self.resume.lock().unwrap() = Some(to);
+        self.resume_asked.notify_all();
+    }
+
+    /// Waits up to `timeout` for a resume request and takes it.
+    pub fn wait_resume(&self, timeout: Duration) -> Option<crate::transport::Address> {
+        let mut r = self.resume.lock().unwrap();
+        if r.is_none() {
+            r = self.resume_asked.wait_timeout(r, timeout).unwrap().0;
+        }
+        r.take()
     }
 
     pub fn progress(&self) -> Progress {

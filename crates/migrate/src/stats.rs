@@ -141,6 +141,12 @@ pub struct PostcopyStats {
     pub latency_max_us: u64,
     /// Bucket k counts requests that took [2^k, 2^(k+1)) µs.
     pub latency_buckets: Vec<u64>,
+    /// Times a broken connection paused postcopy and a recovery resumed it.
+    #[serde(default)]
+    pub recoveries: u32,
+    /// Time spent in postcopy-paused, over all recoveries (ms).
+    #[serde(default)]
+    pub paused_ms: f64,
     /// Time the destination's threads waited for pages they asked for: the sum of the
     /// fault-to-page times (QEMU's postcopy blocktime; exact for one vCPU, and with several
     /// a wait on a page another vCPU asked for first is not counted).

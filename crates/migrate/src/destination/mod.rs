@@ -103,8 +103,17 @@ pub fn receive<S: Stream + 'static>(
     stream: S,
     accept: &mut dyn FnMut(Instant) -> std::io::Result<S>,
 ) -> Result<ReceiveStats, MigrateError> {
+    receive_with(vm, stream, accept, std::sync::Arc::default())
+}
+
+/// [`receive`] under `control`: watch its progress, cancel it, pause or recover its postcopy.
+pub fn receive_with<S: Stream + 'static>(
+    vm: &mut dyn crate::vm::DestinationVm,
+    stream: S,
+    accept: &mut dyn FnMut(Instant) -> std::io::Result<S>,
+    control: std::sync::Arc<IncomingControl>,
+) -> Result<ReceiveStats, MigrateError> {
     let mut stream: Box<dyn Stream> = Box::new(stream);
-    let control = std::sync::Arc::new(IncomingControl::default());
     let hello = match read_hello(stream.as_mut(), RECORD_TIMEOUT) {
         Ok(h) => h,
         Err(e) => {

@@ -78,6 +78,9 @@ pub(crate) struct Postcopy {
     stop: AtomicBool,
     /// Faults on pages that were not needed, filled with zeros here.
     zero_fills: AtomicU64,
+    /// Recovery was granted: a request that cannot be written (the main connection broke)
+    /// waits for the recovery, which asks again for every requested page still missing.
+    recoverable: bool,
     /// Fault messages read.
     faults: AtomicU64,
 }
@@ -85,7 +88,11 @@ pub(crate) struct Postcopy {
 impl Postcopy {
     /// Opens a userfaultfd and registers all of `ram` for missing pages; `out` is a handle to
     /// the main connection for writing.
-    pub(crate) fn new(ram: Ram, out: Box<dyn Stream>) -> Result<Postcopy, MigrateError> {
+    pub(crate) fn new(
+        ram: Ram,
+        out: Box<dyn Stream>,
+        recoverable: bool,
+    ) -> Result<Postcopy, MigrateError> {
         let uffd = Uffd::new().map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
         ram.register_missing(&uffd)
             .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
@@ -109,6 +116,7 @@ impl Postcopy {
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
             zero_fills: AtomicU64::new(0),
+            recoverable,
             faults: AtomicU64::new(0),
         })
     }
@@ -191,6 +199,44 @@ impl Postcopy {
             .and_then(|()| out.write_all(payload))
             .and_then(|()| out.flush())
             .map_err(|e| MigrateError::io("writing to the source", e))
+    }
+
+    /// A recovery's new main connection replaces the broken one for requests and Done.
+    pub(crate) fn replace_out(&self, out: Box<dyn Stream>) {
+        *self.out.lock().unwrap() = out;
+    }
+
+    /// Runs of listed pages not installed yet (at most [`wire::MAX_ZERO_RUN_PAGES`] each):
+    /// what a recovery tells the source it still lacks.
+    pub(crate) fn missing_runs(&self) -> Vec<(u64, u64)> {
+        self.runs_where(|i| self.needed.get(i) && !self.installed.get(i))
+    }
+
+    /// Runs of requested pages not installed yet: asked for again after a recovery, since the
+    /// request may have been lost with the connection.
+    pub(crate) fn pending_requests(&self) -> Vec<(u64, u64)> {
+        self.runs_where(|i| self.requested.get(i) && !self.installed.get(i))
+    }
+
+    /// Runs of pages (by guest address, within one region) whose index satisfies `want`.
+    fn runs_where(&self, want: impl Fn(u64) -> bool) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for r in self.ram.regions() {
+            let mut open: Option<(u64, u64)> = None;
+            for gpa in (r.gpa..r.gpa + r.size).step_by(PAGE_SIZE as usize) {
+                let i = self.ram.page_index(gpa).expect("a page of the region");
+                match (&mut open, want(i)) {
+                    (Some((_, n)), true) if *n < wire::MAX_ZERO_RUN_PAGES => *n += 1,
+                    (_, true) => {
+                        runs.extend(open.take());
+                        open = Some((gpa, 1));
+                    }
+                    (_, false) => runs.extend(open.take()),
+                }
+            }
+            runs.extend(open);
+        }
+        runs
     }
 
     /// Reads the data of a Pages record whose addresses `gpas` the receiver checked and claimed,
@@ -393,10 +439,18 @@ impl Postcopy {
                 }
             }
             for chunk in ask.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
-                self.write(
+                let asked = self.write(
                     &Header::runs(Kind::PageRequest, chunk.len() as u32),
                     &wire::encode_runs(chunk),
-                )?;
+                );
+                match asked {
+                    // Paused: the recovery asks again for every requested page still missing.
+                    Err(e) if self.recoverable => {
+                        tracing::debug!("a page request waits for the recovery: {e}");
+                        break;
+                    }
+                    r => r?,
+                }
             }
         }
         Ok(())

@@ -27,6 +27,9 @@ pub enum IncomingPhase {
     Loading,
     /// The guest runs here while its remaining pages arrive (those it waits for first).
     Postcopy,
+    /// A connection broke in postcopy: the guest runs here and waits for missing pages until
+    /// a recovery (`ferry migrate-recover`, then `ferry migrate --resume` on the source).
+    PostcopyPaused,
     /// The guest runs here.
     Completed,
     Failed,
@@ -68,6 +71,8 @@ pub struct IncomingControl {
     /// Connections of the migration under way, shut down by a cancel so that every blocked
     /// read returns at once.
     streams: Mutex<Vec<Box<dyn Stream>>>,
+    /// Where a paused postcopy migration listens for its recovery, once given.
+    recovery: Mutex<Option<Box<dyn crate::transport::Listener>>>,
 }
 
 impl Default for IncomingControl {
@@ -79,6 +84,7 @@ impl Default for IncomingControl {
             pages: AtomicU64::new(0),
             zero_pages: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            recovery: Mutex::new(None),
             streams: Mutex::default(),
         }
     }
@@ -101,6 +107,24 @@ impl IncomingControl {
 
     pub fn cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Gives a migration in postcopy-paused the listener its source reconnects to
+    /// (`ferry migrate-recover`, `PUT /migration/recover`).
+    pub fn recover_on(&self, listener: Box<dyn crate::transport::Listener>) {
+        *self.recovery.lock().unwrap() = Some(listener);
+    }
+
+    pub(crate) fn take_recovery(&self) -> Option<Box<dyn crate::transport::Listener>> {
+        self.recovery.lock().unwrap().take()
+    }
+
+    /// Breaks a postcopy migration's connections as a network failure would (`PUT
+    /// /migration/pause` on the destination): they are shut down, and both sides pause.
+    pub fn pause_postcopy(&self) {
+        for s in self.streams.lock().unwrap().iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
     }
 
     pub fn progress(&self) -> IncomingProgress {

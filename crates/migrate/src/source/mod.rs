@@ -39,6 +39,7 @@ mod postcopy;
 mod precopy;
 mod progress;
 mod reader;
+mod recover;
 mod switchover;
 
 use std::time::{Duration, Instant};
@@ -87,6 +88,11 @@ pub struct SourceParams {
     /// Mark the preempt connection's packets urgent (`Stream::set_urgent`), so that a link
     /// whose queue has priority bands sends them ahead of the background stream.
     pub preempt_priority: bool,
+    /// With postcopy: ask for recovery, so that a connection that breaks in postcopy pauses
+    /// both sides until [`Control::resume_postcopy`] instead of failing. Off until the VMM
+    /// can be told to recover ([`crate::destination::IncomingControl::recover_on`]): a
+    /// destination without a way to get a listener would wait paused until cancelled.
+    pub recover: bool,
 }
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
@@ -119,6 +125,7 @@ impl SourceParams {
             postcopy_after_passes: None,
             preempt: false,
             preempt_priority: true,
+            recover: false,
         }
     }
 
@@ -139,6 +146,11 @@ impl SourceParams {
         if self.postcopy_after_passes.is_some() && !self.postcopy {
             return Err(MigrateError::params(
                 "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.recover && !self.postcopy {
+            return Err(MigrateError::params(
+                "postcopy recovery was asked for without enabling postcopy; add --postcopy",
             ));
         }
         if self.preempt && !self.postcopy {
@@ -284,6 +296,11 @@ struct Session<'a> {
     throttle: u8,
     /// The destination granted the preempt connection.
     preempt_granted: bool,
+    /// The destination granted postcopy recovery: a broken connection in postcopy pauses.
+    recover_granted: bool,
+    /// Bytes written on main connections that a postcopy recovery replaced (the data
+    /// channels' count spans recoveries).
+    earlier_bytes: u64,
     /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
     /// postcopy discards, sends and serves whole units.
     postcopy_unit: u64,
@@ -323,6 +340,8 @@ impl<'a> Session<'a> {
             stalled_passes: 0,
             throttle: 0,
             preempt_granted: false,
+            recover_granted: false,
+            earlier_bytes: 0,
             postcopy_unit: 1,
             start: Instant::now(),
             cpu_start: stats::thread_cpu_ns(),
@@ -359,13 +378,18 @@ impl<'a> Session<'a> {
 
     /// What to ask the destination for.
     fn requested(&self) -> Capabilities {
-        match (self.params.postcopy, self.params.preempt) {
-            (false, _) => REQUESTED,
-            (true, false) => REQUESTED.with(Capabilities::POSTCOPY),
-            (true, true) => REQUESTED
-                .with(Capabilities::POSTCOPY)
-                .with(Capabilities::PREEMPT),
+        let p = &self.params;
+        let mut c = REQUESTED;
+        if p.postcopy {
+            c = c.with(Capabilities::POSTCOPY);
+            if p.preempt {
+                c = c.with(Capabilities::PREEMPT);
+            }
+            if p.recover {
+                c = c.with(Capabilities::RECOVER);
+            }
         }
+        c
     }
 
     /// Greets the destination on the main connection; a refusal names the cause and the fix.
@@ -401,6 +425,7 @@ impl<'a> Session<'a> {
         let granted = Granted {
             progress: reply.capabilities.contains(Capabilities::PROGRESS),
             postcopy: reply.capabilities.contains(Capabilities::POSTCOPY),
+            resumed: false,
         };
         if granted.progress {
             self.acks.use_ = AckUse::Live;
@@ -419,6 +444,7 @@ impl<'a> Session<'a> {
             )));
         }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
+        self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);
         if self.params.preempt && !self.preempt_granted {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
@@ -498,7 +524,7 @@ impl<'a> Session<'a> {
 
     /// Bytes written on all connections.
     fn bytes_written(&self) -> u64 {
-        self.conn.bytes_written + self.pool.bytes_written()
+        self.conn.bytes_written + self.pool.bytes_written() + self.earlier_bytes
     }
 }
 

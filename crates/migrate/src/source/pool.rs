@@ -41,6 +41,8 @@ pub struct ChannelPool {
     /// Pages queued on the senders, and pages they wrote: the difference is still on this side.
     queued_pages: u64,
     written_pages: Arc<AtomicU64>,
+    /// A handle on every connection, to shut them all down at once ([`ChannelPool::sever`]).
+    streams: Vec<Box<dyn Stream>>,
 }
 
 impl ChannelPool {
@@ -71,6 +73,7 @@ impl ChannelPool {
                     tracing::debug!("the preempt connection is not marked urgent: {e}");
                 }
             }
+            self.streams.push(stream.try_clone_stream().map_err(io)?);
             let mut c = Conn::new(stream.try_clone_stream().map_err(io)?).map_err(io)?;
             c.write_hello(&Hello {
                 role,
@@ -202,6 +205,16 @@ impl ChannelPool {
         for mut sender in self.senders.drain(..).chain(self.preempt.take()) {
             let _ = sender.finish();
         }
+        self.streams.clear();
+    }
+
+    /// Shuts every connection down (a sender blocked on a dead peer returns at once), then
+    /// abandons the senders: what a postcopy pause does with the connections it gives up.
+    pub fn sever(&mut self) {
+        for s in &self.streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        self.abandon();
     }
 
     /// Bytes written on all data channels so far.

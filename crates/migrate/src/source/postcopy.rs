@@ -146,11 +146,22 @@ impl Session<'_> {
         )?;
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
-        self.push_rest(&mut pc, &listed, cursor)?;
-        self.pool.close(&mut self.stats)?;
-        self.conn.write_header(&Header::new(Kind::Complete, 0, 0))?;
-        self.conn.flush("completing postcopy")?;
-        let latencies = self.await_done(&mut pc)?;
+        let mut cursor = Some(cursor);
+        let latencies = loop {
+            // After a recovery the walk starts over the destination's list.
+            let from = cursor.take().unwrap_or_default();
+            let sent = self
+                .push_rest(&mut pc, &listed, from)
+                .and_then(|()| self.pool.close(&mut self.stats))
+                .and_then(|()| self.conn.write_header(&Header::new(Kind::Complete, 0, 0)))
+                .and_then(|()| self.conn.flush("completing postcopy"))
+                .and_then(|()| self.await_done(&mut pc));
+            match sent {
+                Ok(latencies) => break latencies,
+                Err(e) if self.recoverable(&e) => self.recover(&mut pc, &listed, e)?,
+                Err(e) => return Err(e),
+            }
+        };
         pc.duration_ms = ms(t0.elapsed());
         pc.bytes = self.bytes_written() - bytes_at_switch;
         pc.latency_mean_us = latencies.mean_us();
@@ -384,8 +395,10 @@ impl Session<'_> {
     }
 
     /// Fails if the reader ended: the destination's Error, or a broken main connection (the
-    /// destination cannot ask for pages any more).
+    /// destination cannot ask for pages any more); or, as if it had broken, when a pause was
+    /// asked for.
     fn check_ended(&mut self) -> Result<(), MigrateError> {
+        self.check_pause()?;
         let reader = self.acks.reader.as_ref().expect("the reader runs");
         match reader.poll() {
             None => Ok(()),
@@ -405,6 +418,7 @@ impl Session<'_> {
     fn await_done(&mut self, pc: &mut PostcopyStats) -> Result<Latencies, MigrateError> {
         let deadline = Instant::now() + DONE_TIMEOUT;
         loop {
+            self.check_pause()?;
             self.take_requests(pc)?;
             let reader = self.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {

@@ -123,6 +123,9 @@ pub struct Granted {
     pub progress: bool,
     /// PageRequest and Done, and reading on after Resumed.
     pub postcopy: bool,
+    /// The guest runs on the destination already (a postcopy recovery's connection): no
+    /// Resumed comes, Done may.
+    pub resumed: bool,
 }
 
 /// The record that ended the reader's reading, or why it stopped.
@@ -254,7 +257,7 @@ fn read_until_end(
     resumed: &dyn Fn(Inbound),
 ) -> Ending {
     let (bytes, pages) = (&into.bytes, &into.pages);
-    let mut seen_resumed = false;
+    let mut seen_resumed = granted.resumed;
     loop {
         match read(conn, AWAITING_ANY)? {
             Inbound::PageRequest(_) | Inbound::Done(_) if !granted.postcopy => {
@@ -427,6 +430,7 @@ mod tests {
         theirs.write_all(bytes).unwrap();
         let mut conn = Conn::new(Box::new(ours)).unwrap();
         let granted = Granted {
+            resumed: false,
             progress,
             postcopy: false,
         };
@@ -454,6 +458,7 @@ mod tests {
             &crate::wire::encode_runs(&[(0x2000, 1)]),
         );
         let postcopy = Granted {
+            resumed: false,
             progress: false,
             postcopy: true,
         };

@@ -60,6 +60,9 @@ pub enum Role {
     /// Postcopy's requested pages, ahead of the data channels' background stream; `channel`
     /// is 0. Only with [`Capabilities::PREEMPT`] granted, and at most one.
     Preempt = 3,
+    /// The main connection of a postcopy recovery: names a migration in postcopy-paused on the
+    /// destination by its uuid; `channel` is 0. Only with [`Capabilities::RECOVER`] granted.
+    Resume = 4,
 }
 
 /// Record kinds. `Invalid = 0`.
@@ -98,6 +101,12 @@ pub enum Kind {
     /// Destination → source, main, postcopy only: every page is in place. Payload: the
     /// destination's request latencies, a [`Latencies`] ([`DONE_SIZE`] bytes).
     Done = 12,
+    /// Destination → source, on a recovery's main connection: `count` runs `gpa:u64
+    /// pages:u64` of listed pages the destination still lacks (it holds every other page).
+    Missing = 13,
+    /// Destination → source, on a recovery's main connection: the Missing list is complete;
+    /// reconnect the data channels and send the missing pages. No payload.
+    Resume = 14,
 }
 
 impl Kind {
@@ -115,6 +124,8 @@ impl Kind {
             10 => Kind::Postcopy,
             11 => Kind::PageRequest,
             12 => Kind::Done,
+            13 => Kind::Missing,
+            14 => Kind::Resume,
             _ => Kind::Invalid,
         }
     }
@@ -175,8 +186,8 @@ impl SectionHeader {
 /// Optional protocol features, agreed in the main hello: the source asks for a set and the
 /// destination answers with the subset it grants, so that a newer source can talk to an older
 /// destination by asking and reading the answer. Version 2 defines [`Capabilities::POSTCOPY`],
-/// [`Capabilities::PREEMPT`] and [`Capabilities::PROGRESS`]; page checksums are planned to take
-/// bit 2.
+/// [`Capabilities::PREEMPT`], [`Capabilities::PROGRESS`] and [`Capabilities::RECOVER`]; page
+/// checksums are planned to take bit 2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
 
@@ -191,9 +202,16 @@ impl Capabilities {
     /// Bit 4: the destination sends [`Kind::Received`] records on the main connection while
     /// pages arrive, and the source reads them as it sends.
     pub const PROGRESS: Capabilities = Capabilities(1 << 4);
+    /// Bit 5, with postcopy: a connection that breaks in postcopy pauses the migration on both
+    /// sides instead of failing it, and a recovery (role 4) resumes it.
+    pub const RECOVER: Capabilities = Capabilities(1 << 5);
     /// What this side implements.
-    pub const SUPPORTED: Capabilities =
-        Capabilities(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0 | Capabilities::PROGRESS.0);
+    pub const SUPPORTED: Capabilities = Capabilities(
+        Capabilities::POSTCOPY.0
+            | Capabilities::PREEMPT.0
+            | Capabilities::PROGRESS.0
+            | Capabilities::RECOVER.0,
+    );
 
     /// Both sets' bits.
     pub fn with(self, other: Capabilities) -> Capabilities {
@@ -359,7 +377,9 @@ pub enum WireError {
     SectionHeader(usize),
     #[error("device-state section id 0 is invalid")]
     InvalidSection,
-    #[error("capabilities {0:#x} on a data connection: only the main hello carries capabilities")]
+    #[error(
+        "capabilities {0:#x} on a data connection: only the main and recovery hellos carry capabilities"
+    )]
     DataCapabilities(u64),
     #[error(
         "postcopy page shift {0} in a hello: only a main reply names one, 12 (4 KiB) or 21 (2 MiB)"
@@ -408,6 +428,8 @@ pub enum Refusal {
     ChannelId = 4,
     /// Another migration is under way on this destination (or has ended there).
     Busy = 5,
+    /// A recovery for a migration that is not paused in postcopy here.
+    NotPaused = 6,
 }
 
 impl Hello {
@@ -442,6 +464,7 @@ impl Hello {
             1 => Role::Main,
             2 => Role::Data,
             3 => Role::Preempt,
+            4 => Role::Resume,
             r => return Err(WireError::Role(r)),
         };
         let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
@@ -458,7 +481,7 @@ impl Hello {
             return Err(WireError::PostcopyPage(postcopy_page_shift));
         }
         let capabilities = Capabilities(u64::from_le_bytes(b[50..58].try_into().unwrap()));
-        if role != Role::Main && capabilities != Capabilities::NONE {
+        if !matches!(role, Role::Main | Role::Resume) && capabilities != Capabilities::NONE {
             return Err(WireError::DataCapabilities(capabilities.0));
         }
         Ok(Hello {
@@ -579,13 +602,14 @@ impl Header {
                 | Kind::Received
                 | Kind::Postcopy
                 | Kind::Done
+                | Kind::Resume
         );
         if countless && count != 0 {
             return Err(WireError::Reserved("record count"));
         }
         match kind {
             Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
-            Kind::ZeroRuns | Kind::Discard | Kind::PageRequest => {
+            Kind::ZeroRuns | Kind::Discard | Kind::PageRequest | Kind::Missing => {
                 batch(MAX_ZERO_RUNS_PER_RECORD, 16)
             }
             Kind::DeviceState if len < SECTION_HEADER_SIZE as u64 => {
@@ -614,7 +638,7 @@ impl Header {
                 expected: DONE_SIZE,
             }),
             Kind::Done => Ok(()),
-            Kind::EndOfPass | Kind::Complete | Kind::Postcopy => match len {
+            Kind::EndOfPass | Kind::Complete | Kind::Postcopy | Kind::Resume => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },

@@ -29,8 +29,8 @@ fn hello_round_trips_and_checks_everything() {
     b[12] = 0;
     assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
     let mut b = h.encode();
-    b[12] = 4;
-    assert_eq!(Hello::decode(&b), Err(WireError::Role(4)));
+    b[12] = 5;
+    assert_eq!(Hello::decode(&b), Err(WireError::Role(5)));
     let mut b = h.encode();
     b[41] = 0x20;
     assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
@@ -213,10 +213,12 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 12 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 14 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
-    assert_eq!(Kind::from_u16(13), Kind::Invalid);
+    assert_eq!(Kind::from_u16(13), Kind::Missing);
+    assert_eq!(Kind::from_u16(14), Kind::Resume);
+    assert_eq!(Kind::from_u16(15), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 
@@ -280,5 +282,36 @@ fn addresses_decode_in_order() {
     assert_eq!(
         decode_addresses(&bytes).collect::<Vec<_>>(),
         vec![0x1000, 0x2000, 0x1_0000_0000]
+    );
+}
+
+#[test]
+fn recovery_records_and_hello_are_checked() {
+    // Missing is runs like Discard; Resume has no payload and no count.
+    assert!(Header::runs(Kind::Missing, 2).validate().is_ok());
+    assert!(Header::new(Kind::Missing, 0, 0).validate().is_err());
+    assert!(Header::new(Kind::Missing, 1, 15).validate().is_err());
+    assert!(Header::new(Kind::Resume, 0, 0).validate().is_ok());
+    assert!(Header::new(Kind::Resume, 0, 8).validate().is_err());
+    assert!(Header::new(Kind::Resume, 1, 0).validate().is_err());
+    // A recovery hello carries capabilities, as the main one does; a data hello does not.
+    let resume = Hello {
+        role: Role::Resume,
+        channel: 0,
+        uuid: [7; 16],
+        memory_size: 1 << 30,
+        status: 0,
+        channels: 2,
+        capabilities: Capabilities::POSTCOPY.with(Capabilities::RECOVER),
+        postcopy_page_shift: 0,
+    };
+    assert_eq!(Hello::decode(&resume.encode()), Ok(resume));
+    let data = Hello {
+        role: Role::Data,
+        ..resume
+    };
+    assert_eq!(
+        Hello::decode(&data.encode()),
+        Err(WireError::DataCapabilities(resume.capabilities.0))
     );
 }

@@ -30,6 +30,8 @@ use crate::transport::Stream;
 use crate::vm::{DestinationVm, Section};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
+mod recover;
+
 /// What the destination measured.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ReceiveStats {
@@ -58,6 +60,10 @@ pub struct PostcopyReceived {
     pub latencies: wire::Latencies,
     /// Resume to the last page in place.
     pub duration: Duration,
+    /// Times a broken connection paused postcopy and a recovery resumed it.
+    pub recoveries: u32,
+    /// Time spent in postcopy-paused.
+    pub paused: Duration,
 }
 
 /// A receiver thread and a handle to shut its socket down.
@@ -87,6 +93,9 @@ pub struct Session<'a> {
     gate: Arc<PostcopyGate>,
     stats: ReceiveStats,
     cpu_start: u64,
+    /// Postcopy recoveries so far, and the time spent paused.
+    recoveries: u32,
+    paused: Duration,
 }
 
 impl std::fmt::Debug for Session<'_> {
@@ -126,6 +135,8 @@ impl<'a> Session<'a> {
             gate: Arc::new(PostcopyGate::default()),
             stats: ReceiveStats::default(),
             cpu_start: stats::thread_cpu_ns(),
+            recoveries: 0,
+            paused: Duration::ZERO,
         })
     }
 
@@ -258,22 +269,29 @@ impl<'a> Session<'a> {
     /// migration and a fresh channel id; each gets a receiver thread.
     fn connect_channels(&mut self, arrivals: &mut dyn Arrivals) -> Result<(), MigrateError> {
         let main = self.hello;
-        let pages = self.ram.size() / PAGE_SIZE;
-        let claimed = Arc::new(PageBits::new(pages));
-        let shared = receiver::Shared {
-            barrier: Arc::new(PassBarrier::new(
-                usize::from(main.channels) + 1,
-                claimed.clone(),
-                RECORD_TIMEOUT,
-            )),
-            written: Arc::new(PageBits::new(pages)),
-            claimed,
-            ram: self.ram.clone(),
-            sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
-            control: self.control.clone(),
-            postcopy: self.gate.clone(),
+        let shared = match &self.shared {
+            // A postcopy recovery: the new channels carry on where the broken ones stopped.
+            Some(shared) => shared.clone(),
+            None => {
+                let pages = self.ram.size() / PAGE_SIZE;
+                let claimed = Arc::new(PageBits::new(pages));
+                let shared = receiver::Shared {
+                    barrier: Arc::new(PassBarrier::new(
+                        usize::from(main.channels) + 1,
+                        claimed.clone(),
+                        RECORD_TIMEOUT,
+                    )),
+                    written: Arc::new(PageBits::new(pages)),
+                    claimed,
+                    ram: self.ram.clone(),
+                    sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
+                    control: self.control.clone(),
+                    postcopy: self.gate.clone(),
+                };
+                self.shared = Some(shared.clone());
+                shared
+            }
         };
-        self.shared = Some(shared.clone());
         let deadline = Instant::now() + CHANNEL_TIMEOUT;
         // Slot 0 is the preempt connection, when granted; slots 1.. the data channels.
         let mut seen = vec![false; usize::from(main.channels) + 1];
@@ -461,8 +479,9 @@ impl<'a> Session<'a> {
                     receiver::name(r.channel)
                 ))
             })??;
-            // The preempt connection (channel 0) carries no passes.
-            if r.channel != 0 && s.passes != self.stats.passes {
+            // The preempt connection (channel 0) carries no passes, nor do the channels a
+            // postcopy recovery opened.
+            if r.channel != 0 && s.passes != self.stats.passes && self.recoveries == 0 {
                 return Err(MigrateError::ChannelEnded {
                     channel: r.channel,
                     after_pass: s.passes,
@@ -487,7 +506,8 @@ impl<'a> Session<'a> {
             .stream()
             .try_clone_stream()
             .map_err(|e| MigrateError::io("starting postcopy", e))?;
-        let pc = Arc::new(Postcopy::new(self.ram.clone(), out)?);
+        let recoverable = self.granted.contains(Capabilities::RECOVER);
+        let pc = Arc::new(Postcopy::new(self.ram.clone(), out, recoverable)?);
         self.postcopy = Some(pc.clone());
         Ok(pc)
     }
@@ -523,12 +543,25 @@ impl<'a> Session<'a> {
         };
         let resumed_at = Instant::now();
         self.control.update(|p| p.phase = IncomingPhase::Postcopy);
-        let result = self
-            .write_resumed(&pc)
-            .and_then(|()| self.await_complete())
-            .and_then(|()| self.join_receivers())
-            .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
-            .and_then(|()| pc.finish());
+        let mut result = self.write_resumed(&pc);
+        if let Err(e) = &result
+            && self.recoverable(e)
+        {
+            result = self.recover(&pc, result.unwrap_err());
+        }
+        let result = result.and_then(|()| {
+            loop {
+                let r = self
+                    .await_complete()
+                    .and_then(|()| self.join_receivers())
+                    .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
+                    .and_then(|()| pc.finish());
+                match r {
+                    Err(e) if self.recoverable(&e) => self.recover(&pc, e)?,
+                    r => break r,
+                }
+            }
+        });
         faults.stop();
         if let Err(e) = result {
             std::mem::forget(pc.clone());
@@ -542,6 +575,8 @@ impl<'a> Session<'a> {
             faults: pc.faults(),
             latencies,
             duration: resumed_at.elapsed(),
+            recoveries: self.recoveries,
+            paused: self.paused,
         });
         // Every page is here; a lost Done leaves the source waiting, then failing, with the
         // guest safe here.
@@ -644,7 +679,8 @@ enum PrecopyEnd {
 /// ending on one (postcopy's unit is the host page).
 fn supported(ram: &Ram) -> (Capabilities, u8) {
     let without = Capabilities(
-        Capabilities::SUPPORTED.0 & !(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0),
+        Capabilities::SUPPORTED.0
+            & !(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0 | Capabilities::RECOVER.0),
     );
     let refuse = |why: &str| {
         tracing::warn!("postcopy is not offered: {why}");

@@ -1,0 +1,195 @@
+//! Postcopy recovery over the fake VMM with a real userfaultfd and loopback TCP: the
+//! connections are broken in postcopy (by a pause on the source, on the destination, and by a
+//! recovery attempt that fails), both sides wait in postcopy-paused, and recoveries on a new
+//! listener complete the migration with every page in its last version.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_migrate::destination::{self, IncomingControl, IncomingPhase};
+use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::transport::Address;
+use ferry_migrate::{Control, Phase, Policy};
+use ferry_migrate_testkit::loopback::acceptor;
+use ferry_migrate_testkit::{FakeVm, Writers};
+
+const MIB: u64 = 1 << 20;
+const PAGE: usize = 4096;
+
+fn wait_until(what: &str, done: impl Fn() -> bool, state: impl Fn() -> String) {
+    eprintln!("waiting for {what}: {}", state());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {}",
+            state()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A listener on loopback and its address as a source writes it.
+fn listener() -> (TcpListener, Address) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = Address::Tcp(l.local_addr().unwrap().to_string());
+    (l, addr)
+}
+
+#[test]
+fn postcopy_survives_broken_connections_and_a_failed_recovery() {
+    for preempt in [false, true] {
+        recover_run(preempt);
+    }
+}
+
+fn recover_run(preempt: bool) {
+    let size = 2 * 16 * MIB;
+    let mut src = FakeVm::new(size, 2);
+    src.fill(1);
+    src.start_writers(Writers {
+        threads: 1,
+        seed: 0x2ec,
+        zero_percent: 10,
+        interval: Duration::ZERO,
+    });
+    let mut dst = FakeVm::new(size, 2);
+    dst.start_writers_on_resume(Writers {
+        threads: 1,
+        seed: 0xd57,
+        zero_percent: 10,
+        interval: Duration::from_millis(20),
+    });
+    // Slow enough (32 MiB at 20 MB/s) that postcopy is still sending when it is broken.
+    let params = SourceParams {
+        max_bandwidth: Some(20_000_000),
+        postcopy: true,
+        postcopy_after_passes: Some(1),
+        preempt,
+        recover: true,
+        channels: 2,
+        ..SourceParams::new(
+            Policy {
+                downtime_limit: Duration::from_micros(1),
+                auto_converge: None,
+                ..Policy::default()
+            },
+            [0x5e; 16],
+        )
+    };
+    // The limit holds for the whole migration: pass 1 takes ~1.6 s and postcopy as long.
+    let (first, _) = listener();
+    let addr = first.local_addr().unwrap();
+    let source_control = Control::default();
+    let dest_control = Arc::new(IncomingControl::default());
+    let (sent, received) = std::thread::scope(|s| {
+        let dc = dest_control.clone();
+        let dst = &mut dst;
+        let first = &first;
+        let receiver = s.spawn(move || {
+            let main = first.accept().unwrap().0;
+            let mut accept = acceptor(first);
+            destination::receive_with(dst, main, &mut accept, dc)
+        });
+        let sc = &source_control;
+        let src_ref = &mut src;
+        let params = &params;
+        let sender = s.spawn(move || {
+            let connect = || TcpStream::connect(addr);
+            source::migrate(
+                src_ref,
+                TcpStream::connect(addr).unwrap(),
+                &connect,
+                params,
+                sc,
+            )
+        });
+        let state = || {
+            let (s, d) = (source_control.progress(), dest_control.progress());
+            format!(
+                "source {:?} ({} recoveries) {:?}; destination {:?} {:?}",
+                s.phase, s.recoveries, s.error, d.phase, d.error
+            )
+        };
+        let paused_both = || {
+            wait_until(
+                "both sides paused",
+                || {
+                    source_control.progress().phase == Phase::PostcopyPaused
+                        && dest_control.progress().phase == IncomingPhase::PostcopyPaused
+                },
+                state,
+            )
+        };
+        let running_both = |n: u32| {
+            wait_until(
+                "both sides in postcopy again",
+                || {
+                    source_control.progress().phase == Phase::Postcopy
+                        && source_control.progress().recoveries == n
+                        && dest_control.progress().phase == IncomingPhase::Postcopy
+                },
+                state,
+            )
+        };
+        // 1. A pause on the source breaks every connection.
+        wait_until(
+            "postcopy",
+            || source_control.progress().phase == Phase::Postcopy,
+            state,
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        source_control.pause_postcopy();
+        paused_both();
+        let (l2, a2) = listener();
+        dest_control.recover_on(Box::new(l2));
+        source_control.resume_postcopy(a2);
+        running_both(1);
+        // 2. A pause on the destination, then a recovery that fails: the source is sent to
+        //    a "proxy" that drops the connection at once; both stay paused.
+        std::thread::sleep(Duration::from_millis(100));
+        dest_control.pause_postcopy();
+        paused_both();
+        let (dropper, dropper_addr) = listener();
+        let dropping = s.spawn(move || drop(dropper.accept()));
+        source_control.resume_postcopy(dropper_addr);
+        dropping.join().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        paused_both();
+        // 3. A later recovery still works.
+        let (l3, a3) = listener();
+        dest_control.recover_on(Box::new(l3));
+        source_control.resume_postcopy(a3);
+        (sender.join().unwrap(), receiver.join().unwrap())
+    });
+    let sent = sent.expect("the source completes after the recoveries");
+    let received = received.expect("the destination completes after the recoveries");
+    let pc = sent.postcopy.clone().expect("postcopy ran");
+    assert_eq!(pc.recoveries, 2, "{pc:?}");
+    assert!(pc.paused_ms > 0.0);
+    let rpc = received.postcopy.clone().expect("postcopy here");
+    assert_eq!(rpc.recoveries, 2);
+    assert_eq!(dst.abandoned, None);
+    assert_eq!(dst.state, src.state);
+    dst.stop_writers();
+    let written_here = dst.pages_written_here();
+    let (a, b) = (src.contents(), dst.contents());
+    let mut written = vec![false; a.len() / PAGE];
+    for &i in &written_here {
+        written[i as usize] = true;
+    }
+    let mut compared = 0;
+    for (i, here) in written.iter().enumerate() {
+        if *here {
+            continue;
+        }
+        let range = i * PAGE..(i + 1) * PAGE;
+        assert!(
+            a[range.clone()] == b[range],
+            "page {i} differs from the source's last version (preempt {preempt})"
+        );
+        compared += 1;
+    }
+    assert!(compared > written.len() / 4, "{compared} pages compared");
+}

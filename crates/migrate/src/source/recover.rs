@@ -1,0 +1,200 @@
+//! Postcopy recovery on the source: when a connection breaks in postcopy (or
+//! [`Control::pause_postcopy`](crate::Control::pause_postcopy) breaks them), the session does
+//! not fail. The guest runs on the destination and the pages it still lacks exist only here, so
+//! the session severs what is left of its connections, enters postcopy-paused, and waits for
+//! [`Control::resume_postcopy`](crate::Control::resume_postcopy) to name where to reconnect.
+//! There it greets the destination as a recovery (role Resume, the migration's uuid), reads the
+//! list of pages the destination still lacks, opens the data channels (and the preempt
+//! connection) anew, and goes on sending from that list. A failure during recovery goes back
+//! to paused; a later recovery starts over.
+//!
+//! Invariant: every listed page the destination lacks is in the bitmap after a recovery,
+//! because the destination's list is the truth (a page queued or sent before the break may
+//! never have arrived); a page it holds is never sent again, and a page not on the discard
+//! list is refused in its list.
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::reader::{Granted, InboundReader};
+use super::{Session, ms};
+use crate::bitmap::DirtyBitmap;
+use crate::conn::Conn;
+use crate::control::Phase;
+use crate::error::MigrateError;
+use crate::stats::PostcopyStats;
+use crate::transport::{Address, Stream};
+use crate::wire::{self, Hello, Kind, PAGE_SIZE, Role};
+
+/// How long one connection attempt of a recovery may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a paused session looks for a resume request.
+const PAUSED_POLL: Duration = Duration::from_millis(100);
+
+impl Session<'_> {
+    /// Whether `e` is a broken connection that recovery can mend (not a refusal or a protocol
+    /// violation, which a reconnect would only repeat).
+    pub(super) fn recoverable(&self, e: &MigrateError) -> bool {
+        self.recover_granted
+            && matches!(
+                e,
+                MigrateError::Io { .. }
+                    | MigrateError::Truncated { .. }
+                    | MigrateError::Channel(_)
+                    | MigrateError::ChannelEnded { .. }
+            )
+    }
+
+    /// Fails with a broken connection when a pause was asked for (after severing them all):
+    /// the same path a real failure takes.
+    pub(super) fn check_pause(&mut self) -> Result<(), MigrateError> {
+        if self.recover_granted && self.control.take_pause() {
+            self.sever();
+            return Err(MigrateError::io(
+                "postcopy, paused on request",
+                std::io::Error::from(std::io::ErrorKind::ConnectionAborted),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Shuts every connection down and stops the threads that use them.
+    fn sever(&mut self) {
+        self.pool.sever();
+        let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
+        self.acks.reader = None;
+    }
+
+    /// Postcopy-paused until a recovery succeeds: waits for a resume request, reconnects,
+    /// and loads the destination's list of what it lacks into the bitmap. `why` is what broke.
+    pub(super) fn recover(
+        &mut self,
+        pc: &mut PostcopyStats,
+        listed: &DirtyBitmap,
+        why: MigrateError,
+    ) -> Result<(), MigrateError> {
+        let paused = Instant::now();
+        let mut why = why;
+        loop {
+            self.sever();
+            tracing::warn!("postcopy paused: {why}; waiting for a resume to reconnect");
+            let message = why.to_string();
+            self.control.update(|p| {
+                p.phase = Phase::PostcopyPaused;
+                p.error = Some(message);
+            });
+            self.mark(Phase::PostcopyPaused);
+            let to = loop {
+                if let Some(to) = self.control.wait_resume(PAUSED_POLL) {
+                    break to;
+                }
+            };
+            match self.reconnect(&to, listed) {
+                Ok(()) => break,
+                Err(e) if self.recoverable(&e) || matches!(e, MigrateError::Refused(_)) => {
+                    why = e;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        pc.recoveries += 1;
+        pc.paused_ms += ms(paused.elapsed());
+        let recoveries = pc.recoveries;
+        self.control.update(|p| {
+            p.error = None;
+            p.recoveries = recoveries;
+        });
+        self.set_phase(Phase::Postcopy);
+        Ok(())
+    }
+
+    /// One recovery attempt at `to`: the hello, the Missing list, the reader, the channels.
+    fn reconnect(&mut self, to: &Address, listed: &DirtyBitmap) -> Result<(), MigrateError> {
+        let connect = || -> std::io::Result<Box<dyn Stream>> {
+            to.connect(CONNECT_TIMEOUT).map_err(std::io::Error::other)
+        };
+        let stream =
+            connect().map_err(|e| MigrateError::io("reconnecting to the destination", e))?;
+        let conn = Conn::new(stream).map_err(|e| MigrateError::io("reconnecting", e))?;
+        self.earlier_bytes += std::mem::replace(&mut self.conn, conn).bytes_written;
+        self.conn.write_hello(&Hello {
+            role: Role::Resume,
+            channel: 0,
+            uuid: self.params.uuid,
+            memory_size: self.ram.size(),
+            status: 0,
+            channels: self.params.channels,
+            capabilities: self.requested(),
+            postcopy_page_shift: 0,
+        })?;
+        let reply = self.conn.read_hello()?;
+        if reply.status != wire::Refusal::Accepted as u32 {
+            return Err(MigrateError::Refused(match reply.status {
+                3 | 6 => "the destination has no paused postcopy migration of this uuid (was it given `ferry migrate-recover`?)".into(),
+                s => format!("the destination refused the recovery with status {s}"),
+            }));
+        }
+        self.read_missing(listed)?;
+        let granted = Granted {
+            progress: false,
+            postcopy: true,
+            resumed: true,
+        };
+        let reader = InboundReader::start(&mut self.conn, granted)?;
+        reader.allow_requests();
+        self.acks.reader = Some(reader);
+        self.pool.open(
+            &connect,
+            &self.params,
+            &self.ram,
+            self.hooks,
+            self.preempt_granted,
+        )?;
+        self.pool.postcopy()
+    }
+
+    /// Reads the destination's Missing runs up to Resume into the bitmap (which it replaces):
+    /// each run must be RAM, whole units, and listed.
+    fn read_missing(&mut self, listed: &DirtyBitmap) -> Result<(), MigrateError> {
+        let mut missing = DirtyBitmap::new(self.ram.regions());
+        loop {
+            let h = self
+                .conn
+                .read_header("reading what the destination lacks")?;
+            let payload = self.conn.read_payload(h.len, "reading the Missing list")?;
+            match h.kind {
+                Kind::Missing => {
+                    let words: Vec<u64> = wire::decode_addresses(&payload).collect();
+                    for run in words.chunks_exact(2) {
+                        let (gpa, pages) = (run[0], run[1]);
+                        self.ram.check_run(gpa, pages)?;
+                        for k in 0..pages {
+                            let page = gpa + k * PAGE_SIZE;
+                            if !listed.contains(page) {
+                                return Err(MigrateError::order(format!(
+                                    "the destination lacks page {page:#x}, which it was never told to drop"
+                                )));
+                            }
+                            missing.set(page);
+                        }
+                    }
+                }
+                Kind::Resume => break,
+                Kind::Error => {
+                    return Err(MigrateError::Remote(
+                        String::from_utf8_lossy(&payload).into_owned(),
+                    ));
+                }
+                k => {
+                    return Err(MigrateError::order(format!(
+                        "{k:?} from the destination during a recovery"
+                    )));
+                }
+            }
+        }
+        missing.round_out(self.postcopy_unit);
+        self.bitmap = missing;
+        Ok(())
+    }
+}
