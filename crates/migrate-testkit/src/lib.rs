@@ -239,6 +239,34 @@ impl FakeVm {
             .collect()
     }
 
+    /// After a postcopy migration from `src` (paused) into this VM: stops this VM's writers and
+    /// checks every page its guest did not write against `src`'s last version; returns how
+    /// many pages were compared, and panics naming the first that differs.
+    pub fn assert_holds_the_last_version_of(&mut self, src: &FakeVm) -> usize {
+        self.stop_writers();
+        let page = PAGE_SIZE as usize;
+        let written_here = self.pages_written_here();
+        let (a, b) = (src.contents(), self.contents());
+        let mut written = vec![false; a.len() / page];
+        for &i in &written_here {
+            written[i as usize] = true;
+        }
+        assert!(!written_here.is_empty(), "the destination's guest ran");
+        let mut compared = 0;
+        for (i, here) in written.iter().enumerate() {
+            if *here {
+                continue;
+            }
+            let range = i * page..(i + 1) * page;
+            assert!(
+                a[range.clone()] == b[range],
+                "page {i} differs from the source's last version"
+            );
+            compared += 1;
+        }
+        compared
+    }
+
     /// Stops the writer threads and waits for them.
     pub fn stop_writers(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);

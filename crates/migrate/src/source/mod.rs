@@ -392,10 +392,10 @@ impl<'a> Session<'a> {
         c
     }
 
-    /// Greets the destination on the main connection; a refusal names the cause and the fix.
-    fn handshake(&mut self) -> Result<(), MigrateError> {
-        self.conn.write_hello(&Hello {
-            role: Role::Main,
+    /// The hello of a main connection (`Main`, or `Resume` for a postcopy recovery).
+    fn main_hello(&self, role: Role) -> Hello {
+        Hello {
+            role,
             channel: 0,
             uuid: self.params.uuid,
             memory_size: self.ram.size(),
@@ -403,7 +403,12 @@ impl<'a> Session<'a> {
             channels: self.params.channels,
             capabilities: self.requested(),
             postcopy_page_shift: 0,
-        })?;
+        }
+    }
+
+    /// Greets the destination on the main connection; a refusal names the cause and the fix.
+    fn handshake(&mut self) -> Result<(), MigrateError> {
+        self.conn.write_hello(&self.main_hello(Role::Main))?;
         let reply = self.conn.read_hello()?;
         if !reply.capabilities.is_subset(self.requested()) {
             return Err(MigrateError::order(format!(

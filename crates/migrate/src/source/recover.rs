@@ -25,7 +25,7 @@ use crate::control::Phase;
 use crate::error::MigrateError;
 use crate::stats::PostcopyStats;
 use crate::transport::{Address, Stream};
-use crate::wire::{self, Hello, Kind, PAGE_SIZE, Role};
+use crate::wire::{self, Kind, PAGE_SIZE, Role};
 
 /// How long one connection attempt of a recovery may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -118,16 +118,7 @@ impl Session<'_> {
             connect().map_err(|e| MigrateError::io("reconnecting to the destination", e))?;
         let conn = Conn::new(stream).map_err(|e| MigrateError::io("reconnecting", e))?;
         self.earlier_bytes += std::mem::replace(&mut self.conn, conn).bytes_written;
-        self.conn.write_hello(&Hello {
-            role: Role::Resume,
-            channel: 0,
-            uuid: self.params.uuid,
-            memory_size: self.ram.size(),
-            status: 0,
-            channels: self.params.channels,
-            capabilities: self.requested(),
-            postcopy_page_shift: 0,
-        })?;
+        self.conn.write_hello(&self.main_hello(Role::Resume))?;
         let reply = self.conn.read_hello()?;
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match reply.status {
