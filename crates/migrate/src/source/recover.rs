@@ -80,11 +80,8 @@ impl Session<'_> {
             self.sever();
             tracing::warn!("postcopy paused: {why}; waiting for a resume to reconnect");
             let message = why.to_string();
-            self.control.update(|p| {
-                p.phase = Phase::PostcopyPaused;
-                p.error = Some(message);
-            });
-            self.mark(Phase::PostcopyPaused);
+            self.control.update(|p| p.error = Some(message));
+            self.set_phase(Phase::PostcopyPaused);
             let to = loop {
                 if let Some(to) = self.control.wait_resume(PAUSED_POLL) {
                     break to;

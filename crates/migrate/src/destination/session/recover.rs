@@ -58,9 +58,6 @@ impl Session<'_> {
                 p.phase = IncomingPhase::PostcopyPaused;
                 p.error = Some(message);
             });
-            if let Some(l) = self.control.take_recovery() {
-                listener = Some(l);
-            }
             let attempt = loop {
                 if self.control.cancelled() {
                     return Err(MigrateError::CancelledHere);
