@@ -42,6 +42,12 @@ enum Command {
     /// Switch a running migration started with --postcopy to postcopy now (at the end of the
     /// pass it is sending).
     MigratePostcopy(migrate::CancelArgs),
+    /// Break a postcopy migration's connections as a network failure would (on the source or
+    /// the destination): both sides pause until a recovery (QEMU: migrate-pause).
+    MigratePause(migrate::CancelArgs),
+    /// On a destination in postcopy-paused: listen for the source's recovery (then run `ferry
+    /// migrate --resume` on the source). Prints the address it listens on.
+    MigrateRecover(migrate::RecoverArgs),
     /// Print a running VM's state and the guest's counters as JSON.
     Status(control::ControlArgs),
     /// Pause a running VM's vCPUs.
@@ -107,6 +113,8 @@ fn main() -> ExitCode {
         Command::Migrate(args) => migrate::migrate(&args),
         Command::Cancel(args) => migrate::cancel(&args),
         Command::MigratePostcopy(args) => migrate::start_postcopy(&args),
+        Command::MigratePause(args) => migrate::pause(&args),
+        Command::MigrateRecover(args) => migrate::recover(&args),
         Command::Status(args) => control::status(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
         Command::Resume(args) => control::put(&args, "/vm/resume"),

@@ -111,6 +111,28 @@ pub struct MigrateArgs {
     /// With --postcopy: switch to postcopy when precopy stalls, before throttling the guest.
     #[arg(long, requires = "postcopy")]
     postcopy_on_stall: bool,
+    /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
+    /// failing (the guest keeps running on the destination and waits for missing pages)
+    /// until `ferry migrate-recover` on the destination and `ferry migrate --resume` here
+    /// (QEMU: postcopy recovery). On by default: without it a broken connection loses the VM.
+    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
+    postcopy_recover: OnOff,
+    /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
+    /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
+    /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
+    #[arg(long)]
+    resume: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RecoverArgs {
+    /// The destination VM's API socket.
+    #[arg(long)]
+    api_socket: PathBuf,
+    /// Where to listen for the source's recovery (`tcp:HOST:PORT`, port 0 for any; or
+    /// `unix:PATH`); then run `ferry migrate --resume --to` this address on the source.
+    #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
+    listen: String,
 }
 
 #[derive(Debug, Args)]
@@ -150,6 +172,18 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
 
 pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let to = check(args)?;
+    if args.resume {
+        let body = json!({ "to": to });
+        client::request_with_body(
+            &args.api_socket,
+            "PUT",
+            "/migration/resume",
+            &body.to_string(),
+        )
+        .context("could not resume the migration")?;
+        eprintln!("ferry: reconnecting to {to}");
+        return follow_to_the_end(args, to);
+    }
     let body = json!({
         "to": to,
         "downtime_limit_ms": args.downtime_limit.as_millis() as u64,
@@ -169,9 +203,16 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "postcopy": args.postcopy,
         "postcopy_after_passes": args.postcopy_after_passes,
         "postcopy_preempt": args.postcopy_preempt,
+        "postcopy_recover": args.postcopy_recover == OnOff::On,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;
+    follow_to_the_end(args, to)
+}
+
+/// Follows the migration until it ends (Ctrl-C cancels it while it can be), prints its
+/// statistics and says how it ended.
+fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
     let socket = args.api_socket.clone();
     ctrlc::set_handler(move || {
         let _ = client::request(&socket, "PUT", "/migration/cancel");
@@ -213,6 +254,35 @@ fn follow(socket: &Path) -> anyhow::Result<Progress> {
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// `ferry migrate-pause`: break a postcopy migration's connections, as a failure would.
+pub fn pause(args: &CancelArgs) -> anyhow::Result<ExitCode> {
+    client::request(&args.api_socket, "PUT", "/migration/pause")?;
+    eprintln!(
+        "ferry: the migration is postcopy-paused; recover it with ferry migrate-recover on the destination, then ferry migrate --resume on the source"
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `ferry migrate-recover`: a destination in postcopy-paused listens for its source again.
+pub fn recover(args: &RecoverArgs) -> anyhow::Result<ExitCode> {
+    args.listen
+        .parse::<ferry_migrate::transport::Address>()
+        .map_err(|e| UsageError(format!("--listen {e}")))?;
+    let body = json!({ "listen": args.listen });
+    let answer = client::request_with_body(
+        &args.api_socket,
+        "PUT",
+        "/migration/recover",
+        &body.to_string(),
+    )?;
+    let at = answer["listening_on"].as_str().unwrap_or(&args.listen);
+    println!("{at}");
+    eprintln!(
+        "ferry: waiting for the source's recovery on {at}; run ferry migrate --resume --to {at} on the source"
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `ferry migrate-postcopy`: switch a running migration to postcopy now.

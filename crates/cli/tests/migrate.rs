@@ -158,3 +158,84 @@ fn ferry_demo_migrates_and_the_guest_verifies_clean() {
     assert!(text.contains("guest verdict: CLEAN"), "{text}");
     assert!(text.contains("downtime"), "{text}");
 }
+
+#[test]
+fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_guest_clean() {
+    let src = RunningVm::start(
+        "256M",
+        "ws=64M pattern=random read=30 rate=max verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("256M");
+    // 10 MB/s: postcopy lasts seconds, time enough to pause it.
+    let first = start_migrate(
+        &src,
+        port,
+        &[
+            "--postcopy",
+            "--postcopy-after-passes",
+            "1",
+            "--max-bandwidth",
+            "10M",
+        ],
+    );
+    let phase = |vm: &RunningVm| {
+        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
+            .map(|m| m["phase"].clone())
+            .unwrap_or_default()
+    };
+    src.wait_until("postcopy", Duration::from_secs(60), |vm| {
+        phase(vm) == "postcopy"
+    });
+    let out = src.control("migrate-pause");
+    assert!(out.status.success(), "{}", stderr(&out));
+    for vm in [&src, &dst] {
+        vm.wait_until("postcopy_paused", Duration::from_secs(30), |vm| {
+            phase(vm) == "postcopy_paused"
+        });
+    }
+    // A second pause has nothing to break.
+    let again = src.control("migrate-pause");
+    assert!(!again.status.success(), "a paused migration cannot pause");
+    let out = ferry()
+        .args(["migrate-recover", "--listen", "tcp:127.0.0.1:0"])
+        .arg("--api-socket")
+        .arg(&dst.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let at = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(
+        at.starts_with("tcp:127.0.0.1:"),
+        "it prints where it listens: {at}"
+    );
+    let resumed = ferry()
+        .args(["migrate", "--resume", "--to", &at])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&resumed.stdout);
+    assert!(resumed.status.success(), "{}\n{text}", stderr(&resumed));
+    assert!(text.contains("1 recovery"), "the recovery line: {text}");
+    let first = first.wait_with_output().unwrap();
+    assert!(
+        first.status.success(),
+        "the first ferry migrate: {}",
+        stderr(&first)
+    );
+    assert!(
+        stderr(&first).contains("postcopy_paused"),
+        "its progress showed the pause: {}",
+        stderr(&first)
+    );
+    let before = dst.status()["guest"]["verify_passes"].as_u64().unwrap();
+    dst.wait_until("two more verify passes", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(before + 2)
+    });
+    let g = dst.status()["guest"].clone();
+    assert_eq!(g["verify_failures"], 0, "{g}");
+    assert_eq!(g["bad_reads"], 0, "{g}");
+}

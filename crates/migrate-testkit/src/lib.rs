@@ -7,7 +7,8 @@
 //! the next pass, exactly the guarantee write-protection gives a real dirty log.
 //!
 //! [`craft`] builds hand-made protocol bytes for tests that play a broken source;
-//! [`loopback`] runs a whole migration between two fake VMs over loopback TCP.
+//! [`loopback`] runs a whole migration between two fake VMs over loopback TCP; [`proxy`] is a
+//! TCP proxy a test breaks on purpose.
 //! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
 //! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
 //! on this fake.
@@ -15,6 +16,7 @@
 pub mod conformance;
 pub mod craft;
 pub mod loopback;
+pub mod proxy;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};

@@ -140,7 +140,10 @@ fn recover_run(preempt: bool) {
             state,
         );
         std::thread::sleep(Duration::from_millis(100));
-        source_control.pause_postcopy();
+        assert!(
+            source_control.pause_postcopy(),
+            "a migration in postcopy with recovery pauses"
+        );
         paused_both();
         let (l2, a2) = listener();
         dest_control.recover_on(Box::new(l2));
@@ -149,7 +152,10 @@ fn recover_run(preempt: bool) {
         // 2. A pause on the destination, then a recovery that fails: the source is sent to
         //    a "proxy" that drops the connection at once; both stay paused.
         std::thread::sleep(Duration::from_millis(100));
-        dest_control.pause_postcopy();
+        assert!(
+            dest_control.pause_postcopy(),
+            "a migration in postcopy with recovery pauses"
+        );
         paused_both();
         let (dropper, dropper_addr) = listener();
         let dropping = s.spawn(move || drop(dropper.accept()));

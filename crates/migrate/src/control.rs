@@ -46,6 +46,10 @@ pub struct Progress {
     /// Times a postcopy migration recovered from a broken connection so far.
     #[serde(default)]
     pub recoveries: u32,
+    /// The destination granted postcopy recovery: a connection that breaks in postcopy
+    /// pauses the migration instead of failing it.
+    #[serde(default)]
+    pub postcopy_recover: bool,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,
@@ -84,9 +88,16 @@ impl Control {
     }
 
     /// Breaks a postcopy migration's connections as a network failure would (QEMU's
-    /// migrate-pause; `PUT /migration/pause`): both sides go to postcopy-paused.
-    pub fn pause_postcopy(&self) {
+    /// migrate-pause; `PUT /migration/pause`): both sides go to postcopy-paused. Only a
+    /// migration in postcopy whose destination granted recovery can be paused (any other
+    /// would fail, losing the guest): false, and nothing asked, otherwise.
+    pub fn pause_postcopy(&self) -> bool {
+        let p = self.progress();
+        if p.phase != Phase::Postcopy || !p.postcopy_recover {
+            return false;
+        }
         self.pause.store(true, Ordering::Relaxed);
+        true
     }
 
     /// Whether a pause was asked for and not yet acted on; clears the request.

@@ -33,6 +33,22 @@ pub trait Stream: Read + Write + Send + std::fmt::Debug {
     /// (`TC_PRIO_INTERACTIVE`, what a `prio` qdisc serves first) and DSCP EF (expedited
     /// forwarding, for routers that honour it). Postcopy's preempt connection.
     fn set_urgent(&self) -> io::Result<()>;
+    /// Whether the peer closed the connection (or it broke), judged without blocking and
+    /// without consuming anything: for a side that waits elsewhere while it is not reading.
+    fn hung_up(&self) -> bool {
+        false
+    }
+}
+
+/// A socket's end of file or error, seen by peeking one byte without waiting.
+fn socket_hung_up(fd: std::os::fd::RawFd) -> bool {
+    use nix::sys::socket::{MsgFlags, recv};
+    let mut byte = [0u8; 1];
+    match recv(fd, &mut byte, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e != nix::errno::Errno::EAGAIN && e != nix::errno::Errno::EINTR,
+    }
 }
 
 /// `SO_PRIORITY` of urgent traffic: `TC_PRIO_INTERACTIVE`, the highest an unprivileged socket
@@ -80,6 +96,9 @@ impl Stream for TcpStream {
         setsockopt(self, sockopt::Priority, &URGENT_PRIORITY)?;
         Ok(())
     }
+    fn hung_up(&self) -> bool {
+        socket_hung_up(std::os::fd::AsRawFd::as_raw_fd(self))
+    }
 }
 
 impl Stream for UnixStream {
@@ -104,6 +123,9 @@ impl Stream for UnixStream {
     fn set_urgent(&self) -> io::Result<()> {
         Ok(()) // no queue to jump
     }
+    fn hung_up(&self) -> bool {
+        socket_hung_up(std::os::fd::AsRawFd::as_raw_fd(self))
+    }
 }
 
 impl Stream for Box<dyn Stream> {
@@ -127,6 +149,9 @@ impl Stream for Box<dyn Stream> {
     }
     fn set_urgent(&self) -> io::Result<()> {
         (**self).set_urgent()
+    }
+    fn hung_up(&self) -> bool {
+        (**self).hung_up()
     }
 }
 
@@ -342,6 +367,28 @@ mod tests {
         Stream::set_urgent(&c).unwrap();
         assert_eq!(getsockopt(&c, sockopt::Priority).unwrap(), URGENT_PRIORITY);
         assert_eq!(getsockopt(&c, sockopt::Ipv4Tos).unwrap(), 0xb8);
+    }
+
+    #[test]
+    fn a_connection_is_hung_up_once_its_peer_closed_and_not_while_data_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        for a in [
+            "tcp:127.0.0.1:0".parse::<Address>().unwrap(),
+            Address::Unix(dir.path().join("h.sock")),
+        ] {
+            let l = a.listen().unwrap();
+            let at: Address = l.local().parse().unwrap();
+            let mut c = at.connect(Duration::from_secs(1)).unwrap();
+            let mut s = l.accept_within(Duration::from_secs(1)).unwrap().unwrap();
+            assert!(!s.hung_up(), "{a}: a fresh connection");
+            c.write_all(b"x").unwrap();
+            drop(c);
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!s.hung_up(), "{a}: a byte still waits to be read");
+            let mut b = [0; 1];
+            s.read_exact(&mut b).unwrap();
+            assert!(s.hung_up(), "{a}: the peer closed");
+        }
     }
 
     #[test]

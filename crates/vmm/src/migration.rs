@@ -49,6 +49,10 @@ pub struct MigrationRequest {
     /// Mark the preempt connection's packets urgent (on by default; see
     /// `SourceParams::preempt_priority`).
     pub postcopy_preempt_priority: bool,
+    /// With postcopy: a connection that breaks in postcopy pauses both sides until a recovery
+    /// ([`VmHandle::recover_migration`] on the destination, [`VmHandle::resume_migration`]
+    /// here) instead of failing and losing the guest. On by default.
+    pub postcopy_recover: bool,
 }
 
 impl MigrationRequest {
@@ -65,6 +69,7 @@ impl MigrationRequest {
             postcopy_after_passes: None,
             postcopy_preempt: false,
             postcopy_preempt_priority: true,
+            postcopy_recover: true,
         }
     }
 }
@@ -81,6 +86,25 @@ pub enum StartError {
     Connect(#[from] MigrateError),
 }
 
+/// Why a pause, recovery or resume of a postcopy migration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    #[error(
+        "no migration here is in postcopy with recovery granted; only such a migration can be paused (start it with ferry migrate --postcopy, recovery is on by default)"
+    )]
+    NotInPostcopy,
+    #[error(
+        "no incoming migration here is postcopy-paused; ferry migrate-recover (PUT /migration/recover) is for a destination whose postcopy connection broke (GET /migration shows phase postcopy_paused)"
+    )]
+    DestinationNotPaused,
+    #[error(
+        "no migration from here is postcopy-paused; ferry migrate --resume (PUT /migration/resume) is for a source whose postcopy connection broke (GET /migration shows phase postcopy_paused)"
+    )]
+    SourceNotPaused,
+    #[error(transparent)]
+    Address(#[from] ferry_migrate::transport::AddressError),
+}
+
 impl VmHandle {
     /// Connects to the destination and starts migrating in a thread of its own; returns the
     /// control handle at once. The VM keeps running until the switchover.
@@ -89,7 +113,11 @@ impl VmHandle {
         if slot.as_ref().is_some_and(|c| {
             matches!(
                 c.progress().phase,
-                Phase::Setup | Phase::Precopy | Phase::Switchover | Phase::Postcopy
+                Phase::Setup
+                    | Phase::Precopy
+                    | Phase::Switchover
+                    | Phase::Postcopy
+                    | Phase::PostcopyPaused
             )
         }) {
             return Err(StartError::AlreadyRunning);
@@ -98,7 +126,7 @@ impl VmHandle {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
         }
-        let address = address(&req.to)?;
+        let address = address_of(&req.to).map_err(MigrateError::from)?;
         let stream = connect(&address)?;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
@@ -111,6 +139,7 @@ impl VmHandle {
             postcopy_after_passes: req.postcopy_after_passes,
             preempt: req.postcopy_preempt,
             preempt_priority: req.postcopy_preempt_priority,
+            recover: req.postcopy && req.postcopy_recover,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {
@@ -160,6 +189,46 @@ impl VmHandle {
         }
     }
 
+    /// Breaks the connections of a migration in postcopy, as a network failure would (QEMU's
+    /// migrate-pause): on a source or a destination, both sides go to postcopy-paused.
+    pub fn pause_migration(&self) -> Result<(), RecoveryError> {
+        let source = self.0.migration.lock().unwrap().clone();
+        if source.is_some_and(|c| c.pause_postcopy())
+            || self.0.incoming.as_ref().is_some_and(|c| c.pause_postcopy())
+        {
+            return Ok(());
+        }
+        Err(RecoveryError::NotInPostcopy)
+    }
+
+    /// On a destination in postcopy-paused: listens on `listen` (`tcp:HOST:PORT`,
+    /// `unix:PATH` or a bare `HOST:PORT`) for the source's recovery; returns where it
+    /// listens (the port chosen for `:0`).
+    pub fn recover_migration(&self, listen: &str) -> Result<String, RecoveryError> {
+        let control = self
+            .0
+            .incoming
+            .as_ref()
+            .filter(|c| c.progress().phase == IncomingPhase::PostcopyPaused)
+            .ok_or(RecoveryError::DestinationNotPaused)?;
+        let listener = address_of(listen)?.listen()?;
+        let local = listener.local();
+        control.recover_on(listener);
+        Ok(local)
+    }
+
+    /// On a source in postcopy-paused: reconnects to a destination that listens for the
+    /// recovery at `to` (after [`VmHandle::recover_migration`] there).
+    pub fn resume_migration(&self, to: &str) -> Result<(), RecoveryError> {
+        let slot = self.0.migration.lock().unwrap();
+        let control = slot
+            .as_ref()
+            .filter(|c| c.progress().phase == Phase::PostcopyPaused)
+            .ok_or(RecoveryError::SourceNotPaused)?;
+        control.resume_postcopy(address_of(to)?);
+        Ok(())
+    }
+
     /// Asks a running migration to stop (on a source in precopy, or on a destination before
     /// the guest was resumed); false when there is none it can stop.
     pub fn cancel_migration(&self) -> bool {
@@ -186,13 +255,13 @@ impl VmHandle {
 }
 
 /// `tcp:HOST:PORT`, `unix:PATH`, or a bare `HOST:PORT`.
-fn address(to: &str) -> Result<Address, MigrateError> {
+fn address_of(to: &str) -> Result<Address, ferry_migrate::transport::AddressError> {
     let spelled = if to.starts_with("tcp:") || to.starts_with("unix:") {
         to.to_string()
     } else {
         format!("tcp:{to}")
     };
-    Ok(spelled.parse()?)
+    spelled.parse()
 }
 
 fn connect(to: &Address) -> Result<Box<dyn Stream>, MigrateError> {

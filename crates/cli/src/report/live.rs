@@ -61,7 +61,7 @@ impl Live {
             }
             return;
         };
-        bar.set_prefix(phase_name(p.phase));
+        bar.set_prefix(super::text::phase_name(p.phase));
         // The bar fills with what was sent against what was sent plus what is known to remain;
         // in pass 1, before the first dirty sync, nothing is known to remain: no bar yet.
         // Progress publishes what remains at each dirty sync; once completed, nothing does.
@@ -86,7 +86,7 @@ impl Live {
             p.expected_downtime_ms
                 .map_or("-".to_string(), |d| format!("{d:.0} ms")),
             super::text::throttled(p.throttle_percent),
-        ));
+        ) + &super::text::recovered(p));
     }
 
     /// Leaves the bar's last state on screen.
@@ -106,8 +106,4 @@ fn running_pass(p: &Progress) -> String {
         Phase::Postcopy => "post".into(),
         _ => p.pass.to_string(),
     }
-}
-
-fn phase_name(phase: Phase) -> String {
-    format!("{phase:?}").to_lowercase()
 }

@@ -6,7 +6,7 @@ use ferry_migrate::{MigrationStats, Progress};
 pub fn progress_line(p: &Progress) -> String {
     format!(
         "{:<10} pass {:>2}  remaining {:>9.1} MB  sent {:>9.1} MB  {:>7.1} MB/s  dirty {:>9.0} pages/s  expected downtime {}{}",
-        format!("{:?}", p.phase).to_lowercase(),
+        phase_name(p.phase),
         p.pass,
         p.remaining_bytes as f64 / 1e6,
         p.bytes_sent as f64 / 1e6,
@@ -15,7 +15,30 @@ pub fn progress_line(p: &Progress) -> String {
         p.expected_downtime_ms
             .map_or("-".to_string(), |d| format!("{d:.1} ms")),
         throttled(p.throttle_percent),
-    )
+    ) + &recovered(p)
+}
+
+/// "  recovered N×" once a postcopy migration recovered, and what broke while it is paused.
+pub fn recovered(p: &Progress) -> String {
+    let mut s = String::new();
+    if p.recoveries > 0 {
+        s += &format!("  recovered {}×", p.recoveries);
+    }
+    if p.phase == ferry_migrate::Phase::PostcopyPaused {
+        s += &format!(
+            "  ({}; waiting for ferry migrate-recover on the destination, then ferry migrate --resume here)",
+            p.error.as_deref().unwrap_or("paused")
+        );
+    }
+    s
+}
+
+/// A phase as the API spells it (`postcopy_paused`).
+pub fn phase_name(phase: ferry_migrate::Phase) -> String {
+    serde_json::to_value(phase)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{phase:?}"))
 }
 
 /// "  throttle N%" when the guest is throttled.
@@ -106,6 +129,14 @@ pub fn print_stats(s: &MigrationStats) {
             pc.latency_max_us,
             pc.vcpu_blocktime_ms
         );
+        if pc.recoveries > 0 {
+            println!(
+                "recovery         {:>10.1} ms paused in all; {} recover{} after a broken connection",
+                pc.paused_ms,
+                pc.recoveries,
+                if pc.recoveries == 1 { "y" } else { "ies" },
+            );
+        }
     }
     // One line for scripts; the timeline (up to a few hundred KiB) goes only to --stats-out.
     let mut line = serde_json::to_value(s).unwrap_or_default();

@@ -56,6 +56,10 @@ pub struct IncomingProgress {
     pub rejected_connections: u64,
     pub last_rejection: Option<String>,
     pub elapsed_ms: f64,
+    /// Postcopy recovery was granted to the source: a connection that breaks in postcopy
+    /// pauses the migration instead of failing it.
+    #[serde(default)]
+    pub postcopy_recover: bool,
     pub error: Option<String>,
 }
 
@@ -120,11 +124,20 @@ impl IncomingControl {
     }
 
     /// Breaks a postcopy migration's connections as a network failure would (`PUT
-    /// /migration/pause` on the destination): they are shut down, and both sides pause.
-    pub fn pause_postcopy(&self) {
-        for s in self.streams.lock().unwrap().iter() {
+    /// /migration/pause` on the destination): they are shut down, and both sides pause. Only
+    /// a migration in postcopy with recovery granted can be paused (any other would fail and
+    /// give the guest up): false, and nothing done, otherwise.
+    pub fn pause_postcopy(&self) -> bool {
+        let streams = self.streams.lock().unwrap();
+        let p = self.progress.lock().unwrap();
+        if p.phase != IncomingPhase::Postcopy || !p.postcopy_recover {
+            return false;
+        }
+        drop(p);
+        for s in streams.iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
+        true
     }
 
     pub fn progress(&self) -> IncomingProgress {

@@ -450,6 +450,8 @@ impl<'a> Session<'a> {
         }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
         self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);
+        let recover = self.recover_granted;
+        self.control.update(|p| p.postcopy_recover = recover);
         if self.params.preempt && !self.preempt_granted {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),

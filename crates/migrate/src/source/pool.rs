@@ -196,6 +196,8 @@ impl ChannelPool {
             stats.zero_scan_fallbacks += s.fallbacks;
             stats.cpu_seconds_source += s.cpu_ns as f64 / 1e9;
         }
+        // Closed for good: their ends closing on the destination is no longer news.
+        self.streams.clear();
         Ok(())
     }
 
@@ -215,6 +217,12 @@ impl ChannelPool {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         self.abandon();
+    }
+
+    /// Whether the destination (or the network between) closed one of the connections: it
+    /// never writes on them, so anything but waiting means the connection is gone.
+    pub fn hung_up(&self) -> bool {
+        self.streams.iter().any(|s| s.hung_up())
     }
 
     /// Bytes written on all data channels so far.

@@ -47,16 +47,25 @@ impl Session<'_> {
     }
 
     /// Fails with a broken connection when a pause was asked for (after severing them all):
-    /// the same path a real failure takes.
+    /// the same path a real failure takes. So does a data or preempt connection the other end
+    /// closed: a page written into it just before may be lost without any write failing, and
+    /// the recovery's Missing list is what brings it back.
     pub(super) fn check_pause(&mut self) -> Result<(), MigrateError> {
-        if self.recover_granted && self.control.take_pause() {
-            self.sever();
-            return Err(MigrateError::io(
-                "postcopy, paused on request",
-                std::io::Error::from(std::io::ErrorKind::ConnectionAborted),
-            ));
+        if !self.recover_granted {
+            return Ok(());
         }
-        Ok(())
+        let during = if self.control.take_pause() {
+            "postcopy, paused on request"
+        } else if self.pool.hung_up() {
+            "postcopy: the destination's end of a data or preempt connection closed"
+        } else {
+            return Ok(());
+        };
+        self.sever();
+        Err(MigrateError::io(
+            during,
+            std::io::Error::from(std::io::ErrorKind::ConnectionAborted),
+        ))
     }
 
     /// Shuts every connection down and stops the threads that use them.

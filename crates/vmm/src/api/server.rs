@@ -12,7 +12,7 @@ use std::time::Duration;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
 
-use crate::migration::{MigrationRequest, StartError};
+use crate::migration::{MigrationRequest, RecoveryError, StartError};
 use crate::vm::{StopReason, VmHandle};
 
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +122,19 @@ pub struct MigrateBody {
     /// With postcopy: switch to it when precopy stalls, before throttling.
     #[serde(default)]
     pub postcopy_on_stall: bool,
+    /// With postcopy: a broken connection pauses both sides until a recovery instead of
+    /// failing; absent = on.
+    #[serde(default = "default_true")]
+    pub postcopy_recover: bool,
+}
+
+/// The body of `PUT /migration/recover` (destination) and `PUT /migration/resume` (source).
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecoverBody {
+    /// Where the destination listens for the recovery; where the source reconnects.
+    #[serde(alias = "to")]
+    listen: String,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -179,6 +192,7 @@ impl MigrateBody {
         r.postcopy = self.postcopy;
         r.postcopy_after_passes = self.postcopy_after_passes;
         r.postcopy_preempt = self.postcopy_preempt;
+        r.postcopy_recover = self.postcopy_recover;
         Ok(r)
     }
 }
@@ -230,6 +244,35 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 json!({ "error": "no migration is in precopy here; start one with postcopy enabled (ferry migrate --postcopy)" }),
             ),
         },
+        (Method::Put, "/migration/pause") => match vm.pause_migration() {
+            Ok(()) => (200, json!({ "phase": "postcopy_paused" })),
+            Err(e) => (409, json!({ "error": e.to_string() })),
+        },
+        (Method::Put, "/migration/recover" | "/migration/resume") => {
+            let field = if path.ends_with("recover") {
+                "listen"
+            } else {
+                "to"
+            };
+            let Ok(RecoverBody { listen: at }) = serde_json::from_str(body) else {
+                return (
+                    400,
+                    json!({ "error": format!("bad request: send {{\"{field}\": \"tcp:HOST:PORT\"}}") }),
+                );
+            };
+            let result = if field == "listen" {
+                vm.recover_migration(&at)
+                    .map(|local| json!({ "phase": "postcopy_paused", "listening_on": local }))
+            } else {
+                vm.resume_migration(&at)
+                    .map(|()| json!({ "phase": "recovering", "to": at }))
+            };
+            match result {
+                Ok(v) => (200, v),
+                Err(e @ RecoveryError::Address(_)) => (400, json!({ "error": e.to_string() })),
+                Err(e) => (409, json!({ "error": e.to_string() })),
+            }
+        }
         (Method::Put, "/migration/cancel") => match vm.cancel_migration() {
             true => (200, json!({ "phase": "cancelling" })),
             false => (
@@ -245,17 +288,23 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             | "/vm/shutdown"
             | "/migration"
             | "/migration/cancel"
-            | "/migration/postcopy",
+            | "/migration/postcopy"
+            | "/migration/pause"
+            | "/migration/recover"
+            | "/migration/resume",
         ) => (
             405,
-            json!({ "error": format!("{method} is not allowed on {path}; see GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy") }),
+            json!({ "error": format!("{method} is not allowed on {path}; see {ENDPOINTS}") }),
         ),
         _ => (
             404,
-            json!({ "error": format!("no such endpoint {path}; the API has GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy") }),
+            json!({ "error": format!("no such endpoint {path}; the API has {ENDPOINTS}") }),
         ),
     }
 }
+
+/// What the API serves, for the errors that name it.
+const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy|pause|recover|resume";
 
 /// Longest request body read: a migration request is a few hundred bytes.
 const MAX_BODY: u64 = 64 * 1024;

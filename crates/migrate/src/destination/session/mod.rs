@@ -198,6 +198,7 @@ impl<'a> Session<'a> {
         self.control.update(|p| {
             p.phase = IncomingPhase::Handshake;
             p.channels_announced = hello.channels;
+            p.postcopy_recover = reply.capabilities.contains(Capabilities::RECOVER);
         });
         Ok(self)
     }
@@ -554,6 +555,7 @@ impl<'a> Session<'a> {
                 let r = self
                     .await_complete()
                     .and_then(|()| self.join_receivers())
+                    .and_then(|()| self.nothing_lost(&pc))
                     .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
                     .and_then(|()| pc.finish());
                 match r {
@@ -587,6 +589,24 @@ impl<'a> Session<'a> {
             tracing::warn!("every page arrived, but the source did not get Done: {e}");
         }
         Ok(self.stats.clone())
+    }
+
+    /// Once every connection that carries pages ended, no page can still come: with recovery
+    /// granted, pages still missing were lost with a connection that broke (a page written
+    /// just before its end), and a recovery's Missing list brings them. Without it, the wait
+    /// for them fails in its own time.
+    fn nothing_lost(&self, pc: &Postcopy) -> Result<(), MigrateError> {
+        let left = pc.remaining();
+        if left > 0 && self.granted.contains(Capabilities::RECOVER) {
+            return Err(MigrateError::io(
+                "postcopy: every connection ended",
+                std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    format!("{left} pages never arrived; a connection broke"),
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Tells the source the guest runs here (postcopy: through the shared writer).

@@ -164,26 +164,47 @@ impl Session<'_> {
                 &wire::encode_runs(chunk),
             )?;
         }
-        self.connect_channels(&mut Reconnecting { listener })?;
+        let main = self
+            .conn
+            .stream()
+            .try_clone_stream()
+            .map_err(|e| MigrateError::io("accepting a recovery", e))?;
+        self.connect_channels(&mut Reconnecting { listener, main })?;
         self.control.update(|p| p.phase = IncomingPhase::Postcopy);
         Ok(())
     }
 }
 
-/// The data connections of a recovery, from its listener.
+/// The data connections of a recovery, from its listener. A source whose recovery failed
+/// after the Resume closes the recovery's main connection: that ends the wait at once, and the
+/// destination is paused again, ready for the next recovery, instead of waiting out the
+/// channels' deadline.
 struct Reconnecting<'a> {
     listener: &'a dyn Listener,
+    main: Box<dyn crate::transport::Stream>,
 }
 
 impl Arrivals for Reconnecting<'_> {
     fn next(&mut self, deadline: Instant) -> Result<Option<Arrival>, MigrateError> {
-        let wait = deadline.saturating_duration_since(Instant::now());
-        let Some(mut stream) = self
-            .listener
-            .accept_within(wait)
-            .map_err(|e| MigrateError::io("accepting a data channel", e))?
-        else {
-            return Ok(None);
+        let mut stream = loop {
+            if self.main.hung_up() {
+                return Err(MigrateError::io(
+                    "waiting for the recovery's channels",
+                    std::io::Error::from(std::io::ErrorKind::ConnectionAborted),
+                ));
+            }
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .min(PAUSED_POLL);
+            match self
+                .listener
+                .accept_within(wait)
+                .map_err(|e| MigrateError::io("accepting a data channel", e))?
+            {
+                Some(stream) => break stream,
+                None if Instant::now() >= deadline => return Ok(None),
+                None => {}
+            }
         };
         let hello = super::super::read_hello(stream.as_mut(), CHANNEL_TIMEOUT)?;
         Ok(Some(Arrival { stream, hello }))

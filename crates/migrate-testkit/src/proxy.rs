@@ -1,0 +1,263 @@
+//! A TCP proxy between a source and a destination that a test breaks on purpose: the network
+//! failures postcopy recovery must survive, made on loopback. Every connection it accepts is
+//! forwarded to the current target (which a test moves to the destination's recovery
+//! listener); it learns each connection's role from the hello it forwards, paces what the
+//! source sends (so a migration lasts long enough to be broken in postcopy), and can hold all
+//! traffic, cut every connection or only those of one role, and cut the next connections
+//! right after their hello (a failure during a recovery).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_migrate::wire::{HELLO_SIZE, Hello, Role};
+
+/// One forwarded connection: both of its sockets, and the role its hello named.
+#[derive(Debug)]
+struct Link {
+    role: Option<Role>,
+    source: TcpStream,
+    target: TcpStream,
+}
+
+impl Link {
+    fn cut(&self) {
+        let _ = self.source.shutdown(Shutdown::Both);
+        let _ = self.target.shutdown(Shutdown::Both);
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    target: String,
+    links: Vec<Link>,
+    /// Connections accepted from now on are cut right after their hello was forwarded.
+    cut_after_hello: bool,
+    held: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    released: Condvar,
+    /// Bytes per second each connection may forward from the source.
+    rate: u64,
+    stop: AtomicBool,
+}
+
+/// A running proxy; dropping it stops accepting and cuts every connection.
+#[derive(Debug)]
+pub struct Proxy {
+    shared: Arc<Shared>,
+    address: String,
+    accepting: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Listens on loopback and forwards to `target` (`HOST:PORT`), each connection's source
+    /// side paced to `rate` bytes per second (more than 0).
+    pub fn start(target: &str, rate: u64) -> Proxy {
+        assert!(rate > 0, "a proxy that forwards nothing");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the proxy");
+        listener
+            .set_nonblocking(true)
+            .expect("a nonblocking listener");
+        let address = listener.local_addr().expect("its address").to_string();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                target: target.into(),
+                links: Vec::new(),
+                cut_after_hello: false,
+                held: false,
+            }),
+            released: Condvar::new(),
+            rate,
+            stop: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        let accepting = std::thread::spawn(move || {
+            while !s.stop.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((source, _)) => forward(&s, source),
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Proxy {
+            shared,
+            address,
+            accepting: Some(accepting),
+        }
+    }
+
+    /// Where sources connect: `HOST:PORT`.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Forwards connections accepted from now on to `target` (`HOST:PORT`).
+    pub fn retarget(&self, target: &str) {
+        self.shared.state.lock().unwrap().target = target.into();
+    }
+
+    /// Stops forwarding in both directions (the connections stay open) until [`Proxy::release`].
+    pub fn hold(&self) {
+        self.shared.state.lock().unwrap().held = true;
+    }
+
+    pub fn release(&self) {
+        self.shared.state.lock().unwrap().held = false;
+        self.shared.released.notify_all();
+    }
+
+    /// Cuts every connection: both ends see it closed, as when a link between hosts fails.
+    /// Returns how many it cut.
+    pub fn cut_all(&self) -> usize {
+        self.cut_where(|_| true)
+    }
+
+    /// Cuts only the connections whose hello named `role`; returns how many.
+    pub fn cut_role(&self, role: Role) -> usize {
+        self.cut_where(|r| r == Some(role))
+    }
+
+    /// Connections accepted from now on (while `on`) are cut just after their hello reached
+    /// the target: a recovery that fails half way.
+    pub fn cut_after_hello(&self, on: bool) {
+        self.shared.state.lock().unwrap().cut_after_hello = on;
+    }
+
+    fn cut_where(&self, which: impl Fn(Option<Role>) -> bool) -> usize {
+        let mut state = self.shared.state.lock().unwrap();
+        let (cut, kept): (Vec<Link>, Vec<Link>) =
+            state.links.drain(..).partition(|l| which(l.role));
+        state.links = kept;
+        for l in &cut {
+            l.cut();
+        }
+        cut.len()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.release();
+        self.cut_all();
+        if let Some(t) = self.accepting.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connects to the target and starts the two pumps of a new connection.
+fn forward(shared: &Arc<Shared>, source: TcpStream) {
+    let _ = source.set_nonblocking(false);
+    let target_address = shared.state.lock().unwrap().target.clone();
+    let Ok(target) = TcpStream::connect(&target_address) else {
+        // Nobody listens there: the source sees its connection closed, as it would.
+        return;
+    };
+    let _ = source.set_nodelay(true);
+    let _ = target.set_nodelay(true);
+    let (Ok(s2), Ok(t2), Ok(s3), Ok(t3)) = (
+        source.try_clone(),
+        target.try_clone(),
+        source.try_clone(),
+        target.try_clone(),
+    ) else {
+        return;
+    };
+    let cut_after_hello = {
+        let mut state = shared.state.lock().unwrap();
+        state.links.push(Link {
+            role: None,
+            source: s3,
+            target: t3,
+        });
+        state.cut_after_hello
+    };
+    let up = shared.clone();
+    std::thread::spawn(move || upstream(&up, source, target, cut_after_hello));
+    if !cut_after_hello {
+        // A connection to be cut never hears the target's answer.
+        let down = shared.clone();
+        std::thread::spawn(move || downstream(&down, s2, t2));
+    }
+}
+
+/// Source to target: the hello first (its role is recorded), then paced.
+fn upstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream, cut_after_hello: bool) {
+    let mut hello = [0u8; HELLO_SIZE];
+    if source.read_exact(&mut hello).is_err() || target.write_all(&hello).is_err() {
+        cut(&source, &target);
+        return;
+    }
+    let role = Hello::decode(&hello).ok().map(|h| h.role);
+    let peer = source.peer_addr().ok();
+    {
+        let mut state = shared.state.lock().unwrap();
+        if let Some(l) = state
+            .links
+            .iter_mut()
+            .find(|l| l.source.peer_addr().ok() == peer)
+        {
+            l.role = role;
+        }
+    }
+    if cut_after_hello {
+        // Let the target read the hello and begin answering, then fail.
+        std::thread::sleep(Duration::from_millis(20));
+        cut(&source, &target);
+        return;
+    }
+    let started = Instant::now();
+    let mut sent = 0u64;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match source.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        wait_while_held(shared);
+        if target.write_all(&buf[..n]).is_err() {
+            break;
+        }
+        sent += n as u64;
+        let due = Duration::from_secs_f64(sent as f64 / shared.rate as f64);
+        if let Some(ahead) = due.checked_sub(started.elapsed()) {
+            std::thread::sleep(ahead);
+        }
+    }
+    cut(&source, &target);
+}
+
+/// Target to source, unpaced.
+fn downstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match target.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        wait_while_held(shared);
+        if source.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    cut(&source, &target);
+}
+
+fn wait_while_held(shared: &Shared) {
+    let mut state = shared.state.lock().unwrap();
+    while state.held && !shared.stop.load(Ordering::Relaxed) {
+        state = shared.released.wait(state).unwrap();
+    }
+}
+
+fn cut(source: &TcpStream, target: &TcpStream) {
+    let _ = source.shutdown(Shutdown::Both);
+    let _ = target.shutdown(Shutdown::Both);
+}
