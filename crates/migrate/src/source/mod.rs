@@ -89,9 +89,10 @@ pub struct SourceParams {
     /// whose queue has priority bands sends them ahead of the background stream.
     pub preempt_priority: bool,
     /// With postcopy: ask for recovery, so that a connection that breaks in postcopy pauses
-    /// both sides until [`Control::resume_postcopy`] instead of failing. Off until the VMM
-    /// can be told to recover ([`crate::destination::IncomingControl::recover_on`]): a
-    /// destination without a way to get a listener would wait paused until cancelled.
+    /// both sides until [`Control::resume_postcopy`] instead of failing. Off by default in the
+    /// engine: ask for it only when both VMMs can be told to recover (the destination's needs
+    /// [`crate::destination::IncomingControl::recover_on`]); a destination without a way to
+    /// get a listener would wait paused until cancelled. The reference VMM asks for it.
     pub recover: bool,
 }
 
