@@ -22,13 +22,6 @@ struct Link {
     target: TcpStream,
 }
 
-impl Link {
-    fn cut(&self) {
-        let _ = self.source.shutdown(Shutdown::Both);
-        let _ = self.target.shutdown(Shutdown::Both);
-    }
-}
-
 #[derive(Debug)]
 struct State {
     target: String,
@@ -135,7 +128,7 @@ impl Proxy {
             state.links.drain(..).partition(|l| which(l.role));
         state.links = kept;
         for l in &cut {
-            l.cut();
+            self::cut(&l.source, &l.target);
         }
         cut.len()
     }
@@ -213,41 +206,38 @@ fn upstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream, cut_a
         cut(&source, &target);
         return;
     }
-    let started = Instant::now();
-    let mut sent = 0u64;
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        let n = match source.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        wait_while_held(shared);
-        if target.write_all(&buf[..n]).is_err() {
-            break;
-        }
-        sent += n as u64;
-        let due = Duration::from_secs_f64(sent as f64 / shared.rate as f64);
-        if let Some(ahead) = due.checked_sub(started.elapsed()) {
-            std::thread::sleep(ahead);
-        }
-    }
-    cut(&source, &target);
+    pump(shared, &mut source, &mut target, Some(shared.rate));
 }
 
 /// Target to source, unpaced.
 fn downstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream) {
+    pump(shared, &mut target, &mut source, None);
+}
+
+/// Copies `from` to `to` until either ends (waiting while the proxy holds, and paced to `rate`
+/// bytes per second if given), then cuts the connection.
+fn pump(shared: &Shared, from: &mut TcpStream, to: &mut TcpStream, rate: Option<u64>) {
+    let started = Instant::now();
+    let mut sent = 0u64;
     let mut buf = vec![0u8; 64 << 10];
     loop {
-        let n = match target.read(&mut buf) {
+        let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         wait_while_held(shared);
-        if source.write_all(&buf[..n]).is_err() {
+        if to.write_all(&buf[..n]).is_err() {
             break;
         }
+        sent += n as u64;
+        if let Some(rate) = rate {
+            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+            if let Some(ahead) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(ahead);
+            }
+        }
     }
-    cut(&source, &target);
+    cut(from, to);
 }
 
 fn wait_while_held(shared: &Shared) {
@@ -257,7 +247,8 @@ fn wait_while_held(shared: &Shared) {
     }
 }
 
-fn cut(source: &TcpStream, target: &TcpStream) {
-    let _ = source.shutdown(Shutdown::Both);
-    let _ = target.shutdown(Shutdown::Both);
+/// Shuts both sockets of a connection: each end sees it closed.
+fn cut(a: &TcpStream, b: &TcpStream) {
+    let _ = a.shutdown(Shutdown::Both);
+    let _ = b.shutdown(Shutdown::Both);
 }

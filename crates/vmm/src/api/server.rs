@@ -128,15 +128,6 @@ pub struct MigrateBody {
     pub postcopy_recover: bool,
 }
 
-/// The body of `PUT /migration/recover` (destination) and `PUT /migration/resume` (source).
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RecoverBody {
-    /// Where the destination listens for the recovery; where the source reconnects.
-    #[serde(alias = "to")]
-    listen: String,
-}
-
 fn default_downtime_ms() -> u64 {
     300
 }
@@ -248,31 +239,20 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             Ok(()) => (200, json!({ "phase": "postcopy_paused" })),
             Err(e) => (409, json!({ "error": e.to_string() })),
         },
-        (Method::Put, "/migration/recover" | "/migration/resume") => {
-            let field = if path.ends_with("recover") {
-                "listen"
-            } else {
-                "to"
-            };
-            let Ok(RecoverBody { listen: at }) = serde_json::from_str(body) else {
-                return (
-                    400,
-                    json!({ "error": format!("bad request: send {{\"{field}\": \"tcp:HOST:PORT\"}}") }),
-                );
-            };
-            let result = if field == "listen" {
+        (Method::Put, "/migration/recover") => match address_in(body, "listen") {
+            Ok(at) => recovery(
                 vm.recover_migration(&at)
-                    .map(|local| json!({ "phase": "postcopy_paused", "listening_on": local }))
-            } else {
+                    .map(|local| json!({ "phase": "postcopy_paused", "listening_on": local })),
+            ),
+            Err(bad) => bad,
+        },
+        (Method::Put, "/migration/resume") => match address_in(body, "to") {
+            Ok(at) => recovery(
                 vm.resume_migration(&at)
-                    .map(|()| json!({ "phase": "recovering", "to": at }))
-            };
-            match result {
-                Ok(v) => (200, v),
-                Err(e @ RecoveryError::Address(_)) => (400, json!({ "error": e.to_string() })),
-                Err(e) => (409, json!({ "error": e.to_string() })),
-            }
-        }
+                    .map(|()| json!({ "phase": "recovering", "to": at })),
+            ),
+            Err(bad) => bad,
+        },
         (Method::Put, "/migration/cancel") => match vm.cancel_migration() {
             true => (200, json!({ "phase": "cancelling" })),
             false => (
@@ -303,6 +283,31 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
     }
 }
 
+/// The one address a recovery body holds, `{"<field>": "tcp:HOST:PORT"}`; else a 400 answer.
+fn address_in(body: &str, field: &str) -> Result<String, (u16, serde_json::Value)> {
+    let value: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let only = value
+        .as_object()
+        .filter(|o| o.len() == 1)
+        .and_then(|o| o.get(field))
+        .and_then(serde_json::Value::as_str);
+    only.map(str::to_string).ok_or_else(|| {
+        (
+            400,
+            json!({ "error": format!("bad request: send {{\"{field}\": \"tcp:HOST:PORT\"}}") }),
+        )
+    })
+}
+
+/// A recovery step's answer: a bad address is the caller's (400), anything else a conflict.
+fn recovery(result: Result<serde_json::Value, RecoveryError>) -> (u16, serde_json::Value) {
+    match result {
+        Ok(v) => (200, v),
+        Err(e @ RecoveryError::Address(_)) => (400, json!({ "error": e.to_string() })),
+        Err(e) => (409, json!({ "error": e.to_string() })),
+    }
+}
+
 /// What the API serves, for the errors that name it.
 const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy|pause|recover|resume";
 
@@ -326,5 +331,32 @@ fn answer(mut request: Request, vm: &VmHandle) {
         .with_chunked_threshold(usize::MAX);
     if let Err(e) = request.respond(response) {
         tracing::debug!("API client went away before the answer: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recovery_body_holds_exactly_its_one_address_field() {
+        assert_eq!(
+            address_in(r#"{"listen": "tcp:127.0.0.1:0"}"#, "listen"),
+            Ok("tcp:127.0.0.1:0".to_string())
+        );
+        for bad in [
+            r#"{"to": "tcp:127.0.0.1:1"}"#,
+            r#"{"listen": "tcp:127.0.0.1:1", "extra": 1}"#,
+            r#"{"listen": 4445}"#,
+            "not json",
+            "",
+        ] {
+            let (code, answer) = address_in(bad, "listen").unwrap_err();
+            assert_eq!(code, 400, "{bad}");
+            assert!(
+                answer["error"].as_str().unwrap().contains("\"listen\""),
+                "{bad}: {answer}"
+            );
+        }
     }
 }
