@@ -13,6 +13,7 @@
 //! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
 //! on this fake.
 
+mod balloon;
 pub mod conformance;
 pub mod craft;
 pub mod loopback;
@@ -24,6 +25,8 @@ use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use balloon::FakeBalloon;
+pub use balloon::HintReport;
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::wire::{PAGE_SIZE, SectionId};
@@ -150,6 +153,8 @@ struct Shared {
     writes: AtomicU64,
     /// Auto-converge's throttle, percent: each writer sleeps that share of its time.
     throttle: AtomicU8,
+    /// Free pages and free page hints (absent unless a test attaches it).
+    balloon: FakeBalloon,
 }
 
 impl Shared {
@@ -200,6 +205,7 @@ impl FakeVm {
                 dirty: (0..words).map(|_| AtomicU64::new(0)).collect(),
                 writes: AtomicU64::new(0),
                 throttle: AtomicU8::new(0),
+                balloon: FakeBalloon::new(size / PAGE_SIZE),
             }),
             threads: Vec::new(),
             // Two instances of one section kind, as a VM with two vCPUs has: every migration
@@ -334,6 +340,44 @@ impl FakeVm {
         Ok(())
     }
 
+    /// Gives the VM a balloon that hints free pages (without one, hinting is unsupported):
+    /// a round's hints arrive at `pages_per_ms`, as a guest's hints trickle in.
+    pub fn attach_balloon(&self, pages_per_ms: u64) {
+        self.shared.balloon.attach(pages_per_ms);
+    }
+
+    /// The guest frees `count` pages from page index `first` (counting across regions),
+    /// leaving stale content in them as a real guest does (before any writer runs).
+    pub fn free_pages(&self, first: u64, count: u64) {
+        for i in first..first + count {
+            write_page(&self.shared, i, i.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+            self.shared.balloon.free(i);
+        }
+    }
+
+    /// What the balloon did.
+    pub fn hint_report(&self) -> HintReport {
+        self.shared.balloon.report()
+    }
+
+    /// After a migration from this VM (paused) into `dst`: every page the guest does not hold
+    /// free now is equal on both; returns how many were compared, and panics naming the first
+    /// that differs. (Free pages may differ: a hinted page is not sent.)
+    pub fn assert_in_use_pages_equal(&self, dst: &FakeVm) -> u64 {
+        let page = PAGE_SIZE as usize;
+        let (a, b) = (self.contents(), dst.contents());
+        let mut compared = 0;
+        for i in 0..self.shared.ram.pages() {
+            if self.shared.balloon.is_free(i) {
+                continue;
+            }
+            let range = i as usize * page..(i as usize + 1) * page;
+            assert!(a[range.clone()] == b[range], "in-use page {i} differs");
+            compared += 1;
+        }
+        compared
+    }
+
     /// Host memory the RAM occupies (the memfd's allocated bytes).
     pub fn allocated_bytes(&self) -> u64 {
         let mut st: libc::stat = unsafe_zeroed_stat();
@@ -389,6 +433,7 @@ fn writer(shared: &Shared, w: Writers, id: u64) {
                 };
                 write_page(shared, index, value);
                 shared.mark(index);
+                shared.balloon.written(index);
                 shared.writes.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -474,6 +519,32 @@ unsafe impl SourceVm for FakeVm {
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
         Ok(self.state.clone())
+    }
+
+    fn start_hints(&mut self) -> Result<(), VmError> {
+        balloon_call(self.shared.balloon.start(&self.shared.ram.regions))
+    }
+
+    fn stop_hints(&mut self) -> Result<(), VmError> {
+        balloon_call(self.shared.balloon.stop())
+    }
+
+    fn take_hints(&mut self, into: &mut Vec<(u64, u64)>) -> Result<(), VmError> {
+        balloon_call(self.shared.balloon.take(into))
+    }
+
+    fn finish_hints(&mut self) -> Result<(), VmError> {
+        balloon_call(self.shared.balloon.finish())
+    }
+}
+
+/// A balloon call's answer: unsupported without a balloon, as a VMM without one answers.
+fn balloon_call(present: bool) -> Result<(), VmError> {
+    match present {
+        true => Ok(()),
+        false => Err(VmError::Unsupported {
+            operation: "free page hinting",
+        }),
     }
 }
 

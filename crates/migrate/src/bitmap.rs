@@ -185,6 +185,54 @@ impl DirtyBitmap {
         false
     }
 
+    /// Marks every page wholly inside `gpa..gpa + len` that is RAM; returns how many were not
+    /// marked before. Word at a time, so a hint of gigabytes costs microseconds.
+    pub fn set_range(&mut self, gpa: u64, len: u64) -> u64 {
+        self.update_range(gpa, len, true)
+    }
+
+    /// Clears every page wholly inside `gpa..gpa + len` that is RAM; returns how many were
+    /// marked.
+    pub fn clear_range(&mut self, gpa: u64, len: u64) -> u64 {
+        self.update_range(gpa, len, false)
+    }
+
+    fn update_range(&mut self, gpa: u64, len: u64, set: bool) -> u64 {
+        let (start, end) = (
+            gpa.next_multiple_of(PAGE_SIZE),
+            gpa.saturating_add(len) / PAGE_SIZE * PAGE_SIZE,
+        );
+        let mut changed = 0;
+        for r in &mut self.regions {
+            let (s, e) = (start.max(r.gpa), end.min(r.gpa + r.pages * PAGE_SIZE));
+            if s >= e {
+                continue;
+            }
+            let (mut first, last) = ((s - r.gpa) / PAGE_SIZE, (e - r.gpa) / PAGE_SIZE);
+            while first < last {
+                let bit = first % 64;
+                let n = (64 - bit).min(last - first);
+                let mask = match n {
+                    64 => u64::MAX,
+                    n => ((1u64 << n) - 1) << bit,
+                };
+                let w = &mut r.words[(first / 64) as usize];
+                let flip = match set {
+                    true => mask & !*w,
+                    false => mask & *w,
+                };
+                *w ^= flip;
+                changed += u64::from(flip.count_ones());
+                first += n;
+            }
+        }
+        match set {
+            true => self.count += changed,
+            false => self.count -= changed,
+        }
+        changed
+    }
+
     /// A cursor at the page after `gpa` (at its word), for a walk that goes on from there;
     /// the start if `gpa` is not RAM.
     pub fn cursor_after(&self, gpa: u64) -> Cursor {
@@ -298,6 +346,26 @@ mod tests {
             b.take(&mut cursor, max, &mut out);
         }
         out
+    }
+
+    #[test]
+    fn ranges_set_and_clear_whole_pages_inside_ram_and_count_them() {
+        let mut b = bitmap();
+        // Pages 1..=98 of the first region: partial pages at both ends do not count.
+        assert_eq!(b.set_range(PAGE_SIZE - 1, 99 * PAGE_SIZE), 98);
+        assert!(!b.contains(0) && b.contains(PAGE_SIZE) && b.contains(98 * PAGE_SIZE));
+        assert!(!b.contains(99 * PAGE_SIZE));
+        assert_eq!(b.count(), 98);
+        // Across the gap between regions only RAM is touched; set twice adds nothing new.
+        assert_eq!(b.set_range(90 * PAGE_SIZE, 1 << 33), 1 + 64);
+        assert_eq!(b.set_range(0, 1 << 40), 1);
+        assert_eq!(b.count(), 164);
+        assert_eq!(b.clear_range(63 * PAGE_SIZE, 2 * PAGE_SIZE), 2);
+        assert_eq!(b.clear_range(u64::MAX - PAGE_SIZE, PAGE_SIZE * 4), 0);
+        assert_eq!(b.count(), 162);
+        let left = drain(&mut b, usize::MAX);
+        assert_eq!(left.len(), 162);
+        assert!(!left.contains(&(63 * PAGE_SIZE)) && !left.contains(&(64 * PAGE_SIZE)));
     }
 
     #[test]

@@ -48,6 +48,14 @@ pub struct MigrationStats {
     pub pages_zero: u64,
     /// Pages never sent because they were holes in the backing file when pass 1 reached them.
     pub pages_skipped_holes: u64,
+    /// Pages never sent in a pass because the guest hinted them free (virtio-balloon free
+    /// page hinting) before the pass reached them.
+    #[serde(default)]
+    pub pages_skipped_hinted: u64,
+    /// Rounds of free page hints asked of the guest (0: no hints, the VMM or guest has none
+    /// or they were off).
+    #[serde(default)]
+    pub hint_rounds: u32,
     pub passes: Vec<PassStats>,
     /// Payload bytes per second over the whole migration.
     pub bandwidth_mb_s: f64,

@@ -91,6 +91,44 @@ pub unsafe trait SourceVm: Send {
             operation: "throttling the vCPUs",
         })
     }
+
+    /// Free page hinting (virtio-balloon's `FREE_PAGE_HINT`): asks the guest for a new round
+    /// of hints, ranges of memory it does not use. The engine calls it only after dirty
+    /// tracking was re-armed for all of RAM, so that a hinted page the guest writes again is
+    /// in the dirty log. A VMM without a balloon, or whose guest has no driver for it, keeps
+    /// this default: the migration then sends every page, as without hints.
+    fn start_hints(&mut self) -> Result<(), VmError> {
+        Err(VmError::Unsupported {
+            operation: "free page hinting",
+        })
+    }
+
+    /// Ends the round: a hint the guest gives after this returns is dropped, never handed to
+    /// [`SourceVm::take_hints`]. The engine calls it before every dirty sync, so no hint is
+    /// applied after a sync that may have fetched a write made after it.
+    fn stop_hints(&mut self) -> Result<(), VmError> {
+        Err(VmError::Unsupported {
+            operation: "free page hinting",
+        })
+    }
+
+    /// Moves the hints received since the last call into `into`, as `(gpa, bytes)` ranges.
+    fn take_hints(&mut self, into: &mut Vec<(u64, u64)>) -> Result<(), VmError> {
+        let _ = into;
+        Err(VmError::Unsupported {
+            operation: "free page hinting",
+        })
+    }
+
+    /// The migration no longer needs hints, however it ended: the guest may use the pages it
+    /// hinted again (virtio's `DONE`). Called while the guest is paused before its state is
+    /// saved, so the destination's guest is told too, and when a migration fails or is
+    /// cancelled.
+    fn finish_hints(&mut self) -> Result<(), VmError> {
+        Err(VmError::Unsupported {
+            operation: "free page hinting",
+        })
+    }
 }
 
 /// How the destination writes received pages into guest RAM. The VMM chooses, because only it

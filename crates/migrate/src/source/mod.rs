@@ -33,6 +33,7 @@
 
 mod acks;
 mod bandwidth;
+mod hints;
 mod limiter;
 mod pool;
 mod postcopy;
@@ -46,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use self::acks::{AckUse, Acks};
 use self::bandwidth::BandwidthWindow;
+use self::hints::Hints;
 use self::limiter::{Limiter, Pacing};
 use self::pool::ChannelPool;
 use self::reader::{Granted, Inbound, InboundReader};
@@ -94,6 +96,10 @@ pub struct SourceParams {
     /// [`crate::destination::IncomingControl::recover_on`]); a destination without a way to
     /// get a listener would wait paused until cancelled. The reference VMM asks for it.
     pub recover: bool,
+    /// Ask the VMM for free page hints (virtio-balloon) and skip the pages the guest reports
+    /// free (see `source/hints.rs` for the rule). On by default: a VMM or guest that cannot
+    /// hint simply sends every page.
+    pub free_page_hints: bool,
 }
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
@@ -127,6 +133,7 @@ impl SourceParams {
             preempt: false,
             preempt_priority: true,
             recover: false,
+            free_page_hints: true,
         }
     }
 
@@ -314,6 +321,8 @@ struct Session<'a> {
     timeline: Timeline,
     pass: u32,
     phase: Phase,
+    /// Free page hints: rounds, and pass 1's pages to skip.
+    hints: Hints,
 }
 
 impl<'a> Session<'a> {
@@ -351,6 +360,10 @@ impl<'a> Session<'a> {
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,
+            hints: match params.free_page_hints {
+                true => Hints::default(),
+                false => Hints::off(),
+            },
         }
     }
 
@@ -470,6 +483,9 @@ impl<'a> Session<'a> {
         result: Result<(), MigrateError>,
     ) -> Result<MigrationStats, MigrateError> {
         self.pool.abandon();
+        if !self.handed_over {
+            self.finish_hints(vm);
+        }
         vm.stop_dirty_log();
         if self.throttle > 0 {
             if let Err(e) = vm.set_throttle(0) {

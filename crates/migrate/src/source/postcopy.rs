@@ -100,14 +100,14 @@ impl Session<'_> {
             if pages <= LATE_DISCARD_PAGES || !self.wait_applied()? {
                 break;
             }
-            vm.fetch_dirty(&mut self.bitmap)?;
+            self.sync_dirty(vm)?;
             self.bitmap.round_out(unit);
         }
         let t0 = Instant::now();
         vm.pause()?;
         self.guest = GuestState::Paused;
         let t1 = Instant::now();
-        vm.fetch_dirty(&mut self.bitmap)?;
+        self.sync_dirty(vm)?;
         self.bitmap.round_out(unit);
         let t2 = Instant::now();
         let late = self.coalesce(
@@ -124,6 +124,7 @@ impl Session<'_> {
         self.send_discards(&late)?;
         drop(early);
         self.pool.postcopy()?;
+        self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t3 = Instant::now();
         // No final pages: they come after the switch. The destination may ask for pages while

@@ -37,9 +37,7 @@ impl Session<'_> {
         loop {
             let pass_started = Instant::now();
             let before = self.bitmap.count();
-            let t = Instant::now();
-            vm.fetch_dirty(&mut self.bitmap)?;
-            self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
+            self.sync_dirty(vm)?;
             let last = self.stats.passes.last_mut().expect("pass 1 ran");
             if after_pass {
                 let dirtied = self.bitmap.count() - before;
@@ -87,7 +85,8 @@ impl Session<'_> {
             }
             pass += 1;
             after_pass = true;
-            self.dirty_pass(pass, GuestState::Running, pass_started)?;
+            self.start_hint_round(vm);
+            self.dirty_pass(vm, pass, GuestState::Running, pass_started)?;
         }
     }
 
@@ -113,19 +112,20 @@ impl Session<'_> {
         }
     }
 
-    /// Pass 1: re-arm dirty tracking for each region, chunk by chunk, then send what its
-    /// backing file holds, walking populated ranges with `SEEK_DATA`/`SEEK_HOLE`. Re-arming the
-    /// whole region before looking is what makes the walk safe: a page populated after the look
-    /// was written after its re-arm, so the dirty log has it. (Looking chunk by chunk instead
-    /// would make each `SEEK_HOLE` walk the rest of a fully populated file: quadratic.)
+    /// Pass 1: re-arm dirty tracking for all of RAM, chunk by chunk, then send what the backing
+    /// file holds, walking populated ranges with `SEEK_DATA`/`SEEK_HOLE`. Re-arming before
+    /// looking is what makes the walk safe: a page populated after the look was written after
+    /// its re-arm, so the dirty log has it. (Looking chunk by chunk instead would make each
+    /// `SEEK_HOLE` walk the rest of a fully populated file: quadratic.) The first round of free
+    /// page hints starts once everything is re-armed, and the walk skips what it hints.
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
         self.pass = 1;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
-        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
-        for (index, region) in self.ram.regions().to_vec().iter().enumerate() {
+        let regions = self.ram.regions().to_vec();
+        let t = Instant::now();
+        for region in &regions {
             let end = region.gpa + region.size;
-            let t = Instant::now();
             let mut chunk = region.gpa;
             while chunk < end {
                 self.check_control()?;
@@ -133,7 +133,13 @@ impl Session<'_> {
                 vm.clear_dirty(chunk, (chunk_end - chunk) / PAGE_SIZE)?;
                 chunk = chunk_end;
             }
-            self.stats.dirty_clear_ms += ms(t.elapsed());
+        }
+        self.stats.dirty_clear_ms += ms(t.elapsed());
+        self.start_hint_round(vm);
+        let mut hinted = 0;
+        let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
+        for (index, region) in regions.iter().enumerate() {
+            let end = region.gpa + region.size;
             let mut at = region.gpa;
             while let Some((data, hole)) = self
                 .ram
@@ -141,11 +147,16 @@ impl Session<'_> {
                 .map_err(|e| MigrateError::io("looking for populated memory", e))?
             {
                 for gpa in (data..hole.min(end)).step_by(PAGE_SIZE as usize) {
+                    if self.hints.skips(gpa) {
+                        hinted += 1;
+                        continue;
+                    }
                     batch.push(gpa);
                     if batch.len() == batch.capacity() {
                         self.check_control()?;
                         pages += self.send_pages(&batch, Pacing::Limited)?;
                         batch.clear();
+                        self.apply_hints(vm);
                     }
                 }
                 at = hole;
@@ -155,14 +166,18 @@ impl Session<'_> {
             }
         }
         pages += self.send_pages(&batch, Pacing::Limited)?;
-        self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages;
+        self.hints.first_pass_done();
+        self.stats.pages_skipped_hinted += hinted;
+        self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages - hinted;
         self.end_pass(1, GuestState::Running, pages, bytes_before, started)
     }
 
     /// Sends every page marked in the bitmap. With the guest running the pass is paced and
-    /// cancellable; with it paused (the final pass) it is neither.
+    /// cancellable, and drops what the guest hints free on the way; with it paused (the final
+    /// pass) it is neither.
     pub(super) fn dirty_pass(
         &mut self,
+        vm: &mut dyn SourceVm,
         pass: u32,
         guest: GuestState,
         started: Instant,
@@ -174,6 +189,9 @@ impl Session<'_> {
         while !cursor.at_end(&self.bitmap) {
             if guest == GuestState::Running {
                 self.check_control()?;
+            }
+            if guest == GuestState::Running {
+                self.apply_hints(vm);
             }
             self.bitmap.take(&mut cursor, batch.capacity(), &mut batch);
             pages += self.send_pages(&batch, guest.pacing())?;

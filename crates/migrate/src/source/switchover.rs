@@ -49,11 +49,12 @@ impl<'a> Session<'a> {
         vm.pause()?;
         self.guest = GuestState::Paused;
         let t1 = Instant::now();
-        vm.fetch_dirty(&mut self.bitmap)?;
+        self.sync_dirty(vm)?;
         let t2 = Instant::now();
-        self.dirty_pass(pass, GuestState::Paused, t2)?;
+        self.dirty_pass(vm, pass, GuestState::Paused, t2)?;
         self.pool.close(&mut self.stats)?;
         let t3 = Instant::now();
+        self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t4 = Instant::now();
         self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4], None)

@@ -1,0 +1,173 @@
+//! Free page hints, and the dirty sync they must be ordered against: the one place where the
+//! source drops pages the guest does not use from what it still has to send.
+//!
+//! The guest (through the VMM's virtio-balloon, [`SourceVm::start_hints`]) reports ranges of
+//! memory it holds free; the source does not send them. The rule, and why it loses nothing:
+//!
+//! 1. A round of hints starts only after dirty tracking was re-armed for all of RAM (pass 1
+//!    re-arms every region before it looks at one). A hinted page that the guest writes again
+//!    is then in the dirty log, and a later pass sends it.
+//! 2. A hint drops its pages from the current pass only: in pass 1 from the walk over
+//!    populated memory (the `skip` bitmap), in a dirty pass from the pending bitmap. It never
+//!    marks a page "never send".
+//! 3. Every round is stopped, and what it hinted applied, before the dirty sync that ends the
+//!    pass ([`Session::sync_dirty`], the only caller of `fetch_dirty`). A hint applied after a
+//!    sync could clear a write that sync already fetched, made after the hint: that write
+//!    would be lost. So hints never outlive the sync after them; the VMM drops any that come
+//!    after [`SourceVm::stop_hints`].
+//! 4. A new round starts only before another pass with the guest running; the final sync (the
+//!    guest paused) and postcopy have none. Before the guest's state is saved the VMM is told
+//!    the migration is done with hints ([`SourceVm::finish_hints`], virtio's `DONE`), so the
+//!    guest, here or on the destination, may use its hinted pages again.
+//!
+//! A page hinted and never written is not sent at all: the destination keeps what it had
+//! there (zeros, or an older copy), which the guest does not read before it writes the page,
+//! since the page was free.
+
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use super::{Session, ms};
+use crate::bitmap::DirtyBitmap;
+use crate::error::MigrateError;
+use crate::vm::{SourceVm, VmError};
+
+/// Where hinting stands in one migration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum State {
+    /// Not asked yet: the first round will find out whether the VMM and guest can hint.
+    #[default]
+    Untried,
+    /// Switched off, unsupported, or failed once: every page is sent.
+    Off,
+    /// Rounds happened and none runs now.
+    Between,
+    /// A round runs: hints may arrive.
+    Round,
+    /// `finish_hints` was called: no more rounds.
+    Finished,
+}
+
+/// The hinting side of a source session.
+#[derive(Debug, Default)]
+pub(super) struct Hints {
+    state: State,
+    /// Pages hinted during pass 1, which the walk over populated memory skips.
+    skip: Option<DirtyBitmap>,
+    /// Ranges taken from the VMM, reused between takes.
+    ranges: Vec<(u64, u64)>,
+}
+
+impl Hints {
+    /// Hints off for this migration (the user asked for it).
+    pub(super) fn off() -> Hints {
+        Hints {
+            state: State::Off,
+            ..Hints::default()
+        }
+    }
+
+    /// Whether pass 1's walk should skip the page at `gpa`.
+    pub(super) fn skips(&self, gpa: u64) -> bool {
+        self.skip.as_ref().is_some_and(|s| s.contains(gpa))
+    }
+
+    /// Pass 1 is over: its skip bitmap is not needed again.
+    pub(super) fn first_pass_done(&mut self) {
+        self.skip = None;
+    }
+}
+
+impl Session<'_> {
+    /// Starts a round of hints before a pass with the guest running (the first round finds
+    /// out whether the VMM can hint at all; if not, hinting stays off, quietly: a VMM without
+    /// a balloon simply has none).
+    pub(super) fn start_hint_round(&mut self, vm: &mut dyn SourceVm) {
+        if !matches!(self.hints.state, State::Untried | State::Between) {
+            return;
+        }
+        match vm.start_hints() {
+            Ok(()) => {
+                if self.hints.state == State::Untried && self.pass <= 1 {
+                    self.hints.skip = Some(DirtyBitmap::new(self.ram.regions()));
+                }
+                self.hints.state = State::Round;
+                self.stats.hint_rounds += 1;
+            }
+            Err(VmError::Unsupported { operation }) => {
+                tracing::debug!("{operation} is not available: every page is sent");
+                self.hints.state = State::Off;
+            }
+            Err(e) => self.hints_failed(vm, e),
+        }
+    }
+
+    /// Drops what the guest hinted since the last look from what this pass still sends (in
+    /// pass 1 by marking the walk's skip bitmap; later, by clearing pending pages).
+    pub(super) fn apply_hints(&mut self, vm: &mut dyn SourceVm) {
+        if self.hints.state != State::Round {
+            return;
+        }
+        let mut ranges = std::mem::take(&mut self.hints.ranges);
+        match vm.take_hints(&mut ranges) {
+            Ok(()) => {
+                for &(gpa, len) in &ranges {
+                    match &mut self.hints.skip {
+                        Some(skip) => {
+                            skip.set_range(gpa, len);
+                        }
+                        None => {
+                            self.stats.pages_skipped_hinted += self.bitmap.clear_range(gpa, len);
+                        }
+                    }
+                }
+            }
+            Err(e) => self.hints_failed(vm, e),
+        }
+        ranges.clear();
+        self.hints.ranges = ranges;
+    }
+
+    /// The dirty sync: stops the round and applies its last hints first (rule 3 of the
+    /// module), then merges the dirty log into the pending bitmap.
+    pub(super) fn sync_dirty(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        if self.hints.state == State::Round {
+            match vm.stop_hints() {
+                Ok(()) => {
+                    self.apply_hints(vm);
+                    if self.hints.state == State::Round {
+                        self.hints.state = State::Between;
+                    }
+                }
+                Err(e) => self.hints_failed(vm, e),
+            }
+        }
+        let t = Instant::now();
+        vm.fetch_dirty(&mut self.bitmap)?;
+        self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
+        Ok(())
+    }
+
+    /// Tells the VMM the migration is done with hints (once, if a round ever started).
+    pub(super) fn finish_hints(&mut self, vm: &mut dyn SourceVm) {
+        if matches!(self.hints.state, State::Round | State::Between) {
+            self.hints.state = State::Finished;
+            if let Err(e) = vm.finish_hints() {
+                tracing::warn!("could not tell the guest it may reuse its hinted pages: {e}");
+            }
+        }
+    }
+
+    /// A hinting call failed: hints are an optimisation, so the migration goes on without
+    /// them, sending every page. No hint is taken again, so none can be applied after a sync;
+    /// the guest is told it may reuse what it hinted.
+    fn hints_failed(&mut self, vm: &mut dyn SourceVm, e: VmError) {
+        tracing::warn!("free page hinting failed, every page is sent from here: {e}");
+        if let Err(e) = vm.finish_hints() {
+            tracing::debug!("ending hints after the failure: {e}");
+        }
+        self.hints.skip = None;
+        self.hints.state = State::Off;
+    }
+}
