@@ -12,6 +12,7 @@ pub mod layout;
 pub mod params;
 pub mod report;
 pub mod stamp;
+pub mod virtio;
 
 /// Size of the pages the guest writes, stamps and verifies (x86 base page).
 pub const PAGE_SIZE: u64 = 4096;

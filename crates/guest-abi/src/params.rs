@@ -16,6 +16,9 @@
 //! | `seed` | integer | 1 | seed of the random and hot/cold patterns |
 //! | `fill` | `stamp`, `random` | `stamp` | page content: a stamp word and zeros, or every word derived from the stamp |
 //! | `prefill` | `0`, `1` | `0` | write every working-set page once before the workload starts |
+//! | `free` | size | 0 | fill this much RAM beyond the working set with data, then free it (2 MiB blocks), as a guest that used memory once leaves it: stale, free, hintable |
+//! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
+//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the guest drives a balloon found there |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
 //! before boot so that a bad command line is refused with a message instead of a halted guest.
@@ -117,7 +120,37 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "0",
         "write every working-set page once before the workload starts",
     ),
+    (
+        "free",
+        "size (6G, ...)",
+        "0",
+        "fill this much more RAM with data, then free it (stale, free, hintable)",
+    ),
+    (
+        "churn",
+        "MB/s, 0 = none",
+        "0",
+        "allocate, write, verify and free blocks of the free memory at this rate",
+    ),
+    (
+        "virtio_mmio.device",
+        "<size>@<addr>:<irq>",
+        "none",
+        "a virtio-mmio device (the VMM sets it); the guest drives the balloon there",
+    ),
 ];
+
+/// Granule of the guest's free memory: blocks of 2 MiB, the large page it maps RAM with (and
+/// what it hints, as Linux hints its largest free blocks).
+pub const FREE_BLOCK: u64 = 2 << 20;
+
+/// A virtio-mmio device as the command line announces it (`virtio_mmio.device=4K@0xd0000000:5`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmioDevice {
+    pub size: u64,
+    pub addr: u64,
+    pub irq: u32,
+}
 
 /// Which page each write of the workload goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,6 +218,12 @@ pub struct Params {
     pub seed: u64,
     pub fill: Fill,
     pub prefill: bool,
+    /// Bytes of RAM beyond the working set filled and then freed, a multiple of [`FREE_BLOCK`].
+    pub free: u64,
+    /// Rate of allocate-write-verify-free of free blocks, MB/s (10^6 bytes); 0 = none.
+    pub churn_mb_s: u32,
+    /// The virtio-mmio balloon the VMM announced, if any.
+    pub balloon: Option<MmioDevice>,
 }
 
 impl Default for Params {
@@ -204,6 +243,9 @@ impl Default for Params {
             seed: 1,
             fill: Fill::Stamp,
             prefill: false,
+            free: 0,
+            churn_mb_s: 0,
+            balloon: None,
         }
     }
 }
@@ -322,10 +364,39 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                     _ => return Err(bad("0 or 1")),
                 }
             }
+            "free" => {
+                let size = parse_size(value).ok_or(bad("a size such as 6G, 0 = none"))?;
+                p.free = size / FREE_BLOCK * FREE_BLOCK;
+            }
+            "churn" => {
+                p.churn_mb_s = parse_u32(value).ok_or(bad("megabytes per second, 0 = none"))?
+            }
+            "virtio_mmio.device" => {
+                p.balloon = Some(
+                    parse_mmio_device(value)
+                        .ok_or(bad("<size>@<address>:<irq> such as 4K@0xd0000000:5"))?,
+                )
+            }
             _ => return Err(ParamError::UnknownKey(key)),
         }
     }
     Ok(p)
+}
+
+/// Parses `<size>@<addr>:<irq>`, the address in hex (`0x...`) or decimal.
+pub fn parse_mmio_device(s: &str) -> Option<MmioDevice> {
+    let (size, rest) = s.split_once('@')?;
+    let (addr, irq) = rest.split_once(':')?;
+    let addr = match addr.strip_prefix("0x") {
+        Some(hex) if !hex.is_empty() => u64::from_str_radix(hex, 16).ok()?,
+        Some(_) => return None,
+        None => parse_u64(addr)?,
+    };
+    Some(MmioDevice {
+        size: parse_size(size).filter(|s| *s > 0)?,
+        addr,
+        irq: parse_u32(irq)?,
+    })
 }
 
 /// Parses a byte size: a decimal number with an optional binary suffix `K`, `M`, `G` or `T`
@@ -392,6 +463,25 @@ mod tests {
         );
         assert_eq!((p.verify_ms, p.heartbeat_ms, p.log_ms), (250, 5, 0));
         assert_eq!((p.run_ms, p.fault_after_ms, p.seed), (3000, 9, 42));
+    }
+
+    #[test]
+    fn free_memory_churn_and_a_virtio_device_parse() {
+        let p = parse("free=6G churn=50 virtio_mmio.device=4K@0xd0000000:5").unwrap();
+        assert_eq!((p.free, p.churn_mb_s), (6 << 30, 50));
+        assert_eq!(
+            p.balloon,
+            Some(MmioDevice {
+                size: 4096,
+                addr: 0xd000_0000,
+                irq: 5
+            })
+        );
+        assert_eq!(parse("free=3M").unwrap().free, 2 << 20, "whole blocks");
+        for bad in ["4K@0xd0000000", "4K:5", "0@0x10:5", "4K@0x:5", "4K@0xzz:5"] {
+            assert_eq!(parse_mmio_device(bad), None, "{bad}");
+        }
+        assert_eq!(parse_mmio_device("1M@4096:9").unwrap().addr, 4096);
     }
 
     #[test]

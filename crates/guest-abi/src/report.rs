@@ -120,6 +120,16 @@ pub mod heartbeat {
     pub const PAGES_READ: usize = 4;
     /// Reads that found a page not holding its last write, so far.
     pub const BAD_READS: usize = 5;
+    /// Free memory (`free=`) and the balloon: hint rounds answered (high 32 bits) and 2 MiB
+    /// blocks hinted over all of them (low 32).
+    pub const HINTS: usize = 6;
+    /// Blocks held after hinting until the host's `DONE` (low 32 bits) and blocks given to the
+    /// host by inflating (high 32).
+    pub const HELD_BALLOONED: usize = 7;
+    /// Blocks free now (low 32 bits) and in use by the churn workload (high 32).
+    pub const FREE_USED: usize = 8;
+    /// Blocks the churn workload wrote, verified and freed so far.
+    pub const CHURNED: usize = 9;
     /// What makes a batch slow: a batch of writes takes ~0.1–0.3 ms when memory is there.
     pub const SLOW_BATCH_NS: u64 = 1_000_000;
 }

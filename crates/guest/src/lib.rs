@@ -9,3 +9,4 @@
 pub mod pace;
 pub mod pattern;
 pub mod plan;
+pub mod pool;

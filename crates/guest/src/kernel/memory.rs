@@ -29,6 +29,17 @@ pub fn write_filled(pfn: u64, stamp: u64) {
     }
 }
 
+/// Fills frame `pfn` with data no one will check, as memory a program used and freed holds:
+/// cheap to write, never zero (so a migration cannot skip it as a zero page).
+pub fn scribble(pfn: u64) {
+    let p = (pfn * PAGE_SIZE) as *mut u64;
+    for i in 0..WORDS_PER_PAGE as u64 {
+        // SAFETY: the caller passes frames of its free memory, which lie in RAM above the
+        // image, identity mapped user-writable, referenced by nothing else.
+        unsafe { p.add(i as usize).write_volatile((pfn << 12 | i) | 1 << 63) };
+    }
+}
+
 /// Whether frame `pfn` holds the `fill=random` content for `stamp`.
 pub fn page_matches_filled(pfn: u64, stamp: u64) -> bool {
     // SAFETY: as for `page_matches`.

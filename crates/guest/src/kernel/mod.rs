@@ -3,11 +3,13 @@
 //! their leaf modules for instructions, memory, the clock, the UART and telemetry.
 
 pub mod arch;
+pub mod balloon;
 pub mod boot;
 pub mod boot_info;
 pub mod clock;
 pub mod entry;
 pub mod exception;
+pub mod freemem;
 pub mod libc;
 pub mod memory;
 pub mod serial;

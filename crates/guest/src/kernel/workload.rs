@@ -12,6 +12,7 @@ use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
 
 use super::boot_info::BootInfo;
 use super::clock::{self, Clock};
+use super::freemem::{FreeMemError, FreeMemory};
 use super::timer::Timer;
 use super::{arch, boot, memory, telemetry};
 use crate::sprintln;
@@ -67,7 +68,49 @@ extern "C" fn user_main(start_info: u64) -> ! {
         }
     };
     announce(boot, &params, &plan, &clock);
-    Workload::new(params, plan, clock).run()
+    let free = match params.free > 0 || params.balloon.is_some() {
+        false => None,
+        true => {
+            let after = plan
+                .extents()
+                .iter()
+                .map(|e| (e.first_pfn + e.pages) * PAGE_SIZE)
+                .chain(
+                    [plan.record + ferry_guest_abi::layout::record_bytes(plan.pages * PAGE_SIZE)],
+                )
+                .max()
+                .unwrap_or(boot.floor);
+            match FreeMemory::new(&params, boot.ram(), after, clock.now_ns()) {
+                Ok(f) => {
+                    sprintln!(
+                        "ferry-guest: {} MiB filled and freed in 2 MiB blocks{}",
+                        params.free >> 20,
+                        match f.balloon {
+                            Some(_) => ", hinted through the balloon when asked",
+                            None => "",
+                        }
+                    );
+                    Some(f)
+                }
+                Err(e) => {
+                    match e {
+                        FreeMemError::TooMuch => sprintln!(
+                            "ferry-guest: free= is more than the {} GiB the guest tracks; lower it",
+                            (super::freemem::MAX_BLOCKS as u64
+                                * ferry_guest_abi::params::FREE_BLOCK)
+                                >> 30
+                        ),
+                        FreeMemError::NoRoom => sprintln!(
+                            "ferry-guest: free={} MiB does not fit beside the working set; give the VM more memory or lower free= or ws=",
+                            params.free >> 20
+                        ),
+                    }
+                    halt_with(HaltReason::NotEnoughMemory, &Counters::default(), &clock);
+                }
+            }
+        }
+    };
+    Workload::new(params, plan, clock, free).run()
 }
 
 /// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
@@ -193,10 +236,12 @@ struct Workload {
     max_batch_ns: u64,
     slow_batches: u64,
     slow_batch_ns: u64,
+    /// Free memory, its churn and the balloon (`free=`, `churn=`, a virtio-mmio device).
+    free: Option<FreeMemory>,
 }
 
 impl Workload {
-    fn new(p: Params, plan: Plan, clock: Clock) -> Workload {
+    fn new(p: Params, plan: Plan, clock: Clock, free: Option<FreeMemory>) -> Workload {
         // SAFETY: the plan puts the record in RAM of its own, apart from the working set.
         let record = unsafe { memory::record(plan.record, plan.pages) };
         let pace = match p.rate {
@@ -221,6 +266,7 @@ impl Workload {
             max_batch_ns: 0,
             slow_batches: 0,
             slow_batch_ns: 0,
+            free,
         }
     }
 
@@ -292,6 +338,10 @@ impl Workload {
                 detail[report::heartbeat::SLOW_BATCH_TIME_NS] = self.slow_batch_ns;
                 detail[report::heartbeat::PAGES_READ] = self.pages_read;
                 detail[report::heartbeat::BAD_READS] = self.bad_reads;
+                if let Some(free) = &mut self.free {
+                    free.poll();
+                    free.heartbeat(&mut detail);
+                }
                 let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
                 telemetry::send(&hb);
                 next_heartbeat = now + every(self.p.heartbeat_ms);
@@ -315,6 +365,16 @@ impl Workload {
             if self.p.verify_ms != 0 && now >= next_verify {
                 self.verify();
                 next_verify = self.clock.now_ns() + every(self.p.verify_ms);
+            }
+            if let Some(free) = &mut self.free {
+                let bad = free.churn(now);
+                if bad > 0 {
+                    self.counters.verify_failures += 1;
+                    self.counters.bad_pages += bad;
+                    sprintln!(
+                        "ferry-guest: VERIFY FAILED: {bad} page(s) of a churned block lost their content"
+                    );
+                }
             }
             if self.p.run_ms != 0 && now >= every(self.p.run_ms) {
                 halt_with(HaltReason::RunTimeElapsed, &self.counters, &self.clock);
@@ -410,6 +470,17 @@ impl Workload {
                     bad += 1;
                 }
             }
+        }
+        if let Some(free) = &self.free {
+            let mut found = 0;
+            free.verify(&mut |pfn| {
+                if let Some(slot) = listed.get_mut((bad + found) as usize) {
+                    *slot = pfn;
+                }
+                first_bad.get_or_insert((pfn, 0));
+                found += 1;
+            });
+            bad += found;
         }
         self.counters.verify_passes += 1;
         if bad > 0 {

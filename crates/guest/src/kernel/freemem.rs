@@ -1,0 +1,175 @@
+//! Free memory as a real guest has it (`free=`, `churn=`): blocks beyond the working set that
+//! were filled with data once and freed (their content stale), a churn workload that keeps
+//! allocating blocks, writing them, verifying them and freeing them again, and the balloon
+//! driver that hints the free ones to the host.
+//!
+//! Every block the churn workload holds is verified before it is freed and by every verify
+//! pass, so a hinted block that was reused and then lost by a migration is found and named.
+
+use core::ptr::addr_of_mut;
+
+use ferry_guest::pool::{self, BLOCK_PAGES, Pool, State};
+use ferry_guest_abi::layout::MAX_EXTENTS;
+use ferry_guest_abi::params::{FREE_BLOCK, Params};
+use ferry_guest_abi::report;
+use ferry_guest_abi::stamp::{expected_word, next_generation};
+
+use super::balloon::Balloon;
+use super::memory;
+
+/// Largest `free=`: 64 GiB of 2 MiB blocks, one state byte each in the image.
+pub const MAX_BLOCKS: usize = 32 * 1024;
+/// Blocks the churn workload holds at once before it frees the oldest: 128 MiB in flight, as
+/// a compile keeps a working set of short-lived allocations.
+const LIVE: usize = 64;
+/// At most this many blocks per look, so a late churn does not stall the main workload.
+const MAX_BLOCKS_PER_LOOK: u64 = 8;
+
+static mut STATES: [u8; MAX_BLOCKS] = [0; MAX_BLOCKS];
+
+/// Why free memory could not be set up.
+pub enum FreeMemError {
+    TooMuch,
+    NoRoom,
+}
+
+pub struct FreeMemory {
+    pub pool: Pool<'static>,
+    pub balloon: Option<Balloon>,
+    /// The blocks the churn workload holds, oldest first, with the generation written.
+    live: [(u32, u32); LIVE],
+    live_count: usize,
+    live_first: usize,
+    generation: u32,
+    churn_bytes_per_s: u64,
+    started_ns: u64,
+    churned: u64,
+    pub bad_pages: u64,
+}
+
+impl FreeMemory {
+    /// Places `p.free` bytes of blocks after `after` in `ranges`, fills them with data and
+    /// frees them, and starts the balloon driver if the command line names a device.
+    pub fn new(
+        p: &Params,
+        ranges: &[(u64, u64)],
+        after: u64,
+        now_ns: u64,
+    ) -> Result<FreeMemory, FreeMemError> {
+        let blocks = (p.free / FREE_BLOCK) as usize;
+        if blocks > MAX_BLOCKS {
+            return Err(FreeMemError::TooMuch);
+        }
+        let (extents, count): ([_; MAX_EXTENTS], usize) =
+            pool::place(ranges, after, p.free).ok_or(FreeMemError::NoRoom)?;
+        let states = addr_of_mut!(STATES);
+        // SAFETY: the one FreeMemory takes the array for the rest of the program.
+        let states: &'static mut [u8] = unsafe { &mut (&mut *states)[..blocks] };
+        let pool = Pool::new(&extents[..count], states);
+        for block in 0..pool.blocks() {
+            let first = pool.pfn(block);
+            for k in 0..BLOCK_PAGES {
+                memory::scribble(first + k);
+            }
+        }
+        Ok(FreeMemory {
+            pool,
+            balloon: p.balloon.and_then(Balloon::start),
+            live: [(0, 0); LIVE],
+            live_count: 0,
+            live_first: 0,
+            generation: 0,
+            churn_bytes_per_s: u64::from(p.churn_mb_s) * 1_000_000,
+            started_ns: now_ns,
+            churned: 0,
+            bad_pages: 0,
+        })
+    }
+
+    /// Looks at the balloon (every heartbeat).
+    pub fn poll(&mut self) {
+        if let Some(b) = &mut self.balloon {
+            b.poll(&mut self.pool);
+        }
+    }
+
+    /// Churns the blocks the rate allows by `now_ns`; returns bad pages found freeing them.
+    pub fn churn(&mut self, now_ns: u64) -> u64 {
+        if self.churn_bytes_per_s == 0 {
+            return 0;
+        }
+        let elapsed = now_ns.saturating_sub(self.started_ns);
+        let due = (u128::from(elapsed) * u128::from(self.churn_bytes_per_s)
+            / 1_000_000_000
+            / u128::from(FREE_BLOCK)) as u64;
+        let mut bad = 0;
+        for _ in 0..due.saturating_sub(self.churned).min(MAX_BLOCKS_PER_LOOK) {
+            if self.live_count == LIVE || self.pool.count(State::Free) == 0 {
+                if self.live_count == 0 {
+                    break;
+                }
+                let (block, generation) = self.live[self.live_first];
+                bad += self.check(block, generation);
+                self.pool.set(block, State::Free);
+                self.live_first = (self.live_first + 1) % LIVE;
+                self.live_count -= 1;
+            }
+            let Some(block) = self.pool.take(State::Free, State::Used) else {
+                break;
+            };
+            self.generation = next_generation(self.generation);
+            let first = self.pool.pfn(block);
+            for k in 0..BLOCK_PAGES {
+                memory::write_filled(first + k, expected_word(first + k, self.generation, 0));
+            }
+            self.live[(self.live_first + self.live_count) % LIVE] = (block, self.generation);
+            self.live_count += 1;
+            self.churned += 1;
+        }
+        self.bad_pages += bad;
+        bad
+    }
+
+    /// Bad pages among the blocks the churn workload holds (part of every verify pass); the
+    /// first few frames are pushed to `listed`.
+    pub fn verify(&self, listed: &mut impl FnMut(u64)) -> u64 {
+        let mut bad = 0;
+        for i in 0..self.live_count {
+            let (block, generation) = self.live[(self.live_first + i) % LIVE];
+            let first = self.pool.pfn(block);
+            for k in 0..BLOCK_PAGES {
+                if !memory::page_matches_filled(first + k, expected_word(first + k, generation, 0))
+                {
+                    listed(first + k);
+                    bad += 1;
+                }
+            }
+        }
+        bad
+    }
+
+    fn check(&self, block: u32, generation: u32) -> u64 {
+        let first = self.pool.pfn(block);
+        (0..BLOCK_PAGES)
+            .filter(|k| {
+                !memory::page_matches_filled(first + k, expected_word(first + k, generation, 0))
+            })
+            .count() as u64
+    }
+
+    /// The heartbeat's free-memory words.
+    pub fn heartbeat(&self, detail: &mut [u64; report::DETAIL_WORDS]) {
+        use report::heartbeat::*;
+        let c = self
+            .balloon
+            .as_ref()
+            .map(|b| b.counters)
+            .unwrap_or_default();
+        let p = &self.pool;
+        detail[HINTS] = u64::from(c.rounds) << 32 | u64::from(c.blocks_hinted);
+        detail[HELD_BALLOONED] =
+            u64::from(p.count(State::Ballooned)) << 32 | u64::from(p.count(State::Held));
+        detail[FREE_USED] = u64::from(p.count(State::Used)) << 32 | u64::from(p.count(State::Free));
+        detail[CHURNED] = self.churned;
+    }
+}
