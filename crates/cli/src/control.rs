@@ -1,4 +1,4 @@
-//! The API client subcommands: `ferry status`, `pause`, `resume`, `shutdown`.
+//! The API client subcommands: `ferry status`, `pause`, `resume`, `shutdown`, `balloon`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,5 +22,31 @@ pub fn status(args: &ControlArgs) -> anyhow::Result<ExitCode> {
 pub fn put(args: &ControlArgs, path: &str) -> anyhow::Result<ExitCode> {
     let body = client::request(&args.api_socket, "PUT", path)?;
     println!("{body}");
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Args)]
+pub struct BalloonArgs {
+    /// The running VM's API socket (`ferry run --api-socket PATH`).
+    #[arg(long)]
+    api_socket: PathBuf,
+    /// How much memory the guest should give back (e.g. 1G; 0 deflates it all). Without it,
+    /// the balloon's state is printed.
+    #[arg(long, value_parser = crate::parse_size)]
+    target: Option<u64>,
+}
+
+/// `ferry balloon`: sets the balloon's target (`PUT /balloon`) or prints its state.
+pub fn balloon(args: &BalloonArgs) -> anyhow::Result<ExitCode> {
+    let body = match args.target {
+        Some(bytes) => client::request_with_body(
+            &args.api_socket,
+            "PUT",
+            "/balloon",
+            &serde_json::json!({ "target_bytes": bytes }).to_string(),
+        )?,
+        None => client::request(&args.api_socket, "GET", "/balloon")?,
+    };
+    println!("{}", serde_json::to_string_pretty(&body)?);
     Ok(ExitCode::SUCCESS)
 }

@@ -68,6 +68,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         cmdline: cmdline.clone(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        balloon: true,
         host_pages: Default::default(),
     };
     println!(

@@ -50,6 +50,9 @@ enum Command {
     MigrateRecover(migrate::RecoverArgs),
     /// Print a running VM's state and the guest's counters as JSON.
     Status(control::ControlArgs),
+    /// Ask the guest to give memory back (inflate the balloon) or take it back (deflate), or
+    /// print the balloon's state.
+    Balloon(control::BalloonArgs),
     /// Pause a running VM's vCPUs.
     Pause(control::ControlArgs),
     /// Resume a paused VM.
@@ -116,6 +119,7 @@ fn main() -> ExitCode {
         Command::MigratePause(args) => migrate::pause(&args),
         Command::MigrateRecover(args) => migrate::recover(&args),
         Command::Status(args) => control::status(&args),
+        Command::Balloon(args) => control::balloon(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
         Command::Resume(args) => control::put(&args, "/vm/resume"),
         Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),

@@ -117,6 +117,11 @@ pub struct MigrateArgs {
     /// (QEMU: postcopy recovery). On by default: without it a broken connection loses the VM.
     #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     postcopy_recover: OnOff,
+    /// Ask the guest's balloon for free page hints and skip the memory it reports free (virtio
+    /// free page hinting): memory a guest used once and freed is not sent. On by default; a VM
+    /// without a balloon, or a guest without its driver, sends every page.
+    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
+    free_page_hints: OnOff,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -204,6 +209,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "postcopy_after_passes": args.postcopy_after_passes,
         "postcopy_preempt": args.postcopy_preempt,
         "postcopy_recover": args.postcopy_recover == OnOff::On,
+        "free_page_hints": args.free_page_hints == OnOff::On,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;

@@ -48,6 +48,11 @@ pub struct RunArgs {
     /// whole 2 MiB pages when the destination is on huge pages.
     #[arg(long)]
     hugepages: bool,
+    /// A virtio-balloon device (virtio-mmio, announced on the guest's command line): free page
+    /// hinting for migrations, `ferry balloon` to inflate or deflate, statistics and free page
+    /// reporting. On by default; a destination must match its source.
+    #[arg(long, value_enum, default_value = "on", value_name = "on|off")]
+    pub balloon: crate::migrate::OnOff,
 }
 
 /// How an incoming VM's RAM is readied before the migration.
@@ -203,6 +208,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         cmdline: args.cmdline,
         guest,
         serial,
+        balloon: args.balloon == crate::migrate::OnOff::On,
         host_pages: if args.hugepages {
             HostPages::Huge2M
         } else {

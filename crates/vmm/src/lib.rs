@@ -9,6 +9,7 @@
 //! - [`api`]: the JSON-over-HTTP control API on a Unix socket, server and client.
 
 pub mod api;
+pub mod balloon;
 pub mod boot;
 pub mod devices;
 pub mod error;

@@ -7,7 +7,7 @@
 //! placed by guest address.
 
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_migrate::bitmap::DirtyBitmap;
@@ -21,6 +21,8 @@ use ferry_migrate::{
     VmError,
 };
 
+use crate::devices::virtio::MmioTransport;
+use crate::devices::virtio::balloon::{Balloon, Discard};
 use crate::memory::GuestRam;
 use crate::sections;
 use crate::vm::{IncomingVm, RunState, Shared, VmHandle};
@@ -53,6 +55,9 @@ pub struct MigrationRequest {
     /// ([`VmHandle::recover_migration`] on the destination, [`VmHandle::resume_migration`]
     /// here) instead of failing and losing the guest. On by default.
     pub postcopy_recover: bool,
+    /// Ask the guest's balloon for free page hints and skip the pages it reports free. On by
+    /// default; a VM without a balloon, or a guest without its driver, sends every page.
+    pub free_page_hints: bool,
 }
 
 impl MigrationRequest {
@@ -70,6 +75,7 @@ impl MigrationRequest {
             postcopy_preempt: false,
             postcopy_preempt_priority: true,
             postcopy_recover: true,
+            free_page_hints: true,
         }
     }
 }
@@ -140,6 +146,7 @@ impl VmHandle {
             preempt: req.postcopy_preempt,
             preempt_priority: req.postcopy_preempt_priority,
             recover: req.postcopy && req.postcopy_recover,
+            free_page_hints: req.free_page_hints,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {
@@ -321,7 +328,12 @@ unsafe impl SourceVm for SourceAdapter {
         ram_regions(&self.shared.ram)
     }
 
+    /// Also stops the balloon from giving pages back to the host while the migration runs: a
+    /// page punched out of the memfd changes without a write the dirty log could see.
     fn start_dirty_log(&mut self) -> Result<(), VmError> {
+        if let Some(b) = &self.shared.balloon {
+            b.lock().unwrap().set_discard(Discard::Forbidden);
+        }
         self.shared.ram.track_writes(true);
         self.shared
             .kvm
@@ -350,6 +362,9 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn stop_dirty_log(&mut self) {
+        if let Some(b) = &self.shared.balloon {
+            b.lock().unwrap().set_discard(Discard::Allowed);
+        }
         self.shared.ram.track_writes(false);
         if let Err(e) = self.shared.kvm.set_dirty_logging(false) {
             tracing::warn!("could not turn dirty logging off: {e}");
@@ -376,6 +391,56 @@ unsafe impl SourceVm for SourceAdapter {
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
         sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))
+    }
+
+    /// Free page hints come from the balloon's free page queue; a VM without a balloon, or a
+    /// guest whose driver is not running or did not take the feature, has none.
+    fn start_hints(&mut self) -> Result<(), VmError> {
+        let Some(b) = &self.shared.balloon else {
+            return Err(VmError::Unsupported {
+                operation: "free page hinting (the VM has no balloon)",
+            });
+        };
+        match b.lock().unwrap().start_hinting() {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::info!("no free page hints for this migration: {e}");
+                Err(VmError::Unsupported {
+                    operation: "free page hinting (the guest's balloon driver does not hint)",
+                })
+            }
+        }
+    }
+
+    fn stop_hints(&mut self) -> Result<(), VmError> {
+        self.balloon("stop_hints")?.lock().unwrap().stop_hinting();
+        Ok(())
+    }
+
+    fn take_hints(&mut self, into: &mut Vec<(u64, u64)>) -> Result<(), VmError> {
+        self.balloon("take_hints")?.lock().unwrap().take_hints(into);
+        Ok(())
+    }
+
+    fn finish_hints(&mut self) -> Result<(), VmError> {
+        self.balloon("finish_hints")?
+            .lock()
+            .unwrap()
+            .finish_hinting();
+        Ok(())
+    }
+}
+
+impl SourceAdapter {
+    /// The balloon, for a hinting call the engine makes only after `start_hints` worked.
+    fn balloon(
+        &self,
+        operation: &'static str,
+    ) -> Result<&Arc<Mutex<MmioTransport<Balloon>>>, VmError> {
+        self.shared
+            .balloon
+            .as_ref()
+            .ok_or_else(|| failed(operation)("the VM has no balloon".into()))
     }
 }
 

@@ -10,8 +10,9 @@
 //! | 4 | the telemetry port (`devices::telemetry_port`) | 0 |
 //! | 5 | the in-kernel PICs and IOAPIC | 0 = PIC master, 1 = PIC slave, 2 = IOAPIC |
 //! | 6 | a vCPU's local APIC | vCPU id |
+//! | 7 | a virtio-mmio device: transport, queues and the device (`devices::virtio`; the balloon) | 0 |
 //!
-//! Devices on the buses bring their own ids (3 and 4); the VM's own parts are here. Every
+//! Devices on the buses bring their own ids (3, 4 and 7); the VM's own parts are here. Every
 //! section is mandatory both ways: a destination refuses an id or instance it has no part for
 //! and a stream that lacks one of its parts.
 
@@ -132,6 +133,11 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionE
     let lapic = irqchip::decode_lapic(lapic)?;
     state::restore_vcpu(vm, &shared.vcpu.lock().unwrap(), vcpu_state, &lapic)?;
     shared.devices.load(sections)?;
+    // An interrupt the balloon had pending when the source paused is raised again now that
+    // the interrupt controller's state is in: raised before, it would have been overwritten.
+    if let Some(balloon) = &shared.balloon {
+        balloon.lock().unwrap().raise_pending();
+    }
     Ok(())
 }
 
@@ -173,6 +179,7 @@ mod tests {
             cmdline: String::new(),
             guest: GuestKind::Foreign,
             serial: SerialOutput::Discard,
+            balloon: true,
             host_pages: Default::default(),
         })
         .unwrap()

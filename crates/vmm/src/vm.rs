@@ -20,6 +20,8 @@ use crate::devices::irq::IrqLine;
 use crate::devices::serial::{SerialDevice, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, TelemetryPort};
+use crate::devices::virtio::balloon::Balloon;
+use crate::devices::virtio::{MmioTransport, mmio};
 use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
 use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
@@ -47,7 +49,33 @@ pub struct VmConfig {
     pub serial: SerialOutput,
     /// What guest RAM is made of: 4 KiB pages, or 2 MiB huge pages (`--hugepages`).
     pub host_pages: crate::memory::HostPages,
+    /// A virtio-balloon on virtio-mmio (announced on the command line): free page hinting
+    /// for migrations, inflate/deflate, statistics and free page reporting.
+    pub balloon: bool,
 }
+
+impl VmConfig {
+    /// The guest's command line: the user's, and the balloon's `virtio_mmio.device=` when the
+    /// VM has one.
+    pub fn full_cmdline(&self) -> String {
+        match self.balloon {
+            false => self.cmdline.clone(),
+            true => {
+                let device = mmio::cmdline_fragment(BALLOON_MMIO, BALLOON_GSI);
+                match self.cmdline.is_empty() {
+                    true => device,
+                    false => format!("{} {device}", self.cmdline),
+                }
+            }
+        }
+    }
+}
+
+/// Where the balloon's registers are: the first page of the 32-bit MMIO hole above the
+/// 3 GiB of RAM below it, far from the IOAPIC and LAPIC windows at its top.
+pub const BALLOON_MMIO: u64 = crate::memory::MMIO_HOLE_START + 0x1000_0000;
+/// Its interrupt: the first legacy line free of the PC's devices (COM1 and COM2 take 4 and 3).
+pub const BALLOON_GSI: u32 = 5;
 
 /// Why a VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -103,6 +131,8 @@ pub(crate) struct Shared {
     pub(crate) vcpu: Arc<Mutex<VcpuFd>>,
     /// Fixed once built; each device has a lock of its own.
     pub(crate) devices: Devices,
+    /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
+    pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
     /// MSRs this host lets a vCPU save and restore.
     pub(crate) msrs: Vec<u32>,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
@@ -173,9 +203,10 @@ impl Vm {
             config.memory_bytes,
             config.host_pages,
         )?);
-        let setup = boot::load(&ram, &config.kernel, &config.cmdline)?;
+        let cmdline = config.full_cmdline();
+        let setup = boot::load(&ram, &config.kernel, &cmdline)?;
         if config.guest == GuestKind::FerryGuest {
-            boot::check_workload(&config.cmdline, &ram, setup.image_end)?;
+            boot::check_workload(&cmdline, &ram, setup.image_end)?;
         }
         let shared = build(&config, ram, None)?;
         vcpu::set_pvh_entry(&shared.vcpu.lock().unwrap(), &setup)?;
@@ -287,7 +318,7 @@ fn build(
     let vcpu_fd = vcpu::create(&kvm_vm, 0)?;
     let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fd)?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
-    let devices = devices(config, &kvm_vm, &ram, &telemetry)?;
+    let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
     Ok(Arc::new(Shared {
         control: Mutex::new(Control {
             desired: match incoming {
@@ -301,6 +332,7 @@ fn build(
         }),
         changed: Condvar::new(),
         devices,
+        balloon,
         telemetry,
         ram,
         kvm: Arc::new(kvm_vm),
@@ -314,13 +346,17 @@ fn build(
     }))
 }
 
-/// The serial ports and the telemetry port, on the port bus, their interrupts wired.
+/// The balloon a VM built by `devices` has, if any.
+type BalloonDevice = Option<Arc<Mutex<MmioTransport<Balloon>>>>;
+
+/// The serial ports and the telemetry port on the port bus, and the balloon on the MMIO bus,
+/// their interrupts wired.
 fn devices(
     config: &VmConfig,
     kvm_vm: &KvmVm,
     ram: &Arc<GuestRam>,
     telemetry: &Arc<Mutex<GuestTelemetry>>,
-) -> Result<Devices, VmmError> {
+) -> Result<(Devices, BalloonDevice), VmmError> {
     let mut devices = Devices::default();
     for (instance, (port, gsi)) in SERIAL_PORTS.into_iter().enumerate() {
         let out = match instance {
@@ -348,7 +384,22 @@ fn devices(
         telemetry_port::LEN,
     );
     devices.register("telemetry port", 0, at, Arc::new(Mutex::new(port)))?;
-    Ok(devices)
+    let balloon = match config.balloon {
+        false => None,
+        true => {
+            let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+            irqchip::connect(&kvm_vm.vm, &line, BALLOON_GSI)?;
+            let balloon = Arc::new(Mutex::new(MmioTransport::new(
+                Balloon::new(),
+                ram.clone(),
+                line,
+            )));
+            let at = (BusKind::Mmio, BALLOON_MMIO, mmio::MMIO_SIZE);
+            devices.register("virtio-balloon", 0, at, balloon.clone())?;
+            Some(balloon)
+        }
+    };
+    Ok((devices, balloon))
 }
 
 /// Spawns the vCPU thread.

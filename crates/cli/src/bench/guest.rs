@@ -94,6 +94,7 @@ fn vcpu_share(rate: Option<u32>, window: Duration) -> anyhow::Result<(f64, f64)>
         cmdline: format!("ws=64M verify-ms=0 log-ms=0 heartbeat-ms=100{rate_param}"),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        balloon: true,
         host_pages: Default::default(),
     })?;
     let h = vm.handle();
@@ -123,6 +124,7 @@ fn guest_rate(pattern: Pattern, ws: u64, window: Duration) -> anyhow::Result<f64
         cmdline: format!("ws={ws} pattern={} verify-ms=0 log-ms=0", pattern.name()),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        balloon: true,
         host_pages: Default::default(),
     })?;
     let h = vm.handle();

@@ -367,6 +367,7 @@ pub(super) fn migrate_over(
         cmdline: s.cmdline.clone(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
+        balloon: true,
         host_pages: s.host_pages,
     };
     let source = Vm::boot(config.clone())?;

@@ -76,6 +76,14 @@ pub fn print_stats(s: &MigrationStats) {
         s.pages_zero,
         s.pages_skipped_holes
     );
+    if s.hint_rounds > 0 {
+        println!(
+            "free page hints  {:>10} pages not sent: the guest hinted them free ({} round{})",
+            s.pages_skipped_hinted,
+            s.hint_rounds,
+            if s.hint_rounds == 1 { "" } else { "s" }
+        );
+    }
     println!(
         "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms",
         s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms

@@ -126,6 +126,9 @@ pub struct MigrateBody {
     /// failing; absent = on.
     #[serde(default = "default_true")]
     pub postcopy_recover: bool,
+    /// Skip the pages the guest's balloon hints free; absent = on.
+    #[serde(default = "default_true")]
+    pub free_page_hints: bool,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -184,6 +187,7 @@ impl MigrateBody {
         r.postcopy_after_passes = self.postcopy_after_passes;
         r.postcopy_preempt = self.postcopy_preempt;
         r.postcopy_recover = self.postcopy_recover;
+        r.free_page_hints = self.free_page_hints;
         Ok(r)
     }
 }
@@ -253,6 +257,28 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             ),
             Err(bad) => bad,
         },
+        (Method::Get, "/balloon") => match vm.balloon() {
+            Some(b) => (200, serde_json::to_value(b).unwrap_or_default()),
+            None => (
+                404,
+                json!({ "error": "this VM has no balloon; start it without --balloon off" }),
+            ),
+        },
+        (Method::Put, "/balloon") => {
+            let target = serde_json::from_str::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("target_bytes").and_then(serde_json::Value::as_u64));
+            match target {
+                None => (
+                    400,
+                    json!({ "error": "bad balloon request; send {\"target_bytes\": BYTES}" }),
+                ),
+                Some(bytes) => match vm.set_balloon_target(bytes) {
+                    Ok(b) => (200, serde_json::to_value(b).unwrap_or_default()),
+                    Err(e) => (409, json!({ "error": e.to_string() })),
+                },
+            }
+        }
         (Method::Put, "/migration/cancel") => match vm.cancel_migration() {
             true => (200, json!({ "phase": "cancelling" })),
             false => (
@@ -271,7 +297,8 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             | "/migration/postcopy"
             | "/migration/pause"
             | "/migration/recover"
-            | "/migration/resume",
+            | "/migration/resume"
+            | "/balloon",
         ) => (
             405,
             json!({ "error": format!("{method} is not allowed on {path}; see {ENDPOINTS}") }),
@@ -309,7 +336,7 @@ fn recovery(result: Result<serde_json::Value, RecoveryError>) -> (u16, serde_jso
 }
 
 /// What the API serves, for the errors that name it.
-const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy|pause|recover|resume";
+const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy|pause|recover|resume, GET|PUT /balloon";
 
 /// Longest request body read: a migration request is a few hundred bytes.
 const MAX_BODY: u64 = 64 * 1024;

@@ -12,6 +12,7 @@ pub mod irq;
 pub mod serial;
 pub mod telemetry;
 pub mod telemetry_port;
+pub mod virtio;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

@@ -70,6 +70,40 @@ pub struct VerifyResult {
     pub host_ns: u64,
 }
 
+/// The guest's free memory (`free=`) and balloon driver, from its latest heartbeat, in 2 MiB
+/// blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct GuestFreeMemory {
+    /// Hint rounds the guest's driver answered, and blocks it hinted over all of them.
+    pub hint_rounds: u32,
+    pub blocks_hinted: u32,
+    /// Blocks held after hinting until the host says DONE.
+    pub blocks_held: u32,
+    /// Blocks given to the host by inflating the balloon.
+    pub blocks_ballooned: u32,
+    pub blocks_free: u32,
+    /// Blocks the churn workload holds now, and has written, verified and freed so far.
+    pub blocks_in_use: u32,
+    pub blocks_churned: u64,
+}
+
+impl GuestFreeMemory {
+    fn from_heartbeat(d: &[u64; report::DETAIL_WORDS]) -> GuestFreeMemory {
+        use report::heartbeat::*;
+        let hi = |w: u64| (w >> 32) as u32;
+        let lo = |w: u64| w as u32;
+        GuestFreeMemory {
+            hint_rounds: hi(d[HINTS]),
+            blocks_hinted: lo(d[HINTS]),
+            blocks_held: lo(d[HELD_BALLOONED]),
+            blocks_ballooned: hi(d[HELD_BALLOONED]),
+            blocks_free: lo(d[FREE_USED]),
+            blocks_in_use: hi(d[FREE_USED]),
+            blocks_churned: d[CHURNED],
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct GuestException {
     pub vector: u64,
@@ -113,6 +147,8 @@ pub struct GuestTelemetry {
     pub bad_reads: u64,
     pub last_verify: Option<VerifyResult>,
     pub first_failed_verify: Option<VerifyResult>,
+    /// Free memory and the balloon, when the guest has them (`free=`, a balloon).
+    pub free_memory: Option<GuestFreeMemory>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
     /// On a migration destination: the gap between the last report the source VMM received
@@ -232,6 +268,10 @@ impl GuestTelemetry {
                     .max(d[report::heartbeat::SLOW_BATCH_TIME_NS]);
                 self.pages_read = self.pages_read.max(d[report::heartbeat::PAGES_READ]);
                 self.bad_reads = self.bad_reads.max(d[report::heartbeat::BAD_READS]);
+                let free = GuestFreeMemory::from_heartbeat(d);
+                if free != GuestFreeMemory::default() {
+                    self.free_memory = Some(free);
+                }
             }
             Kind::Verify => {
                 let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);

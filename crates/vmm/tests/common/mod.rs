@@ -35,6 +35,7 @@ pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig 
         cmdline: cmdline.into(),
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::File(serial.into()),
+        balloon: true,
         host_pages: Default::default(),
     }
 }
