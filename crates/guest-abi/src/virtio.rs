@@ -1,13 +1,14 @@
-//! The parts of the virtio 1.x specification the built-in guest's balloon driver speaks: the
-//! MMIO (version 2) register map, device status bits, the split virtqueue's layout and the
-//! balloon's features and configuration. The VMM's device takes the same numbers from
-//! `virtio-bindings`; these are the guest's copy, so that a no_std guest needs nothing else.
+//! The parts of the virtio 1.x specification that the built-in guest's balloon driver and the
+//! VMM's virtio-mmio devices both speak: the MMIO (version 2) register map, device status bits,
+//! the split virtqueue's descriptor flags and the balloon's features and configuration. One
+//! copy for both sides, in this no_std crate.
 
 /// MMIO register offsets (virtio 1.2, 4.2.2).
 pub mod mmio {
     pub const MAGIC_VALUE: u64 = 0x000;
     pub const VERSION: u64 = 0x004;
     pub const DEVICE_ID: u64 = 0x008;
+    pub const VENDOR_ID: u64 = 0x00c;
     pub const DEVICE_FEATURES: u64 = 0x010;
     pub const DEVICE_FEATURES_SEL: u64 = 0x014;
     pub const DRIVER_FEATURES: u64 = 0x020;
@@ -26,6 +27,7 @@ pub mod mmio {
     pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
     pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
     pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+    pub const CONFIG_GENERATION: u64 = 0x0fc;
     pub const CONFIG: u64 = 0x100;
     /// "virt", little endian.
     pub const MAGIC: u32 = 0x7472_6976;
@@ -38,6 +40,7 @@ pub mod status {
     pub const DRIVER_OK: u32 = 4;
     pub const FEATURES_OK: u32 = 8;
     pub const DEVICE_NEEDS_RESET: u32 = 0x40;
+    pub const FAILED: u32 = 0x80;
 }
 
 /// `VIRTIO_F_VERSION_1`: the device is a virtio 1.x device.

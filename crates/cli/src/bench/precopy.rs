@@ -60,6 +60,8 @@ pub(super) struct Scenario {
     pub preempt_priority: bool,
     /// How precopy is brought to an end.
     pub finish: Finish,
+    /// Skip the pages the guest's balloon hints free (the default).
+    pub free_page_hints: bool,
 }
 
 /// How a bench migration's precopy ends.
@@ -88,6 +90,7 @@ impl Scenario {
             host_pages: HostPages::Small,
             preempt_priority: true,
             finish: Finish::Forced,
+            free_page_hints: true,
         }
     }
 }
@@ -108,6 +111,7 @@ fn scenarios() -> Vec<Scenario> {
             host_pages: HostPages::Small,
             preempt_priority: true,
             finish: Finish::Forced,
+            free_page_hints: true,
         },
         Scenario {
             name: "2G random data, idle".into(),
@@ -119,6 +123,7 @@ fn scenarios() -> Vec<Scenario> {
             host_pages: HostPages::Small,
             preempt_priority: true,
             finish: Finish::Forced,
+            free_page_hints: true,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -133,6 +138,7 @@ fn scenarios() -> Vec<Scenario> {
                 host_pages: HostPages::Small,
                 preempt_priority: true,
                 finish: Finish::Forced,
+                free_page_hints: true,
             });
         }
     }
@@ -397,6 +403,7 @@ pub(super) fn migrate_over(
     };
     let mut request = MigrationRequest::new(listener.local_addr()?.to_string(), policy(s));
     request.channels = s.channels;
+    request.free_page_hints = s.free_page_hints;
     if let Some(preempt) = s.postcopy {
         request.postcopy = true;
         if s.finish == Finish::Forced {

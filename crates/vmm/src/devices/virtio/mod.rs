@@ -43,12 +43,7 @@ pub const VIRTIO_F_RING_EVENT_IDX: u64 = 1 << 29;
 
 /// Device status bits (virtio 1.2 §2.1).
 pub mod status {
-    pub const ACKNOWLEDGE: u32 = 1;
-    pub const DRIVER: u32 = 2;
-    pub const DRIVER_OK: u32 = 4;
-    pub const FEATURES_OK: u32 = 8;
-    pub const DEVICE_NEEDS_RESET: u32 = 0x40;
-    pub const FAILED: u32 = 0x80;
+    pub use ferry_guest_abi::virtio::status::*;
     /// Every bit the spec defines; others written by a driver are dropped.
     pub const KNOWN: u32 =
         ACKNOWLEDGE | DRIVER | DRIVER_OK | FEATURES_OK | DEVICE_NEEDS_RESET | FAILED;

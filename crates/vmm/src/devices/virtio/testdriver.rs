@@ -27,28 +27,8 @@ const RING_SPAN: u64 = 0x1_0000;
 /// Buffers the driver writes (commands, PFN arrays) come from here up.
 const BUFFERS: u64 = 0x20_0000;
 
-/// Register offsets the tests use (virtio 1.2 §4.2.2).
-pub mod reg {
-    pub const MAGIC_VALUE: u64 = 0x000;
-    pub const VERSION: u64 = 0x004;
-    pub const DEVICE_ID: u64 = 0x008;
-    pub const DEVICE_FEATURES: u64 = 0x010;
-    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM_MAX: u64 = 0x034;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const QUEUE_NOTIFY: u64 = 0x050;
-    pub const INTERRUPT_STATUS: u64 = 0x060;
-    pub const INTERRUPT_ACK: u64 = 0x064;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const CONFIG_GENERATION: u64 = 0x0fc;
-}
+/// Register offsets (virtio 1.2 §4.2.2).
+pub use ferry_guest_abi::virtio::mmio as reg;
 
 /// The driver's view of one queue.
 #[derive(Clone, Copy, Debug, Default)]
