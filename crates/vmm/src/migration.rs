@@ -484,14 +484,25 @@ unsafe impl DestinationVm for IncomingVm {
 
 /// Waits for a source on `listener` while `keep_waiting()` says so (and until the VM's
 /// incoming control is cancelled), screening every connection, then receives the migration
-/// into `vm`, which runs afterwards.
+/// into `vm`, which runs afterwards. Until the migration has ended the balloon gives no page
+/// back to the host: in postcopy a page punched out of guest RAM would be a hole the guest
+/// faults on and the source is asked for.
 pub fn receive(
     vm: &mut IncomingVm,
     listener: &dyn Listener,
     keep_waiting: &dyn Fn() -> bool,
 ) -> Result<ReceiveStats, MigrateError> {
     let control = vm.control();
-    destination::listen(vm, listener, &control, keep_waiting)
+    let balloon = vm.shared.balloon.clone();
+    let discard = |d: Discard| {
+        if let Some(b) = &balloon {
+            b.lock().unwrap().set_discard(d);
+        }
+    };
+    discard(Discard::Forbidden);
+    let received = destination::listen(vm, listener, &control, keep_waiting);
+    discard(Discard::Allowed);
+    received
 }
 
 /// How pages land by default (`PageLanding` has the measurements): through the mapping into
