@@ -107,7 +107,14 @@ fn with_churn_during_the_migration_every_block_the_guest_holds_verifies() {
     });
     let (dst, stats) = migrate(&src, 2 * GIB, true);
     assert!(stats.pages_skipped_hinted > 0, "{stats:?}");
-    let before = dst.handle().telemetry().free_memory.unwrap();
+    // Free-memory counters come with heartbeats (they are not part of the migrated state).
+    let first = wait_for_telemetry(
+        &dst.handle(),
+        "a heartbeat on the destination",
+        Duration::from_secs(30),
+        |g| g.free_memory.is_some(),
+    );
+    let before = first.free_memory.unwrap();
     let after = verifies_and_gets_its_blocks_back(&dst);
     let after_free = after.free_memory.unwrap();
     assert!(
