@@ -18,6 +18,7 @@
 //! | `prefill` | `0`, `1` | `0` | write every working-set page once before the workload starts |
 //! | `free` | size | 0 | fill this much RAM beyond the working set with data, then free it (2 MiB blocks), as a guest that used memory once leaves it: stale, free, hintable |
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
+//! | `hint-batch` | blocks, 0 = all | 0 | hint at most this many free blocks per heartbeat, so a round of hints spans many (a slow driver) |
 //! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the guest drives a balloon found there |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
@@ -133,6 +134,12 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "allocate, write, verify and free blocks of the free memory at this rate",
     ),
     (
+        "hint-batch",
+        "blocks, 0 = all",
+        "0",
+        "hint at most this many free blocks per heartbeat (a slow driver)",
+    ),
+    (
         "virtio_mmio.device",
         "<size>@<addr>:<irq>",
         "none",
@@ -222,6 +229,8 @@ pub struct Params {
     pub free: u64,
     /// Rate of allocate-write-verify-free of free blocks, MB/s (10^6 bytes); 0 = none.
     pub churn_mb_s: u32,
+    /// Free blocks the balloon driver hints per heartbeat at most; 0 = a whole round at once.
+    pub hint_batch: u32,
     /// The virtio-mmio balloon the VMM announced, if any.
     pub balloon: Option<MmioDevice>,
 }
@@ -245,6 +254,7 @@ impl Default for Params {
             prefill: false,
             free: 0,
             churn_mb_s: 0,
+            hint_batch: 0,
             balloon: None,
         }
     }
@@ -368,6 +378,7 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                 let size = parse_size(value).ok_or(bad("a size such as 6G, 0 = none"))?;
                 p.free = size / FREE_BLOCK * FREE_BLOCK;
             }
+            "hint-batch" => p.hint_batch = parse_u32(value).ok_or(bad("blocks, 0 = all"))?,
             "churn" => {
                 p.churn_mb_s = parse_u32(value).ok_or(bad("megabytes per second, 0 = none"))?
             }

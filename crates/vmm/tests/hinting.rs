@@ -96,6 +96,35 @@ fn a_guest_that_freed_6g_of_8g_migrates_without_sending_it_and_verifies_clean() 
     assert!(free.hint_rounds >= 1 && free.blocks_hinted > 0, "{free:?}");
 }
 
+/// A driver that hints 2 blocks per heartbeat takes seconds for a round over 1 GiB: the
+/// migration switches over in the middle of it. The hints that came are used, the rest of the
+/// free memory is sent, and on the destination the guest reads DONE and gets every held block
+/// back.
+#[test]
+fn a_migration_in_the_middle_of_a_round_of_hints_verifies_and_frees_the_held_blocks() {
+    let src = freed_guest(
+        2 * GIB,
+        "ws=64M rate=20 free=1G hint-batch=2 verify-ms=300 log-ms=0",
+    );
+    let (dst, stats) = migrate(&src, 2 * GIB, true);
+    let free_pages = GIB / 4096;
+    assert!(
+        stats.pages_skipped_hinted > 0 && stats.pages_skipped_hinted < free_pages / 2,
+        "some of the free memory was hinted before the switchover, not all: {stats:?}"
+    );
+    let on_source = src.handle().telemetry().free_memory.unwrap();
+    assert!(
+        on_source.blocks_held > 0 && u64::from(on_source.blocks_held) < GIB / BLOCK,
+        "the round was unfinished at the pause: {on_source:?}"
+    );
+    let after = verifies_and_gets_its_blocks_back(&dst);
+    assert_eq!(
+        u64::from(after.free_memory.unwrap().blocks_free),
+        GIB / BLOCK,
+        "every held block is free again"
+    );
+}
+
 #[test]
 fn with_churn_during_the_migration_every_block_the_guest_holds_verifies() {
     let src = freed_guest(

@@ -114,6 +114,8 @@ pub struct Balloon {
     last_cmd: u32,
     /// The id of the round being answered, until its blocks ran out or the device stopped it.
     round: Option<u32>,
+    /// Blocks hinted per look at most (`hint-batch=`; `u32::MAX` for all).
+    batch: u32,
     pub counters: BalloonCounters,
 }
 
@@ -125,12 +127,16 @@ fn mem(q: usize) -> *mut QueueMem {
 impl Balloon {
     /// Finds and initialises the balloon at `dev` (as the command line announced it); `None`,
     /// with the reason on the serial port, when it is not a balloon or refuses the features.
-    pub fn start(dev: MmioDevice) -> Option<Balloon> {
+    pub fn start(dev: MmioDevice, batch: u32) -> Option<Balloon> {
         let mut b = Balloon {
             base: dev.addr,
             queues: [Queue::new(), Queue::new(), Queue::new()],
             last_cmd: balloon::CMD_ID_STOP,
             round: None,
+            batch: match batch {
+                0 => u32::MAX,
+                n => n,
+            },
             counters: BalloonCounters::default(),
         };
         if b.read(mmio::MAGIC_VALUE) != mmio::MAGIC
@@ -216,10 +222,10 @@ impl Balloon {
         self.follow_target(pool);
     }
 
-    /// Hints every free block, a queue's worth per notification, then sends STOP; stops early
-    /// if the device stops the round.
+    /// Hints every free block (at most `batch` per look), a queue's worth per notification,
+    /// then sends STOP; stops early if the device stops the round.
     fn hint(&mut self, pool: &mut Pool<'_>, id: u32) {
-        loop {
+        for _ in 0..self.batch {
             self.reclaim(FREE_PAGE);
             if self.queues[FREE_PAGE].free_count == 0 {
                 self.notify(FREE_PAGE);
@@ -243,6 +249,8 @@ impl Balloon {
                 }
             }
         }
+        // The batch is spent: hand over what was posted; the round goes on at the next look.
+        self.notify(FREE_PAGE);
     }
 
     /// Inflates or deflates a block at a time towards `num_pages`, then reports `actual`.

@@ -74,7 +74,7 @@ impl FreeMemory {
         }
         Ok(FreeMemory {
             pool,
-            balloon: p.balloon.and_then(Balloon::start),
+            balloon: p.balloon.and_then(|dev| Balloon::start(dev, p.hint_batch)),
             live: [(0, 0); LIVE],
             live_count: 0,
             live_first: 0,
