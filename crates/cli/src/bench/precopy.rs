@@ -346,6 +346,9 @@ pub(super) struct Migrated {
     /// The destination guest's telemetry once the migration completed (its longest write
     /// batch includes the pause and any postcopy stall).
     pub guest: GuestTelemetry,
+    /// The source guest's telemetry when the migration started and when it ended: what the
+    /// guest got done meanwhile.
+    pub source_guest: [GuestTelemetry; 2],
 }
 
 /// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
@@ -401,6 +404,7 @@ pub(super) fn migrate_over(
             Some(incoming.handle().ram().prealloc(threads)?)
         }
     };
+    let source_before = src.telemetry();
     let mut request = MigrationRequest::new(listener.local_addr()?.to_string(), policy(s));
     request.channels = s.channels;
     request.free_page_hints = s.free_page_hints;
@@ -436,6 +440,7 @@ pub(super) fn migrate_over(
         })
     })?;
     let progress = src.migration().context("no migration")?;
+    let source_after = src.telemetry();
     if progress.phase != Phase::Completed {
         bail!(
             "migration {:?}: {}",
@@ -459,6 +464,7 @@ pub(super) fn migrate_over(
         pause_ms,
         prealloc,
         guest,
+        source_guest: [source_before, source_after],
     })
 }
 

@@ -49,12 +49,13 @@ pub struct FreeMemory {
 
 impl FreeMemory {
     /// Places `p.free` bytes of blocks after `after` in `ranges`, fills them with data and
-    /// frees them, and starts the balloon driver if the command line names a device.
+    /// frees them, and starts the balloon driver if the command line names a device. The
+    /// churn's clock starts at `clock()` once the fill is done, so the fill is no backlog.
     pub fn new(
         p: &Params,
         ranges: &[(u64, u64)],
         after: u64,
-        now_ns: u64,
+        clock: impl Fn() -> u64,
     ) -> Result<FreeMemory, FreeMemError> {
         let blocks = (p.free / FREE_BLOCK) as usize;
         if blocks > MAX_BLOCKS {
@@ -80,7 +81,7 @@ impl FreeMemory {
             live_first: 0,
             generation: 0,
             churn_bytes_per_s: u64::from(p.churn_mb_s) * 1_000_000,
-            started_ns: now_ns,
+            started_ns: clock(),
             churned: 0,
             bad_pages: 0,
         })

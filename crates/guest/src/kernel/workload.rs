@@ -80,7 +80,7 @@ extern "C" fn user_main(start_info: u64) -> ! {
                 )
                 .max()
                 .unwrap_or(boot.floor);
-            match FreeMemory::new(&params, boot.ram(), after, clock.now_ns()) {
+            match FreeMemory::new(&params, boot.ram(), after, || clock.now_ns()) {
                 Ok(f) => {
                     sprintln!(
                         "ferry-guest: {} MiB filled and freed in 2 MiB blocks{}",
