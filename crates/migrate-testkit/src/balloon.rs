@@ -82,7 +82,7 @@ impl FakeBalloon {
         self.free[w].fetch_or(b, Ordering::AcqRel);
     }
 
-    /// The guest wrote page `index` (after marking it dirty): it is in use again.
+    /// The guest allocates page `index` to write it: it is in use again.
     pub(crate) fn written(&self, index: u64) {
         let (w, b) = bit(index);
         let was_free = self.free[w].fetch_and(!b, Ordering::AcqRel) & b != 0;
@@ -101,6 +101,8 @@ impl FakeBalloon {
         if r.present {
             r.running = true;
             r.report.rounds += 1;
+            r.pending.clear();
+            r.arrived.clear();
             r.started = Some(Instant::now());
             r.arrived_pages = 0;
             self.produce(&mut r, regions);
@@ -122,6 +124,8 @@ impl FakeBalloon {
         let mut r = self.round.lock().unwrap();
         r.running = false;
         r.report.finished = true;
+        r.pending.clear();
+        r.arrived.clear();
         r.present
     }
 

@@ -431,9 +431,11 @@ fn writer(shared: &Shared, w: Writers, id: u64) {
                 } else {
                     x | 1
                 };
+                // Allocated before it is written, as a guest does: a page being written is
+                // never hinted as free.
+                shared.balloon.written(index);
                 write_page(shared, index, value);
                 shared.mark(index);
-                shared.balloon.written(index);
                 shared.writes.fetch_add(1, Ordering::Relaxed);
             }
         }

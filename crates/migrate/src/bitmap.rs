@@ -198,10 +198,10 @@ impl DirtyBitmap {
     }
 
     fn update_range(&mut self, gpa: u64, len: u64, set: bool) -> u64 {
-        let (start, end) = (
-            gpa.next_multiple_of(PAGE_SIZE),
-            gpa.saturating_add(len) / PAGE_SIZE * PAGE_SIZE,
-        );
+        let Some(start) = gpa.checked_next_multiple_of(PAGE_SIZE) else {
+            return 0;
+        };
+        let end = gpa.saturating_add(len) / PAGE_SIZE * PAGE_SIZE;
         let mut changed = 0;
         for r in &mut self.regions {
             let (s, e) = (start.max(r.gpa), end.min(r.gpa + r.pages * PAGE_SIZE));

@@ -95,8 +95,10 @@ pub unsafe trait SourceVm: Send {
     /// Free page hinting (virtio-balloon's `FREE_PAGE_HINT`): asks the guest for a new round
     /// of hints, ranges of memory it does not use. The engine calls it only after dirty
     /// tracking was re-armed for all of RAM, so that a hinted page the guest writes again is
-    /// in the dirty log. A VMM without a balloon, or whose guest has no driver for it, keeps
-    /// this default: the migration then sends every page, as without hints.
+    /// in the dirty log. Hints of an earlier round that were never taken must be dropped here,
+    /// not handed out later: the guest may have reused those pages before tracking started. A
+    /// VMM without a balloon, or whose guest has no driver for it, keeps this default: the
+    /// migration then sends every page, as without hints.
     fn start_hints(&mut self) -> Result<(), VmError> {
         Err(VmError::Unsupported {
             operation: "free page hinting",

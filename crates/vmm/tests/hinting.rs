@@ -96,15 +96,16 @@ fn a_guest_that_freed_6g_of_8g_migrates_without_sending_it_and_verifies_clean() 
     assert!(free.hint_rounds >= 1 && free.blocks_hinted > 0, "{free:?}");
 }
 
-/// A driver that hints 2 blocks per heartbeat takes seconds for a round over 1 GiB: the
-/// migration switches over in the middle of it. The hints that came are used, the rest of the
+/// A driver that hints 1 block per 20 ms heartbeat takes 10 s for a round over 1 GiB (512
+/// blocks): the migration, which takes about a second (a few on a loaded machine), switches
+/// over in the middle of it. The hints that came are used, the rest of the
 /// free memory is sent, and on the destination the guest reads DONE and gets every held block
 /// back.
 #[test]
 fn a_migration_in_the_middle_of_a_round_of_hints_verifies_and_frees_the_held_blocks() {
     let src = freed_guest(
         2 * GIB,
-        "ws=64M rate=20 free=1G hint-batch=2 verify-ms=300 log-ms=0",
+        "ws=64M rate=20 free=1G hint-batch=1 heartbeat-ms=20 verify-ms=300 log-ms=0",
     );
     let (dst, stats) = migrate(&src, 2 * GIB, true);
     let free_pages = GIB / 4096;

@@ -36,6 +36,14 @@ struct Desc {
     next: u16,
 }
 
+/// An entry of the device (used) ring.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UsedElem {
+    id: u32,
+    len: u32,
+}
+
 /// One split queue: descriptors at 0, the driver (avail) ring at 1024, the device (used) ring
 /// at 2048, all in one page of the image (which is identity mapped, so an address is a GPA).
 #[repr(C, align(4096))]
@@ -47,7 +55,7 @@ struct QueueMem {
     _pad: [u8; 1024 - 4 - 2 * QUEUE_SIZE],
     used_flags: u16,
     used_idx: u16,
-    used_ring: [(u32, u32); QUEUE_SIZE],
+    used_ring: [UsedElem; QUEUE_SIZE],
     _tail: [u8; 4096 - 2048 - 4 - 8 * QUEUE_SIZE],
 }
 
@@ -66,7 +74,7 @@ const EMPTY_QUEUE: QueueMem = QueueMem {
     _pad: [0; 1024 - 4 - 2 * QUEUE_SIZE],
     used_flags: 0,
     used_idx: 0,
-    used_ring: [(0, 0); QUEUE_SIZE],
+    used_ring: [UsedElem { id: 0, len: 0 }; QUEUE_SIZE],
     _tail: [0; 4096 - 2048 - 4 - 8 * QUEUE_SIZE],
 };
 
@@ -149,7 +157,11 @@ impl Balloon {
             );
             return None;
         }
+        // Reset, and wait until the device says it is done (virtio 1.2, 4.2.3.1).
         b.write(mmio::STATUS, 0);
+        while b.read(mmio::STATUS) != 0 {
+            core::hint::spin_loop();
+        }
         b.write(mmio::STATUS, status::ACKNOWLEDGE | status::DRIVER);
         b.write(mmio::DEVICE_FEATURES_SEL, 0);
         let low = b.read(mmio::DEVICE_FEATURES);
@@ -160,8 +172,7 @@ impl Balloon {
             crate::sprintln!(
                 "ferry-guest: the balloon offers features {high:#x}:{low:#x}, without VERSION_1 or FREE_PAGE_HINT"
             );
-            b.write(mmio::STATUS, 0);
-            return None;
+            return b.give_up();
         }
         b.write(mmio::DRIVER_FEATURES_SEL, 0);
         b.write(mmio::DRIVER_FEATURES, hint);
@@ -171,13 +182,13 @@ impl Balloon {
         b.write(mmio::STATUS, s);
         if b.read(mmio::STATUS) & status::FEATURES_OK == 0 {
             crate::sprintln!("ferry-guest: the balloon refused the features");
-            return None;
+            return b.give_up();
         }
         for q in [INFLATE, DEFLATE, FREE_PAGE] {
             b.write(mmio::QUEUE_SEL, q as u32);
             if (b.read(mmio::QUEUE_NUM_MAX) as usize) < QUEUE_SIZE {
                 crate::sprintln!("ferry-guest: balloon queue {q} holds fewer than {QUEUE_SIZE}");
-                return None;
+                return b.give_up();
             }
             let base = mem(q) as u64;
             b.write(mmio::QUEUE_NUM, QUEUE_SIZE as u32);
@@ -195,6 +206,13 @@ impl Balloon {
         // An id already in the config from before this boot is not a request to answer.
         b.last_cmd = b.config(balloon::CONFIG_CMD_ID);
         Some(b)
+    }
+
+    /// Tells the device the driver gave up on it (FAILED, virtio 1.2, 3.1.1).
+    fn give_up(&self) -> Option<Balloon> {
+        let s = self.read(mmio::STATUS);
+        self.write(mmio::STATUS, s | status::FAILED);
+        None
     }
 
     /// Looks at the device: answers a new hint request, frees held blocks on `DONE`, follows
@@ -225,7 +243,14 @@ impl Balloon {
     /// Hints every free block (at most `batch` per look), a queue's worth per notification,
     /// then sends STOP; stops early if the device stops the round.
     fn hint(&mut self, pool: &mut Pool<'_>, id: u32) {
-        for _ in 0..self.batch {
+        for n in 0..self.batch {
+            // A look at the config (one exit) every 16 blocks: a round the device stopped
+            // holds back at most that many blocks more until DONE.
+            if n % 16 == 15 && self.config(balloon::CONFIG_CMD_ID) != id {
+                self.notify(FREE_PAGE);
+                self.round = None;
+                return;
+            }
             self.reclaim(FREE_PAGE);
             if self.queues[FREE_PAGE].free_count == 0 {
                 self.notify(FREE_PAGE);
@@ -344,7 +369,7 @@ impl Balloon {
         let used = unsafe { read_volatile(addr_of_mut!((*m).used_idx)) };
         while queue.used_seen != used {
             // SAFETY: as above; the entry is below the device's index, so it is written.
-            let (id, _) = unsafe {
+            let UsedElem { id, .. } = unsafe {
                 read_volatile(addr_of_mut!(
                     (*m).used_ring[queue.used_seen as usize % QUEUE_SIZE]
                 ))

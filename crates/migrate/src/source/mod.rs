@@ -360,9 +360,10 @@ impl<'a> Session<'a> {
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,
-            hints: match params.free_page_hints {
-                true => Hints::default(),
-                false => Hints::off(),
+            hints: if params.free_page_hints {
+                Hints::default()
+            } else {
+                Hints::off()
             },
         }
     }

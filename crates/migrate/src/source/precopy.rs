@@ -189,8 +189,6 @@ impl Session<'_> {
         while !cursor.at_end(&self.bitmap) {
             if guest == GuestState::Running {
                 self.check_control()?;
-            }
-            if guest == GuestState::Running {
                 self.apply_hints(vm);
             }
             self.bitmap.take(&mut cursor, batch.capacity(), &mut batch);

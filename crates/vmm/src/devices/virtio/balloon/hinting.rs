@@ -178,8 +178,11 @@ impl Default for HintRound {
 }
 
 impl HintRound {
-    /// Starts a round; returns its id (the new config value).
+    /// Starts a round; returns its id (the new config value). Hints of earlier rounds that the
+    /// host never took are dropped: they were true when given, but a migration that starts now
+    /// re-armed dirty tracking after the guest may have reused those pages.
     pub(super) fn begin(&mut self) -> u32 {
+        self.drop_pending();
         let id = self.next_id;
         self.next_id = id.checked_add(1).unwrap_or(CMD_ID_MIN);
         self.round = id;
@@ -201,14 +204,21 @@ impl HintRound {
         changed
     }
 
-    /// The host releases the hinted pages: returns whether the config changed.
+    /// The host releases the hinted pages: returns whether the config changed. Hints not
+    /// taken are dropped: once the guest may reuse its pages, they are no longer true.
     pub(super) fn finish(&mut self) -> bool {
+        self.drop_pending();
         self.phase = HintPhase::Idle;
         let changed = self.round != 0 && self.cmd_id != CMD_ID_DONE;
         if changed {
             self.cmd_id = CMD_ID_DONE;
         }
         changed
+    }
+
+    fn drop_pending(&mut self) {
+        self.counters.dropped_ranges += self.pending.len() as u64;
+        self.pending.clear();
     }
 
     /// The driver's device-readable buffer holding command id `id`.

@@ -115,6 +115,29 @@ fn hints_after_stop_are_returned_unrecorded_and_counted_late() {
     assert_eq!(d.config32(8), CMD_ID_DONE);
 }
 
+/// A migration cancelled before it took its hints must not hand them to the next one: once
+/// the guest may reuse its pages (DONE), or a new migration re-armed dirty tracking, they are
+/// no longer true.
+#[test]
+fn hints_never_taken_do_not_outlive_their_migration() {
+    for end in ["finish", "begin again"] {
+        let (mut d, _) = started(ALL);
+        hint(&mut d, &[(PAGES_AT, 0x2000)]);
+        if end == "finish" {
+            d.t.finish_hinting();
+        }
+        let id = d.t.start_hinting().unwrap();
+        assert!(
+            take(&mut d).is_empty(),
+            "{end}: the old round's hints are gone"
+        );
+        assert_eq!(d.t.hint_status().counters.dropped_ranges, 1, "{end}");
+        command(&mut d, id);
+        hint(&mut d, &[(PAGES_AT + 0x4000, 0x1000)]);
+        assert_eq!(take(&mut d), [(PAGES_AT + 0x4000, 0x1000)], "{end}");
+    }
+}
+
 #[test]
 fn hinting_needs_a_running_driver_that_negotiated_it() {
     let mut d = running(V1 | F_STATS_VQ);
