@@ -31,8 +31,6 @@ pub const LAPIC: SectionId = SectionId(6);
 /// Layout versions of the VM's own sections.
 const IRQCHIP_VERSION: u32 = 1;
 const LAPIC_VERSION: u32 = 1;
-/// The one vCPU's id (many vCPUs are a later step; their sections are instances of these).
-const VCPU_ID: u32 = 0;
 
 /// Why the VM's state could not be saved or loaded.
 #[derive(Debug, thiserror::Error)]
@@ -71,22 +69,29 @@ fn instance(chip: Chip) -> u32 {
 /// Everything but RAM, taken while the vCPUs are paused.
 pub(crate) fn save(shared: &Shared) -> Result<Vec<Section>, SectionError> {
     let vm = &shared.kvm.vm;
-    let vcpu = shared.vcpu.lock().unwrap();
-    let mut out = vec![
-        section(
+    let mut out = Vec::with_capacity(2 * shared.vcpu_fds.len() + 8);
+    for (id, vcpu) in shared.vcpu_fds.iter().enumerate() {
+        let vcpu = vcpu.lock().unwrap();
+        let id = id as u32;
+        out.push(section(
             VCPU,
-            VCPU_ID,
+            id,
             state::VCPU_STATE_VERSION,
             state::save_vcpu(vm, &vcpu, &shared.msrs)?,
-        ),
-        section(LAPIC, VCPU_ID, LAPIC_VERSION, irqchip::save_lapic(&vcpu)?),
-        section(
-            VM_CLOCK,
-            0,
-            state::CLOCK_STATE_VERSION,
-            state::save_clock(vm)?,
-        ),
-    ];
+        ));
+        out.push(section(
+            LAPIC,
+            id,
+            LAPIC_VERSION,
+            irqchip::save_lapic(&vcpu)?,
+        ));
+    }
+    out.push(section(
+        VM_CLOCK,
+        0,
+        state::CLOCK_STATE_VERSION,
+        state::save_clock(vm)?,
+    ));
     for chip in Chip::ALL {
         let data = irqchip::save_chip(vm, chip)?;
         out.push(section(IRQCHIP, instance(chip), IRQCHIP_VERSION, data));
@@ -100,7 +105,7 @@ pub(crate) fn save(shared: &Shared) -> Result<Vec<Section>, SectionError> {
 pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionError> {
     for s in sections {
         let known = match s.id {
-            VCPU | LAPIC => s.instance == VCPU_ID,
+            VCPU | LAPIC => (s.instance as usize) < shared.vcpu_fds.len(),
             VM_CLOCK => s.instance == 0,
             IRQCHIP => (s.instance as usize) < Chip::ALL.len(),
             id => shared.devices.owns(id),
@@ -128,10 +133,13 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionE
         )?;
         irqchip::restore_chip(vm, chip, data)?;
     }
-    let vcpu_state = find(sections, VCPU, VCPU_ID, "vCPU", state::VCPU_STATE_VERSION)?;
-    let lapic = find(sections, LAPIC, VCPU_ID, "local APIC", LAPIC_VERSION)?;
-    let lapic = irqchip::decode_lapic(lapic)?;
-    state::restore_vcpu(vm, &shared.vcpu.lock().unwrap(), vcpu_state, &lapic)?;
+    for (id, vcpu) in shared.vcpu_fds.iter().enumerate() {
+        let id = id as u32;
+        let vcpu_state = find(sections, VCPU, id, "vCPU", state::VCPU_STATE_VERSION)?;
+        let lapic = find(sections, LAPIC, id, "local APIC", LAPIC_VERSION)?;
+        let lapic = irqchip::decode_lapic(lapic)?;
+        state::restore_vcpu(vm, &vcpu.lock().unwrap(), vcpu_state, &lapic)?;
+    }
     shared.devices.load(sections)?;
     // An interrupt the balloon had pending when the source paused is raised again now that
     // the interrupt controller's state is in: raised before, it would have been overwritten.

@@ -71,6 +71,10 @@ impl VmConfig {
     }
 }
 
+/// Most vCPUs a VM may have: the seeds' largest examples (32 and 40) with room, and what one
+/// byte of local APIC id in CPUID leaf 1 and a flat PVH start allow without x2APIC.
+pub const MAX_VCPUS: u8 = 64;
+
 /// Where the balloon's registers are: the first page of the 32-bit MMIO hole above the
 /// 3 GiB of RAM below it, far from the IOAPIC and LAPIC windows at its top.
 pub const BALLOON_MMIO: u64 = crate::memory::MMIO_HOLE_START + 0x1000_0000;
@@ -127,8 +131,9 @@ pub(crate) struct Shared {
     pub(crate) telemetry: Arc<Mutex<GuestTelemetry>>,
     pub(crate) ram: Arc<GuestRam>,
     pub(crate) kvm: Arc<KvmVm>,
-    /// The vCPU; its thread holds the lock only inside `KVM_RUN` and exit handling.
-    pub(crate) vcpu: Arc<Mutex<VcpuFd>>,
+    /// The vCPUs, by id; each one's thread holds its lock only inside `KVM_RUN` and exit
+    /// handling.
+    pub(crate) vcpu_fds: Vec<Arc<Mutex<VcpuFd>>>,
     /// Fixed once built; each device has a lock of its own.
     pub(crate) devices: Devices,
     /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
@@ -175,6 +180,8 @@ pub struct VmStatus {
     /// Host memory guest RAM occupies now (the memfd's allocated bytes).
     pub memory_allocated_bytes: u64,
     pub vcpus: u8,
+    /// vCPU threads alive now: every vCPU's while the VM runs or is paused, 0 once it stopped.
+    pub vcpu_threads: usize,
     pub uptime_ms: u64,
     /// CPU time the vCPU threads have used, summed (a halted vCPU uses none).
     pub vcpu_cpu_ms: f64,
@@ -209,7 +216,7 @@ impl Vm {
             boot::check_workload(&cmdline, &ram, setup.image_end)?;
         }
         let shared = build(&config, ram, None)?;
-        vcpu::set_pvh_entry(&shared.vcpu.lock().unwrap(), &setup)?;
+        vcpu::set_pvh_entry(&shared.vcpu_fds[0].lock().unwrap(), &setup)?;
         start(shared)
     }
 
@@ -287,7 +294,7 @@ impl IncomingVm {
 }
 
 fn check_config(config: &VmConfig) -> Result<(), VmmError> {
-    if config.vcpus != 1 {
+    if !(1..=MAX_VCPUS).contains(&config.vcpus) {
         return Err(VmmError::Vcpus(config.vcpus));
     }
     memory::validate_size(config.memory_bytes)?;
@@ -315,8 +322,10 @@ fn build(
     kvm_vm.enable_manual_dirty_protect()?;
     irqchip::create(&kvm_vm.vm)?;
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
-    let vcpu_fd = vcpu::create(&kvm_vm, 0)?;
-    let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fd)?;
+    let vcpu_fds = (0..config.vcpus)
+        .map(|id| vcpu::create(&kvm_vm, id).map(|fd| Arc::new(Mutex::new(fd))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fds[0].lock().unwrap())?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
     let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
     Ok(Arc::new(Shared {
@@ -336,7 +345,7 @@ fn build(
         telemetry,
         ram,
         kvm: Arc::new(kvm_vm),
-        vcpu: Arc::new(Mutex::new(vcpu_fd)),
+        vcpu_fds,
         msrs,
         migration: Mutex::new(None),
         incoming,
@@ -402,25 +411,44 @@ fn devices(
     Ok((devices, balloon))
 }
 
-/// Spawns the vCPU thread.
+/// Spawns a thread per vCPU.
 fn start(shared: Arc<Shared>) -> Result<Vm, VmmError> {
-    let runner = VcpuRunner {
-        shared: shared.clone(),
-    };
-    // Hold the control lock until the thread id is recorded, so no kick can miss it.
+    // Hold the control lock until every thread id is recorded, so no kick can miss one.
     let mut control = shared.control.lock().unwrap();
-    control.vcpus_alive += 1;
-    let thread = std::thread::Builder::new()
-        .name("vcpu0".into())
-        .spawn(move || runner.run())
-        .map_err(VmmError::Thread)?;
-    control
-        .threads
-        .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
+    let mut threads = Vec::new();
+    for index in 0..shared.vcpu_fds.len() {
+        let runner = VcpuRunner {
+            shared: shared.clone(),
+            index,
+        };
+        let thread = match std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || runner.run())
+        {
+            Ok(t) => t,
+            Err(e) => {
+                // The threads already running stop and are joined before the error returns.
+                control.stop_reason = Some(StopReason::Failed(format!("no thread: {e}")));
+                control.desired = RunState::Stopped;
+                VmHandle::kick_all(&control);
+                shared.changed.notify_all();
+                drop(control);
+                for t in threads {
+                    let _ = JoinHandle::join(t);
+                }
+                return Err(VmmError::Thread(e));
+            }
+        };
+        control.vcpus_alive += 1;
+        control
+            .threads
+            .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
+        threads.push(thread);
+    }
     drop(control);
     Ok(Vm {
         handle: VmHandle(shared),
-        threads: vec![thread],
+        threads,
     })
 }
 
@@ -574,6 +602,7 @@ impl VmHandle {
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
             vcpus: self.0.vcpus,
+            vcpu_threads: self.lock().vcpus_alive,
             uptime_ms: self.0.started.elapsed().as_millis() as u64,
             vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,
             throttle_percent: self.throttle_percent(),
@@ -600,14 +629,16 @@ fn tick(vm: &std::sync::Weak<Shared>) {
     }
 }
 
-/// The vCPU thread's view of the VM.
+/// A vCPU thread's view of the VM.
 struct VcpuRunner {
     shared: Arc<Shared>,
+    /// Which vCPU (its id).
+    index: usize,
 }
 
 impl VcpuRunner {
     fn run(self) {
-        let vcpu = self.shared.vcpu.clone();
+        let vcpu = self.shared.vcpu_fds[self.index].clone();
         let immediate_exit = &raw mut vcpu.lock().unwrap().get_kvm_run().immediate_exit;
         // SAFETY: the kvm_run mapping belongs to the VcpuFd kept alive by `vcpu` (an Arc held
         // until after the registration is dropped at the end of this function).
@@ -618,6 +649,9 @@ impl VcpuRunner {
         c.stop_reason.get_or_insert(reason);
         c.desired = RunState::Stopped;
         c.vcpus_alive -= 1;
+        // The VM stops as a whole: get the other vCPUs out of KVM_RUN (their ids are still
+        // valid: no thread is joined before every vCPU has left).
+        VmHandle::kick_all(&c);
         self.shared.changed.notify_all();
     }
 
@@ -652,7 +686,7 @@ impl VcpuRunner {
                 vcpu::Exit::Interrupted => vcpu.set_kvm_immediate_exit(0),
                 vcpu::Exit::Fatal(why) => {
                     let regs = vcpu::describe_registers(&vcpu);
-                    return StopReason::Failed(format!("{why}\n{regs}"));
+                    return StopReason::Failed(format!("vCPU {}: {why}\n{regs}", self.index));
                 }
             }
         }

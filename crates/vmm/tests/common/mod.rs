@@ -41,11 +41,22 @@ pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig 
 }
 
 pub fn boot(memory: u64, cmdline: &str) -> TestVm {
-    require_kvm();
     let dir = tempfile::tempdir().unwrap();
     let serial = dir.path().join("serial.log");
-    let vm =
-        Vm::boot(config(memory, cmdline, &serial)).unwrap_or_else(|e| panic!("boot failed: {e}"));
+    let mut vm = boot_config(config(memory, cmdline, &serial));
+    vm._dir = dir;
+    vm
+}
+
+/// Boots `config`; its serial output goes where the config says (a file, for `serial_log`).
+pub fn boot_config(config: VmConfig) -> TestVm {
+    require_kvm();
+    let dir = tempfile::tempdir().unwrap();
+    let serial = match &config.serial {
+        SerialOutput::File(path) => path.clone(),
+        _ => dir.path().join("no-serial"),
+    };
+    let vm = Vm::boot(config).unwrap_or_else(|e| panic!("boot failed: {e}"));
     TestVm {
         vm,
         serial,

@@ -1,0 +1,97 @@
+//! VMs with many vCPUs on real KVM: a thread per vCPU, pause, resume and stop acting on all of
+//! them, and every vCPU's state migrating. (The built-in guest runs on vCPU 0; the others wait
+//! for a start-up IPI in the state KVM gives them, which migrates like any other.)
+
+mod common;
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use common::{boot_config, config, receive_from, require_kvm, verifies_clean};
+use ferry_migrate::{Phase, Policy, TimeoutAction};
+use ferry_vmm::migration::MigrationRequest;
+use ferry_vmm::{RunState, Vm, VmConfig};
+
+const MIB: u64 = 1 << 20;
+
+fn with_vcpus(vcpus: u8, cmdline: &str, serial: &std::path::Path) -> VmConfig {
+    VmConfig {
+        vcpus,
+        ..config(512 * MIB, cmdline, serial)
+    }
+}
+
+#[test]
+fn pause_resume_and_stop_act_on_every_vcpu() {
+    for n in [4, 16] {
+        let dir = tempfile::tempdir().unwrap();
+        let src = boot_config(with_vcpus(
+            n,
+            "ws=64M rate=50 verify-ms=200 log-ms=0",
+            &dir.path().join("s"),
+        ));
+        let h = src.handle();
+        src.wait_for("verify passes", Duration::from_secs(60), |g| {
+            g.verify_passes >= 1
+        });
+        assert_eq!(
+            (h.status().vcpus, h.status().vcpu_threads),
+            (n, usize::from(n))
+        );
+        h.pause().unwrap();
+        assert_eq!(h.state(), RunState::Paused);
+        let (cpu, written) = (h.vcpu_cpu_ns(), h.telemetry().pages_written);
+        std::thread::sleep(Duration::from_millis(300));
+        let spent = h.vcpu_cpu_ns() - cpu;
+        assert!(
+            spent < 20_000_000,
+            "{n} vCPUs paused used {spent} ns of CPU in 300 ms"
+        );
+        assert_eq!(
+            h.telemetry().pages_written,
+            written,
+            "nothing written while paused"
+        );
+        h.resume().unwrap();
+        src.wait_for("writes after resume", Duration::from_secs(10), |g| {
+            g.pages_written > written
+        });
+        drop(src);
+        assert_eq!(h.state(), RunState::Stopped, "{n} vCPUs: the VM stopped");
+        assert_eq!(h.status().vcpu_threads, 0, "no vCPU thread is left");
+    }
+}
+
+#[test]
+fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
+    for n in [4, 16] {
+        require_kvm();
+        let dir = tempfile::tempdir().unwrap();
+        let src = boot_config(with_vcpus(
+            n,
+            "ws=64M rate=50 pattern=random verify-ms=200 log-ms=0",
+            &dir.path().join("s"),
+        ));
+        src.wait_for("verify passes", Duration::from_secs(60), |g| {
+            g.verify_passes >= 1
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut incoming = Vm::incoming(with_vcpus(n, "", &dir.path().join("d"))).unwrap();
+        let req = MigrationRequest::new(
+            listener.local_addr().unwrap().to_string(),
+            Policy {
+                downtime_limit: Duration::from_millis(100),
+                timeout: Some(Duration::from_secs(60)),
+                timeout_action: TimeoutAction::Switchover,
+                ..Policy::default()
+            },
+        );
+        let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
+        received.unwrap_or_else(|e| panic!("{n} vCPUs: destination: {e}"));
+        assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+        let dst = incoming.into_running().unwrap();
+        let status = dst.handle().status();
+        assert_eq!((status.vcpus, status.vcpu_threads), (n, usize::from(n)));
+        verifies_clean(&dst, 2);
+    }
+}
