@@ -56,7 +56,10 @@ fn bad_memory_sizes_are_refused_with_the_fix() {
             vec!["run", "--memory", "64M", "--cmdline", "ws=256M"],
             "--memory 64M is too small for this guest: its working set of 256M",
         ),
-        (vec!["run", "--vcpus", "4"], "--vcpus 4 is not supported"),
+        (
+            vec!["run", "--vcpus", "65"],
+            "--vcpus 65 is not supported: a VM has 1 to 64 vCPUs",
+        ),
         (
             vec!["run", "--guest", "/nonexistent/kernel.elf"],
             "cannot read guest kernel",

@@ -70,6 +70,16 @@ pub unsafe trait SourceVm: Send {
     /// Ends dirty tracking (after completion, failure or cancel).
     fn stop_dirty_log(&mut self);
 
+    /// The VM's configuration as the destination must match it (vCPUs, devices, CPU
+    /// features), in bytes of the VMM's own format: sent before anything else, so that a
+    /// destination that cannot take the guest refuses before the guest pauses. A VMM that
+    /// cannot describe its VM keeps this default, and the destination checks nothing.
+    fn config(&self) -> Result<Vec<u8>, VmError> {
+        Err(VmError::Unsupported {
+            operation: "describing the VM's configuration",
+        })
+    }
+
     /// Stops the vCPUs; returns once none runs guest code.
     fn pause(&mut self) -> Result<(), VmError>;
 
@@ -184,6 +194,16 @@ pub unsafe trait DestinationVm: Send {
     /// [`PageLanding`] for the measurements). Asked once per migration, when its data channels
     /// start.
     fn page_landing(&self, channels: u16) -> PageLanding;
+
+    /// Whether this VM can take a guest from a VM configured as `config` (the source's
+    /// [`SourceVm::config`]): `Err` with a message that names what differs and how to start
+    /// this VM instead. Called before the migration's hello is answered. A VMM that cannot
+    /// compare keeps this default, which accepts: the state load still refuses what it cannot
+    /// take, but only after the source paused.
+    fn check_config(&self, config: &[u8]) -> Result<(), VmError> {
+        let _ = config;
+        Ok(())
+    }
 
     /// Loads all non-RAM state; refuses a section it does not know or cannot validate.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError>;

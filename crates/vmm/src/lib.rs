@@ -19,6 +19,7 @@ pub mod migration;
 pub mod sections;
 pub mod throttle;
 pub mod vm;
+pub mod vmconfig;
 
 pub use devices::serial::SerialOutput;
 pub use error::VmmError;

@@ -371,6 +371,10 @@ unsafe impl SourceVm for SourceAdapter {
         }
     }
 
+    fn config(&self) -> Result<Vec<u8>, VmError> {
+        Ok(self.shared.description.encode())
+    }
+
     fn pause(&mut self) -> Result<(), VmError> {
         self.handle
             .pause()
@@ -448,6 +452,13 @@ impl SourceAdapter {
 // started before `resume`, so nothing runs while the engine writes guest memory; `fd` is the
 // read-write memfd the mappings are made from, so pages written through it show in them.
 unsafe impl DestinationVm for IncomingVm {
+    fn check_config(&self, config: &[u8]) -> Result<(), VmError> {
+        self.shared
+            .description
+            .accepts(config)
+            .map_err(failed("check the source VM's configuration"))
+    }
+
     fn ram(&self) -> Vec<RamRegion> {
         ram_regions(&self.shared.ram)
     }

@@ -140,6 +140,8 @@ pub(crate) struct Shared {
     pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
     /// MSRs this host lets a vCPU save and restore.
     pub(crate) msrs: Vec<u32>,
+    /// What a migration's destination must match (`vmconfig.rs`).
+    pub(crate) description: crate::vmconfig::VmDescription,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
     /// On a migration destination: the incoming migration's progress and cancel.
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
@@ -326,6 +328,11 @@ fn build(
         .map(|id| vcpu::create(&kvm_vm, id).map(|fd| Arc::new(Mutex::new(fd))))
         .collect::<Result<Vec<_>, _>>()?;
     let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fds[0].lock().unwrap())?;
+    let description = crate::vmconfig::VmDescription {
+        vcpus: config.vcpus,
+        balloon: config.balloon,
+        cpuid: vcpu::cpuid_digest(&vcpu_fds[0].lock().unwrap())?,
+    };
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
     let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
     Ok(Arc::new(Shared {
@@ -346,6 +353,7 @@ fn build(
         ram,
         kvm: Arc::new(kvm_vm),
         vcpu_fds,
+        description,
         msrs,
         migration: Mutex::new(None),
         incoming,

@@ -5,11 +5,12 @@
 mod common;
 
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{boot_config, config, receive_from, require_kvm, verifies_clean};
+use common::{boot_config, config, receive_from, require_kvm, verifies_clean, wait_migration};
 use ferry_migrate::{Phase, Policy, TimeoutAction};
-use ferry_vmm::migration::MigrationRequest;
+use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -87,11 +88,80 @@ fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
             },
         );
         let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
-        received.unwrap_or_else(|e| panic!("{n} vCPUs: destination: {e}"));
+        received.unwrap_or_else(|e| {
+            panic!("{n} vCPUs: destination: {e}; source: {:?}", progress.error)
+        });
         assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
         let dst = incoming.into_running().unwrap();
         let status = dst.handle().status();
         assert_eq!((status.vcpus, status.vcpu_threads), (n, usize::from(n)));
         verifies_clean(&dst, 2);
     }
+}
+
+/// A destination that cannot take the guest (another vCPU count, no balloon) refuses it at the
+/// handshake: the source never pauses, keeps running, and is told the flag that fixes it; the
+/// destination goes on waiting for a source it can take.
+#[test]
+fn a_destination_configured_differently_is_refused_before_the_source_pauses() {
+    require_kvm();
+    let dir = tempfile::tempdir().unwrap();
+    let src = boot_config(with_vcpus(
+        4,
+        "ws=64M rate=50 verify-ms=200 log-ms=0",
+        &dir.path().join("s"),
+    ));
+    src.wait_for("a verify pass", Duration::from_secs(60), |g| {
+        g.verify_passes >= 1
+    });
+    let mismatches = [
+        (
+            with_vcpus(2, "", &dir.path().join("d1")),
+            "start the destination with --vcpus 4",
+        ),
+        (
+            VmConfig {
+                balloon: false,
+                ..with_vcpus(4, "", &dir.path().join("d2"))
+            },
+            "start the destination with --balloon on",
+        ),
+    ];
+    for (config, fix) in mismatches {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut incoming = Vm::incoming(config).unwrap();
+        let req = MigrationRequest::new(
+            listener.local_addr().unwrap().to_string(),
+            Policy::default(),
+        );
+        let source_ended = AtomicBool::new(false);
+        let (received, progress) = std::thread::scope(|s| {
+            let (incoming, listener, ended) = (&mut incoming, &listener, &source_ended);
+            let r = s.spawn(move || {
+                migration::receive(incoming, listener, &|| !ended.load(Ordering::Acquire))
+            });
+            src.handle().start_migration(req).unwrap();
+            let progress = wait_migration(&src.handle(), Duration::from_secs(30));
+            source_ended.store(true, Ordering::Release);
+            (r.join().unwrap(), progress)
+        });
+        assert!(received.is_err(), "no guest arrived on the destination");
+        assert_eq!(progress.phase, Phase::Failed, "{progress:?}");
+        let error = progress.error.unwrap_or_default();
+        assert!(error.contains(fix), "source: {error}");
+        assert!(
+            progress.stats.as_ref().is_some_and(|s| s.passes.is_empty()),
+            "nothing was sent: {:?}",
+            progress.stats
+        );
+        assert_eq!(
+            src.handle().state(),
+            RunState::Running,
+            "the source never paused"
+        );
+    }
+    let before = src.handle().telemetry().pages_written;
+    src.wait_for("the guest writing on", Duration::from_secs(10), |g| {
+        g.pages_written > before
+    });
 }

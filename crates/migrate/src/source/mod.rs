@@ -60,8 +60,8 @@ use crate::ram::Ram;
 use crate::scan::ZeroDetection;
 use crate::stats::{self, MigrationStats, Timeline};
 use crate::transport::Stream;
-use crate::vm::SourceVm;
-use crate::wire::{self, Capabilities, Hello, Role};
+use crate::vm::{SourceVm, VmError};
+use crate::wire::{self, Capabilities, Header, Hello, Kind, Role};
 
 pub use self::precopy::CLEAR_CHUNK_PAGES;
 
@@ -323,6 +323,8 @@ struct Session<'a> {
     phase: Phase,
     /// Free page hints: rounds, and pass 1's pages to skip.
     hints: Hints,
+    /// The VM's configuration went with the hello (so CONFIG is asked for).
+    config_sent: bool,
 }
 
 impl<'a> Session<'a> {
@@ -360,6 +362,7 @@ impl<'a> Session<'a> {
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,
+            config_sent: false,
             hints: if params.free_page_hints {
                 Hints::default()
             } else {
@@ -374,7 +377,12 @@ impl<'a> Session<'a> {
         vm: &mut dyn SourceVm,
         connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
     ) -> Result<(), MigrateError> {
-        self.handshake()?;
+        let config = match vm.config() {
+            Ok(c) => Some(c),
+            Err(VmError::Unsupported { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        self.handshake(config.as_deref())?;
         self.pool.open(
             connect,
             &self.params,
@@ -395,6 +403,9 @@ impl<'a> Session<'a> {
     fn requested(&self) -> Capabilities {
         let p = &self.params;
         let mut c = REQUESTED;
+        if self.config_sent {
+            c = c.with(Capabilities::CONFIG);
+        }
         if p.postcopy {
             c = c.with(Capabilities::POSTCOPY);
             if p.preempt {
@@ -416,14 +427,32 @@ impl<'a> Session<'a> {
             memory_size: self.ram.size(),
             status: 0,
             channels: self.params.channels,
-            capabilities: self.requested(),
+            // A recovery's hello has no configuration after it: that was checked at the start.
+            capabilities: match role {
+                Role::Resume => Capabilities(self.requested().0 & !Capabilities::CONFIG.0),
+                _ => self.requested(),
+            },
             postcopy_page_shift: 0,
         }
     }
 
-    /// Greets the destination on the main connection; a refusal names the cause and the fix.
-    fn handshake(&mut self) -> Result<(), MigrateError> {
+    /// Greets the destination on the main connection, with the VM's configuration when the
+    /// VMM describes it; a refusal names the cause and the fix.
+    fn handshake(&mut self, config: Option<&[u8]>) -> Result<(), MigrateError> {
+        self.config_sent = config.is_some();
         self.conn.write_hello(&self.main_hello(Role::Main))?;
+        if let Some(config) = config {
+            if config.len() as u64 > wire::MAX_CONFIG_BYTES {
+                return Err(MigrateError::order(format!(
+                    "the VMM's configuration of {} bytes exceeds the protocol's {}",
+                    config.len(),
+                    wire::MAX_CONFIG_BYTES
+                )));
+            }
+            let h = Header::new(Kind::VmConfig, 0, config.len() as u64);
+            self.conn.write_record(&h, config)?;
+            self.conn.flush("sending the VM's configuration")?;
+        }
         let reply = self.conn.read_hello()?;
         if !reply.capabilities.is_subset(self.requested()) {
             return Err(MigrateError::order(format!(
@@ -439,6 +468,10 @@ impl<'a> Session<'a> {
                     reply.memory_size
                 ),
                 5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
+                7 => self
+                    .conn
+                    .peer_error()
+                    .unwrap_or_else(|| "the destination VM is configured differently".into()),
                 s => format!("status {s}"),
             }));
         }

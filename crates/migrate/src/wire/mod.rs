@@ -39,6 +39,9 @@ pub const MAX_SECTIONS: usize = 1024;
 pub const MAX_STATE_BYTES: u64 = 64 << 20;
 /// An error message.
 pub const MAX_ERROR_BYTES: u64 = 4096;
+/// Cap on a VmConfig record: a VMM's description of its VM (vCPUs, devices, a CPUID digest)
+/// is a few hundred bytes; 64 KiB leaves room for a CPUID table in full.
+pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
 /// The Resumed payload: `load_ns:u64 resume_ns:u64 cpu_ns:u64`.
 pub const RESUMED_SIZE: u64 = 24;
 /// The Received payload: `bytes:u64 pages:u64`.
@@ -107,6 +110,12 @@ pub enum Kind {
     /// Destination → source, on a recovery's main connection: the Missing list is complete;
     /// reconnect the data channels and send the missing pages. No payload.
     Resume = 14,
+    /// Source → destination, main, right after the hello when [`Capabilities::CONFIG`] is
+    /// requested: the VM's configuration as the source VMM describes it (opaque to the engine,
+    /// at most [`MAX_CONFIG_BYTES`]). The destination VMM compares it with its own before it
+    /// answers the hello, so a VM that cannot take this guest is refused before anything is
+    /// sent, let alone the guest paused.
+    VmConfig = 15,
 }
 
 impl Kind {
@@ -126,6 +135,7 @@ impl Kind {
             12 => Kind::Done,
             13 => Kind::Missing,
             14 => Kind::Resume,
+            15 => Kind::VmConfig,
             _ => Kind::Invalid,
         }
     }
@@ -205,12 +215,17 @@ impl Capabilities {
     /// Bit 5, with postcopy: a connection that breaks in postcopy pauses the migration on both
     /// sides instead of failing it, and a recovery (role 4) resumes it.
     pub const RECOVER: Capabilities = Capabilities(1 << 5);
+    /// A [`Kind::VmConfig`] record follows the source's main hello, and the destination's
+    /// VMM checks it before answering (refusing with [`Refusal::Config`] and an Error record
+    /// that says what differs).
+    pub const CONFIG: Capabilities = Capabilities(1 << 6);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
             | Capabilities::PREEMPT.0
             | Capabilities::PROGRESS.0
-            | Capabilities::RECOVER.0,
+            | Capabilities::RECOVER.0
+            | Capabilities::CONFIG.0,
     );
 
     /// Both sets' bits.
@@ -430,6 +445,9 @@ pub enum Refusal {
     Busy = 5,
     /// A recovery for a migration that is not paused in postcopy here.
     NotPaused = 6,
+    /// The destination VM cannot take the source's (its [`Kind::VmConfig`] differs: vCPUs,
+    /// devices, CPU); an Error record after the hello says what and how to fix it.
+    Config = 7,
 }
 
 impl Hello {
@@ -603,6 +621,7 @@ impl Header {
                 | Kind::Postcopy
                 | Kind::Done
                 | Kind::Resume
+                | Kind::VmConfig
         );
         if countless && count != 0 {
             return Err(WireError::Reserved("record count"));
@@ -617,6 +636,7 @@ impl Header {
             }
             Kind::DeviceState => bounded(SECTION_HEADER_SIZE as u64 + MAX_SECTION_BYTES),
             Kind::Error => bounded(MAX_ERROR_BYTES),
+            Kind::VmConfig => bounded(MAX_CONFIG_BYTES),
             Kind::Resumed if len != RESUMED_SIZE => Err(WireError::Length {
                 kind,
                 count,

@@ -213,12 +213,13 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 14 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 15 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
     assert_eq!(Kind::from_u16(13), Kind::Missing);
     assert_eq!(Kind::from_u16(14), Kind::Resume);
-    assert_eq!(Kind::from_u16(15), Kind::Invalid);
+    assert_eq!(Kind::from_u16(15), Kind::VmConfig);
+    assert_eq!(Kind::from_u16(16), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 
@@ -314,4 +315,20 @@ fn recovery_records_and_hello_are_checked() {
         Hello::decode(&data.encode()),
         Err(WireError::DataCapabilities(resume.capabilities.0))
     );
+}
+
+#[test]
+fn a_vm_config_is_bounded_and_countless() {
+    let ok = Header::new(Kind::VmConfig, 0, MAX_CONFIG_BYTES);
+    assert_eq!(Header::decode(&ok.encode()).unwrap(), ok);
+    let long = Header::new(Kind::VmConfig, 0, MAX_CONFIG_BYTES + 1);
+    assert!(matches!(
+        Header::decode(&long.encode()),
+        Err(WireError::TooLong { .. })
+    ));
+    let counted = Header::new(Kind::VmConfig, 1, 10);
+    assert!(matches!(
+        Header::decode(&counted.encode()),
+        Err(WireError::Reserved(_))
+    ));
 }

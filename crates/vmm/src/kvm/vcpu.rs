@@ -39,6 +39,18 @@ pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
     Ok(vcpu)
 }
 
+/// A digest of the CPUID `vcpu` was given (what a migration's destination must match).
+pub fn cpuid_digest(vcpu: &VcpuFd) -> Result<String, KvmError> {
+    let cpuid = vcpu
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|source| KvmError::Vcpu {
+            id: 0,
+            what: "read its CPUID",
+            source,
+        })?;
+    Ok(crate::vmconfig::cpuid_digest(cpuid.as_slice()))
+}
+
 /// Puts vCPU 0 in PVH entry state: flat 32-bit protected mode at `boot.entry` with %ebx =
 /// start_info.
 pub fn set_pvh_entry(vcpu: &VcpuFd, boot: &BootSetup) -> Result<(), KvmError> {

@@ -27,7 +27,7 @@ use crate::ram::Ram;
 use crate::receiver::{self, PageBits, PassBarrier, ReceiverStats};
 use crate::stats;
 use crate::transport::Stream;
-use crate::vm::{DestinationVm, Section};
+use crate::vm::{DestinationVm, Section, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
 mod recover;
@@ -140,6 +140,27 @@ impl<'a> Session<'a> {
         })
     }
 
+    /// With [`Capabilities::CONFIG`] asked for, reads the source's VmConfig record and asks the
+    /// VMM whether this VM can take that guest; the VMM's reason if not.
+    fn config_refusal(&mut self, hello: &Hello) -> Result<Option<String>, MigrateError> {
+        if !hello.capabilities.contains(Capabilities::CONFIG) {
+            return Ok(None);
+        }
+        let during = "reading the source VM's configuration";
+        let h = self.conn.read_header(during)?;
+        if h.kind != Kind::VmConfig {
+            return Err(MigrateError::order(format!(
+                "expected the source VM's configuration after its hello, got {:?}",
+                h.kind
+            )));
+        }
+        let config = self.conn.read_payload(h.len, during)?;
+        Ok(self.vm.check_config(&config).err().map(|e| match e {
+            VmError::Failed { message, .. } => message,
+            e => e.to_string(),
+        }))
+    }
+
     /// Phase 1: accepts the main hello or refuses it (the reply says why, and so does the
     /// error). A refused session has touched nothing.
     pub fn handshake(mut self) -> Result<Session<'a>, MigrateError> {
@@ -169,6 +190,8 @@ impl<'a> Session<'a> {
                     self.ram.size()
                 ),
             ))
+        } else if let Some(why) = self.config_refusal(&hello)? {
+            Some((Refusal::Config, why))
         } else if hello.channels == 0 || hello.channels > wire::MAX_CHANNELS {
             Some((
                 Refusal::ChannelId,
