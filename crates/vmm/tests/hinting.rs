@@ -8,11 +8,13 @@ mod common;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{TestVm, boot, config, receive_from, require_kvm, verifies_clean, wait_for_telemetry};
-use ferry_migrate::{MigrationStats, Phase, Policy, TimeoutAction};
+use common::{
+    TestVm, boot, config, forced_request, receive_from, require_kvm, verifies_clean,
+    wait_for_telemetry,
+};
+use ferry_migrate::{MigrationStats, Phase};
 use ferry_vmm::Vm;
 use ferry_vmm::devices::telemetry::GuestTelemetry;
-use ferry_vmm::migration::MigrationRequest;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,15 +43,7 @@ fn migrate(src: &TestVm, memory: u64, hints: bool) -> (Vm, MigrationStats) {
     let dir = tempfile::tempdir().unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let mut incoming = Vm::incoming(config(memory, "", &dir.path().join("serial.log"))).unwrap();
-    let mut req = MigrationRequest::new(
-        listener.local_addr().unwrap().to_string(),
-        Policy {
-            downtime_limit: Duration::from_millis(100),
-            timeout: Some(Duration::from_secs(60)),
-            timeout_action: TimeoutAction::Switchover,
-            ..Policy::default()
-        },
-    );
+    let mut req = forced_request(&listener);
     req.free_page_hints = hints;
     let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
     received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));

@@ -8,8 +8,10 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{boot_config, config, receive_from, require_kvm, verifies_clean, wait_migration};
-use ferry_migrate::{Phase, Policy, TimeoutAction};
+use common::{
+    boot_config, config, forced_request, receive_from, require_kvm, verifies_clean, wait_migration,
+};
+use ferry_migrate::{Phase, Policy};
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm, VmConfig};
 
@@ -78,15 +80,7 @@ fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
         });
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut incoming = Vm::incoming(with_vcpus(n, "", &dir.path().join("d"))).unwrap();
-        let req = MigrationRequest::new(
-            listener.local_addr().unwrap().to_string(),
-            Policy {
-                downtime_limit: Duration::from_millis(100),
-                timeout: Some(Duration::from_secs(60)),
-                timeout_action: TimeoutAction::Switchover,
-                ..Policy::default()
-            },
-        );
+        let req = forced_request(&listener);
         let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
         received.unwrap_or_else(|e| {
             panic!("{n} vCPUs: destination: {e}; source: {:?}", progress.error)

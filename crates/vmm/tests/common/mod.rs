@@ -138,6 +138,20 @@ pub fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
     }
 }
 
+/// A request to migrate to `listener` with a 100 ms downtime limit, the switchover forced after
+/// a minute: tests that check what arrives, not how precopy converges.
+pub fn forced_request(listener: &TcpListener) -> MigrationRequest {
+    MigrationRequest::new(
+        listener.local_addr().unwrap().to_string(),
+        ferry_migrate::Policy {
+            downtime_limit: Duration::from_millis(100),
+            timeout: Some(Duration::from_secs(60)),
+            timeout_action: ferry_migrate::TimeoutAction::Switchover,
+            ..ferry_migrate::Policy::default()
+        },
+    )
+}
+
 /// Runs `req` from `src` into `incoming`, which listens on `listener`: the destination's
 /// result and the source's last progress, once both ended.
 pub fn receive_from(
