@@ -147,7 +147,6 @@ pub(crate) struct Shared {
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
     /// Auto-converge's throttle (see `throttle.rs`).
     throttle: Throttle,
-    vcpus: u8,
     started: Instant,
 }
 
@@ -358,7 +357,6 @@ fn build(
         migration: Mutex::new(None),
         incoming,
         throttle: Throttle::default(),
-        vcpus: config.vcpus,
         started: Instant::now(),
     }))
 }
@@ -609,7 +607,7 @@ impl VmHandle {
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
-            vcpus: self.0.vcpus,
+            vcpus: self.0.vcpu_fds.len() as u8,
             vcpu_threads: self.lock().vcpus_alive,
             uptime_ms: self.0.started.elapsed().as_millis() as u64,
             vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,

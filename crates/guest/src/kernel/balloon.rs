@@ -281,10 +281,7 @@ impl Balloon {
     /// Inflates or deflates a block at a time towards `num_pages`, then reports `actual`.
     fn follow_target(&mut self, pool: &mut Pool<'_>) {
         let target = u64::from(self.config(balloon::CONFIG_NUM_PAGES)).div_ceil(BLOCK_PAGES);
-        let (mut have, start) = (
-            u64::from(pool.count(State::Ballooned)),
-            pool.count(State::Ballooned),
-        );
+        let mut have = u64::from(pool.count(State::Ballooned));
         while have != target {
             let (q, block) = match have < target {
                 true => (INFLATE, pool.take(State::Free, State::Ballooned)),
@@ -306,9 +303,7 @@ impl Balloon {
             self.reclaim(q);
             have = u64::from(pool.count(State::Ballooned));
         }
-        if pool.count(State::Ballooned) != start
-            || self.config(balloon::CONFIG_ACTUAL) as u64 != have * BLOCK_PAGES
-        {
+        if u64::from(self.config(balloon::CONFIG_ACTUAL)) != have * BLOCK_PAGES {
             self.write(
                 mmio::CONFIG + balloon::CONFIG_ACTUAL,
                 (have * BLOCK_PAGES) as u32,
