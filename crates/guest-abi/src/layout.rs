@@ -23,9 +23,12 @@ pub const LARGE_PAGE: u64 = 2 << 20;
 /// page-table setup at CPL0 to a page of PDPT plus one page directory per GiB.
 pub const MAX_RAM_TOP: u64 = 512 << 30;
 
+/// Bytes of one working-set page's entry in the generation record (a `u32`).
+pub const RECORD_ENTRY_BYTES: u64 = 4;
+
 /// Bytes of the generation record for a working set of `ws_bytes`.
 pub fn record_bytes(ws_bytes: u64) -> u64 {
-    (ws_bytes / PAGE_SIZE * 4).next_multiple_of(PAGE_SIZE)
+    (ws_bytes / PAGE_SIZE * RECORD_ENTRY_BYTES).next_multiple_of(PAGE_SIZE)
 }
 
 /// Page-directory pages the guest allocates to map RAM between 4 GiB and `ram_top` (RAM below

@@ -11,6 +11,7 @@
 pub mod layout;
 pub mod params;
 pub mod report;
+pub mod smp;
 pub mod stamp;
 pub mod virtio;
 

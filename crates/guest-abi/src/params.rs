@@ -140,6 +140,18 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "hint at most this many free blocks per heartbeat (a slow driver)",
     ),
     (
+        "vcpus",
+        "1-64",
+        "1",
+        "vCPUs to start, each dirtying its own share of the working set (the VMM sets it)",
+    ),
+    (
+        "fault-vcpu",
+        "vCPU index",
+        "0",
+        "the vCPU that raises #UD for fault-after-ms",
+    ),
+    (
         "virtio_mmio.device",
         "<size>@<addr>:<irq>",
         "none",
@@ -233,6 +245,10 @@ pub struct Params {
     pub hint_batch: u32,
     /// The virtio-mmio balloon the VMM announced, if any.
     pub balloon: Option<MmioDevice>,
+    /// vCPUs the guest starts and runs its workload on.
+    pub vcpus: u8,
+    /// The vCPU that raises #UD after `fault_after_ms`.
+    pub fault_vcpu: u8,
 }
 
 impl Default for Params {
@@ -256,6 +272,8 @@ impl Default for Params {
             churn_mb_s: 0,
             hint_batch: 0,
             balloon: None,
+            vcpus: 1,
+            fault_vcpu: 0,
         }
     }
 }
@@ -382,6 +400,16 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             "churn" => {
                 p.churn_mb_s = parse_u32(value).ok_or(bad("megabytes per second, 0 = none"))?
             }
+            "vcpus" => {
+                p.vcpus = parse_u32(value)
+                    .filter(|v| (1..=crate::smp::MAX_VCPUS as u32).contains(v))
+                    .ok_or(bad("a vCPU count from 1 to 64"))? as u8
+            }
+            "fault-vcpu" => {
+                p.fault_vcpu = parse_u32(value)
+                    .filter(|v| *v < crate::smp::MAX_VCPUS as u32)
+                    .ok_or(bad("a vCPU index from 0 to 63"))? as u8
+            }
             "virtio_mmio.device" => {
                 p.balloon = Some(
                     parse_mmio_device(value)
@@ -496,6 +524,16 @@ mod tests {
     }
 
     #[test]
+    fn vcpus_and_the_faulting_vcpu_parse_in_range() {
+        let p = parse("vcpus=64 fault-vcpu=63").unwrap();
+        assert_eq!((p.vcpus, p.fault_vcpu), (64, 63));
+        assert_eq!(parse("").unwrap().vcpus, 1);
+        for bad in ["vcpus=0", "vcpus=65", "fault-vcpu=64"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn later_keys_win() {
         assert_eq!(parse("rate=5 rate=max").unwrap().rate, Rate::FlatOut);
     }
@@ -515,6 +553,7 @@ mod tests {
             ("run-ms=99999999999", "milliseconds"),
             ("fill=lots", "stamp or random"),
             ("prefill=yes", "0 or 1"),
+            ("vcpus=65", "a vCPU count from 1 to 64"),
             (
                 "frobnicate=1",
                 "unknown guest parameter 'frobnicate'; known keys are: ws rate",

@@ -8,8 +8,9 @@
 
 /// "FRRY", little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FRRY");
-/// Layout version; bumped when a field changes meaning.
-pub const VERSION: u16 = 1;
+/// Layout version; bumped when a field changes meaning. Version 2 gave one byte of version 1's
+/// 16-bit version field to the sending vCPU's index.
+pub const VERSION: u8 = 2;
 /// Encoded size of a report.
 pub const REPORT_SIZE: usize = 128;
 /// Words of kind-specific detail.
@@ -104,6 +105,8 @@ pub mod boot {
     /// 1 = kvmclock, 2 = TSC with a frequency from CPUID, 3 = TSC with a guessed frequency.
     pub const CLOCK: usize = 7;
     pub const HOT_PERCENT: usize = 8;
+    /// vCPUs the guest runs its workload on.
+    pub const VCPUS: usize = 9;
 }
 
 pub mod heartbeat {
@@ -160,10 +163,13 @@ pub mod layout {
     pub const RECORD: usize = 9;
 }
 
-/// One telemetry record. Counters are totals since boot.
+/// One telemetry record. Counters are the sending vCPU's totals since boot: each vCPU reports
+/// on its own share of the working set, numbering its reports in a sequence of its own.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Report {
     pub kind: u16,
+    /// The vCPU that sent it (its local APIC id, 0 = the boot vCPU).
+    pub vcpu: u8,
     pub seq: u64,
     /// The guest's own clock (kvmclock), ns since its boot.
     pub guest_ns: u64,
@@ -178,17 +184,18 @@ pub struct Report {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeError {
     BadMagic(u32),
-    UnsupportedVersion(u16),
+    UnsupportedVersion(u8),
     UnknownKind(u16),
 }
 
 impl Report {
-    /// Encodes as `magic:u32 version:u16 kind:u16 seq guest_ns pages_written verify_passes
-    /// verify_failures detail[10]`, all little-endian, 128 bytes.
+    /// Encodes as `magic:u32 version:u8 vcpu:u8 kind:u16 seq guest_ns pages_written
+    /// verify_passes verify_failures detail[10]`, all little-endian, 128 bytes.
     pub fn to_bytes(&self) -> [u8; REPORT_SIZE] {
         let mut b = [0u8; REPORT_SIZE];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = self.vcpu;
         b[6..8].copy_from_slice(&self.kind.to_le_bytes());
         let words = [
             self.seq,
@@ -210,7 +217,7 @@ impl Report {
         if magic != MAGIC {
             return Err(DecodeError::BadMagic(magic));
         }
-        let version = u16::from_le_bytes([b[4], b[5]]);
+        let version = b[4];
         if version != VERSION {
             return Err(DecodeError::UnsupportedVersion(version));
         }
@@ -224,6 +231,7 @@ impl Report {
         }
         Ok(Report {
             kind,
+            vcpu: b[5],
             seq: word(0),
             guest_ns: word(1),
             pages_written: word(2),
@@ -246,6 +254,7 @@ mod tests {
     fn round_trip() {
         let r = Report {
             kind: Kind::Verify as u16,
+            vcpu: 7,
             seq: 9,
             guest_ns: 123_456_789,
             pages_written: u64::MAX,
@@ -260,12 +269,13 @@ mod tests {
     fn layout_is_fixed() {
         let r = Report {
             kind: Kind::Heartbeat as u16,
+            vcpu: 3,
             seq: 0x0102,
             ..Report::default()
         };
         let b = r.to_bytes();
         assert_eq!(&b[0..4], b"FRRY");
-        assert_eq!(&b[4..8], &[1, 0, 2, 0]);
+        assert_eq!(&b[4..8], &[2, 3, 2, 0]);
         assert_eq!(&b[8..10], &[2, 1]);
         assert_eq!(b.len(), 8 + 8 * (5 + DETAIL_WORDS));
     }
@@ -278,10 +288,10 @@ mod tests {
         );
         let mut b = Report::default().to_bytes();
         assert_eq!(Report::from_bytes(&b), Err(DecodeError::UnknownKind(0)));
-        b[4] = 2;
+        b[4] = 1;
         assert_eq!(
             Report::from_bytes(&b),
-            Err(DecodeError::UnsupportedVersion(2))
+            Err(DecodeError::UnsupportedVersion(1))
         );
     }
 }

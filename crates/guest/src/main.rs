@@ -16,6 +16,7 @@ fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
     detail[0] = HaltReason::Panic as u64;
     kernel::telemetry::send(&Report {
         kind: Kind::Halt as u16,
+        vcpu: kernel::arch::vcpu_index(),
         detail,
         ..Report::default()
     });

@@ -94,6 +94,30 @@ impl Plan {
     pub fn extents(&self) -> &[Extent] {
         &self.extents[..self.extent_count]
     }
+
+    /// vCPU `k`'s share of `n`: the pages with indices `pages * k / n .. pages * (k + 1) / n`,
+    /// as a plan of their own (indices from 0, its record the matching slice of this one's),
+    /// so a vCPU runs the one-vCPU workload on it unchanged and no two vCPUs share a page.
+    pub fn share(&self, k: u64, n: u64) -> Plan {
+        let (lo, hi) = (self.pages * k / n, self.pages * (k + 1) / n);
+        let mut share = Plan {
+            record: self.record + lo * ferry_guest_abi::layout::RECORD_ENTRY_BYTES,
+            pages: hi - lo,
+            ..Plan::default()
+        };
+        for e in self.extents() {
+            let (s, t) = (e.first_index.max(lo), (e.first_index + e.pages).min(hi));
+            if s < t {
+                share.extents[share.extent_count] = Extent {
+                    first_index: s - lo,
+                    first_pfn: e.first_pfn + (s - e.first_index),
+                    pages: t - s,
+                };
+                share.extent_count += 1;
+            }
+        }
+        share
+    }
 }
 
 fn clipped(ranges: &[(u64, u64)], floor: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
@@ -158,6 +182,33 @@ mod tests {
             free_bytes(&ranges, 0),
             0x9f000 - 0x2000 + 7 * MB - 2 * PAGE_SIZE
         );
+    }
+
+    #[test]
+    fn shares_split_the_working_set_without_overlap_and_keep_their_records() {
+        let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
+        let p = plan(&ranges, 2 * MB, 4 * GB).unwrap();
+        let n = 7;
+        let mut next_index = 0;
+        for k in 0..n {
+            let share = p.share(k, n);
+            assert_eq!(
+                share.record,
+                p.record + next_index * ferry_guest_abi::layout::RECORD_ENTRY_BYTES
+            );
+            for i in [0, share.pages / 2, share.pages - 1] {
+                assert_eq!(share.pfn(i), p.pfn(next_index + i), "vCPU {k} page {i}");
+            }
+            assert_eq!(share.extents()[0].first_index, 0);
+            next_index += share.pages;
+        }
+        assert_eq!(next_index, p.pages);
+        assert_eq!(
+            p.share(2, 3).extent_count,
+            2,
+            "the last share spans the hole"
+        );
+        assert_eq!(p.share(0, 1), p);
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::error::VmmError;
 use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
 use crate::memory::{self, GuestRam};
 use crate::throttle::{self, Throttle};
+use ferry_guest_abi::smp::{START_PORT, START_SIZE, StartVcpu};
 
 /// What kind of kernel the VM boots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,25 +56,27 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    /// The guest's command line: the user's, and the balloon's `virtio_mmio.device=` when the
-    /// VM has one.
+    /// The guest's command line: the user's, the balloon's `virtio_mmio.device=` when the VM
+    /// has one, and for ferry's guest `vcpus=` when it has more than one (later keys win, so
+    /// the VM's own facts override the user's).
     pub fn full_cmdline(&self) -> String {
-        match self.balloon {
-            false => self.cmdline.clone(),
-            true => {
-                let device = mmio::cmdline_fragment(BALLOON_MMIO, BALLOON_GSI);
-                match self.cmdline.is_empty() {
-                    true => device,
-                    false => format!("{} {device}", self.cmdline),
-                }
-            }
+        let mut words: Vec<String> = Vec::new();
+        if !self.cmdline.is_empty() {
+            words.push(self.cmdline.clone());
         }
+        if self.guest == GuestKind::FerryGuest && self.vcpus > 1 {
+            words.push(format!("vcpus={}", self.vcpus));
+        }
+        if self.balloon {
+            words.push(mmio::cmdline_fragment(BALLOON_MMIO, BALLOON_GSI));
+        }
+        words.join(" ")
     }
 }
 
 /// Most vCPUs a VM may have: the seeds' largest examples (32 and 40) with room, and what one
 /// byte of local APIC id in CPUID leaf 1 and a flat PVH start allow without x2APIC.
-pub const MAX_VCPUS: u8 = 64;
+pub const MAX_VCPUS: u8 = ferry_guest_abi::smp::MAX_VCPUS as u8;
 
 /// Where the balloon's registers are: the first page of the 32-bit MMIO hole above the
 /// 3 GiB of RAM below it, far from the IOAPIC and LAPIC windows at its top.
@@ -121,6 +124,8 @@ struct Control {
     vcpus_alive: usize,
     vcpus_parked: usize,
     threads: Vec<libc::pthread_t>,
+    /// Secondary vCPUs the guest asked to start, by index, until their threads do.
+    starts: Vec<Option<StartVcpu>>,
 }
 
 /// What every thread of a VM shares.
@@ -344,6 +349,7 @@ fn build(
             vcpus_alive: 0,
             vcpus_parked: 0,
             threads: Vec::new(),
+            starts: vec![None; usize::from(config.vcpus)],
         }),
         changed: Condvar::new(),
         devices,
@@ -667,6 +673,10 @@ impl VcpuRunner {
         let mut running_since = Instant::now();
         let mut asleep_until = None;
         loop {
+            // Before parking: a vCPU started just before a pause must be saved started.
+            if let Some(reason) = self.start_if_asked(vcpu) {
+                return reason;
+            }
             if let Some(reason) = self.wait_while_paused(asleep_until.take(), &mut running_since) {
                 return reason;
             }
@@ -685,6 +695,7 @@ impl VcpuRunner {
             let devices = &self.shared.devices;
             match vcpu::run(&mut vcpu) {
                 vcpu::Exit::IoOut(ferry_guest_abi::EXIT_PORT, _) => return self.halted(&vcpu),
+                vcpu::Exit::IoOut(START_PORT, data) => self.ask_start(data),
                 vcpu::Exit::IoOut(port, data) => devices.io_out(port, data),
                 vcpu::Exit::IoIn(port, data) => devices.io_in(port, data),
                 vcpu::Exit::MmioRead(addr, data) => devices.mmio_read(addr, data),
@@ -753,12 +764,68 @@ impl VcpuRunner {
         None
     }
 
+    /// The guest asks, through the start port, to start a secondary vCPU
+    /// (`ferry_guest_abi::smp`): record the request and kick that vCPU's thread, which starts
+    /// it (`start_if_asked`). A malformed request is logged and ignored, as hardware ignores
+    /// a bad IPI.
+    fn ask_start(&self, data: &[u8]) {
+        let request = <[u8; 4]>::try_from(data)
+            .map_err(|_| format!("a {}-byte write", data.len()))
+            .and_then(|w| {
+                let gpa = u64::from(u32::from_le_bytes(w));
+                let mut b = [0; START_SIZE];
+                self.shared
+                    .ram
+                    .read(gpa, &mut b)
+                    .map_err(|e| format!("a request at {gpa:#x} outside RAM: {e}"))?;
+                StartVcpu::from_bytes(&b).ok_or(format!("no request at {gpa:#x} (bad magic)"))
+            })
+            .and_then(|r| {
+                let n = self.shared.vcpu_fds.len();
+                match r.vcpu as usize {
+                    0 => Err("a request to start vCPU 0, which booted".to_string()),
+                    k if k >= n => Err(format!("a request for vCPU {k}; the VM has {n}")),
+                    _ if self.shared.ram.read(u64::from(r.entry), &mut [0]).is_err() => {
+                        Err(format!("an entry point {:#x} outside RAM", r.entry))
+                    }
+                    _ => Ok(r),
+                }
+            });
+        match request {
+            Ok(r) => {
+                let mut c = self.shared.control.lock().unwrap();
+                c.starts[r.vcpu as usize] = Some(r);
+                if let Some(&t) = c.threads.get(r.vcpu as usize) {
+                    // SAFETY: as in `VmHandle::kick_all`: under the control lock, with this
+                    // vCPU alive, no vCPU thread has been joined.
+                    unsafe { kick::kick(t) };
+                }
+            }
+            Err(why) => tracing::warn!(
+                "vCPU {} wrote the start port with {why}; ignored",
+                self.index
+            ),
+        }
+    }
+
+    /// Starts this vCPU if the guest asked; a reason when it cannot be.
+    fn start_if_asked(&self, vcpu: &Mutex<VcpuFd>) -> Option<StopReason> {
+        let request = self.shared.control.lock().unwrap().starts[self.index].take()?;
+        let id = self.index as u8;
+        let (entry, arg) = (u64::from(request.entry), u64::from(request.arg));
+        let started = vcpu::start_secondary(&vcpu.lock().unwrap(), id, entry, arg);
+        tracing::debug!("vCPU {id} started at {entry:#x}");
+        started
+            .err()
+            .map(|e| StopReason::Failed(format!("vCPU {id}: {e}")))
+    }
+
     fn halted(&self, vcpu: &VcpuFd) -> StopReason {
         let t = self.shared.telemetry.lock().unwrap();
         let why = match (&t.exception, &t.halt_reason) {
             (Some(e), _) => format!(
-                "after exception {} at RIP {:#x}, error code {:#x}; see the serial output",
-                e.vector, e.rip, e.error_code
+                "after exception {} on vCPU {} at RIP {:#x}, error code {:#x}; see the serial output",
+                e.vector, e.vcpu, e.rip, e.error_code
             ),
             (None, Some(r)) => r.clone(),
             (None, None) => "HLT with interrupts off".into(),

@@ -125,10 +125,10 @@ fn guest_exception_prints_vector_and_rip_and_stops_the_vm() {
     let StopReason::Failed(why) = &reason else {
         panic!("{reason:?}")
     };
-    assert!(why.contains("after exception 6 at RIP"), "{why}");
+    assert!(why.contains("after exception 6 on vCPU 0 at RIP"), "{why}");
     assert!(why.contains("RIP="), "register dump: {why}");
     t.wait_for_serial(
-        "exception 6 (#UD invalid opcode) at RIP 0x",
+        "vCPU 0: exception 6 (#UD invalid opcode) at RIP 0x",
         Duration::from_secs(10),
     );
 }

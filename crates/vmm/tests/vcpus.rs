@@ -1,6 +1,7 @@
-//! VMs with many vCPUs on real KVM: a thread per vCPU, pause, resume and stop acting on all of
-//! them, and every vCPU's state migrating. (The built-in guest runs on vCPU 0; the others wait
-//! for a start-up IPI in the state KVM gives them, which migrates like any other.)
+//! VMs with many vCPUs on real KVM: a thread per vCPU, the built-in guest starting every vCPU
+//! and running its workload on each one's share of the working set, pause, resume and stop
+//! acting on all of them, every vCPU's state migrating and every vCPU verifying its share on
+//! the destination, and a fault on one vCPU naming it.
 
 mod common;
 
@@ -34,8 +35,8 @@ fn pause_resume_and_stop_act_on_every_vcpu() {
             &dir.path().join("s"),
         ));
         let h = src.handle();
-        src.wait_for("verify passes", Duration::from_secs(60), |g| {
-            g.verify_passes >= 1
+        src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
+            every_vcpu_verified(g, n)
         });
         assert_eq!(
             (h.status().vcpus, h.status().vcpu_threads),
@@ -55,28 +56,41 @@ fn pause_resume_and_stop_act_on_every_vcpu() {
             written,
             "nothing written while paused"
         );
+        let paused = h.telemetry();
         h.resume().unwrap();
-        src.wait_for("writes after resume", Duration::from_secs(10), |g| {
-            g.pages_written > written
-        });
+        src.wait_for(
+            "writes on every vCPU after resume",
+            Duration::from_secs(10),
+            |g| {
+                g.vcpus
+                    .iter()
+                    .zip(&paused.vcpus)
+                    .all(|(v, p)| v.pages_written > p.pages_written)
+            },
+        );
         drop(src);
         assert_eq!(h.state(), RunState::Stopped, "{n} vCPUs: the VM stopped");
         assert_eq!(h.status().vcpu_threads, 0, "no vCPU thread is left");
     }
 }
 
+/// Every vCPU of the source has run its share and verified it once.
+fn every_vcpu_verified(g: &ferry_vmm::devices::telemetry::GuestTelemetry, n: u8) -> bool {
+    g.vcpus.len() == usize::from(n) && g.vcpus.iter().all(|v| v.verify_passes >= 1)
+}
+
 #[test]
 fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
-    for n in [4, 16] {
+    for n in [1, 4, 16] {
         require_kvm();
         let dir = tempfile::tempdir().unwrap();
         let src = boot_config(with_vcpus(
             n,
-            "ws=64M rate=50 pattern=random verify-ms=200 log-ms=0",
+            "ws=64M rate=20 pattern=random read=20 verify-ms=200 log-ms=0",
             &dir.path().join("s"),
         ));
-        src.wait_for("verify passes", Duration::from_secs(60), |g| {
-            g.verify_passes >= 1
+        src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
+            every_vcpu_verified(g, n)
         });
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut incoming = Vm::incoming(with_vcpus(n, "", &dir.path().join("d"))).unwrap();
@@ -91,6 +105,26 @@ fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
         assert_eq!((status.vcpus, status.vcpu_threads), (n, usize::from(n)));
         verifies_clean(&dst, 2);
     }
+}
+
+#[test]
+fn a_fault_on_one_vcpu_stops_the_vm_naming_that_vcpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = boot_config(with_vcpus(
+        4,
+        "ws=16M rate=20 log-ms=0 fault-after-ms=300 fault-vcpu=2",
+        &dir.path().join("s"),
+    ));
+    let h = src.handle();
+    let reason = h
+        .wait_stopped(Some(Duration::from_secs(60)))
+        .expect("the fault stops the VM");
+    let text = reason.to_string();
+    assert!(
+        text.contains("exception 6 on vCPU 2"),
+        "the stop names the vCPU: {text}"
+    );
+    assert_eq!(h.telemetry().exception.map(|e| e.vcpu), Some(2));
 }
 
 /// A destination that cannot take the guest (another vCPU count, no balloon) refuses it at the

@@ -36,6 +36,16 @@ pub fn cpuid(leaf: u32) -> (u32, u32, u32, u32) {
     (r.eax, r.ebx, r.ecx, r.edx)
 }
 
+/// This vCPU's index, from the word its GS base points at (set at CPL0 by `entry.rs`). For
+/// code that was not handed the index: reports of exceptions and panics.
+pub fn vcpu_index() -> u8 {
+    let index: u64;
+    // SAFETY: `entry.rs` points every vCPU's GS base at a word of the image holding its index
+    // before it drops to CPL3, and nothing changes GS afterwards; the load only reads it.
+    unsafe { asm!("mov {}, gs:[0]", out(reg) index, options(nostack, readonly, preserves_flags)) };
+    index as u8
+}
+
 /// `wrmsr` of `msr` = `value` at CPL3, which the entry code's #GP handler performs for
 /// IA32_TSC_DEADLINE only, halting until an interrupt: the guest's way to sleep (see
 /// `timer.rs`). Returns after the wake-up.

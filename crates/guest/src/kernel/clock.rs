@@ -23,9 +23,14 @@ struct PvClock {
 }
 const _: () = assert!(size_of::<PvClock>() == 32);
 
+/// One vCPU's kvmclock page: a `PvClock` in a 64-byte slot.
+#[repr(C, align(64))]
+struct PvClockSlot(PvClock);
+
 unsafe extern "C" {
-    /// Registered with MSR_KVM_SYSTEM_TIME_NEW by `entry.rs` when KVM offers kvmclock.
-    static pvclock: PvClock;
+    /// Slot n registered with MSR_KVM_SYSTEM_TIME_NEW by vCPU n (`entry.rs`) when KVM offers
+    /// kvmclock.
+    static pvclock: [PvClockSlot; ferry_guest_abi::smp::MAX_VCPUS];
     /// 1 if `entry.rs` registered `pvclock`.
     static kvmclock_enabled: u32;
 }
@@ -77,18 +82,38 @@ pub fn start() -> ClockInfo {
     }
 }
 
-/// Nanoseconds since the clock was created.
+/// Nanoseconds since the boot vCPU created its clock, read on one vCPU (each reads its own
+/// kvmclock page; KVM keeps them on one timeline).
 #[derive(Clone, Copy, Debug)]
 pub struct Clock {
     info: ClockInfo,
     origin: u64,
+    vcpu: usize,
 }
 
 impl Clock {
+    /// The boot vCPU's clock, reading 0 now.
     pub fn new(info: ClockInfo) -> Clock {
-        let mut c = Clock { info, origin: 0 };
+        let mut c = Clock {
+            info,
+            origin: 0,
+            vcpu: 0,
+        };
         c.origin = c.raw_ns();
         c
+    }
+
+    /// The same clock read on vCPU `vcpu`.
+    pub fn on_vcpu(&self, vcpu: usize) -> Clock {
+        Clock {
+            vcpu: vcpu.min(ferry_guest_abi::smp::MAX_VCPUS - 1),
+            ..*self
+        }
+    }
+
+    /// The vCPU this clock is read on.
+    pub fn vcpu(&self) -> u8 {
+        self.vcpu as u8
     }
 
     pub fn source(&self) -> Source {
@@ -106,7 +131,7 @@ impl Clock {
         if self.info.source != Source::KvmClock {
             return (u128::from(ns) * u128::from(self.info.tsc_hz) / 1_000_000_000) as u64;
         }
-        let p = &raw const pvclock;
+        let p = self.pvclock();
         // SAFETY: as in `raw_ns`; a torn read of the scale only misplaces one deadline, and the
         // caller looks at the clock again after waking.
         let (mul, shift) = unsafe {
@@ -123,13 +148,20 @@ impl Clock {
         }) as u64
     }
 
+    /// This vCPU's kvmclock page.
+    #[inline]
+    fn pvclock(&self) -> *const PvClock {
+        // SAFETY: only the address is taken; `vcpu` is in range (see `on_vcpu`).
+        unsafe { (&raw const pvclock[self.vcpu].0) }
+    }
+
     #[inline]
     fn raw_ns(&self) -> u64 {
         if self.info.source != Source::KvmClock {
             return (u128::from(arch::rdtsc()) * 1_000_000_000 / u128::from(self.info.tsc_hz))
                 as u64;
         }
-        let p = &raw const pvclock;
+        let p = self.pvclock();
         loop {
             // SAFETY: `pvclock` is memory the hypervisor updates; the version protocol (odd =
             // update in progress, changed = torn read) makes the volatile reads consistent.

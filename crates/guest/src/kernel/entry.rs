@@ -11,6 +11,13 @@
 //!
 //! Hand-off to Rust: `user_main(start_info)` at CPL3 with IOPL=3, interrupts off; on an
 //! exception, `exception_report(&ExceptionFrame)` at CPL3 on a stack of its own.
+//!
+//! Secondary vCPUs: the boot vCPU's Rust code asks the VMM to start vCPU n at `ap_start32`
+//! with %ebx = n (`ferry_guest_abi::smp`), once the page tables, GDT and IDT exist. Each vCPU
+//! has its own TSS (GDT slots 5+2n), kernel and exception stacks, kvmclock page and user
+//! stack; it enters long mode on the shared page tables and drops to `ap_main(n)` at CPL3.
+//! Every per-vCPU thing is an array indexed by n, so nothing here is shared but read-only
+//! tables and the exception report, which the first vCPU to fault takes.
 
 core::arch::global_asm!(
     r#"
@@ -26,6 +33,35 @@ core::arch::global_asm!(
     .balign 4
     .long pvh_start32
     .long 0
+
+    /* Long mode on the boot page tables, then a far jump to 64-bit code at \target. Clobbers
+       %eax, %ecx, %edx. */
+    .macro enter_long_mode target
+    movl %cr4, %eax
+    orl $0x620, %eax                /* PAE | OSFXSR | OSXMMEXCPT */
+    movl %eax, %cr4
+    movl $boot_pml4, %eax
+    movl %eax, %cr3
+    movl $0xc0000080, %ecx          /* EFER.LME */
+    rdmsr
+    orl $0x100, %eax
+    wrmsr
+    movl %cr0, %eax
+    andl $0xfffffffb, %eax          /* clear EM */
+    orl $0x80000022, %eax           /* PG | NE | MP */
+    movl %eax, %cr0
+    ljmpl $0x08, $\target
+    .endm
+
+    .macro flat_data_segments
+    movl $0x10, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    movl %eax, %ss
+    xorl %eax, %eax
+    movl %eax, %fs
+    movl %eax, %gs
+    .endm
 
     .section .text.boot, "ax"
     .code32
@@ -67,49 +103,13 @@ pvh_start32:
     cmpl $2048, %ecx
     jb 2b
 
-    movl %cr4, %eax
-    orl $0x620, %eax                /* PAE | OSFXSR | OSXMMEXCPT */
-    movl %eax, %cr4
-    movl $boot_pml4, %eax
-    movl %eax, %cr3
-    movl $0xc0000080, %ecx          /* EFER.LME */
-    rdmsr
-    orl $0x100, %eax
-    wrmsr
-    movl %cr0, %eax
-    andl $0xfffffffb, %eax          /* clear EM */
-    orl $0x80000022, %eax           /* PG | NE | MP */
-    movl %eax, %cr0
-    ljmpl $0x08, $long_mode_start
+    enter_long_mode long_mode_start
 
     .code64
 long_mode_start:
-    movl $0x10, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    movl %eax, %ss
-    xorl %eax, %eax
-    movl %eax, %fs
-    movl %eax, %gs
+    flat_data_segments
     leaq boot_stack_top(%rip), %rsp
     movl %esi, %r12d                /* start_info, kept in %r12 from here on */
-
-    /* TSS descriptor in GDT slots 5-6: base = tss, limit = 103, type 0x89 (available). */
-    leaq tss(%rip), %rax
-    movq %rax, %rdx
-    andq $0xffffff, %rdx
-    shlq $16, %rdx
-    orq $103, %rdx
-    movabsq $0x0000890000000000, %rcx
-    orq %rcx, %rdx
-    movq %rax, %rcx
-    shrq $24, %rcx
-    andq $0xff, %rcx
-    shlq $56, %rcx
-    orq %rcx, %rdx
-    movq %rdx, gdt+40(%rip)
-    shrq $32, %rax
-    movq %rax, gdt+48(%rip)
 
     /* IDT: vectors 0-31 to the exception stubs, on IST1. */
     leaq idt(%rip), %rdi
@@ -134,12 +134,97 @@ long_mode_start:
     leaq spurious_interrupt(%rip), %rax
     call make_gate
     movb $0, 4(%rdi)
+    xorl %r13d, %r13d               /* this is vCPU 0 */
+    call cpu_setup
+
+    /* Drop to CPL3: user_main(start_info) on the user stack, RFLAGS = IOPL3, IF = 0. */
+    movl %r12d, %edi
+    leaq user_stack_top-8(%rip), %rax
+    leaq user_main(%rip), %rcx
+    jmp enter_user
+
+/* A secondary vCPU, started by the VMM at the boot vCPU's request (see the module comment):
+   32-bit flat protected mode, %ebx = its index. The boot vCPU built every table it needs. */
+    .code32
+    .global ap_start32
+ap_start32:
+    cli
+    cld
+    lgdtl gdt_pointer
+    enter_long_mode ap_long_mode
+
+    .code64
+ap_long_mode:
+    flat_data_segments
+    movl %ebx, %r13d
+    leaq 1(%r13), %rax
+    shlq $12, %rax
+    leaq kernel_stacks(%rip), %rsp
+    addq %rax, %rsp
+    call cpu_setup
+    /* ap_main(n) on its user stack, slot n of ap_user_stacks. */
+    movl %r13d, %edi
+    leaq 1(%r13), %rax
+    shlq $15, %rax
+    leaq ap_user_stacks-8(%rip), %rcx
+    addq %rcx, %rax
+    leaq ap_main(%rip), %rcx
+    jmp enter_user
+
+/* What every vCPU sets up for itself, vCPU %r13: its TSS (RSP0 and IST1 on its own stacks) in
+   GDT slots 5+2n, the IDT, its GS base, and kvmclock on its own pvclock page. Clobbers every register but
+   %r12, %r13 and %rsp. */
+cpu_setup:
+    movq %r13, %rdi
+    shlq $7, %rdi
+    leaq tss(%rip), %rax
+    addq %rax, %rdi                 /* %rdi = this vCPU's TSS */
+    leaq 1(%r13), %rax
+    shlq $12, %rax
+    leaq kernel_stacks(%rip), %rdx
+    addq %rax, %rdx
+    movq %rdx, 4(%rdi)              /* RSP0 */
+    leaq exception_stacks(%rip), %rdx
+    addq %rax, %rdx
+    movq %rdx, 36(%rdi)             /* IST1 */
+    movw $104, 102(%rdi)            /* I/O bitmap offset past the TSS: none (IOPL=3 suffices) */
+
+    /* TSS descriptor: base = %rdi, limit = 103, type 0x89 (available). */
+    movq %rdi, %rax
+    movq %rax, %rdx
+    andq $0xffffff, %rdx
+    shlq $16, %rdx
+    orq $103, %rdx
+    movabsq $0x0000890000000000, %rcx
+    orq %rcx, %rdx
+    movq %rax, %rcx
+    shrq $24, %rcx
+    andq $0xff, %rcx
+    shlq $56, %rcx
+    orq %rcx, %rdx
+    movq %r13, %rcx
+    shlq $4, %rcx
+    leaq gdt+40(%rip), %rsi
+    addq %rcx, %rsi
+    movq %rdx, (%rsi)
+    shrq $32, %rax
+    movq %rax, 8(%rsi)
     lidt idt_pointer(%rip)
-    movw $0x28, %ax
+    leal 0x28(%ecx), %eax
     ltr %ax
 
+    /* GS base -> this vCPU's slot of vcpu_ids, which holds its index: how CPL3 code that was
+       not handed the index (exception and panic reports) learns it, with `mov %gs:0`. */
+    leaq vcpu_ids(%rip), %rax
+    leaq (%rax,%r13,8), %rax
+    movq %r13, (%rax)
+    movq %rax, %rdx
+    shrq $32, %rdx
+    movl $0xc0000101, %ecx          /* IA32_GS_BASE */
+    wrmsr
+
     /* kvmclock: if CPUID 0x40000000 says "KVMKVMKVM" and 0x40000001 has CLOCKSOURCE2 (bit 3),
-       register the pvclock page through MSR_KVM_SYSTEM_TIME_NEW. */
+       register this vCPU's pvclock page through MSR_KVM_SYSTEM_TIME_NEW. */
     movl $0x40000000, %eax
     xorl %ecx, %ecx
     cpuid
@@ -157,17 +242,15 @@ long_mode_start:
     testl $8, %eax
     jz 6f
     movl $0x4b564d01, %ecx
-    leaq pvclock(%rip), %rax
+    movq %r13, %rax
+    shlq $6, %rax
+    leaq pvclock(%rip), %rdx
+    addq %rdx, %rax
     orq $1, %rax
     xorl %edx, %edx
     wrmsr
     movl $1, kvmclock_enabled(%rip)
-6:
-    /* Drop to CPL3: user_main(start_info) on the user stack, RFLAGS = IOPL3, IF = 0. */
-    movl %r12d, %edi
-    leaq user_stack_top-8(%rip), %rax
-    leaq user_main(%rip), %rcx
-    jmp enter_user
+6:  ret
 
 /* iretq to CPL3 at %rcx with stack %rax (already 8 below a 16-byte boundary, as after a call). */
 enter_user:
@@ -309,9 +392,8 @@ gp_fault:
 /* Copy the frame (vector, error, rip, cs, rflags, rsp, ss) and CR2 to exception_frame, then
    report at CPL3 on the report stack. An exception while reporting halts on the spot. */
 exception_common:
-    cmpl $0, exception_seen(%rip)
-    jne 7f
-    movl $1, exception_seen(%rip)
+    lock btsl $0, exception_seen(%rip)
+    jc 7f
     leaq exception_frame(%rip), %rdi
     popq %rax
     movq %rax, 0(%rdi)
@@ -379,7 +461,7 @@ gdt:
     .quad 0x00cf92000000ffff        /* 0x10 kernel data */
     .quad 0x00cff2000000ffff        /* 0x18 user data, DPL 3 */
     .quad 0x00affa000000ffff        /* 0x20 user code, 64-bit, DPL 3 */
-    .quad 0, 0                      /* 0x28 TSS, filled in by long_mode_start */
+    .fill 2 * {max_vcpus}, 8, 0         /* 0x28 + 16n: vCPU n's TSS, filled in by cpu_setup */
 gdt_end:
     .balign 8
 gdt_pointer:
@@ -388,17 +470,6 @@ gdt_pointer:
 idt_pointer:
     .word 256 * 16 - 1
     .quad idt
-
-    /* 64-bit TSS (Intel SDM vol. 3, 8.7): RSP0 for CPL3 -> CPL0, IST1 for every gate. */
-    .balign 16
-tss:
-    .long 0
-    .quad kernel_stack_top
-    .quad 0, 0, 0
-    .quad exception_stack_top
-    .quad 0, 0, 0, 0, 0, 0, 0
-    .word 0
-    .word 104                       /* I/O bitmap offset past the TSS: none (IOPL=3 suffices) */
 
     .section .bss
     .balign 4096
@@ -410,25 +481,31 @@ boot_pd:    .skip 4 * 4096
 idt:        .skip 256 * 16
     .balign 64
     .global pvclock
-pvclock:    .skip 64                /* pvclock_vcpu_time_info, written by the hypervisor */
+pvclock:    .skip 64 * {max_vcpus}  /* per vCPU: pvclock_vcpu_time_info, written by the hypervisor */
     .global kvmclock_enabled
 kvmclock_enabled: .skip 8
     .global exception_frame
 exception_frame: .skip 64
 exception_seen: .skip 8
+vcpu_ids:   .skip 8 * {max_vcpus}
+    /* 64-bit TSSs (Intel SDM vol. 3, 8.7), 128 bytes apart: RSP0 for CPL3 -> CPL0, IST1 for
+       every gate. */
+    .balign 128
+tss:        .skip 128 * {max_vcpus}
     .balign 16
 boot_stack: .skip 16384
 boot_stack_top:
-kernel_stack: .skip 4096
-kernel_stack_top:
-exception_stack: .skip 4096
-exception_stack_top:
+kernel_stacks: .skip 4096 * {max_vcpus}
+exception_stacks: .skip 4096 * {max_vcpus}
 report_stack: .skip 32768
 report_stack_top:
 user_stack: .skip 65536
 user_stack_top:
+    /* Secondary vCPUs' user stacks, 32 KiB each (slot 0 unused: vCPU 0 has user_stack). */
+ap_user_stacks: .skip 32768 * {max_vcpus}
 "#,
     exit_port = const ferry_guest_abi::EXIT_PORT,
     timer_vector = const super::timer::VECTOR,
+    max_vcpus = const ferry_guest_abi::smp::MAX_VCPUS,
     options(att_syntax)
 );

@@ -59,8 +59,9 @@ extern "C" fn exception_report(frame: &ExceptionFrame) -> ! {
     let name = EXCEPTION_NAMES
         .get(frame.vector as usize)
         .unwrap_or(&"unknown");
+    let vcpu = arch::vcpu_index();
     crate::sprintln!(
-        "ferry-guest: exception {} ({}) at RIP {:#x} (CPL {}), error code {:#x}, CR2 {:#x}, RSP {:#x}, SS {:#x}, RFLAGS {:#x}; halting",
+        "ferry-guest: vCPU {vcpu}: exception {} ({}) at RIP {:#x} (CPL {}), error code {:#x}, CR2 {:#x}, RSP {:#x}, SS {:#x}, RFLAGS {:#x}; halting",
         frame.vector,
         name,
         frame.rip,
@@ -79,6 +80,7 @@ extern "C" fn exception_report(frame: &ExceptionFrame) -> ! {
     detail[report::exception::CS] = frame.cs;
     telemetry::send(&Report {
         kind: Kind::Exception as u16,
+        vcpu,
         detail,
         ..Report::default()
     });

@@ -13,6 +13,7 @@ pub mod freemem;
 pub mod libc;
 pub mod memory;
 pub mod serial;
+pub mod smp;
 pub mod telemetry;
 pub mod timer;
 pub mod workload;

@@ -14,7 +14,7 @@ use super::boot_info::BootInfo;
 use super::clock::{self, Clock};
 use super::freemem::{FreeMemError, FreeMemory};
 use super::timer::Timer;
-use super::{arch, boot, memory, telemetry};
+use super::{arch, boot, memory, smp, telemetry};
 use crate::sprintln;
 
 /// Pages written between clock reads: ~100 us of flat-out writing, fine enough for 1 ms
@@ -110,7 +110,23 @@ extern "C" fn user_main(start_info: u64) -> ! {
             }
         }
     };
-    Workload::new(params, plan, clock, free).run()
+    smp::start_all(smp::Setup {
+        params,
+        plan,
+        clock,
+    });
+    Workload::new(params, plan.share(0, u64::from(params.vcpus)), clock, free).run()
+}
+
+/// A secondary vCPU's first Rust code: `entry.rs` drops here at CPL3 with its index, after
+/// the boot vCPU published the setup and asked the VMM to start it.
+#[unsafe(no_mangle)]
+extern "C" fn ap_main(vcpu: u64) -> ! {
+    let setup = smp::setup();
+    let n = u64::from(setup.params.vcpus);
+    let share = setup.plan.share(vcpu, n);
+    let clock = setup.clock.on_vcpu(vcpu as usize);
+    Workload::new(setup.params, share, clock, None).run()
 }
 
 /// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
@@ -139,6 +155,7 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
     detail[report::boot::HEARTBEAT_MS] = u64::from(p.heartbeat_ms);
     detail[report::boot::CLOCK] = clock.source() as u64;
     detail[report::boot::HOT_PERCENT] = u64::from(p.hot_percent);
+    detail[report::boot::VCPUS] = u64::from(p.vcpus);
     telemetry::send(&Report {
         kind: Kind::Boot as u16,
         guest_ns: clock.now_ns(),
@@ -159,7 +176,7 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
         ..Report::default()
     });
     sprintln!(
-        "ferry-guest: {} MiB RAM, working set {} MiB ({} pages at frame {:#x}), pattern {}, rate {}, zero {}%, verify every {} ms, clock {:?}",
+        "ferry-guest: {} MiB RAM, working set {} MiB ({} pages at frame {:#x}), pattern {}, rate {}, zero {}%, verify every {} ms, clock {:?}, {} vCPU(s)",
         boot.ram_bytes >> 20,
         (plan.pages * PAGE_SIZE) >> 20,
         plan.pages,
@@ -168,7 +185,8 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
         RateText(p.rate),
         p.zero_percent,
         p.verify_ms,
-        clock.source()
+        clock.source(),
+        p.vcpus
     );
 }
 
@@ -197,6 +215,7 @@ impl Counters {
     fn report(&self, kind: Kind, clock: &Clock, detail: [u64; report::DETAIL_WORDS]) -> Report {
         Report {
             kind: kind as u16,
+            vcpu: clock.vcpu(),
             seq: 0,
             guest_ns: clock.now_ns(),
             pages_written: self.pages_written,
@@ -236,8 +255,11 @@ struct Workload {
     max_batch_ns: u64,
     slow_batches: u64,
     slow_batch_ns: u64,
-    /// Free memory, its churn and the balloon (`free=`, `churn=`, a virtio-mmio device).
+    /// Free memory, its churn and the balloon (`free=`, `churn=`, a virtio-mmio device); the
+    /// boot vCPU's only.
     free: Option<FreeMemory>,
+    /// The clock's last reading: it must never go back, across a migration least of all.
+    last_now: u64,
 }
 
 impl Workload {
@@ -250,15 +272,18 @@ impl Workload {
                 Some(Pace::new(u64::from(mb) * 1_000_000, clock.now_ns()))
             }
         };
+        // vCPU 0 keeps the seed as given, so a one-vCPU guest writes what it always did.
+        let seed = p.seed.wrapping_add(u64::from(clock.vcpu()));
         Workload {
-            picker: Picker::new(p.pattern, plan.pages, p.hot_percent, p.seed),
+            picker: Picker::new(p.pattern, plan.pages, p.hot_percent, seed),
             p,
             plan,
             clock,
             record,
             pace,
             timer: Timer::start(),
-            reads: Rng::new(p.seed ^ 0x7265_6164),
+            reads: Rng::new(seed ^ 0x7265_6164),
+            last_now: 0,
             pages_read: 0,
             bad_reads: 0,
             cursor: 0,
@@ -316,7 +341,11 @@ impl Workload {
             }
         }
         self.counters.pages_written += self.plan.pages;
-        sprintln!("ferry-guest: prefilled {} pages", self.plan.pages);
+        sprintln!(
+            "ferry-guest: vCPU {} prefilled {} pages",
+            self.clock.vcpu(),
+            self.plan.pages
+        );
     }
 
     fn run(mut self) -> ! {
@@ -346,7 +375,17 @@ impl Workload {
                 telemetry::send(&hb);
                 next_heartbeat = now + every(self.p.heartbeat_ms);
             }
-            if self.p.log_ms != 0 && now >= next_log {
+            if now < self.last_now {
+                self.counters.verify_failures += 1;
+                sprintln!(
+                    "ferry-guest: VERIFY FAILED: vCPU {}'s clock went back from {} to {} ns",
+                    self.clock.vcpu(),
+                    self.last_now,
+                    now
+                );
+            }
+            self.last_now = now;
+            if self.p.log_ms != 0 && now >= next_log && self.clock.vcpu() == 0 {
                 let (t0, w0) = last_log;
                 let rate = (self.counters.pages_written - w0) * 1000 / ((now - t0) / MS).max(1);
                 sprintln!(
@@ -377,10 +416,16 @@ impl Workload {
                 }
             }
             if self.p.run_ms != 0 && now >= every(self.p.run_ms) {
-                halt_with(HaltReason::RunTimeElapsed, &self.counters, &self.clock);
+                self.stop_for_good();
             }
-            if self.p.fault_after_ms != 0 && now >= every(self.p.fault_after_ms) {
-                sprintln!("ferry-guest: fault-after-ms reached, executing ud2");
+            if self.p.fault_after_ms != 0
+                && now >= every(self.p.fault_after_ms)
+                && self.clock.vcpu() == self.p.fault_vcpu
+            {
+                sprintln!(
+                    "ferry-guest: fault-after-ms reached, vCPU {} executing ud2",
+                    self.clock.vcpu()
+                );
                 arch::undefined_instruction();
             }
             let n = match &mut self.pace {
@@ -419,6 +464,30 @@ impl Workload {
                 self.slow_batch_ns += took;
             }
         }
+    }
+
+    /// `run-ms` elapsed: a secondary vCPU parks for good; the boot vCPU waits (briefly) for
+    /// them and halts the machine, so every vCPU's last counts were reported.
+    fn stop_for_good(&self) -> ! {
+        let hb = self
+            .counters
+            .report(Kind::Heartbeat, &self.clock, [0; report::DETAIL_WORDS]);
+        telemetry::send(&hb);
+        if self.clock.vcpu() != 0 {
+            smp::park();
+            loop {
+                match &self.timer {
+                    Some(timer) => timer.sleep_until(&self.clock, self.clock.now_ns() + 1_000 * MS),
+                    None => core::hint::spin_loop(),
+                }
+            }
+        }
+        let others = u32::from(self.p.vcpus) - 1;
+        let give_up = self.clock.now_ns() + 100 * MS;
+        while smp::parked() < others && self.clock.now_ns() < give_up {
+            core::hint::spin_loop();
+        }
+        halt_with(HaltReason::RunTimeElapsed, &self.counters, &self.clock)
     }
 
     /// Writes `n` pages from the cursor on, in runs that stay inside one extent.
@@ -497,7 +566,8 @@ impl Workload {
         if let Some((pfn, want)) = first_bad {
             let (word_pfn, word_gen) = ferry_guest_abi::stamp::decode(memory::read_stamp(pfn));
             sprintln!(
-                "ferry-guest: VERIFY FAILED pass {}: {} bad page(s); first bad frame {:#x} holds stamp (frame {:#x}, generation {}) where (frame {:#x}, generation {}) was written",
+                "ferry-guest: VERIFY FAILED vCPU {} pass {}: {} bad page(s); first bad frame {:#x} holds stamp (frame {:#x}, generation {}) where (frame {:#x}, generation {}) was written",
+                self.clock.vcpu(),
                 self.counters.verify_passes,
                 bad,
                 pfn,

@@ -1,5 +1,6 @@
 //! The telemetry port: the guest's reports, timestamped with the host monotonic clock, folded
-//! into counters that the control API serves.
+//! into counters that the control API serves. Each vCPU reports on its own share of the
+//! working set with counters of its own; the guest's totals are their sums.
 
 use std::collections::VecDeque;
 
@@ -37,6 +38,8 @@ pub struct GuestConfig {
     pub verify_ms: u64,
     pub heartbeat_ms: u64,
     pub clock: String,
+    /// vCPUs running the workload.
+    pub vcpus: u64,
 }
 
 /// Where the working set is, from the Layout report: (first frame, pages) runs.
@@ -62,6 +65,8 @@ impl GuestLayout {
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct VerifyResult {
+    /// The vCPU that verified (its share of the working set).
+    pub vcpu: u8,
     pub pass: u64,
     pub bad_pages: u64,
     /// The first bad frame numbers, in address order.
@@ -106,6 +111,8 @@ impl GuestFreeMemory {
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct GuestException {
+    /// The vCPU that took it.
+    pub vcpu: u8,
     pub vector: u64,
     pub rip: u64,
     pub error_code: u64,
@@ -114,7 +121,61 @@ pub struct GuestException {
     pub host_ns: u64,
 }
 
-/// Everything the guest has told the VMM, with host timestamps.
+/// One vCPU's counters: its reports and its share of the working set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct VcpuTelemetry {
+    pub vcpu: u8,
+    pub reports: u64,
+    pub heartbeats: u64,
+    pub lost_reports: u64,
+    pub last_guest_ns: u64,
+    pub pages_written: u64,
+    pub verify_passes: u64,
+    pub verify_failures: u64,
+    pub bad_pages: u64,
+    pub pages_read: u64,
+    pub bad_reads: u64,
+    pub max_batch_ns: u64,
+    pub slow_batches: u64,
+    pub slow_batch_ns: u64,
+    #[serde(skip)]
+    next_seq: u64,
+}
+
+impl VcpuTelemetry {
+    /// Counters in the telemetry section, per vCPU, in this order.
+    const STATE_WORDS: usize = 8;
+
+    fn state_words(&self) -> [u64; Self::STATE_WORDS] {
+        [
+            u64::from(self.vcpu),
+            self.next_seq,
+            self.heartbeats,
+            self.last_guest_ns,
+            self.pages_written,
+            self.verify_passes,
+            self.verify_failures,
+            self.bad_pages,
+        ]
+    }
+
+    fn from_state_words(w: &[u64]) -> VcpuTelemetry {
+        VcpuTelemetry {
+            vcpu: w[0] as u8,
+            next_seq: w[1],
+            heartbeats: w[2],
+            last_guest_ns: w[3],
+            pages_written: w[4],
+            verify_passes: w[5],
+            verify_failures: w[6],
+            bad_pages: w[7],
+            ..VcpuTelemetry::default()
+        }
+    }
+}
+
+/// Everything the guest has told the VMM, with host timestamps. The counters are the sums of
+/// the vCPUs' (`vcpus`), the maxima where a sum means nothing (times).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct GuestTelemetry {
     pub config: Option<GuestConfig>,
@@ -154,10 +215,10 @@ pub struct GuestTelemetry {
     /// On a migration destination: the gap between the last report the source VMM received
     /// and the first this VMM received, i.e. the pause the guest saw across the migration.
     pub migration_pause_ns: Option<u64>,
+    /// Each reporting vCPU's own counters, by vCPU index.
+    pub vcpus: Vec<VcpuTelemetry>,
     #[serde(skip)]
     awaiting_first_report_after_migration: bool,
-    #[serde(skip)]
-    next_seq: u64,
     #[serde(skip)]
     window: VecDeque<(u64, u64)>,
     /// The Boot and Layout reports as received, carried along when the VM migrates.
@@ -165,8 +226,9 @@ pub struct GuestTelemetry {
     raw_config: Vec<[u8; REPORT_SIZE]>,
 }
 
-/// Counters in the telemetry section, in [`GuestTelemetry::encode_state`] order.
-const STATE_WORDS: usize = 13;
+/// Words in the telemetry section before the vCPUs', in [`GuestTelemetry::encode_state`]
+/// order; the last is the number of vCPUs that follow.
+const STATE_WORDS: usize = 6;
 
 impl GuestTelemetry {
     /// Decodes and records the report bytes the guest pointed at, received at `host_ns`.
@@ -195,8 +257,6 @@ impl GuestTelemetry {
     /// Folds one report in.
     pub fn record(&mut self, r: &Report, host_ns: u64) {
         self.reports += 1;
-        self.lost_reports += r.seq.saturating_sub(self.next_seq);
-        self.next_seq = self.next_seq.max(r.seq + 1);
         if let Some(last) = self.last_report_host_ns {
             let gap = host_ns.saturating_sub(last);
             self.max_report_gap_ns = self.max_report_gap_ns.max(gap);
@@ -206,6 +266,10 @@ impl GuestTelemetry {
         }
         self.first_report_host_ns.get_or_insert(host_ns);
         self.last_report_host_ns = Some(host_ns);
+        let v = self.vcpu_mut(r.vcpu);
+        v.reports += 1;
+        v.lost_reports += r.seq.saturating_sub(v.next_seq);
+        v.next_seq = v.next_seq.max(r.seq + 1);
         let d = &r.detail;
         match r.kind() {
             Kind::Boot => {
@@ -226,7 +290,9 @@ impl GuestTelemetry {
                         _ => "tsc (guessed frequency)",
                     }
                     .to_string(),
+                    vcpus: d[report::boot::VCPUS].max(1),
                 });
+                self.sum_vcpus();
                 return;
             }
             Kind::Layout => {
@@ -243,10 +309,12 @@ impl GuestTelemetry {
                         .collect(),
                     record_gpa: d[report::layout::RECORD],
                 });
+                self.sum_vcpus();
                 return;
             }
             Kind::Exception => {
                 self.exception = Some(GuestException {
+                    vcpu: r.vcpu,
                     vector: d[report::exception::VECTOR],
                     rip: d[report::exception::RIP],
                     error_code: d[report::exception::ERROR_CODE],
@@ -254,20 +322,18 @@ impl GuestTelemetry {
                     cpl: d[report::exception::CS] & 3,
                     host_ns,
                 });
+                self.sum_vcpus();
                 return;
             }
             Kind::Heartbeat => {
-                self.heartbeats += 1;
-                self.bad_pages_total = self
-                    .bad_pages_total
-                    .max(d[report::heartbeat::BAD_PAGES_TOTAL]);
-                self.max_batch_ns = self.max_batch_ns.max(d[report::heartbeat::MAX_BATCH_NS]);
-                self.slow_batches = self.slow_batches.max(d[report::heartbeat::SLOW_BATCHES]);
-                self.slow_batch_ns = self
-                    .slow_batch_ns
-                    .max(d[report::heartbeat::SLOW_BATCH_TIME_NS]);
-                self.pages_read = self.pages_read.max(d[report::heartbeat::PAGES_READ]);
-                self.bad_reads = self.bad_reads.max(d[report::heartbeat::BAD_READS]);
+                use report::heartbeat::*;
+                v.heartbeats += 1;
+                v.bad_pages = v.bad_pages.max(d[BAD_PAGES_TOTAL]);
+                v.max_batch_ns = v.max_batch_ns.max(d[MAX_BATCH_NS]);
+                v.slow_batches = v.slow_batches.max(d[SLOW_BATCHES]);
+                v.slow_batch_ns = v.slow_batch_ns.max(d[SLOW_BATCH_TIME_NS]);
+                v.pages_read = v.pages_read.max(d[PAGES_READ]);
+                v.bad_reads = v.bad_reads.max(d[BAD_READS]);
                 let free = GuestFreeMemory::from_heartbeat(d);
                 if free != GuestFreeMemory::default() {
                     self.free_memory = Some(free);
@@ -275,52 +341,93 @@ impl GuestTelemetry {
             }
             Kind::Verify => {
                 let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);
-                let v = VerifyResult {
+                let result = VerifyResult {
+                    vcpu: r.vcpu,
                     pass: d[report::verify::PASS],
                     bad_pages: d[report::verify::BAD_PAGES],
                     first_bad_pfns: d[report::verify::FIRST_BAD..][..listed].to_vec(),
                     duration_ns: d[report::verify::DURATION_NS],
                     host_ns,
                 };
-                if v.bad_pages > 0 {
-                    self.bad_pages_total += v.bad_pages;
-                    self.first_failed_verify.get_or_insert_with(|| v.clone());
+                if result.bad_pages > 0 {
+                    v.bad_pages += result.bad_pages;
+                    self.first_failed_verify
+                        .get_or_insert_with(|| result.clone());
                 }
-                self.last_verify = Some(v);
+                self.last_verify = Some(result);
             }
             Kind::Halt => {
                 self.halt_reason = Some(HaltReason::from_u64(d[0]).describe().to_string())
             }
-            Kind::Invalid => return,
+            Kind::Invalid => {
+                self.sum_vcpus();
+                return;
+            }
         }
         // Counters are cumulative in the guest; never let a stale report move them back.
-        self.last_guest_ns = self.last_guest_ns.max(r.guest_ns);
-        self.pages_written = self.pages_written.max(r.pages_written);
-        self.verify_passes = self.verify_passes.max(r.verify_passes);
-        self.verify_failures = self.verify_failures.max(r.verify_failures);
+        let v = self.vcpu_mut(r.vcpu);
+        v.last_guest_ns = v.last_guest_ns.max(r.guest_ns);
+        v.pages_written = v.pages_written.max(r.pages_written);
+        v.verify_passes = v.verify_passes.max(r.verify_passes);
+        v.verify_failures = v.verify_failures.max(r.verify_failures);
+        self.sum_vcpus();
         self.update_rate(host_ns);
     }
 
-    /// The state a destination VMM needs to continue this telemetry seamlessly: the counters,
-    /// the report sequence, the last report's host time (so the pause across the migration
-    /// shows as one gap), and the Boot and Layout reports.
+    /// vCPU `vcpu`'s counters, new ones in index order.
+    fn vcpu_mut(&mut self, vcpu: u8) -> &mut VcpuTelemetry {
+        let at = match self.vcpus.binary_search_by_key(&vcpu, |v| v.vcpu) {
+            Ok(at) => at,
+            Err(at) => {
+                self.vcpus.insert(
+                    at,
+                    VcpuTelemetry {
+                        vcpu,
+                        ..VcpuTelemetry::default()
+                    },
+                );
+                at
+            }
+        };
+        &mut self.vcpus[at]
+    }
+
+    /// The guest's counters from its vCPUs'.
+    fn sum_vcpus(&mut self) {
+        let sum = |f: fn(&VcpuTelemetry) -> u64| self.vcpus.iter().map(f).sum::<u64>();
+        let max = |f: fn(&VcpuTelemetry) -> u64| self.vcpus.iter().map(f).max().unwrap_or(0);
+        self.heartbeats = sum(|v| v.heartbeats);
+        self.lost_reports = sum(|v| v.lost_reports);
+        self.pages_written = sum(|v| v.pages_written);
+        self.verify_passes = sum(|v| v.verify_passes);
+        self.verify_failures = sum(|v| v.verify_failures);
+        self.bad_pages_total = sum(|v| v.bad_pages);
+        self.pages_read = sum(|v| v.pages_read);
+        self.bad_reads = sum(|v| v.bad_reads);
+        self.slow_batches = sum(|v| v.slow_batches);
+        self.slow_batch_ns = sum(|v| v.slow_batch_ns);
+        self.max_batch_ns = max(|v| v.max_batch_ns);
+        self.last_guest_ns = max(|v| v.last_guest_ns);
+    }
+
+    /// The state a destination VMM needs to continue this telemetry seamlessly: the report
+    /// counts, the last report's host time (so the pause across the migration shows as one
+    /// gap), each vCPU's counters and report sequence, and the Boot and Layout reports.
     pub fn encode_state(&self) -> Vec<u8> {
         let words: [u64; STATE_WORDS] = [
-            self.next_seq,
             self.last_report_host_ns.unwrap_or(0),
             self.first_report_host_ns.unwrap_or(0),
             self.max_report_gap_ns,
             self.reports,
-            self.heartbeats,
-            self.lost_reports,
             self.invalid_reports,
-            self.pages_written,
-            self.verify_passes,
-            self.verify_failures,
-            self.bad_pages_total,
-            self.last_guest_ns,
+            self.vcpus.len() as u64,
         ];
-        let mut v: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let vcpus = self.vcpus.iter().flat_map(VcpuTelemetry::state_words);
+        let mut v: Vec<u8> = words
+            .into_iter()
+            .chain(vcpus)
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
         for raw in &self.raw_config {
             v.extend_from_slice(raw);
         }
@@ -332,17 +439,30 @@ impl GuestTelemetry {
             device: "telemetry port",
             reason,
         };
-        let head = STATE_WORDS * 8;
+        let word = |i: usize| {
+            b.get(8 * i..8 * i + 8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+        };
+        let count = word(STATE_WORDS - 1)
+            .filter(|&n| n <= ferry_guest_abi::smp::MAX_VCPUS as u64)
+            .ok_or_else(|| {
+                malformed(format!(
+                    "{} bytes, or more than {} vCPUs",
+                    b.len(),
+                    ferry_guest_abi::smp::MAX_VCPUS
+                ))
+            })? as usize;
+        let head = (STATE_WORDS + count * VcpuTelemetry::STATE_WORDS) * 8;
         if b.len() < head
             || !(b.len() - head).is_multiple_of(REPORT_SIZE)
             || b.len() > head + 2 * REPORT_SIZE
         {
             return Err(malformed(format!(
-                "{} bytes, want {head} plus up to two {REPORT_SIZE}-byte reports",
+                "{} bytes, want {head} for {count} vCPUs plus up to two {REPORT_SIZE}-byte reports",
                 b.len()
             )));
         }
-        let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+        let w = |i: usize| word(i).expect("length checked");
         let mut t = GuestTelemetry::default();
         for raw in b[head..].chunks_exact(REPORT_SIZE) {
             let raw: &[u8; REPORT_SIZE] = raw.try_into().unwrap();
@@ -350,19 +470,22 @@ impl GuestTelemetry {
                 .map_err(|e| malformed(format!("a carried report: {e:?}")))?;
         }
         let nonzero = |v: u64| (v != 0).then_some(v);
-        t.next_seq = w(0);
-        t.last_report_host_ns = nonzero(w(1));
-        t.first_report_host_ns = nonzero(w(2));
-        t.max_report_gap_ns = w(3);
-        t.reports = w(4);
-        t.heartbeats = w(5);
-        t.lost_reports = w(6);
-        t.invalid_reports = w(7);
-        t.pages_written = w(8);
-        t.verify_passes = w(9);
-        t.verify_failures = w(10);
-        t.bad_pages_total = w(11);
-        t.last_guest_ns = w(12);
+        t.last_report_host_ns = nonzero(w(0));
+        t.first_report_host_ns = nonzero(w(1));
+        t.max_report_gap_ns = w(2);
+        t.reports = w(3);
+        t.invalid_reports = w(4);
+        t.vcpus = (0..count)
+            .map(|k| {
+                let at = STATE_WORDS + k * VcpuTelemetry::STATE_WORDS;
+                let words: Vec<u64> = (at..at + VcpuTelemetry::STATE_WORDS).map(w).collect();
+                VcpuTelemetry::from_state_words(&words)
+            })
+            .collect();
+        if t.vcpus.windows(2).any(|p| p[0].vcpu >= p[1].vcpu) {
+            return Err(malformed("vCPUs out of order or repeated".into()));
+        }
+        t.sum_vcpus();
         t.window.clear();
         t.awaiting_first_report_after_migration = true;
         Ok(t)
@@ -461,6 +584,7 @@ mod tests {
         assert_eq!(back.heartbeats, 1);
         assert_eq!(back.last_report_host_ns, Some(10));
         assert_eq!(back.config.clone().unwrap().working_set_pages, 77);
+        assert_eq!(back.vcpus.len(), 1);
         let mut back = back;
         back.record(&heartbeat(2, 2000), 110);
         assert_eq!(
@@ -475,6 +599,32 @@ mod tests {
             "only the first gap counts"
         );
         assert!(GuestTelemetry::decode_state(&[0; 7]).is_err());
+    }
+
+    #[test]
+    fn each_vcpu_counts_its_own_and_the_guest_sums_them() {
+        let mut t = GuestTelemetry::default();
+        for (vcpu, seq, pages) in [(0, 0, 100), (3, 0, 30), (3, 2, 50), (0, 1, 120)] {
+            let mut r = heartbeat(seq, pages);
+            r.vcpu = vcpu;
+            t.record(&r, 10 + seq);
+        }
+        assert_eq!(t.pages_written, 170);
+        assert_eq!(t.heartbeats, 4);
+        assert_eq!(t.lost_reports, 1, "vCPU 3 skipped its report 1");
+        assert_eq!(
+            t.vcpus.iter().map(|v| v.vcpu).collect::<Vec<_>>(),
+            vec![0, 3]
+        );
+        let back = GuestTelemetry::decode_state(&t.encode_state()).unwrap();
+        assert_eq!(back.vcpus[1].pages_written, 50);
+        assert_eq!(back.pages_written, 170);
+        let mut bad = t.encode_state();
+        bad[8 * STATE_WORDS..8 * STATE_WORDS + 8].copy_from_slice(&5u64.to_le_bytes());
+        assert!(
+            GuestTelemetry::decode_state(&bad).is_err(),
+            "vCPU 5 before vCPU 3"
+        );
     }
 
     #[test]

@@ -16,8 +16,8 @@ use crate::memory::GuestRam;
 
 /// The section id of the telemetry state.
 pub const SECTION: SectionId = SectionId(4);
-/// Version of the telemetry section layout.
-pub const VERSION: u32 = 1;
+/// Version of the telemetry section layout (2: counters per vCPU).
+pub const VERSION: u32 = 2;
 /// The port takes one 32-bit write.
 pub const LEN: u64 = 4;
 

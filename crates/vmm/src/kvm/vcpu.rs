@@ -1,6 +1,8 @@
 //! A vCPU: PVH entry state, the run loop, and what each exit means.
 
-use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_regs, kvm_segment, kvm_sregs};
+use kvm_bindings::{
+    KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE, kvm_mp_state, kvm_regs, kvm_segment, kvm_sregs,
+};
 use kvm_ioctls::{Cap, VcpuExit, VcpuFd};
 
 use super::{KvmError, KvmVm};
@@ -54,13 +56,26 @@ pub fn cpuid_digest(vcpu: &VcpuFd) -> Result<String, KvmError> {
 /// Puts vCPU 0 in PVH entry state: flat 32-bit protected mode at `boot.entry` with %ebx =
 /// start_info.
 pub fn set_pvh_entry(vcpu: &VcpuFd, boot: &BootSetup) -> Result<(), KvmError> {
-    let err = |what| {
-        move |source| KvmError::Vcpu {
-            id: 0,
-            what,
-            source,
-        }
-    };
+    set_entry_state(vcpu, 0, boot.entry, boot.start_info)
+}
+
+/// Starts secondary vCPU `id` as the guest asked (`ferry_guest_abi::smp`): PVH's entry state
+/// at `entry` with %ebx = `arg`, and runnable (out of KVM's wait-for-SIPI).
+pub fn start_secondary(vcpu: &VcpuFd, id: u8, entry: u64, arg: u64) -> Result<(), KvmError> {
+    set_entry_state(vcpu, id, entry, arg)?;
+    vcpu.set_mp_state(kvm_mp_state {
+        mp_state: KVM_MP_STATE_RUNNABLE,
+    })
+    .map_err(|source| KvmError::Vcpu {
+        id,
+        what: "make it runnable",
+        source,
+    })
+}
+
+/// Flat 32-bit protected mode, paging off, at `entry` with %ebx = `ebx`.
+fn set_entry_state(vcpu: &VcpuFd, id: u8, entry: u64, ebx: u64) -> Result<(), KvmError> {
+    let err = |what| move |source| KvmError::Vcpu { id, what, source };
     let mut sregs = vcpu.get_sregs().map_err(err("read special registers"))?;
     let code = flat_segment(0x08, 0xb);
     let data = flat_segment(0x10, 0x3);
@@ -73,8 +88,8 @@ pub fn set_pvh_entry(vcpu: &VcpuFd, boot: &BootSetup) -> Result<(), KvmError> {
         .map_err(err("set special registers"))?;
 
     let regs = kvm_regs {
-        rip: boot.entry,
-        rbx: boot.start_info,
+        rip: entry,
+        rbx: ebx,
         rflags: PVH_RFLAGS,
         ..Default::default()
     };

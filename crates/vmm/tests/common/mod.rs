@@ -107,18 +107,32 @@ impl TestVm {
 pub fn verifies_clean(dst: &Vm, passes: u64) -> GuestTelemetry {
     let dh = dst.handle();
     let resumed = dh.telemetry();
+    let vcpus = resumed.config.as_ref().map_or(1, |c| c.vcpus) as usize;
     let after = wait_for_telemetry(
         &dh,
-        "verify passes on the destination",
+        &format!("{passes} verify passes on each of {vcpus} vCPUs on the destination"),
         Duration::from_secs(60),
-        |g| g.verify_passes >= resumed.verify_passes + passes,
+        |g| {
+            g.vcpus.len() == vcpus
+                && g.vcpus.iter().all(|v| {
+                    let before = resumed.vcpus.iter().find(|r| r.vcpu == v.vcpu);
+                    v.verify_passes >= before.map_or(0, |r| r.verify_passes) + passes
+                })
+        },
     );
     assert_eq!(
         after.verify_failures, 0,
         "a bad page after migration: {:?}",
         after.first_failed_verify
     );
-    assert!(after.heartbeats > resumed.heartbeats, "heartbeats continue");
+    for v in &after.vcpus {
+        let before = resumed.vcpus.iter().find(|r| r.vcpu == v.vcpu);
+        assert!(
+            v.heartbeats > before.map_or(0, |r| r.heartbeats),
+            "vCPU {}'s heartbeats continue",
+            v.vcpu
+        );
+    }
     assert_eq!(
         after.bad_reads, 0,
         "the guest read a page that did not hold its last write"
