@@ -7,7 +7,7 @@ use std::path::Path;
 
 use common::{ferry_output, stderr};
 use ferry_migrate::stats::{Downtime, PassStats, Sample};
-use ferry_migrate::{MigrationStats, Phase};
+use ferry_migrate::{MigrationStats, Phase, StatePart};
 
 /// A migration of `passes` precopy passes of 100 ms each, then a 40 ms switchover.
 fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
@@ -67,12 +67,27 @@ fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
             transfer_ms: 20.0,
             load_ms: 4.0,
             resume_ms: 0.5,
+            state_bytes: 40_960,
+            save_parts: vec![
+                part("vcpu 0", 0.3),
+                part("vcpu 1", 0.1),
+                part("vm clock", 0.05),
+            ],
+            load_parts: vec![part("vcpu 0", 2.0), part("serial port 0", 1.5)],
         },
         bytes_sent: sent,
         passes: pass_rows,
         timeline,
         converged: true,
         ..MigrationStats::default()
+    }
+}
+
+fn part(name: &str, ms: f64) -> StatePart {
+    StatePart {
+        name: name.into(),
+        ms,
+        bytes: 4096,
     }
 }
 
@@ -109,6 +124,8 @@ fn ferry_report_draws_the_timeline_downtime_and_passes_of_a_run() {
         "pause 2.0 ms",
         "final pages 12.0 ms",
         "transfer 20.0 ms",
+        "save: 2 vCPUs 0.40 ms (slowest vcpu 0 0.300 ms), vm clock 0.050 ms",
+        "load: 1 vCPUs 2.00 ms (slowest vcpu 0 2.000 ms), serial port 0 1.500 ms",
         "Passes",
         "duration ms",
         "final",

@@ -44,5 +44,5 @@ pub use control::{Control, Phase, Progress};
 pub use error::MigrateError;
 pub use policy::{AutoConverge, Policy, TimeoutAction};
 pub use source::SourceParams;
-pub use stats::MigrationStats;
+pub use stats::{MigrationStats, StatePart};
 pub use vm::{DestinationVm, PageLanding, Section, SourceVm, VmError};

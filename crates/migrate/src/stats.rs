@@ -35,6 +35,27 @@ pub struct Downtime {
     pub transfer_ms: f64,
     pub load_ms: f64,
     pub resume_ms: f64,
+    /// Bytes of device state (every section's data).
+    #[serde(default)]
+    pub state_bytes: u64,
+    /// Where the state save went, part by part, as the source's VMM timed it (empty when the
+    /// VMM does not say).
+    #[serde(default)]
+    pub save_parts: Vec<StatePart>,
+    /// Where the destination's state load and resume went, part by part, as its VMM timed
+    /// them (carried in the Resumed record).
+    #[serde(default)]
+    pub load_parts: Vec<StatePart>,
+}
+
+/// One part of a VMM's state save or load: a vCPU, a device, the VM clock, or a step of its
+/// own (creating vCPUs, waking their threads), named by the VMM.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatePart {
+    pub name: String,
+    pub ms: f64,
+    /// Bytes of state it saved or loaded (0 for a step).
+    pub bytes: u64,
 }
 
 /// The statistics of one migration.

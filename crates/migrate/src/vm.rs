@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::bitmap::DirtyBitmap;
 use crate::ram::RamRegion;
+use crate::stats::StatePart;
 use crate::wire::{SectionHeader, SectionId};
 
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
@@ -87,6 +88,13 @@ pub unsafe trait SourceVm: Send {
 
     /// All non-RAM state, taken while paused.
     fn save_state(&mut self) -> Result<Vec<Section>, VmError>;
+
+    /// Where the last [`SourceVm::save_state`] spent its time, part by part (a vCPU, a
+    /// device), for the downtime breakdown. A VMM that does not time its parts keeps this
+    /// default.
+    fn state_parts(&self) -> Vec<StatePart> {
+        Vec::new()
+    }
 
     /// Slows the guest down for auto-converge: every vCPU spends `percent` (0..=99) of its
     /// time asleep, in slices short enough that the guest sees a slower CPU rather than
@@ -210,6 +218,15 @@ pub unsafe trait DestinationVm: Send {
 
     /// Starts the guest. Returns how long starting took (part of the downtime breakdown).
     fn resume(&mut self) -> Result<Duration, VmError>;
+
+    /// Where the last [`DestinationVm::load_state`] and [`DestinationVm::resume`] spent their
+    /// time, part by part, for the downtime breakdown (sent to the source in Resumed; at
+    /// most [`crate::wire::MAX_STATE_PARTS`], names of at most
+    /// [`crate::wire::MAX_PART_NAME`] bytes). A VMM that does not time its parts keeps this
+    /// default.
+    fn state_parts(&self) -> Vec<StatePart> {
+        Vec::new()
+    }
 
     /// A postcopy migration failed after [`DestinationVm::resume`]: pages the guest has not
     /// received will never come, so the VM must stop for good, with `why` as its reason. vCPUs

@@ -24,4 +24,6 @@ pub mod vmconfig;
 pub use devices::serial::SerialOutput;
 pub use error::VmmError;
 pub use migration::MigrationRequest;
-pub use vm::{GuestKind, IncomingVm, RunState, StopReason, Vm, VmConfig, VmHandle, VmStatus};
+pub use vm::{
+    GuestKind, IncomingVm, Preparation, RunState, StopReason, Vm, VmConfig, VmHandle, VmStatus,
+};

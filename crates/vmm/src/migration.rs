@@ -394,7 +394,14 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
-        sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))
+        let (sections, parts) =
+            sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))?;
+        *self.shared.state_parts.lock().unwrap() = parts;
+        Ok(sections)
+    }
+
+    fn state_parts(&self) -> Vec<ferry_migrate::StatePart> {
+        self.shared.state_parts.lock().unwrap().clone()
     }
 
     /// Free page hints come from the balloon's free page queue; a VM without a balloon, or a
@@ -477,13 +484,30 @@ unsafe impl DestinationVm for IncomingVm {
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        sections::load(&self.shared, sections).map_err(|e| failed("load_state")(e.to_string()))
+        let parts = sections::load(&self.shared, sections)
+            .map_err(|e| failed("load_state")(e.to_string()))?;
+        *self.shared.state_parts.lock().unwrap() = parts;
+        Ok(())
     }
 
     fn resume(&mut self) -> Result<Duration, VmError> {
         let t = Instant::now();
-        self.start().map_err(|e| failed("resume")(e.to_string()))?;
-        Ok(t.elapsed())
+        let step = self.start().map_err(|e| failed("resume")(e.to_string()))?;
+        let took = t.elapsed();
+        self.shared
+            .state_parts
+            .lock()
+            .unwrap()
+            .push(ferry_migrate::StatePart {
+                name: step.into(),
+                ms: took.as_secs_f64() * 1e3,
+                bytes: 0,
+            });
+        Ok(took)
+    }
+
+    fn state_parts(&self) -> Vec<ferry_migrate::StatePart> {
+        self.shared.state_parts.lock().unwrap().clone()
     }
 
     fn abandon(&mut self, why: &str) {

@@ -16,8 +16,10 @@
 //! section is mandatory both ways: a destination refuses an id or instance it has no part for
 //! and a stream that lacks one of its parts.
 
-use ferry_migrate::Section;
+use std::time::Instant;
+
 use ferry_migrate::wire::SectionId;
+use ferry_migrate::{Section, StatePart};
 
 use crate::devices::{self, DeviceStateError};
 use crate::kvm::irqchip::{self, Chip};
@@ -51,6 +53,41 @@ pub enum SectionError {
     Unknown(SectionId, u32),
     #[error(transparent)]
     Version(#[from] DeviceStateError),
+    #[error("cannot create the vCPUs to load: {0}")]
+    CreateVcpus(Box<crate::VmmError>),
+}
+
+/// Times a save or load part by part, for the downtime breakdown: each [`PartTimer::mark`]
+/// ends the part that began at the previous one.
+#[derive(Debug)]
+pub struct PartTimer {
+    parts: Vec<StatePart>,
+    at: Instant,
+}
+
+impl PartTimer {
+    pub fn start() -> PartTimer {
+        PartTimer {
+            parts: Vec::new(),
+            at: Instant::now(),
+        }
+    }
+
+    /// Ends a part of `bytes` of state named `name` (built only now, off the clock's path).
+    pub fn mark(&mut self, name: impl FnOnce() -> String, bytes: usize) {
+        let now = Instant::now();
+        let ms = (now - self.at).as_secs_f64() * 1e3;
+        self.parts.push(StatePart {
+            name: name(),
+            ms,
+            bytes: bytes as u64,
+        });
+        self.at = Instant::now();
+    }
+
+    pub fn finish(self) -> Vec<StatePart> {
+        self.parts
+    }
 }
 
 fn section(id: SectionId, instance: u32, version: u32, data: Vec<u8>) -> Section {
@@ -66,46 +103,38 @@ fn instance(chip: Chip) -> u32 {
     Chip::ALL.iter().position(|&c| c == chip).unwrap() as u32
 }
 
-/// Everything but RAM, taken while the vCPUs are paused.
-pub(crate) fn save(shared: &Shared) -> Result<Vec<Section>, SectionError> {
+/// Everything but RAM, taken while the vCPUs are paused, with where the time went.
+pub(crate) fn save(shared: &Shared) -> Result<(Vec<Section>, Vec<StatePart>), SectionError> {
     let vm = &shared.kvm.vm;
-    let mut out = Vec::with_capacity(2 * shared.vcpu_fds.len() + 8);
-    for (id, vcpu) in shared.vcpu_fds.iter().enumerate() {
+    let mut timer = PartTimer::start();
+    let mut out = Vec::with_capacity(2 * shared.vcpus().len() + 8);
+    for (id, vcpu) in shared.vcpus().iter().enumerate() {
         let vcpu = vcpu.lock().unwrap();
         let id = id as u32;
-        out.push(section(
-            VCPU,
-            id,
-            state::VCPU_STATE_VERSION,
-            state::save_vcpu(vm, &vcpu, &shared.msrs)?,
-        ));
-        out.push(section(
-            LAPIC,
-            id,
-            LAPIC_VERSION,
-            irqchip::save_lapic(&vcpu)?,
-        ));
+        let vcpu_state = state::save_vcpu(vm, &vcpu, shared.msrs())?;
+        let lapic = irqchip::save_lapic(&vcpu)?;
+        timer.mark(|| format!("vcpu {id}"), vcpu_state.len() + lapic.len());
+        out.push(section(VCPU, id, state::VCPU_STATE_VERSION, vcpu_state));
+        out.push(section(LAPIC, id, LAPIC_VERSION, lapic));
     }
-    out.push(section(
-        VM_CLOCK,
-        0,
-        state::CLOCK_STATE_VERSION,
-        state::save_clock(vm)?,
-    ));
+    let clock = state::save_clock(vm)?;
+    timer.mark(|| "vm clock".into(), clock.len());
+    out.push(section(VM_CLOCK, 0, state::CLOCK_STATE_VERSION, clock));
     for chip in Chip::ALL {
         let data = irqchip::save_chip(vm, chip)?;
+        timer.mark(|| format!("irqchip {chip:?}"), data.len());
         out.push(section(IRQCHIP, instance(chip), IRQCHIP_VERSION, data));
     }
-    out.extend(shared.devices.save());
-    Ok(out)
+    out.extend(shared.devices.save(&mut timer));
+    Ok((out, timer.finish()))
 }
 
 /// Loads `sections` into a VM whose vCPUs have not run: the clock, the interrupt controller,
-/// then each vCPU with its local APIC, then the devices.
-pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionError> {
+/// then each vCPU with its local APIC, then the devices; returns where the time went.
+pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePart>, SectionError> {
     for s in sections {
         let known = match s.id {
-            VCPU | LAPIC => (s.instance as usize) < shared.vcpu_fds.len(),
+            VCPU | LAPIC => (s.instance as usize) < shared.vcpus().len(),
             VM_CLOCK => s.instance == 0,
             IRQCHIP => (s.instance as usize) < Chip::ALL.len(),
             id => shared.devices.owns(id),
@@ -113,6 +142,13 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionE
         if !known {
             return Err(SectionError::Unknown(s.id, s.instance));
         }
+    }
+    let mut timer = PartTimer::start();
+    if shared
+        .create_vcpus()
+        .map_err(|e| SectionError::CreateVcpus(Box::new(e)))?
+    {
+        timer.mark(|| "create vCPUs".into(), 0);
     }
     let vm = &shared.kvm.vm;
     let clock = find(
@@ -123,6 +159,7 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionE
         state::CLOCK_STATE_VERSION,
     )?;
     state::restore_clock(vm, clock)?;
+    timer.mark(|| "vm clock".into(), clock.len());
     for chip in Chip::ALL {
         let data = find(
             sections,
@@ -132,21 +169,26 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<(), SectionE
             IRQCHIP_VERSION,
         )?;
         irqchip::restore_chip(vm, chip, data)?;
+        timer.mark(|| format!("irqchip {chip:?}"), data.len());
     }
-    for (id, vcpu) in shared.vcpu_fds.iter().enumerate() {
+    for (id, vcpu) in shared.vcpus().iter().enumerate() {
         let id = id as u32;
         let vcpu_state = find(sections, VCPU, id, "vCPU", state::VCPU_STATE_VERSION)?;
-        let lapic = find(sections, LAPIC, id, "local APIC", LAPIC_VERSION)?;
-        let lapic = irqchip::decode_lapic(lapic)?;
+        let lapic_bytes = find(sections, LAPIC, id, "local APIC", LAPIC_VERSION)?;
+        let lapic = irqchip::decode_lapic(lapic_bytes)?;
         state::restore_vcpu(vm, &vcpu.lock().unwrap(), vcpu_state, &lapic)?;
+        timer.mark(
+            || format!("vcpu {id}"),
+            vcpu_state.len() + lapic_bytes.len(),
+        );
     }
-    shared.devices.load(sections)?;
+    shared.devices.load(sections, &mut timer)?;
     // An interrupt the balloon had pending when the source paused is raised again now that
     // the interrupt controller's state is in: raised before, it would have been overwritten.
     if let Some(balloon) = &shared.balloon {
         balloon.lock().unwrap().raise_pending();
     }
-    Ok(())
+    Ok(timer.finish())
 }
 
 /// The data of the one section `id`/`instance`, checked to be of `version`.
@@ -220,7 +262,12 @@ mod tests {
             assert!(Instant::now() < deadline, "IRQ 4 never reached the PIC");
             std::thread::sleep(Duration::from_millis(1));
         }
-        let saved = save(shared).unwrap();
+        let (saved, parts) = save(shared).unwrap();
+        let names: Vec<&str> = parts.iter().map(|p| p.name.as_str()).collect();
+        assert!(
+            names.contains(&"vcpu 0") && names.contains(&"serial port 1"),
+            "every part is named: {names:?}"
+        );
         let count = |id| saved.iter().filter(|s| s.id == id).count();
         assert_eq!(
             (
@@ -233,7 +280,8 @@ mod tests {
         );
 
         let b = incoming();
-        load(&b.shared, &saved).unwrap();
+        let parts = load(&b.shared, &saved).unwrap();
+        assert_eq!(parts.len(), names.len(), "the load names what the save did");
         assert_ne!(
             pic_irr(&b.shared) & 1 << 4,
             0,

@@ -8,7 +8,7 @@
 //! vCPU is parked, so a paused VM's memory and registers are still (and a migration may read
 //! the vCPU, whose mutex a parked thread does not hold).
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -136,15 +136,17 @@ pub(crate) struct Shared {
     pub(crate) telemetry: Arc<Mutex<GuestTelemetry>>,
     pub(crate) ram: Arc<GuestRam>,
     pub(crate) kvm: Arc<KvmVm>,
-    /// The vCPUs, by id; each one's thread holds its lock only inside `KVM_RUN` and exit
-    /// handling.
-    pub(crate) vcpu_fds: Vec<Arc<Mutex<VcpuFd>>>,
+    /// The vCPUs, by id, once created (at build, or for an unprepared destination at its
+    /// state load); each one's thread holds its lock only inside `KVM_RUN` and exit handling.
+    vcpu_fds: OnceLock<Vec<Arc<Mutex<VcpuFd>>>>,
     /// Fixed once built; each device has a lock of its own.
     pub(crate) devices: Devices,
     /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
     pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
-    /// MSRs this host lets a vCPU save and restore.
-    pub(crate) msrs: Vec<u32>,
+    /// MSRs this host lets a vCPU save and restore (found with the vCPUs).
+    msrs: OnceLock<Vec<u32>>,
+    /// Where the last state save or load (and a destination's resume) spent its time.
+    pub(crate) state_parts: Mutex<Vec<ferry_migrate::StatePart>>,
     /// What a migration's destination must match (`vmconfig.rs`).
     pub(crate) description: crate::vmconfig::VmDescription,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
@@ -197,12 +199,28 @@ pub struct VmStatus {
     pub guest: GuestTelemetry,
 }
 
-/// A VM waiting for an incoming migration: RAM, a KVM VM and a vCPU with nothing loaded.
+/// How much of a destination is made before the migration's switchover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preparation {
+    /// Everything the VM's configuration determines: RAM and its memory slots, devices, the
+    /// vCPUs (created, CPUID set) and their threads (started, parked until the guest runs).
+    /// During the downtime only state is loaded and the parked threads are woken.
+    Prepared,
+    /// RAM, memory slots and devices only (pages land in RAM during precopy); the vCPUs are
+    /// created at the state load and their threads at resume, in the downtime. The
+    /// reference `ferry bench state` measures preparation against.
+    Unprepared,
+}
+
+/// A VM waiting for an incoming migration: RAM, a KVM VM and vCPUs with nothing loaded.
 /// [`crate::migration`] implements the engine's `DestinationVm` on it.
 #[derive(Debug)]
 pub struct IncomingVm {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) running: Option<Vm>,
+    /// The vCPU threads: parked from the start when prepared, else started at resume.
+    threads: Option<Vm>,
+    /// Whether a migration resumed the guest here.
+    resumed: bool,
     /// How received pages land, if forced (see [`IncomingVm::land_pages`]).
     pub(crate) landing: Option<ferry_migrate::PageLanding>,
 }
@@ -222,22 +240,41 @@ impl Vm {
             boot::check_workload(&cmdline, &ram, setup.image_end)?;
         }
         let shared = build(&config, ram, None)?;
-        vcpu::set_pvh_entry(&shared.vcpu_fds[0].lock().unwrap(), &setup)?;
+        shared.create_vcpus()?;
+        vcpu::set_pvh_entry(&shared.vcpus()[0].lock().unwrap(), &setup)?;
         start(shared)
     }
 
-    /// An empty VM of `config`'s size and devices, ready to receive a migration. The kernel
-    /// and command line are not used: the guest arrives with its memory.
+    /// An empty VM of `config`'s size and devices, ready to receive a migration, prepared
+    /// ([`Preparation::Prepared`]). The kernel and command line are not used: the guest
+    /// arrives with its memory.
     pub fn incoming(config: VmConfig) -> Result<IncomingVm, VmmError> {
+        Vm::incoming_with(config, Preparation::Prepared)
+    }
+
+    /// [`Vm::incoming`], as prepared as `preparation` says.
+    pub fn incoming_with(
+        config: VmConfig,
+        preparation: Preparation,
+    ) -> Result<IncomingVm, VmmError> {
         check_config(&config)?;
         let ram = Arc::new(GuestRam::with_pages(
             config.memory_bytes,
             config.host_pages,
         )?);
         let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
+        let shared = build(&config, ram, Some(control))?;
+        let running = match preparation {
+            Preparation::Prepared => {
+                shared.create_vcpus()?;
+                Some(start(shared.clone())?)
+            }
+            Preparation::Unprepared => None,
+        };
         Ok(IncomingVm {
-            shared: build(&config, ram, Some(control))?,
-            running: None,
+            shared,
+            threads: running,
+            resumed: false,
             landing: None,
         })
     }
@@ -274,7 +311,7 @@ impl IncomingVm {
 
     /// The running VM, once the migration resumed it.
     pub fn into_running(self) -> Option<Vm> {
-        self.running
+        self.threads.filter(|_| self.resumed)
     }
 
     /// The incoming migration's progress and cancel.
@@ -285,17 +322,23 @@ impl IncomingVm {
             .expect("an incoming VM has its control")
     }
 
-    /// Starts the vCPU thread (called by the migration's resume).
-    pub(crate) fn start(&mut self) -> Result<(), VmmError> {
+    /// Runs the guest (called by the migration's resume): wakes the parked vCPU threads, or
+    /// starts them if unprepared. Returns the step, for the downtime breakdown.
+    pub(crate) fn start(&mut self) -> Result<&'static str, VmmError> {
         {
             let mut c = self.shared.control.lock().unwrap();
             if let Some(r) = &c.stop_reason {
                 return Err(VmmError::Stopped(r.to_string()));
             }
             c.desired = RunState::Running;
+            self.shared.changed.notify_all();
         }
-        self.running = Some(start(self.shared.clone())?);
-        Ok(())
+        self.resumed = true;
+        if self.threads.is_some() {
+            return Ok("wake vCPU threads");
+        }
+        self.threads = Some(start(self.shared.clone())?);
+        Ok("start vCPU threads")
     }
 }
 
@@ -328,14 +371,10 @@ fn build(
     kvm_vm.enable_manual_dirty_protect()?;
     irqchip::create(&kvm_vm.vm)?;
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
-    let vcpu_fds = (0..config.vcpus)
-        .map(|id| vcpu::create(&kvm_vm, id).map(|fd| Arc::new(Mutex::new(fd))))
-        .collect::<Result<Vec<_>, _>>()?;
-    let msrs = kvm::state::readable_msrs(&kvm_vm.kvm, &vcpu_fds[0].lock().unwrap())?;
     let description = crate::vmconfig::VmDescription {
         vcpus: config.vcpus,
         balloon: config.balloon,
-        cpuid: vcpu::cpuid_digest(&vcpu_fds[0].lock().unwrap())?,
+        cpuid: vcpu::cpuid_digest(&kvm_vm)?,
     };
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
     let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
@@ -357,14 +396,43 @@ fn build(
         telemetry,
         ram,
         kvm: Arc::new(kvm_vm),
-        vcpu_fds,
+        vcpu_fds: OnceLock::new(),
         description,
-        msrs,
+        msrs: OnceLock::new(),
+        state_parts: Mutex::new(Vec::new()),
         migration: Mutex::new(None),
         incoming,
         throttle: Throttle::default(),
         started: Instant::now(),
     }))
+}
+
+impl Shared {
+    /// The vCPUs, by id; none before they are created.
+    pub(crate) fn vcpus(&self) -> &[Arc<Mutex<VcpuFd>>] {
+        self.vcpu_fds.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// The MSRs a vCPU saves; none before the vCPUs are created.
+    pub(crate) fn msrs(&self) -> &[u32] {
+        self.msrs.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// Creates the VM's vCPUs with their CPUID, and finds the MSRs they can save, unless
+    /// that was done; says whether it created them.
+    pub(crate) fn create_vcpus(&self) -> Result<bool, VmmError> {
+        if self.vcpu_fds.get().is_some() {
+            return Ok(false);
+        }
+        let fds = (0..self.description.vcpus)
+            .map(|id| vcpu::create(&self.kvm, id).map(|fd| Arc::new(Mutex::new(fd))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let msrs = kvm::state::readable_msrs(&self.kvm.kvm, &fds[0].lock().unwrap())?;
+        // Only the state load or a boot creates them, on one thread, before any vCPU runs.
+        let _ = self.msrs.set(msrs);
+        let _ = self.vcpu_fds.set(fds);
+        Ok(true)
+    }
 }
 
 /// The balloon a VM built by `devices` has, if any.
@@ -428,7 +496,7 @@ fn start(shared: Arc<Shared>) -> Result<Vm, VmmError> {
     // Hold the control lock until every thread id is recorded, so no kick can miss one.
     let mut control = shared.control.lock().unwrap();
     let mut threads = Vec::new();
-    for index in 0..shared.vcpu_fds.len() {
+    for index in 0..shared.vcpus().len() {
         let runner = VcpuRunner {
             shared: shared.clone(),
             index,
@@ -613,7 +681,7 @@ impl VmHandle {
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
-            vcpus: self.0.vcpu_fds.len() as u8,
+            vcpus: self.0.description.vcpus,
             vcpu_threads: self.lock().vcpus_alive,
             uptime_ms: self.0.started.elapsed().as_millis() as u64,
             vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,
@@ -650,7 +718,7 @@ struct VcpuRunner {
 
 impl VcpuRunner {
     fn run(self) {
-        let vcpu = self.shared.vcpu_fds[self.index].clone();
+        let vcpu = self.shared.vcpus()[self.index].clone();
         let immediate_exit = &raw mut vcpu.lock().unwrap().get_kvm_run().immediate_exit;
         // SAFETY: the kvm_run mapping belongs to the VcpuFd kept alive by `vcpu` (an Arc held
         // until after the registration is dropped at the end of this function).
@@ -781,7 +849,7 @@ impl VcpuRunner {
                 StartVcpu::from_bytes(&b).ok_or(format!("no request at {gpa:#x} (bad magic)"))
             })
             .and_then(|r| {
-                let n = self.shared.vcpu_fds.len();
+                let n = self.shared.vcpus().len();
                 match r.vcpu as usize {
                     0 => Err("a request to start vCPU 0, which booted".to_string()),
                     k if k >= n => Err(format!("a request for vCPU {k}; the VM has {n}")),

@@ -160,7 +160,10 @@ fn migrations() -> Vec<(String, u16, DestinationSetup)> {
             v.push((
                 format!("{channels} ch, {what}"),
                 channels,
-                DestinationSetup { ram, landing: None },
+                DestinationSetup {
+                    ram,
+                    ..DestinationSetup::default()
+                },
             ));
             // The landing the VMM does not pick here (`page_landing`'s rule), where it is
             // close: sparse RAM at 1 and 2 channels, populated RAM at 2.
@@ -180,6 +183,7 @@ fn migrations() -> Vec<(String, u16, DestinationSetup)> {
                     DestinationSetup {
                         ram,
                         landing: Some(other),
+                        ..DestinationSetup::default()
                     },
                 ));
             }
@@ -189,7 +193,7 @@ fn migrations() -> Vec<(String, u16, DestinationSetup)> {
                     channels,
                     DestinationSetup {
                         ram: DestinationRam::Alongside,
-                        landing: None,
+                        ..DestinationSetup::default()
                     },
                 ));
             }

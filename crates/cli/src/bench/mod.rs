@@ -9,6 +9,7 @@ mod ingest;
 mod link;
 mod postcopy;
 mod precopy;
+mod state;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,9 @@ pub enum BenchCommand {
     Postcopy(postcopy::PostcopyBenchArgs),
     /// Free page hinting on and off: an 8 GiB guest that freed 6 GiB, idle and churning.
     Hinting(hinting::HintingBenchArgs),
+    /// The device-state load as vCPUs grow (1, 8, 32, 64), into prepared and unprepared
+    /// destinations.
+    State(state::StateBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -40,5 +44,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Ingest(args) => ingest::run(&args),
         BenchCommand::Postcopy(args) => postcopy::run(&args),
         BenchCommand::Hinting(args) => hinting::run(&args),
+        BenchCommand::State(args) => state::run(&args),
     }
 }

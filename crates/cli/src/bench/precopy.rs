@@ -26,7 +26,7 @@ use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::memory::HostPages;
 use ferry_vmm::migration::{self, MigrationRequest};
-use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
+use ferry_vmm::{GuestKind, Preparation, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
 
 use super::link::CappedLink;
@@ -62,6 +62,8 @@ pub(super) struct Scenario {
     pub finish: Finish,
     /// Skip the pages the guest's balloon hints free (the default).
     pub free_page_hints: bool,
+    /// vCPUs of both VMs.
+    pub vcpus: u8,
 }
 
 /// How a bench migration's precopy ends.
@@ -91,6 +93,7 @@ impl Scenario {
             preempt_priority: true,
             finish: Finish::Forced,
             free_page_hints: true,
+            vcpus: 1,
         }
     }
 }
@@ -112,6 +115,7 @@ fn scenarios() -> Vec<Scenario> {
             preempt_priority: true,
             finish: Finish::Forced,
             free_page_hints: true,
+            vcpus: 1,
         },
         Scenario {
             name: "2G random data, idle".into(),
@@ -124,6 +128,7 @@ fn scenarios() -> Vec<Scenario> {
             preempt_priority: true,
             finish: Finish::Forced,
             free_page_hints: true,
+            vcpus: 1,
         },
     ];
     for rate in [100, 400, 1000] {
@@ -139,6 +144,7 @@ fn scenarios() -> Vec<Scenario> {
                 preempt_priority: true,
                 finish: Finish::Forced,
                 free_page_hints: true,
+                vcpus: 1,
             });
         }
     }
@@ -334,6 +340,8 @@ pub(super) struct DestinationSetup {
     pub ram: DestinationRam,
     /// How pages land; `None` lets the VMM choose (by whether RAM was preallocated).
     pub landing: Option<PageLanding>,
+    /// Whether vCPUs and their threads are made before the switchover (the default).
+    pub unprepared: bool,
 }
 
 /// One measured migration.
@@ -371,7 +379,7 @@ pub(super) fn migrate_over(
 ) -> anyhow::Result<Migrated> {
     let config = VmConfig {
         memory_bytes: s.memory,
-        vcpus: 1,
+        vcpus: s.vcpus,
         kernel: Arc::from(ferry_guest_image::ELF),
         cmdline: s.cmdline.clone(),
         guest: GuestKind::FerryGuest,
@@ -389,7 +397,11 @@ pub(super) fn migrate_over(
             && t.heartbeats > 100
     })
     .context("the guest did not finish its prefill")?;
-    let mut incoming = Vm::incoming(config)?;
+    let preparation = match setup.unprepared {
+        false => Preparation::Prepared,
+        true => Preparation::Unprepared,
+    };
+    let mut incoming = Vm::incoming_with(config, preparation)?;
     if let Some(landing) = setup.landing {
         incoming.land_pages(landing);
     }

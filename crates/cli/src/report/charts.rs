@@ -231,7 +231,10 @@ pub(super) fn downtime(
         &format!("Downtime {:.1} ms", s.downtime.total_ms),
         &[],
     )?;
-    let (bar, legend) = area.split_vertically(area.dim_in_pixel().1 - 52);
+    let d = &s.downtime;
+    let parts = !d.save_parts.is_empty() || !d.load_parts.is_empty();
+    let legend_height = if parts { 96 } else { 52 };
+    let (bar, legend) = area.split_vertically(area.dim_in_pixel().1 - legend_height);
     let mut chart = ChartBuilder::on(&bar)
         .margin(10)
         .margin_top(4)
@@ -274,6 +277,14 @@ pub(super) fn downtime(
         ))?;
         legend.draw_text(&text, &label(), (px + 18, py + 1))?;
         px += w;
+    }
+    if parts {
+        // Where the state save and load went, part by part (the vCPUs summed).
+        for (what, list) in [("save", &d.save_parts), ("load", &d.load_parts)] {
+            py += 22;
+            let line = format!("{what}: {}", super::text::parts_summary(list));
+            legend.draw_text(&line, &label(), (68, py + 1))?;
+        }
     }
     Ok(())
 }

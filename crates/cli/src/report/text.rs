@@ -1,6 +1,6 @@
 //! Printing migration progress and statistics, shared by `ferry migrate` and `ferry demo`.
 
-use ferry_migrate::{MigrationStats, Progress};
+use ferry_migrate::{MigrationStats, Progress, StatePart};
 
 /// One line of live progress.
 pub fn progress_line(p: &Progress) -> String {
@@ -50,6 +50,30 @@ pub fn throttled(percent: u8) -> String {
     }
 }
 
+/// A save's or load's parts in a line: the vCPUs together (with the slowest), then the other
+/// parts, slowest first. The whole list is in the statistics' JSON.
+pub fn parts_summary(parts: &[StatePart]) -> String {
+    let (vcpus, others): (Vec<&StatePart>, Vec<&StatePart>) =
+        parts.iter().partition(|p| p.name.starts_with("vcpu "));
+    let mut out = Vec::new();
+    if let Some(slowest) = vcpus.iter().max_by(|a, b| a.ms.total_cmp(&b.ms)) {
+        let ms: f64 = vcpus.iter().map(|p| p.ms).sum();
+        out.push(format!(
+            "{} vCPUs {ms:.2} ms (slowest {} {:.3} ms)",
+            vcpus.len(),
+            slowest.name,
+            slowest.ms
+        ));
+    }
+    let mut others = others;
+    others.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    out.extend(others.iter().map(|p| format!("{} {:.3} ms", p.name, p.ms)));
+    match out.is_empty() {
+        true => "not timed by the VMM".into(),
+        false => out.join(", "),
+    }
+}
+
 /// The statistics as a table, then as one JSON line.
 pub fn print_stats(s: &MigrationStats) {
     let d = &s.downtime;
@@ -68,6 +92,14 @@ pub fn print_stats(s: &MigrationStats) {
         d.load_ms,
         d.resume_ms
     );
+    if !d.save_parts.is_empty() || !d.load_parts.is_empty() {
+        println!(
+            "state            {:>10.1} KB; save: {}",
+            d.state_bytes as f64 / 1024.0,
+            parts_summary(&d.save_parts)
+        );
+        println!("                 load: {}", parts_summary(&d.load_parts));
+    }
     println!(
         "sent             {:>10.1} MB at {:.1} MB/s: {} pages, {} zero pages, {} skipped as holes",
         s.bytes_sent as f64 / 1e6,

@@ -127,6 +127,7 @@ impl Session<'_> {
         self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t3 = Instant::now();
+        self.note_state(vm, &sections);
         // No final pages: they come after the switch. The destination may ask for pages while
         // it loads the state (a VMM's load can touch guest memory: KVM reads a vCPU's clock
         // page when its MSR is set); they are served at once.

@@ -32,7 +32,7 @@ use std::time::Duration;
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::transport::Stream;
-use crate::wire::{self, Kind, Latencies, Received};
+use crate::wire::{self, Kind, Latencies, Received, ResumedRecord};
 
 /// Page request runs the reader holds for the session: 16 MiB of runs. A destination asks for
 /// a page once, when a vCPU first faults on it, so a queue this long means it asks for
@@ -40,10 +40,10 @@ use crate::wire::{self, Kind, Latencies, Received};
 pub const MAX_QUEUED_REQUESTS: usize = 1 << 20;
 
 /// A record from the destination on the main connection.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Inbound {
     /// The destination loaded the state and runs the guest.
-    Resumed(Resumed),
+    Resumed(ResumedRecord),
     /// The destination gave up, and says why.
     Error(String),
     /// What the destination has taken in so far (progress capability only).
@@ -52,30 +52,6 @@ pub enum Inbound {
     PageRequest(Vec<(u64, u64)>),
     /// Every page is in place on the destination, with its request latencies (postcopy only).
     Done(Box<Latencies>),
-}
-
-/// The destination's figures in its `Resumed` record, in nanoseconds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Resumed {
-    /// Loading the device state.
-    pub load_ns: u64,
-    /// Resuming the guest's vCPUs.
-    pub resume_ns: u64,
-    /// The destination's migration CPU time.
-    pub cpu_ns: u64,
-}
-
-impl Resumed {
-    /// Decodes `load_ns:u64 resume_ns:u64 cpu_ns:u64`, little-endian; `payload` is
-    /// `wire::RESUMED_SIZE` bytes, as the header's validation guarantees.
-    fn decode(payload: &[u8]) -> Resumed {
-        let word = |i: usize| u64::from_le_bytes(payload[8 * i..8 * i + 8].try_into().unwrap());
-        Resumed {
-            load_ns: word(0),
-            resume_ns: word(1),
-            cpu_ns: word(2),
-        }
-    }
 }
 
 /// What the session is waiting for, for its errors: `during` names the wait when the
@@ -91,7 +67,7 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
     let h = conn.read_header(awaiting.during)?;
     let payload = conn.read_payload(h.len, "reading the destination's answer")?;
     match h.kind {
-        Kind::Resumed => Ok(Inbound::Resumed(Resumed::decode(&payload))),
+        Kind::Resumed => Ok(Inbound::Resumed(ResumedRecord::decode(h.count, &payload)?)),
         Kind::Error => Ok(Inbound::Error(
             String::from_utf8_lossy(&payload).into_owned(),
         )),
@@ -365,10 +341,11 @@ mod tests {
             (
                 "resumed",
                 resumed,
-                Ok(Inbound::Resumed(Resumed {
+                Ok(Inbound::Resumed(ResumedRecord {
                     load_ns: 1_500,
                     resume_ns: 2_000_000,
                     cpu_ns: u64::MAX,
+                    parts: Vec::new(),
                 })),
             ),
             (

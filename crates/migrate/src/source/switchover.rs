@@ -10,11 +10,12 @@
 
 use std::time::{Duration, Instant};
 
-use super::reader::{Awaiting, Inbound, Resumed};
+use super::reader::{Awaiting, Inbound};
 use super::{GuestState, Session, ms};
 use crate::control::Phase;
 use crate::error::MigrateError;
 use crate::vm::{Section, SourceVm};
+use crate::wire::ResumedRecord;
 use crate::wire::{Header, Kind};
 
 /// How long the source waits for the destination to load the state and resume the guest: a
@@ -57,6 +58,7 @@ impl<'a> Session<'a> {
         self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t4 = Instant::now();
+        self.note_state(vm, &sections);
         self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4], None)
     }
 
@@ -91,8 +93,16 @@ impl<'a> Session<'a> {
         d.load_ms = resumed.load_ns as f64 / 1e6;
         d.resume_ms = resumed.resume_ns as f64 / 1e6;
         d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
+        d.load_parts = resumed.parts;
         self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
         Ok(())
+    }
+
+    /// Records the saved state's size and where its save went, for the downtime breakdown.
+    pub(super) fn note_state(&mut self, vm: &dyn SourceVm, sections: &[Section]) {
+        let d = &mut self.stats.downtime;
+        d.state_bytes = sections.iter().map(|s| s.data.len() as u64).sum();
+        d.save_parts = vm.state_parts();
     }
 
     /// Writes the device-state sections on the main connection, one record each; the flush
@@ -111,7 +121,7 @@ impl<'a> Session<'a> {
     pub(super) fn await_resumed(
         &mut self,
         mut serve: Option<ServeWhileLoading<'_, 'a>>,
-    ) -> Result<Resumed, MigrateError> {
+    ) -> Result<ResumedRecord, MigrateError> {
         let deadline = Instant::now() + RESUME_TIMEOUT;
         let tick = if serve.is_some() {
             LOAD_TICK

@@ -42,8 +42,16 @@ pub const MAX_ERROR_BYTES: u64 = 4096;
 /// Cap on a VmConfig record: a VMM's description of its VM (vCPUs, devices, a CPUID digest)
 /// is a few hundred bytes; 64 KiB leaves room for a CPUID table in full.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
-/// The Resumed payload: `load_ns:u64 resume_ns:u64 cpu_ns:u64`.
+/// The Resumed payload's fixed part: `load_ns:u64 resume_ns:u64 cpu_ns:u64`; the header's
+/// count of state parts follows (see [`ResumedRecord`]).
 pub const RESUMED_SIZE: u64 = 24;
+/// Most state parts a Resumed record lists: ferry's VMM names two per vCPU (64 at most), its
+/// devices and its own steps; the rest is room.
+pub const MAX_STATE_PARTS: u32 = 1024;
+/// Longest name of a state part, in bytes of UTF-8.
+pub const MAX_PART_NAME: usize = 64;
+/// A state part in a Resumed record before its name: `ns:u64 bytes:u64 name_len:u16`.
+const PART_HEAD: usize = 18;
 /// The Received payload: `bytes:u64 pages:u64`.
 pub const RECEIVED_SIZE: u64 = 16;
 /// Buckets of a [`Latencies`] histogram: bucket k counts latencies in [2^k, 2^(k+1)) µs.
@@ -400,6 +408,84 @@ pub enum WireError {
         "postcopy page shift {0} in a hello: only a main reply names one, 12 (4 KiB) or 21 (2 MiB)"
     )]
     PostcopyPage(u8),
+    #[error("Resumed record: state part {index} is malformed ({why})")]
+    StatePart { index: u32, why: &'static str },
+}
+
+/// The Resumed record: the destination's load, resume and CPU times, and where its state load
+/// went part by part (the header's count says how many parts; each is `ns:u64 bytes:u64
+/// name_len:u16` and the name in UTF-8, at most [`MAX_PART_NAME`] bytes).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ResumedRecord {
+    pub load_ns: u64,
+    pub resume_ns: u64,
+    pub cpu_ns: u64,
+    pub parts: Vec<crate::stats::StatePart>,
+}
+
+impl ResumedRecord {
+    /// The header and payload; parts past [`MAX_STATE_PARTS`] are left out and names cut to
+    /// [`MAX_PART_NAME`] bytes (at a character boundary).
+    pub fn encode(&self) -> (Header, Vec<u8>) {
+        let parts = &self.parts[..self.parts.len().min(MAX_STATE_PARTS as usize)];
+        let mut b = Vec::with_capacity(RESUMED_SIZE as usize + parts.len() * 40);
+        for w in [self.load_ns, self.resume_ns, self.cpu_ns] {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        for p in parts {
+            let mut end = p.name.len().min(MAX_PART_NAME);
+            while !p.name.is_char_boundary(end) {
+                end -= 1;
+            }
+            b.extend_from_slice(&((p.ms * 1e6) as u64).to_le_bytes());
+            b.extend_from_slice(&p.bytes.to_le_bytes());
+            b.extend_from_slice(&(end as u16).to_le_bytes());
+            b.extend_from_slice(&p.name.as_bytes()[..end]);
+        }
+        let header = Header::new(Kind::Resumed, parts.len() as u32, b.len() as u64);
+        (header, b)
+    }
+
+    /// Decodes a payload whose header passed [`Header::decode`] (its count is the number of
+    /// parts and its length within their bounds); every part must be whole, with a UTF-8
+    /// name, and nothing may follow the last.
+    pub fn decode(count: u32, payload: &[u8]) -> Result<ResumedRecord, WireError> {
+        let word = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+        let mut r = ResumedRecord {
+            load_ns: word(payload, 0),
+            resume_ns: word(payload, 8),
+            cpu_ns: word(payload, 16),
+            parts: Vec::with_capacity(count as usize),
+        };
+        let mut rest = &payload[RESUMED_SIZE as usize..];
+        for index in 0..count {
+            let bad = |why| WireError::StatePart { index, why };
+            if rest.len() < PART_HEAD {
+                return Err(bad("cut short"));
+            }
+            let name_len = usize::from(u16::from_le_bytes([rest[16], rest[17]]));
+            if name_len > MAX_PART_NAME {
+                return Err(bad("name longer than 64 bytes"));
+            }
+            let name = rest
+                .get(PART_HEAD..PART_HEAD + name_len)
+                .ok_or(bad("name cut short"))?;
+            let name = std::str::from_utf8(name).map_err(|_| bad("name not UTF-8"))?;
+            r.parts.push(crate::stats::StatePart {
+                name: name.to_string(),
+                ms: word(rest, 0) as f64 / 1e6,
+                bytes: word(rest, 8),
+            });
+            rest = &rest[PART_HEAD + name_len..];
+        }
+        if !rest.is_empty() {
+            return Err(WireError::StatePart {
+                index: count,
+                why: "bytes after the last part",
+            });
+        }
+        Ok(r)
+    }
 }
 
 /// The first 64 bytes on a connection, in both directions.
@@ -616,7 +702,6 @@ impl Header {
             Kind::DeviceState
                 | Kind::Complete
                 | Kind::Error
-                | Kind::Resumed
                 | Kind::Received
                 | Kind::Postcopy
                 | Kind::Done
@@ -637,13 +722,20 @@ impl Header {
             Kind::DeviceState => bounded(SECTION_HEADER_SIZE as u64 + MAX_SECTION_BYTES),
             Kind::Error => bounded(MAX_ERROR_BYTES),
             Kind::VmConfig => bounded(MAX_CONFIG_BYTES),
-            Kind::Resumed if len != RESUMED_SIZE => Err(WireError::Length {
+            Kind::Resumed if count > MAX_STATE_PARTS => Err(WireError::TooMany {
+                kind,
+                count,
+                max: MAX_STATE_PARTS,
+            }),
+            Kind::Resumed if len < RESUMED_SIZE => Err(WireError::Length {
                 kind,
                 count,
                 len,
                 expected: RESUMED_SIZE,
             }),
-            Kind::Resumed => Ok(()),
+            Kind::Resumed => {
+                bounded(RESUMED_SIZE + u64::from(count) * (PART_HEAD + MAX_PART_NAME) as u64)
+            }
             Kind::Received if len != RECEIVED_SIZE => Err(WireError::Length {
                 kind,
                 count,

@@ -332,3 +332,59 @@ fn a_vm_config_is_bounded_and_countless() {
         Err(WireError::Reserved(_))
     ));
 }
+
+#[test]
+fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
+    let part = |name: &str, ms: f64, bytes: u64| crate::stats::StatePart {
+        name: name.into(),
+        ms,
+        bytes,
+    };
+    let r = ResumedRecord {
+        load_ns: 1_500_000,
+        resume_ns: 20_000,
+        cpu_ns: 7,
+        parts: vec![part("vcpu 0", 0.012, 4096), part("é", 1.0, 0)],
+    };
+    let (h, payload) = r.encode();
+    assert_eq!(Header::decode(&h.encode()), Ok(h));
+    assert_eq!((h.count, h.len), (2, payload.len() as u64));
+    assert_eq!(ResumedRecord::decode(h.count, &payload), Ok(r));
+
+    let long = ResumedRecord {
+        parts: vec![part(&"ü".repeat(40), 0.0, 0)],
+        ..ResumedRecord::default()
+    };
+    let (h, payload) = long.encode();
+    let back = ResumedRecord::decode(h.count, &payload).unwrap();
+    assert_eq!(
+        back.parts[0].name,
+        "ü".repeat(32),
+        "cut at 64 bytes, whole characters"
+    );
+
+    let (_, payload) = ResumedRecord {
+        parts: vec![part("vcpu 0", 0.0, 0)],
+        ..ResumedRecord::default()
+    }
+    .encode();
+    let table: [(u32, Vec<u8>, &str); 4] = [
+        (2, payload.clone(), "part 1 is malformed (cut short)"),
+        (0, payload.clone(), "bytes after the last part"),
+        (1, payload[..payload.len() - 1].to_vec(), "name cut short"),
+        (
+            1,
+            [&payload[..payload.len() - 6], b"\xff\xfe\xfd\xfc\xfb\xfa"].concat(),
+            "name not UTF-8",
+        ),
+    ];
+    for (count, bytes, want) in table {
+        let err = ResumedRecord::decode(count, &bytes)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{want}: got {err}");
+    }
+    assert!(Header::decode(&Header::new(Kind::Resumed, MAX_STATE_PARTS + 1, 24).encode()).is_err());
+    assert!(Header::decode(&Header::new(Kind::Resumed, 1, 24 + 18 + 65).encode()).is_err());
+    assert!(Header::decode(&Header::new(Kind::Resumed, 0, 23).encode()).is_err());
+}

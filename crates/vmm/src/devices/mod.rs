@@ -20,6 +20,8 @@ use std::sync::{Arc, Mutex};
 use ferry_migrate::Section;
 use ferry_migrate::wire::SectionId;
 
+use crate::sections::PartTimer;
+
 pub use bus::{Bus, BusError};
 
 /// What a device's state section is: its id and the layout version this VMM writes.
@@ -171,14 +173,18 @@ impl Devices {
     }
 
     /// Every device's state, one section each.
-    pub fn save(&self) -> Vec<Section> {
+    pub fn save(&self, timer: &mut PartTimer) -> Vec<Section> {
         self.entries
             .iter()
-            .map(|e| Section {
-                id: e.kind.id,
-                instance: e.instance,
-                version: e.kind.version,
-                data: e.device.lock().unwrap().save(),
+            .map(|e| {
+                let data = e.device.lock().unwrap().save();
+                timer.mark(|| format!("{} {}", e.name, e.instance), data.len());
+                Section {
+                    id: e.kind.id,
+                    instance: e.instance,
+                    version: e.kind.version,
+                    data,
+                }
             })
             .collect()
     }
@@ -190,7 +196,7 @@ impl Devices {
 
     /// Restores every device from `sections` (those with a device id); each device must find
     /// its section.
-    pub fn load(&self, sections: &[Section]) -> Result<(), LoadError> {
+    pub fn load(&self, sections: &[Section], timer: &mut PartTimer) -> Result<(), LoadError> {
         let mut loaded = vec![false; self.entries.len()];
         for s in sections.iter().filter(|s| self.owns(s.id)) {
             let i = self
@@ -203,6 +209,8 @@ impl Devices {
                 .lock()
                 .unwrap()
                 .restore(s.version, &s.data)?;
+            let e = &self.entries[i];
+            timer.mark(|| format!("{} {}", e.name, e.instance), s.data.len());
             loaded[i] = true;
         }
         match loaded.iter().position(|&l| !l) {
@@ -251,13 +259,22 @@ mod tests {
         let (source, _) = pair();
         source.io_out(0x3f8 + SCRATCH, &[0x11]);
         source.io_out(0x2f8 + SCRATCH, &[0x22]);
-        let sections = source.save();
+        let mut timer = PartTimer::start();
+        let sections = source.save(&mut timer);
         assert_eq!(sections.len(), 2);
+        let parts = timer.finish();
+        assert_eq!(
+            parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            ["uart 0", "uart 1"],
+            "a part per device, named"
+        );
         assert_eq!(sections[0].id, sections[1].id);
         assert_ne!(sections[0].instance, sections[1].instance);
 
         let (destination, _) = pair();
-        destination.load(&sections).unwrap();
+        destination
+            .load(&sections, &mut PartTimer::start())
+            .unwrap();
         let mut b = [0u8];
         destination.io_in(0x3f8 + SCRATCH, &mut b);
         assert_eq!(b, [0x11]);
@@ -268,11 +285,11 @@ mod tests {
     #[test]
     fn a_missing_or_foreign_instance_is_refused_by_name() {
         let (source, _) = pair();
-        let mut sections = source.save();
+        let mut sections = source.save(&mut PartTimer::start());
         let (destination, _) = pair();
         let second = sections.pop().unwrap();
         assert_eq!(
-            destination.load(&sections),
+            destination.load(&sections, &mut PartTimer::start()),
             Err(LoadError::Missing {
                 name: "uart",
                 instance: 1
@@ -283,7 +300,7 @@ mod tests {
             ..second
         });
         assert_eq!(
-            destination.load(&sections),
+            destination.load(&sections, &mut PartTimer::start()),
             Err(LoadError::NoDevice(serial::SECTION, 9))
         );
     }

@@ -1,5 +1,6 @@
 //! A vCPU: PVH entry state, the run loop, and what each exit means.
 
+use kvm_bindings::CpuId;
 use kvm_bindings::{
     KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE, kvm_mp_state, kvm_regs, kvm_segment, kvm_sregs,
 };
@@ -15,16 +16,27 @@ const PVH_CR0: u64 = 0x11;
 /// RFLAGS at entry: only the always-one bit.
 const PVH_RFLAGS: u64 = 0x2;
 
-/// Creates vCPU `id` with the host's supported CPUID (which includes KVM's paravirtual leaves,
-/// so the guest finds kvmclock). Its registers are set by [`set_pvh_entry`] for a fresh boot
-/// or by `state::restore_vcpu` for an incoming migration.
+/// Creates vCPU `id` with [`cpuid`]'s table. Its registers are set by [`set_pvh_entry`] for a
+/// fresh boot, by [`start_secondary`] when the guest starts it, or by `state::restore_vcpu`
+/// for an incoming migration.
 pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
     let err = |what| move |source| KvmError::Vcpu { id, what, source };
     let vcpu = vm.vm.create_vcpu(u64::from(id)).map_err(err("create"))?;
+    vcpu.set_cpuid2(&cpuid(vm, id)?).map_err(err("set CPUID"))?;
+    Ok(vcpu)
+}
+
+/// The CPUID vCPU `id` gets: the host's supported CPUID (which includes KVM's paravirtual
+/// leaves, so the guest finds kvmclock), with its APIC id and TSC-deadline timer.
+fn cpuid(vm: &KvmVm, id: u8) -> Result<CpuId, KvmError> {
     let mut cpuid = vm
         .kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(err("read supported CPUID"))?;
+        .map_err(|source| KvmError::Vcpu {
+            id,
+            what: "read supported CPUID",
+            source,
+        })?;
     // KVM emulates the APIC timer's TSC-deadline mode with its in-kernel APIC but leaves the
     // CPUID bit to the VMM (it depends on the irqchip being in the kernel, which it is here).
     let tsc_deadline = vm.kvm.check_extension(Cap::TscDeadlineTimer);
@@ -37,20 +49,13 @@ pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
             }
         }
     }
-    vcpu.set_cpuid2(&cpuid).map_err(err("set CPUID"))?;
-    Ok(vcpu)
+    Ok(cpuid)
 }
 
-/// A digest of the CPUID `vcpu` was given (what a migration's destination must match).
-pub fn cpuid_digest(vcpu: &VcpuFd) -> Result<String, KvmError> {
-    let cpuid = vcpu
-        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
-        .map_err(|source| KvmError::Vcpu {
-            id: 0,
-            what: "read its CPUID",
-            source,
-        })?;
-    Ok(crate::vmconfig::cpuid_digest(cpuid.as_slice()))
+/// A digest of the CPUID this VM's vCPUs get (what a migration's destination must match),
+/// computed without a vCPU, so that a destination can answer before it creates its vCPUs.
+pub fn cpuid_digest(vm: &KvmVm) -> Result<String, KvmError> {
+    Ok(crate::vmconfig::cpuid_digest(cpuid(vm, 0)?.as_slice()))
 }
 
 /// Puts vCPU 0 in PVH entry state: flat 32-bit protected mode at `boot.entry` with %ebx =

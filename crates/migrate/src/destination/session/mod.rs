@@ -635,10 +635,8 @@ impl<'a> Session<'a> {
     /// Tells the source the guest runs here (postcopy: through the shared writer).
     fn write_resumed(&mut self, pc: &Postcopy) -> Result<(), MigrateError> {
         let cpu = stats::thread_cpu_ns() - self.cpu_start;
-        pc.write(
-            &Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE),
-            &self.resumed_payload(cpu),
-        )
+        let (header, payload) = self.resumed_record(cpu);
+        pc.write(&header, &payload)
     }
 
     /// Postcopy: reads the main connection until the source's Complete (it sent every page).
@@ -663,17 +661,15 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// The Resumed payload: load, resume and CPU times.
-    fn resumed_payload(&self, cpu: u64) -> Vec<u8> {
-        let mut payload = Vec::with_capacity(wire::RESUMED_SIZE as usize);
-        for v in [
-            self.stats.load.as_nanos() as u64,
-            self.stats.resume.as_nanos() as u64,
-            cpu,
-        ] {
-            payload.extend_from_slice(&v.to_le_bytes());
+    /// The Resumed record: load, resume and CPU times, and the VMM's parts of the load.
+    fn resumed_record(&self, cpu: u64) -> (Header, Vec<u8>) {
+        wire::ResumedRecord {
+            load_ns: self.stats.load.as_nanos() as u64,
+            resume_ns: self.stats.resume.as_nanos() as u64,
+            cpu_ns: cpu,
+            parts: self.vm.state_parts(),
         }
-        payload
+        .encode()
     }
 
     /// Phases 4 and 5: load every section, resume the guest, acknowledge with the times.
@@ -687,12 +683,12 @@ impl<'a> Session<'a> {
         self.stats.load = t.elapsed();
         self.stats.resume = self.vm.resume()?;
         let cpu = stats::thread_cpu_ns() - self.cpu_start + self.stats.receiver_cpu_ns;
-        let payload = self.resumed_payload(cpu);
+        let (header, payload) = self.resumed_record(cpu);
         // The guest runs: from here nothing may fail the session (a lost acknowledgement
         // leaves the source paused, which is what it must do).
         let ack = self
             .conn
-            .write_record(&Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE), &payload)
+            .write_record(&header, &payload)
             .and_then(|()| self.conn.flush("acknowledging the resume"));
         if let Err(e) = ack {
             tracing::warn!(
