@@ -134,7 +134,7 @@ pub(crate) fn save(shared: &Shared) -> Result<(Vec<Section>, Vec<StatePart>), Se
 pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePart>, SectionError> {
     for s in sections {
         let known = match s.id {
-            VCPU | LAPIC => (s.instance as usize) < shared.vcpus().len(),
+            VCPU | LAPIC => s.instance < u32::from(shared.description.vcpus),
             VM_CLOCK => s.instance == 0,
             IRQCHIP => (s.instance as usize) < Chip::ALL.len(),
             id => shared.devices.owns(id),
@@ -217,12 +217,16 @@ mod tests {
     use kvm_bindings::{kvm_irqchip, kvm_pic_state};
 
     use super::*;
-    use crate::vm::{GuestKind, IncomingVm, Vm, VmConfig};
+    use crate::vm::{GuestKind, IncomingVm, Preparation, Vm, VmConfig};
     use crate::{SerialOutput, kvm};
 
     fn incoming() -> IncomingVm {
+        incoming_with(Preparation::Prepared)
+    }
+
+    fn incoming_with(preparation: Preparation) -> IncomingVm {
         kvm::require_for_tests();
-        Vm::incoming(VmConfig {
+        let config = VmConfig {
             memory_bytes: crate::memory::MIN_MEMORY,
             vcpus: 1,
             kernel: Arc::from(&[][..]),
@@ -231,8 +235,8 @@ mod tests {
             serial: SerialOutput::Discard,
             balloon: true,
             host_pages: Default::default(),
-        })
-        .unwrap()
+        };
+        Vm::incoming_with(config, preparation).unwrap()
     }
 
     /// The master PIC's interrupt request register, read from its saved bytes (the chip
@@ -290,6 +294,12 @@ mod tests {
         let mut scratch = [0u8];
         b.shared.devices.io_in(0x2f8 + 7, &mut scratch);
         assert_eq!(scratch, [0x5c], "COM2 kept its own state");
+
+        let c = incoming_with(Preparation::Unprepared);
+        assert!(c.shared.vcpus().is_empty(), "no vCPU before the load");
+        let parts = load(&c.shared, &saved).unwrap();
+        assert_eq!(parts[0].name, "create vCPUs", "{parts:?}");
+        assert_eq!(c.shared.vcpus().len(), 1);
 
         let mut unknown = saved.clone();
         unknown.push(Section {

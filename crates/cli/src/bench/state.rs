@@ -2,8 +2,9 @@
 //! idle guest with 1, 8, 32 and 64 vCPUs is migrated into a prepared destination (vCPUs
 //! created and their threads parked before the switchover, the default) and into an
 //! unprepared one (vCPUs created at the state load, threads started at resume), the
-//! reference. Per row: state size, save time, load time split into its parts (vCPUs, devices,
-//! creating vCPUs, starting or waking their threads), downtime and the pause the guest saw.
+//! reference. Per row: state size, save time, load time split into its parts (all vCPUs, and
+//! each one's time on average; devices; creating vCPUs; starting or waking their threads),
+//! downtime and the pause the guest saw.
 
 use std::process::ExitCode;
 
@@ -22,7 +23,7 @@ pub struct StateBenchArgs {
     vcpus: Vec<u8>,
 }
 
-/// A load's parts summed by kind: vCPUs (their state), creating them, starting or waking
+/// A load's parts summed by kind: vCPUs (all, and how many), creating them, starting or waking
 /// their threads, and everything else (clock, interrupt controller, devices).
 #[derive(Debug, Default)]
 struct Split {
@@ -57,12 +58,13 @@ impl Split {
 
 pub fn run(args: &StateBenchArgs) -> anyhow::Result<ExitCode> {
     println!(
-        "{:>5} {:<10} {:>8} {:>8} {:>8} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:>5} {:<10} {:>8} {:>8} {:>8} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "vCPUs",
         "dest",
         "state KB",
         "save ms",
         "load ms",
+        "all vCPUs",
         "vCPU load µs",
         "devices",
         "create",
@@ -97,12 +99,13 @@ pub fn run(args: &StateBenchArgs) -> anyhow::Result<ExitCode> {
             // The destination's share of the downtime: the load and the resume.
             let destination_ms = d.load_ms + d.resume_ms;
             println!(
-                "{:>5} {:<10} {:>8.1} {:>8.2} {:>8.2} {:>12.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.1} {:>9.1}",
+                "{:>5} {:<10} {:>8.1} {:>8.2} {:>8.2} {:>9.2} {:>12.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.1} {:>9.1}",
                 n,
                 dest,
                 d.state_bytes as f64 / 1024.0,
                 d.state_save_ms,
                 d.load_ms,
+                load.vcpus_ms,
                 load.per_vcpu_us(),
                 load.devices_ms,
                 load.create_ms,
@@ -115,7 +118,8 @@ pub fn run(args: &StateBenchArgs) -> anyhow::Result<ExitCode> {
                 "bench": "state", "vcpus": n, "destination": dest,
                 "state_bytes": d.state_bytes, "save_ms": d.state_save_ms,
                 "save_vcpu_us": save.per_vcpu_us(), "load_ms": d.load_ms,
-                "load_vcpu_us": load.per_vcpu_us(), "load_devices_ms": load.devices_ms,
+                "load_vcpus_ms": load.vcpus_ms, "load_vcpu_us": load.per_vcpu_us(),
+                "load_devices_ms": load.devices_ms,
                 "create_vcpus_ms": load.create_ms, "vcpu_threads_ms": load.threads_ms,
                 "resume_ms": d.resume_ms, "downtime_ms": d.total_ms,
                 "guest_pause_ms": m.pause_ms, "stats": st,
