@@ -3,7 +3,8 @@
 //!
 //! Above the end of its own image the guest takes, in address order from the RAM entries of
 //! the PVH memory map: the page-directory pages that map RAM above 4 GiB (at CPL0), then the
-//! generation record (one `u32` per working-set page, contiguous), then the working set itself,
+//! generation record (one `u32` per working-set page, contiguous; one per vCPU with
+//! `shared=1`), then the working set itself,
 //! which may span up to [`MAX_EXTENTS`] RAM ranges (below the 32-bit MMIO hole and above it).
 
 use crate::PAGE_SIZE;
@@ -37,10 +38,10 @@ pub fn high_page_directories(ram_top: u64) -> u64 {
     ram_top.saturating_sub(4 << 30).div_ceil(1 << 30)
 }
 
-/// Bytes the guest needs above its image for a working set of `ws_bytes` when RAM ends at
-/// `ram_top`.
-pub fn required_bytes(ws_bytes: u64, ram_top: u64) -> u64 {
-    high_page_directories(ram_top) * PAGE_SIZE + record_bytes(ws_bytes) + ws_bytes
+/// Bytes the guest needs above its image for a working set of `ws_bytes` with `records`
+/// generation records (one, or one per vCPU with `shared=1`) when RAM ends at `ram_top`.
+pub fn required_bytes(ws_bytes: u64, records: u64, ram_top: u64) -> u64 {
+    high_page_directories(ram_top) * PAGE_SIZE + records * record_bytes(ws_bytes) + ws_bytes
 }
 
 /// The working set used when `ws=` is not given, for `free` bytes of RAM above the image:

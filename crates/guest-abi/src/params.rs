@@ -146,6 +146,12 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "vCPUs to start, each dirtying its own share of the working set (the VMM sets it)",
     ),
     (
+        "shared",
+        "0 | 1",
+        "0",
+        "every vCPU writes the whole working set, each its own word of a page (not with fill=random)",
+    ),
+    (
         "fault-vcpu",
         "vCPU index",
         "0",
@@ -247,6 +253,9 @@ pub struct Params {
     pub balloon: Option<MmioDevice>,
     /// vCPUs the guest starts and runs its workload on.
     pub vcpus: u8,
+    /// Every vCPU writes every page of the working set, each its own word (lane) of it, with a
+    /// generation record of its own; else each writes whole pages of its own share.
+    pub shared: bool,
     /// The vCPU that raises #UD after `fault_after_ms`.
     pub fault_vcpu: u8,
 }
@@ -273,6 +282,7 @@ impl Default for Params {
             hint_batch: 0,
             balloon: None,
             vcpus: 1,
+            shared: false,
             fault_vcpu: 0,
         }
     }
@@ -405,6 +415,13 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                     .filter(|v| (1..=crate::smp::MAX_VCPUS as u32).contains(v))
                     .ok_or(bad("a vCPU count from 1 to 64"))? as u8
             }
+            "shared" => {
+                p.shared = match value {
+                    "0" => false,
+                    "1" => true,
+                    _ => return Err(bad("0 or 1")),
+                }
+            }
             "fault-vcpu" => {
                 p.fault_vcpu = parse_u32(value)
                     .filter(|v| *v < crate::smp::MAX_VCPUS as u32)
@@ -419,7 +436,24 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             _ => return Err(ParamError::UnknownKey(key)),
         }
     }
+    if p.shared && p.fill == Fill::Random {
+        return Err(ParamError::BadValue {
+            key: "shared",
+            value: "1",
+            expected: "0 with fill=random (a shared page holds one word per vCPU)",
+        });
+    }
     Ok(p)
+}
+
+impl Params {
+    /// Generation records the guest keeps: one per vCPU when they share pages, else one.
+    pub fn records(&self) -> u64 {
+        match self.shared {
+            true => u64::from(self.vcpus),
+            false => 1,
+        }
+    }
 }
 
 /// Parses `<size>@<addr>:<irq>`, the address in hex (`0x...`) or decimal.
@@ -527,6 +561,8 @@ mod tests {
     fn vcpus_and_the_faulting_vcpu_parse_in_range() {
         let p = parse("vcpus=64 fault-vcpu=63").unwrap();
         assert_eq!((p.vcpus, p.fault_vcpu), (64, 63));
+        assert_eq!(p.records(), 1);
+        assert_eq!(parse("vcpus=8 shared=1").unwrap().records(), 8);
         assert_eq!(parse("").unwrap().vcpus, 1);
         for bad in ["vcpus=0", "vcpus=65", "fault-vcpu=64"] {
             assert!(parse(bad).is_err(), "{bad}");
@@ -554,6 +590,8 @@ mod tests {
             ("fill=lots", "stamp or random"),
             ("prefill=yes", "0 or 1"),
             ("vcpus=65", "a vCPU count from 1 to 64"),
+            ("shared=2", "0 or 1"),
+            ("shared=1 fill=random", "0 with fill=random"),
             (
                 "frobnicate=1",
                 "unknown guest parameter 'frobnicate'; known keys are: ws rate",

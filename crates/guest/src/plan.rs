@@ -39,9 +39,15 @@ pub fn free_bytes(ranges: &[(u64, u64)], floor: u64) -> u64 {
     clipped(ranges, floor).map(|(s, e)| e - s).sum()
 }
 
-/// Places a record and a working set of `ws_bytes` in `ranges` above `floor`.
-pub fn plan(ranges: &[(u64, u64)], floor: u64, ws_bytes: u64) -> Result<Plan, PlanError> {
-    let record_bytes = ferry_guest_abi::layout::record_bytes(ws_bytes);
+/// Places `records` generation records (one, or one per vCPU that shares the pages) and a
+/// working set of `ws_bytes` in `ranges` above `floor`.
+pub fn plan(
+    ranges: &[(u64, u64)],
+    floor: u64,
+    ws_bytes: u64,
+    records: u64,
+) -> Result<Plan, PlanError> {
+    let record_bytes = records * ferry_guest_abi::layout::record_bytes(ws_bytes);
     let needed = record_bytes + ws_bytes;
     let free = free_bytes(ranges, floor);
     let not_enough = PlanError::NotEnoughMemory { needed, free };
@@ -95,6 +101,15 @@ impl Plan {
         &self.extents[..self.extent_count]
     }
 
+    /// vCPU `k`'s view when every vCPU writes every page (`shared=1`): the whole working set,
+    /// with the `k`th of the records the plan placed.
+    pub fn lane(&self, k: u64) -> Plan {
+        Plan {
+            record: self.record + k * ferry_guest_abi::layout::record_bytes(self.pages * PAGE_SIZE),
+            ..*self
+        }
+    }
+
     /// vCPU `k`'s share of `n`: the pages with indices `pages * k / n .. pages * (k + 1) / n`,
     /// as a plan of their own (indices from 0, its record the matching slice of this one's),
     /// so a vCPU runs the one-vCPU workload on it unchanged and no two vCPUs share a page.
@@ -138,7 +153,7 @@ mod tests {
     #[test]
     fn small_guest_gets_one_extent_after_the_record() {
         let ranges = [(0, 0x9fc00), (MB, 64 * MB)];
-        let p = plan(&ranges, 3 * MB, 16 * MB).unwrap();
+        let p = plan(&ranges, 3 * MB, 16 * MB, 1).unwrap();
         assert_eq!(p.record, 3 * MB);
         assert_eq!(
             p.extents(),
@@ -154,7 +169,7 @@ mod tests {
     #[test]
     fn working_set_continues_above_the_hole() {
         let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
-        let p = plan(&ranges, 2 * MB, 4 * GB).unwrap();
+        let p = plan(&ranges, 2 * MB, 4 * GB, 1).unwrap();
         assert_eq!(p.extent_count, 2);
         let low = p.extents[0].pages;
         assert_eq!(p.pfn(low - 1), p.extents[0].first_pfn + low - 1);
@@ -166,7 +181,7 @@ mod tests {
     fn too_big_a_working_set_is_refused_with_the_numbers() {
         let ranges = [(MB, 64 * MB)];
         assert_eq!(
-            plan(&ranges, 2 * MB, 256 * MB),
+            plan(&ranges, 2 * MB, 256 * MB, 1),
             Err(PlanError::NotEnoughMemory {
                 needed: 256 * MB + 256 * 1024,
                 free: 62 * MB
@@ -187,7 +202,7 @@ mod tests {
     #[test]
     fn shares_split_the_working_set_without_overlap_and_keep_their_records() {
         let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
-        let p = plan(&ranges, 2 * MB, 4 * GB).unwrap();
+        let p = plan(&ranges, 2 * MB, 4 * GB, 1).unwrap();
         let n = 7;
         let mut next_index = 0;
         for k in 0..n {
@@ -212,11 +227,20 @@ mod tests {
     }
 
     #[test]
+    fn records_for_shared_pages_come_one_after_another_before_the_working_set() {
+        let ranges = [(MB, 64 * MB)];
+        let p = plan(&ranges, 2 * MB, 16 * MB, 4).unwrap();
+        assert_eq!(p.extents[0].first_pfn * PAGE_SIZE, 2 * MB + 4 * 16 * 1024);
+        assert_eq!(p.lane(3).record, 2 * MB + 3 * 16 * 1024);
+        assert_eq!((p.lane(3).pages, p.lane(3).extents), (p.pages, p.extents));
+    }
+
+    #[test]
     fn many_small_ranges_are_too_fragmented() {
         let ranges: [(u64, u64); 6] = core::array::from_fn(|i| {
             let s = (i as u64 + 1) * 16 * MB;
             (s, s + 8 * MB)
         });
-        assert_eq!(plan(&ranges, 0, 40 * MB), Err(PlanError::TooFragmented));
+        assert_eq!(plan(&ranges, 0, 40 * MB, 1), Err(PlanError::TooFragmented));
     }
 }

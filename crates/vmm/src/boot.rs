@@ -85,11 +85,11 @@ pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(
             e.saturating_sub(s) / PAGE_SIZE * PAGE_SIZE
         })
         .sum();
-    let tables = required_bytes(0, ram_top);
+    let tables = required_bytes(0, 0, ram_top);
     let ws = p
         .working_set
         .unwrap_or(default_working_set(free.saturating_sub(tables)));
-    let needed = required_bytes(ws, ram_top);
+    let needed = required_bytes(ws, p.records(), ram_top);
     if needed > free {
         let suggest = (ram.size() + needed - free).next_multiple_of(crate::memory::MEMORY_GRANULE);
         return Err(BootError::MemoryTooSmall {

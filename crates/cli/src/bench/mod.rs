@@ -10,6 +10,7 @@ mod link;
 mod postcopy;
 mod precopy;
 mod state;
+mod vcpus;
 
 use std::process::ExitCode;
 
@@ -34,6 +35,9 @@ pub enum BenchCommand {
     /// The device-state load as vCPUs grow (1, 8, 32, 64), into prepared and unprepared
     /// destinations.
     State(state::StateBenchArgs),
+    /// Precopy with every vCPU writing (1, 16, 64 vCPUs in a 64 GiB guest): dirty rate,
+    /// longest dirty sync, the guest's longest stall.
+    Vcpus(vcpus::VcpusBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -45,5 +49,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Postcopy(args) => postcopy::run(&args),
         BenchCommand::Hinting(args) => hinting::run(&args),
         BenchCommand::State(args) => state::run(&args),
+        BenchCommand::Vcpus(args) => vcpus::run(&args),
     }
 }

@@ -35,6 +35,10 @@ pub struct PostcopyBenchArgs {
     /// Only the migrations whose name contains this (the references always run).
     #[arg(long)]
     scenario: Option<String>,
+    /// vCPUs of the guest, each writing its share of the working set at the row's rate
+    /// (`400` rows: 400 MB/s in all), so that as many vCPUs fault at once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=64))]
+    vcpus: u8,
 }
 
 const GIB: u64 = 1 << 30;
@@ -88,7 +92,8 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         );
     }
     println!(
-        "\n2 GiB guest on 4 KiB or 2 MiB host pages, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms"
+        "\n2 GiB guest with {} vCPU(s) on 4 KiB or 2 MiB host pages, 1 GiB random working set, postcopy after pass 1, 2 channels; stall = the guest's longest write batch (pause included) and its time in batches over 1 ms",
+        args.vcpus
     );
     println!(
         "{:<56} {:>8} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7}",
@@ -132,7 +137,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
                         let s = Scenario {
                             postcopy: Some(preempt),
                             host_pages,
-                            ..scenario(&name, rate)
+                            ..scenario(&name, rate, args.vcpus)
                         };
                         rows.push(migrate_row(&s, link_name, link)?);
                     }
@@ -154,7 +159,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
                 let s = Scenario {
                     postcopy: Some(true),
                     preempt_priority: marked,
-                    ..scenario(&name, rate)
+                    ..scenario(&name, rate, args.vcpus)
                 };
                 rows.push(migrate_row(&s, PRIO_LINK, Some(b))?);
             }
@@ -169,14 +174,40 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
 /// The link with priority bands under its cap.
 const PRIO_LINK: &str = "capped 1 GB/s, prio bands";
 
-/// A bench migration: the guest dirtying its working set at `rate` MB/s.
-fn scenario(name: &str, rate: &str) -> Scenario {
-    Scenario::new(
-        name,
-        2 * GIB,
-        &format!("ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"),
-        2,
-    )
+/// A bench migration: the guest's `vcpus` dirtying its working set at `rate` MB/s in all
+/// (or each flat out).
+fn scenario(name: &str, rate: &str, vcpus: u8) -> Scenario {
+    let rate = match rate.parse::<u32>() {
+        Ok(total) => (total / u32::from(vcpus)).max(1).to_string(),
+        Err(_) => rate.to_string(),
+    };
+    // Reports from all vCPUs together about every 2 ms.
+    let heartbeat_ms = 2 * u32::from(vcpus);
+    Scenario {
+        vcpus,
+        ..Scenario::new(
+            name,
+            2 * GIB,
+            &format!(
+                "ws=1G pattern=random rate={rate} prefill=1 verify-ms=0 log-ms=0 heartbeat-ms={heartbeat_ms}"
+            ),
+            2,
+        )
+    }
+}
+
+/// The request latencies as a histogram: one line per non-empty power-of-two bucket.
+fn print_histogram(buckets: &[u64]) {
+    let total: u64 = buckets.iter().sum();
+    for (k, &n) in buckets.iter().enumerate().filter(|(_, n)| **n > 0) {
+        let bar = "#".repeat((60 * n).div_ceil(total.max(1)) as usize);
+        println!(
+            "    {:>8} - {:<8} µs {:>7} {bar}",
+            1u64 << k,
+            (1u64 << (k + 1)) - 1,
+            n
+        );
+    }
 }
 
 /// Runs `s` across `link` (loopback if `None`), prints its row and returns its JSON.
@@ -213,10 +244,13 @@ fn migrate_row(
         pc.latency_p99_us,
         pc.latency_max_us
     );
+    if s.vcpus > 1 {
+        print_histogram(&pc.latency_buckets);
+    }
     Ok(
         json!({"bench": "postcopy", "migration": s.name, "link": link_name,
         "pages": if s.host_pages == HostPages::Huge2M { "2M" } else { "4K" },
-        "preempt": s.postcopy, "marked": s.preempt_priority, "total_ms": st.total_ms,
+        "vcpus": s.vcpus, "preempt": s.postcopy, "marked": s.preempt_priority, "total_ms": st.total_ms,
         "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
         "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
         "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),

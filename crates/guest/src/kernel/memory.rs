@@ -55,10 +55,29 @@ pub fn page_matches_filled(pfn: u64, stamp: u64) -> bool {
             .all(|(i, &w)| w == ferry_guest_abi::stamp::fill_word(stamp, i as u64 + 1))
 }
 
-/// Reads the stamp word of frame `pfn`.
-pub fn read_stamp(pfn: u64) -> u64 {
-    // SAFETY: as for `write_stamp`.
-    unsafe { ((pfn * PAGE_SIZE) as *const u64).read_volatile() }
+/// Writes word `lane` of frame `pfn` (`shared=1`: each vCPU writes its own word of a page).
+#[inline(always)]
+pub fn write_lane(pfn: u64, lane: usize, word: u64) {
+    debug_assert!(lane < WORDS_PER_PAGE);
+    // SAFETY: as for `write_stamp`; `lane` is a vCPU index, below 64, so inside the page.
+    unsafe {
+        ((pfn * PAGE_SIZE) as *mut u64)
+            .add(lane)
+            .write_volatile(word)
+    }
+}
+
+/// Whether word `lane` of frame `pfn` holds `stamp` (the other vCPUs' words are theirs).
+#[inline(always)]
+pub fn lane_matches(pfn: u64, lane: usize, stamp: u64) -> bool {
+    read_word(pfn, lane) == stamp
+}
+
+/// Reads word `lane` of frame `pfn` (0: the stamp word).
+pub fn read_word(pfn: u64, lane: usize) -> u64 {
+    debug_assert!(lane < WORDS_PER_PAGE);
+    // SAFETY: as for `write_lane`.
+    unsafe { ((pfn * PAGE_SIZE) as *const u64).add(lane).read_volatile() }
 }
 
 /// Whether frame `pfn` holds `stamp` in word 0 and zeros everywhere else.

@@ -50,7 +50,7 @@ extern "C" fn user_main(start_info: u64) -> ! {
     };
     let free = plan::free_bytes(boot.ram(), boot.floor);
     let ws = params.working_set.unwrap_or(default_working_set(free));
-    let plan = match plan::plan(boot.ram(), boot.floor, ws) {
+    let plan = match plan::plan(boot.ram(), boot.floor, ws, params.records()) {
         Ok(p) => p,
         Err(e) => {
             match e {
@@ -75,9 +75,9 @@ extern "C" fn user_main(start_info: u64) -> ! {
                 .extents()
                 .iter()
                 .map(|e| (e.first_pfn + e.pages) * PAGE_SIZE)
-                .chain(
-                    [plan.record + ferry_guest_abi::layout::record_bytes(plan.pages * PAGE_SIZE)],
-                )
+                .chain([plan.record
+                    + params.records()
+                        * ferry_guest_abi::layout::record_bytes(plan.pages * PAGE_SIZE)])
                 .max()
                 .unwrap_or(boot.floor);
             match FreeMemory::new(&params, boot.ram(), after, || clock.now_ns()) {
@@ -115,7 +115,16 @@ extern "C" fn user_main(start_info: u64) -> ! {
         plan,
         clock,
     });
-    Workload::new(params, plan.share(0, u64::from(params.vcpus)), clock, free).run()
+    Workload::new(params, vcpu_plan(&params, &plan, 0), clock, free).run()
+}
+
+/// What vCPU `k` writes: its share of the pages, or with `shared=1` every page (its own word of
+/// each) with a record of its own.
+fn vcpu_plan(p: &Params, plan: &Plan, k: u64) -> Plan {
+    match p.shared {
+        true => plan.lane(k),
+        false => plan.share(k, u64::from(p.vcpus)),
+    }
 }
 
 /// A secondary vCPU's first Rust code: `entry.rs` drops here at CPL3 with its index, after
@@ -123,10 +132,9 @@ extern "C" fn user_main(start_info: u64) -> ! {
 #[unsafe(no_mangle)]
 extern "C" fn ap_main(vcpu: u64) -> ! {
     let setup = smp::setup();
-    let n = u64::from(setup.params.vcpus);
-    let share = setup.plan.share(vcpu, n);
+    let plan = vcpu_plan(&setup.params, &setup.plan, vcpu);
     let clock = setup.clock.on_vcpu(vcpu as usize);
-    Workload::new(setup.params, share, clock, None).run()
+    Workload::new(setup.params, plan, clock, None).run()
 }
 
 /// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
@@ -260,6 +268,8 @@ struct Workload {
     free: Option<FreeMemory>,
     /// The clock's last reading: it must never go back, across a migration least of all.
     last_now: u64,
+    /// With `shared=1`, the word of each page this vCPU owns (its index).
+    lane: Option<usize>,
 }
 
 impl Workload {
@@ -284,9 +294,14 @@ impl Workload {
             timer: Timer::start(),
             reads: Rng::new(seed ^ 0x7265_6164),
             last_now: 0,
+            lane: p.shared.then_some(usize::from(clock.vcpu())),
+            // vCPUs sharing the pages start apart, so that they do not write in lockstep.
+            cursor: match p.shared {
+                true => plan.pages * u64::from(clock.vcpu()) / u64::from(p.vcpus),
+                false => 0,
+            },
             pages_read: 0,
             bad_reads: 0,
-            cursor: 0,
             counters: Counters::default(),
             max_batch_ns: 0,
             slow_batches: 0,
@@ -299,17 +314,19 @@ impl Workload {
     #[inline(always)]
     fn store(&self, pfn: u64, generation: u32) {
         let word = expected_word(pfn, generation, self.p.zero_percent);
-        match self.p.fill {
-            Fill::Stamp => memory::write_stamp(pfn, word),
-            Fill::Random => memory::write_filled(pfn, word),
+        match (self.lane, self.p.fill) {
+            (Some(lane), _) => memory::write_lane(pfn, lane, word),
+            (None, Fill::Stamp) => memory::write_stamp(pfn, word),
+            (None, Fill::Random) => memory::write_filled(pfn, word),
         }
     }
 
     /// Whether the page at `pfn` holds `want`, as `fill=` writes it.
     fn holds(&self, pfn: u64, want: u64) -> bool {
-        match self.p.fill {
-            Fill::Stamp => memory::page_matches(pfn, want),
-            Fill::Random => memory::page_matches_filled(pfn, want),
+        match (self.lane, self.p.fill) {
+            (Some(lane), _) => memory::lane_matches(pfn, lane, want),
+            (None, Fill::Stamp) => memory::page_matches(pfn, want),
+            (None, Fill::Random) => memory::page_matches_filled(pfn, want),
         }
     }
 
@@ -564,7 +581,8 @@ impl Workload {
         detail[report::verify::FIRST_BAD..][..listed.len()].copy_from_slice(&listed);
         telemetry::send(&self.counters.report(Kind::Verify, &self.clock, detail));
         if let Some((pfn, want)) = first_bad {
-            let (word_pfn, word_gen) = ferry_guest_abi::stamp::decode(memory::read_stamp(pfn));
+            let (word_pfn, word_gen) =
+                ferry_guest_abi::stamp::decode(memory::read_word(pfn, self.lane.unwrap_or(0)));
             sprintln!(
                 "ferry-guest: VERIFY FAILED vCPU {} pass {}: {} bad page(s); first bad frame {:#x} holds stamp (frame {:#x}, generation {}) where (frame {:#x}, generation {}) was written",
                 self.clock.vcpu(),
