@@ -436,6 +436,13 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             _ => return Err(ParamError::UnknownKey(key)),
         }
     }
+    if p.fault_vcpu >= p.vcpus {
+        return Err(ParamError::BadValue {
+            key: "fault-vcpu",
+            value: "(above vcpus)",
+            expected: "the index of one of the guest's vCPUs, below vcpus=",
+        });
+    }
     if p.shared && p.fill == Fill::Random {
         return Err(ParamError::BadValue {
             key: "shared",
@@ -592,6 +599,7 @@ mod tests {
             ("vcpus=65", "a vCPU count from 1 to 64"),
             ("shared=2", "0 or 1"),
             ("shared=1 fill=random", "0 with fill=random"),
+            ("fault-vcpu=2 vcpus=2", "below vcpus="),
             (
                 "frobnicate=1",
                 "unknown guest parameter 'frobnicate'; known keys are: ws rate",

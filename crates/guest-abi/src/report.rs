@@ -186,6 +186,8 @@ pub enum DecodeError {
     BadMagic(u32),
     UnsupportedVersion(u8),
     UnknownKind(u16),
+    /// A vCPU index no VM has (at least `smp::MAX_VCPUS`).
+    BadVcpu(u8),
 }
 
 impl Report {

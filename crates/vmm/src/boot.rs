@@ -89,6 +89,14 @@ pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(
     let ws = p
         .working_set
         .unwrap_or(default_working_set(free.saturating_sub(tables)));
+    if !p.shared && ws / PAGE_SIZE < u64::from(p.vcpus) {
+        return Err(BootError::Cmdline(format!(
+            "ws={}K is {} pages, fewer than the {} vCPUs that each write a share of it; raise ws= or give shared=1",
+            ws >> 10,
+            ws / PAGE_SIZE,
+            p.vcpus
+        )));
+    }
     let needed = required_bytes(ws, p.records(), ram_top);
     if needed > free {
         let suggest = (ram.size() + needed - free).next_multiple_of(crate::memory::MEMORY_GRANULE);
@@ -200,6 +208,11 @@ mod tests {
             "{err}"
         );
         check_workload("ws=32M", &ram, 2 << 20).unwrap();
+        let err = check_workload("ws=12K vcpus=4", &ram, 2 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fewer than the 4 vCPUs"), "{err}");
+        check_workload("ws=12K vcpus=4 shared=1", &ram, 2 << 20).unwrap();
         check_workload("", &ram, 2 << 20).unwrap();
         let err = check_workload("ws=1G pattern=wild", &ram, 2 << 20)
             .unwrap_err()

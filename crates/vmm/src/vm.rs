@@ -56,15 +56,15 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    /// The guest's command line: the user's, the balloon's `virtio_mmio.device=` when the VM
-    /// has one, and for ferry's guest `vcpus=` when it has more than one (later keys win, so
-    /// the VM's own facts override the user's).
+    /// The guest's command line: the user's, for ferry's guest `vcpus=`, and the balloon's
+    /// `virtio_mmio.device=` when the VM has one (later keys win, so the VM's own facts
+    /// override the user's).
     pub fn full_cmdline(&self) -> String {
         let mut words: Vec<String> = Vec::new();
         if !self.cmdline.is_empty() {
             words.push(self.cmdline.clone());
         }
-        if self.guest == GuestKind::FerryGuest && self.vcpus > 1 {
+        if self.guest == GuestKind::FerryGuest {
             words.push(format!("vcpus={}", self.vcpus));
         }
         if self.balloon {
@@ -348,7 +348,7 @@ fn check_config(config: &VmConfig) -> Result<(), VmmError> {
     }
     memory::validate_size(config.memory_bytes)?;
     if config.guest == GuestKind::FerryGuest {
-        ferry_guest_abi::params::parse(&config.cmdline)
+        ferry_guest_abi::params::parse(&config.full_cmdline())
             .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
     }
     Ok(())
@@ -569,9 +569,28 @@ impl VmHandle {
         while c.vcpus_parked < c.vcpus_alive && c.stop_reason.is_none() {
             c = self.0.changed.wait(c).unwrap();
         }
-        match &c.stop_reason {
-            Some(r) => Err(ControlError::Stopped(r.clone())),
-            None => Ok(()),
+        if let Some(r) = &c.stop_reason {
+            return Err(ControlError::Stopped(r.clone()));
+        }
+        self.start_asked(&mut c);
+        Ok(())
+    }
+
+    /// Starts the vCPUs the guest asked for that their threads have not started yet: a request
+    /// made just before a pause, whose target had already parked. With every vCPU parked no
+    /// thread holds a vCPU's lock, and no guest code can ask for more, so a paused VM is
+    /// saved with every vCPU it started running.
+    fn start_asked(&self, c: &mut Control) {
+        for (id, request) in c.starts.iter_mut().enumerate() {
+            let Some(r) = request.take() else {
+                continue;
+            };
+            let vcpu = self.0.vcpus()[id].lock().unwrap();
+            let started =
+                vcpu::start_secondary(&vcpu, id as u8, u64::from(r.entry), u64::from(r.arg));
+            if let Err(e) = started {
+                tracing::warn!("vCPU {id} could not be started while paused: {e}");
+            }
         }
     }
 
@@ -906,5 +925,57 @@ impl VcpuRunner {
         } else {
             StopReason::GuestHalted(why)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A start the guest asked for while the target had already parked for a pause is carried
+    /// out by the pause: the paused VM holds that vCPU started (runnable, at its entry).
+    #[test]
+    fn a_start_asked_just_before_a_pause_is_made_by_the_pause() {
+        kvm::require_for_tests();
+        // The built-in guest, told it has one vCPU, never starts vCPU 1 itself.
+        let vm = Vm::boot(VmConfig {
+            memory_bytes: 128 << 20,
+            vcpus: 2,
+            kernel: Arc::from(ferry_guest_image::ELF),
+            cmdline: "ws=8M vcpus=1 log-ms=0".into(),
+            guest: GuestKind::Foreign,
+            serial: SerialOutput::Discard,
+            balloon: false,
+            host_pages: Default::default(),
+        })
+        .unwrap();
+        let h = vm.handle();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while h.telemetry().heartbeats < 2 {
+            assert!(Instant::now() < deadline, "the guest never reported");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        h.pause().unwrap();
+        let vcpu1 = || h.0.vcpus()[1].lock().unwrap();
+        assert_ne!(
+            vcpu1().get_mp_state().unwrap().mp_state,
+            kvm_bindings::KVM_MP_STATE_RUNNABLE,
+            "vCPU 1 waits for a start"
+        );
+        // As if vCPU 0 had asked just before the pause, with vCPU 1 already parked.
+        h.lock().starts[1] = Some(StartVcpu {
+            vcpu: 1,
+            entry: 0x12_3450,
+            arg: 1,
+        });
+        h.pause().unwrap();
+        assert!(h.lock().starts[1].is_none(), "the request was carried out");
+        let vcpu = vcpu1();
+        assert_eq!(
+            vcpu.get_mp_state().unwrap().mp_state,
+            kvm_bindings::KVM_MP_STATE_RUNNABLE
+        );
+        let regs = vcpu.get_regs().unwrap();
+        assert_eq!((regs.rip, regs.rbx), (0x12_3450, 1));
     }
 }

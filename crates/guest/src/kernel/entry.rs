@@ -390,10 +390,21 @@ gp_fault:
     jmp gp_fault
 
 /* Copy the frame (vector, error, rip, cs, rflags, rsp, ss) and CR2 to exception_frame, then
-   report at CPL3 on the report stack. An exception while reporting halts on the spot. */
+   report at CPL3 on the report stack. The first vCPU to fault owns the report (exception_seen
+   holds its index + 1): an exception while it reports ends the machine on the spot; another
+   vCPU's exception stops that vCPU quietly, so the owner's report is what the VMM sees. */
 exception_common:
-    lock btsl $0, exception_seen(%rip)
-    jc 7f
+    movq %gs:0, %rdx
+    incq %rdx
+    xorl %eax, %eax
+    lock cmpxchgq %rdx, exception_seen(%rip)
+    jz 8f
+    cmpq %rax, %rdx
+    je 7f
+9:  cli
+    hlt
+    jmp 9b
+8:
     leaq exception_frame(%rip), %rdi
     popq %rax
     movq %rax, 0(%rdi)

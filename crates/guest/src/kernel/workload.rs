@@ -366,6 +366,18 @@ impl Workload {
     }
 
     fn run(mut self) -> ! {
+        if self.plan.pages == 0 {
+            // More vCPUs than pages (the VMM refuses that before boot; another VMM might not):
+            // nothing of the working set is this vCPU's.
+            sprintln!(
+                "ferry-guest: vCPU {} has no pages to write; give ws= at least a page per vCPU",
+                self.clock.vcpu()
+            );
+            if self.clock.vcpu() == 0 {
+                halt_with(HaltReason::NotEnoughMemory, &self.counters, &self.clock);
+            }
+            self.stop_for_good();
+        }
         if self.p.prefill {
             self.prefill();
         }

@@ -9,8 +9,8 @@
 /// "FERRYMIG".
 pub const MAGIC: [u8; 8] = *b"FERRYMIG";
 /// Version 2 added opaque device-state sections (VMM-chosen id, instance, version) and
-/// capability bits in the hello.
-pub const VERSION: u32 = 2;
+/// capability bits in the hello; version 3, the state parts in the Resumed record.
+pub const VERSION: u32 = 3;
 pub const HELLO_SIZE: usize = 64;
 pub const HEADER_SIZE: usize = 16;
 /// Guest page size on the wire.
@@ -450,6 +450,14 @@ impl ResumedRecord {
     /// parts and its length within their bounds); every part must be whole, with a UTF-8
     /// name, and nothing may follow the last.
     pub fn decode(count: u32, payload: &[u8]) -> Result<ResumedRecord, WireError> {
+        if payload.len() < RESUMED_SIZE as usize {
+            return Err(WireError::Length {
+                kind: Kind::Resumed,
+                count,
+                len: payload.len() as u64,
+                expected: RESUMED_SIZE,
+            });
+        }
         let word = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
         let mut r = ResumedRecord {
             load_ns: word(payload, 0),

@@ -387,4 +387,8 @@ fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
     assert!(Header::decode(&Header::new(Kind::Resumed, MAX_STATE_PARTS + 1, 24).encode()).is_err());
     assert!(Header::decode(&Header::new(Kind::Resumed, 1, 24 + 18 + 65).encode()).is_err());
     assert!(Header::decode(&Header::new(Kind::Resumed, 0, 23).encode()).is_err());
+    assert!(
+        ResumedRecord::decode(0, &[0; 23]).is_err(),
+        "short, undecoded header"
+    );
 }

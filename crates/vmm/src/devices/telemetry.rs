@@ -238,6 +238,10 @@ impl GuestTelemetry {
         host_ns: u64,
     ) -> Result<Kind, report::DecodeError> {
         match Report::from_bytes(bytes) {
+            Ok(r) if usize::from(r.vcpu) >= ferry_guest_abi::smp::MAX_VCPUS => {
+                self.invalid_reports += 1;
+                Err(report::DecodeError::BadVcpu(r.vcpu))
+            }
             Ok(r) => {
                 if matches!(r.kind(), Kind::Boot | Kind::Layout) {
                     self.raw_config
@@ -482,8 +486,13 @@ impl GuestTelemetry {
                 VcpuTelemetry::from_state_words(&words)
             })
             .collect();
-        if t.vcpus.windows(2).any(|p| p[0].vcpu >= p[1].vcpu) {
-            return Err(malformed("vCPUs out of order or repeated".into()));
+        let indices_valid = (0..count).all(|k| {
+            w(STATE_WORDS + k * VcpuTelemetry::STATE_WORDS) < ferry_guest_abi::smp::MAX_VCPUS as u64
+        });
+        if !indices_valid || t.vcpus.windows(2).any(|p| p[0].vcpu >= p[1].vcpu) {
+            return Err(malformed(
+                "vCPU indices out of order, repeated or above 63".into(),
+            ));
         }
         t.sum_vcpus();
         t.window.clear();
@@ -624,6 +633,17 @@ mod tests {
         assert!(
             GuestTelemetry::decode_state(&bad).is_err(),
             "vCPU 5 before vCPU 3"
+        );
+        let mut bad = t.encode_state();
+        bad[8 * STATE_WORDS..8 * STATE_WORDS + 8].copy_from_slice(&256u64.to_le_bytes());
+        assert!(GuestTelemetry::decode_state(&bad).is_err(), "vCPU 256");
+        let mut stray = heartbeat(9, 1);
+        stray.vcpu = 64;
+        assert!(t.record_bytes(&stray.to_bytes(), 99).is_err());
+        assert_eq!(
+            (t.invalid_reports, t.vcpus.len()),
+            (1, 2),
+            "a report from vCPU 64 is refused"
         );
     }
 

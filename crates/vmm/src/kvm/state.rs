@@ -182,7 +182,7 @@ fn restore_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateErr
     let mut i = 0;
     while i < entries.len() {
         let batch = Msrs::from_entries(&entries[i..]).map_err(malformed)?;
-        i += vcpu.set_msrs(&batch).unwrap_or(0);
+        i += vcpu.set_msrs(&batch).map_err(kvm("write the MSRs"))?;
         let Some(refused) = entries.get(i) else {
             break;
         };
