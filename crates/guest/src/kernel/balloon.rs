@@ -128,7 +128,8 @@ pub struct Balloon {
 }
 
 fn mem(q: usize) -> *mut QueueMem {
-    // SAFETY: only the address is taken; the one vCPU is the only user of the queues.
+    // SAFETY: only the address is taken; the boot vCPU is the only user of the queues (it
+    // alone drives the balloon).
     unsafe { addr_of_mut!(QUEUES[q]) }
 }
 

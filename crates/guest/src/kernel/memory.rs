@@ -83,9 +83,10 @@ pub fn read_word(pfn: u64, lane: usize) -> u64 {
 /// Whether frame `pfn` holds `stamp` in word 0 and zeros everywhere else.
 #[inline(always)]
 pub fn page_matches(pfn: u64, stamp: u64) -> bool {
-    // SAFETY: as for `write_stamp`; the slice lives only for this call, during which this
-    // single-vCPU guest writes nothing (a concurrent host write is exactly what verify is
-    // there to catch, and any value read is a valid u64).
+    // SAFETY: as for `write_stamp`; the slice lives only for this call, during which nothing
+    // in the guest writes the page: it is this vCPU's (whole pages are written only without
+    // `shared=1`, where the vCPUs' shares are disjoint). A concurrent host write is exactly
+    // what verify is there to catch, and any value read is a valid u64.
     let words =
         unsafe { core::slice::from_raw_parts((pfn * PAGE_SIZE) as *const u64, WORDS_PER_PAGE) };
     // Fold with OR so the compiler vectorises the scan of the 511 words that must be zero.
