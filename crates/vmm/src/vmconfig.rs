@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 pub struct VmDescription {
     pub vcpus: u8,
     pub balloon: bool,
-    /// A digest of the CPU identity and features vCPU 0 was given ([`cpuid_digest`]), so that
+    /// A digest of the CPU identity and features the vCPUs get ([`cpuid_digest`]), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
 }
