@@ -103,7 +103,18 @@ fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
         let dst = incoming.into_running().unwrap();
         let status = dst.handle().status();
         assert_eq!((status.vcpus, status.vcpu_threads), (n, usize::from(n)));
-        verifies_clean(&dst, 2);
+        let after = verifies_clean(&dst, 2);
+        // Every vCPU's TSC and the VM's kvmclock continue from where they stopped: each
+        // vCPU's clock never went back (a verify failure if it had) and did not leap forward
+        // across the pause (its longest batch, pause included, is far below a leap).
+        for v in &after.vcpus {
+            assert!(
+                v.max_batch_ns < 2_000_000_000,
+                "{n} vCPUs: vCPU {}'s clock leapt {} ms across the migration",
+                v.vcpu,
+                v.max_batch_ns / 1_000_000
+            );
+        }
     }
 }
 
