@@ -45,9 +45,9 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
     ),
     (
         "rate",
-        "max | MB/s",
+        "max | idle | MB/s",
         "max",
-        "how fast the working set is dirtied",
+        "how fast each vCPU dirties the working set (idle: not at all, after prefill=)",
     ),
     (
         "pattern",
@@ -212,6 +212,8 @@ impl Pattern {
 pub enum Rate {
     /// As fast as the vCPU can write.
     FlatOut,
+    /// Not at all: the vCPU only reports (and verifies, with `verify-ms`), asleep between.
+    Idle,
     /// At most this many megabytes (10^6 bytes) of pages per second.
     MegabytesPerSecond(u32),
 }
@@ -358,10 +360,11 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             "rate" => {
                 p.rate = match value {
                     "max" => Rate::FlatOut,
+                    "idle" => Rate::Idle,
                     v => Rate::MegabytesPerSecond(
                         parse_u32(v)
                             .filter(|r| *r > 0)
-                            .ok_or(bad("'max' or megabytes per second, at least 1"))?,
+                            .ok_or(bad("'max', 'idle' or megabytes per second, at least 1"))?,
                     ),
                 }
             }
@@ -579,6 +582,7 @@ mod tests {
     #[test]
     fn later_keys_win() {
         assert_eq!(parse("rate=5 rate=max").unwrap().rate, Rate::FlatOut);
+        assert_eq!(parse("rate=max rate=idle").unwrap().rate, Rate::Idle);
     }
 
     #[test]
@@ -586,7 +590,7 @@ mod tests {
         let table: &[(&str, &str)] = &[
             ("ws=lots", "bad value 'lots' for guest parameter 'ws'"),
             ("ws=0", "at least 4K"),
-            ("rate=0", "'max' or megabytes per second"),
+            ("rate=0", "'max', 'idle' or megabytes per second"),
             ("pattern=zigzag", "seq, random or hotcold"),
             ("zero=101", "a percentage 0-100"),
             ("read=101", "a percentage 0-100"),

@@ -96,8 +96,10 @@ impl HaltReason {
 pub mod boot {
     pub const RAM_BYTES: usize = 0;
     pub const WS_PAGES: usize = 1;
-    /// MB/s, 0 = flat out.
+    /// MB/s, 0 = flat out, [`RATE_IDLE`] = idle.
     pub const RATE: usize = 2;
+    /// The rate word of an idle guest (`rate=idle`).
+    pub const RATE_IDLE: u64 = u64::MAX;
     pub const PATTERN: usize = 3;
     pub const ZERO_PERCENT: usize = 4;
     pub const VERIFY_MS: usize = 5;

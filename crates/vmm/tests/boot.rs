@@ -77,6 +77,26 @@ fn verify_is_not_hollow_host_corruption_is_named() {
     );
 }
 
+/// `rate=idle`: after its prefill the guest writes nothing, and keeps reporting.
+#[test]
+fn an_idle_guest_writes_nothing_after_its_prefill() {
+    let t = boot(128 * MIB, "ws=8M rate=idle prefill=1 log-ms=0 verify-ms=50");
+    let g = t.wait_for("verify passes", Duration::from_secs(30), |g| {
+        g.verify_passes >= 2
+    });
+    assert_eq!(g.pages_written, 2048, "the prefill only");
+    assert_eq!(
+        g.config.as_ref().unwrap().rate_mb_s,
+        Some(0),
+        "shown as idle"
+    );
+    let later = t.wait_for("more verify passes", Duration::from_secs(30), |l| {
+        l.verify_passes >= g.verify_passes + 3 && l.heartbeats > g.heartbeats
+    });
+    assert_eq!(later.pages_written, 2048, "still the prefill only");
+    assert_eq!(later.verify_failures, 0);
+}
+
 #[test]
 fn pause_stops_the_guest_and_resume_continues_it() {
     let t = boot(128 * MIB, "ws=8M log-ms=0");

@@ -1,5 +1,6 @@
 //! `ferry bench state`: the device-state part of the downtime as the VM grows, in one run. An
-//! idle guest with 1, 8, 32 and 64 vCPUs is migrated into a prepared destination (vCPUs
+//! idle guest (`rate=idle`: its 64 MiB written once, then only heartbeats) with 1, 8, 32 and
+//! 64 vCPUs is migrated into a prepared destination (vCPUs
 //! created and their threads parked before the switchover, the default) and into an
 //! unprepared one (vCPUs created at the state load, threads started at resume), the
 //! reference. Per row: state size, save time, load time split into its parts (all vCPUs, and
@@ -80,8 +81,9 @@ pub fn run(args: &StateBenchArgs) -> anyhow::Result<ExitCode> {
             // Heartbeats from all vCPUs together about every 0.25 ms: the guest-observed
             // pause is measured that finely without the reports crowding 2 cores.
             let heartbeat_ms = (u32::from(n) / 4).max(2);
-            let cmdline =
-                format!("ws=64M rate=1 prefill=1 verify-ms=0 log-ms=0 heartbeat-ms={heartbeat_ms}");
+            let cmdline = format!(
+                "ws=64M rate=idle prefill=1 verify-ms=0 log-ms=0 heartbeat-ms={heartbeat_ms}"
+            );
             let s = Scenario {
                 vcpus: n,
                 ..Scenario::new(&format!("idle, {n} vCPUs"), GIB, &cmdline, 1)

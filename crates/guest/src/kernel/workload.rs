@@ -155,6 +155,7 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
     detail[report::boot::WS_PAGES] = plan.pages;
     detail[report::boot::RATE] = match p.rate {
         Rate::FlatOut => 0,
+        Rate::Idle => report::boot::RATE_IDLE,
         Rate::MegabytesPerSecond(r) => u64::from(r),
     };
     detail[report::boot::PATTERN] = p.pattern as u64;
@@ -205,6 +206,7 @@ impl core::fmt::Display for RateText {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self.0 {
             Rate::FlatOut => f.write_str("flat out"),
+            Rate::Idle => f.write_str("idle"),
             Rate::MegabytesPerSecond(r) => write!(f, "{r} MB/s"),
         }
     }
@@ -277,7 +279,7 @@ impl Workload {
         // SAFETY: the plan puts the record in RAM of its own, apart from the working set.
         let record = unsafe { memory::record(plan.record, plan.pages) };
         let pace = match p.rate {
-            Rate::FlatOut => None,
+            Rate::FlatOut | Rate::Idle => None,
             Rate::MegabytesPerSecond(mb) => {
                 Some(Pace::new(u64::from(mb) * 1_000_000, clock.now_ns()))
             }
@@ -457,14 +459,21 @@ impl Workload {
                 );
                 arch::undefined_instruction();
             }
-            let n = match &mut self.pace {
-                None => BATCH_PAGES,
-                Some(pace) => pace.grant(now, BATCH_PAGES),
+            let n = match (&mut self.pace, self.p.rate) {
+                (_, Rate::Idle) => 0,
+                (None, _) => BATCH_PAGES,
+                (Some(pace), _) => pace.grant(now, BATCH_PAGES),
             };
             if n == 0 {
-                let pace = self.pace.as_ref().expect("only a paced guest waits");
-                let burst = pace.pages_in(PACE_QUANTUM_NS).min(BATCH_PAGES);
-                let mut wake = pace.due_ns(now, burst).min(next_heartbeat);
+                // Asleep until the next burst the pace allows (an idle guest has none), or
+                // until something else is due.
+                let mut wake = match &self.pace {
+                    Some(pace) => {
+                        let burst = pace.pages_in(PACE_QUANTUM_NS).min(BATCH_PAGES);
+                        pace.due_ns(now, burst).min(next_heartbeat)
+                    }
+                    None => next_heartbeat,
+                };
                 for (interval, at) in [
                     (self.p.log_ms, next_log),
                     (self.p.verify_ms, next_verify),

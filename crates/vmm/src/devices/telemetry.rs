@@ -30,7 +30,7 @@ pub fn host_monotonic_ns() -> u64 {
 pub struct GuestConfig {
     pub ram_bytes: u64,
     pub working_set_pages: u64,
-    /// MB/s; `None` = flat out.
+    /// MB/s per vCPU; `None` = flat out, 0 = idle.
     pub rate_mb_s: Option<u64>,
     pub pattern: String,
     pub zero_percent: u64,
@@ -280,7 +280,11 @@ impl GuestTelemetry {
                 self.config = Some(GuestConfig {
                     ram_bytes: d[report::boot::RAM_BYTES],
                     working_set_pages: d[report::boot::WS_PAGES],
-                    rate_mb_s: Some(d[report::boot::RATE]).filter(|r| *r != 0),
+                    rate_mb_s: match d[report::boot::RATE] {
+                        0 => None,
+                        report::boot::RATE_IDLE => Some(0),
+                        r => Some(r),
+                    },
                     pattern: Pattern::from_u8(d[report::boot::PATTERN] as u8)
                         .map_or("unknown", Pattern::name)
                         .to_string(),
