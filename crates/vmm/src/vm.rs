@@ -264,7 +264,7 @@ impl Vm {
         )?);
         let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
         let shared = build(&config, ram, Some(control))?;
-        let running = match preparation {
+        let threads = match preparation {
             Preparation::Prepared => {
                 shared.create_vcpus()?;
                 Some(start(shared.clone())?)
@@ -273,7 +273,7 @@ impl Vm {
         };
         Ok(IncomingVm {
             shared,
-            threads: running,
+            threads,
             resumed: false,
             landing: None,
         })
@@ -586,9 +586,7 @@ impl VmHandle {
                 continue;
             };
             let vcpu = self.0.vcpus()[id].lock().unwrap();
-            let started =
-                vcpu::start_secondary(&vcpu, id as u8, u64::from(r.entry), u64::from(r.arg));
-            if let Err(e) = started {
+            if let Err(e) = vcpu::start_secondary(&vcpu, id as u8, &r) {
                 tracing::warn!("vCPU {id} could not be started while paused: {e}");
             }
         }
@@ -899,9 +897,8 @@ impl VcpuRunner {
     fn start_if_asked(&self, vcpu: &Mutex<VcpuFd>) -> Option<StopReason> {
         let request = self.shared.control.lock().unwrap().starts[self.index].take()?;
         let id = self.index as u8;
-        let (entry, arg) = (u64::from(request.entry), u64::from(request.arg));
-        let started = vcpu::start_secondary(&vcpu.lock().unwrap(), id, entry, arg);
-        tracing::debug!("vCPU {id} started at {entry:#x}");
+        let started = vcpu::start_secondary(&vcpu.lock().unwrap(), id, &request);
+        tracing::debug!("vCPU {id} started at {:#x}", request.entry);
         started
             .err()
             .map(|e| StopReason::Failed(format!("vCPU {id}: {e}")))

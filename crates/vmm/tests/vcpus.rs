@@ -25,19 +25,41 @@ fn with_vcpus(vcpus: u8, cmdline: &str, serial: &std::path::Path) -> VmConfig {
     }
 }
 
+/// A VM of `n` vCPUs running the built-in guest with `cmdline`, once every vCPU verified.
+fn boot_verified(n: u8, cmdline: &str, serial: &std::path::Path) -> common::TestVm {
+    let src = boot_config(with_vcpus(n, cmdline, serial));
+    src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
+        every_vcpu_verified(g, n)
+    });
+    src
+}
+
+/// Migrates `src` (of `n` vCPUs) into a fresh destination with a forced switchover; returns
+/// the running destination and the source's last progress.
+fn migrate_forced(
+    src: &common::TestVm,
+    n: u8,
+    serial: &std::path::Path,
+) -> (ferry_vmm::Vm, ferry_migrate::Progress) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut incoming = Vm::incoming(with_vcpus(n, "", serial)).unwrap();
+    let req = forced_request(&listener);
+    let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
+    received
+        .unwrap_or_else(|e| panic!("{n} vCPUs: destination: {e}; source: {:?}", progress.error));
+    (incoming.into_running().unwrap(), progress)
+}
+
 #[test]
 fn pause_resume_and_stop_act_on_every_vcpu() {
     for n in [4, 16] {
         let dir = tempfile::tempdir().unwrap();
-        let src = boot_config(with_vcpus(
+        let src = boot_verified(
             n,
             "ws=64M rate=50 verify-ms=200 log-ms=0",
             &dir.path().join("s"),
-        ));
+        );
         let h = src.handle();
-        src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
-            every_vcpu_verified(g, n)
-        });
         assert_eq!(
             (h.status().vcpus, h.status().vcpu_threads),
             (n, usize::from(n))
@@ -84,23 +106,13 @@ fn every_vcpu_s_state_migrates_and_the_guest_verifies_clean() {
     for n in [1, 4, 16] {
         require_kvm();
         let dir = tempfile::tempdir().unwrap();
-        let src = boot_config(with_vcpus(
+        let src = boot_verified(
             n,
             "ws=64M rate=20 pattern=random read=20 verify-ms=200 log-ms=0",
             &dir.path().join("s"),
-        ));
-        src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
-            every_vcpu_verified(g, n)
-        });
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut incoming = Vm::incoming(with_vcpus(n, "", &dir.path().join("d"))).unwrap();
-        let req = forced_request(&listener);
-        let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
-        received.unwrap_or_else(|e| {
-            panic!("{n} vCPUs: destination: {e}; source: {:?}", progress.error)
-        });
+        );
+        let (dst, progress) = migrate_forced(&src, n, &dir.path().join("d"));
         assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
-        let dst = incoming.into_running().unwrap();
         let status = dst.handle().status();
         assert_eq!((status.vcpus, status.vcpu_threads), (n, usize::from(n)));
         let after = verifies_clean(&dst, 2);
@@ -127,14 +139,12 @@ fn vcpus_sharing_pages_check_their_own_words_and_migrate_clean() {
     let dir = tempfile::tempdir().unwrap();
     // A sweep of 4096 pages at 1 MB/s takes ~16 s: a page half a sweep ahead of vCPU 2's
     // writer stays as the test left it for several verify passes.
-    let src = boot_config(with_vcpus(
+    let src = boot_verified(
         4,
         "ws=16M rate=1 shared=1 verify-ms=100 log-ms=0",
         &dir.path().join("s"),
-    ));
-    let g = src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
-        every_vcpu_verified(g, 4)
-    });
+    );
+    let g = src.handle().telemetry();
     assert_eq!(g.verify_failures, 0);
     let pages = g.config.as_ref().unwrap().working_set_pages;
     let layout = g.layout.clone().expect("layout report");
@@ -157,20 +167,13 @@ fn vcpus_sharing_pages_check_their_own_words_and_migrate_clean() {
     }
     drop(src);
 
-    let src = boot_config(with_vcpus(
+    let src = boot_verified(
         4,
         "ws=32M rate=10 pattern=random shared=1 verify-ms=200 log-ms=0",
         &dir.path().join("s2"),
-    ));
-    src.wait_for("every vCPU verified", Duration::from_secs(60), |g| {
-        every_vcpu_verified(g, 4)
-    });
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut incoming = Vm::incoming(with_vcpus(4, "", &dir.path().join("d"))).unwrap();
-    let req = forced_request(&listener);
-    let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
-    received.unwrap_or_else(|e| panic!("destination: {e}; source: {:?}", progress.error));
-    verifies_clean(&incoming.into_running().unwrap(), 2);
+    );
+    let (dst, _) = migrate_forced(&src, 4, &dir.path().join("d"));
+    verifies_clean(&dst, 2);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use kvm_ioctls::{Cap, VcpuExit, VcpuFd};
 
 use super::{KvmError, KvmVm};
 use crate::boot::BootSetup;
+use ferry_guest_abi::smp::StartVcpu;
 
 /// CPUID.1:ECX bit 24: the local APIC timer has TSC-deadline mode.
 const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
@@ -65,8 +66,9 @@ pub fn set_pvh_entry(vcpu: &VcpuFd, boot: &BootSetup) -> Result<(), KvmError> {
 }
 
 /// Starts secondary vCPU `id` as the guest asked (`ferry_guest_abi::smp`): PVH's entry state
-/// at `entry` with %ebx = `arg`, and runnable (out of KVM's wait-for-SIPI).
-pub fn start_secondary(vcpu: &VcpuFd, id: u8, entry: u64, arg: u64) -> Result<(), KvmError> {
+/// at the request's entry with %ebx = its argument, and runnable (out of KVM's wait-for-SIPI).
+pub fn start_secondary(vcpu: &VcpuFd, id: u8, request: &StartVcpu) -> Result<(), KvmError> {
+    let (entry, arg) = (u64::from(request.entry), u64::from(request.arg));
     set_entry_state(vcpu, id, entry, arg)?;
     vcpu.set_mp_state(kvm_mp_state {
         mp_state: KVM_MP_STATE_RUNNABLE,
