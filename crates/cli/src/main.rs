@@ -11,6 +11,7 @@ mod guest;
 mod migrate;
 mod report;
 mod run;
+mod tls;
 
 use std::process::ExitCode;
 
@@ -64,6 +65,9 @@ enum Command {
     /// Draw migration statistics (from `--stats-out`) as SVG or HTML charts; several runs are
     /// drawn side by side.
     Report(report::ReportArgs),
+    /// TLS for migrations: `ferry tls generate DIR` writes a CA and certificates to try it.
+    #[command(subcommand)]
+    Tls(tls::TlsCommand),
     /// Benchmarks that print a table and JSON lines.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -125,6 +129,7 @@ fn main() -> ExitCode {
         Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),
         Command::Guest(args) => guest::guest(&args),
         Command::Report(args) => report::report(&args),
+        Command::Tls(cmd) => tls::tls(&cmd),
         Command::Bench(cmd) => bench::bench(cmd),
     };
     match result {

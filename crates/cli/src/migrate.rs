@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use ferry_migrate::scan::ZeroDetection;
+use ferry_migrate::transport::tls::Side;
 use ferry_migrate::{Phase, Progress};
 use ferry_vmm::api::client;
 use serde_json::json;
@@ -127,6 +128,14 @@ pub struct MigrateArgs {
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
     #[arg(long)]
     resume: bool,
+    /// TLS on every connection (see --tls-dir); with --resume the migration's own TLS is
+    /// used again and these are ignored.
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
+    /// With TLS: the name the destination's certificate must carry, when it is not the host
+    /// in --to (always needed for unix:PATH).
+    #[arg(long, value_name = "NAME")]
+    tls_name: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -210,10 +219,31 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "postcopy_preempt": args.postcopy_preempt,
         "postcopy_recover": args.postcopy_recover == OnOff::On,
         "free_page_hints": args.free_page_hints == OnOff::On,
+        "tls": tls_body(args)?,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
         .context("could not start the migration")?;
     follow_to_the_end(args, to)
+}
+
+/// The `tls` of a migration request: absolute paths, for a VMM started elsewhere.
+fn tls_body(args: &MigrateArgs) -> Result<Option<serde_json::Value>, UsageError> {
+    let Some(files) = args.tls.files(Side::Source)? else {
+        if args.tls_name.is_some() {
+            return Err(UsageError(
+                "--tls-name is for TLS; give --tls-dir (or --tls-ca, --tls-cert and --tls-key) too"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    };
+    let files = crate::tls::absolute(files);
+    Ok(Some(json!({
+        "ca": files.ca,
+        "cert": files.cert,
+        "key": files.key,
+        "name": args.tls_name,
+    })))
 }
 
 /// Follows the migration until it ends (Ctrl-C cancels it while it can be), prints its

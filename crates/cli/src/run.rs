@@ -9,9 +9,12 @@ use anyhow::Context;
 use clap::Args;
 use ferry_migrate::MigrateError;
 use ferry_migrate::transport::Address;
+use ferry_migrate::transport::tls::{DestinationTls, Side};
 use ferry_vmm::api::server::ApiServer;
 use ferry_vmm::memory::HostPages;
 use ferry_vmm::{GuestKind, RunState, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
+
+use crate::UsageError;
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -42,6 +45,13 @@ pub struct RunArgs {
     /// sparse on this host.
     #[arg(long, requires = "incoming")]
     prealloc: bool,
+    /// With --incoming: TLS on every connection (see --tls-dir).
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
+    /// With TLS: take only sources whose certificate carries this name (a DNS name or IP
+    /// address; repeat for more). Default: any certificate the CA signed (QEMU: tls-authz).
+    #[arg(long, value_name = "NAME")]
+    tls_allow: Vec<String>,
     /// Back guest RAM with 2 MiB huge pages from the host's hugetlbfs pool (reserve them
     /// first: /proc/sys/vm/nr_hugepages); all of RAM is reserved at start. Precopy migrates it
     /// (into a destination started with --hugepages too, or not), and so does postcopy, in
@@ -106,15 +116,17 @@ fn receive(
     ready: Ready,
     interrupt: &Interrupt,
     api_socket: Option<&PathBuf>,
+    tls: Option<Arc<DestinationTls>>,
 ) -> Result<(Vm, Option<ApiServer>), NoGuest> {
     let address: Address = spec
         .parse()
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
-    let listener = address
-        .listen()
-        .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
+    let secured = tls.is_some();
     let mut incoming = Vm::incoming(config).map_err(|e| NoGuest::Failed(e.into()))?;
     let handle = incoming.handle();
+    let listener = handle
+        .listen_incoming(&address, tls)
+        .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
     let api = start_api(api_socket, &handle).map_err(NoGuest::Failed)?;
     if ready == Ready::Prealloc {
@@ -132,7 +144,11 @@ fn receive(
             took.as_millis()
         );
     }
-    eprintln!("ferry: waiting for a migration on {}", listener.local());
+    eprintln!(
+        "ferry: waiting for a migration on {}{}",
+        listener.local(),
+        if secured { " (TLS)" } else { "" }
+    );
     let received =
         ferry_vmm::migration::receive(&mut incoming, listener.as_ref(), &|| !interrupt.requested());
     let stats = match received {
@@ -185,6 +201,7 @@ fn start_api(path: Option<&PathBuf>, handle: &VmHandle) -> anyhow::Result<Option
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let tls = destination_tls(&args)?;
     let (kernel, guest): (Arc<[u8]>, GuestKind) = if args.guest == "builtin" {
         (Arc::from(ferry_guest_image::ELF), GuestKind::FerryGuest)
     } else {
@@ -232,6 +249,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             },
             &interrupt,
             args.api_socket.as_ref(),
+            tls,
         ) {
             Ok(got) => got,
             Err(NoGuest::Stopped(why)) => {
@@ -259,4 +277,28 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         StopReason::Failed(_) => ExitCode::FAILURE,
         StopReason::GuestHalted(_) | StopReason::Requested(_) => ExitCode::SUCCESS,
     })
+}
+
+/// The destination's TLS from `ferry run`'s flags: only with --incoming, and --tls-allow only
+/// with TLS.
+fn destination_tls(args: &RunArgs) -> anyhow::Result<Option<Arc<DestinationTls>>> {
+    let Some(files) = args.tls.files(Side::Destination)? else {
+        if !args.tls_allow.is_empty() {
+            return Err(UsageError(
+                "--tls-allow restricts TLS sources; give --tls-dir (or --tls-ca, --tls-cert and --tls-key) too".into(),
+            )
+            .into());
+        }
+        return Ok(None);
+    };
+    if args.incoming.is_none() {
+        return Err(UsageError(
+            "TLS flags on ferry run are for a destination (--incoming); give a source's TLS to ferry migrate".into(),
+        )
+        .into());
+    }
+    Ok(Some(Arc::new(DestinationTls::new(
+        &files,
+        &args.tls_allow,
+    )?)))
 }

@@ -116,9 +116,13 @@ impl Conn {
         self.flush("sending the hello")
     }
 
+    /// The destination's answer to a source's hello.
     pub fn read_hello(&mut self) -> Result<Hello, MigrateError> {
         let mut b = [0u8; HELLO_SIZE];
-        self.read_exact(&mut b, "reading the hello")?;
+        self.read_exact(
+            &mut b,
+            "reading the answer to the hello (a destination that requires TLS closes a plaintext connection at once; give this source --tls-dir then)",
+        )?;
         Ok(Hello::decode(&b)?)
     }
 

@@ -63,7 +63,7 @@ pub struct Control {
     /// Break the connections of a migration in postcopy, as a failure would.
     pause: AtomicBool,
     /// Where a paused postcopy migration reconnects to, once asked.
-    resume: Mutex<Option<crate::transport::Address>>,
+    resume: Mutex<Option<crate::transport::Dialer>>,
     resume_asked: Condvar,
     progress: Mutex<Progress>,
 }
@@ -107,13 +107,15 @@ impl Control {
 
     /// Asks a migration in postcopy-paused to reconnect to `to` (`ferry migrate --resume`,
     /// `PUT /migration/resume`).
-    pub fn resume_postcopy(&self, to: crate::transport::Address) {
-        *self.resume.lock().unwrap() = Some(to);
+    /// A plain [`Address`](crate::transport::Address) converts; a [`Dialer`] with TLS
+    /// reconnects through it.
+    pub fn resume_postcopy(&self, to: impl Into<crate::transport::Dialer>) {
+        *self.resume.lock().unwrap() = Some(to.into());
         self.resume_asked.notify_all();
     }
 
     /// Waits up to `timeout` for a resume request and takes it.
-    pub fn wait_resume(&self, timeout: Duration) -> Option<crate::transport::Address> {
+    pub fn wait_resume(&self, timeout: Duration) -> Option<crate::transport::Dialer> {
         let mut r = self.resume.lock().unwrap();
         if r.is_none() {
             r = self.resume_asked.wait_timeout(r, timeout).unwrap().0;

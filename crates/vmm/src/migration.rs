@@ -15,7 +15,8 @@ use ferry_migrate::destination::{self, IncomingPhase, IncomingProgress, ReceiveS
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams};
-use ferry_migrate::transport::{Address, Listener, Stream};
+use ferry_migrate::transport::tls::{DestinationTls, SourceTls};
+use ferry_migrate::transport::{Address, AddressError, Dialer, Listener, Stream};
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, PageLanding, Phase, Policy, Progress, Section, SourceVm,
     VmError,
@@ -58,6 +59,8 @@ pub struct MigrationRequest {
     /// Ask the guest's balloon for free page hints and skip the pages it reports free. On by
     /// default; a VM without a balloon, or a guest without its driver, sends every page.
     pub free_page_hints: bool,
+    /// Run every connection (main, data, preempt, recovery) over TLS; `None`: plain.
+    pub tls: Option<Arc<SourceTls>>,
 }
 
 impl MigrationRequest {
@@ -76,6 +79,7 @@ impl MigrationRequest {
             postcopy_preempt_priority: true,
             postcopy_recover: true,
             free_page_hints: true,
+            tls: None,
         }
     }
 }
@@ -132,8 +136,11 @@ impl VmHandle {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
         }
-        let address = address_of(&req.to).map_err(MigrateError::from)?;
-        let stream = connect(&address)?;
+        let dialer = address_of(&req.to)
+            .and_then(|a| Ok(Dialer::new(a, req.tls.clone())?))
+            .map_err(MigrateError::from)?;
+        let stream = connect(&dialer)?;
+        *self.0.migration_tls.lock().unwrap() = req.tls.clone();
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
         let params = SourceParams {
@@ -157,8 +164,7 @@ impl VmHandle {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                let connect =
-                    || connect(&address).map_err(|e| std::io::Error::other(e.to_string()));
+                let connect = || connect(&dialer).map_err(|e| std::io::Error::other(e.to_string()));
                 if let Err(e) =
                     source::migrate(&mut adapter, stream, &connect, &params, &thread_control)
                 {
@@ -218,7 +224,8 @@ impl VmHandle {
             .as_ref()
             .filter(|c| c.progress().phase == IncomingPhase::PostcopyPaused)
             .ok_or(RecoveryError::DestinationNotPaused)?;
-        let listener = address_of(listen)?.listen()?;
+        let tls = self.0.incoming_tls.lock().unwrap().clone();
+        let listener = listen_on(address_of(listen)?, tls)?;
         let local = listener.local();
         control.recover_on(listener);
         Ok(local)
@@ -232,7 +239,8 @@ impl VmHandle {
             .as_ref()
             .filter(|c| c.progress().phase == Phase::PostcopyPaused)
             .ok_or(RecoveryError::SourceNotPaused)?;
-        control.resume_postcopy(address_of(to)?);
+        let tls = self.0.migration_tls.lock().unwrap().clone();
+        control.resume_postcopy(Dialer::new(address_of(to)?, tls).map_err(AddressError::from)?);
         Ok(())
     }
 
@@ -271,8 +279,34 @@ fn address_of(to: &str) -> Result<Address, ferry_migrate::transport::AddressErro
     spelled.parse()
 }
 
-fn connect(to: &Address) -> Result<Box<dyn Stream>, MigrateError> {
+fn connect(to: &Dialer) -> Result<Box<dyn Stream>, MigrateError> {
     Ok(to.connect(CONNECT_TIMEOUT)?)
+}
+
+/// A listener on `at` for a migration's connections, through `tls` when given.
+fn listen_on(
+    at: Address,
+    tls: Option<Arc<DestinationTls>>,
+) -> Result<Box<dyn Listener>, AddressError> {
+    let plain = at.listen()?;
+    Ok(match tls {
+        Some(tls) => tls.listener(plain),
+        None => plain,
+    })
+}
+
+impl VmHandle {
+    /// On a migration destination: listens on `at` for the source (`tcp:HOST:PORT` or
+    /// `unix:PATH`), every connection through `tls` when given. A postcopy recovery's
+    /// listener ([`VmHandle::recover_migration`]) later uses the same TLS.
+    pub fn listen_incoming(
+        &self,
+        at: &Address,
+        tls: Option<Arc<DestinationTls>>,
+    ) -> Result<Box<dyn Listener>, AddressError> {
+        *self.0.incoming_tls.lock().unwrap() = tls.clone();
+        listen_on(at.clone(), tls)
+    }
 }
 
 /// 16 bytes that differ between migrations: time and process id, mixed.

@@ -152,6 +152,10 @@ pub(crate) struct Shared {
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
     /// On a migration destination: the incoming migration's progress and cancel.
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
+    /// The TLS of the last migration from here, for its postcopy recovery's connections.
+    pub(crate) migration_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::SourceTls>>>,
+    /// On a migration destination: the TLS its listener requires, for a recovery's listener.
+    pub(crate) incoming_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::DestinationTls>>>,
     /// Auto-converge's throttle (see `throttle.rs`).
     throttle: Throttle,
     started: Instant,
@@ -402,6 +406,8 @@ fn build(
         state_parts: Mutex::new(Vec::new()),
         migration: Mutex::new(None),
         incoming,
+        migration_tls: Mutex::new(None),
+        incoming_tls: Mutex::new(None),
         throttle: Throttle::default(),
         started: Instant::now(),
     }))

@@ -24,7 +24,7 @@ use crate::conn::Conn;
 use crate::control::Phase;
 use crate::error::MigrateError;
 use crate::stats::PostcopyStats;
-use crate::transport::{Address, Stream};
+use crate::transport::{Dialer, Stream};
 use crate::wire::{self, Kind, PAGE_SIZE, Role};
 
 /// How long one connection attempt of a recovery may take.
@@ -116,7 +116,7 @@ impl Session<'_> {
     }
 
     /// One recovery attempt at `to`: the hello, the Missing list, the reader, the channels.
-    fn reconnect(&mut self, to: &Address, listed: &DirtyBitmap) -> Result<(), MigrateError> {
+    fn reconnect(&mut self, to: &Dialer, listed: &DirtyBitmap) -> Result<(), MigrateError> {
         let connect = || -> std::io::Result<Box<dyn Stream>> {
             to.connect(CONNECT_TIMEOUT).map_err(std::io::Error::other)
         };

@@ -10,6 +10,7 @@ use tiny_http::{Header, Method, Request, Response, Server};
 use std::time::Duration;
 
 use ferry_migrate::scan::ZeroDetection;
+use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
 use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
 
 use crate::migration::{MigrationRequest, RecoveryError, StartError};
@@ -129,6 +130,19 @@ pub struct MigrateBody {
     /// Skip the pages the guest's balloon hints free; absent = on.
     #[serde(default = "default_true")]
     pub free_page_hints: bool,
+    /// Run every connection over TLS with these files (paths on this host); absent = plain.
+    pub tls: Option<TlsBody>,
+}
+
+/// The source's TLS in a migration request: the CA, this side's certificate and key (PEM
+/// files), and the name the destination's certificate must carry when it is not the host of
+/// `to`.
+#[derive(Debug, serde::Deserialize, serde::Serialize)]
+pub struct TlsBody {
+    pub ca: std::path::PathBuf,
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    pub name: Option<String>,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -188,6 +202,15 @@ impl MigrateBody {
         r.postcopy_preempt = self.postcopy_preempt;
         r.postcopy_recover = self.postcopy_recover;
         r.free_page_hints = self.free_page_hints;
+        if let Some(t) = &self.tls {
+            let files = TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            };
+            let tls = SourceTls::new(&files, t.name.as_deref()).map_err(|e| e.to_string())?;
+            r.tls = Some(Arc::new(tls));
+        }
         Ok(r)
     }
 }

@@ -1,9 +1,11 @@
 //! Transports: the byte streams a migration runs over, and the listeners a destination waits
 //! on. The engine speaks to any [`Stream`] (read, write, shut down, a read timeout); TCP is
 //! one, a Unix socket (`unix:PATH`, for a migration between two VMMs on one host) a second,
-//! and a test may add its own (a proxy that cuts or delays a connection). TLS will be one more.
+//! and a test may add its own (a proxy that cuts or delays a connection). TLS ([`tls`]) wraps
+//! either.
 //!
-//! [`Address`] is the one parser of the `tcp:HOST:PORT` / `unix:PATH` strings a user types.
+//! [`Address`] is the one parser of the `tcp:HOST:PORT` / `unix:PATH` strings a user types;
+//! a [`Dialer`] is an address and, when the migration uses it, the source's TLS.
 
 #![forbid(unsafe_code)]
 
@@ -11,7 +13,12 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+pub mod tls;
+
+use tls::{SourceTls, TlsError};
 
 /// A connection of a migration.
 pub trait Stream: Read + Write + Send + std::fmt::Debug {
@@ -242,6 +249,14 @@ pub enum AddressError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot set up TLS with {address}: {source}")]
+    Tls {
+        address: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    TlsConfig(#[from] TlsError),
     #[error("cannot listen on {address}: {source}; choose another address or stop what holds it")]
     Listen {
         address: String,
@@ -315,6 +330,56 @@ impl Address {
                 Ok(Box::new(UnixListener::bind(p).map_err(err)?))
             }
         }
+    }
+}
+
+/// How a source reaches its destination: the address, and the TLS every connection runs
+/// (the main, data, preempt and recovery connections alike) when the migration uses it.
+#[derive(Clone, Debug)]
+pub struct Dialer {
+    address: Address,
+    tls: Option<(Arc<SourceTls>, rustls::pki_types::ServerName<'static>)>,
+}
+
+impl Dialer {
+    /// Connections to `address`, through `tls` when given; fails at once when TLS cannot know
+    /// which name the destination must prove (a Unix socket without `--tls-name`).
+    pub fn new(address: Address, tls: Option<Arc<SourceTls>>) -> Result<Dialer, TlsError> {
+        let tls = tls
+            .map(|t| t.name_for(&address).map(|name| (t, name)))
+            .transpose()?;
+        Ok(Dialer { address, tls })
+    }
+
+    pub fn address(&self) -> &Address {
+        &self.address
+    }
+
+    /// Whether the connections run TLS.
+    pub fn secured(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Opens a connection and, with TLS, completes its handshake, each within `timeout`.
+    pub fn connect(&self, timeout: Duration) -> Result<Box<dyn Stream>, AddressError> {
+        let stream = self.address.connect(timeout)?;
+        match &self.tls {
+            None => Ok(stream),
+            Some((tls, name)) => Ok(Box::new(
+                tls.secure(stream, name.clone(), timeout)
+                    .map_err(|source| AddressError::Tls {
+                        address: self.address.to_string(),
+                        source,
+                    })?,
+            )),
+        }
+    }
+}
+
+impl From<Address> for Dialer {
+    /// Plain connections to `address`.
+    fn from(address: Address) -> Dialer {
+        Dialer { address, tls: None }
     }
 }
 
