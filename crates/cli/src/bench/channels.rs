@@ -9,6 +9,7 @@
 //!    loopback TCP over as many streams.
 //! 3. A guest whose 8 GiB are all touched but zero (bounded by the scan, not the network).
 //! 4. A 64 GiB guest with 256 MiB touched (holes cost nothing).
+//! 5. The 4 GiB migrations of 2. again over mutual TLS, against the plain runs.
 //!
 //! CPU seconds per GiB of guest RAM are reported for each side.
 
@@ -175,6 +176,21 @@ fn migration_rows(
             Some(channels),
         ));
     }
+    // The same over mutual TLS, against the plain rows above and the same raw TCP.
+    for channels in [1, 2, 4] {
+        scenarios.push((
+            Scenario {
+                tls: true,
+                ..random_data(
+                    &format!("4G random data, {channels} ch, TLS"),
+                    5 * GIB,
+                    channels,
+                )
+            },
+            channels,
+            Some(channels),
+        ));
+    }
     scenarios.push((
         Scenario::new(
             "8G touched, all zero",
@@ -235,14 +251,43 @@ fn migration_rows(
             stats.cpu_seconds_source / gib,
             stats.cpu_seconds_destination / gib
         );
-        rows.push(json!({"bench": "channels", "scenario": s.name, "channels": channels, "total_ms": stats.total_ms,
+        rows.push(json!({"bench": "channels", "scenario": s.name, "channels": channels, "tls": s.tls, "total_ms": stats.total_ms,
             "bytes_sent": stats.bytes_sent, "data_mb_s": mb_s, "raw_tcp_mb_s": raw, "ratio": mb_s / raw,
             "downtime_ms": stats.downtime.total_ms, "cpu_s_per_gib_source": stats.cpu_seconds_source / gib,
             "cpu_s_per_gib_destination": stats.cpu_seconds_destination / gib, "pages_zero": stats.pages_zero,
                         "pages_skipped_holes": stats.pages_skipped_holes, "dirty_clear_ms": stats.dirty_clear_ms,
             "passes": stats.passes}));
     }
+    tls_cost(&rows);
     Ok(rows)
+}
+
+/// Prints what TLS costs at each channel count that ran both ways: throughput as a share of
+/// the plain run's, and CPU per GiB on each side against it.
+fn tls_cost(rows: &[serde_json::Value]) {
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    for tls in rows.iter().filter(|r| r["tls"] == true) {
+        let Some(plain) = rows.iter().find(|r| {
+            r["tls"] == false && r["channels"] == tls["channels"] && r["raw_tcp_mb_s"].is_number()
+        }) else {
+            continue;
+        };
+        println!(
+            "TLS cost, {} ch: {:.0} MB/s against {:.0} plain ({:.0}%); CPU s/GiB source {:.3} against {:.3} ({:+.0}%), destination {:.3} against {:.3} ({:+.0}%)",
+            tls["channels"],
+            f(tls, "data_mb_s"),
+            f(plain, "data_mb_s"),
+            100.0 * f(tls, "data_mb_s") / f(plain, "data_mb_s"),
+            f(tls, "cpu_s_per_gib_source"),
+            f(plain, "cpu_s_per_gib_source"),
+            100.0 * (f(tls, "cpu_s_per_gib_source") / f(plain, "cpu_s_per_gib_source") - 1.0),
+            f(tls, "cpu_s_per_gib_destination"),
+            f(plain, "cpu_s_per_gib_destination"),
+            100.0
+                * (f(tls, "cpu_s_per_gib_destination") / f(plain, "cpu_s_per_gib_destination")
+                    - 1.0),
+        );
+    }
 }
 
 /// Bytes per second of `n` loopback TCP streams carrying `bytes` in all, in parallel: the

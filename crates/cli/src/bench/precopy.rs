@@ -22,6 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+use ferry_migrate::transport::Listener;
+use ferry_migrate::transport::tls::pki::Ca;
+use ferry_migrate::transport::tls::{DestinationTls, Side, SourceTls, TlsFiles};
 use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::memory::HostPages;
@@ -64,6 +67,8 @@ pub(super) struct Scenario {
     pub free_page_hints: bool,
     /// vCPUs of both VMs.
     pub vcpus: u8,
+    /// Every connection over mutual TLS, with a PKI made for the run.
+    pub tls: bool,
 }
 
 /// How a bench migration's precopy ends.
@@ -94,6 +99,7 @@ impl Scenario {
             finish: Finish::Forced,
             free_page_hints: true,
             vcpus: 1,
+            tls: false,
         }
     }
 }
@@ -104,47 +110,29 @@ const GUEST: &str = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2";
 
 fn scenarios() -> Vec<Scenario> {
     let mut v = vec![
-        Scenario {
-            name: "idle 8G, 256M touched".into(),
-            memory: 8 * GIB,
-            cmdline: format!("ws=256M rate=1 {GUEST}"),
-            downtime: Duration::from_millis(300),
-            channels: 1,
-            postcopy: None,
-            host_pages: HostPages::Small,
-            preempt_priority: true,
-            finish: Finish::Forced,
-            free_page_hints: true,
-            vcpus: 1,
-        },
-        Scenario {
-            name: "2G random data, idle".into(),
-            memory: 3 * GIB,
-            cmdline: format!("ws=2G fill=random rate=1 {GUEST}"),
-            downtime: Duration::from_millis(300),
-            channels: 1,
-            postcopy: None,
-            host_pages: HostPages::Small,
-            preempt_priority: true,
-            finish: Finish::Forced,
-            free_page_hints: true,
-            vcpus: 1,
-        },
+        Scenario::new(
+            "idle 8G, 256M touched",
+            8 * GIB,
+            &format!("ws=256M rate=1 {GUEST}"),
+            1,
+        ),
+        Scenario::new(
+            "2G random data, idle",
+            3 * GIB,
+            &format!("ws=2G fill=random rate=1 {GUEST}"),
+            1,
+        ),
     ];
     for rate in [100, 400, 1000] {
         for limit in [300, 50] {
             v.push(Scenario {
-                name: format!("1G ws @ {rate} MB/s, {limit} ms"),
-                memory: 2 * GIB,
-                cmdline: format!("ws=1G pattern=random rate={rate} {GUEST}"),
                 downtime: Duration::from_millis(limit),
-                channels: 1,
-                postcopy: None,
-                host_pages: HostPages::Small,
-                preempt_priority: true,
-                finish: Finish::Forced,
-                free_page_hints: true,
-                vcpus: 1,
+                ..Scenario::new(
+                    &format!("1G ws @ {rate} MB/s, {limit} ms"),
+                    2 * GIB,
+                    &format!("ws=1G pattern=random rate={rate} {GUEST}"),
+                    1,
+                )
             });
         }
     }
@@ -359,6 +347,27 @@ pub(super) struct Migrated {
     pub source_guest: [GuestTelemetry; 2],
 }
 
+/// Both sides' TLS from a CA made for this run (its files live only while they are read).
+fn run_pki() -> anyhow::Result<(Arc<SourceTls>, Arc<DestinationTls>)> {
+    let dir = std::env::temp_dir().join(format!("ferry-bench-pki-{}", std::process::id()));
+    let made = (|| -> anyhow::Result<_> {
+        Ca::new("ferry bench CA")?.write_dir(
+            &dir,
+            &["127.0.0.1".to_string()],
+            &["ferry-bench".to_string()],
+        )?;
+        Ok((
+            Arc::new(SourceTls::new(&TlsFiles::in_dir(&dir, Side::Source), None)?),
+            Arc::new(DestinationTls::new(
+                &TlsFiles::in_dir(&dir, Side::Destination),
+                &[],
+            )?),
+        ))
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    made
+}
+
 /// Boots the scenario's guest, waits for its prefill, migrates it, and returns the statistics
 /// and the pause the guest saw (ms).
 pub(super) fn migrate_once(s: &Scenario) -> anyhow::Result<(MigrationStats, f64)> {
@@ -418,6 +427,13 @@ pub(super) fn migrate_over(
     };
     let source_before = src.telemetry();
     let mut request = MigrationRequest::new(listener.local_addr()?.to_string(), policy(s));
+    let listener: Box<dyn Listener> = if s.tls {
+        let (source, destination) = run_pki()?;
+        request.tls = Some(source);
+        destination.listener(Box::new(listener))
+    } else {
+        Box::new(listener)
+    };
     request.channels = s.channels;
     request.free_page_hints = s.free_page_hints;
     if let Some(preempt) = s.postcopy {
@@ -429,7 +445,7 @@ pub(super) fn migrate_over(
         request.postcopy_preempt_priority = s.preempt_priority;
     }
     let received = std::thread::scope(|scope| {
-        let (incoming, listener) = (&mut incoming, &listener);
+        let (incoming, listener) = (&mut incoming, listener.as_ref());
         let deadline = Instant::now() + Duration::from_secs(120);
         if !extents.is_empty() {
             let ram = incoming.handle();
