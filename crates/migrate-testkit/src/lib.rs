@@ -9,6 +9,7 @@
 //! [`craft`] builds hand-made protocol bytes for tests that play a broken source;
 //! [`loopback`] runs a whole migration between two fake VMs over loopback TCP; [`proxy`] is a
 //! TCP proxy a test breaks on purpose.
+//! [`fuzz`] is the harness of the fuzz targets in `fuzz/` and of their regression tests.
 //! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
 //! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
 //! on this fake.
@@ -16,6 +17,7 @@
 mod balloon;
 pub mod conformance;
 pub mod craft;
+pub mod fuzz;
 pub mod loopback;
 pub mod proxy;
 

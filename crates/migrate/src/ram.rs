@@ -475,14 +475,19 @@ impl Ram {
     /// Checks that `pages` pages from `gpa` are RAM within one region.
     pub fn check_run(&self, gpa: u64, pages: u64) -> Result<(), RamError> {
         self.page(gpa)?;
+        // The count is bounded before it is multiplied (the fuzzer's overflow, a run of
+        // u64::MAX pages).
+        if pages == 0 || pages > crate::wire::MAX_ZERO_RUN_PAGES {
+            return Err(RamError::BadRun { gpa, pages });
+        }
         let last = gpa
-            .checked_add((pages.max(1) - 1) * PAGE_SIZE)
+            .checked_add((pages - 1) * PAGE_SIZE)
             .ok_or(RamError::OutOfRange { gpa })?;
-        let same = self
+        if !self
             .regions
             .iter()
-            .any(|r| r.contains(gpa) && r.contains(last));
-        if pages == 0 || pages > crate::wire::MAX_ZERO_RUN_PAGES || !same {
+            .any(|r| r.contains(gpa) && r.contains(last))
+        {
             return Err(RamError::BadRun { gpa, pages });
         }
         Ok(())
@@ -536,5 +541,26 @@ mod tests {
         assert!(layout_only(vec![RamRegion::for_test(100, 4096)]).is_err());
         assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
         assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
+    }
+
+    /// Found by the `incoming` fuzz target: a zero run's page count was multiplied before it
+    /// was bounded, which overflows (a panic in a debug build's receiver thread).
+    #[test]
+    fn a_zero_run_of_u64_max_pages_is_refused_not_overflowed() {
+        let ram = layout_only(vec![RamRegion::for_test(0, 1 << 20)]).unwrap();
+        for pages in [u64::MAX, u64::MAX / PAGE_SIZE + 2, 0] {
+            assert_eq!(
+                ram.check_run(4096, pages),
+                Err(RamError::BadRun { gpa: 4096, pages })
+            );
+        }
+        assert_eq!(ram.check_run(4096, 255), Ok(()));
+        assert_eq!(
+            ram.check_run(4096, 256),
+            Err(RamError::BadRun {
+                gpa: 4096,
+                pages: 256
+            })
+        );
     }
 }

@@ -82,7 +82,16 @@ struct BarrierState {
     arrived: BTreeMap<u32, usize>,
     /// Data channels whose stream ended, with the last pass each finished.
     departed: Vec<(u16, u32)>,
-    failure: Option<String>,
+    /// The first failure, and whether it was a bug (a receiver that panicked).
+    failure: Option<(String, bool)>,
+}
+
+fn failure_error((why, bug): &(String, bool)) -> MigrateError {
+    if *bug {
+        MigrateError::Internal(why.clone())
+    } else {
+        MigrateError::Channel(why.clone())
+    }
 }
 
 impl PassBarrier {
@@ -112,7 +121,7 @@ impl PassBarrier {
         }
         loop {
             if let Some(f) = &s.failure {
-                return Err(MigrateError::Channel(f.clone()));
+                return Err(failure_error(f));
             }
             if s.arrived.get(&pass).copied().unwrap_or(self.parties) >= self.parties {
                 return Ok(());
@@ -152,14 +161,28 @@ impl PassBarrier {
 
     /// Records the first failure and releases every waiter.
     pub fn fail(&self, why: &str) {
+        self.record(why, false);
+    }
+
+    /// Records a bug (a party that panicked) as the failure, unless one came first.
+    fn fail_with_bug(&self, why: &str) {
+        self.record(why, true);
+    }
+
+    fn record(&self, why: &str, bug: bool) {
         let mut s = self.state.lock().unwrap();
-        s.failure.get_or_insert_with(|| why.to_string());
+        s.failure.get_or_insert_with(|| (why.to_string(), bug));
         self.cv.notify_all();
     }
 
-    /// The first failure a party reported.
-    pub fn failure(&self) -> Option<String> {
-        self.state.lock().unwrap().failure.clone()
+    /// The first failure a party reported, as the error it ends the migration with.
+    pub fn failure(&self) -> Option<MigrateError> {
+        self.state
+            .lock()
+            .unwrap()
+            .failure
+            .as_ref()
+            .map(failure_error)
     }
 }
 
@@ -210,6 +233,12 @@ pub fn start(
             c => format!("recv-{c}"),
         })
         .spawn(move || {
+            // A receiver that panics (a bug) still fails the barrier, so the session and the
+            // other channels end instead of waiting for it forever.
+            let _guard = PanicGuard {
+                barrier: shared.barrier.clone(),
+                channel,
+            };
             let r = Receiver {
                 channel,
                 stream,
@@ -226,6 +255,24 @@ pub fn start(
             r
         })
         .expect("cannot start a receiver thread")
+}
+
+/// Fails the barrier when a receiver thread unwinds.
+struct PanicGuard {
+    barrier: Arc<PassBarrier>,
+    channel: u16,
+}
+
+impl Drop for PanicGuard {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        self.barrier.fail_with_bug(&format!(
+            "{}: the receiver thread panicked (a bug in ferry)",
+            name(self.channel)
+        ));
+    }
 }
 
 struct Receiver {
@@ -499,6 +546,41 @@ mod tests {
         assert!(e.contains("data channel 1 ended after pass 0"), "{e}");
         assert_eq!(b.departed_before(1), Some((1, 0)));
         assert_eq!(b.departed_before(0), None);
+    }
+
+    #[test]
+    fn a_receiver_that_panics_releases_the_barrier_with_an_internal_error() {
+        let b = Arc::new(PassBarrier::new(
+            2,
+            Arc::new(PageBits::new(64)),
+            Duration::from_secs(60),
+        ));
+        let guard = PanicGuard {
+            barrier: b.clone(),
+            channel: 2,
+        };
+        let t = std::thread::spawn(move || {
+            let _guard = guard;
+            panic!("a receiver's bug");
+        });
+        assert!(t.join().is_err());
+        let e = b.wait(1).unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::Internal, "{e}");
+        assert!(
+            e.to_string()
+                .contains("data channel 2: the receiver thread panicked")
+        );
+        // A guard dropped without a panic records nothing.
+        let quiet = Arc::new(PassBarrier::new(
+            1,
+            Arc::new(PageBits::new(64)),
+            Duration::from_secs(1),
+        ));
+        drop(PanicGuard {
+            barrier: quiet.clone(),
+            channel: 1,
+        });
+        assert!(quiet.failure().is_none());
     }
 
     #[test]

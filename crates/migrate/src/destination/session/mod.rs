@@ -491,7 +491,7 @@ impl<'a> Session<'a> {
         {
             std::thread::sleep(Duration::from_millis(5));
         }
-        barrier.failure().map(MigrateError::Channel).unwrap_or(e)
+        barrier.failure().unwrap_or(e)
     }
 
     /// After Complete: every data channel must have ended after the last pass.
