@@ -32,6 +32,13 @@ pub enum OnOff {
     Off,
 }
 
+/// `--checksum`: what the checksums cover beyond what they always do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ChecksumArg {
+    State,
+    Pages,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum ZeroDetectionArg {
     Inline,
@@ -123,6 +130,11 @@ pub struct MigrateArgs {
     /// without a balloon, or a guest without its driver, sends every page.
     #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     free_page_hints: OnOff,
+    /// What the CRC32C checksums cover: device state, control records, record headers and page
+    /// addresses always (`state`); `pages` checksums page data too, at a cost `ferry bench
+    /// channels` measures.
+    #[arg(long, value_enum, default_value = "state", value_name = "state|pages")]
+    checksum: ChecksumArg,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -219,6 +231,10 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "postcopy_preempt": args.postcopy_preempt,
         "postcopy_recover": args.postcopy_recover == OnOff::On,
         "free_page_hints": args.free_page_hints == OnOff::On,
+        "checksum": match args.checksum {
+            ChecksumArg::State => "state",
+            ChecksumArg::Pages => "pages",
+        },
         "tls": tls_body(args)?,
     });
     client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())

@@ -75,7 +75,7 @@ type Sent = Arc<Mutex<Vec<u8>>>;
 
 /// One migration with `channels` data channels; a source whose writers dirty pages while it
 /// runs makes several passes.
-fn record(channels: u16, writing: bool, stride: u64) -> Streams {
+fn record(channels: u16, writing: bool, stride: u64, checksum_pages: bool) -> Streams {
     let mut src = FakeVm::new(MEMORY, REGIONS);
     src.fill(stride);
     if writing {
@@ -106,6 +106,7 @@ fn record(channels: u16, writing: bool, stride: u64) -> Streams {
     };
     let params = SourceParams {
         channels,
+        checksum_pages,
         ..SourceParams::new(policy, [3; 16])
     };
     std::thread::scope(|s| {
@@ -123,6 +124,7 @@ fn record(channels: u16, writing: bool, stride: u64) -> Streams {
     Streams {
         main: bytes[0].clone(),
         data: bytes[1..].to_vec(),
+        reseal: false,
     }
 }
 
@@ -154,10 +156,14 @@ fn main() {
         .unwrap_or_else(|| "fuzz/corpus".into());
     let out = Path::new(&out);
     let runs = [
-        ("one-channel-idle", record(1, false, 8)),
-        ("two-channels-idle-sparse", record(2, false, 32)),
-        ("two-channels-writing", record(2, true, 16)),
-        ("four-channels-writing", record(4, true, 8)),
+        ("one-channel-idle", record(1, false, 8, false)),
+        ("one-channel-idle-page-checksums", record(1, false, 8, true)),
+        ("two-channels-idle-sparse", record(2, false, 32, false)),
+        ("two-channels-writing", record(2, true, 16, false)),
+        (
+            "four-channels-writing-page-checksums",
+            record(4, true, 8, true),
+        ),
     ];
     let mut wire_seeds = 0;
     for (name, streams) in &runs {

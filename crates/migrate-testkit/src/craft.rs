@@ -1,7 +1,9 @@
 //! Hand-made protocol bytes for tests that play a hostile or broken source: hellos and records
 //! built with the engine's own encoders, so a test states only what it changes.
 
-use ferry_migrate::wire::{Capabilities, Header, Hello, Kind, Role, SectionHeader, SectionId};
+use ferry_migrate::wire::{
+    self, Capabilities, Header, Hello, Kind, Role, SectionHeader, SectionId,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -52,8 +54,9 @@ pub fn data_hello(channel: u16) -> Vec<u8> {
     hello(Role::Data, channel, 1, 8 * MIB, 1)
 }
 
+/// A record: `h` with the checksum of `payload` (whatever its length), then `payload`.
 pub fn record(h: Header, payload: &[u8]) -> Vec<u8> {
-    let mut v = h.encode().to_vec();
+    let mut v = h.with_crc(wire::crc(payload)).encode().to_vec();
     v.extend_from_slice(payload);
     v
 }
@@ -65,31 +68,35 @@ pub fn section(id: u32, instance: u32, data: &[u8]) -> Vec<u8> {
         instance,
         version: 1,
     };
-    cat(&[
-        Header::device_state(data.len() as u64).encode().to_vec(),
-        h.encode().to_vec(),
-        data.to_vec(),
-    ])
+    let payload = [h.encode().as_slice(), data].concat();
+    record(Header::device_state(data.len() as u64), &payload)
 }
 
-/// A Pages record of `gpas`, every byte of data 0xab.
+/// A Pages record of `gpas`, every byte of data 0xab, its checksum over the addresses only
+/// (page checksums not granted).
 pub fn pages(gpas: &[u64]) -> Vec<u8> {
-    let mut v = record(Header::pages(gpas.len() as u32), &[]);
-    for g in gpas {
-        v.extend_from_slice(&g.to_le_bytes());
+    pages_checked(gpas, false)
+}
+
+/// A Pages record of `gpas` (data 0xab), its checksum covering the page data too if
+/// `checksum_pages` (as [`Capabilities::CHECKSUM_PAGES`] granted demands).
+pub fn pages_checked(gpas: &[u64], checksum_pages: bool) -> Vec<u8> {
+    let addresses: Vec<u8> = gpas.iter().flat_map(|g| g.to_le_bytes()).collect();
+    let data = vec![0xab; gpas.len() * 4096];
+    let mut crc = wire::crc(&addresses);
+    if checksum_pages {
+        crc = wire::crc_append(crc, &data);
     }
-    v.extend(std::iter::repeat_n(0xab, gpas.len() * 4096));
-    v
+    let h = Header::pages(gpas.len() as u32).with_crc(crc);
+    cat(&[h.encode().to_vec(), addresses, data])
 }
 
 /// A ZeroRuns record of `(gpa, pages)` runs.
 pub fn zero_runs(runs: &[(u64, u64)]) -> Vec<u8> {
-    let mut v = record(Header::zero_runs(runs.len() as u32), &[]);
-    for &(g, n) in runs {
-        v.extend_from_slice(&g.to_le_bytes());
-        v.extend_from_slice(&n.to_le_bytes());
-    }
-    v
+    record(
+        Header::zero_runs(runs.len() as u32),
+        &wire::encode_runs(runs),
+    )
 }
 
 pub fn end(pass: u32) -> Vec<u8> {

@@ -32,20 +32,26 @@ pub const REGIONS: usize = 2;
 /// Data connections an input can carry (more would only dilute the search).
 pub const MAX_DATA: usize = 4;
 
-/// An input as the bytes of each connection: a count byte (data connections, mod 5), then
-/// each connection's bytes behind a u32 length, the last connection taking the rest.
+/// An input as the bytes of each connection: a count byte (its low 7 bits: data connections,
+/// mod 5; its top bit: [`Streams::reseal`]), then each connection's bytes behind a u32
+/// length, the last connection taking the rest.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Streams {
     pub main: Vec<u8>,
     pub data: Vec<Vec<u8>>,
+    /// Rewrite every checksum to match the bytes before they are fed, so that the fuzzer's
+    /// changes reach the checks behind the checksums (without it nearly every change is
+    /// refused by a checksum, which the inputs without the bit exercise).
+    pub reseal: bool,
 }
 
 impl Streams {
     pub fn decode(input: &[u8]) -> Streams {
-        let Some((&n, mut rest)) = input.split_first() else {
+        let Some((&first, mut rest)) = input.split_first() else {
             return Streams::default();
         };
-        let n = usize::from(n) % (MAX_DATA + 1);
+        let reseal = first & 0x80 != 0;
+        let n = usize::from(first & 0x7f) % (MAX_DATA + 1);
         let mut take = |last: bool| -> Vec<u8> {
             if last || rest.len() < 4 {
                 return std::mem::take(&mut rest).to_vec();
@@ -59,11 +65,11 @@ impl Streams {
         };
         let main = take(n == 0);
         let data = (0..n).map(|i| take(i + 1 == n)).collect();
-        Streams { main, data }
+        Streams { main, data, reseal }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = vec![self.data.len() as u8];
+        let mut v = vec![self.data.len() as u8 | if self.reseal { 0x80 } else { 0 }];
         let all: Vec<&Vec<u8>> = std::iter::once(&self.main).chain(&self.data).collect();
         for (i, s) in all.iter().enumerate() {
             if i + 1 < all.len() {
@@ -73,6 +79,73 @@ impl Streams {
         }
         v
     }
+}
+
+/// Whether the main connection's hello asks for page checksums (which a destination grants).
+fn checksum_pages(main: &[u8]) -> bool {
+    main.get(50..58).is_some_and(|c| {
+        u64::from_le_bytes(c.try_into().unwrap()) & wire::Capabilities::CHECKSUM_PAGES.0 != 0
+    })
+}
+
+/// Each whole record of a connection after its hello: where it starts, its header's kind,
+/// count and length as the bytes say (unchecked), and whether its payload is all there.
+fn frames(stream: &[u8]) -> Vec<(usize, u16, u32, u64)> {
+    let mut out = Vec::new();
+    let mut at = HELLO_SIZE;
+    while let Some(h) = stream.get(at..at + HEADER_SIZE) {
+        let kind = u16::from_le_bytes([h[0], h[1]]);
+        let count = u32::from_le_bytes(h[4..8].try_into().unwrap());
+        let len = u64::from_le_bytes(h[8..16].try_into().unwrap());
+        out.push((at, kind, count, len));
+        match (at + HEADER_SIZE).checked_add(len as usize) {
+            Some(next) if next <= stream.len() && len <= 1 << 24 => at = next,
+            _ => break,
+        }
+    }
+    out
+}
+
+/// The bytes of a Pages record's payload its checksum does not cover: its page data, unless
+/// page checksums are on.
+fn uncovered(kind: u16, count: u32, len: u64, checksum_pages: bool) -> std::ops::Range<u64> {
+    if kind == Kind::Pages as u16 && !checksum_pages {
+        (u64::from(count) * 8).min(len)..len
+    } else {
+        len..len
+    }
+}
+
+/// Rewrites the hello's and every record's checksums of `stream` to match its bytes.
+pub fn reseal(stream: &mut [u8], checksum_pages: bool) {
+    if let Some(h) = stream.get_mut(..HELLO_SIZE) {
+        wire::reseal_hello(h.try_into().unwrap());
+    }
+    for (at, kind, count, len) in frames(stream) {
+        let body = at + HEADER_SIZE;
+        if let Some(payload) = stream.get(body..body + len as usize) {
+            let skip = uncovered(kind, count, len, checksum_pages);
+            let crc = wire::crc(&payload[..skip.start as usize]);
+            stream[at + 16..at + 20].copy_from_slice(&crc.to_le_bytes());
+        }
+        wire::reseal_header((&mut stream[at..at + HEADER_SIZE]).try_into().unwrap());
+    }
+}
+
+/// Whether byte `at` of connection `conn` (0: main, k: data connection k) is under a checksum:
+/// everything is but a Pages record's page data without page checksums.
+pub fn covered(streams: &Streams, conn: usize, at: usize) -> bool {
+    let stream = if conn == 0 {
+        &streams.main
+    } else {
+        &streams.data[conn - 1]
+    };
+    let pages = checksum_pages(&streams.main);
+    !frames(stream).iter().any(|&(start, kind, count, len)| {
+        let skip = uncovered(kind, count, len, pages);
+        let body = (start + HEADER_SIZE) as u64;
+        (body + skip.start..body + skip.end).contains(&(at as u64))
+    })
 }
 
 /// A connection replayed from memory: reads give its bytes, then end of file; writes are
@@ -233,7 +306,14 @@ pub enum Outcome {
 /// The fuzz target over a destination: see the module's docs. Panics where the destination
 /// broke a promise.
 pub fn incoming(input: &[u8]) -> Outcome {
-    let streams = Streams::decode(input);
+    let mut streams = Streams::decode(input);
+    if streams.reseal {
+        let pages = checksum_pages(&streams.main);
+        reseal(&mut streams.main, pages);
+        for d in &mut streams.data {
+            reseal(d, pages);
+        }
+    }
     let mut dst = FakeVm::new(MEMORY, REGIONS);
     dst.state.clear();
     let mut data = streams
@@ -292,6 +372,77 @@ pub fn incoming(input: &[u8]) -> Outcome {
         }
     }
     Outcome::Resumed
+}
+
+/// What replaying a recorded migration with one byte changed showed, over many cases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flips {
+    /// Cases whose byte was under a checksum (all refused, or [`flip`] panics).
+    pub covered: u64,
+    /// Cases whose byte was page data without page checksums...
+    pub uncovered: u64,
+    /// ...of which the destination resumed the guest (with that byte landed, as sent).
+    pub uncovered_resumed: u64,
+}
+
+/// Replays `streams` (a whole migration) with bit `bit` of byte `at` of connection `conn`
+/// (0: main, k: data connection k) flipped, through [`incoming`], and demands that a byte
+/// under a checksum is refused; counts the case in `flips`.
+pub fn flip(streams: &Streams, conn: usize, at: usize, bit: u8, flips: &mut Flips) -> Outcome {
+    let mut changed = streams.clone();
+    changed.reseal = false;
+    let stream = if conn == 0 {
+        &mut changed.main
+    } else {
+        &mut changed.data[conn - 1]
+    };
+    stream[at] ^= 1 << (bit % 8);
+    let outcome = incoming(&changed.encode());
+    if covered(streams, conn, at) {
+        flips.covered += 1;
+        assert!(
+            matches!(outcome, Outcome::Refused(_)),
+            "connection {conn} byte {at} bit {bit} is under a checksum, yet the guest resumed"
+        );
+    } else {
+        flips.uncovered += 1;
+        flips.uncovered_resumed += u64::from(outcome == Outcome::Resumed);
+    }
+    outcome
+}
+
+/// `n` flip cases over `streams`, at places drawn from `seed` with every connection weighted
+/// by its length: what the black-box replay test and the example behind the benchmark run.
+pub fn flips(streams: &Streams, n: u64, seed: u64) -> Flips {
+    let lens: Vec<usize> = std::iter::once(&streams.main)
+        .chain(&streams.data)
+        .map(Vec::len)
+        .collect();
+    let total: usize = lens.iter().sum();
+    let mut x = seed | 1;
+    let mut next = || {
+        // xorshift64*: deterministic, no dependency.
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut flips = Flips::default();
+    for _ in 0..n {
+        let mut at = (next() % total as u64) as usize;
+        let conn = lens
+            .iter()
+            .position(|&l| {
+                let here = at < l;
+                if !here {
+                    at -= l;
+                }
+                here
+            })
+            .unwrap();
+        flip(streams, conn, at, (next() % 8) as u8, &mut flips);
+    }
+    flips
 }
 
 /// The fuzz target over the wire module: see the module's docs.

@@ -43,13 +43,16 @@ pub fn acceptor(listener: &TcpListener) -> impl FnMut(Instant) -> std::io::Resul
     }
 }
 
-/// A connection whose reads are paced to `rate` bytes per second from its first read on.
+/// A connection whose reads are paced to `rate` bytes per second from its first read on, and
+/// that may change one byte on the way in, as a faulty link would.
 #[derive(Debug)]
 pub struct Slow {
     inner: TcpStream,
     rate: u64,
     /// When the first read happened, and the bytes read since.
     since: Option<(Instant, u64)>,
+    /// The offset of the byte read to flip (its bit 4), if any.
+    flip_at: Option<u64>,
 }
 
 impl Slow {
@@ -58,12 +61,34 @@ impl Slow {
             inner,
             rate,
             since: None,
+            flip_at: None,
         }
     }
 
-    /// Counts `n` bytes read and sleeps until they are within the rate.
-    fn pace(&mut self, n: usize) {
+    /// A connection at full speed whose byte `at` (counted from its first) arrives changed.
+    pub fn flipping(inner: TcpStream, at: u64) -> Slow {
+        Slow {
+            flip_at: Some(at),
+            ..Slow::new(inner, u64::MAX)
+        }
+    }
+
+    /// Counts `n` bytes read (flipping the chosen one among them) and sleeps until they are
+    /// within the rate.
+    fn pace(&mut self, bufs: &mut [IoSliceMut<'_>], n: usize) {
         let (start, bytes) = self.since.get_or_insert((Instant::now(), 0));
+        if let Some(at) = self.flip_at
+            && (*bytes..*bytes + n as u64).contains(&at)
+        {
+            let mut k = (at - *bytes) as usize;
+            for b in bufs.iter_mut() {
+                if k < b.len() {
+                    b[k] ^= 0x10;
+                    break;
+                }
+                k -= b.len();
+            }
+        }
         *bytes += n as u64;
         let due = *start + Duration::from_secs_f64(*bytes as f64 / self.rate as f64);
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
@@ -75,13 +100,13 @@ impl Slow {
 impl Read for Slow {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
-        self.pace(n);
+        self.pace(&mut [IoSliceMut::new(buf)], n);
         Ok(n)
     }
 
     fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<usize> {
         let n = self.inner.read_vectored(bufs)?;
-        self.pace(n);
+        self.pace(bufs, n);
         Ok(n)
     }
 }
@@ -139,6 +164,32 @@ pub fn migrate_into_slow(
         _ => Slow::new(s, rate),
     };
     over_loopback(src, dst, p, control, &TestHooks::default(), wrap)
+}
+
+/// Migrates `src` into `dst` over loopback with byte `at` of the destination's connection
+/// `role` changed on the way in (data: each data channel's); returns both sides' results.
+pub fn migrate_flipping(
+    src: &mut FakeVm,
+    dst: &mut FakeVm,
+    p: &SourceParams,
+    role: Role,
+    at: u64,
+) -> (
+    Result<MigrationStats, MigrateError>,
+    Result<ReceiveStats, MigrateError>,
+) {
+    let wrap = |s: TcpStream, r: Role| match r == role {
+        true => Slow::flipping(s, at),
+        false => Slow::new(s, u64::MAX),
+    };
+    over_loopback(
+        src,
+        dst,
+        p,
+        &Control::default(),
+        &TestHooks::default(),
+        wrap,
+    )
 }
 
 /// Migrates `src` into `dst` over loopback; returns both sides' results.

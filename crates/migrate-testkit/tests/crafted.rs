@@ -6,12 +6,12 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 
 use ferry_migrate::wire::Capabilities;
-use ferry_migrate::wire::{Header, Kind, Role};
+use ferry_migrate::wire::{self, HEADER_SIZE, Header, Kind, Role};
 use ferry_migrate::{PageLanding, destination};
 use ferry_migrate_testkit::FakeVm;
 use ferry_migrate_testkit::craft::{
-    cat, data_hello, end, hello, main_hello, main_hello_asking, pages, preempt_hello, record, runs,
-    section, zero_runs,
+    cat, data_hello, end, hello, main_hello, main_hello_asking, pages, pages_checked,
+    preempt_hello, record, runs, section, zero_runs,
 };
 use ferry_migrate_testkit::loopback::acceptor;
 
@@ -50,6 +50,12 @@ fn feed_vm(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> (String, Fake
         r.expect_err("a bad stream must be refused").to_string()
     });
     (error, dst)
+}
+
+/// `bytes` with byte `at` changed, as a faulty link would.
+fn flipped(mut bytes: Vec<u8>, at: usize) -> Vec<u8> {
+    bytes[at] ^= 0x10;
+    bytes
 }
 
 /// A crafted stream: name, main connection bytes, data connections' bytes, expected error.
@@ -221,10 +227,12 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
         ),
         (
             "unknown kind",
-            cat(&[
-                ok.clone(),
-                vec![42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            ]),
+            cat(&[ok.clone(), {
+                let mut h = [0u8; HEADER_SIZE];
+                h[0] = 42;
+                wire::reseal_header(&mut h);
+                h.to_vec()
+            }]),
             vec![data_hello(1)],
             "unknown record kind 42",
         ),
@@ -293,6 +301,94 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
             vec![data_hello(1)],
             "Resumed record on the main channel",
         ),
+        // Who said it: the source's Error records are the source's words, named as such.
+        (
+            "the source's error on the main channel",
+            cat(&[
+                ok.clone(),
+                record(Header::new(Kind::Error, 0, 9), b"disk full"),
+            ]),
+            vec![data_hello(1)],
+            "the source reported an error: disk full",
+        ),
+        (
+            "the source's error on a data channel",
+            ok.clone(),
+            vec![cat(&[
+                data_hello(1),
+                record(Header::new(Kind::Error, 0, 9), b"disk full"),
+            ])],
+            "data channel 1: the source reported an error: disk full",
+        ),
+        // Bytes changed on the way: each checksum names what it protects.
+        (
+            "a header's byte changed",
+            cat(&[ok.clone(), flipped(end(1), 4)]),
+            vec![data_hello(1)],
+            "a record header's checksum does not match",
+        ),
+        (
+            "a device-state byte changed",
+            cat(&[
+                ok.clone(),
+                end(1),
+                flipped(section(1, 0, b"abc"), HEADER_SIZE + 17),
+            ]),
+            vec![good_data.clone()],
+            "DeviceState record's payload checksum does not match (the whole payload",
+        ),
+        (
+            "a section header's byte changed",
+            cat(&[
+                ok.clone(),
+                end(1),
+                flipped(section(1, 0, b"abc"), HEADER_SIZE + 4),
+            ]),
+            vec![good_data.clone()],
+            "DeviceState record's payload checksum does not match",
+        ),
+        (
+            "a page address changed",
+            ok.clone(),
+            vec![cat(&[
+                data_hello(1),
+                flipped(pages(&[0x1000]), HEADER_SIZE + 1),
+            ])],
+            "data channel 1: invalid migration stream: the Pages record's payload checksum does not match (the page addresses",
+        ),
+        (
+            "a zero run changed",
+            ok.clone(),
+            vec![cat(&[
+                data_hello(1),
+                flipped(zero_runs(&[(0x4000, 2)]), HEADER_SIZE + 8),
+            ])],
+            "the ZeroRuns record's payload checksum does not match",
+        ),
+        (
+            "a page's data changed, page checksums granted",
+            main_hello_asking(Capabilities::CHECKSUM_PAGES),
+            vec![cat(&[
+                data_hello(1),
+                flipped(
+                    pages_checked(&[0x1000, 0x3000], true),
+                    HEADER_SIZE + 16 + 5000,
+                ),
+            ])],
+            "the Pages record's payload checksum does not match (its addresses and page data",
+        ),
+        (
+            "page checksums granted, a record without them",
+            main_hello_asking(Capabilities::CHECKSUM_PAGES),
+            vec![cat(&[data_hello(1), pages(&[0x1000])])],
+            "the Pages record's payload checksum does not match (its addresses and page data",
+        ),
+        (
+            "a hello's byte changed",
+            flipped(ok.clone(), 20),
+            vec![],
+            "the hello's checksum does not match",
+        ),
         (
             "truncated before Complete",
             cat(&[ok.clone(), end(1), state.clone()]),
@@ -304,6 +400,12 @@ fn crafted_bad_streams_are_refused_with_a_clear_error() {
         for (name, main, data, want) in &table {
             let err = feed(main, data, landing);
             assert!(err.contains(want), "{name}, {landing:?}: got '{err}'");
+            // What this destination found itself is never put in the source's mouth.
+            assert_eq!(
+                err.contains("reported an error"),
+                want.contains("the source reported"),
+                "{name}: '{err}' blames the wrong side"
+            );
         }
     }
 }

@@ -11,7 +11,9 @@ use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::wire::{self, Hello};
 use ferry_migrate::{Control, MigrateError, PageLanding, Phase, Policy, TimeoutAction};
-use ferry_migrate_testkit::loopback::{migrate, migrate_into_slow, migrate_with_hooks};
+use ferry_migrate_testkit::loopback::{
+    migrate, migrate_flipping, migrate_into_slow, migrate_with_hooks,
+};
 use ferry_migrate_testkit::{FakeVm, Writers};
 use proptest::prelude::*;
 
@@ -395,4 +397,49 @@ fn an_idle_guest_pauses_only_after_a_slow_destination_took_in_pass_1() {
     let final_pass = stats.passes.last().unwrap();
     assert!(final_pass.paused && final_pass.pages == 0, "{final_pass:?}");
     assert!(stats.downtime.total_ms < 60.0, "{:?}", stats.downtime);
+}
+
+/// A byte changed on the way in a data channel: its page data with page checksums, or the
+/// start of its records without. The destination refuses the record naming it, in its own
+/// words; the source reports it as the destination's, and runs on with its memory intact.
+#[test]
+fn a_changed_byte_is_refused_by_the_destination_and_the_source_runs_on() {
+    let cases = [
+        (
+            true,
+            100_000,
+            "Pages record's payload checksum does not match (its addresses and page data",
+        ),
+        (
+            false,
+            (wire::HELLO_SIZE + wire::HEADER_SIZE + 3) as u64,
+            "record's payload checksum does not match",
+        ),
+    ];
+    for (checksum_pages, at, want) in cases {
+        let mut src = FakeVm::new(4 * MIB, 1);
+        src.fill(4);
+        let before = src.contents();
+        let mut dst = FakeVm::new(4 * MIB, 1);
+        let p = SourceParams {
+            channels: 1,
+            checksum_pages,
+            ..params(300, None)
+        };
+        let (sent, received) = migrate_flipping(&mut src, &mut dst, &p, wire::Role::Data, at);
+        let here = received.expect_err("the destination refuses").to_string();
+        assert!(here.contains(want), "destination: {here}");
+        assert!(
+            !here.contains("reported an error"),
+            "the destination blames the source: {here}"
+        );
+        let there = sent.expect_err("the source fails").to_string();
+        assert!(
+            there.contains("the destination reported an error") && there.contains(want),
+            "source: {there}"
+        );
+        assert!(!dst.resumed);
+        assert!(!src.is_paused(), "the source runs on");
+        assert!(src.contents() == before, "the source's memory is intact");
+    }
 }

@@ -179,9 +179,11 @@ fn a_request_outside_ram_ends_the_migration_and_the_source_stays_paused() {
                 break;
             }
         }
-        main.write_all(&Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE).encode())
-            .unwrap();
-        main.write_all(&[0; wire::RESUMED_SIZE as usize]).unwrap();
+        main.write_all(&ferry_migrate_testkit::craft::record(
+            Header::new(Kind::Resumed, 0, wire::RESUMED_SIZE),
+            &[0; wire::RESUMED_SIZE as usize],
+        ))
+        .unwrap();
         main.write_all(&ferry_migrate_testkit::craft::runs(
             Kind::PageRequest,
             &[(1 << 40, 1)],

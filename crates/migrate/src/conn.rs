@@ -6,7 +6,7 @@ use std::io::{BufReader, IoSlice, Read, Write};
 
 use crate::error::MigrateError;
 use crate::transport::Stream;
-use crate::wire::{HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind, SectionHeader};
+use crate::wire::{self, HEADER_SIZE, HELLO_SIZE, Header, Hello, Kind, SectionHeader};
 
 /// Send buffer: a few records, so small records (zero runs, pass ends, record headers) are
 /// coalesced; page data does not pass through it ([`Conn::write_with_pages`]).
@@ -156,10 +156,9 @@ impl Conn {
         self.writer.flush().map_err(|e| MigrateError::io(during, e))
     }
 
-    /// Writes a record with its payload.
+    /// Writes a record with its payload, and the payload's checksum in its header.
     pub fn write_record(&mut self, h: &Header, payload: &[u8]) -> Result<(), MigrateError> {
-        debug_assert_eq!(h.len, payload.len() as u64);
-        self.write_header(h)?;
+        self.write_header(&h.seal(payload))?;
         self.write_all(payload, "sending a record")
     }
 
@@ -170,8 +169,11 @@ impl Conn {
         data: &[u8],
         during: &'static str,
     ) -> Result<(), MigrateError> {
-        self.write_all(&Header::device_state(data.len() as u64).encode(), during)?;
-        self.write_all(&section.encode(), during)?;
+        let section = section.encode();
+        let crc = wire::crc_append(wire::crc(&section), data);
+        let h = Header::device_state(data.len() as u64).with_crc(crc);
+        self.write_all(&h.encode(), during)?;
+        self.write_all(&section, during)?;
         self.write_all(data, during)
     }
 
@@ -188,14 +190,16 @@ impl Conn {
             .map_err(|e| MigrateError::io(during, e))
     }
 
-    /// Reads a payload of `len` bytes (already bounded by the header's validation).
+    /// Reads the payload of `h` (its length already bounded by the header's validation) and
+    /// checks it against the header's checksum before anyone uses it.
     pub fn read_payload(
         &mut self,
-        len: u64,
+        h: &Header,
         during: &'static str,
     ) -> Result<Vec<u8>, MigrateError> {
-        let mut v = vec![0u8; len as usize];
+        let mut v = vec![0u8; h.len as usize];
         self.read_exact(&mut v, during)?;
+        h.check(wire::crc(&v), "the whole payload")?;
         Ok(v)
     }
 
@@ -216,7 +220,7 @@ impl Conn {
         let h = self.read_header("reading the peer's error").ok()?;
         (h.kind == Kind::Error).then(|| {
             let p = self
-                .read_payload(h.len, "reading the peer's error")
+                .read_payload(&h, "reading the peer's error")
                 .unwrap_or_default();
             String::from_utf8_lossy(&p).into_owned()
         })

@@ -56,6 +56,22 @@ pub enum ConfigError {
     Params(String),
 }
 
+/// Which end of a migration said something.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Source,
+    Destination,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Source => "source",
+            Side::Destination => "destination",
+        })
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     #[error("invalid migration stream: {0}")]
@@ -72,8 +88,10 @@ pub enum MigrateError {
     Truncated { during: &'static str },
     #[error("the destination refused the migration: {0}")]
     Refused(String),
-    #[error("the other side reported an error: {0}")]
-    Remote(String),
+    /// An Error record from the peer: its own words, with who said them (an error this side
+    /// detected is never one).
+    #[error("the {0} reported an error: {1}")]
+    Remote(Side, String),
     /// A connection of this side failed (its own error names the channel); the other parties
     /// stop with it.
     #[error("{0}")]
@@ -144,7 +162,7 @@ impl MigrateError {
             E::Config(_) => ErrorKind::Configuration,
             E::Io { .. } | E::Truncated { .. } => ErrorKind::Transport,
             E::Refused(_)
-            | E::Remote(_)
+            | E::Remote(..)
             | E::ChannelEnded { .. }
             | E::PassTimeout { .. }
             | E::Unacknowledged(_) => ErrorKind::Peer,
@@ -201,9 +219,9 @@ mod tests {
                 "closed the connection while sending",
             ),
             (
-                MigrateError::Remote("x".into()),
+                MigrateError::Remote(Side::Destination, "x".into()),
                 ErrorKind::Peer,
-                "the other side",
+                "the destination reported an error: x",
             ),
             (MigrateError::Cancelled, ErrorKind::Cancelled, "cancelled"),
             (

@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -210,6 +211,9 @@ pub struct Shared {
     pub control: Arc<IncomingControl>,
     /// Opened by the session when the source switches to postcopy.
     pub postcopy: Arc<PostcopyGate>,
+    /// [`wire::Capabilities::CHECKSUM_PAGES`] was granted: a Pages record's checksum covers
+    /// its page data too.
+    pub checksum_pages: bool,
 }
 
 /// How errors name channel `channel`: data channels by number, 0 is the preempt connection.
@@ -255,6 +259,81 @@ pub fn start(
             r
         })
         .expect("cannot start a receiver thread")
+}
+
+/// A Pages record's page data as the sink reads it: with page checksums, each read is folded
+/// into the record's checksum (begun over its addresses), and the read that completes the data
+/// fails if the checksum does not match, so that no sink places a page of a record that did
+/// not check (they place only after reading the whole record). Without, reads pass through.
+struct Checked<'a> {
+    inner: &'a mut dyn Read,
+    header: Header,
+    crc: u32,
+    /// Data bytes still to come under the checksum; `None` when it does not cover them.
+    left: Option<u64>,
+    mismatch: Option<wire::WireError>,
+}
+
+impl<'a> Checked<'a> {
+    fn new(inner: &'a mut dyn Read, header: &Header, crc: u32, checking: bool) -> Checked<'a> {
+        Checked {
+            inner,
+            header: *header,
+            crc,
+            left: checking.then(|| header.len - u64::from(header.count) * 8),
+            mismatch: None,
+        }
+    }
+
+    fn fold(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        let Some(left) = &mut self.left else {
+            return Ok(());
+        };
+        let n = (bytes.len() as u64).min(*left);
+        self.crc = wire::crc_append(self.crc, &bytes[..n as usize]);
+        *left -= n;
+        if *left == 0
+            && n > 0
+            && let Err(e) = self.header.check(self.crc, "its addresses and page data")
+        {
+            self.mismatch = Some(e);
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "page data checksum mismatch",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The sink's result, or the checksum mismatch that failed it.
+    fn verdict(self, r: Result<(), MigrateError>) -> Result<(), MigrateError> {
+        match self.mismatch {
+            Some(e) => Err(e.into()),
+            None => r,
+        }
+    }
+}
+
+impl Read for Checked<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.fold(&buf[..n])?;
+        Ok(n)
+    }
+
+    fn read_vectored(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<usize> {
+        let n = self.inner.read_vectored(bufs)?;
+        let mut rest = n;
+        for b in bufs.iter() {
+            if rest == 0 {
+                break;
+            }
+            let k = rest.min(b.len());
+            self.fold(&b[..k])?;
+            rest -= k;
+        }
+        Ok(n)
+    }
 }
 
 /// Fails the barrier when a receiver thread unwinds.
@@ -321,8 +400,8 @@ impl Receiver {
                 )));
             }
             match h.kind {
-                Kind::Pages => self.pages(h.count)?,
-                Kind::ZeroRuns => self.zero_runs(h.count)?,
+                Kind::Pages => self.pages(&h)?,
+                Kind::ZeroRuns => self.zero_runs(&h)?,
                 Kind::EndOfPass if self.postcopy.is_some() => {
                     return Err(MigrateError::order(
                         "EndOfPass on a data channel after postcopy started",
@@ -358,7 +437,9 @@ impl Receiver {
                 }
                 Kind::Error => {
                     let p = self.read(h.len as usize, "reading the source's error")?;
+                    h.check(wire::crc(&p), "the whole payload")?;
                     return Err(MigrateError::Remote(
+                        crate::error::Side::Source,
                         String::from_utf8_lossy(&p).into_owned(),
                     ));
                 }
@@ -409,8 +490,13 @@ impl Receiver {
         Ok(i)
     }
 
-    fn pages(&mut self, count: u32) -> Result<(), MigrateError> {
+    fn pages(&mut self, h: &Header) -> Result<(), MigrateError> {
+        let count = h.count;
         let words = self.read(count as usize * 8, "receiving page addresses")?;
+        let addresses_crc = wire::crc(&words);
+        if !self.shared.checksum_pages {
+            h.check(addresses_crc, "the page addresses")?;
+        }
         let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
         if gpas.windows(2).any(|w| w[0] >= w[1]) {
             return Err(MigrateError::order(
@@ -421,10 +507,13 @@ impl Receiver {
             // No claim: a postcopy page may come twice (a requested page again on the preempt
             // connection), and installing is atomic; the first copy wins. Both install paths
             // check every address before they read the data.
-            match &mut self.assembler {
-                Some(a) => a.pages(pc.as_ref(), &mut self.stream, &gpas)?,
-                None => pc.install_pages(&mut self.stream, &gpas, &mut self.buffer)?,
-            }
+            let checking = self.shared.checksum_pages;
+            let mut data = Checked::new(&mut self.stream, h, addresses_crc, checking);
+            let installed = match &mut self.assembler {
+                Some(a) => a.pages(pc.as_ref(), &mut data, &gpas),
+                None => pc.install_pages(&mut data, &gpas, &mut self.buffer),
+            };
+            data.verdict(installed)?;
             self.stats.pages += u64::from(count);
             let c = &self.shared.control;
             c.add(&c.pages, u64::from(count));
@@ -434,10 +523,19 @@ impl Receiver {
         for &gpa in &gpas {
             indices.push(self.claim(gpa)?);
         }
-        self.shared
+        let mut data = Checked::new(
+            &mut self.stream,
+            h,
+            addresses_crc,
+            self.shared.checksum_pages,
+        );
+        let received = self
+            .shared
             .sink
-            .receive_pages(&mut self.stream, &gpas, &mut self.buffer)
-            .map_err(|e| MigrateError::io("receiving pages", e))?;
+            .receive_pages(&mut data, &gpas, &mut self.buffer)
+            .map_err(|e| MigrateError::io("receiving pages", e));
+        data.verdict(received)?;
+        // The claim is released (the page counts as written) only for data that checked.
         for i in indices {
             self.shared.written.set(i);
         }
@@ -449,8 +547,9 @@ impl Receiver {
 
     /// Zero runs: only pages that hold data from an earlier pass need zeroing; the rest are
     /// still holes, and stay untouched.
-    fn zero_runs(&mut self, count: u32) -> Result<(), MigrateError> {
-        let words = self.read(count as usize * 16, "receiving zero runs")?;
+    fn zero_runs(&mut self, h: &Header) -> Result<(), MigrateError> {
+        let words = self.read(h.count as usize * 16, "receiving zero runs")?;
+        h.check(wire::crc(&words), "the whole payload")?;
         let w: Vec<u64> = wire::decode_addresses(&words).collect();
         for run in w.chunks_exact(2) {
             let (gpa, pages) = (run[0], run[1]);

@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::io::IoSlice;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
@@ -78,6 +79,9 @@ pub struct SenderConfig {
     /// Pages written by all senders (with data or as zero runs), so that the session knows how
     /// many it queued are not written yet.
     pub pages: Arc<AtomicU64>,
+    /// Pages records' checksums cover their page data ([`wire::Capabilities::CHECKSUM_PAGES`]
+    /// granted).
+    pub checksum_pages: bool,
 }
 
 impl Sender {
@@ -156,6 +160,7 @@ fn run(
         bytes: &config.bytes,
         pages: &config.pages,
         stats: &mut s,
+        copy: config.checksum_pages.then(Vec::new),
     };
     // After the postcopy marker every batch goes out whole at once, not pipelined.
     let mut postcopy = false;
@@ -209,6 +214,9 @@ struct Output<'a> {
     bytes: &'a AtomicU64,
     pages: &'a AtomicU64,
     stats: &'a mut SenderStats,
+    /// With page checksums: the pages of a record, copied before they are checksummed, so
+    /// that what is sent is what was checksummed while the guest writes on.
+    copy: Option<Vec<u8>>,
 }
 
 impl Output<'_> {
@@ -238,22 +246,33 @@ impl Output<'_> {
             }
         }
         for chunk in runs.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
+            let words = wire::encode_runs(chunk);
             self.conn
-                .write_header(&Header::zero_runs(chunk.len() as u32))?;
-            let words: Vec<u8> = chunk
-                .iter()
-                .flat_map(|&(g, n)| [g, n])
-                .flat_map(u64::to_le_bytes)
-                .collect();
-            self.conn.write_all(&words, "sending zero runs")?;
+                .write_record(&Header::zero_runs(chunk.len() as u32), &words)?;
         }
         if !normal.is_empty() {
-            self.conn
-                .write_header(&Header::pages(normal.len() as u32))?;
+            let header = Header::pages(normal.len() as u32);
             let addresses: Vec<u8> = normal.iter().flat_map(|a| a.to_le_bytes()).collect();
-            self.conn.write_all(&addresses, "sending pages")?;
+            let crc = wire::crc(&addresses);
             let pages = self.ram.page_slices(&normal)?;
-            self.conn.write_with_pages(&pages, "sending pages")?;
+            match &mut self.copy {
+                Some(copy) => {
+                    copy.clear();
+                    for p in &pages {
+                        copy.extend_from_slice(p);
+                    }
+                    let crc = wire::crc_append(crc, copy);
+                    self.conn.write_header(&header.with_crc(crc))?;
+                    self.conn.write_all(&addresses, "sending pages")?;
+                    self.conn
+                        .write_with_pages(&[IoSlice::new(copy)], "sending pages")?;
+                }
+                None => {
+                    self.conn.write_header(&header.with_crc(crc))?;
+                    self.conn.write_all(&addresses, "sending pages")?;
+                    self.conn.write_with_pages(&pages, "sending pages")?;
+                }
+            }
         }
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;

@@ -59,6 +59,9 @@ pub struct MigrationRequest {
     /// Ask the guest's balloon for free page hints and skip the pages it reports free. On by
     /// default; a VM without a balloon, or a guest without its driver, sends every page.
     pub free_page_hints: bool,
+    /// Checksum page data too (the engine's `SourceParams::checksum_pages`); device state,
+    /// control records and page addresses always are.
+    pub checksum_pages: bool,
     /// Run every connection (main, data, preempt, recovery) over TLS; `None`: plain.
     pub tls: Option<Arc<SourceTls>>,
 }
@@ -79,6 +82,7 @@ impl MigrationRequest {
             postcopy_preempt_priority: true,
             postcopy_recover: true,
             free_page_hints: true,
+            checksum_pages: false,
             tls: None,
         }
     }
@@ -154,6 +158,7 @@ impl VmHandle {
             preempt_priority: req.postcopy_preempt_priority,
             recover: req.postcopy && req.postcopy_recover,
             free_page_hints: req.free_page_hints,
+            checksum_pages: req.checksum_pages,
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {

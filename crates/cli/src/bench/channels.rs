@@ -176,20 +176,29 @@ fn migration_rows(
             Some(channels),
         ));
     }
-    // The same over mutual TLS, against the plain rows above and the same raw TCP.
-    for channels in [1, 2, 4] {
-        scenarios.push((
-            Scenario {
-                tls: true,
-                ..random_data(
-                    &format!("4G random data, {channels} ch, TLS"),
-                    5 * GIB,
-                    channels,
-                )
-            },
-            channels,
-            Some(channels),
-        ));
+    // The same over mutual TLS, and with page checksums, against the plain rows above and the
+    // same raw TCP; and both at once at 2 channels (does TLS leave checksums anything to do?).
+    let variants = [
+        (true, false, "TLS", [1, 2, 4].as_slice()),
+        (false, true, "page checksums", &[1, 2, 4]),
+        (true, true, "TLS + page checksums", &[2]),
+    ];
+    for (tls, checksum_pages, label, counts) in variants {
+        for &channels in counts {
+            scenarios.push((
+                Scenario {
+                    tls,
+                    checksum_pages,
+                    ..random_data(
+                        &format!("4G random data, {channels} ch, {label}"),
+                        5 * GIB,
+                        channels,
+                    )
+                },
+                channels,
+                Some(channels),
+            ));
+        }
     }
     scenarios.push((
         Scenario::new(
@@ -251,29 +260,41 @@ fn migration_rows(
             stats.cpu_seconds_source / gib,
             stats.cpu_seconds_destination / gib
         );
-        rows.push(json!({"bench": "channels", "scenario": s.name, "channels": channels, "tls": s.tls, "total_ms": stats.total_ms,
+        rows.push(json!({"bench": "channels", "scenario": s.name, "channels": channels, "tls": s.tls,
+            "checksum_pages": s.checksum_pages, "total_ms": stats.total_ms,
             "bytes_sent": stats.bytes_sent, "data_mb_s": mb_s, "raw_tcp_mb_s": raw, "ratio": mb_s / raw,
             "downtime_ms": stats.downtime.total_ms, "cpu_s_per_gib_source": stats.cpu_seconds_source / gib,
             "cpu_s_per_gib_destination": stats.cpu_seconds_destination / gib, "pages_zero": stats.pages_zero,
                         "pages_skipped_holes": stats.pages_skipped_holes, "dirty_clear_ms": stats.dirty_clear_ms,
             "passes": stats.passes}));
     }
-    tls_cost(&rows);
+    for (label, tls, checksum_pages, base_tls) in [
+        ("TLS", true, false, false),
+        ("page checksums", false, true, false),
+        ("page checksums under TLS", true, true, true),
+    ] {
+        cost(&rows, label, (tls, checksum_pages), base_tls);
+    }
     Ok(rows)
 }
 
-/// Prints what TLS costs at each channel count that ran both ways: throughput as a share of
-/// the plain run's, and CPU per GiB on each side against it.
-fn tls_cost(rows: &[serde_json::Value]) {
+/// Prints what a feature costs at each channel count that ran both ways: throughput as a share
+/// of the run without it, and CPU per GiB on each side against it. `with` is the rows' (tls,
+/// checksum_pages); the reference row has no page checksums and TLS as `base_tls`.
+fn cost(rows: &[serde_json::Value], label: &str, with: (bool, bool), base_tls: bool) {
     let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-    for tls in rows.iter().filter(|r| r["tls"] == true) {
-        let Some(plain) = rows.iter().find(|r| {
-            r["tls"] == false && r["channels"] == tls["channels"] && r["raw_tcp_mb_s"].is_number()
-        }) else {
+    let is = |r: &serde_json::Value, tls: bool, pages: bool| {
+        r["tls"] == tls && r["checksum_pages"] == pages && r["raw_tcp_mb_s"].is_number()
+    };
+    for tls in rows.iter().filter(|r| is(r, with.0, with.1)) {
+        let Some(plain) = rows
+            .iter()
+            .find(|r| is(r, base_tls, false) && r["channels"] == tls["channels"])
+        else {
             continue;
         };
         println!(
-            "TLS cost, {} ch: {:.0} MB/s against {:.0} plain ({:.0}%); CPU s/GiB source {:.3} against {:.3} ({:+.0}%), destination {:.3} against {:.3} ({:+.0}%)",
+            "{label} cost, {} ch: {:.0} MB/s against {:.0} without ({:.0}%); CPU s/GiB source {:.3} against {:.3} ({:+.0}%), destination {:.3} against {:.3} ({:+.0}%)",
             tls["channels"],
             f(tls, "data_mb_s"),
             f(plain, "data_mb_s"),

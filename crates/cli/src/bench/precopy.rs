@@ -69,6 +69,8 @@ pub(super) struct Scenario {
     pub vcpus: u8,
     /// Every connection over mutual TLS, with a PKI made for the run.
     pub tls: bool,
+    /// Page data checksummed too (`--checksum pages`).
+    pub checksum_pages: bool,
 }
 
 /// How a bench migration's precopy ends.
@@ -100,6 +102,7 @@ impl Scenario {
             free_page_hints: true,
             vcpus: 1,
             tls: false,
+            checksum_pages: false,
         }
     }
 }
@@ -436,6 +439,7 @@ pub(super) fn migrate_over(
     };
     request.channels = s.channels;
     request.free_page_hints = s.free_page_hints;
+    request.checksum_pages = s.checksum_pages;
     if let Some(preempt) = s.postcopy {
         request.postcopy = true;
         if s.finish == Finish::Forced {

@@ -85,7 +85,6 @@ fn run(
     stop: &Receiver<()>,
 ) -> Result<(), MigrateError> {
     let mut last = Received::default();
-    let header = Header::new(Kind::Received, 0, RECEIVED_SIZE).encode();
     loop {
         match stop.recv_timeout(ACK_INTERVAL) {
             Err(RecvTimeoutError::Timeout) => {}
@@ -95,9 +94,11 @@ fn run(
         if now == last {
             continue;
         }
+        let payload = now.encode();
+        let header = Header::new(Kind::Received, 0, RECEIVED_SIZE).seal(&payload);
         let mut record = [0u8; HEADER_SIZE + RECEIVED_SIZE as usize];
-        record[..HEADER_SIZE].copy_from_slice(&header);
-        record[HEADER_SIZE..].copy_from_slice(&now.encode());
+        record[..HEADER_SIZE].copy_from_slice(&header.encode());
+        record[HEADER_SIZE..].copy_from_slice(&payload);
         stream
             .write_all(&record)
             .map_err(|e| MigrateError::io("acknowledging progress to the source", e))?;
@@ -134,7 +135,10 @@ mod tests {
         let mut record = [0u8; HEADER_SIZE + RECEIVED_SIZE as usize];
         source.read_exact(&mut record).unwrap();
         let h = Header::decode(record[..HEADER_SIZE].try_into().unwrap()).unwrap();
-        assert_eq!(h, Header::new(Kind::Received, 0, RECEIVED_SIZE));
+        assert_eq!(
+            h,
+            Header::new(Kind::Received, 0, RECEIVED_SIZE).seal(&record[HEADER_SIZE..])
+        );
         assert_eq!(
             Received::decode(&record[HEADER_SIZE..]).unwrap(),
             Received {

@@ -113,8 +113,12 @@ impl Assembler {
                 .read_exact(&mut o.data[at..at + n * PAGE_SIZE as usize])
                 .map_err(|e| MigrateError::io("receiving postcopy pages", e))?;
             o.mark(gpas[k], n as u64)?;
-            self.place_if_complete(pc, slot)?;
             k += n;
+        }
+        // Only now, with the record read whole (and its checksum, when it covers page data,
+        // checked by the read that ended it), does any of it reach the guest.
+        while let Some(slot) = self.open.iter().position(|o| o.count >= self.unit_pages) {
+            self.place_if_complete(pc, slot)?;
         }
         Ok(())
     }

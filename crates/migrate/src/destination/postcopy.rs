@@ -195,7 +195,7 @@ impl Postcopy {
     /// Writes a record on the main connection.
     pub(crate) fn write(&self, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
         let mut out = self.out.lock().unwrap();
-        out.write_all(&header.encode())
+        out.write_all(&header.seal(payload).encode())
             .and_then(|()| out.write_all(payload))
             .and_then(|()| out.flush())
             .map_err(|e| MigrateError::io("writing to the source", e))

@@ -156,7 +156,10 @@ impl Session<'_> {
         }
         match self.acks.reader.as_ref().and_then(InboundReader::poll) {
             None => Ok(()),
-            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(message)),
+            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
+                crate::error::Side::Destination,
+                message,
+            )),
             Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::order(
                 "the destination sent Resumed before Complete",
             )),

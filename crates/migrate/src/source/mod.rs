@@ -100,6 +100,11 @@ pub struct SourceParams {
     /// free (see `source/hints.rs` for the rule). On by default: a VMM or guest that cannot
     /// hint simply sends every page.
     pub free_page_hints: bool,
+    /// Checksum page data as well as everything else ([`Capabilities::CHECKSUM_PAGES`]): each
+    /// sender copies a page before it checksums and sends it, and the destination checks it
+    /// before the page counts as received. Device state, control records, headers and page
+    /// addresses are always checksummed.
+    pub checksum_pages: bool,
 }
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
@@ -134,6 +139,7 @@ impl SourceParams {
             preempt_priority: true,
             recover: false,
             free_page_hints: true,
+            checksum_pages: false,
         }
     }
 
@@ -406,6 +412,9 @@ impl<'a> Session<'a> {
         if self.config_sent {
             c = c.with(Capabilities::CONFIG);
         }
+        if p.checksum_pages {
+            c = c.with(Capabilities::CHECKSUM_PAGES);
+        }
         if p.postcopy {
             c = c.with(Capabilities::POSTCOPY);
             if p.preempt {
@@ -483,6 +492,12 @@ impl<'a> Session<'a> {
         if granted.progress {
             self.acks.use_ = AckUse::Live;
         }
+        if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
+        {
+            return Err(MigrateError::Refused(
+                "the destination does not check page checksums (an older ferry); migrate without --checksum pages".into(),
+            ));
+        }
         if self.params.postcopy && !granted.postcopy {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
@@ -541,7 +556,10 @@ impl<'a> Session<'a> {
             Err(e) => {
                 let e = self.explain(e);
                 if !self.handed_over {
-                    self.conn.send_error(&e.to_string());
+                    // The destination's own error is not echoed back to it.
+                    if !matches!(e, MigrateError::Remote(..)) {
+                        self.conn.send_error(&e.to_string());
+                    }
                     if self.guest == GuestState::Paused {
                         vm.resume()?;
                     }
@@ -574,7 +592,9 @@ impl<'a> Session<'a> {
                     },
                     None => self.conn.peer_error(),
                 };
-                message.map_or(e, MigrateError::Remote)
+                message.map_or(e, |m| {
+                    MigrateError::Remote(crate::error::Side::Destination, m)
+                })
             }
             e => e,
         }

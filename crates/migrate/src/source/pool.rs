@@ -100,6 +100,7 @@ impl ChannelPool {
                 zero: params.zero,
                 bytes: self.bytes.clone(),
                 pages: self.written_pages.clone(),
+                checksum_pages: params.checksum_pages,
             };
             let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
             match role {

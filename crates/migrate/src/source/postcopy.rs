@@ -404,7 +404,10 @@ impl Session<'_> {
         let reader = self.acks.reader.as_ref().expect("the reader runs");
         match reader.poll() {
             None => Ok(()),
-            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(message)),
+            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
+                crate::error::Side::Destination,
+                message,
+            )),
             Some(Ok(Inbound::Done(_))) => Err(MigrateError::order(
                 "the destination said Done before every page was sent",
             )),
@@ -425,7 +428,12 @@ impl Session<'_> {
             let reader = self.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {
                 Some(Ok(Inbound::Done(l))) => return Ok(*l),
-                Some(Ok(Inbound::Error(message))) => return Err(MigrateError::Remote(message)),
+                Some(Ok(Inbound::Error(message))) => {
+                    return Err(MigrateError::Remote(
+                        crate::error::Side::Destination,
+                        message,
+                    ));
+                }
                 Some(Ok(other)) => {
                     return Err(MigrateError::order(format!(
                         "expected Done from the destination, got {other:?}"

@@ -159,7 +159,7 @@ impl Session<'_> {
             let h = self
                 .conn
                 .read_header("reading what the destination lacks")?;
-            let payload = self.conn.read_payload(h.len, "reading the Missing list")?;
+            let payload = self.conn.read_payload(&h, "reading the Missing list")?;
             match h.kind {
                 Kind::Missing => {
                     let words: Vec<u64> = wire::decode_addresses(&payload).collect();
@@ -180,6 +180,7 @@ impl Session<'_> {
                 Kind::Resume => break,
                 Kind::Error => {
                     return Err(MigrateError::Remote(
+                        crate::error::Side::Destination,
                         String::from_utf8_lossy(&payload).into_owned(),
                     ));
                 }

@@ -150,7 +150,10 @@ impl<'a> Session<'a> {
         self.note_acks();
         match ending? {
             Inbound::Resumed(r) => Ok(r),
-            Inbound::Error(message) => Err(MigrateError::Remote(message)),
+            Inbound::Error(message) => Err(MigrateError::Remote(
+                crate::error::Side::Destination,
+                message,
+            )),
             Inbound::Received(_) | Inbound::PageRequest(_) => {
                 unreachable!("the reader folds acknowledgements and queues requests")
             }

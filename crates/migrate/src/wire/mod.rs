@@ -1,18 +1,25 @@
 #![forbid(unsafe_code)]
-//! Wire protocol v2: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
+//! Wire protocol v4: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
 //! is the normative text; this module is its implementation and its tests.
 //!
 //! A connection starts with a 64-byte [`Hello`] from the source and a 64-byte [`Hello`] reply
-//! from the destination, then carries records: a 16-byte [`Header`] and a payload whose length
+//! from the destination, then carries records: a 24-byte [`Header`] and a payload whose length
 //! the header gives and `Header::validate` bounds. All integers are little-endian.
+//!
+//! Every hello and header carries a CRC32C of its own bytes, and every header a CRC32C of its
+//! record's payload (of a Pages record: its addresses, and its page data too when
+//! [`Capabilities::CHECKSUM_PAGES`] was granted), so a byte changed on the way is refused
+//! before it is used rather than trusted to TCP's 16-bit checksum.
 
 /// "FERRYMIG".
 pub const MAGIC: [u8; 8] = *b"FERRYMIG";
 /// Version 2 added opaque device-state sections (VMM-chosen id, instance, version) and
-/// capability bits in the hello; version 3, the state parts in the Resumed record.
-pub const VERSION: u32 = 3;
+/// capability bits in the hello; version 3, the state parts in the Resumed record; version 4,
+/// checksums on hellos, headers and payloads.
+pub const VERSION: u32 = 4;
 pub const HELLO_SIZE: usize = 64;
-pub const HEADER_SIZE: usize = 16;
+/// `kind:u16 reserved:u16 count:u32 len:u64 payload_crc:u32 header_crc:u32`.
+pub const HEADER_SIZE: usize = 24;
 /// Guest page size on the wire.
 pub const PAGE_SIZE: u64 = 4096;
 /// Pages in one Pages record: 512 × 4 KiB = 2 MiB, big enough that per-record overhead is
@@ -203,9 +210,7 @@ impl SectionHeader {
 
 /// Optional protocol features, agreed in the main hello: the source asks for a set and the
 /// destination answers with the subset it grants, so that a newer source can talk to an older
-/// destination by asking and reading the answer. Version 2 defines [`Capabilities::POSTCOPY`],
-/// [`Capabilities::PREEMPT`], [`Capabilities::PROGRESS`] and [`Capabilities::RECOVER`]; page
-/// checksums are planned to take bit 2.
+/// destination by asking and reading the answer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
 
@@ -217,6 +222,10 @@ impl Capabilities {
     /// Bit 1, with postcopy: a preempt connection (role 3) carries the pages the destination
     /// asked for, so that they never wait behind the data channels' background stream.
     pub const PREEMPT: Capabilities = Capabilities(1 << 1);
+    /// Bit 2: a Pages record's payload checksum covers its page data as well as its addresses
+    /// (without it, the addresses only). The sender copies each page before it checksums and
+    /// sends it, so a page the guest changes meanwhile is sent as checksummed.
+    pub const CHECKSUM_PAGES: Capabilities = Capabilities(1 << 2);
     /// Bit 4: the destination sends [`Kind::Received`] records on the main connection while
     /// pages arrive, and the source reads them as it sends.
     pub const PROGRESS: Capabilities = Capabilities(1 << 4);
@@ -231,6 +240,7 @@ impl Capabilities {
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
             | Capabilities::PREEMPT.0
+            | Capabilities::CHECKSUM_PAGES.0
             | Capabilities::PROGRESS.0
             | Capabilities::RECOVER.0
             | Capabilities::CONFIG.0,
@@ -410,6 +420,33 @@ pub enum WireError {
     PostcopyPage(u8),
     #[error("Resumed record: state part {index} is malformed ({why})")]
     StatePart { index: u32, why: &'static str },
+    #[error(
+        "the {0}'s checksum does not match its bytes: they were changed on the way (a faulty network, NIC or middlebox); nothing of it was used"
+    )]
+    HelloChecksum(&'static str),
+    #[error(
+        "a record header's checksum does not match its bytes: they were changed on the way (a faulty network, NIC or middlebox); nothing of the record was used"
+    )]
+    HeaderChecksum,
+    #[error(
+        "the {kind:?} record's payload checksum does not match ({what}: sent {sent:#010x}, received {got:#010x}): the bytes were changed on the way (a faulty network, NIC or middlebox); the record was not used"
+    )]
+    PayloadChecksum {
+        kind: Kind,
+        what: &'static str,
+        sent: u32,
+        got: u32,
+    },
+}
+
+/// CRC32C (Castagnoli) of `bytes`, with the CPU's instruction where it has one.
+pub fn crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+/// CRC32C of `crc`'s bytes followed by `bytes`.
+pub fn crc_append(crc: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc, bytes)
 }
 
 /// The Resumed record: the destination's load, resume and CPU times, and where its state load
@@ -518,6 +555,21 @@ pub struct Hello {
     pub postcopy_page_shift: u8,
 }
 
+/// The hello's CRC32C of bytes 0..60 sits in its last four bytes.
+const HELLO_CRC_AT: usize = HELLO_SIZE - 4;
+
+/// Rewrites a hello's checksum after its bytes were changed on purpose (tests, fuzzing).
+pub fn reseal_hello(b: &mut [u8; HELLO_SIZE]) {
+    let crc = crc(&b[..HELLO_CRC_AT]);
+    b[HELLO_CRC_AT..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Rewrites a header's own checksum after its bytes were changed on purpose (tests, fuzzing).
+pub fn reseal_header(b: &mut [u8; HEADER_SIZE]) {
+    let crc = crc(&b[..20]);
+    b[20..24].copy_from_slice(&crc.to_le_bytes());
+}
+
 /// `postcopy_page_shift` for 4 KiB host pages (shmem, anonymous memory).
 pub const SMALL_PAGE_SHIFT: u8 = 12;
 /// `postcopy_page_shift` for 2 MiB host pages (hugetlbfs): userfaultfd places a huge page
@@ -546,7 +598,7 @@ pub enum Refusal {
 
 impl Hello {
     /// `magic[8] version:u32 role:u16 channel:u16 uuid[16] memory_size:u64 page_size:u32
-    /// status:u32 channels:u16 capabilities:u64 postcopy_page_shift:u8 reserved[5]`.
+    /// status:u32 channels:u16 capabilities:u64 postcopy_page_shift:u8 reserved[1] crc:u32`.
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
         let mut b = [0u8; HELLO_SIZE];
         b[0..8].copy_from_slice(&MAGIC);
@@ -560,6 +612,7 @@ impl Hello {
         b[48..50].copy_from_slice(&self.channels.to_le_bytes());
         b[50..58].copy_from_slice(&self.capabilities.0.to_le_bytes());
         b[58] = self.postcopy_page_shift;
+        reseal_hello(&mut b);
         b
     }
 
@@ -572,6 +625,9 @@ impl Hello {
         if version != VERSION {
             return Err(WireError::Version(version));
         }
+        if crc(&b[..HELLO_CRC_AT]).to_le_bytes() != b[HELLO_CRC_AT..] {
+            return Err(WireError::HelloChecksum("hello"));
+        }
         let role = match u16::from_le_bytes([b[12], b[13]]) {
             1 => Role::Main,
             2 => Role::Data,
@@ -583,7 +639,7 @@ impl Hello {
         if u64::from(page_size) != PAGE_SIZE {
             return Err(WireError::PageSize(page_size));
         }
-        if b[59..].iter().any(|&x| x != 0) {
+        if b[59..HELLO_CRC_AT].iter().any(|&x| x != 0) {
             return Err(WireError::Reserved("hello"));
         }
         let postcopy_page_shift = b[58];
@@ -618,7 +674,8 @@ impl Hello {
     }
 }
 
-/// A record header: `kind:u16 reserved:u16 count:u32 len:u64`.
+/// A record header: `kind:u16 reserved:u16 count:u32 len:u64 payload_crc:u32
+/// header_crc:u32`, the last a CRC32C of the 20 bytes before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub kind: Kind,
@@ -626,11 +683,53 @@ pub struct Header {
     pub count: u32,
     /// Payload bytes that follow.
     pub len: u64,
+    /// CRC32C of the payload ([`Header::covered`] bytes of it): 0 for an empty one, which
+    /// [`Header::new`] gives; [`Header::seal`] sets it.
+    pub crc: u32,
 }
 
 impl Header {
     pub fn new(kind: Kind, count: u32, len: u64) -> Header {
-        Header { kind, count, len }
+        Header {
+            kind,
+            count,
+            len,
+            crc: 0,
+        }
+    }
+
+    /// This header with `crc` as its payload checksum.
+    pub fn with_crc(self, crc: u32) -> Header {
+        Header { crc, ..self }
+    }
+
+    /// This header with the checksum of `payload` (all of the payload).
+    pub fn seal(self, payload: &[u8]) -> Header {
+        debug_assert_eq!(self.len, payload.len() as u64);
+        self.with_crc(crc(payload))
+    }
+
+    /// How many leading payload bytes the payload checksum covers: all of them, except in a
+    /// Pages record without page checksums, where only the addresses are covered.
+    pub fn covered(&self, checksum_pages: bool) -> u64 {
+        match self.kind {
+            Kind::Pages if !checksum_pages => u64::from(self.count) * 8,
+            _ => self.len,
+        }
+    }
+
+    /// Compares the payload checksum with what the receiver computed over the covered bytes.
+    pub fn check(&self, got: u32, what: &'static str) -> Result<(), WireError> {
+        if got == self.crc {
+            Ok(())
+        } else {
+            Err(WireError::PayloadChecksum {
+                kind: self.kind,
+                what,
+                sent: self.crc,
+                got,
+            })
+        }
     }
 
     pub fn pages(count: u32) -> Header {
@@ -656,12 +755,17 @@ impl Header {
         b[0..2].copy_from_slice(&(self.kind as u16).to_le_bytes());
         b[4..8].copy_from_slice(&self.count.to_le_bytes());
         b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..20].copy_from_slice(&self.crc.to_le_bytes());
+        reseal_header(&mut b);
         b
     }
 
-    /// Decodes and checks a header: known kind, counts and lengths within the limits and
-    /// consistent with each other. What follows the header is then safe to read.
+    /// Decodes and checks a header: its own checksum, known kind, counts and lengths within the
+    /// limits and consistent with each other. What follows the header is then safe to read.
     pub fn decode(b: &[u8; HEADER_SIZE]) -> Result<Header, WireError> {
+        if crc(&b[..20]).to_le_bytes() != b[20..24] {
+            return Err(WireError::HeaderChecksum);
+        }
         let raw_kind = u16::from_le_bytes([b[0], b[1]]);
         if b[2..4] != [0, 0] {
             return Err(WireError::Reserved("record header"));
@@ -670,6 +774,7 @@ impl Header {
             kind: Kind::from_u16(raw_kind),
             count: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             len: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            crc: u32::from_le_bytes(b[16..20].try_into().unwrap()),
         };
         if h.kind == Kind::Invalid {
             return Err(WireError::UnknownKind(raw_kind));

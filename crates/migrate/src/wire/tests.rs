@@ -21,21 +21,27 @@ fn hello_round_trips_and_checks_everything() {
     assert_eq!(Hello::decode(&h.encode()), Ok(h));
     let mut b = h.encode();
     b[0] = b'X';
+    reseal_hello(&mut b);
     assert!(matches!(Hello::decode(&b), Err(WireError::BadMagic(_))));
     let mut b = h.encode();
     b[8] = 1;
+    reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::Version(1)));
     let mut b = h.encode();
     b[12] = 0;
+    reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::Role(0)));
     let mut b = h.encode();
     b[12] = 5;
+    reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::Role(5)));
     let mut b = h.encode();
     b[41] = 0x20;
+    reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::PageSize(0x2000)));
     let mut b = h.encode();
-    b[63] = 1;
+    b[59] = 1;
+    reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::Reserved("hello")));
     let data = Hello {
         role: Role::Data,
@@ -172,13 +178,71 @@ fn hostile_headers_are_refused() {
     }
     let mut b = Header::new(Kind::Complete, 0, 0).encode();
     b[0] = 99;
+    reseal_header(&mut b);
     assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(99)));
     let mut b = Header::new(Kind::Complete, 0, 0).encode();
     b[2] = 1;
+    reseal_header(&mut b);
     assert_eq!(
         Header::decode(&b),
         Err(WireError::Reserved("record header"))
     );
+}
+
+#[test]
+fn a_changed_byte_anywhere_in_a_hello_or_header_is_refused_by_its_checksum() {
+    let h = hello().encode();
+    for at in 12..HELLO_SIZE {
+        for bit in 0..8 {
+            let mut b = h;
+            b[at] ^= 1 << bit;
+            assert_eq!(
+                Hello::decode(&b),
+                Err(WireError::HelloChecksum("hello")),
+                "byte {at} bit {bit}"
+            );
+        }
+    }
+    let header = Header::new(Kind::Error, 0, 5).seal(b"hello").encode();
+    for at in 0..HEADER_SIZE {
+        for bit in 0..8 {
+            let mut b = header;
+            b[at] ^= 1 << bit;
+            assert_eq!(
+                Header::decode(&b),
+                Err(WireError::HeaderChecksum),
+                "byte {at} bit {bit}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_payload_checksum_covers_what_the_header_says() {
+    let pages = Header::pages(2);
+    assert_eq!(pages.covered(false), 16);
+    assert_eq!(pages.covered(true), pages.len);
+    let error = Header::new(Kind::Error, 0, 4);
+    assert_eq!(error.covered(false), 4);
+    let sealed = error.seal(b"oops");
+    assert_eq!(sealed.crc, crc(b"oops"));
+    assert_eq!(sealed.check(crc(b"oops"), "the whole payload"), Ok(()));
+    let e = sealed.check(crc(b"oopS"), "the whole payload").unwrap_err();
+    assert!(matches!(
+        e,
+        WireError::PayloadChecksum {
+            kind: Kind::Error,
+            ..
+        }
+    ));
+    assert!(
+        e.to_string()
+            .contains("Error record's payload checksum does not match"),
+        "{e}"
+    );
+    // The one CRC32C every side must agree on (RFC 3720's check value).
+    assert_eq!(crc(b"123456789"), 0xe306_9283);
+    assert_eq!(crc_append(crc(b"1234"), b"56789"), crc(b"123456789"));
 }
 
 #[test]

@@ -130,8 +130,22 @@ pub struct MigrateBody {
     /// Skip the pages the guest's balloon hints free; absent = on.
     #[serde(default = "default_true")]
     pub free_page_hints: bool,
+    /// What the checksums cover beyond state, control records and page addresses: `pages`
+    /// adds page data; absent = `state`.
+    #[serde(default)]
+    pub checksum: Checksum,
     /// Run every connection over TLS with these files (paths on this host); absent = plain.
     pub tls: Option<TlsBody>,
+}
+
+/// What a migration's checksums cover: device state, control records, record headers and page
+/// addresses always (`state`), page data too (`pages`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Checksum {
+    #[default]
+    State,
+    Pages,
 }
 
 /// The source's TLS in a migration request: the CA, this side's certificate and key (PEM
@@ -202,6 +216,7 @@ impl MigrateBody {
         r.postcopy_preempt = self.postcopy_preempt;
         r.postcopy_recover = self.postcopy_recover;
         r.free_page_hints = self.free_page_hints;
+        r.checksum_pages = self.checksum == Checksum::Pages;
         if let Some(t) = &self.tls {
             let files = TlsFiles {
                 ca: t.ca.clone(),

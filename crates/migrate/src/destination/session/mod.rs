@@ -154,7 +154,7 @@ impl<'a> Session<'a> {
                 h.kind
             )));
         }
-        let config = self.conn.read_payload(h.len, during)?;
+        let config = self.conn.read_payload(&h, during)?;
         Ok(self.vm.check_config(&config).err().map(|e| match e {
             VmError::Failed { message, .. } => message,
             e => e.to_string(),
@@ -262,8 +262,9 @@ impl<'a> Session<'a> {
         };
         // The acker's own failure matters less than `e`, which is what the source is told.
         let _ = self.stop_acks();
-        if !matches!(e, MigrateError::Remote(_)) {
-            self.conn.send_error(&format!("destination: {e}"));
+        // The source's own error is not sent back; the source names this side as the sayer.
+        if !matches!(e, MigrateError::Remote(..)) {
+            self.conn.send_error(&e.to_string());
         }
         if let Some(shared) = &self.shared {
             shared.barrier.fail("the main channel failed");
@@ -311,6 +312,7 @@ impl<'a> Session<'a> {
                     sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
                     control: self.control.clone(),
                     postcopy: self.gate.clone(),
+                    checksum_pages: self.granted.contains(Capabilities::CHECKSUM_PAGES),
                 };
                 self.shared = Some(shared.clone());
                 shared
@@ -417,7 +419,7 @@ impl<'a> Session<'a> {
                     ));
                 }
                 Kind::Discard => {
-                    let payload = self.conn.read_payload(h.len, "receiving a discard list")?;
+                    let payload = self.conn.read_payload(&h, "receiving a discard list")?;
                     let pc = self.start_postcopy()?;
                     let w: Vec<u64> = wire::decode_addresses(&payload).collect();
                     for run in w.chunks_exact(2) {
@@ -448,7 +450,7 @@ impl<'a> Session<'a> {
                     if self.stats.passes == 0 {
                         return Err(MigrateError::order("device state before any memory pass"));
                     }
-                    let payload = self.conn.read_payload(h.len, "receiving device state")?;
+                    let payload = self.conn.read_payload(&h, "receiving device state")?;
                     state.add(&payload)?;
                 }
                 Kind::Complete if self.postcopy.is_some() => {
@@ -464,10 +466,9 @@ impl<'a> Session<'a> {
                     return Ok(PrecopyEnd::Complete(state.into_vec()));
                 }
                 Kind::Error => {
-                    let p = self
-                        .conn
-                        .read_payload(h.len, "reading the source's error")?;
+                    let p = self.conn.read_payload(&h, "reading the source's error")?;
                     return Err(MigrateError::Remote(
+                        crate::error::Side::Source,
                         String::from_utf8_lossy(&p).into_owned(),
                     ));
                 }
@@ -648,10 +649,9 @@ impl<'a> Session<'a> {
         match h.kind {
             Kind::Complete => Ok(()),
             Kind::Error => {
-                let p = self
-                    .conn
-                    .read_payload(h.len, "reading the source's error")?;
+                let p = self.conn.read_payload(&h, "reading the source's error")?;
                 Err(MigrateError::Remote(
+                    crate::error::Side::Source,
                     String::from_utf8_lossy(&p).into_owned(),
                 ))
             }
