@@ -108,6 +108,18 @@ impl RunningVm {
         }
     }
 
+    /// Waits for the guest to finish two more verify passes and checks that none found a bad
+    /// page: what a migrated guest must show.
+    pub fn assert_verifies_clean(&self) {
+        let before = self.status()["guest"]["verify_passes"].as_u64().unwrap();
+        self.wait_until("two more verify passes", Duration::from_secs(60), |vm| {
+            vm.status()["guest"]["verify_passes"].as_u64() >= Some(before + 2)
+        });
+        let g = self.status()["guest"].clone();
+        assert_eq!(g["verify_failures"], 0, "{g}");
+        assert_eq!(g["bad_reads"], 0, "{g}");
+    }
+
     /// Waits for the process to exit and returns its output.
     pub fn finish(mut self, timeout: Duration) -> Output {
         let deadline = Instant::now() + timeout;
