@@ -106,14 +106,11 @@ fn frames(stream: &[u8]) -> Vec<(usize, u16, u32, u64)> {
     out
 }
 
-/// The bytes of a Pages record's payload its checksum does not cover: its page data, unless
-/// page checksums are on.
+/// The bytes of a payload its checksum does not cover (the wire module's rule: a Pages
+/// record's page data, unless page checksums are on).
 fn uncovered(kind: u16, count: u32, len: u64, checksum_pages: bool) -> std::ops::Range<u64> {
-    if kind == Kind::Pages as u16 && !checksum_pages {
-        (u64::from(count) * 8).min(len)..len
-    } else {
-        len..len
-    }
+    let covered = Header::new(Kind::from_u16(kind), count, len).covered(checksum_pages);
+    covered.min(len)..len
 }
 
 /// Rewrites the hello's and every record's checksums of `stream` to match its bytes.
@@ -215,21 +212,32 @@ impl Stream for Replay {
     }
 }
 
+/// The records of a connection after its hello, each a valid header and its whole payload, up
+/// to the first that is not.
+pub fn records(stream: &[u8]) -> Vec<(Header, &[u8])> {
+    let mut out = Vec::new();
+    let mut at = HELLO_SIZE;
+    while let Some(raw) = stream.get(at..at + HEADER_SIZE) {
+        let Ok(h) = Header::decode(raw.try_into().unwrap()) else {
+            break;
+        };
+        let body_at = at + HEADER_SIZE;
+        let Some(body) = stream.get(body_at..body_at + h.len as usize) else {
+            break;
+        };
+        out.push((h, body));
+        at = body_at + h.len as usize;
+    }
+    out
+}
+
 /// What the data connections carried, read independently of the engine: for each page, its
 /// contents in the highest pass that sent it (`None`: a zero run).
 fn carried(data: &[Vec<u8>]) -> BTreeMap<u64, (u32, Option<Vec<u8>>)> {
     let mut pages = BTreeMap::new();
     for stream in data {
-        let mut at = HELLO_SIZE.min(stream.len());
         let mut pass = 1u32;
-        while let Some(raw) = stream.get(at..at + HEADER_SIZE) {
-            let Ok(h) = Header::decode(raw.try_into().unwrap()) else {
-                break;
-            };
-            let body_at = at + HEADER_SIZE;
-            let Some(body) = stream.get(body_at..body_at + h.len as usize) else {
-                break;
-            };
+        for (h, body) in records(stream) {
             match h.kind {
                 Kind::Pages => {
                     let n = h.count as usize;
@@ -252,7 +260,6 @@ fn carried(data: &[Vec<u8>]) -> BTreeMap<u64, (u32, Option<Vec<u8>>)> {
                 Kind::EndOfPass => pass = h.count.saturating_add(1),
                 _ => break,
             }
-            at = body_at + h.len as usize;
         }
     }
     pages
@@ -261,15 +268,7 @@ fn carried(data: &[Vec<u8>]) -> BTreeMap<u64, (u32, Option<Vec<u8>>)> {
 /// The device-state sections the main connection carried, in order.
 fn sections(main: &[u8]) -> Vec<Section> {
     let mut out = Vec::new();
-    let mut at = HELLO_SIZE;
-    while let Some(raw) = main.get(at..at + HEADER_SIZE) {
-        let Ok(h) = Header::decode(raw.try_into().unwrap()) else {
-            break;
-        };
-        let body_at = at + HEADER_SIZE;
-        let Some(body) = main.get(body_at..body_at + h.len as usize) else {
-            break;
-        };
+    for (h, body) in records(main) {
         if h.kind == Kind::DeviceState
             && let Ok((sh, data)) = SectionHeader::decode(body)
         {
@@ -283,7 +282,6 @@ fn sections(main: &[u8]) -> Vec<Section> {
         if h.kind == Kind::Complete {
             break;
         }
-        at = body_at + h.len as usize;
     }
     out
 }

@@ -2,7 +2,7 @@
 //! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a byte stream
 //! ([`transport::Stream`]: TCP, a Unix socket, or its own).
 //!
-//! - [`wire`]: protocol v2, pure encoding and validation (`docs/protocol.md` is normative).
+//! - [`wire`]: protocol v4, pure encoding and validation (`docs/protocol.md` is normative).
 //! - [`ram`]: guest RAM regions and the raw page operations (with [`zero`]'s SIMD and `uffd`,
 //!   the engine's `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.

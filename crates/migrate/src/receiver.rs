@@ -276,11 +276,12 @@ struct Checked<'a> {
 
 impl<'a> Checked<'a> {
     fn new(inner: &'a mut dyn Read, header: &Header, crc: u32, checking: bool) -> Checked<'a> {
+        let data = header.covered(checking) - u64::from(header.count) * 8;
         Checked {
             inner,
             header: *header,
             crc,
-            left: checking.then(|| header.len - u64::from(header.count) * 8),
+            left: (data > 0).then_some(data),
             mismatch: None,
         }
     }

@@ -253,26 +253,19 @@ impl Output<'_> {
         if !normal.is_empty() {
             let header = Header::pages(normal.len() as u32);
             let addresses: Vec<u8> = normal.iter().flat_map(|a| a.to_le_bytes()).collect();
-            let crc = wire::crc(&addresses);
-            let pages = self.ram.page_slices(&normal)?;
-            match &mut self.copy {
-                Some(copy) => {
-                    copy.clear();
-                    for p in &pages {
-                        copy.extend_from_slice(p);
-                    }
-                    let crc = wire::crc_append(crc, copy);
-                    self.conn.write_header(&header.with_crc(crc))?;
-                    self.conn.write_all(&addresses, "sending pages")?;
-                    self.conn
-                        .write_with_pages(&[IoSlice::new(copy)], "sending pages")?;
+            let mut pages = self.ram.page_slices(&normal)?;
+            let mut crc = wire::crc(&addresses);
+            if let Some(copy) = &mut self.copy {
+                copy.clear();
+                for p in &pages {
+                    copy.extend_from_slice(p);
                 }
-                None => {
-                    self.conn.write_header(&header.with_crc(crc))?;
-                    self.conn.write_all(&addresses, "sending pages")?;
-                    self.conn.write_with_pages(&pages, "sending pages")?;
-                }
+                crc = wire::crc_append(crc, copy);
+                pages = vec![IoSlice::new(copy)];
             }
+            self.conn.write_header(&header.with_crc(crc))?;
+            self.conn.write_all(&addresses, "sending pages")?;
+            self.conn.write_with_pages(&pages, "sending pages")?;
         }
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;
