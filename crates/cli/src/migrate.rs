@@ -270,7 +270,7 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
         let _ = client::request(&socket, "PUT", "/migration/cancel");
     })
     .context("cannot install the Ctrl-C handler")?;
-    let progress = follow(&args.api_socket)?;
+    let (progress, moved_on) = follow(&args.api_socket)?;
     if let Some(stats) = &progress.stats {
         report::print_stats(stats);
         if let Some(path) = &args.stats_out {
@@ -281,7 +281,11 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
     match progress.phase {
         Phase::Completed => {
             eprintln!(
-                "ferry: migration completed; the guest runs on {to}, the source VM is paused"
+                "ferry: migration completed; the guest runs on {to}, {}",
+                match moved_on {
+                    true => "and the source VMM waits for the next migration (--then-incoming)",
+                    false => "the source VM is paused",
+                }
             );
             Ok(ExitCode::from(exit::COMPLETED))
         }
@@ -293,16 +297,23 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Polls `GET /migration` until the migration ends, showing progress.
-fn follow(socket: &Path) -> anyhow::Result<Progress> {
+/// Polls `GET /migration` until the migration ends, showing progress; says too whether the
+/// VMM went on to wait for another migration (`ferry run --then-incoming`).
+fn follow(socket: &Path) -> anyhow::Result<(Progress, bool)> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     loop {
-        let value = client::request(socket, "GET", "/migration")?;
+        let mut value = client::request(socket, "GET", "/migration")?;
+        // A VMM started with --then-incoming went on to wait for the guest's return once
+        // this migration completed; it tells how that ended.
+        let moved_on = value["role"] == "destination";
+        if moved_on {
+            value = value["previous"].take();
+        }
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
         live.update(&p);
         if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
             live.finish();
-            return Ok(p);
+            return Ok((p, moved_on));
         }
         std::thread::sleep(POLL);
     }

@@ -4,12 +4,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use ferry_migrate::MigrateError;
 use ferry_migrate::transport::Address;
 use ferry_migrate::transport::tls::{DestinationTls, Side};
+use ferry_migrate::{MigrateError, Phase, Progress};
 use ferry_vmm::api::server::ApiServer;
 use ferry_vmm::memory::HostPages;
 use ferry_vmm::{GuestKind, RunState, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
@@ -40,6 +41,12 @@ pub struct RunArgs {
     /// guest it brings. The API socket answers while it waits.
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     incoming: Option<String>,
+    /// Once the guest has migrated away from this process, wait for the next migration on
+    /// this address instead of staying paused: the process becomes a destination again, with
+    /// the same API socket and TLS, for as many hops as come (`ferry bench soak` migrates a
+    /// guest back and forth between two such processes).
+    #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
+    then_incoming: Option<String>,
     /// With --incoming: populate all of guest RAM before waiting (one thread per core), so the
     /// migration copies into memory that is already there. The guest's RAM is no longer
     /// sparse on this host.
@@ -115,20 +122,24 @@ fn receive(
     spec: &str,
     ready: Ready,
     interrupt: &Interrupt,
-    api_socket: Option<&PathBuf>,
+    api: &mut Api,
     tls: Option<Arc<DestinationTls>>,
-) -> Result<(Vm, Option<ApiServer>), NoGuest> {
+    previous: Option<Progress>,
+) -> Result<Vm, NoGuest> {
     let address: Address = spec
         .parse()
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     let secured = tls.is_some();
     let mut incoming = Vm::incoming(config).map_err(|e| NoGuest::Failed(e.into()))?;
     let handle = incoming.handle();
+    if let Some(previous) = previous {
+        handle.set_previous_migration(previous);
+    }
     let listener = handle
         .listen_incoming(&address, tls)
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
-    let api = start_api(api_socket, &handle).map_err(NoGuest::Failed)?;
+    api.serve(&handle).map_err(NoGuest::Failed)?;
     if ready == Ready::Prealloc {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let took = handle
@@ -186,18 +197,32 @@ fn receive(
             "the migration ended without resuming the guest"
         ))
     })?;
-    Ok((vm, api))
+    Ok(vm)
 }
 
-/// Serves the control API on `path`, if one was asked for.
-fn start_api(path: Option<&PathBuf>, handle: &VmHandle) -> anyhow::Result<Option<ApiServer>> {
-    path.map(|path| {
-        ApiServer::start(path, handle.clone()).map_err(|e| {
-            handle.stop(StopReason::Requested("API socket unavailable".into()));
-            anyhow::Error::new(e)
-        })
-    })
-    .transpose()
+/// The control API, if one was asked for: one server for the process, answering for its
+/// VM of the moment.
+struct Api {
+    path: Option<PathBuf>,
+    server: Option<ApiServer>,
+}
+
+impl Api {
+    /// Answers for `handle` from now on, starting the server on first use.
+    fn serve(&mut self, handle: &VmHandle) -> anyhow::Result<()> {
+        match (&self.server, &self.path) {
+            (Some(server), _) => server.serve(handle.clone()),
+            (None, Some(path)) => {
+                let server = ApiServer::start(path, handle.clone()).map_err(|e| {
+                    handle.stop(StopReason::Requested("API socket unavailable".into()));
+                    anyhow::Error::new(e)
+                })?;
+                self.server = Some(server);
+            }
+            (None, None) => {}
+        }
+        Ok(())
+    }
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -233,50 +258,105 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
     };
     let interrupt = Interrupt::install()?;
-    let (vm, _api) = match &args.incoming {
-        None => {
-            let vm = Vm::boot(config)?;
-            let api = start_api(args.api_socket.as_ref(), &vm.handle())?;
-            (vm, api)
-        }
-        Some(spec) => match receive(
-            config,
-            spec,
-            if args.prealloc {
-                Ready::Prealloc
-            } else {
-                Ready::Sparse
-            },
-            &interrupt,
-            args.api_socket.as_ref(),
-            tls,
-        ) {
-            Ok(got) => got,
-            Err(NoGuest::Stopped(why)) => {
-                eprintln!("ferry: {why}");
-                return Ok(ExitCode::from(crate::exit::CANCELLED));
-            }
-            Err(NoGuest::Failed(e)) => return Err(e),
-        },
+    let ready = if args.prealloc {
+        Ready::Prealloc
+    } else {
+        Ready::Sparse
     };
-    let handle = vm.handle();
-    *interrupt.vm.lock().unwrap() = Some(handle.clone());
-    if interrupt.requested() {
-        handle.stop(StopReason::Requested("Ctrl-C".into()));
+    let mut wait_on = args.incoming.clone();
+    let mut previous = None;
+    let mut api = Api {
+        path: args.api_socket.clone(),
+        server: None,
+    };
+    loop {
+        let vm = match &wait_on {
+            None => {
+                let vm = Vm::boot(config.clone())?;
+                api.serve(&vm.handle())?;
+                vm
+            }
+            Some(spec) => match receive(
+                config.clone(),
+                spec,
+                ready,
+                &interrupt,
+                &mut api,
+                tls.clone(),
+                previous.take(),
+            ) {
+                Ok(got) => got,
+                Err(NoGuest::Stopped(why)) => {
+                    eprintln!("ferry: {why}");
+                    return Ok(ExitCode::from(crate::exit::CANCELLED));
+                }
+                Err(NoGuest::Failed(e)) => return Err(e),
+            },
+        };
+        let handle = vm.handle();
+        *interrupt.vm.lock().unwrap() = Some(handle.clone());
+        if interrupt.requested() {
+            handle.stop(StopReason::Requested("Ctrl-C".into()));
+        }
+        let reason = match &args.then_incoming {
+            Some(next) => match wait_unless_migrated(vm) {
+                Ended::Stopped(reason) => reason,
+                Ended::MigratedAway(progress) => {
+                    // Every reference to the VM goes (the API's when it answers for the
+                    // next), so that its memory and descriptors are given back hop after hop.
+                    *interrupt.vm.lock().unwrap() = None;
+                    drop(handle);
+                    eprintln!(
+                        "ferry: the guest migrated away; this VMM waits for the next migration"
+                    );
+                    wait_on = Some(next.clone());
+                    previous = Some(*progress);
+                    continue;
+                }
+            },
+            None => vm.wait(),
+        };
+        drop(api);
+        let t = handle.telemetry();
+        eprintln!(
+            "ferry: VM stopped after {:.1} s: {reason}\nferry: guest wrote {} pages; {} verify passes, {} failed",
+            handle.status().uptime_ms as f64 / 1000.0,
+            t.pages_written,
+            t.verify_passes,
+            t.verify_failures,
+        );
+        return Ok(match reason {
+            StopReason::Failed(_) => ExitCode::FAILURE,
+            StopReason::GuestHalted(_) | StopReason::Requested(_) => ExitCode::SUCCESS,
+        });
     }
-    let reason = vm.wait();
-    let t = handle.telemetry();
-    eprintln!(
-        "ferry: VM stopped after {:.1} s: {reason}\nferry: guest wrote {} pages; {} verify passes, {} failed",
-        handle.status().uptime_ms as f64 / 1000.0,
-        t.pages_written,
-        t.verify_passes,
-        t.verify_failures,
-    );
-    Ok(match reason {
-        StopReason::Failed(_) => ExitCode::FAILURE,
-        StopReason::GuestHalted(_) | StopReason::Requested(_) => ExitCode::SUCCESS,
-    })
+}
+
+/// How a VM that may migrate away ended here.
+enum Ended {
+    Stopped(StopReason),
+    /// A migration handed the guest over, and ended so; this VM is stopped and its threads
+    /// are gone.
+    MigratedAway(Box<Progress>),
+}
+
+/// How often a VM that may migrate away is looked at.
+const HANDOVER_POLL: Duration = Duration::from_millis(20);
+
+/// Waits until `vm` stops or a migration of it completes (the guest then runs elsewhere, and
+/// this paused copy is stopped).
+fn wait_unless_migrated(vm: Vm) -> Ended {
+    let handle = vm.handle();
+    loop {
+        if handle.wait_stopped(Some(HANDOVER_POLL)).is_some() {
+            return Ended::Stopped(vm.wait());
+        }
+        if let Some(done) = handle.migration().filter(|p| p.phase == Phase::Completed) {
+            handle.stop(StopReason::Requested("migrated away".into()));
+            vm.wait();
+            return Ended::MigratedAway(Box::new(done));
+        }
+    }
 }
 
 /// The destination's TLS from `ferry run`'s flags: only with --incoming, and --tls-allow only
@@ -291,7 +371,7 @@ fn destination_tls(args: &RunArgs) -> anyhow::Result<Option<Arc<DestinationTls>>
         }
         return Ok(None);
     };
-    if args.incoming.is_none() {
+    if args.incoming.is_none() && args.then_incoming.is_none() {
         return Err(UsageError(
             "TLS flags on ferry run are for a destination (--incoming); give a source's TLS to ferry migrate".into(),
         )

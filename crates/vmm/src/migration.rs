@@ -180,6 +180,17 @@ impl VmHandle {
         Ok(control)
     }
 
+    /// Records how the last migration away from this VMM ended, on the VM it then made to
+    /// receive the guest again; `GET /migration` shows it as `previous` until this VM migrates.
+    pub fn set_previous_migration(&self, progress: Progress) {
+        *self.0.previous_migration.lock().unwrap() = Some(progress);
+    }
+
+    /// See [`VmHandle::set_previous_migration`].
+    pub fn previous_migration(&self) -> Option<Progress> {
+        self.0.previous_migration.lock().unwrap().clone()
+    }
+
     /// The current or last migration's progress.
     pub fn migration(&self) -> Option<Progress> {
         self.0

@@ -156,6 +156,9 @@ pub(crate) struct Shared {
     pub(crate) migration_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::SourceTls>>>,
     /// On a migration destination: the TLS its listener requires, for a recovery's listener.
     pub(crate) incoming_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::DestinationTls>>>,
+    /// How the last migration away from the VMM that made this VM ended, when the VMM went on
+    /// to receive the guest again (`ferry run --then-incoming`): what its follower reads.
+    pub(crate) previous_migration: Mutex<Option<ferry_migrate::Progress>>,
     /// Auto-converge's throttle (see `throttle.rs`).
     throttle: Throttle,
     started: Instant,
@@ -408,6 +411,7 @@ fn build(
         incoming,
         migration_tls: Mutex::new(None),
         incoming_tls: Mutex::new(None),
+        previous_migration: Mutex::new(None),
         throttle: Throttle::default(),
         started: Instant::now(),
     }))

@@ -9,6 +9,7 @@ mod ingest;
 mod link;
 mod postcopy;
 mod precopy;
+mod soak;
 mod state;
 mod vcpus;
 
@@ -38,6 +39,9 @@ pub enum BenchCommand {
     /// Precopy with every vCPU writing (1, 16, 64 vCPUs in a 64 GiB guest): dirty rate,
     /// longest dirty sync, the guest's longest stall.
     Vcpus(vcpus::VcpusBenchArgs),
+    /// One dirtying guest migrated back and forth between two VMM processes, N round trips:
+    /// per-hop time, downtime and guest pause; each process's descriptors and memory.
+    Soak(soak::SoakBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -50,5 +54,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Hinting(args) => hinting::run(&args),
         BenchCommand::State(args) => state::run(&args),
         BenchCommand::Vcpus(args) => vcpus::run(&args),
+        BenchCommand::Soak(args) => soak::run(&args),
     }
 }

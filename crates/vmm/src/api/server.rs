@@ -1,7 +1,7 @@
 //! The API server: one thread answering requests against a [`VmHandle`].
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use serde_json::json;
@@ -31,6 +31,9 @@ pub enum ApiServerError {
 /// A running API server. Dropping it stops the thread and removes the socket file.
 pub struct ApiServer {
     server: Arc<Server>,
+    /// The VM it answers for; a VMM that receives its guest again after migrating it away
+    /// points its one server at the new VM ([`ApiServer::serve`]).
+    vm: Arc<Mutex<VmHandle>>,
     thread: Option<JoinHandle<()>>,
     path: PathBuf,
 }
@@ -50,10 +53,13 @@ impl ApiServer {
         })?;
         let server = Arc::new(server);
         let listener = server.clone();
+        let vm = Arc::new(Mutex::new(vm));
+        let current = vm.clone();
         let thread = std::thread::Builder::new()
             .name("api".into())
             .spawn(move || {
                 for request in listener.incoming_requests() {
+                    let vm = current.lock().unwrap().clone();
                     answer(request, &vm);
                 }
             })
@@ -63,9 +69,18 @@ impl ApiServer {
             })?;
         Ok(ApiServer {
             server,
+            vm,
             thread: Some(thread),
             path: path.into(),
         })
+    }
+}
+
+impl ApiServer {
+    /// Answers for `vm` from the next request on; the VM answered for until now is no longer
+    /// held here.
+    pub fn serve(&self, vm: VmHandle) {
+        *self.vm.lock().unwrap() = vm;
     }
 }
 
@@ -250,6 +265,9 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             (None, Some(p)) => {
                 let mut v = serde_json::to_value(p).unwrap_or_default();
                 v["role"] = json!("destination");
+                if let Some(previous) = vm.previous_migration() {
+                    v["previous"] = serde_json::to_value(previous).unwrap_or_default();
+                }
                 (200, v)
             }
             (None, None) => (

@@ -1,0 +1,406 @@
+//! `ferry bench soak`: one dirtying guest migrated back and forth between two VMM processes
+//! (`ferry run --then-incoming`), round trip after round trip, checking the guest's verify
+//! after every hop. Per hop: the migration's time and downtime and the pause the guest saw;
+//! per process, sampled after every round trip (the same moment of the cycle each time: the
+//! guest back in the first process, the second waiting): open file descriptors and resident
+//! memory. The reference is the run's own first round trip: what a leak would grow from.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use ferry_migrate::{Phase, Progress};
+use ferry_vmm::api::client;
+use serde_json::{Value, json};
+
+#[derive(Debug, Args)]
+pub struct SoakBenchArgs {
+    /// Round trips: first process to second and back.
+    #[arg(long, default_value_t = 1000)]
+    round_trips: u32,
+    /// Which migrations: precopy, postcopy (after one precopy pass, with the preempt
+    /// connection), or both, alternating round trips.
+    #[arg(long, value_enum, default_value = "both")]
+    mode: SoakMode,
+    /// Guest RAM of the VM.
+    #[arg(long, default_value = "256M", value_parser = crate::parse_size)]
+    memory: u64,
+    /// The guest's workload; it dirties and reads back its working set all along.
+    #[arg(
+        long,
+        default_value = "ws=64M pattern=random rate=20 read=20 verify-ms=50 log-ms=0"
+    )]
+    cmdline: String,
+    /// A line per hop (otherwise one per twentieth of the run).
+    #[arg(long)]
+    every_hop: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SoakMode {
+    Precopy,
+    Postcopy,
+    Both,
+}
+
+/// Longest any one step of a hop may take before the soak calls the run failed: a hop of the
+/// default guest takes well under a second, so this only catches a hang.
+const STEP_LIMIT: Duration = Duration::from_secs(60);
+const POLL: Duration = Duration::from_millis(5);
+
+/// A `ferry run` child; killed on drop.
+struct Vmm {
+    name: &'static str,
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Vmm {
+    fn spawn(name: &'static str, dir: &Path, args: &[String]) -> anyhow::Result<Vmm> {
+        let socket = dir.join(format!("{name}.sock"));
+        let log = dir.join(format!("{name}.log"));
+        let child = Command::new(std::env::current_exe()?)
+            .arg("run")
+            .args(args)
+            .args(["--serial", "none", "--api-socket"])
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(File::create(&log)?)
+            .spawn()
+            .context("cannot start ferry run")?;
+        Ok(Vmm {
+            name,
+            child,
+            socket,
+            log,
+        })
+    }
+
+    fn get(&self, path: &str) -> Option<Value> {
+        client::request(&self.socket, "GET", path).ok()
+    }
+
+    /// Polls until `done` holds for `GET path`, or fails naming `what` and the process's log.
+    fn wait_for(
+        &mut self,
+        what: &str,
+        path: &str,
+        done: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + STEP_LIMIT;
+        loop {
+            if let Some(v) = self.get(path).filter(|v| done(v)) {
+                return Ok(v);
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "{} exited ({status}) while waiting for {what}:\n{}",
+                    self.name,
+                    self.log_text()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{} did not reach {what} within {STEP_LIMIT:?}:\n{}",
+                    self.name,
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Open file descriptors and resident memory (KiB), from /proc. The descriptors are the
+    /// fewest of a few looks 20 ms apart: a connection of the hop just ended may still be
+    /// closing, and what a leak holds stays.
+    fn usage(&self) -> anyhow::Result<(usize, u64)> {
+        let proc = PathBuf::from(format!("/proc/{}", self.child.id()));
+        let mut fds = usize::MAX;
+        for _ in 0..3 {
+            fds = fds.min(std::fs::read_dir(proc.join("fd"))?.count());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let status = std::fs::read_to_string(proc.join("status"))?;
+        let rss = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmRSS in /proc/PID/status")?;
+        Ok((fds, rss))
+    }
+
+    fn waiting(&mut self) -> anyhow::Result<()> {
+        self.wait_for("waiting for a migration", "/migration", |m| {
+            m["role"] == "destination" && m["phase"] == "waiting"
+        })
+        .map(drop)
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One hop's figures.
+#[derive(Debug)]
+struct Hop {
+    postcopy: bool,
+    total_ms: f64,
+    downtime_ms: f64,
+    guest_pause_ms: f64,
+    /// The guest's own counts after the hop, since it booted.
+    verify_passes: u64,
+    verify_failures: u64,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
+    let dir = tempfile::tempdir()?;
+    let memory = args.memory.to_string();
+    let at = |port: u16| format!("tcp:127.0.0.1:{port}");
+    let (port_a, port_b) = (free_port()?, free_port()?);
+    let mut a = Vmm::spawn(
+        "first",
+        dir.path(),
+        &[
+            "--memory".into(),
+            memory.clone(),
+            "--cmdline".into(),
+            args.cmdline.clone(),
+            "--then-incoming".into(),
+            at(port_a),
+        ],
+    )?;
+    let mut b = Vmm::spawn(
+        "second",
+        dir.path(),
+        &[
+            "--memory".into(),
+            memory,
+            "--incoming".into(),
+            at(port_b),
+            "--then-incoming".into(),
+            at(port_b),
+        ],
+    )?;
+    a.wait_for("a first verify pass", "/vm", |s| {
+        s["guest"]["verify_passes"].as_u64() >= Some(1)
+    })?;
+    b.waiting()?;
+    println!(
+        "soak: {} round trips of a {} MiB guest ({}), {:?}",
+        args.round_trips,
+        args.memory >> 20,
+        args.cmdline,
+        args.mode
+    );
+    let mut hops = Vec::new();
+    let mut samples: Vec<[(usize, u64); 2]> = Vec::new();
+    let started = Instant::now();
+    let every = (args.round_trips / 20).max(1);
+    for trip in 0..args.round_trips {
+        let postcopy = match args.mode {
+            SoakMode::Precopy => false,
+            SoakMode::Postcopy => true,
+            SoakMode::Both => trip % 2 == 1,
+        };
+        for leg in 0..2 {
+            let (src, dst, port) = if leg == 0 {
+                (&mut a, &mut b, port_b)
+            } else {
+                (&mut b, &mut a, port_a)
+            };
+            let hop = hop(src, dst, &at(port), postcopy).with_context(|| {
+                format!("round trip {}, {} to {}", trip + 1, src.name, dst.name)
+            })?;
+            if args.every_hop {
+                println!(
+                    "{}",
+                    json!({"bench": "soak_hop", "round_trip": trip + 1, "from": src.name,
+                        "postcopy": postcopy, "total_ms": hop.total_ms,
+                        "downtime_ms": hop.downtime_ms, "guest_pause_ms": hop.guest_pause_ms})
+                );
+            }
+            hops.push(hop);
+        }
+        samples.push([a.usage()?, b.usage()?]);
+        if (trip + 1) % every == 0 || trip + 1 == args.round_trips {
+            let [(fa, ra), (fb, rb)] = samples[samples.len() - 1];
+            eprintln!(
+                "soak: {}/{} round trips in {:.0} s; fds {fa}/{fb}, RSS {}/{} MiB",
+                trip + 1,
+                args.round_trips,
+                started.elapsed().as_secs_f64(),
+                ra >> 10,
+                rb >> 10
+            );
+        }
+    }
+    report(&hops, &samples, started.elapsed());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
+/// there, and waits for `src` to listen again.
+fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool) -> anyhow::Result<Hop> {
+    let body = json!({
+        "to": to,
+        "timeout_ms": STEP_LIMIT.as_millis() as u64,
+        "postcopy": postcopy,
+        "postcopy_after_passes": postcopy.then_some(1),
+        "postcopy_preempt": postcopy,
+    });
+    client::request_with_body(&src.socket, "PUT", "/migration", &body.to_string())
+        .context("could not start the migration")?;
+    // Once it completes, `src` goes on to wait for the guest's return and tells how the
+    // migration ended as `previous`.
+    let ended = src.wait_for("the migration's end", "/migration", |m| {
+        m["role"] == "destination"
+            || matches!(
+                m["phase"].as_str(),
+                Some("completed" | "failed" | "cancelled")
+            )
+    })?;
+    let ended = match ended["role"] == "destination" {
+        true => ended["previous"].clone(),
+        false => ended,
+    };
+    let progress: Progress = serde_json::from_value(ended).context("unreadable progress")?;
+    if progress.phase != Phase::Completed {
+        bail!(
+            "the migration ended {:?}: {}",
+            progress.phase,
+            progress.error.unwrap_or_default()
+        );
+    }
+    let stats = progress
+        .stats
+        .context("a completed migration has statistics")?;
+    let arrived = dst.wait_for("the guest running", "/vm", |s| s["state"] == "running")?;
+    let passes = arrived["guest"]["verify_passes"].as_u64().unwrap_or(0);
+    let guest = dst.wait_for("a verify pass after the migration", "/vm", |s| {
+        s["guest"]["verify_passes"].as_u64() > Some(passes)
+    })?["guest"]
+        .clone();
+    if guest["verify_failures"] != 0 || guest["bad_reads"] != 0 {
+        bail!("the guest found bad pages after the migration: {guest:#}");
+    }
+    src.waiting()?;
+    Ok(Hop {
+        postcopy,
+        total_ms: stats.total_ms,
+        downtime_ms: stats.downtime.total_ms,
+        guest_pause_ms: guest["migration_pause_ns"].as_u64().unwrap_or(0) as f64 / 1e6,
+        verify_passes: guest["verify_passes"].as_u64().unwrap_or(0),
+        verify_failures: guest["verify_failures"].as_u64().unwrap_or(0),
+    })
+}
+
+/// Sorted copy's value at `q` (0..=1).
+fn quantile(values: &mut [f64], q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values
+        .get(((values.len().saturating_sub(1)) as f64 * q).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration) {
+    println!(
+        "{:<9} {:>5} {:>28} {:>28} {:>28}",
+        "hops",
+        "n",
+        "total ms p50/p99/max",
+        "downtime ms p50/p99/max",
+        "guest pause ms p50/p99/max"
+    );
+    for (name, postcopy) in [("precopy", false), ("postcopy", true)] {
+        let of = |f: fn(&Hop) -> f64| -> Vec<f64> {
+            hops.iter()
+                .filter(|h| h.postcopy == postcopy)
+                .map(f)
+                .collect()
+        };
+        let (mut total, mut down, mut pause) = (
+            of(|h| h.total_ms),
+            of(|h| h.downtime_ms),
+            of(|h| h.guest_pause_ms),
+        );
+        if total.is_empty() {
+            continue;
+        }
+        let three = |v: &mut Vec<f64>| {
+            let (p50, p99, max) = (quantile(v, 0.5), quantile(v, 0.99), quantile(v, 1.0));
+            (
+                format!("{p50:.1}/{p99:.1}/{max:.1}"),
+                json!({"p50": p50, "p99": p99, "max": max}),
+            )
+        };
+        let (t, tj) = three(&mut total);
+        let (d, dj) = three(&mut down);
+        let (p, pj) = three(&mut pause);
+        println!("{name:<9} {:>5} {t:>28} {d:>28} {p:>28}", total.len());
+        println!(
+            "{}",
+            json!({"bench": "soak_hops", "mode": name, "hops": total.len(),
+                "total_ms": tj, "downtime_ms": dj, "guest_pause_ms": pj})
+        );
+    }
+    println!(
+        "{:<9} {:>14} {:>14} {:>14} {:>16}",
+        "process", "fds first/last", "fds max", "RSS MiB first", "RSS MiB last/max"
+    );
+    for (i, name) in ["first", "second"].into_iter().enumerate() {
+        let fds: Vec<usize> = samples.iter().map(|s| s[i].0).collect();
+        let rss: Vec<u64> = samples.iter().map(|s| s[i].1).collect();
+        let (Some(&f0), Some(&f1), Some(&r0), Some(&r1)) =
+            (fds.first(), fds.last(), rss.first(), rss.last())
+        else {
+            continue;
+        };
+        let (fmax, rmax) = (
+            fds.iter().copied().max().unwrap_or(0),
+            rss.iter().copied().max().unwrap_or(0),
+        );
+        println!(
+            "{name:<9} {:>14} {fmax:>14} {:>14.1} {:>16}",
+            format!("{f0}/{f1}"),
+            r0 as f64 / 1024.0,
+            format!("{:.1}/{:.1}", r1 as f64 / 1024.0, rmax as f64 / 1024.0)
+        );
+        println!(
+            "{}",
+            json!({"bench": "soak_process", "process": name, "fds_first": f0, "fds_last": f1,
+                "fds_max": fmax, "fd_growth": f1 as i64 - f0 as i64, "rss_kib_first": r0,
+                "rss_kib_last": r1, "rss_kib_max": rmax, "rss_growth_kib": r1 as i64 - r0 as i64})
+        );
+    }
+    let last = hops.last();
+    let (passes, failures) = last.map_or((0, 0), |h| (h.verify_passes, h.verify_failures));
+    println!(
+        "{} hops in {:.0} s; the guest verified its memory {passes} times, {failures} failed",
+        hops.len(),
+        took.as_secs_f64()
+    );
+    println!(
+        "{}",
+        json!({"bench": "soak", "round_trips": samples.len(), "hops": hops.len(),
+            "verify_passes": passes, "verify_failures": failures, "seconds": took.as_secs_f64()})
+    );
+}
