@@ -363,32 +363,41 @@ fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration) {
         );
     }
     println!(
-        "{:<9} {:>14} {:>14} {:>14} {:>16}",
-        "process", "fds first/last", "fds max", "RSS MiB first", "RSS MiB last/max"
+        "{:<9} {:>14} {:>8} {:>22} {:>14}",
+        "process", "fds first/last", "fds max", "RSS MiB first/mid/last", "RSS MiB max"
     );
     for (i, name) in ["first", "second"].into_iter().enumerate() {
         let fds: Vec<usize> = samples.iter().map(|s| s[i].0).collect();
         let rss: Vec<u64> = samples.iter().map(|s| s[i].1).collect();
-        let (Some(&f0), Some(&f1), Some(&r0), Some(&r1)) =
-            (fds.first(), fds.last(), rss.first(), rss.last())
-        else {
+        let (Some(&f0), Some(&f1), Some(&r0), Some(&rmid), Some(&r1)) = (
+            fds.first(),
+            fds.last(),
+            rss.first(),
+            rss.get(rss.len() / 2),
+            rss.last(),
+        ) else {
             continue;
         };
         let (fmax, rmax) = (
             fds.iter().copied().max().unwrap_or(0),
             rss.iter().copied().max().unwrap_or(0),
         );
+        let mib = |kib: u64| kib as f64 / 1024.0;
         println!(
-            "{name:<9} {:>14} {fmax:>14} {:>14.1} {:>16}",
+            "{name:<9} {:>14} {fmax:>8} {:>22} {:>14.1}",
             format!("{f0}/{f1}"),
-            r0 as f64 / 1024.0,
-            format!("{:.1}/{:.1}", r1 as f64 / 1024.0, rmax as f64 / 1024.0)
+            format!("{:.1}/{:.1}/{:.1}", mib(r0), mib(rmid), mib(r1)),
+            mib(rmax)
         );
+        // Growth over the second half: what a leak adds hop after hop, once the allocator's
+        // arenas and the first hops' caches have settled.
         println!(
             "{}",
             json!({"bench": "soak_process", "process": name, "fds_first": f0, "fds_last": f1,
                 "fds_max": fmax, "fd_growth": f1 as i64 - f0 as i64, "rss_kib_first": r0,
-                "rss_kib_last": r1, "rss_kib_max": rmax, "rss_growth_kib": r1 as i64 - r0 as i64})
+                "rss_kib_mid": rmid, "rss_kib_last": r1, "rss_kib_max": rmax,
+                "rss_growth_kib": r1 as i64 - r0 as i64,
+                "rss_growth_second_half_kib": r1 as i64 - rmid as i64})
         );
     }
     let last = hops.last();
