@@ -135,6 +135,11 @@ pub struct MigrateArgs {
     /// channels` measures.
     #[arg(long, value_enum, default_value = "state", value_name = "state|pages")]
     checksum: ChecksumArg,
+    /// Longest a write to the destination may wait: a destination that takes nothing for
+    /// this long (stopped, overloaded, unreachable) fails the migration like a broken
+    /// connection; before the switchover the guest runs on here.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    peer_timeout: Duration,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -231,6 +236,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "postcopy_preempt": args.postcopy_preempt,
         "postcopy_recover": args.postcopy_recover == OnOff::On,
         "free_page_hints": args.free_page_hints == OnOff::On,
+        "peer_timeout_ms": args.peer_timeout.as_millis() as u64,
         "checksum": match args.checksum {
             ChecksumArg::State => "state",
             ChecksumArg::Pages => "pages",

@@ -84,6 +84,10 @@ pub enum MigrateError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the peer took or sent nothing for longer than the timeout while {during}: it is stopped, overloaded or unreachable"
+    )]
+    Stalled { during: &'static str },
     #[error("the peer closed the connection while {during} (the stream is truncated)")]
     Truncated { during: &'static str },
     #[error("the destination refused the migration: {0}")]
@@ -165,6 +169,7 @@ impl MigrateError {
             | E::Remote(..)
             | E::ChannelEnded { .. }
             | E::PassTimeout { .. }
+            | E::Stalled { .. }
             | E::Unacknowledged(_) => ErrorKind::Peer,
             // A sibling connection's failure: its own error carries the kind.
             E::Channel(_) => ErrorKind::Peer,
@@ -178,6 +183,10 @@ impl MigrateError {
     pub fn io(during: &'static str, source: std::io::Error) -> MigrateError {
         match source.kind() {
             std::io::ErrorKind::UnexpectedEof => MigrateError::Truncated { during },
+            // What a socket timeout returns (EAGAIN on Linux).
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                MigrateError::Stalled { during }
+            }
             _ => MigrateError::Io { during, source },
         }
     }
@@ -217,6 +226,12 @@ mod tests {
                 MigrateError::io("sending", std::io::ErrorKind::UnexpectedEof.into()),
                 ErrorKind::Transport,
                 "closed the connection while sending",
+            ),
+            (
+                // A write or read that hit its socket timeout: a stalled peer.
+                MigrateError::io("sending pages", std::io::ErrorKind::WouldBlock.into()),
+                ErrorKind::Peer,
+                "took or sent nothing for longer than the timeout while sending pages",
             ),
             (
                 MigrateError::Remote(Side::Destination, "x".into()),

@@ -64,6 +64,8 @@ pub struct MigrationRequest {
     pub checksum_pages: bool,
     /// Run every connection (main, data, preempt, recovery) over TLS; `None`: plain.
     pub tls: Option<Arc<SourceTls>>,
+    /// Longest a write to the destination may wait (`SourceParams::peer_timeout`).
+    pub peer_timeout: Duration,
 }
 
 impl MigrationRequest {
@@ -84,6 +86,7 @@ impl MigrationRequest {
             free_page_hints: true,
             checksum_pages: false,
             tls: None,
+            peer_timeout: source::DEFAULT_PEER_TIMEOUT,
         }
     }
 }
@@ -159,6 +162,7 @@ impl VmHandle {
             recover: req.postcopy && req.postcopy_recover,
             free_page_hints: req.free_page_hints,
             checksum_pages: req.checksum_pages,
+            peer_timeout: Some(req.peer_timeout),
             ..SourceParams::new(req.policy, migration_uuid())
         };
         let mut adapter = SourceAdapter {

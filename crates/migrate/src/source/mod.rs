@@ -105,7 +105,17 @@ pub struct SourceParams {
     /// before the page counts as received. Device state, control records, headers and page
     /// addresses are always checksummed.
     pub checksum_pages: bool,
+    /// Longest a write to the destination may block, on every connection: a destination that
+    /// takes nothing for this long (stopped, overloaded, its host gone without a reset) fails
+    /// the migration like a broken connection (before the handover the guest runs on here;
+    /// in postcopy with recovery both sides pause). `None`: writes wait for ever.
+    pub peer_timeout: Option<Duration>,
 }
+
+/// Default [`SourceParams::peer_timeout`]: far above any one write of a live link (a 2 MiB
+/// record at 1 MB/s takes 2 s), short enough that a stalled destination does not hold a
+/// source for minutes. The source's wait for the destination's Resumed is as long.
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
 /// decides the switchover on what the destination has taken in. Postcopy is asked for when
@@ -140,6 +150,7 @@ impl SourceParams {
             recover: false,
             free_page_hints: true,
             checksum_pages: false,
+            peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
         }
     }
 
@@ -151,6 +162,11 @@ impl SourceParams {
                 self.channels,
                 wire::MAX_CHANNELS
             )));
+        }
+        if self.peer_timeout == Some(Duration::ZERO) {
+            return Err(MigrateError::params(
+                "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever",
+            ));
         }
         if self.max_bandwidth == Some(0) {
             return Err(MigrateError::params(
@@ -274,12 +290,19 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     hooks: &TestHooks,
 ) -> Result<MigrationStats, MigrateError> {
     params.check()?;
+    stream
+        .set_write_timeout(params.peer_timeout)
+        .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let conn = Conn::new(Box::new(stream))
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let ram = Ram::new(vm.ram())?;
     let mut session = Session::new(ram, conn, params, *hooks, control);
     control.update(|p| p.phase = Phase::Setup);
-    let connect = || connect().map(|s| Box::new(s) as Box<dyn Stream>);
+    let connect = || {
+        let s = connect()?;
+        s.set_write_timeout(params.peer_timeout)?;
+        Ok(Box::new(s) as Box<dyn Stream>)
+    };
     let result = session.run(vm, &connect);
     session.conclude(vm, result)
 }
@@ -584,7 +607,9 @@ impl<'a> Session<'a> {
     /// thread once it runs; before that, on the connection).
     fn explain(&mut self, e: MigrateError) -> MigrateError {
         match e {
-            MigrateError::Io { .. } | MigrateError::Truncated { .. } => {
+            MigrateError::Io { .. }
+            | MigrateError::Truncated { .. }
+            | MigrateError::Stalled { .. } => {
                 let message = match &self.acks.reader {
                     Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
                         Some(Ok(Inbound::Error(message))) => Some(message),

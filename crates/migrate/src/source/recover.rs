@@ -41,6 +41,7 @@ impl Session<'_> {
                 e,
                 MigrateError::Io { .. }
                     | MigrateError::Truncated { .. }
+                    | MigrateError::Stalled { .. }
                     | MigrateError::Channel(_)
                     | MigrateError::ChannelEnded { .. }
             )
@@ -117,8 +118,11 @@ impl Session<'_> {
 
     /// One recovery attempt at `to`: the hello, the Missing list, the reader, the channels.
     fn reconnect(&mut self, to: &Dialer, listed: &DirtyBitmap) -> Result<(), MigrateError> {
-        let connect = || -> std::io::Result<Box<dyn Stream>> {
-            to.connect(CONNECT_TIMEOUT).map_err(std::io::Error::other)
+        let peer_timeout = self.params.peer_timeout;
+        let connect = move || -> std::io::Result<Box<dyn Stream>> {
+            let s = to.connect(CONNECT_TIMEOUT).map_err(std::io::Error::other)?;
+            s.set_write_timeout(peer_timeout)?;
+            Ok(s)
         };
         let stream =
             connect().map_err(|e| MigrateError::io("reconnecting to the destination", e))?;

@@ -151,6 +151,8 @@ pub struct MigrateBody {
     pub checksum: Checksum,
     /// Run every connection over TLS with these files (paths on this host); absent = plain.
     pub tls: Option<TlsBody>,
+    /// Longest a write to the destination may wait; absent = the engine's default (30 s).
+    pub peer_timeout_ms: Option<u64>,
 }
 
 /// What a migration's checksums cover: device state, control records, record headers and page
@@ -232,6 +234,12 @@ impl MigrateBody {
         r.postcopy_recover = self.postcopy_recover;
         r.free_page_hints = self.free_page_hints;
         r.checksum_pages = self.checksum == Checksum::Pages;
+        if let Some(ms) = self.peer_timeout_ms {
+            if ms == 0 {
+                return Err("peer_timeout_ms 0 would fail the first write that waits; give a positive timeout".into());
+            }
+            r.peer_timeout = Duration::from_millis(ms);
+        }
         if let Some(t) = &self.tls {
             let files = TlsFiles {
                 ca: t.ca.clone(),

@@ -36,6 +36,7 @@ impl Session<'_> {
                 e,
                 MigrateError::Io { .. }
                     | MigrateError::Truncated { .. }
+                    | MigrateError::Stalled { .. }
                     | MigrateError::Channel(_)
                     | MigrateError::ChannelEnded { .. }
             )
