@@ -183,3 +183,30 @@ pub fn start_migrate(src: &RunningVm, port: u16, extra: &[&str]) -> std::process
         .spawn()
         .unwrap()
 }
+
+/// Recovers a postcopy-paused migration: `ferry migrate-recover` on the destination, then
+/// `ferry migrate --resume` on the source to where it listens; both must succeed. Returns
+/// that address and the resume's output.
+pub fn recover(src: &RunningVm, dst: &RunningVm) -> (String, Output) {
+    let out = ferry()
+        .args(["migrate-recover", "--listen", "tcp:127.0.0.1:0"])
+        .arg("--api-socket")
+        .arg(&dst.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let at = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let resumed = ferry()
+        .args(["migrate", "--resume", "--to", &at])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    assert!(
+        resumed.status.success(),
+        "{}\n{}",
+        stderr(&resumed),
+        String::from_utf8_lossy(&resumed.stdout)
+    );
+    (at, resumed)
+}

@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{RunningVm, destination, ferry, start_migrate, stderr};
+use common::{RunningVm, destination, recover, start_migrate, stderr};
 use ferry_migrate_testkit::proxy::Proxy;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -163,21 +163,7 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
             dst.wait_until("the destination paused", LIMIT, |vm| {
                 migration(vm)["phase"] == "postcopy_paused"
             });
-            let out = ferry()
-                .args(["migrate-recover", "--listen", "tcp:127.0.0.1:0"])
-                .arg("--api-socket")
-                .arg(&dst.socket)
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", stderr(&out));
-            let at = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            let resumed = ferry()
-                .args(["migrate", "--resume", "--to", &at])
-                .arg("--api-socket")
-                .arg(&src.socket)
-                .output()
-                .unwrap();
-            assert!(resumed.status.success(), "{}", stderr(&resumed));
+            recover(&src, &dst);
             let first = migrate.wait_with_output().unwrap();
             assert!(first.status.success(), "{}", stderr(&first));
             dst.assert_verifies_clean();

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RunningVm, destination, ferry, start_migrate, stderr};
+use common::{RunningVm, destination, ferry, recover, start_migrate, stderr};
 
 #[test]
 fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
@@ -199,26 +199,12 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
     // A second pause has nothing to break.
     let again = src.control("migrate-pause");
     assert!(!again.status.success(), "a paused migration cannot pause");
-    let out = ferry()
-        .args(["migrate-recover", "--listen", "tcp:127.0.0.1:0"])
-        .arg("--api-socket")
-        .arg(&dst.socket)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let at = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (at, resumed) = recover(&src, &dst);
     assert!(
         at.starts_with("tcp:127.0.0.1:"),
         "it prints where it listens: {at}"
     );
-    let resumed = ferry()
-        .args(["migrate", "--resume", "--to", &at])
-        .arg("--api-socket")
-        .arg(&src.socket)
-        .output()
-        .unwrap();
     let text = String::from_utf8_lossy(&resumed.stdout);
-    assert!(resumed.status.success(), "{}\n{text}", stderr(&resumed));
     assert!(text.contains("1 recovery"), "the recovery line: {text}");
     let first = first.wait_with_output().unwrap();
     assert!(

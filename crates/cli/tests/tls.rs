@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{RunningVm, ferry, free_port, start_migrate, stderr};
+use common::{RunningVm, ferry, free_port, recover, start_migrate, stderr};
 
 fn generate(dir: &Path, source_name: &str) {
     let out = ferry()
@@ -116,21 +116,7 @@ fn a_tls_destination_refuses_wrong_sources_then_takes_a_postcopy_migration_throu
             phase(vm) == "postcopy_paused"
         });
     }
-    let out = ferry()
-        .args(["migrate-recover", "--listen", "tcp:127.0.0.1:0"])
-        .arg("--api-socket")
-        .arg(&dst.socket)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let at = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let resumed = ferry()
-        .args(["migrate", "--resume", "--to", &at])
-        .arg("--api-socket")
-        .arg(&src.socket)
-        .output()
-        .unwrap();
-    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    recover(&src, &dst);
     let first = first.wait_with_output().unwrap();
     assert!(first.status.success(), "{}", stderr(&first));
     assert!(
