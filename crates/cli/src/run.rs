@@ -52,6 +52,11 @@ pub struct RunArgs {
     /// sparse on this host.
     #[arg(long, requires = "incoming")]
     prealloc: bool,
+    /// With --incoming: give up on a source that sends nothing at all for this long (stopped,
+    /// hung, its host gone without a reset) as on a broken connection: before the handover no
+    /// guest runs here; in postcopy the migration pauses for a recovery.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    peer_timeout: std::time::Duration,
     /// With --incoming: TLS on every connection (see --tls-dir).
     #[command(flatten)]
     tls: crate::tls::TlsArgs,
@@ -70,6 +75,13 @@ pub struct RunArgs {
     /// reporting. On by default; a destination must match its source.
     #[arg(long, value_enum, default_value = "on", value_name = "on|off")]
     pub balloon: crate::migrate::OnOff,
+}
+
+/// How this process waits for each incoming migration.
+struct Wait {
+    ready: Ready,
+    tls: Option<Arc<DestinationTls>>,
+    peer_timeout: std::time::Duration,
 }
 
 /// How an incoming VM's RAM is readied before the migration.
@@ -120,23 +132,28 @@ enum NoGuest {
 fn receive(
     config: VmConfig,
     spec: &str,
-    ready: Ready,
+    wait: &Wait,
     interrupt: &Interrupt,
     api: &mut Api,
-    tls: Option<Arc<DestinationTls>>,
     previous: Option<Progress>,
 ) -> Result<Vm, NoGuest> {
+    let Wait {
+        ready,
+        ref tls,
+        peer_timeout,
+    } = *wait;
     let address: Address = spec
         .parse()
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     let secured = tls.is_some();
     let mut incoming = Vm::incoming(config).map_err(|e| NoGuest::Failed(e.into()))?;
+    incoming.control().set_peer_timeout(Some(peer_timeout));
     let handle = incoming.handle();
     if let Some(previous) = previous {
         handle.set_previous_migration(previous);
     }
     let listener = handle
-        .listen_incoming(&address, tls)
+        .listen_incoming(&address, tls.clone())
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
     api.serve(&handle).map_err(NoGuest::Failed)?;
@@ -258,10 +275,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
     };
     let interrupt = Interrupt::install()?;
-    let ready = if args.prealloc {
-        Ready::Prealloc
-    } else {
-        Ready::Sparse
+    if args.peer_timeout.is_zero() {
+        anyhow::bail!(
+            "--peer-timeout 0 would give up on every source at once; give a positive timeout (default 30s)"
+        );
+    }
+    let wait = Wait {
+        ready: if args.prealloc {
+            Ready::Prealloc
+        } else {
+            Ready::Sparse
+        },
+        tls,
+        peer_timeout: args.peer_timeout,
     };
     let mut wait_on = args.incoming.clone();
     let mut previous = None;
@@ -279,10 +305,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             Some(spec) => match receive(
                 config.clone(),
                 spec,
-                ready,
+                &wait,
                 &interrupt,
                 &mut api,
-                tls.clone(),
                 previous.take(),
             ) {
                 Ok(got) => got,

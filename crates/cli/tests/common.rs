@@ -162,9 +162,16 @@ pub fn free_port() -> u16 {
 /// Starts a destination (`ferry run --incoming`) on a fresh port and waits until its API
 /// answers (it does while it waits for the migration).
 pub fn destination(memory: &str) -> (RunningVm, u16) {
+    destination_with(memory, &[])
+}
+
+/// [`destination`] with more `ferry run` arguments.
+pub fn destination_with(memory: &str, extra: &[&str]) -> (RunningVm, u16) {
     let port = free_port();
     let spec = format!("tcp:127.0.0.1:{port}");
-    let vm = RunningVm::start_with(memory, "", &["--incoming", &spec]);
+    let mut args = vec!["--incoming", &spec];
+    args.extend_from_slice(extra);
+    let vm = RunningVm::start_with(memory, "", &args);
     vm.wait_until("the destination's API", Duration::from_secs(30), |vm| {
         vm.socket.exists()
     });

@@ -9,32 +9,56 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{RunningVm, destination, recover, start_migrate, stderr};
-use ferry_migrate_testkit::proxy::Proxy;
+use common::{RunningVm, destination, destination_with, recover, start_migrate, stderr};
+use ferry_migrate::wire::Kind;
+use ferry_migrate_testkit::proxy::{Direction, Proxy};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-/// Where in the migration the failure strikes, as the source's progress shows it.
+/// Where in the migration the failure strikes: as the source's progress shows it, or (for the
+/// phases that last milliseconds) where a proxy holds the main connection's traffic.
 #[derive(Clone, Copy, Debug)]
 enum At {
+    /// The handshake: the source's hello went through, its VM configuration is held.
+    Setup,
     /// Pass 1: every populated page going out.
     FirstPass,
     /// A later pass, sending what the guest dirtied.
     DirtyPass,
+    /// The guest is paused, its last pages are through and its device state (with Complete
+    /// behind it) is held: handed over, not yet arrived.
+    DeviceState,
+    /// The destination resumed the guest; its Resumed is held.
+    AwaitingResumed,
     /// After the switch to postcopy: the guest runs on the destination.
     Postcopy,
 }
 
-#[derive(Clone, Copy, Debug)]
+impl At {
+    /// The record before which the proxy holds all traffic, for the short phases.
+    fn hold(self) -> Option<(Direction, Kind)> {
+        match self {
+            At::Setup => Some((Direction::ToDestination, Kind::VmConfig)),
+            At::DeviceState => Some((Direction::ToDestination, Kind::DeviceState)),
+            At::AwaitingResumed => Some((Direction::ToSource, Kind::Resumed)),
+            At::FirstPass | At::DirtyPass | At::Postcopy => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
     KillDestination,
     KillSource,
-    /// SIGSTOP past the source's peer timeout (2 s here).
+    /// SIGSTOP past the source's peer timeout (2 s here); continued once the source is done.
     StopDestination,
-    /// SIGSTOP; the destination is then cancelled by its operator.
+    /// SIGSTOP past the destination's peer timeout (2 s here); continued once it is done.
     StopSource,
     /// Every connection cut, as a failed link would (through a proxy).
     CutConnections,
+    /// The record the phase is held at arrives damaged (a bit of its header flipped on the
+    /// way), instead of being held.
+    CorruptRecord,
 }
 
 /// How the row must end.
@@ -42,9 +66,15 @@ enum Fault {
 enum Outcome {
     /// The source's migration fails, its guest runs on, and a second migration succeeds.
     SourceRunsOn,
-    /// The source is gone; the destination ends with no guest, exit status 1 (or 3 when
-    /// cancelled), within seconds.
+    /// The source is gone; the destination ends with no guest, exit status 1, within seconds.
     DestinationGivesUp,
+    /// Handed over but never acknowledged, and no guest runs on the destination: the
+    /// source's guest stays paused (it cannot know that), the operator resumes it, and a
+    /// second migration succeeds.
+    SourcePaused,
+    /// Handed over: the guest runs on the destination and verifies there; the source's copy
+    /// stays paused, or is gone.
+    DestinationRuns,
     /// Postcopy: the destination's guest runs on and its migration waits, paused, for a
     /// recovery; the source's copy never runs again.
     DestinationPaused,
@@ -54,6 +84,8 @@ enum Outcome {
 
 const GUEST: &str = "ws=256M pattern=random rate=40 verify-ms=200 log-ms=0";
 const LIMIT: Duration = Duration::from_secs(60);
+/// Both sides' peer timeout in these rows.
+const PEER_TIMEOUT: &str = "2s";
 
 fn migration(vm: &RunningVm) -> serde_json::Value {
     ferry_vmm::api::client::request(&vm.socket, "GET", "/migration").unwrap_or_default()
@@ -63,7 +95,7 @@ fn signal(vm: &RunningVm, s: Signal) {
     kill(Pid::from_raw(vm.child.id() as i32), s).expect("signal the VMM");
 }
 
-/// Waits until the source's migration is at `at`.
+/// Waits until the source's migration is at `at` (a phase it shows in its progress).
 fn reach(src: &RunningVm, at: At) {
     src.wait_until(&format!("{at:?}"), LIMIT, |vm| {
         let m = migration(vm);
@@ -71,6 +103,7 @@ fn reach(src: &RunningVm, at: At) {
             At::FirstPass => m["phase"] == "precopy" && m["bytes_sent"].as_u64() > Some(8 << 20),
             At::DirtyPass => m["phase"] == "precopy" && m["pass"].as_u64() >= Some(1),
             At::Postcopy => m["phase"] == "postcopy",
+            At::Setup | At::DeviceState | At::AwaitingResumed => unreachable!("held by the proxy"),
         }
     });
 }
@@ -80,25 +113,70 @@ fn exits(vm: RunningVm) -> Option<i32> {
     vm.finish(LIMIT).status.code()
 }
 
+/// Waits for the source's `ferry migrate` to fail; prints how long after the strike.
+fn migration_fails(migrate: std::process::Child, struck: Instant) -> String {
+    let out = migrate.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the migration failed");
+    let err = stderr(&out);
+    eprintln!(
+        "  source's migration ended after {:?}: {}",
+        struck.elapsed(),
+        err.lines().last().unwrap_or_default()
+    );
+    err
+}
+
+/// Nothing lost: a second migration, to a fresh destination, verifies clean.
+fn migrates_again(src: &RunningVm) {
+    assert_eq!(src.status()["state"], "running");
+    let (again, port) = destination("512M");
+    let out = start_migrate(src, port, &[]).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    again.assert_verifies_clean();
+}
+
 fn row(at: At, fault: Fault, outcome: Outcome) {
     eprintln!("failure matrix: {fault:?} at {at:?}, expecting {outcome:?}");
     let src = RunningVm::start("512M", GUEST);
     src.wait_until("a verify pass", LIMIT, |vm| {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });
-    let (dst, port) = destination("512M");
-    // A proxy in the path only for the rows that cut it.
-    let proxy = matches!(fault, Fault::CutConnections)
+    let (dst, port) = destination_with("512M", &["--peer-timeout", PEER_TIMEOUT]);
+    // A proxy in the path for the rows that cut it or hold a short phase.
+    let proxy = (fault == Fault::CutConnections || at.hold().is_some())
         .then(|| Proxy::start(&format!("127.0.0.1:{port}"), 10 << 30));
+    match (&proxy, at.hold()) {
+        (Some(p), Some((direction, kind))) if fault == Fault::CorruptRecord => {
+            p.corrupt_at(direction, kind)
+        }
+        (Some(p), Some((direction, kind))) => p.hold_at(direction, kind),
+        _ => assert_ne!(fault, Fault::CorruptRecord, "a record to damage"),
+    }
     let to_port = proxy.as_ref().map_or(port, |p| {
         p.address().rsplit(':').next().unwrap().parse().unwrap()
     });
-    let mut args = vec!["--max-bandwidth", "100M", "--peer-timeout", "2s"];
-    if matches!(at, At::Postcopy) {
-        args.extend(["--postcopy", "--postcopy-after-passes", "1"]);
+    let mut args = vec!["--peer-timeout", PEER_TIMEOUT];
+    match at {
+        At::FirstPass | At::DirtyPass => args.extend(["--max-bandwidth", "100M"]),
+        At::Postcopy => args.extend([
+            "--max-bandwidth",
+            "100M",
+            "--postcopy",
+            "--postcopy-after-passes",
+            "1",
+        ]),
+        At::Setup | At::DeviceState | At::AwaitingResumed => {}
     }
     let migrate = start_migrate(&src, to_port, &args);
-    reach(&src, at);
+    match (&proxy, at.hold()) {
+        (Some(p), Some(_)) => assert!(p.wait_struck(LIMIT), "the proxy held at {at:?}"),
+        _ => reach(&src, at),
+    }
+    if matches!(at, At::DeviceState) && fault != Fault::CorruptRecord {
+        src.wait_until("the handover", LIMIT, |vm| {
+            migration(vm)["handed_over"] == true
+        });
+    }
     let struck = Instant::now();
     match fault {
         Fault::KillDestination => signal(&dst, Signal::SIGKILL),
@@ -108,39 +186,74 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
         Fault::CutConnections => {
             assert!(proxy.as_ref().unwrap().cut_all() > 0, "connections to cut");
         }
+        Fault::CorruptRecord => {}
+    }
+    // Only the process failed (or the link, cut above): what is in flight arrives.
+    if let Some(p) = &proxy {
+        p.release();
     }
     match outcome {
         Outcome::SourceRunsOn => {
-            if matches!(fault, Fault::StopSource) {
-                // The destination waits for a silent source far longer than a test does
-                // (docs/protocol.md); its operator's cancel ends it at once.
-                let out = dst.control("cancel");
-                assert!(out.status.success(), "{}", stderr(&out));
+            let dst = if fault == Fault::StopSource {
+                // The destination gives up on the silent source by itself.
+                let code = exits(dst);
+                assert_eq!(code, Some(1), "the destination gives up");
+                eprintln!("  destination gave up after {:?}", struck.elapsed());
                 signal(&src, Signal::SIGCONT);
+                None
+            } else {
+                Some(dst)
+            };
+            let err = migration_fails(migrate, struck);
+            assert_eq!(src.status()["state"], "running", "{err}");
+            if fault == Fault::CorruptRecord {
+                assert!(err.contains("checksum"), "the damage is named: {err}");
+                assert_eq!(migration(&src)["handed_over"], false, "{err}");
             }
-            let out = migrate.wait_with_output().unwrap();
-            assert!(!out.status.success(), "the migration failed");
-            eprintln!(
-                "  source's migration ended after {:?}: {}",
-                struck.elapsed(),
-                stderr(&out).lines().last().unwrap_or_default()
-            );
-            assert_eq!(src.status()["state"], "running", "{}", stderr(&out));
-            if matches!(fault, Fault::StopDestination) {
-                signal(&dst, Signal::SIGCONT);
+            if fault == Fault::StopDestination {
+                signal(dst.as_ref().unwrap(), Signal::SIGCONT);
             }
             drop(dst);
-            // Nothing lost: a second migration to a fresh destination verifies clean.
-            let (again, port) = destination("512M");
-            let out = start_migrate(&src, port, &[]).wait_with_output().unwrap();
-            assert!(out.status.success(), "{}", stderr(&out));
-            again.assert_verifies_clean();
+            migrates_again(&src);
         }
         Outcome::DestinationGivesUp => {
             drop(migrate);
             let code = exits(dst);
-            assert!(matches!(code, Some(1 | 3)), "destination exit {code:?}");
+            assert_eq!(code, Some(1), "the destination gives up");
             eprintln!("  destination gave up after {:?}", struck.elapsed());
+        }
+        Outcome::SourcePaused => {
+            let err = migration_fails(migrate, struck);
+            assert!(err.contains("did not acknowledge"), "{err}");
+            assert_eq!(src.status()["state"], "paused", "{err}");
+            assert_eq!(migration(&src)["handed_over"], true);
+            let code = exits(dst);
+            if fault != Fault::KillDestination {
+                assert_eq!(code, Some(1), "no guest runs on the destination");
+            }
+            // The operator, who knows that no guest runs there, resumes it here.
+            let out = src.control("resume");
+            assert!(out.status.success(), "{}", stderr(&out));
+            migrates_again(&src);
+        }
+        Outcome::DestinationRuns => {
+            if fault == Fault::KillSource {
+                drop(migrate);
+            } else {
+                let err = migration_fails(migrate, struck);
+                assert!(err.contains("did not acknowledge"), "{err}");
+                assert_eq!(src.status()["state"], "paused", "{err}");
+            }
+            if fault == Fault::StopDestination {
+                signal(&dst, Signal::SIGCONT);
+            }
+            dst.wait_until("the guest runs there", LIMIT, |vm| {
+                migration(vm)["phase"] == "completed"
+            });
+            dst.assert_verifies_clean();
+            if fault != Fault::KillSource {
+                assert_eq!(src.status()["state"], "paused", "one place only");
+            }
         }
         Outcome::DestinationPaused => {
             drop(migrate);
@@ -150,19 +263,25 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
             assert_eq!(dst.status()["state"], "running", "the guest runs on there");
         }
         Outcome::Recovered => {
-            src.wait_until("the source paused", LIMIT, |vm| {
+            // The side that was not stopped pauses first; the stopped one once continued.
+            let (first, stopped) = match fault {
+                Fault::StopDestination => (&src, &dst),
+                Fault::StopSource => (&dst, &src),
+                _ => unreachable!("a recovery row stops a side"),
+            };
+            first.wait_until("the first side paused", LIMIT, |vm| {
                 migration(vm)["phase"] == "postcopy_paused"
             });
-            eprintln!("  source paused after {:?}", struck.elapsed());
+            eprintln!("  first side paused after {:?}", struck.elapsed());
+            signal(stopped, Signal::SIGCONT);
+            stopped.wait_until("the stopped side paused", LIMIT, |vm| {
+                migration(vm)["phase"] == "postcopy_paused"
+            });
             assert_eq!(
                 src.status()["state"],
                 "paused",
                 "the source never runs it again"
             );
-            signal(&dst, Signal::SIGCONT);
-            dst.wait_until("the destination paused", LIMIT, |vm| {
-                migration(vm)["phase"] == "postcopy_paused"
-            });
             recover(&src, &dst);
             let first = migrate.wait_with_output().unwrap();
             assert!(first.status.success(), "{}", stderr(&first));
@@ -177,6 +296,12 @@ fn every_failure_ends_as_the_protocol_promises() {
     use Fault::*;
     use Outcome::*;
     let matrix = [
+        (Setup, KillDestination, SourceRunsOn),
+        (Setup, StopDestination, SourceRunsOn),
+        (Setup, CutConnections, SourceRunsOn),
+        (Setup, StopSource, SourceRunsOn),
+        (Setup, KillSource, DestinationGivesUp),
+        (Setup, CorruptRecord, SourceRunsOn),
         (FirstPass, KillDestination, SourceRunsOn),
         (FirstPass, StopDestination, SourceRunsOn),
         (FirstPass, CutConnections, SourceRunsOn),
@@ -184,11 +309,24 @@ fn every_failure_ends_as_the_protocol_promises() {
         (FirstPass, KillSource, DestinationGivesUp),
         (DirtyPass, KillDestination, SourceRunsOn),
         (DirtyPass, CutConnections, SourceRunsOn),
+        (DirtyPass, StopSource, SourceRunsOn),
         (DirtyPass, KillSource, DestinationGivesUp),
+        (DeviceState, KillDestination, SourcePaused),
+        (DeviceState, CutConnections, SourcePaused),
+        (DeviceState, StopDestination, DestinationRuns),
+        (DeviceState, CorruptRecord, SourceRunsOn),
+        (AwaitingResumed, CutConnections, DestinationRuns),
+        (AwaitingResumed, KillSource, DestinationRuns),
+        (AwaitingResumed, CorruptRecord, DestinationRuns),
         (Postcopy, KillSource, DestinationPaused),
         (Postcopy, StopDestination, Recovered),
+        (Postcopy, StopSource, Recovered),
     ];
+    // FERRY_FAILURE_ROWS=TEXT walks only the rows whose "Fault at Phase" name contains it.
+    let only = std::env::var("FERRY_FAILURE_ROWS").unwrap_or_default();
     for (at, fault, outcome) in matrix {
-        row(at, fault, outcome);
+        if format!("{fault:?} at {at:?}").contains(&only) {
+            row(at, fault, outcome);
+        }
     }
 }

@@ -580,3 +580,55 @@ fn good_stream_lands(landing: PageLanding) {
     );
     assert_eq!(&mem[0x2000..0x2004], &[0xab; 4]);
 }
+
+/// A source that falls silent: when, its main connection's bytes, its data connections'.
+type Silent = (&'static str, Vec<u8>, Vec<Vec<u8>>);
+
+/// A source that connects, sends part of pass 1 and then nothing at all, its connections left
+/// open (stopped, hung): the destination gives up on it after its peer timeout, naming the
+/// silence, and at every phase it waits in: the data channels' connection, and precopy.
+#[test]
+fn a_silent_source_is_given_up_after_the_peer_timeout() {
+    let timeout = std::time::Duration::from_millis(300);
+    // (when it fell silent, the main connection's bytes, the data connections')
+    let cases: [Silent; 2] = [
+        ("before its data channels", main_hello(), vec![]),
+        (
+            "in pass 1",
+            main_hello(),
+            vec![cat(&[data_hello(1), pages(&[0x1000])])],
+        ),
+    ];
+    for (when, main, data) in cases {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut dst = FakeVm::new(8 * MIB, 1);
+        let control = std::sync::Arc::new(destination::IncomingControl::default());
+        control.set_peer_timeout(Some(timeout));
+        let started = std::time::Instant::now();
+        let error = std::thread::scope(|s| {
+            let receiver = s.spawn(|| {
+                let main = listener.accept().unwrap().0;
+                destination::receive_with(&mut dst, main, &mut acceptor(&listener), control)
+            });
+            // Kept open, and silent, until the destination is done.
+            let mut conns = vec![TcpStream::connect(addr).unwrap()];
+            conns[0].write_all(&main).unwrap();
+            for d in &data {
+                let mut c = TcpStream::connect(addr).unwrap();
+                c.write_all(d).unwrap();
+                conns.push(c);
+            }
+            receiver.join().unwrap().expect_err("a silent source")
+        });
+        let took = started.elapsed();
+        assert!(
+            error
+                .to_string()
+                .contains("sent nothing for longer than the timeout"),
+            "{when}: {error}"
+        );
+        // Far below the 10 s the data channels have, or the 600 s a record has.
+        assert!(took < std::time::Duration::from_secs(5), "{when}: {took:?}");
+    }
+}

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 use std::io::{BufReader, IoSlice, Read, Write};
+use std::time::Duration;
 
 use crate::error::MigrateError;
 use crate::transport::Stream;
@@ -116,13 +117,23 @@ impl Conn {
         self.flush("sending the hello")
     }
 
-    /// The destination's answer to a source's hello.
-    pub fn read_hello(&mut self) -> Result<Hello, MigrateError> {
+    /// The destination's answer to a source's hello, within `within` (the peer timeout: a
+    /// stopped destination answers nothing); reads wait for ever again afterwards.
+    pub fn read_hello(&mut self, within: Option<Duration>) -> Result<Hello, MigrateError> {
+        let during = "reading the answer to the hello";
+        self.stream()
+            .set_read_timeout(within)
+            .map_err(|e| MigrateError::io(during, e))?;
         let mut b = [0u8; HELLO_SIZE];
-        self.read_exact(
-            &mut b,
-            "reading the answer to the hello (a destination that requires TLS closes a plaintext connection at once; give this source --tls-dir then)",
-        )?;
+        self.read_exact(&mut b, during).map_err(|e| match e {
+            MigrateError::Truncated { .. } => MigrateError::Truncated {
+                during: "reading the answer to the hello (a destination that requires TLS closes a plaintext connection at once; give this source --tls-dir then)",
+            },
+            e => e,
+        })?;
+        self.stream()
+            .set_read_timeout(None)
+            .map_err(|e| MigrateError::io(during, e))?;
         Ok(Hello::decode(&b)?)
     }
 

@@ -50,6 +50,12 @@ pub struct Progress {
     /// pauses the migration instead of failing it.
     #[serde(default)]
     pub postcopy_recover: bool,
+    /// The source sent Complete (or Postcopy): the guest may run on the destination from
+    /// here, so the source never resumes it on its own. A migration that fails after this
+    /// without the destination's Resumed leaves the guest paused here; resuming it is the
+    /// operator's call, once the destination is known not to run it.
+    #[serde(default)]
+    pub handed_over: bool,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,

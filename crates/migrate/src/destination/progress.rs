@@ -4,9 +4,9 @@
 #![forbid(unsafe_code)]
 
 use std::net::Shutdown;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -63,10 +63,37 @@ pub struct IncomingProgress {
     pub error: Option<String>,
 }
 
+/// Default [`IncomingControl::set_peer_timeout`]: the source's own default, far above any
+/// gap between two records of a live source (a dirty sync of a huge guest takes seconds).
+pub const DEFAULT_SOURCE_TIMEOUT: Duration = crate::source::DEFAULT_PEER_TIMEOUT;
+
+/// A session's watchdog thread; dropping it stops the thread.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
 /// Shared between the destination's threads and its controllers (the API, Ctrl-C).
 #[derive(Debug)]
 pub struct IncomingControl {
     cancelled: AtomicBool,
+    /// How long the source may send nothing on every connection together while the
+    /// destination waits for it; `None`: for ever.
+    peer_timeout: Mutex<Option<Duration>>,
+    /// The watchdog found the source silent for longer than `peer_timeout` and shut the
+    /// connections; the session reports it as such.
+    silent: AtomicBool,
     started: Instant,
     progress: Mutex<IncomingProgress>,
     pub(crate) pages: AtomicU64,
@@ -83,6 +110,8 @@ impl Default for IncomingControl {
     fn default() -> IncomingControl {
         IncomingControl {
             cancelled: AtomicBool::new(false),
+            peer_timeout: Mutex::new(Some(DEFAULT_SOURCE_TIMEOUT)),
+            silent: AtomicBool::new(false),
             started: Instant::now(),
             progress: Mutex::default(),
             pages: AtomicU64::new(0),
@@ -111,6 +140,81 @@ impl IncomingControl {
 
     pub fn cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// How long a source may send nothing at all (on every connection together) while this
+    /// destination waits for its records, in the handshake, precopy or postcopy, before the
+    /// destination gives up on it as it would on a broken connection: before the handover no
+    /// guest runs here; in postcopy with recovery granted it pauses. `None`: wait for ever.
+    /// Set it before the migration starts.
+    pub fn set_peer_timeout(&self, timeout: Option<Duration>) {
+        *self.peer_timeout.lock().unwrap() = timeout;
+    }
+
+    /// Whether the watchdog gave up on a silent source (and has not been told so yet).
+    pub(crate) fn silent(&self) -> bool {
+        self.silent.load(Ordering::Acquire)
+    }
+
+    /// Whether the watchdog gave up on a silent source since the last look (and forgets it).
+    pub(crate) fn take_silence(&self) -> bool {
+        self.silent.swap(false, Ordering::AcqRel)
+    }
+
+    /// Starts the watchdog of a session: while the session waits for the source (handshake,
+    /// precopy, postcopy), no byte on any connection for the peer timeout shuts every
+    /// connection's read side, so that each blocked read returns and the session ends (or
+    /// pauses) as on a broken connection, naming the silence.
+    pub(crate) fn watch(self: &Arc<Self>) -> Option<Watchdog> {
+        let timeout = (*self.peer_timeout.lock().unwrap())?;
+        let control = self.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ferry-watchdog".into())
+            .spawn(move || control.watchdog(timeout, &stopping))
+            .ok()?;
+        Some(Watchdog {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn watchdog(&self, timeout: Duration, stop: &AtomicBool) {
+        // Silence is counted in ticks this thread lived through, not in wall-clock time: a
+        // destination that was itself stopped (SIGSTOP, a frozen host) does not blame the
+        // source for the time it slept.
+        let tick = (timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
+        let look = || {
+            (
+                self.bytes.load(Ordering::Relaxed),
+                self.progress.lock().unwrap().phase,
+            )
+        };
+        let mut last = look();
+        let mut quiet = Duration::ZERO;
+        while !stop.load(Ordering::Acquire) {
+            std::thread::park_timeout(tick);
+            let now = look();
+            let waiting = matches!(
+                now.1,
+                IncomingPhase::Handshake | IncomingPhase::Precopy | IncomingPhase::Postcopy
+            );
+            if now != last || !waiting {
+                (last, quiet) = (now, Duration::ZERO);
+                continue;
+            }
+            quiet += tick;
+            if quiet >= timeout {
+                tracing::warn!("the source sent nothing for {timeout:?}: giving up on it");
+                let streams = self.streams.lock().unwrap();
+                self.silent.store(true, Ordering::Release);
+                for s in streams.iter() {
+                    let _ = s.shutdown(Shutdown::Read);
+                }
+                quiet = Duration::ZERO;
+            }
+        }
     }
 
     /// Gives a migration in postcopy-paused the listener its source reconnects to

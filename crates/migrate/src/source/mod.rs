@@ -485,7 +485,7 @@ impl<'a> Session<'a> {
             self.conn.write_record(&h, config)?;
             self.conn.flush("sending the VM's configuration")?;
         }
-        let reply = self.conn.read_hello()?;
+        let reply = self.conn.read_hello(self.params.peer_timeout)?;
         if !reply.capabilities.is_subset(self.requested()) {
             return Err(MigrateError::order(format!(
                 "the destination granted capabilities {:#x} that were not asked for",

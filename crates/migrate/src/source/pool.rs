@@ -85,7 +85,7 @@ impl ChannelPool {
                 capabilities: wire::Capabilities::NONE,
                 postcopy_page_shift: 0,
             })?;
-            let reply = c.read_hello()?;
+            let reply = c.read_hello(params.peer_timeout)?;
             if reply.status != wire::Refusal::Accepted as u32 {
                 let what = match role {
                     Role::Preempt => "the preempt connection".to_string(),

@@ -129,7 +129,7 @@ impl Session<'_> {
         let conn = Conn::new(stream).map_err(|e| MigrateError::io("reconnecting", e))?;
         self.earlier_bytes += std::mem::replace(&mut self.conn, conn).bytes_written;
         self.conn.write_hello(&self.main_hello(Role::Resume))?;
-        let reply = self.conn.read_hello()?;
+        let reply = self.conn.read_hello(self.params.peer_timeout)?;
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match reply.status {
                 3 | 6 => "the destination has no paused postcopy migration of this uuid (was it given `ferry migrate-recover`?)".into(),

@@ -4,7 +4,10 @@
 //!
 //! Invariant: `handed_over` is set right after Complete is flushed. Before that, a failure
 //! resumes the guest here; after it, the guest may run on the destination, so a failure
-//! (including no answer within [`RESUME_TIMEOUT`]) leaves it paused.
+//! (including no answer within the peer timeout) leaves it paused. One answer undoes the
+//! handover: the destination's Error before its Resumed, in precopy. A precopy destination
+//! sends Error only before it resumes (a failed load or resume leaves nothing running there,
+//! and after the resume nothing fails its session), so the guest runs nowhere and resumes here.
 
 #![forbid(unsafe_code)]
 
@@ -18,8 +21,9 @@ use crate::vm::{Section, SourceVm};
 use crate::wire::ResumedRecord;
 use crate::wire::{Header, Kind};
 
-/// How long the source waits for the destination to load the state and resume the guest: a
-/// load is milliseconds (a few KiB of state per vCPU), so this only bounds a hung destination.
+/// How long the source waits for the destination to load the state and resume the guest
+/// when it has no peer timeout: a load is milliseconds (a few KiB of state per vCPU), so this
+/// only bounds a hung destination. With a peer timeout, the wait is that long.
 const RESUME_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How often the source looks for page requests while a postcopy destination loads the state:
@@ -80,9 +84,17 @@ impl<'a> Session<'a> {
         self.conn.write_header(&Header::new(last, 0, 0))?;
         self.conn.flush("handing the guest over")?;
         self.handed_over = true;
-        let resumed = self
-            .await_resumed(serve)
-            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
+        self.control.update(|p| p.handed_over = true);
+        let resumed = match self.await_resumed(serve) {
+            Ok(r) => r,
+            Err(e @ MigrateError::Remote(..)) if last == Kind::Complete => {
+                // The destination refused the state and runs nothing: the guest is still ours.
+                self.handed_over = false;
+                self.control.update(|p| p.handed_over = false);
+                return Err(e);
+            }
+            Err(e) => return Err(MigrateError::Unacknowledged(Box::new(e))),
+        };
         let t6 = Instant::now();
         let d = &mut self.stats.downtime;
         d.total_ms = ms(t6 - t0);
@@ -122,12 +134,9 @@ impl<'a> Session<'a> {
         &mut self,
         mut serve: Option<ServeWhileLoading<'_, 'a>>,
     ) -> Result<ResumedRecord, MigrateError> {
-        let deadline = Instant::now() + RESUME_TIMEOUT;
-        let tick = if serve.is_some() {
-            LOAD_TICK
-        } else {
-            RESUME_TIMEOUT
-        };
+        let timeout = self.params.peer_timeout.unwrap_or(RESUME_TIMEOUT);
+        let deadline = Instant::now() + timeout;
+        let tick = if serve.is_some() { LOAD_TICK } else { timeout };
         let ending = loop {
             let reader = self
                 .acks

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::acks::Acker;
 use super::postcopy::{FaultThread, Postcopy, PostcopyGate};
+use super::progress::Watchdog;
 use super::sections::Sections;
 use super::sink;
 use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
@@ -96,6 +97,8 @@ pub struct Session<'a> {
     /// Postcopy recoveries so far, and the time spent paused.
     recoveries: u32,
     paused: Duration,
+    /// Gives up on a source that sends nothing for the peer timeout; stops with the session.
+    _watchdog: Option<Watchdog>,
 }
 
 impl std::fmt::Debug for Session<'_> {
@@ -121,6 +124,7 @@ impl<'a> Session<'a> {
             Conn::new(main.stream).map_err(|e| MigrateError::io("setting up the connection", e))?;
         let _ = conn.stream().set_read_timeout(Some(RECORD_TIMEOUT));
         control.update(|p| p.source = Some(peer));
+        let watchdog = control.watch();
         Ok(Session {
             vm,
             conn,
@@ -137,6 +141,7 @@ impl<'a> Session<'a> {
             cpu_start: stats::thread_cpu_ns(),
             recoveries: 0,
             paused: Duration::ZERO,
+            _watchdog: watchdog,
         })
     }
 
@@ -190,7 +195,12 @@ impl<'a> Session<'a> {
                     self.ram.size()
                 ),
             ))
-        } else if let Some(why) = self.config_refusal(&hello)? {
+        } else if let Some(why) = self.config_refusal(&hello).unwrap_or_else(|e| {
+            // Answered like a configuration that does not fit, so that the source hears why.
+            Some(format!(
+                "the source's VM configuration did not arrive intact: {e}"
+            ))
+        }) {
             Some((Refusal::Config, why))
         } else if hello.channels == 0 || hello.channels > wire::MAX_CHANNELS {
             Some((
@@ -206,10 +216,11 @@ impl<'a> Session<'a> {
         };
         if let Some((status, why)) = refusal {
             reply.status = status as u32;
-            let e = MigrateError::Refused(why);
+            // The source puts its own "refused" before the reason.
             if self.conn.write_hello(&reply).is_ok() {
-                self.conn.send_error(&format!("destination: {e}"));
+                self.conn.send_error(&why);
             }
+            let e = MigrateError::Refused(why);
             self.control.unregister_all();
             return Err(e);
         }
@@ -258,7 +269,7 @@ impl<'a> Session<'a> {
         let e = if self.control.cancelled() {
             MigrateError::CancelledHere
         } else {
-            e
+            self.silenced(e)
         };
         // The acker's own failure matters less than `e`, which is what the source is told.
         let _ = self.stop_acks();
@@ -274,6 +285,17 @@ impl<'a> Session<'a> {
             let _ = r.thread.join();
         }
         e
+    }
+
+    /// `e`, or what caused it: the watchdog gave up on a silent source.
+    fn silenced(&self, e: MigrateError) -> MigrateError {
+        if self.control.take_silence() {
+            MigrateError::Stalled {
+                during: "waiting for the source's next record",
+            }
+        } else {
+            e
+        }
     }
 
     /// Starts acknowledging progress if the source asked for it.
@@ -327,7 +349,17 @@ impl<'a> Session<'a> {
             if self.control.cancelled() {
                 return Err(MigrateError::CancelledHere);
             }
-            let Some(arrival) = arrivals.next(deadline)? else {
+            if self.control.silent() {
+                // The watchdog gave up on the source while its channels were awaited.
+                return Err(MigrateError::Stalled {
+                    during: "waiting for the data channels",
+                });
+            }
+            // In short waits, so that a cancel or the watchdog is seen at once.
+            let Some(arrival) = arrivals.next(deadline.min(Instant::now() + CHANNEL_POLL))? else {
+                if Instant::now() < deadline {
+                    continue;
+                }
                 let mut missing: Vec<String> = (1..=main.channels)
                     .filter(|&c| !seen[usize::from(c)])
                     .map(|c| format!("data channel {c}"))
@@ -698,6 +730,9 @@ impl<'a> Session<'a> {
         Ok(self.stats.clone())
     }
 }
+
+/// The longest single wait for a data channel, between looks for a cancel or a silent source.
+const CHANNEL_POLL: Duration = Duration::from_millis(100);
 
 /// How long postcopy waits, after the source's Complete and the end of every data channel, for
 /// the last pages to be installed (they are in the receivers' hands by then).

@@ -49,7 +49,7 @@ impl Session<'_> {
         why: MigrateError,
     ) -> Result<(), MigrateError> {
         let paused = Instant::now();
-        let mut why = why;
+        let mut why = self.silenced(why);
         let mut listener: Option<Box<dyn Listener>> = None;
         loop {
             self.sever();
