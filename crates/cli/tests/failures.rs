@@ -308,6 +308,7 @@ fn every_failure_ends_as_the_protocol_promises() {
         (FirstPass, StopSource, SourceRunsOn),
         (FirstPass, KillSource, DestinationGivesUp),
         (DirtyPass, KillDestination, SourceRunsOn),
+        (DirtyPass, StopDestination, SourceRunsOn),
         (DirtyPass, CutConnections, SourceRunsOn),
         (DirtyPass, StopSource, SourceRunsOn),
         (DirtyPass, KillSource, DestinationGivesUp),
