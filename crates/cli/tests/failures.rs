@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{RunningVm, destination, destination_with, recover, start_migrate, stderr};
-use ferry_migrate::wire::Kind;
+use ferry_migrate::wire::{Kind, Role};
 use ferry_migrate_testkit::proxy::{Direction, Proxy};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -25,6 +25,9 @@ enum At {
     FirstPass,
     /// A later pass, sending what the guest dirtied.
     DirtyPass,
+    /// The switchover's final pass: the guest is paused and its last dirty pages are on their
+    /// way (through a proxy that paces them, so that the pass lasts long enough to strike).
+    FinalPass,
     /// The guest is paused, its last pages are through and its device state (with Complete
     /// behind it) is held: handed over, not yet arrived.
     DeviceState,
@@ -41,7 +44,7 @@ impl At {
             At::Setup => Some((Direction::ToDestination, Kind::VmConfig)),
             At::DeviceState => Some((Direction::ToDestination, Kind::DeviceState)),
             At::AwaitingResumed => Some((Direction::ToSource, Kind::Resumed)),
-            At::FirstPass | At::DirtyPass | At::Postcopy => None,
+            At::FirstPass | At::DirtyPass | At::FinalPass | At::Postcopy => None,
         }
     }
 }
@@ -56,6 +59,10 @@ enum Fault {
     StopSource,
     /// Every connection cut, as a failed link would (through a proxy).
     CutConnections,
+    /// The main connection alone cut.
+    CutMain,
+    /// One data channel alone cut (every data connection of the migration, the first once).
+    CutDataChannel,
     /// The record the phase is held at arrives damaged (a bit of its header flipped on the
     /// way), instead of being held.
     CorruptRecord,
@@ -83,6 +90,9 @@ enum Outcome {
 }
 
 const GUEST: &str = "ws=256M pattern=random rate=40 verify-ms=200 log-ms=0";
+/// For the final pass: every page of the working set written at once and rewritten as fast
+/// as the vCPU can, so that the whole of it is still dirty at the switchover.
+const HOT_GUEST: &str = "ws=256M pattern=seq rate=max prefill=1 verify-ms=200 log-ms=0";
 const LIMIT: Duration = Duration::from_secs(60);
 /// Both sides' peer timeout in these rows.
 const PEER_TIMEOUT: &str = "2s";
@@ -103,9 +113,24 @@ fn reach(src: &RunningVm, at: At) {
             At::FirstPass => m["phase"] == "precopy" && m["bytes_sent"].as_u64() > Some(8 << 20),
             At::DirtyPass => m["phase"] == "precopy" && m["pass"].as_u64() >= Some(1),
             At::Postcopy => m["phase"] == "postcopy",
+            At::FinalPass => unreachable!("watched closely"),
             At::Setup | At::DeviceState | At::AwaitingResumed => unreachable!("held by the proxy"),
         }
     });
+}
+
+/// Waits, looking every few milliseconds, until the source has paused its guest for the
+/// switchover and not yet handed it over: its final pass.
+fn reach_final_pass(src: &RunningVm) {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let m = migration(src);
+        if m["phase"] == "switchover" && m["handed_over"] == false {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no final pass: {m}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 /// Waits for `vm`'s process to exit, within `LIMIT`; returns its status code.
@@ -137,14 +162,26 @@ fn migrates_again(src: &RunningVm) {
 
 fn row(at: At, fault: Fault, outcome: Outcome) {
     eprintln!("failure matrix: {fault:?} at {at:?}, expecting {outcome:?}");
-    let src = RunningVm::start("512M", GUEST);
+    let guest = if matches!(at, At::FinalPass) {
+        HOT_GUEST
+    } else {
+        GUEST
+    };
+    let src = RunningVm::start("512M", guest);
     src.wait_until("a verify pass", LIMIT, |vm| {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });
     let (dst, port) = destination_with("512M", &["--peer-timeout", PEER_TIMEOUT]);
     // A proxy in the path for the rows that cut it or hold a short phase.
-    let proxy = (fault == Fault::CutConnections || at.hold().is_some())
-        .then(|| Proxy::start(&format!("127.0.0.1:{port}"), 10 << 30));
+    let paced = matches!(at, At::FinalPass);
+    let cuts = matches!(
+        fault,
+        Fault::CutConnections | Fault::CutMain | Fault::CutDataChannel
+    );
+    let proxy = (cuts || at.hold().is_some() || paced).then(|| {
+        let rate = if paced { 40 << 20 } else { 10 << 30 };
+        Proxy::start(&format!("127.0.0.1:{port}"), rate)
+    });
     match (&proxy, at.hold()) {
         (Some(p), Some((direction, kind))) if fault == Fault::CorruptRecord => {
             p.corrupt_at(direction, kind)
@@ -165,11 +202,22 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
             "--postcopy-after-passes",
             "1",
         ]),
+        // Forced after 2 s, with most of the guest still to send: a final pass of seconds at
+        // the proxy's pace, far more than the sockets on the way can hold.
+        At::FinalPass => args.extend([
+            "--auto-converge",
+            "off",
+            "--timeout",
+            "2s",
+            "--timeout-action",
+            "switchover",
+        ]),
         At::Setup | At::DeviceState | At::AwaitingResumed => {}
     }
     let migrate = start_migrate(&src, to_port, &args);
     match (&proxy, at.hold()) {
         (Some(p), Some(_)) => assert!(p.wait_struck(LIMIT), "the proxy held at {at:?}"),
+        _ if matches!(at, At::FinalPass) => reach_final_pass(&src),
         _ => reach(&src, at),
     }
     if matches!(at, At::DeviceState) && fault != Fault::CorruptRecord {
@@ -185,6 +233,19 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
         Fault::StopSource => signal(&src, Signal::SIGSTOP),
         Fault::CutConnections => {
             assert!(proxy.as_ref().unwrap().cut_all() > 0, "connections to cut");
+        }
+        Fault::CutMain => {
+            assert_eq!(
+                proxy.as_ref().unwrap().cut_role(Role::Main),
+                1,
+                "the main connection"
+            );
+        }
+        Fault::CutDataChannel => {
+            assert!(
+                proxy.as_ref().unwrap().cut_one(Role::Data),
+                "a data channel to cut"
+            );
         }
         Fault::CorruptRecord => {}
     }
@@ -306,12 +367,19 @@ fn every_failure_ends_as_the_protocol_promises() {
         (FirstPass, StopDestination, SourceRunsOn),
         (FirstPass, CutConnections, SourceRunsOn),
         (FirstPass, StopSource, SourceRunsOn),
+        (FirstPass, CutMain, SourceRunsOn),
+        (FirstPass, CutDataChannel, SourceRunsOn),
         (FirstPass, KillSource, DestinationGivesUp),
         (DirtyPass, KillDestination, SourceRunsOn),
         (DirtyPass, StopDestination, SourceRunsOn),
         (DirtyPass, CutConnections, SourceRunsOn),
         (DirtyPass, StopSource, SourceRunsOn),
         (DirtyPass, KillSource, DestinationGivesUp),
+        (FinalPass, KillDestination, SourceRunsOn),
+        (FinalPass, StopDestination, SourceRunsOn),
+        (FinalPass, CutConnections, SourceRunsOn),
+        (FinalPass, StopSource, SourceRunsOn),
+        (FinalPass, KillSource, DestinationGivesUp),
         (DeviceState, KillDestination, SourcePaused),
         (DeviceState, CutConnections, SourcePaused),
         (DeviceState, StopDestination, DestinationRuns),

@@ -171,6 +171,18 @@ impl Proxy {
         self.cut_where(|r| r == Some(role))
     }
 
+    /// Cuts one connection whose hello named `role` (the first the proxy accepted); whether
+    /// there was one.
+    pub fn cut_one(&self, role: Role) -> bool {
+        let mut state = self.shared.state.lock().unwrap();
+        let Some(i) = state.links.iter().position(|l| l.role == Some(role)) else {
+            return false;
+        };
+        let l = state.links.remove(i);
+        cut(&l.source, &l.target);
+        true
+    }
+
     /// Connections accepted from now on (while `on`) are cut just after their hello reached
     /// the target: a recovery that fails half way.
     pub fn cut_after_hello(&self, on: bool) {
@@ -269,6 +281,14 @@ fn upstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream, cut_a
     let records = (role == Some(Role::Main)).then(|| Records::after(0));
     let way = (Direction::ToDestination, records);
     pump(shared, &mut source, &mut target, Some(shared.rate), way);
+    forget(shared, peer);
+}
+
+/// Drops the proxy's own handles on a connection that ended, so that its sockets close once
+/// both pumps are done: a source that writes on then gets a reset, as from a dead peer.
+fn forget(shared: &Shared, peer: Option<std::net::SocketAddr>) {
+    let mut state = shared.state.lock().unwrap();
+    state.links.retain(|l| l.source.peer_addr().ok() != peer);
 }
 
 /// Target to source, unpaced.
@@ -292,6 +312,7 @@ fn downstream(shared: &Shared, mut source: TcpStream, mut target: TcpStream) {
         None,
         (Direction::ToSource, records),
     );
+    forget(shared, peer);
 }
 
 /// Follows the record boundaries of a main connection's stream, to find where a record of a
