@@ -1,6 +1,6 @@
 //! A fake VMM for testing ferry's migration engine without `/dev/kvm`: guest RAM in a memfd
 //! (so holes and `SEEK_DATA` behave as with a real VMM), writer threads that play the guest,
-//! and a software dirty log with KVM's semantics (initially set, fetch-and-clear, re-arm).
+//! and a software dirty log with KVM's semantics (starts empty, fetch-and-clear).
 //!
 //! Writers write a page and then mark it; the engine's fetch clears a bit before it copies
 //! the page. So a write that races a fetch is either seen by that copy or stays marked for
@@ -469,17 +469,9 @@ unsafe impl SourceVm for FakeVm {
 
     fn start_dirty_log(&mut self) -> Result<(), VmError> {
         for w in &self.shared.dirty {
-            w.store(u64::MAX, Ordering::Release);
+            w.store(0, Ordering::Release);
         }
         self.shared.logging.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
-        let first = self.shared.ram.locate("clear_dirty", gpa, pages)?;
-        for i in first..first + pages {
-            self.shared.dirty[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::AcqRel);
-        }
         Ok(())
     }
 

@@ -188,10 +188,10 @@ impl Ram {
     /// pages is one `iovec`, not 128). The kernel copies from guest memory straight into the
     /// socket: no copy into a buffer of ours first.
     ///
-    /// Why sending from live guest memory is as correct as the copy it replaces: the session
-    /// re-arms dirty tracking for a page before it queues the page (pass 1 calls
-    /// `SourceVm::clear_dirty` on a whole region before walking it; a dirty pass walks the
-    /// bitmap that `SourceVm::fetch_dirty`, a fetch-and-clear, filled), so a guest store that lands before the kernel has read the page, or in
+    /// Why sending from live guest memory is as correct as the copy it replaces: dirty
+    /// tracking is armed for a page before the session queues the page (pass 1 walks after
+    /// `SourceVm::start_dirty_log`; a dirty pass walks the bitmap that
+    /// `SourceVm::fetch_dirty`, a fetch-and-clear, filled), so a guest store that lands before the kernel has read the page, or in
     /// the middle of it, is in the next pass's dirty log, and that pass sends the page again
     /// in its newer state; the last pass runs with the guest paused. A torn page on the wire
     /// is never the last word, which is exactly what the copy out of guest memory guaranteed
@@ -242,28 +242,37 @@ pub fn next_data_in_file(fd: RawFd, from: u64, end: u64) -> std::io::Result<Opti
     if from >= end {
         return Ok(None);
     }
-    let seek = |offset: u64, whence| -> std::io::Result<Option<u64>> {
-        // SAFETY: lseek takes plain integers and only moves the file offset of `fd` (an
-        // invalid fd makes it fail); no memory is read or written.
-        let ret = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
-        if ret < 0 {
-            let e = std::io::Error::last_os_error();
-            return if e.raw_os_error() == Some(libc::ENXIO) {
-                Ok(None)
-            } else {
-                Err(e)
-            };
-        }
-        Ok(Some(ret as u64))
-    };
-    let Some(data) = seek(from, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+    let Some(data) = seek(fd, from, libc::SEEK_DATA)?.filter(|&d| d < end) else {
         return Ok(None);
     };
-    let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+    let hole = seek(fd, data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
     Ok(Some((
         data / PAGE_SIZE * PAGE_SIZE,
         hole.next_multiple_of(PAGE_SIZE),
     )))
+}
+
+/// The offset of the first populated byte of file `fd` at or after `from`, wherever it is
+/// (`SEEK_DATA`), or `None` when the rest of the file is a hole: one call tells a caller that
+/// walks ranges in order how many of them it may skip.
+pub fn next_data_offset(fd: RawFd, from: u64) -> std::io::Result<Option<u64>> {
+    seek(fd, from, libc::SEEK_DATA)
+}
+
+/// `lseek(fd, offset, whence)`; `None` for `ENXIO` (no data, or no hole, from there on).
+fn seek(fd: RawFd, offset: u64, whence: libc::c_int) -> std::io::Result<Option<u64>> {
+    // SAFETY: lseek takes plain integers and only moves the file offset of `fd` (an invalid fd
+    // makes it fail); no memory is read or written.
+    let ret = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
+    if ret < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ENXIO) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(Some(ret as u64))
 }
 
 impl Ram {

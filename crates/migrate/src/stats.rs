@@ -89,9 +89,10 @@ pub struct MigrationStats {
     pub converged: bool,
     /// Batches an offload zero-scan engine failed and the sender scanned itself.
     pub zero_scan_fallbacks: u64,
-    /// Time pass 1 spent re-arming dirty tracking (`clear_dirty`), which write-protects
-    /// every page of RAM once.
-    pub dirty_clear_ms: f64,
+    /// Time the VMM took to start dirty tracking (`SourceVm::start_dirty_log`, part of
+    /// setup): with the reference VMM it follows populated memory, not configured RAM.
+    #[serde(default)]
+    pub dirty_start_ms: f64,
     /// Time spent before the switchover waiting, with nothing to send, for the destination to
     /// take in what was in flight (0 without progress acknowledgements).
     #[serde(default)]

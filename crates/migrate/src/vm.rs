@@ -56,16 +56,18 @@ pub unsafe trait SourceVm: Send {
     /// Guest RAM.
     fn ram(&self) -> Vec<RamRegion>;
 
-    /// Starts dirty tracking with every page considered dirty ("initially set"): nothing is
-    /// tracked for a page until [`SourceVm::clear_dirty`] re-arms it.
+    /// Starts dirty tracking with an empty log: every page written after this returns, by the
+    /// guest or by the VMM itself, is in a later [`SourceVm::fetch_dirty`]; what was written
+    /// before is not (pass 1 reads every populated page after this call, so it sees those
+    /// writes). Its cost should follow the memory the guest has populated, not the memory it
+    /// is configured with: pass 1 walks only populated memory, and nothing else in the
+    /// engine touches the rest.
     fn start_dirty_log(&mut self) -> Result<(), VmError>;
 
-    /// Re-arms tracking for `pages` pages from `gpa` (which the engine is about to send),
-    /// dropping their dirty state.
-    fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError>;
-
-    /// Fetch-and-clear: ORs into `into` every page written since it was last fetched or
-    /// cleared, by the guest or by the VMM itself, and re-arms tracking for them.
+    /// Fetch-and-clear: ORs into `into` every page written since tracking started or the
+    /// last fetch, by the guest or by the VMM itself, and re-arms tracking for them. A VMM may
+    /// report more (a page it cannot tell was written, such as one populated while it did not
+    /// watch that range), never less.
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError>;
 
     /// Ends dirty tracking (after completion, failure or cancel).
@@ -112,7 +114,7 @@ pub unsafe trait SourceVm: Send {
 
     /// Free page hinting (virtio-balloon's `FREE_PAGE_HINT`): asks the guest for a new round
     /// of hints, ranges of memory it does not use. The engine calls it only after dirty
-    /// tracking was re-armed for all of RAM, so that a hinted page the guest writes again is
+    /// tracking started for all of RAM, so that a hinted page the guest writes again is
     /// in the dirty log. Hints of an earlier round that were never taken must be dropped here,
     /// not handed out later: the guest may have reused those pages before tracking started. A
     /// VMM without a balloon, or whose guest has no driver for it, keeps this default: the

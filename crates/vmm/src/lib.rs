@@ -20,6 +20,7 @@ pub mod sections;
 pub mod throttle;
 pub mod vm;
 pub mod vmconfig;
+pub mod writes;
 
 pub use devices::serial::SerialOutput;
 pub use error::VmmError;

@@ -10,8 +10,9 @@
 //! **Every write the VMM makes to guest memory is recorded, by construction.** KVM's dirty log
 //! sees only the guest's writes; a device or loader writing guest memory behind a migration's
 //! back would leave the destination with a stale page and no error. So there is no untracked
-//! way to write: guest memory is a vm-memory [`GuestMemoryMmap`] whose regions carry an
-//! [`AtomicBitmap`] (vm-memory's `backend-bitmap`), and every write vm-memory performs, through
+//! way to write: guest memory is a vm-memory [`GuestMemoryMmap`] whose regions carry a
+//! [`WriteBitmap`] (vm-memory's `Bitmap` trait, implemented in `writes.rs`), and every write
+//! vm-memory performs, through
 //! [`GuestRam::write`], the [`Bytes`] methods of [`GuestRam::memory`] (which linux-loader uses)
 //! or a `VolatileSlice` taken from it, sets the page's bit after the bytes land. Reading stays
 //! free. The only ways around the bitmap are raw host pointers (`as_ptr`, `get_host_address`),
@@ -23,29 +24,28 @@
 //! copy, which is the order the migration needs (the engine clears a bit and then copies the
 //! page, so a write that races the copy stays marked for the next pass). The cost: one bit per
 //! 4 KiB page, always allocated (2 MiB for a 64 GiB guest, 16 MiB at the 512 GiB maximum), and
-//! an atomic OR per page a VMM write touches.
+//! two atomic ORs per write (page bits, then a summary bit per 64 pages); taking the writes
+//! walks the summary (1/64 of the bits) and only the page words it names, so a dirty sync
+//! costs what the VMM wrote, not the size of RAM.
 //!
 //! The bitmap always records; a migration reads it only between [`GuestRam::track_writes`]
-//! on and off, and turning tracking on resets it (earlier writes are covered by the dirty log
-//! starting "initially set").
+//! on and off, and turning tracking on forgets earlier writes (pass 1 reads every populated
+//! page after tracking starts, so it sees them).
 
 use std::fs::File;
-use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
 use vm_memory::{
     Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
     GuestRegionMmap,
 };
 
-/// Guest memory as vm-memory sees it, every region with its write bitmap.
-pub type TrackedMemory = GuestMemoryMmap<AtomicBitmap>;
+use crate::writes::{TakenWords, WriteBitmap};
 
-/// The granule of write tracking: the guest page, as KVM's dirty log counts.
-const TRACK_PAGE: NonZeroUsize = NonZeroUsize::new(ferry_guest_abi::PAGE_SIZE as usize).unwrap();
+/// Guest memory as vm-memory sees it, every region with its write bitmap.
+pub type TrackedMemory = GuestMemoryMmap<WriteBitmap>;
 
 /// Start of the 32-bit MMIO hole: 1 GiB below 4 GiB for 32-bit BARs, the IOAPIC and LAPIC
 /// windows (0xfec0_0000, 0xfee0_0000) and the firmware flash, as PC firmware leaves it.
@@ -153,23 +153,34 @@ pub fn validate_size(size: u64) -> Result<(), MemoryError> {
     Ok(())
 }
 
-/// The pages the VMM wrote in one RAM region since the last take: bit `i` of `words` is the
-/// page at `gpa + i * PAGE_SIZE`, for `pages` pages.
+/// The pages the VMM wrote in one RAM region since the last take: `(w, bits)` in `words` says
+/// that bit `i` of `bits` is the page at `gpa + (64 * w + i) * PAGE_SIZE`; the region has
+/// `pages` pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WriteLog {
     pub gpa: u64,
     pub pages: u64,
-    pub words: Vec<u64>,
+    pub words: TakenWords,
 }
 
 impl WriteLog {
+    /// Each taken word as `(gpa, pages, bits)`: the guest address of its first page, how many
+    /// pages of the region it covers (64, or fewer at the region's end) and its bits.
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let page = ferry_guest_abi::PAGE_SIZE;
+        self.words.iter().map(move |&(w, bits)| {
+            let first = w as u64 * 64;
+            (self.gpa + first * page, (self.pages - first).min(64), bits)
+        })
+    }
+
     /// The guest addresses of the written pages, in order.
     pub fn written(&self) -> impl Iterator<Item = u64> + '_ {
         let page = ferry_guest_abi::PAGE_SIZE;
-        self.words.iter().enumerate().flat_map(move |(i, &w)| {
+        self.runs().flat_map(move |(gpa, _, bits)| {
             (0..64)
-                .filter(move |b| w & (1 << b) != 0)
-                .map(move |b| self.gpa + (i as u64 * 64 + b) * page)
+                .filter(move |b| bits & (1 << b) != 0)
+                .map(move |b| gpa + b * page)
         })
     }
 }
@@ -270,8 +281,8 @@ impl GuestRam {
             let fd = memfd
                 .try_clone()
                 .map_err(|source| MemoryError::Memfd { source })?;
-            let bitmap = AtomicBitmap::new(len as usize, TRACK_PAGE);
-            let map: MmapRegion<AtomicBitmap> =
+            let bitmap = WriteBitmap::new(len as usize);
+            let map: MmapRegion<WriteBitmap> =
                 MmapRegionBuilder::new_with_bitmap(len as usize, bitmap)
                     .with_file_offset(FileOffset::new(fd, file_offset))
                     .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
@@ -470,11 +481,12 @@ impl GuestRam {
     }
 
     /// Starts or stops reporting the VMM's own writes to a migration. Starting forgets what
-    /// was written before: the dirty log starts with every page dirty anyway.
+    /// was written before, as the dirty log starts empty (pass 1 reads every populated page
+    /// after tracking starts).
     pub fn track_writes(&self, on: bool) {
         if on {
             for region in self.memory.iter() {
-                bitmap(region).reset();
+                bitmap(region).take();
             }
         }
         self.tracking.store(on, Ordering::Release);
@@ -482,8 +494,8 @@ impl GuestRam {
 
     /// Fetch-and-clear of the VMM's writes since the last call, one log per RAM region (none
     /// when not tracking). A write that lands during the take is either in this take or the
-    /// next: each bitmap word is swapped out atomically, and a write's bit is set after its
-    /// bytes are in memory.
+    /// next (see `writes.rs`), and a write's bit is set after its bytes are in memory. Costs
+    /// what was written: the take walks a summary of 1/64 of the bits.
     pub fn take_writes(&self) -> Vec<WriteLog> {
         if !self.tracking.load(Ordering::Acquire) {
             return Vec::new();
@@ -493,7 +505,7 @@ impl GuestRam {
             .map(|region| WriteLog {
                 gpa: region.start_addr().0,
                 pages: region.len() / ferry_guest_abi::PAGE_SIZE,
-                words: bitmap(region).get_and_reset(),
+                words: bitmap(region).take(),
             })
             .collect()
     }
@@ -529,8 +541,8 @@ fn populate(addr: u64, len: u64) -> std::io::Result<()> {
 }
 
 /// The write bitmap of one vm-memory region (the mapping's own, not the trait's slice view).
-fn bitmap(region: &GuestRegionMmap<AtomicBitmap>) -> &AtomicBitmap {
-    let map: &MmapRegion<AtomicBitmap> = region;
+fn bitmap(region: &GuestRegionMmap<WriteBitmap>) -> &WriteBitmap {
+    let map: &MmapRegion<WriteBitmap> = region;
     map.bitmap()
 }
 

@@ -389,28 +389,29 @@ unsafe impl SourceVm for SourceAdapter {
             b.lock().unwrap().set_discard(Discard::Forbidden);
         }
         self.shared.ram.track_writes(true);
-        self.shared
+        let logged = self
+            .shared
             .kvm
-            .set_dirty_logging(true)
-            .map_err(|e| failed("start_dirty_log")(e.to_string()))
-    }
-
-    fn clear_dirty(&mut self, gpa: u64, pages: u64) -> Result<(), VmError> {
-        self.shared
-            .kvm
-            .clear_dirty(gpa, pages)
-            .map_err(|e| failed("clear_dirty")(e.to_string()))
+            .start_dirty_log(self.shared.ram.memfd())
+            .map_err(|e| failed("start_dirty_log")(e.to_string()))?;
+        tracing::debug!(
+            "dirty logging on for {logged} of {} memory slots",
+            self.shared.kvm.slots().slots().len()
+        );
+        Ok(())
     }
 
     /// KVM's log (the guest's writes) ∪ the VMM's own writes, both placed by guest address.
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
         self.shared
             .kvm
-            .fetch_dirty_log(into)
+            .fetch_dirty_log(self.shared.ram.memfd(), into)
             .map_err(|e| failed("fetch_dirty")(e.to_string()))?;
         for log in self.shared.ram.take_writes() {
-            into.merge_at(log.gpa, log.pages, &log.words)
-                .map_err(|e| failed("fetch_dirty")(format!("the VMM's own writes: {e}")))?;
+            for (gpa, pages, bits) in log.runs() {
+                into.merge_at(gpa, pages, &[bits])
+                    .map_err(|e| failed("fetch_dirty")(format!("the VMM's own writes: {e}")))?;
+            }
         }
         Ok(())
     }
@@ -420,7 +421,7 @@ unsafe impl SourceVm for SourceAdapter {
             b.lock().unwrap().set_discard(Discard::Allowed);
         }
         self.shared.ram.track_writes(false);
-        if let Err(e) = self.shared.kvm.set_dirty_logging(false) {
+        if let Err(e) = self.shared.kvm.stop_dirty_log() {
             tracing::warn!("could not turn dirty logging off: {e}");
         }
     }

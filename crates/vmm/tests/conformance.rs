@@ -104,14 +104,11 @@ fn vmm_write_through_the_memory_view_is_in_fetch_dirty() {
     let t = boot(3 * GIB + MEMORY, WORKLOAD);
     t.wait_for("the guest running", BOOT_TIMEOUT, |g| g.pages_written > 0);
     let mut src = t.handle().migration_source();
-    src.start_dirty_log().unwrap();
     src.pause().unwrap();
+    src.start_dirty_log().unwrap();
     let mut regions = src.ram();
     regions.sort_by_key(|r| r.gpa);
     assert_eq!(regions.len(), 2, "RAM continues above the hole");
-    for r in &regions {
-        src.clear_dirty(r.gpa, r.size / PAGE_SIZE).unwrap();
-    }
     let gpa = 4 * GIB + 5 * PAGE_SIZE + 12;
     let handle = t.handle();
     let memory = handle.ram().memory();

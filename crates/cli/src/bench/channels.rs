@@ -265,7 +265,7 @@ fn migration_rows(
             "bytes_sent": stats.bytes_sent, "data_mb_s": mb_s, "raw_tcp_mb_s": raw, "ratio": mb_s / raw,
             "downtime_ms": stats.downtime.total_ms, "cpu_s_per_gib_source": stats.cpu_seconds_source / gib,
             "cpu_s_per_gib_destination": stats.cpu_seconds_destination / gib, "pages_zero": stats.pages_zero,
-                        "pages_skipped_holes": stats.pages_skipped_holes, "dirty_clear_ms": stats.dirty_clear_ms,
+                        "pages_skipped_holes": stats.pages_skipped_holes, "dirty_start_ms": stats.dirty_start_ms,
             "passes": stats.passes}));
     }
     for (label, tls, checksum_pages, base_tls) in [

@@ -4,9 +4,9 @@
 //! The guest (through the VMM's virtio-balloon, [`SourceVm::start_hints`]) reports ranges of
 //! memory it holds free; the source does not send them. The rule, and why it loses nothing:
 //!
-//! 1. A round of hints starts only after dirty tracking was re-armed for all of RAM (pass 1
-//!    re-arms every region before it looks at one). A hinted page that the guest writes again
-//!    is then in the dirty log, and a later pass sends it.
+//! 1. A round of hints starts only after dirty tracking started for all of RAM (setup starts
+//!    it before pass 1 looks at any page). A hinted page that the guest writes again is then
+//!    in the dirty log, and a later pass sends it.
 //! 2. A hint drops its pages from the current pass only: in pass 1 from the walk over
 //!    populated memory (the `skip` bitmap), in a dirty pass from the pending bitmap. It never
 //!    marks a page "never send".

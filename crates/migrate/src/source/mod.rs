@@ -21,10 +21,11 @@
 //!
 //! Pages travel on `channels` data connections, each with a sender thread (see `sender.rs`) fed
 //! batches of `packet_pages` addresses round-robin; the main connection carries pass ends,
-//! device state and Complete. Every step is bounded: batches are at most 2 MiB, dirty tracking
-//! is re-armed in chunks of [`CLEAR_CHUNK_PAGES`], the bitmap walk scans a bounded number of
-//! words per call, and between any two of these the loop checks cancellation and the rate
-//! limit.
+//! device state and Complete. Every step is bounded: batches are at most 2 MiB, the bitmap
+//! walk scans a bounded number of words per call, and between any two of these the loop
+//! checks cancellation and the rate limit. Dirty tracking starts empty
+//! (`SourceVm::start_dirty_log`) and pass 1 walks populated memory only, so no step follows
+//! the configured size of RAM.
 //!
 //! Invariant: the source never runs a guest it handed over. Until Complete is sent, any failure
 //! resumes a paused guest and tells the destination why; after it, the guest stays paused.
@@ -62,8 +63,6 @@ use crate::stats::{self, MigrationStats, Timeline};
 use crate::transport::Stream;
 use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, Role};
-
-pub use self::precopy::CLEAR_CHUNK_PAGES;
 
 /// How to migrate.
 #[derive(Clone, Copy, Debug)]
@@ -419,7 +418,9 @@ impl<'a> Session<'a> {
             self.hooks,
             self.preempt_granted,
         )?;
+        let t = Instant::now();
         vm.start_dirty_log()?;
+        self.stats.dirty_start_ms = ms(t.elapsed());
         self.stats.setup_ms = ms(self.start.elapsed());
         self.set_phase(Phase::Precopy);
         match self.precopy(vm)? {

@@ -18,10 +18,6 @@ use crate::stats::{PassStats, PostcopyTrigger, SampleKind};
 use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
 
-/// Pages re-armed per `clear_dirty` call in pass 1: 64 MiB, about 1 ms of write-protecting on
-/// a normal host, and 1024 calls for a 64 GiB guest.
-pub const CLEAR_CHUNK_PAGES: u64 = 16 * 1024;
-
 /// What a record costs the link per page: its 8-byte address and the page.
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
@@ -112,29 +108,18 @@ impl Session<'_> {
         }
     }
 
-    /// Pass 1: re-arm dirty tracking for all of RAM, chunk by chunk, then send what the backing
-    /// file holds, walking populated ranges with `SEEK_DATA`/`SEEK_HOLE`. Re-arming before
-    /// looking is what makes the walk safe: a page populated after the look was written after
-    /// its re-arm, so the dirty log has it. (Looking chunk by chunk instead would make each
-    /// `SEEK_HOLE` walk the rest of a fully populated file: quadratic.) The first round of free
-    /// page hints starts once everything is re-armed, and the walk skips what it hints.
+    /// Pass 1: send what the backing file holds, walking populated ranges with
+    /// `SEEK_DATA`/`SEEK_HOLE`, and nothing else: its cost follows populated memory. Dirty
+    /// tracking started (empty) before the walk, which is what makes it safe: a page written
+    /// before the walk reads it is sent as written, and a write after tracking started (a
+    /// page the walk already passed, or a hole the guest fills later) is in the dirty log, so
+    /// a dirty pass sends it. The first round of free page hints starts before the walk, which
+    /// skips what it hints.
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
         self.pass = 1;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let regions = self.ram.regions().to_vec();
-        let t = Instant::now();
-        for region in &regions {
-            let end = region.gpa + region.size;
-            let mut chunk = region.gpa;
-            while chunk < end {
-                self.check_control()?;
-                let chunk_end = (chunk + CLEAR_CHUNK_PAGES * PAGE_SIZE).min(end);
-                vm.clear_dirty(chunk, (chunk_end - chunk) / PAGE_SIZE)?;
-                chunk = chunk_end;
-            }
-        }
-        self.stats.dirty_clear_ms += ms(t.elapsed());
         self.start_hint_round(vm);
         let mut hinted = 0;
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);

@@ -1,24 +1,43 @@
-//! KVM's dirty log: `KVM_MEM_LOG_DIRTY_PAGES` on every RAM slot, with
-//! `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` (initially all set) so that fetching the log does not
-//! re-protect memory, and `KVM_CLEAR_DIRTY_LOG` (declared here; kvm-ioctls lacks it) to
-//! re-protect exactly the pages about to be sent, in bounded chunks.
+//! KVM's dirty log: `KVM_MEM_LOG_DIRTY_PAGES` on the RAM slots that hold populated memory,
+//! with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` so that fetching the log does not re-protect
+//! memory, and `KVM_CLEAR_DIRTY_LOG` (declared here; kvm-ioctls lacks it) to re-protect exactly
+//! the pages a fetch reported, in bounded chunks. The log starts empty (no
+//! `KVM_DIRTY_LOG_INITIALLY_SET`): turning it on write-protects what the slot maps, which
+//! costs what the guest has mapped, and re-arming pages that were never populated, the cost
+//! that grew with configured RAM, is never needed.
+//!
+//! **Cost follows populated memory.** A slot whose range of the guest RAM memfd is a hole
+//! holds no page anyone wrote, so its log is not turned on and not fetched: a 512 GiB guest
+//! that touched 256 MiB logs one or two slots of 1 GiB, and a fetch copies their 32 KiB
+//! bitmaps, not 16 MiB. One `SEEK_DATA` tells how many such slots to skip at once.
+//!
+//! **How a hole stays correct.** A guest (or VMM) write to a hole populates it in the memfd
+//! (RAM is `MAP_SHARED` on it; the balloon gives no page back while a migration tracks). So at
+//! every fetch, a slot not yet logged is looked at again: if it has data now, its log is
+//! turned on first and then every populated page in it is reported dirty. A write before the
+//! log was on went to a page populated by then (reported); a write after it is in the log (a
+//! later fetch). Reporting a page that was only read (a read populates shmem too) costs one
+//! zero page on the wire, never a wrong one.
 //!
 //! Slots are found by guest address in the VM's [`super::SlotTable`], and a slot's log is
 //! merged into the engine's bitmap at the slot's guest address: nothing here assumes that slot
 //! `i` is the `i`-th RAM region of anyone's list.
 
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
 use ferry_migrate::bitmap::DirtyBitmap;
-use ferry_migrate::ram::RamError;
+use ferry_migrate::ram::{RamError, next_data_in_file, next_data_offset};
 use kvm_bindings::{
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
-    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVMIO, kvm_clear_dirty_log,
-    kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
+    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
+    KVM_MEM_LOG_DIRTY_PAGES, KVMIO, kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1,
+    kvm_enable_cap,
 };
 #[allow(unused_imports)] // used inside ioctl_iowr_nr!'s expansion
 use vmm_sys_util::ioctl_ioc_nr;
 use vmm_sys_util::ioctl_iowr_nr;
 
-use super::{KvmError, KvmVm, SlotError};
+use super::{KvmError, KvmVm, MemorySlot};
 
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
 
@@ -39,12 +58,17 @@ pub enum DirtyLogError {
         #[source]
         source: vmm_sys_util::errno::Error,
     },
-    #[error("dirty log of {pages} pages at {gpa:#x}: {source}")]
-    Range {
-        gpa: u64,
-        pages: u64,
+    #[error("turning dirty logging {} failed: {source}", if *on { "on" } else { "off" })]
+    Logging {
+        on: bool,
         #[source]
-        source: SlotError,
+        source: KvmError,
+    },
+    #[error("looking for populated memory in slot {slot}: {source}")]
+    Populated {
+        slot: u32,
+        #[source]
+        source: std::io::Error,
     },
     #[error("the dirty log of slot {slot} does not fit the migration's RAM: {source}")]
     Merge {
@@ -55,13 +79,14 @@ pub enum DirtyLogError {
 }
 
 impl KvmVm {
-    /// Turns on manual protection with initially-set bitmaps; done once, at VM creation.
+    /// Turns on manual protection (fetching the log does not re-protect; clearing does);
+    /// done once, at VM creation.
     pub fn enable_manual_dirty_protect(&self) -> Result<(), DirtyLogError> {
         let supported = self
             .vm
             .check_extension_raw(u64::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2))
             as u32;
-        let wanted = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET;
+        let wanted = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
         if supported & wanted != wanted {
             return Err(DirtyLogError::Unsupported);
         }
@@ -79,59 +104,113 @@ impl KvmVm {
             })
     }
 
-    /// Re-registers every RAM slot with dirty logging on or off. Turning it on marks every
-    /// page dirty (initially set) without write-protecting anything.
-    pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
-        for s in self.slots.slots() {
-            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
-            // SAFETY: the same live mapping the slot was created with; only the flags change.
-            unsafe { self.vm.set_user_memory_region(s.region(flags)) }.map_err(|source| {
-                KvmError::MemorySlot {
-                    gpa: s.gpa,
-                    size: s.size,
-                    source,
-                }
-            })?;
+    /// Starts dirty logging, empty, on every slot that holds populated memory in `memfd`
+    /// (guest RAM's); the others are looked at again by each fetch. Returns the slots logged.
+    pub fn start_dirty_log(&self, memfd: &File) -> Result<usize, DirtyLogError> {
+        let mut logging = self.logging.lock().unwrap();
+        let mut skip = Populated::default();
+        for (i, s) in self.slots.slots().iter().enumerate() {
+            if skip.has_data(memfd, s)? {
+                self.set_slot_logging(s, true)?;
+                logging[i] = true;
+            }
+        }
+        Ok(logging.iter().filter(|&&on| on).count())
+    }
+
+    /// Turns dirty logging off on every slot that logs.
+    pub fn stop_dirty_log(&self) -> Result<(), DirtyLogError> {
+        let mut logging = self.logging.lock().unwrap();
+        for (i, s) in self.slots.slots().iter().enumerate() {
+            if logging[i] {
+                self.set_slot_logging(s, false)?;
+                logging[i] = false;
+            }
         }
         Ok(())
     }
 
-    /// Re-protects the `pages` pages from `gpa`, which must lie in one slot, dropping their
-    /// dirty bits.
-    pub fn clear_dirty(&self, gpa: u64, pages: u64) -> Result<(), DirtyLogError> {
-        let (slot, first) = self
-            .slots
-            .lookup(gpa, pages)
-            .map_err(|source| DirtyLogError::Range { gpa, pages, source })?;
-        self.clear_dirty_log(slot.slot, first, pages, None)
+    /// Fetch-and-clear of KVM's log: ORs every logging slot's dirty bits into `into` at the
+    /// slot's guest address and re-protects the pages it reported. A slot that did not log
+    /// and now holds populated memory starts logging, and all its populated pages are
+    /// reported (see the module doc).
+    pub fn fetch_dirty_log(
+        &self,
+        memfd: &File,
+        into: &mut DirtyBitmap,
+    ) -> Result<(), DirtyLogError> {
+        let mut logging = self.logging.lock().unwrap();
+        let mut skip = Populated::default();
+        for (i, s) in self.slots.slots().iter().enumerate() {
+            if logging[i] {
+                self.fetch_slot(s, into)?;
+            } else if skip.has_data(memfd, s)? {
+                self.set_slot_logging(s, true)?;
+                logging[i] = true;
+                report_populated(memfd, s, into)?;
+            }
+        }
+        Ok(())
     }
 
-    /// Re-protects `pages` pages of slot `slot` from page `first` (a multiple of 64), dropping
-    /// their dirty bits: all of them when `bits` is `None`, else those set in `bits`.
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        pages: u64,
-        bits: Option<&[u64]>,
-    ) -> Result<(), DirtyLogError> {
-        let ones;
-        let bitmap = match bits {
-            Some(b) => b,
-            None => {
-                ones = vec![u64::MAX; pages.div_ceil(64) as usize];
-                &ones
+    /// Slots logging dirty pages now.
+    pub fn slots_logging(&self) -> usize {
+        self.logging
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|&&on| on)
+            .count()
+    }
+
+    /// Re-registers `slot` with dirty logging on or off. On, it write-protects what the slot
+    /// maps; its log starts empty.
+    fn set_slot_logging(&self, s: &MemorySlot, on: bool) -> Result<(), DirtyLogError> {
+        let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        // SAFETY: the same live mapping the slot was created with; only the flags change.
+        unsafe { self.vm.set_user_memory_region(s.region(flags)) }.map_err(|source| {
+            DirtyLogError::Logging {
+                on,
+                source: KvmError::MemorySlot {
+                    gpa: s.gpa,
+                    size: s.size,
+                    source,
+                },
             }
-        };
+        })
+    }
+
+    /// One slot's log: fetched, merged at its guest address, and re-protected where it was
+    /// set.
+    fn fetch_slot(&self, s: &MemorySlot, into: &mut DirtyBitmap) -> Result<(), DirtyLogError> {
+        let words = self
+            .vm
+            .get_dirty_log(s.slot, s.size as usize)
+            .map_err(|source| DirtyLogError::Kvm {
+                what: "fetch",
+                slot: s.slot,
+                source,
+            })?;
+        into.merge_at(s.gpa, s.pages(), &words)
+            .map_err(|source| DirtyLogError::Merge {
+                slot: s.slot,
+                source,
+            })?;
+        self.clear_dirty_log(s.slot, s.pages(), &words)
+    }
+
+    /// Re-protects the pages of slot `slot` set in `bits` (bit `i`: page `i` of the slot),
+    /// in chunks of [`CLEAR_CHUNK_PAGES`], skipping chunks with no bit set.
+    fn clear_dirty_log(&self, slot: u32, pages: u64, bits: &[u64]) -> Result<(), DirtyLogError> {
         let mut at = 0;
         while at < pages {
             let n = (pages - at).min(CLEAR_CHUNK_PAGES);
-            let words = &bitmap[(at / 64) as usize..(at + n).div_ceil(64) as usize];
+            let words = &bits[(at / 64) as usize..(at + n).div_ceil(64) as usize];
             if words.iter().any(|&w| w != 0) {
                 let arg = kvm_clear_dirty_log {
                     slot,
                     num_pages: n as u32,
-                    first_page: first + at,
+                    first_page: at,
                     __bindgen_anon_1: kvm_clear_dirty_log__bindgen_ty_1 {
                         dirty_bitmap: words.as_ptr() as *mut libc::c_void,
                     },
@@ -153,26 +232,63 @@ impl KvmVm {
         }
         Ok(())
     }
+}
 
-    /// Fetch-and-clear of KVM's log: ORs every slot's dirty bits into `into` at the slot's
-    /// guest address and re-protects the pages it reported.
-    pub fn fetch_dirty_log(&self, into: &mut DirtyBitmap) -> Result<(), DirtyLogError> {
-        for s in self.slots.slots() {
-            let words = self
-                .vm
-                .get_dirty_log(s.slot, s.size as usize)
-                .map_err(|source| DirtyLogError::Kvm {
-                    what: "fetch",
-                    slot: s.slot,
-                    source,
-                })?;
-            into.merge_at(s.gpa, s.pages(), &words)
-                .map_err(|source| DirtyLogError::Merge {
-                    slot: s.slot,
-                    source,
-                })?;
-            self.clear_dirty_log(s.slot, 0, s.pages(), Some(&words))?;
+/// Walks slots in file order asking whether each holds populated memory, with one `SEEK_DATA`
+/// for a whole run of empty slots: the answer says where the next data is, and every slot
+/// that ends before it is empty.
+#[derive(Debug, Default)]
+struct Populated {
+    /// No data in the memfd before this offset from where the walk last looked.
+    empty_until: u64,
+    /// The file has no data at all from `empty_until` on.
+    none_after: bool,
+}
+
+impl Populated {
+    fn has_data(&mut self, memfd: &File, s: &MemorySlot) -> Result<bool, DirtyLogError> {
+        let end = s.file_offset + s.size;
+        if self.none_after || end <= self.empty_until {
+            return Ok(false);
         }
-        Ok(())
+        let from = s.file_offset.max(self.empty_until);
+        match next_data_offset(memfd.as_raw_fd(), from).map_err(|source| {
+            DirtyLogError::Populated {
+                slot: s.slot,
+                source,
+            }
+        })? {
+            Some(data) if data < end => Ok(true),
+            Some(data) => {
+                self.empty_until = data;
+                Ok(false)
+            }
+            None => {
+                self.none_after = true;
+                Ok(false)
+            }
+        }
     }
+}
+
+/// Marks every populated page of slot `s` in `into`.
+fn report_populated(
+    memfd: &File,
+    s: &MemorySlot,
+    into: &mut DirtyBitmap,
+) -> Result<(), DirtyLogError> {
+    let end = s.file_offset + s.size;
+    let mut at = s.file_offset;
+    while let Some((data, hole)) =
+        next_data_in_file(memfd.as_raw_fd(), at, end).map_err(|source| {
+            DirtyLogError::Populated {
+                slot: s.slot,
+                source,
+            }
+        })?
+    {
+        into.set_range(s.gpa + (data - s.file_offset), hole.min(end) - data);
+        at = hole;
+    }
+    Ok(())
 }

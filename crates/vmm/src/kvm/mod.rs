@@ -1,7 +1,8 @@
 //! Everything that talks to KVM. No other module of the VMM imports `kvm-ioctls`.
 //!
-//! - `mod.rs`: open `/dev/kvm`, create the VM, register guest RAM as memory slots and keep
-//!   the [`SlotTable`] that says which slot maps which guest addresses.
+//! - `mod.rs`: open `/dev/kvm`, create the VM, register guest RAM as memory slots of at most
+//!   [`SLOT_BYTES`] (more when KVM has too few slots) and keep the [`SlotTable`] that says
+//!   which slot maps which guest addresses.
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
@@ -86,6 +87,30 @@ pub fn require_for_tests() {
     }
 }
 
+/// Guest RAM per memory slot: 1 GiB. Dirty logging is turned on, fetched and turned off a
+/// slot at a time, and only for slots holding populated memory (see `dirty.rs`), so the slot
+/// is the granule at which a migration's fixed costs follow the memory a guest uses rather
+/// than the memory it has: a 512 GiB guest that touched 256 MiB logs one or two slots, and
+/// each fetch of a slot's log is a 32 KiB bitmap. Turning logging on write-protects a slot's
+/// mapped pages in one ioctl, so the slot also bounds that step (a fully mapped 1 GiB slot is
+/// 262,144 pages). 1 GiB keeps huge pages of either size whole, and a 512 GiB guest within
+/// 513 slots (KVM allows 32,764 on Linux 5.x and later, 509 before; see [`slot_bytes`]).
+pub const SLOT_BYTES: u64 = 1 << 30;
+
+/// Slots kept free of guest RAM in the count KVM allows, for whatever else a VMM maps.
+const SPARE_SLOTS: u64 = 8;
+
+/// The slot size for `ram` bytes of RAM in `regions` regions when KVM allows `max_slots`:
+/// [`SLOT_BYTES`], doubled until the slots fit (each region may end in a partial slot).
+pub fn slot_bytes(ram: u64, regions: u64, max_slots: u64) -> u64 {
+    let limit = max_slots.saturating_sub(SPARE_SLOTS).max(2 * regions);
+    let mut size = SLOT_BYTES;
+    while ram.div_ceil(size) + regions > limit {
+        size *= 2;
+    }
+    size
+}
+
 /// One KVM memory slot: its number, the guest range it maps and the mapping behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemorySlot {
@@ -94,6 +119,8 @@ pub struct MemorySlot {
     pub size: u64,
     /// Host virtual address of the mapping, as registered.
     pub host_addr: u64,
+    /// Offset of the slot's memory in the guest RAM memfd.
+    pub file_offset: u64,
 }
 
 impl MemorySlot {
@@ -137,20 +164,25 @@ pub struct SlotTable {
 }
 
 impl SlotTable {
-    /// One slot per RAM region, numbered in the order given.
-    pub fn for_regions(regions: &[crate::memory::RamRegion]) -> SlotTable {
-        SlotTable {
-            slots: regions
-                .iter()
-                .enumerate()
-                .map(|(i, r)| MemorySlot {
-                    slot: i as u32,
-                    gpa: r.gpa,
-                    size: r.size,
-                    host_addr: r.host_addr,
-                })
-                .collect(),
+    /// Each RAM region cut into slots at guest addresses that are multiples of `slot_bytes`
+    /// (a power of two), numbered in the order given.
+    pub fn for_regions(regions: &[crate::memory::RamRegion], slot_bytes: u64) -> SlotTable {
+        let mut slots = Vec::new();
+        for r in regions {
+            let mut at = r.gpa;
+            while at < r.gpa + r.size {
+                let end = ((at / slot_bytes + 1) * slot_bytes).min(r.gpa + r.size);
+                slots.push(MemorySlot {
+                    slot: slots.len() as u32,
+                    gpa: at,
+                    size: end - at,
+                    host_addr: r.host_addr + (at - r.gpa),
+                    file_offset: r.file_offset + (at - r.gpa),
+                });
+                at = end;
+            }
         }
+        SlotTable { slots }
     }
 
     pub fn slots(&self) -> &[MemorySlot] {
@@ -182,23 +214,31 @@ impl SlotTable {
     }
 }
 
-/// A KVM VM with guest RAM registered, one memory slot per RAM region.
+/// A KVM VM with guest RAM registered in memory slots.
 #[derive(Debug)]
 pub struct KvmVm {
     pub kvm: Kvm,
     pub vm: VmFd,
     /// The slots registered in [`KvmVm::new`]; the dirty log finds them here by address.
     slots: SlotTable,
+    /// Which slots log dirty pages now (`dirty.rs`), by index in `slots`.
+    logging: std::sync::Mutex<Vec<bool>>,
 }
 
 impl KvmVm {
     pub fn new(kvm: Kvm, ram: &GuestRam) -> Result<KvmVm, KvmError> {
         let vm = kvm.create_vm().map_err(KvmError::CreateVm)?;
-        let slots = SlotTable::for_regions(ram.regions());
+        let max_slots = kvm.check_extension_raw(u64::from(kvm_bindings::KVM_CAP_NR_MEMSLOTS));
+        let slot_bytes = slot_bytes(
+            ram.size(),
+            ram.regions().len() as u64,
+            u64::try_from(max_slots).unwrap_or(0),
+        );
+        let slots = SlotTable::for_regions(ram.regions(), slot_bytes);
         for s in slots.slots() {
             // SAFETY: the slot describes a live mapping owned by `ram`, which the VM's owner
-            // keeps alive for as long as the VM (see `Vm`); slots do not overlap (one per RAM
-            // region).
+            // keeps alive for as long as the VM (see `Vm`); slots do not overlap (each is a
+            // piece of one RAM region, and regions do not overlap).
             unsafe { vm.set_user_memory_region(s.region(0)) }.map_err(|source| {
                 KvmError::MemorySlot {
                     gpa: s.gpa,
@@ -207,7 +247,13 @@ impl KvmVm {
                 }
             })?;
         }
-        Ok(KvmVm { kvm, vm, slots })
+        let logging = std::sync::Mutex::new(vec![false; slots.slots().len()]);
+        Ok(KvmVm {
+            kvm,
+            vm,
+            slots,
+            logging,
+        })
     }
 
     pub fn slots(&self) -> &SlotTable {
@@ -223,7 +269,7 @@ mod tests {
     const PAGE: u64 = ferry_guest_abi::PAGE_SIZE;
     const GIB: u64 = 1 << 30;
 
-    /// Slots numbered against address order: the low slot is number 1.
+    /// Slots numbered against address order: the low region is slot number 1.
     fn table() -> SlotTable {
         let region = |gpa, size| RamRegion {
             gpa,
@@ -231,7 +277,72 @@ mod tests {
             file_offset: 0,
             host_addr: 0,
         };
-        SlotTable::for_regions(&[region(4 * GIB, GIB), region(0, 3 * GIB)])
+        SlotTable::for_regions(&[region(4 * GIB, GIB), region(0, 3 * GIB)], 4 * GIB)
+    }
+
+    #[test]
+    fn regions_are_cut_into_slots_at_multiples_of_the_slot_size() {
+        let region = |gpa, size, file_offset| RamRegion {
+            gpa,
+            size,
+            file_offset,
+            host_addr: 1 << 40,
+        };
+        let t = SlotTable::for_regions(
+            &[
+                region(0, 3 * GIB, 0),
+                region(4 * GIB, 2 * GIB + (2 << 20), 3 * GIB),
+            ],
+            GIB,
+        );
+        let got: Vec<_> = t
+            .slots()
+            .iter()
+            .map(|s| {
+                (
+                    s.slot,
+                    s.gpa,
+                    s.size,
+                    s.file_offset,
+                    s.host_addr - (1 << 40),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 0, GIB, 0, 0),
+                (1, GIB, GIB, GIB, GIB),
+                (2, 2 * GIB, GIB, 2 * GIB, 2 * GIB),
+                (3, 4 * GIB, GIB, 3 * GIB, 0),
+                (4, 5 * GIB, GIB, 4 * GIB, GIB),
+                (5, 6 * GIB, 2 << 20, 5 * GIB, 2 * GIB),
+            ]
+        );
+        let (s, first) = t.lookup(5 * GIB + 3 * PAGE, 2).unwrap();
+        assert_eq!((s.slot, first), (4, 3));
+        assert!(t.lookup(5 * GIB - PAGE, 2).is_err(), "crosses a slot end");
+    }
+
+    #[test]
+    fn the_slot_size_grows_only_when_kvm_has_too_few_slots() {
+        assert_eq!(slot_bytes(2 * GIB, 1, 32_764), GIB);
+        assert_eq!(slot_bytes(511 * GIB, 2, 32_764), GIB);
+        assert_eq!(
+            slot_bytes(511 * GIB, 2, 509),
+            2 * GIB,
+            "509 slots: 256 of 2 GiB"
+        );
+        assert_eq!(
+            slot_bytes(64 * GIB, 2, 40),
+            4 * GIB,
+            "18 slots of the 32 allowed"
+        );
+        assert_eq!(
+            slot_bytes(64 * GIB, 2, 0),
+            32 * GIB,
+            "none allowed: two slots a region"
+        );
     }
 
     #[test]
