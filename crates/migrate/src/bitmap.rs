@@ -1,22 +1,92 @@
 //! The migration's dirty bitmap: one bit per guest page, per RAM region, with the number of
 //! set bits kept as bits change (never by re-walking), and a bounded walk that takes set bits
 //! out in address order.
+//!
+//! Cost follows what is set, not the size of RAM: each region keeps a summary bit per word of
+//! bits (one per 64 pages), set whenever the word gains a bit, so walks skip 4,096 pages per
+//! empty summary word (a 512 GiB guest's bitmap is 16 MiB, its summary 256 KiB). A summary bit
+//! may outlive its word's bits (a walk clears it when it finds the word empty); it never
+//! misses one.
 
 #![forbid(unsafe_code)]
 
 use crate::ram::{RamError, RamRegion};
 use crate::wire::PAGE_SIZE;
 
-/// Words a single [`DirtyBitmap::take`] call scans at most: 64 Ki words = 4 Mi pages = 16 GiB of
-/// guest memory, about 1 ms of scanning, so a walk over a sparse bitmap still returns to its
-/// caller's clock and cancellation checks often.
+/// Words a single [`DirtyBitmap::take`] call looks at most, summary words and words of bits
+/// together: 64 Ki words, well under a millisecond of scanning (up to 1 TiB of empty guest
+/// memory through the summary), so a walk over a sparse bitmap still returns to its caller's
+/// clock and cancellation checks often.
 pub const MAX_WORDS_PER_TAKE: usize = 64 * 1024;
+
+/// Where a walk through the summary stopped.
+enum Next {
+    /// At a word the summary names.
+    Word(usize),
+    /// At the end of the region.
+    End,
+    /// Out of its scan budget, to go on from this word.
+    OutOfBudget(usize),
+}
 
 #[derive(Clone, Debug)]
 struct RegionBits {
     gpa: u64,
     pages: u64,
     words: Vec<u64>,
+    /// Bit `j` of `summary[s]`: `words[64 * s + j]` may have bits set.
+    summary: Vec<u64>,
+}
+
+impl RegionBits {
+    fn new(gpa: u64, pages: u64) -> RegionBits {
+        let words = pages.div_ceil(64) as usize;
+        RegionBits {
+            gpa,
+            pages,
+            words: vec![0; words],
+            summary: vec![0; words.div_ceil(64)],
+        }
+    }
+
+    /// ORs `bits` into word `w`; returns how many were new.
+    fn or(&mut self, w: usize, bits: u64) -> u64 {
+        let new = bits & !self.words[w];
+        if new != 0 {
+            self.words[w] |= new;
+            self.summary[w / 64] |= 1 << (w % 64);
+        }
+        u64::from(new.count_ones())
+    }
+
+    /// The first word at or after `from` that the summary names, looking at summary words
+    /// while `scanned` (which counts them) is under [`MAX_WORDS_PER_TAKE`].
+    fn next_named(&self, from: usize, scanned: &mut usize) -> Next {
+        let mut s = from / 64;
+        let mut mask = u64::MAX << (from % 64);
+        while s < self.summary.len() {
+            if *scanned >= MAX_WORDS_PER_TAKE {
+                return Next::OutOfBudget((s * 64).max(from));
+            }
+            *scanned += 1;
+            let named = self.summary[s] & mask;
+            if named != 0 {
+                return Next::Word(s * 64 + named.trailing_zeros() as usize);
+            }
+            s += 1;
+            mask = u64::MAX;
+        }
+        Next::End
+    }
+
+    /// The words the summary names, in order, with their bits (empty ones included).
+    fn named(&self) -> impl Iterator<Item = usize> + '_ {
+        self.summary.iter().enumerate().flat_map(|(s, &named)| {
+            (0..64)
+                .filter(move |j| named & (1 << j) != 0)
+                .map(move |j| s * 64 + j)
+        })
+    }
 }
 
 /// Dirty pages of guest RAM. Allocated once per migration.
@@ -44,14 +114,7 @@ impl DirtyBitmap {
         DirtyBitmap {
             regions: regions
                 .iter()
-                .map(|r| {
-                    let pages = r.size / PAGE_SIZE;
-                    RegionBits {
-                        gpa: r.gpa,
-                        pages,
-                        words: vec![0; pages.div_ceil(64) as usize],
-                    }
-                })
+                .map(|r| RegionBits::new(r.gpa, r.size / PAGE_SIZE))
                 .collect(),
             count: 0,
         }
@@ -71,11 +134,9 @@ impl DirtyBitmap {
         for r in &mut self.regions {
             if gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE {
                 let page = (gpa - r.gpa) / PAGE_SIZE;
-                let (w, bit) = ((page / 64) as usize, 1u64 << (page % 64));
-                let new = r.words[w] & bit == 0;
-                r.words[w] |= bit;
-                self.count += u64::from(new);
-                return new;
+                let new = r.or((page / 64) as usize, 1 << (page % 64));
+                self.count += new;
+                return new == 1;
             }
         }
         false
@@ -118,9 +179,7 @@ impl DirtyBitmap {
             let at = (first / 64) as usize + i;
             for (idx, bits) in [(at, w << shift), (at + 1, (w >> 1) >> (63 - shift))] {
                 if bits != 0 {
-                    let new = bits & !r.words[idx];
-                    r.words[idx] |= new;
-                    added += u64::from(new.count_ones());
+                    added += r.or(idx, bits);
                 }
             }
         }
@@ -129,8 +188,9 @@ impl DirtyBitmap {
     }
 
     /// Takes up to `max_pages` marked pages from `cursor` on, clearing their bits and pushing
-    /// their guest addresses to `out`. Scans at most [`MAX_WORDS_PER_TAKE`] words; the cursor
-    /// says where to go on (it stays on a word that still has bits).
+    /// their guest addresses to `out`. Looks at most at [`MAX_WORDS_PER_TAKE`] words, summary
+    /// words included, skipping through the summary what has no bit; the cursor says where to
+    /// go on (it stays on a word that still has bits).
     pub fn take(&mut self, cursor: &mut Cursor, max_pages: usize, out: &mut Vec<u64>) {
         let mut scanned = 0;
         let mut taken = 0;
@@ -139,20 +199,29 @@ impl DirtyBitmap {
             && scanned < MAX_WORDS_PER_TAKE
         {
             let r = &mut self.regions[cursor.region];
-            if cursor.word >= r.words.len() {
-                cursor.region += 1;
-                cursor.word = 0;
-                continue;
-            }
-            let mut w = r.words[cursor.word];
+            let at = match r.next_named(cursor.word, &mut scanned) {
+                Next::Word(at) => at,
+                Next::End => {
+                    cursor.region += 1;
+                    cursor.word = 0;
+                    continue;
+                }
+                Next::OutOfBudget(resume) => {
+                    cursor.word = resume;
+                    break;
+                }
+            };
+            cursor.word = at;
+            let mut w = r.words[at];
             while w != 0 && taken < max_pages {
                 let bit = w.trailing_zeros() as u64;
                 w &= w - 1;
-                out.push(r.gpa + (cursor.word as u64 * 64 + bit) * PAGE_SIZE);
+                out.push(r.gpa + (at as u64 * 64 + bit) * PAGE_SIZE);
                 taken += 1;
             }
-            r.words[cursor.word] = w;
+            r.words[at] = w;
             if w == 0 {
+                r.summary[at / 64] &= !(1 << (at % 64));
                 cursor.word += 1;
             }
             scanned += 1;
@@ -216,13 +285,15 @@ impl DirtyBitmap {
                     64 => u64::MAX,
                     n => ((1u64 << n) - 1) << bit,
                 };
-                let w = &mut r.words[(first / 64) as usize];
-                let flip = match set {
-                    true => mask & !*w,
-                    false => mask & *w,
+                let w = (first / 64) as usize;
+                changed += match set {
+                    true => r.or(w, mask),
+                    false => {
+                        let flip = mask & r.words[w];
+                        r.words[w] ^= flip;
+                        u64::from(flip.count_ones())
+                    }
                 };
-                *w ^= flip;
-                changed += u64::from(flip.count_ones());
                 first += n;
             }
         }
@@ -250,14 +321,21 @@ impl DirtyBitmap {
 
     /// The pages marked here and not in `except` (a bitmap of the same regions), as runs
     /// `(gpa, pages)` in address order, each inside one region and at most `max_pages` long.
-    /// Walks the whole bitmap (skipping empty words), so it is for the one-off uses
-    /// (postcopy's discard lists), not for a loop.
+    /// Walks the words the summary names, so it is for the one-off uses (postcopy's discard
+    /// lists), not for a loop.
     pub fn runs_except(&self, except: Option<&DirtyBitmap>, max_pages: u64) -> Vec<(u64, u64)> {
         let mut out: Vec<(u64, u64)> = Vec::new();
         for (k, r) in self.regions.iter().enumerate() {
             let mut open: Option<(u64, u64)> = None;
-            for (i, &w) in r.words.iter().enumerate() {
-                let w = w & !except.map_or(0, |e| e.regions[k].words[i]);
+            let mut last = None;
+            for i in r.named() {
+                if last.is_some_and(|l| l + 1 != i)
+                    && let Some(run) = open.take()
+                {
+                    out.push(run);
+                }
+                last = Some(i);
+                let w = r.words[i] & !except.map_or(0, |e| e.regions[k].words[i]);
                 if w == 0 {
                     if let Some(run) = open.take() {
                         out.push(run);
@@ -291,7 +369,7 @@ impl DirtyBitmap {
 
     /// Marks every page of each unit of `unit_pages` pages (a multiple of 64, counted from
     /// each region's start) that has a page marked: postcopy over huge pages moves whole host
-    /// pages. Walks the whole bitmap, 8 words at a time for 2 MiB units.
+    /// pages. Walks the words the summary names.
     pub fn round_out(&mut self, unit_pages: u64) {
         if unit_pages <= 1 {
             return;
@@ -302,30 +380,27 @@ impl DirtyBitmap {
         );
         let per = (unit_pages / 64) as usize;
         for r in &mut self.regions {
-            let pages = r.pages;
-            for (u, words) in r.words.chunks_mut(per).enumerate() {
-                if words.iter().all(|&w| w == 0) {
+            let units: Vec<usize> = r
+                .named()
+                .filter(|&i| r.words[i] != 0)
+                .map(|i| i / per)
+                .collect();
+            let (pages, mut last) = (r.pages, None);
+            for u in units {
+                if last == Some(u) {
                     continue;
                 }
-                for (k, w) in words.iter_mut().enumerate() {
-                    let first = (u * per + k) as u64 * 64;
+                last = Some(u);
+                for w in u * per..((u + 1) * per).min(r.words.len()) {
+                    let first = w as u64 * 64;
                     let full = match pages.saturating_sub(first) {
                         n if n >= 64 => u64::MAX,
                         n => (1u64 << n) - 1,
                     };
-                    self.count += u64::from((full & !*w).count_ones());
-                    *w |= full;
+                    self.count += r.or(w, full);
                 }
             }
         }
-    }
-
-    /// Clears every bit.
-    pub fn clear(&mut self) {
-        for r in &mut self.regions {
-            r.words.fill(0);
-        }
-        self.count = 0;
     }
 }
 
@@ -466,11 +541,12 @@ mod tests {
 
     #[test]
     fn take_bounds_its_scan_on_a_sparse_bitmap() {
-        let mut b = DirtyBitmap::new(&[RamRegion::for_test(
-            0,
-            64 * PAGE_SIZE * (MAX_WORDS_PER_TAKE as u64 * 2),
-        )]);
-        b.set(64 * PAGE_SIZE * (MAX_WORDS_PER_TAKE as u64 + 5));
+        // Twice as many summary words as one call may look at (8 Mi words of bits).
+        let summary_words = MAX_WORDS_PER_TAKE as u64 * 2;
+        let mut b =
+            DirtyBitmap::new(&[RamRegion::for_test(0, 64 * 64 * summary_words * PAGE_SIZE)]);
+        let far = 64 * 64 * (MAX_WORDS_PER_TAKE as u64 + 5) * PAGE_SIZE;
+        b.set(far);
         let (mut cursor, mut out) = (Cursor::default(), Vec::new());
         b.take(&mut cursor, 100, &mut out);
         assert!(
@@ -478,7 +554,42 @@ mod tests {
             "first call stops after its scan budget"
         );
         b.take(&mut cursor, 100, &mut out);
-        assert_eq!(out.len(), 1);
+        assert_eq!(out, vec![far]);
+        b.take(&mut cursor, 100, &mut out);
+        assert!(cursor.at_end(&b) && b.count() == 0);
+    }
+
+    #[test]
+    fn walks_skip_unnamed_words_and_runs_split_across_them() {
+        let mut b = DirtyBitmap::new(&[RamRegion::for_test(0, 1 << 30)]);
+        // The last page of word 5 and the first of word 7: not one run (word 6 is empty);
+        // the last page of word 99 and the first of word 100: one run.
+        for p in [5 * 64 + 63, 7 * 64, 99 * 64 + 63, 100 * 64, 200_000] {
+            b.set(p * PAGE_SIZE);
+        }
+        assert_eq!(
+            b.runs_except(None, 1000),
+            vec![
+                ((5 * 64 + 63) * PAGE_SIZE, 1),
+                (7 * 64 * PAGE_SIZE, 1),
+                ((99 * 64 + 63) * PAGE_SIZE, 2),
+                (200_000 * PAGE_SIZE, 1),
+            ]
+        );
+        let mut other = b.clone();
+        assert!(other.test_and_clear(7 * 64 * PAGE_SIZE));
+        other.round_out(512);
+        assert_eq!(
+            other.runs_except(None, 1 << 20),
+            vec![
+                (0, 512),
+                (12 * 512 * PAGE_SIZE, 512),
+                (390 * 512 * PAGE_SIZE, 512)
+            ],
+            "whole units around what is left, a word emptied by a clear included in none"
+        );
+        assert_eq!(drain(&mut b, usize::MAX).len(), 5);
+        assert_eq!(b.runs_except(None, 1000), vec![], "the walk emptied it");
     }
 
     #[test]

@@ -21,6 +21,7 @@ mod conn;
 pub mod control;
 pub mod destination;
 pub mod error;
+pub mod pagebits;
 pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;

@@ -13,7 +13,6 @@
 
 use std::collections::BTreeMap;
 use std::io::Read;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,38 +31,7 @@ use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
 /// the marker's pages).
 const POSTCOPY_GATE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A per-page bitmap shared by the receivers.
-#[derive(Debug)]
-pub struct PageBits(Vec<AtomicU64>);
-
-impl PageBits {
-    pub fn new(pages: u64) -> PageBits {
-        PageBits((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
-    }
-
-    /// Whether bit `i` is set.
-    pub fn get(&self, i: u64) -> bool {
-        self.0[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
-    }
-
-    /// Sets bit `i`; returns whether it was already set.
-    pub fn set(&self, i: u64) -> bool {
-        let bit = 1 << (i % 64);
-        self.0[(i / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
-    }
-
-    /// Clears bit `i`; returns whether it was set.
-    pub fn clear(&self, i: u64) -> bool {
-        let bit = 1 << (i % 64);
-        self.0[(i / 64) as usize].fetch_and(!bit, Ordering::AcqRel) & bit != 0
-    }
-
-    fn clear_all(&self) {
-        for w in &self.0 {
-            w.store(0, Ordering::Release);
-        }
-    }
-}
+pub use crate::pagebits::PageBits;
 
 /// Makes every party wait at the end of pass n until all parties reached it, or until a party
 /// fails or leaves too early (then everyone stops). Every wait is bounded: a party that never

@@ -42,7 +42,8 @@ use vm_memory::{
     GuestRegionMmap,
 };
 
-use crate::writes::{TakenWords, WriteBitmap};
+use crate::writes::WriteBitmap;
+use ferry_migrate::pagebits::TakenWords;
 
 /// Guest memory as vm-memory sees it, every region with its write bitmap.
 pub type TrackedMemory = GuestMemoryMmap<WriteBitmap>;

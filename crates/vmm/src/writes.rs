@@ -1,86 +1,34 @@
-//! The record of the VMM's own writes to guest memory: a vm-memory [`Bitmap`] with one bit
-//! per 4 KiB page and a summary with one bit per 64 pages (a word of the first), so that
-//! taking what was written costs what was written, not what RAM is configured with: a
-//! 512 GiB guest has 16 MiB of page bits but 256 KiB of summary, and a take walks the
-//! summary and swaps only the page words it names.
-//!
-//! Ordering: a write sets its page bits, then their summary bits; a take swaps a summary word
-//! out, then each page word it names. A write whose summary bit a take already cleared set its
-//! page bit either before that take's swap of the page word (taken now) or after it (its
-//! summary bit is set after the take's swap of the summary word, so the next take sees it).
-//! A summary bit whose page word turned out empty costs one swap, nothing else.
+//! The record of the VMM's own writes to guest memory: vm-memory's [`Bitmap`] trait over the
+//! engine's [`PageBits`] (a bit per 4 KiB page and a summary bit per 64 pages), so that taking
+//! what was written costs what was written, not what RAM is configured with: a 512 GiB guest
+//! has 16 MiB of page bits but 256 KiB of summary, and a take walks the summary and swaps only
+//! the words it names. A write sets its bits after its bytes landed (vm-memory marks after
+//! the copy), which is the order a migration needs.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
+use ferry_migrate::pagebits::{PageBits, TakenWords};
 use vm_memory::bitmap::{Bitmap, NewBitmap, RefSlice, WithBitmapSlice};
 
 const PAGE: usize = ferry_guest_abi::PAGE_SIZE as usize;
 
-/// Written pages of one guest memory region, with a summary word per 64 page words.
-#[derive(Debug, Default)]
-pub struct WriteBitmap {
-    /// Bit `i` of word `w`: page `64 * w + i` was written.
-    pages: Vec<AtomicU64>,
-    /// Bit `i` of word `s`: page word `64 * s + i` may have bits set.
-    summary: Vec<AtomicU64>,
-    len_pages: usize,
-}
-
-/// Words of the VMM's writes taken from a [`WriteBitmap`]: `(w, bits)` is page word `w`, in
-/// increasing order of `w`, never zero.
-pub type TakenWords = Vec<(usize, u64)>;
+/// Written pages of one guest memory region.
+#[derive(Debug)]
+pub struct WriteBitmap(PageBits);
 
 impl WriteBitmap {
     /// A bitmap for `bytes` of guest memory (rounded up to whole pages).
     pub fn new(bytes: usize) -> WriteBitmap {
-        let len_pages = bytes.div_ceil(PAGE);
-        let words = len_pages.div_ceil(64);
-        WriteBitmap {
-            pages: (0..words).map(|_| AtomicU64::new(0)).collect(),
-            summary: (0..words.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            len_pages,
-        }
+        WriteBitmap(PageBits::new(bytes.div_ceil(PAGE) as u64))
     }
 
-    /// Pages the bitmap covers.
-    pub fn len_pages(&self) -> usize {
-        self.len_pages
-    }
-
-    /// Takes every page written since the last take, clearing it. Walks the summary (one word
-    /// per 4,096 pages) and swaps only the page words it names.
+    /// Takes every page written since the last take, clearing it.
     pub fn take(&self) -> TakenWords {
-        let mut out = Vec::new();
-        for (s, summary) in self.summary.iter().enumerate() {
-            let mut named = summary.swap(0, Ordering::SeqCst);
-            while named != 0 {
-                let w = s * 64 + named.trailing_zeros() as usize;
-                named &= named - 1;
-                let bits = self.pages[w].swap(0, Ordering::SeqCst);
-                if bits != 0 {
-                    out.push((w, bits));
-                }
-            }
-        }
-        out
+        self.0.take()
     }
+}
 
-    /// Sets the bits of pages `first..first + count` in `words` (page words, or summary words
-    /// counting page words), clipped to `limit` bits.
-    fn set_bits(words: &[AtomicU64], first: usize, count: usize, limit: usize) {
-        let end = (first + count).min(limit);
-        let mut at = first;
-        while at < end {
-            let bit = at % 64;
-            let n = (64 - bit).min(end - at);
-            let mask = if n == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << n) - 1) << bit
-            };
-            words[at / 64].fetch_or(mask, Ordering::SeqCst);
-            at += n;
-        }
+impl Default for WriteBitmap {
+    fn default() -> Self {
+        WriteBitmap::new(0)
     }
 }
 
@@ -93,17 +41,13 @@ impl Bitmap for WriteBitmap {
         if len == 0 {
             return;
         }
-        let first = offset / PAGE;
-        let last = (offset + len - 1) / PAGE;
-        let words = self.pages.len();
-        Self::set_bits(&self.pages, first, last + 1 - first, self.len_pages);
-        Self::set_bits(&self.summary, first / 64, last / 64 + 1 - first / 64, words);
+        let (first, last) = (offset / PAGE, (offset + len - 1) / PAGE);
+        self.0.set_range(first as u64, (last - first + 1) as u64);
     }
 
     fn dirty_at(&self, offset: usize) -> bool {
-        let page = offset / PAGE;
-        page < self.len_pages
-            && self.pages[page / 64].load(Ordering::Acquire) & (1 << (page % 64)) != 0
+        let page = (offset / PAGE) as u64;
+        page < self.0.len() && self.0.get(page)
     }
 
     fn slice_at(&self, offset: usize) -> <Self as WithBitmapSlice<'_>>::S {
@@ -121,47 +65,20 @@ impl NewBitmap for WriteBitmap {
 mod tests {
     use super::*;
 
-    fn pages(taken: &TakenWords) -> Vec<usize> {
-        taken
-            .iter()
-            .flat_map(|&(w, bits)| {
-                (0..64)
-                    .filter(move |b| bits & (1 << b) != 0)
-                    .map(move |b| w * 64 + b)
-            })
-            .collect()
-    }
-
     #[test]
-    fn a_take_returns_each_written_page_once_and_clears_it() {
-        let b = WriteBitmap::new(10_000 * PAGE);
-        b.mark_dirty(5 * PAGE + 100, 1);
-        b.mark_dirty(63 * PAGE + 1, PAGE); // pages 63 and 64: two words, one summary bit
-        b.mark_dirty(9_000 * PAGE, 3 * PAGE); // another summary word
-        assert!(b.dirty_at(64 * PAGE) && !b.dirty_at(65 * PAGE));
-        assert_eq!(pages(&b.take()), vec![5, 63, 64, 9_000, 9_001, 9_002]);
-        assert_eq!(b.take(), Vec::new(), "a second take finds nothing");
-    }
-
-    #[test]
-    fn writes_past_the_end_are_clipped_and_empty_writes_ignored() {
+    fn writes_mark_every_page_they_touch_and_a_take_clears_them() {
         let b = WriteBitmap::new(100 * PAGE);
-        b.mark_dirty(98 * PAGE, 10 * PAGE);
+        b.mark_dirty(5 * PAGE + 100, 1);
+        b.mark_dirty(63 * PAGE + 1, PAGE); // pages 63 and 64
+        b.mark_dirty(98 * PAGE, 10 * PAGE); // clipped at page 99
         b.mark_dirty(3 * PAGE, 0);
-        assert_eq!(pages(&b.take()), vec![98, 99]);
-        assert_eq!(b.len_pages(), 100);
-    }
-
-    #[test]
-    fn a_take_of_a_large_sparse_bitmap_visits_only_summary_words() {
-        // 64 GiB of pages: 2 MiB of page words, 32 KiB of summary.
-        let b = WriteBitmap::new(64 << 30);
-        b.mark_dirty((12 << 30) + 7 * PAGE, 2 * PAGE);
+        assert!(b.dirty_at(64 * PAGE) && !b.dirty_at(65 * PAGE) && !b.dirty_at(3 * PAGE));
+        assert!(!b.dirty_at(500 * PAGE), "past the end");
         let taken = b.take();
-        assert_eq!(taken.len(), 1);
         assert_eq!(
-            pages(&taken),
-            vec![(12 << 30) / PAGE + 7, (12 << 30) / PAGE + 8]
+            taken,
+            vec![(0, (1 << 5) | (1 << 63)), (1, 1 | (0b11 << 34))]
         );
+        assert_eq!(b.take(), Vec::new());
     }
 }

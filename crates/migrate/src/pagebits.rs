@@ -1,0 +1,199 @@
+//! A bitmap over guest pages that threads share (atomic words), with a summary bit per word of
+//! bits, so that taking or clearing what is set costs what is set, not the size of RAM: at
+//! 512 GiB the bits are 16 MiB and the summary 256 KiB. The destination's receivers claim
+//! pages in one per pass (cleared at every pass end, the final pass's inside the downtime),
+//! and the reference VMM records its own writes to guest memory in one.
+//!
+//! Ordering: setting a bit sets it, then its word's summary bit; [`PageBits::take`] and
+//! [`PageBits::clear_all`] swap a summary word out, then each word it names. A bit set
+//! concurrently with a take is either in that take (set before the take swapped its word) or
+//! stays named by the summary for the next one (its summary bit is set after the take swapped
+//! the summary word). A summary bit may name a word that turned out empty; that costs one swap.
+
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bits, each word of them named by a summary bit when it may have bits set.
+#[derive(Debug)]
+pub struct PageBits {
+    words: Vec<AtomicU64>,
+    /// Bit `j` of summary word `s`: word `64 * s + j` may have bits set.
+    summary: Vec<AtomicU64>,
+    len: u64,
+}
+
+/// Words taken from a [`PageBits`]: `(w, bits)` is word `w` (bits `64 * w..64 * w + 64`), in
+/// increasing order of `w`, never zero.
+pub type TakenWords = Vec<(usize, u64)>;
+
+impl PageBits {
+    /// `len` bits, all clear. The words are zeroed memory the allocator hands out, so a
+    /// bitmap nobody sets costs address space, not host memory.
+    pub fn new(len: u64) -> PageBits {
+        let words = len.div_ceil(64) as usize;
+        PageBits {
+            words: zeroed(words),
+            summary: zeroed(words.div_ceil(64)),
+            len,
+        }
+    }
+
+    /// Bits.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether bit `i` is set.
+    pub fn get(&self, i: u64) -> bool {
+        self.words[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+
+    /// Sets bit `i`; returns whether it was already set.
+    pub fn set(&self, i: u64) -> bool {
+        let bit = 1 << (i % 64);
+        let was = self.words[(i / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0;
+        if !was {
+            self.name((i / 64) as usize);
+        }
+        was
+    }
+
+    /// Clears bit `i`; returns whether it was set. (Its summary bit stays: the next take or
+    /// clear finds the word empty.)
+    pub fn clear(&self, i: u64) -> bool {
+        let bit = 1 << (i % 64);
+        self.words[(i / 64) as usize].fetch_and(!bit, Ordering::AcqRel) & bit != 0
+    }
+
+    /// Sets bits `first..first + count`, clipped to the bitmap's length.
+    pub fn set_range(&self, first: u64, count: u64) {
+        let end = first.saturating_add(count).min(self.len);
+        let mut at = first;
+        while at < end {
+            let bit = at % 64;
+            let n = (64 - bit).min(end - at);
+            let mask = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << bit
+            };
+            self.words[(at / 64) as usize].fetch_or(mask, Ordering::AcqRel);
+            self.name((at / 64) as usize);
+            at += n;
+        }
+    }
+
+    /// Takes every set bit, clearing it: walks the summary and swaps only the words it names.
+    pub fn take(&self) -> TakenWords {
+        let mut out = Vec::new();
+        self.drain(|w, bits| out.push((w, bits)));
+        out
+    }
+
+    /// Clears every bit, at the cost of what was set.
+    pub fn clear_all(&self) {
+        self.drain(|_, _| {});
+    }
+
+    fn drain(&self, mut each: impl FnMut(usize, u64)) {
+        for (s, summary) in self.summary.iter().enumerate() {
+            // Cheap test first: most summary words of a large sparse bitmap are zero.
+            if summary.load(Ordering::Acquire) == 0 {
+                continue;
+            }
+            let mut named = summary.swap(0, Ordering::AcqRel);
+            while named != 0 {
+                let w = s * 64 + named.trailing_zeros() as usize;
+                named &= named - 1;
+                let bits = self.words[w].swap(0, Ordering::AcqRel);
+                if bits != 0 {
+                    each(w, bits);
+                }
+            }
+        }
+    }
+
+    /// Marks word `w` in the summary (after its bits were set).
+    fn name(&self, w: usize) {
+        let bit = 1 << (w % 64);
+        let s = &self.summary[w / 64];
+        if s.load(Ordering::Acquire) & bit == 0 {
+            s.fetch_or(bit, Ordering::AcqRel);
+        }
+    }
+}
+
+/// `n` zeroed atomic words from the allocator's zeroed memory (for large sizes, fresh pages the
+/// kernel maps only when written), not a loop that writes each (a 16 MiB bitmap written with
+/// zeros costs ~10 ms of first touches on a host where a fresh page costs 2-3 µs).
+fn zeroed(n: usize) -> Vec<AtomicU64> {
+    use zerocopy::FromZeros;
+    AtomicU64::new_vec_zeroed(n).expect("a bitmap the size of guest RAM / 32768 fits in memory")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(taken: &TakenWords) -> Vec<u64> {
+        taken
+            .iter()
+            .flat_map(|&(w, b)| {
+                (0..64)
+                    .filter(move |k| b & (1 << k) != 0)
+                    .map(move |k| w as u64 * 64 + k)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_take_returns_each_set_bit_once_and_clears_it() {
+        let b = PageBits::new(10_000);
+        assert!(!b.set(5));
+        assert!(b.set(5), "already set");
+        b.set_range(63, 2); // bits 63 and 64: two words
+        b.set_range(9_000, 3); // another summary word
+        assert!(b.get(64) && !b.get(65));
+        assert_eq!(bits(&b.take()), vec![5, 63, 64, 9_000, 9_001, 9_002]);
+        assert_eq!(b.take(), Vec::new(), "a second take finds nothing");
+        assert!(!b.get(5));
+    }
+
+    #[test]
+    fn clearing_one_bit_or_all_leaves_nothing_to_take() {
+        let b = PageBits::new(300);
+        b.set(1);
+        b.set(200);
+        assert!(b.clear(1));
+        assert!(!b.clear(1));
+        assert_eq!(bits(&b.take()), vec![200], "a cleared bit is not taken");
+        b.set_range(0, 300);
+        b.clear_all();
+        assert_eq!(b.take(), Vec::new());
+        assert!((0..300).all(|i| !b.get(i)));
+    }
+
+    #[test]
+    fn ranges_are_clipped_to_the_length() {
+        let b = PageBits::new(100);
+        b.set_range(98, 10);
+        b.set_range(u64::MAX - 1, 5);
+        assert_eq!(bits(&b.take()), vec![98, 99]);
+        assert_eq!(b.len(), 100);
+    }
+
+    #[test]
+    fn a_large_sparse_bitmap_takes_only_what_is_set() {
+        // 512 GiB of 4 KiB pages: 16 MiB of words, 256 KiB of summary.
+        let b = PageBits::new(512 << 18);
+        b.set_range((12 << 18) + 7, 2);
+        let taken = b.take();
+        assert_eq!(taken.len(), 1);
+        assert_eq!(bits(&taken), vec![(12 << 18) + 7, (12 << 18) + 8]);
+    }
+}
