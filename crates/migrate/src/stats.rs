@@ -84,6 +84,11 @@ pub struct MigrationStats {
     pub cpu_seconds_destination: f64,
     /// Longest dirty sync (the bounded-step promise, measured).
     pub max_sync_ms: f64,
+    /// Longest step of precopy's control loop: the longest time between two looks at
+    /// cancellation and the destination's messages while the guest ran (a batch queued, a
+    /// paced sleep, a dirty sync, a hint round), so how long a cancel can wait.
+    #[serde(default)]
+    pub max_step_ms: f64,
     /// Whether the switchover came because the rest fit the downtime limit (rather than the
     /// timeout forcing it).
     pub converged: bool,

@@ -9,6 +9,8 @@ mod ingest;
 mod link;
 mod postcopy;
 mod precopy;
+mod process;
+mod scale;
 mod soak;
 mod state;
 mod vcpus;
@@ -42,6 +44,9 @@ pub enum BenchCommand {
     /// One dirtying guest migrated back and forth between two VMM processes, N round trips:
     /// per-hop time, downtime and guest pause; each process's descriptors and memory.
     Soak(soak::SoakBenchArgs),
+    /// An idle guest that touched 256 MiB migrated at 8, 64, 256 and 511 GiB of RAM: what
+    /// grows with configured memory (time, setup, steps, CPU, each process's peak memory).
+    Scale(scale::ScaleBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -55,5 +60,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::State(args) => state::run(&args),
         BenchCommand::Vcpus(args) => vcpus::run(&args),
         BenchCommand::Soak(args) => soak::run(&args),
+        BenchCommand::Scale(args) => scale::run(&args),
     }
 }

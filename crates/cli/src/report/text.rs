@@ -117,8 +117,8 @@ pub fn print_stats(s: &MigrationStats) {
         );
     }
     println!(
-        "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms",
-        s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms
+        "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms, longest step {:.2} ms",
+        s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms, s.max_step_ms
     );
     if s.throttle_max_percent > 0 {
         println!(

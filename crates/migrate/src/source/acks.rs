@@ -151,6 +151,10 @@ impl Session<'_> {
     /// Cancellation, and whatever the destination said that ends the migration (its Error,
     /// a record out of order, its connection closing) — looked at between any two batches.
     pub(super) fn check_control(&mut self) -> Result<(), MigrateError> {
+        let now = Instant::now();
+        if let Some(last) = self.last_check.replace(now) {
+            self.stats.max_step_ms = self.stats.max_step_ms.max(ms(now - last));
+        }
         if self.control.cancelled() {
             return Err(MigrateError::Cancelled);
         }

@@ -341,6 +341,8 @@ struct Session<'a> {
     /// postcopy discards, sends and serves whole units.
     postcopy_unit: u64,
     start: Instant,
+    /// When precopy's loop last looked at cancellation (`check_control`), for `max_step_ms`.
+    last_check: Option<Instant>,
     cpu_start: u64,
     stats: MigrationStats,
     /// Batches sent so far, for publishing progress every few.
@@ -384,6 +386,7 @@ impl<'a> Session<'a> {
             earlier_bytes: 0,
             postcopy_unit: 1,
             start: Instant::now(),
+            last_check: None,
             cpu_start: stats::thread_cpu_ns(),
             stats: MigrationStats::default(),
             samples: 0,
@@ -422,6 +425,7 @@ impl<'a> Session<'a> {
         vm.start_dirty_log()?;
         self.stats.dirty_start_ms = ms(t.elapsed());
         self.stats.setup_ms = ms(self.start.elapsed());
+        self.last_check = Some(Instant::now());
         self.set_phase(Phase::Precopy);
         match self.precopy(vm)? {
             Ending::Switchover(last) => self.switchover(vm, last + 1),

@@ -104,6 +104,7 @@ impl Session<'_> {
             self.bitmap.round_out(unit);
         }
         let t0 = Instant::now();
+        self.last_check = None; // the control loop's steps end here
         vm.pause()?;
         self.guest = GuestState::Paused;
         let t1 = Instant::now();

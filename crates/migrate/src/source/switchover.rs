@@ -51,6 +51,7 @@ impl<'a> Session<'a> {
         self.note_acks();
         self.stats.in_flight_at_pause_bytes = self.in_flight();
         let t0 = Instant::now();
+        self.last_check = None; // the control loop's steps end here
         vm.pause()?;
         self.guest = GuestState::Paused;
         let t1 = Instant::now();

@@ -1,0 +1,182 @@
+//! A `ferry run` child process that a benchmark drives through its API socket, and what /proc
+//! tells of it: the soak and the scaling benchmark measure each VMM process on its own.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use ferry_migrate::{MigrationStats, Phase, Progress};
+use ferry_vmm::api::client;
+use serde_json::Value;
+
+/// Longest any one step of a hop may take before the soak calls the run failed: a hop of the
+/// default guest takes well under a second, so this only catches a hang.
+pub const STEP_LIMIT: Duration = Duration::from_secs(60);
+const POLL: Duration = Duration::from_millis(5);
+
+/// A `ferry run` child; killed on drop.
+pub struct Vmm {
+    pub name: &'static str,
+    child: Child,
+    pub socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Vmm {
+    pub fn spawn(name: &'static str, dir: &Path, args: &[String]) -> anyhow::Result<Vmm> {
+        let socket = dir.join(format!("{name}.sock"));
+        let log = dir.join(format!("{name}.log"));
+        let child = Command::new(std::env::current_exe()?)
+            .arg("run")
+            .args(args)
+            .args(["--serial", "none", "--api-socket"])
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(File::create(&log)?)
+            .spawn()
+            .context("cannot start ferry run")?;
+        Ok(Vmm {
+            name,
+            child,
+            socket,
+            log,
+        })
+    }
+
+    pub fn get(&self, path: &str) -> Option<Value> {
+        client::request(&self.socket, "GET", path).ok()
+    }
+
+    /// Polls until `done` holds for `GET path`, or fails naming `what` and the process's log.
+    pub fn wait_for(
+        &mut self,
+        what: &str,
+        path: &str,
+        done: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + STEP_LIMIT;
+        loop {
+            if let Some(v) = self.get(path).filter(|v| done(v)) {
+                return Ok(v);
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "{} exited ({status}) while waiting for {what}:\n{}",
+                    self.name,
+                    self.log_text()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{} did not reach {what} within {STEP_LIMIT:?}:\n{}",
+                    self.name,
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Open file descriptors and resident memory (KiB), from /proc. The descriptors are the
+    /// fewest of a few looks 20 ms apart: a connection of the hop just ended may still be
+    /// closing, and what a leak holds stays.
+    pub fn usage(&self) -> anyhow::Result<(usize, u64)> {
+        let proc = PathBuf::from(format!("/proc/{}", self.child.id()));
+        let mut fds = usize::MAX;
+        for _ in 0..3 {
+            fds = fds.min(std::fs::read_dir(proc.join("fd"))?.count());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let status = std::fs::read_to_string(proc.join("status"))?;
+        let rss = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmRSS in /proc/PID/status")?;
+        Ok((fds, rss))
+    }
+
+    /// Peak resident memory of the process so far (VmHWM), KiB.
+    pub fn peak_rss_kib(&self) -> anyhow::Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmHWM in /proc/PID/status")
+    }
+
+    pub fn waiting(&mut self) -> anyhow::Result<()> {
+        self.wait_for("waiting for a migration", "/migration", |m| {
+            m["role"] == "destination" && m["phase"] == "waiting"
+        })
+        .map(drop)
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A migration that completed, and the guest's counters after it verified on the destination.
+pub struct Migrated {
+    pub stats: MigrationStats,
+    pub guest: Value,
+}
+
+/// Starts a migration on `src` with `body` (PUT /migration), follows it to its end, and waits
+/// for the guest to run on `dst` and verify its memory once more; fails unless the migration
+/// completed and the guest found no bad page.
+pub fn migrate_and_verify(src: &mut Vmm, dst: &mut Vmm, body: &Value) -> anyhow::Result<Migrated> {
+    client::request_with_body(&src.socket, "PUT", "/migration", &body.to_string())
+        .context("could not start the migration")?;
+    // Once it completes, `src` goes on to wait for the guest's return and tells how the
+    // migration ended as `previous`.
+    let ended = src.wait_for("the migration's end", "/migration", |m| {
+        m["role"] == "destination"
+            || matches!(
+                m["phase"].as_str(),
+                Some("completed" | "failed" | "cancelled")
+            )
+    })?;
+    let ended = match ended["role"] == "destination" {
+        true => ended["previous"].clone(),
+        false => ended,
+    };
+    let progress: Progress = serde_json::from_value(ended).context("unreadable progress")?;
+    if progress.phase != Phase::Completed {
+        bail!(
+            "the migration ended {:?}: {}",
+            progress.phase,
+            progress.error.unwrap_or_default()
+        );
+    }
+    let stats = progress
+        .stats
+        .context("a completed migration has statistics")?;
+    let arrived = dst.wait_for("the guest running", "/vm", |s| s["state"] == "running")?;
+    let passes = arrived["guest"]["verify_passes"].as_u64().unwrap_or(0);
+    let guest = dst.wait_for("a verify pass after the migration", "/vm", |s| {
+        s["guest"]["verify_passes"].as_u64() > Some(passes)
+    })?["guest"]
+        .clone();
+    if guest["verify_failures"] != 0 || guest["bad_reads"] != 0 {
+        bail!("the guest found bad pages after the migration: {guest:#}");
+    }
+    Ok(Migrated { stats, guest })
+}
