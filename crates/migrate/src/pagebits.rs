@@ -118,13 +118,13 @@ impl PageBits {
         }
     }
 
-    /// Marks word `w` in the summary (after its bits were set).
+    /// Marks word `w` in the summary (after its bits were set). Always a read-modify-write,
+    /// never a load first: a take's swap of the summary word then either comes after it (and
+    /// sees the word's bits, released by it) or before it (and the bit stays for the next
+    /// take); a plain load could see a bit a take was clearing and skip the write, leaving
+    /// a set bit no summary names.
     fn name(&self, w: usize) {
-        let bit = 1 << (w % 64);
-        let s = &self.summary[w / 64];
-        if s.load(Ordering::Acquire) & bit == 0 {
-            s.fetch_or(bit, Ordering::AcqRel);
-        }
+        self.summary[w / 64].fetch_or(1 << (w % 64), Ordering::AcqRel);
     }
 }
 

@@ -125,3 +125,69 @@ fn vmm_write_through_the_memory_view_is_in_fetch_dirty() {
     src.stop_dirty_log();
     src.resume().unwrap();
 }
+
+/// Issue 15: a memory slot that held no data when tracking started is not logged (that is
+/// what makes tracking cost what the guest populated), so when the guest fills it, the next
+/// fetch must turn its log on and report every page in it. The guest writes its working set in
+/// order, each page for the first time, across slot boundaries (64 MiB slots in a 3 GiB guest).
+#[test]
+fn a_slot_that_fills_while_tracking_is_reported_whole() {
+    const SLOT: u64 = ferry_vmm::kvm::MIN_SLOT_BYTES;
+    let t = boot(3 << 30, "ws=2560M pattern=seq verify-ms=0 log-ms=0");
+    t.wait_for("the guest writing", BOOT_TIMEOUT, |g| {
+        g.pages_written * PAGE_SIZE >= SLOT
+    });
+    let handle = t.handle();
+    let populated_end = || {
+        let extents = handle.ram().data_extents().unwrap();
+        extents.last().map_or(0, |&(gpa, len)| gpa + len)
+    };
+    let mut src = handle.migration_source();
+    src.pause().unwrap();
+    src.start_dirty_log().unwrap();
+    let empty_from = populated_end().next_multiple_of(SLOT);
+    src.resume().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while populated_end() < empty_from + SLOT / 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the guest did not reach the next slot"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    src.pause().unwrap();
+    let mut regions = src.ram();
+    regions.sort_by_key(|r| r.gpa);
+    let mut bitmap = DirtyBitmap::new(&regions);
+    src.fetch_dirty(&mut bitmap).unwrap();
+    let filled: Vec<u64> = handle
+        .ram()
+        .data_extents()
+        .unwrap()
+        .into_iter()
+        .flat_map(|(gpa, len)| (gpa..gpa + len).step_by(PAGE_SIZE as usize))
+        .filter(|&gpa| gpa >= empty_from)
+        .collect();
+    assert!(
+        filled.len() as u64 >= SLOT / 2 / PAGE_SIZE,
+        "{} pages",
+        filled.len()
+    );
+    let missing: Vec<u64> = filled
+        .iter()
+        .copied()
+        .filter(|&gpa| !bitmap.contains(gpa))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of the {} pages written into slots that had no data are not reported, the first at {:#x}",
+        missing.len(),
+        filled.len(),
+        missing[0]
+    );
+    let mut again = DirtyBitmap::new(&regions);
+    src.fetch_dirty(&mut again).unwrap();
+    assert_eq!(again.count(), 0, "a paused guest wrote nothing more");
+    src.stop_dirty_log();
+    src.resume().unwrap();
+}

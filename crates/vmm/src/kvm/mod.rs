@@ -1,8 +1,8 @@
 //! Everything that talks to KVM. No other module of the VMM imports `kvm-ioctls`.
 //!
-//! - `mod.rs`: open `/dev/kvm`, create the VM, register guest RAM as memory slots of at most
-//!   [`SLOT_BYTES`] (more when KVM has too few slots) and keep the [`SlotTable`] that says
-//!   which slot maps which guest addresses.
+//! - `mod.rs`: open `/dev/kvm`, create the VM, register guest RAM as memory slots of a 64th
+//!   of RAM, between [`MIN_SLOT_BYTES`] and [`SLOT_BYTES`] (more when KVM has too few slots),
+//!   and keep the [`SlotTable`] that says which slot maps which guest addresses.
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
@@ -87,24 +87,36 @@ pub fn require_for_tests() {
     }
 }
 
-/// Guest RAM per memory slot: 1 GiB. Dirty logging is turned on, fetched and turned off a
-/// slot at a time, and only for slots holding populated memory (see `dirty.rs`), so the slot
-/// is the granule at which a migration's fixed costs follow the memory a guest uses rather
-/// than the memory it has: a 512 GiB guest that touched 256 MiB logs one or two slots, and
-/// each fetch of a slot's log is a 32 KiB bitmap. Turning logging on write-protects a slot's
-/// mapped pages in one ioctl, so the slot also bounds that step (a fully mapped 1 GiB slot is
-/// 262,144 pages). 1 GiB keeps huge pages of either size whole, and a 512 GiB guest within
-/// 513 slots (KVM allows 32,764 on Linux 5.x and later, 509 before; see [`slot_bytes`]).
+/// Most guest RAM per memory slot: 1 GiB. Dirty logging is turned on, fetched and turned off
+/// a slot at a time, and only for slots holding populated memory (see `dirty.rs`), so the
+/// slot is the granule at which a migration's fixed costs follow the memory a guest uses
+/// rather than the memory it has: a 512 GiB guest that touched 256 MiB logs one or two slots,
+/// and each fetch of a slot's log is a 32 KiB bitmap. Turning logging on write-protects a
+/// slot's mapped pages in one ioctl, so the slot also bounds that step (a fully mapped 1 GiB
+/// slot is 262,144 pages). 1 GiB keeps huge pages of either size whole, and a 512 GiB guest
+/// within 513 slots (KVM allows 32,764 on Linux 5.x and later, 509 before; see
+/// [`slot_bytes`]).
 pub const SLOT_BYTES: u64 = 1 << 30;
+
+/// Least guest RAM per memory slot: 64 MiB, so that a small guest is cut into enough slots
+/// (a 2 GiB guest into 32) for the same rule to pay at its scale; a slot is one more ioctl per
+/// dirty sync, a few microseconds.
+pub const MIN_SLOT_BYTES: u64 = 64 << 20;
+
+/// Slots a guest's RAM is cut into, at most, when the sizes above allow: RAM / 64 per slot.
+const SLOTS_PER_GUEST: u64 = 64;
 
 /// Slots kept free of guest RAM in the count KVM allows, for whatever else a VMM maps.
 const SPARE_SLOTS: u64 = 8;
 
-/// The slot size for `ram` bytes of RAM in `regions` regions when KVM allows `max_slots`:
-/// [`SLOT_BYTES`], doubled until the slots fit (each region may end in a partial slot).
+/// The slot size for `ram` bytes of RAM in `regions` regions when KVM allows `max_slots`: a
+/// 64th of RAM as a power of two between [`MIN_SLOT_BYTES`] and [`SLOT_BYTES`], doubled
+/// until the slots fit (each region may end in a partial slot).
 pub fn slot_bytes(ram: u64, regions: u64, max_slots: u64) -> u64 {
     let limit = max_slots.saturating_sub(SPARE_SLOTS).max(2 * regions);
-    let mut size = SLOT_BYTES;
+    let mut size = (ram / SLOTS_PER_GUEST)
+        .next_power_of_two()
+        .clamp(MIN_SLOT_BYTES, SLOT_BYTES);
     while ram.div_ceil(size) + regions > limit {
         size *= 2;
     }
@@ -326,8 +338,17 @@ mod tests {
 
     #[test]
     fn the_slot_size_grows_only_when_kvm_has_too_few_slots() {
-        assert_eq!(slot_bytes(2 * GIB, 1, 32_764), GIB);
-        assert_eq!(slot_bytes(511 * GIB, 2, 32_764), GIB);
+        assert_eq!(slot_bytes(256 << 20, 1, 32_764), 64 << 20, "the least");
+        assert_eq!(slot_bytes(2 * GIB, 1, 32_764), 64 << 20, "32 slots");
+        assert_eq!(slot_bytes(3 * GIB, 1, 32_764), 64 << 20, "48 slots");
+        assert_eq!(slot_bytes(8 * GIB, 2, 32_764), 128 << 20, "64 slots");
+        assert_eq!(slot_bytes(64 * GIB, 2, 32_764), GIB);
+        assert_eq!(slot_bytes(511 * GIB, 2, 32_764), GIB, "the most");
+        assert_eq!(
+            slot_bytes(2 * GIB, 1, 20),
+            256 << 20,
+            "9 slots of the 12 allowed"
+        );
         assert_eq!(
             slot_bytes(511 * GIB, 2, 509),
             2 * GIB,
