@@ -19,9 +19,11 @@ use crate::UsageError;
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Guest RAM, e.g. 512M, 2G, 64G (RAM is sparse: untouched memory costs nothing).
-    #[arg(long, default_value = "2G", value_parser = crate::parse_size)]
-    memory: u64,
+    /// Guest RAM, e.g. 512M, 2G, 64G, or `max` for the most this host's KVM and the guest
+    /// allow (511G for the built-in guest; said on start). RAM is sparse: untouched memory
+    /// costs nothing, and a migration's cost follows the memory the guest touched.
+    #[arg(long, default_value = "2G", value_parser = crate::parse_memory)]
+    memory: crate::MemorySize,
     /// vCPUs (the PVH boot path starts one).
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
@@ -261,7 +263,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         path => SerialOutput::File(path.into()),
     };
     let config = VmConfig {
-        memory_bytes: args.memory,
+        memory_bytes: crate::memory_size(args.memory, guest)?,
         vcpus: args.vcpus,
         kernel,
         cmdline: args.cmdline,

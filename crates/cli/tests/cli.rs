@@ -46,7 +46,14 @@ fn bad_memory_sizes_are_refused_with_the_fix() {
             vec!["run", "--memory", "10M"],
             "--memory 10M is below the minimum of 64M",
         ),
-        (vec!["run", "--memory", "1000T"], "is above the maximum"),
+        (
+            vec!["run", "--memory", "1000T"],
+            "--memory 1000T is above the most this VM may have here, 65535G: ferry maps at most 64T",
+        ),
+        (
+            vec!["run", "--memory", "1T"],
+            "--memory 1T is above the most this VM may have here, 511G: the built-in guest maps 512 GiB of addresses",
+        ),
         (
             vec!["run", "--memory", "65M"],
             "not a multiple of 2M; round it, e.g. to 66M",

@@ -14,6 +14,7 @@ pub mod boot;
 pub mod devices;
 pub mod error;
 pub mod kvm;
+pub mod limit;
 pub mod memory;
 pub mod migration;
 pub mod sections;

@@ -55,9 +55,9 @@ pub const MMIO_HOLE_START: u64 = 3 << 30;
 pub const MMIO_HOLE_END: u64 = 4 << 30;
 /// Smallest guest: the built-in guest's image, its tables and a useful working set fit.
 pub const MIN_MEMORY: u64 = 64 << 20;
-/// Largest guest: the built-in guest maps RAM with one PML4 entry (512 GiB of addresses).
-pub const MAX_MEMORY: u64 =
-    ferry_guest_abi::layout::MAX_RAM_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
+/// Largest guest RAM ferry maps on any host (`crate::limit` has the bound of this host and
+/// guest, which may be lower).
+pub const MAX_MEMORY: u64 = crate::limit::MAPPABLE_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
 /// Granule of guest memory sizes: the 2 MiB pages the guest maps RAM with.
 pub const MEMORY_GRANULE: u64 = 2 << 20;
 
@@ -66,8 +66,8 @@ pub const MEMORY_GRANULE: u64 = 2 << 20;
 pub enum MemoryError {
     #[error("--memory {} is below the minimum of 64M; give the VM at least 64M", Size(*size))]
     TooSmall { size: u64 },
-    #[error("--memory {} is above the maximum of {} (the guest maps at most 512 GiB of addresses); lower --memory", Size(*size), Size(MAX_MEMORY))]
-    TooLarge { size: u64 },
+    #[error("--memory {} is above the most this VM may have here, {}: {why}; lower --memory, or ask for the most with --memory max", Size(*size), Size(*max))]
+    TooLarge { size: u64, max: u64, why: String },
     #[error("--memory {} is not a multiple of 2M; round it, e.g. to {}M", Size(*size), size.div_ceil(MEMORY_GRANULE) * 2)]
     Unaligned { size: u64 },
     #[error(
@@ -112,6 +112,7 @@ pub struct Size(pub u64);
 impl std::fmt::Display for Size {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
+            b if b != 0 && b.is_multiple_of(1 << 40) => write!(f, "{}T", b >> 40),
             b if b != 0 && b.is_multiple_of(1 << 30) => write!(f, "{}G", b >> 30),
             b if b != 0 && b.is_multiple_of(1 << 20) => write!(f, "{}M", b >> 20),
             b => write!(f, "{b} bytes"),
@@ -146,7 +147,14 @@ pub fn validate_size(size: u64) -> Result<(), MemoryError> {
         return Err(MemoryError::TooSmall { size });
     }
     if size > MAX_MEMORY {
-        return Err(MemoryError::TooLarge { size });
+        return Err(MemoryError::TooLarge {
+            size,
+            max: MAX_MEMORY,
+            why: format!(
+                "ferry maps at most {} of guest addresses",
+                Size(crate::limit::MAPPABLE_TOP)
+            ),
+        });
     }
     if !size.is_multiple_of(MEMORY_GRANULE) {
         return Err(MemoryError::Unaligned { size });

@@ -354,6 +354,7 @@ fn check_config(config: &VmConfig) -> Result<(), VmmError> {
         return Err(VmmError::Vcpus(config.vcpus));
     }
     memory::validate_size(config.memory_bytes)?;
+    crate::limit::MemoryLimit::of_host(&kvm::open()?, config.guest).check(config.memory_bytes)?;
     if config.guest == GuestKind::FerryGuest {
         ferry_guest_abi::params::parse(&config.full_cmdline())
             .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
