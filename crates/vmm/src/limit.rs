@@ -10,8 +10,9 @@
 //!
 //! What this does not bound: KVM's own bookkeeping per memory slot, which on a host with
 //! shadow paging costs 8 bytes of kernel memory per 4 KiB guest page when the slot is
-//! registered (a 511 GiB guest: 1 GiB of kernel memory, 0.3-2 s); a host without that memory
-//! refuses the slot, and the error says so.
+//! registered (a 511 GiB guest: 1 GiB of kernel memory, 0.3-2 s; 4 TiB: 8 GiB, 27 s measured
+//! on the project's machine); a host without that memory refuses the slot
+//! (`KvmError::OutOfMemory` says so, and what to do).
 
 use kvm_ioctls::Kvm;
 

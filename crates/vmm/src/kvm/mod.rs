@@ -40,6 +40,14 @@ pub enum KvmError {
     ApiVersion(i32),
     #[error("cannot create a KVM VM: {0}")]
     CreateVm(vmm_sys_util::errno::Error),
+    #[error(
+        "KVM ran out of kernel memory registering guest RAM at {gpa:#x} ({registered} of {total} bytes done): it keeps bookkeeping per guest page for every memory slot (on a host with shadow paging, 8 bytes per 4 KiB page, 1/512 of guest RAM); lower --memory or free host memory"
+    )]
+    OutOfMemory {
+        gpa: u64,
+        registered: u64,
+        total: u64,
+    },
     #[error("cannot register guest RAM at {gpa:#x} ({size} bytes) with KVM: {source}")]
     MemorySlot {
         gpa: u64,
@@ -252,10 +260,17 @@ impl KvmVm {
             // keeps alive for as long as the VM (see `Vm`); slots do not overlap (each is a
             // piece of one RAM region, and regions do not overlap).
             unsafe { vm.set_user_memory_region(s.region(0)) }.map_err(|source| {
-                KvmError::MemorySlot {
-                    gpa: s.gpa,
-                    size: s.size,
-                    source,
+                match source.errno() {
+                    libc::ENOMEM => KvmError::OutOfMemory {
+                        gpa: s.gpa,
+                        registered: s.file_offset,
+                        total: ram.size(),
+                    },
+                    _ => KvmError::MemorySlot {
+                        gpa: s.gpa,
+                        size: s.size,
+                        source,
+                    },
                 }
             })?;
         }
