@@ -145,7 +145,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Parses a byte size such as `2G`, `512M` or `64GiB` (binary units).
 /// A guest's RAM size: a size, or `max` for the most this host and guest allow (resolved by
 /// [`memory_size`] once the guest is known).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,6 +177,7 @@ pub fn memory_size(size: MemorySize, guest: ferry_vmm::GuestKind) -> anyhow::Res
     }
 }
 
+/// Parses a byte size such as `2G`, `512M` or `64GiB` (binary units).
 fn parse_size(s: &str) -> Result<u64, String> {
     ferry_guest_abi::params::parse_size(s).ok_or_else(|| {
         format!("'{s}' is not a size; write a number with an optional K, M, G or T suffix, e.g. 2G")

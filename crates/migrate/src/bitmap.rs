@@ -29,7 +29,7 @@ enum Next {
     OutOfBudget(usize),
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct RegionBits {
     gpa: u64,
     pages: u64,
@@ -79,13 +79,40 @@ impl RegionBits {
         Next::End
     }
 
-    /// The words the summary names, in order, with their bits (empty ones included).
+    /// The words the summary names, in order (empty ones included): a step per summary word
+    /// and per named word, none per empty one.
     fn named(&self) -> impl Iterator<Item = usize> + '_ {
-        self.summary.iter().enumerate().flat_map(|(s, &named)| {
-            (0..64)
-                .filter(move |j| named & (1 << j) != 0)
-                .map(move |j| s * 64 + j)
-        })
+        self.summary
+            .iter()
+            .enumerate()
+            .filter(|&(_, &named)| named != 0)
+            .flat_map(|(s, &named)| {
+                let mut rest = named;
+                std::iter::from_fn(move || {
+                    (rest != 0).then(|| {
+                        let j = rest.trailing_zeros() as usize;
+                        rest &= rest - 1;
+                        s * 64 + j
+                    })
+                })
+            })
+    }
+}
+
+/// A copy costs what is set: the words are zeroed memory the allocator hands out, and only the
+/// named ones are copied (postcopy copies the bitmap while the guest is paused).
+impl Clone for RegionBits {
+    fn clone(&self) -> RegionBits {
+        let mut words = vec![0; self.words.len()];
+        for w in self.named() {
+            words[w] = self.words[w];
+        }
+        RegionBits {
+            gpa: self.gpa,
+            pages: self.pages,
+            words,
+            summary: self.summary.clone(),
+        }
     }
 }
 

@@ -95,6 +95,24 @@ impl PageBits {
         out
     }
 
+    /// Calls `each` with every set bit, in increasing order, leaving them set: walks the
+    /// summary and reads only the words it names. Bits set or cleared meanwhile may or may not
+    /// be seen.
+    pub fn for_each_set(&self, mut each: impl FnMut(u64)) {
+        for (s, summary) in self.summary.iter().enumerate() {
+            let mut named = summary.load(Ordering::Acquire);
+            while named != 0 {
+                let w = s * 64 + named.trailing_zeros() as usize;
+                named &= named - 1;
+                let mut bits = self.words[w].load(Ordering::Acquire);
+                while bits != 0 {
+                    each(w as u64 * 64 + u64::from(bits.trailing_zeros()));
+                    bits &= bits - 1;
+                }
+            }
+        }
+    }
+
     /// Clears every bit, at the cost of what was set.
     pub fn clear_all(&self) {
         self.drain(|_, _| {});
@@ -176,6 +194,19 @@ mod tests {
         b.clear_all();
         assert_eq!(b.take(), Vec::new());
         assert!((0..300).all(|i| !b.get(i)));
+    }
+
+    #[test]
+    fn a_walk_sees_every_set_bit_in_order_and_leaves_them() {
+        let b = PageBits::new(100_000);
+        for i in [3, 64, 65, 4_095, 4_096, 99_999] {
+            b.set(i);
+        }
+        b.clear(65);
+        let mut seen = Vec::new();
+        b.for_each_set(|i| seen.push(i));
+        assert_eq!(seen, vec![3, 64, 4_095, 4_096, 99_999]);
+        assert_eq!(bits(&b.take()), seen, "the walk took nothing");
     }
 
     #[test]

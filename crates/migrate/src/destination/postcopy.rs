@@ -209,33 +209,60 @@ impl Postcopy {
     /// Runs of listed pages not installed yet (at most [`wire::MAX_ZERO_RUN_PAGES`] each):
     /// what a recovery tells the source it still lacks.
     pub(crate) fn missing_runs(&self) -> Vec<(u64, u64)> {
-        self.runs_where(|i| self.needed.get(i) && !self.installed.get(i))
+        self.runs_not_installed(&self.needed)
     }
 
     /// Runs of requested pages not installed yet: asked for again after a recovery, since the
     /// request may have been lost with the connection.
     pub(crate) fn pending_requests(&self) -> Vec<(u64, u64)> {
-        self.runs_where(|i| self.requested.get(i) && !self.installed.get(i))
+        self.runs_not_installed(&self.requested)
     }
 
-    /// Runs of pages (by guest address, within one region) whose index satisfies `want`.
-    fn runs_where(&self, want: impl Fn(u64) -> bool) -> Vec<(u64, u64)> {
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for r in self.ram.regions() {
-            let mut open: Option<(u64, u64)> = None;
-            for gpa in (r.gpa..r.gpa + r.size).step_by(PAGE_SIZE as usize) {
-                let i = self.ram.page_index(gpa).expect("a page of the region");
-                match (&mut open, want(i)) {
-                    (Some((_, n)), true) if *n < wire::MAX_ZERO_RUN_PAGES => *n += 1,
-                    (_, true) => {
-                        runs.extend(open.take());
-                        open = Some((gpa, 1));
-                    }
-                    (_, false) => runs.extend(open.take()),
+    /// Runs of pages (by guest address, within one region, at most
+    /// [`wire::MAX_ZERO_RUN_PAGES`] each) set in `listed` and not installed. Walks the pages
+    /// `listed` has set (through its summary), not all of RAM: a recovery of a large guest
+    /// costs what it still lacks.
+    fn runs_not_installed(&self, listed: &PageBits) -> Vec<(u64, u64)> {
+        // (first page index, pages, guest address) of each region, in index order.
+        let mut first = 0;
+        let regions: Vec<(u64, u64, u64)> = self
+            .ram
+            .regions()
+            .iter()
+            .map(|r| {
+                let pages = r.size / PAGE_SIZE;
+                first += pages;
+                (first - pages, pages, r.gpa)
+            })
+            .collect();
+        let (mut runs, mut open) = (Vec::new(), None::<(usize, u64, u64)>);
+        let mut region = 0;
+        listed.for_each_set(|i| {
+            if self.installed.get(i) {
+                return;
+            }
+            while region < regions.len() && i >= regions[region].0 + regions[region].1 {
+                region += 1;
+            }
+            let Some(&(first, _, gpa)) = regions.get(region) else {
+                return;
+            };
+            let gpa = gpa + (i - first) * PAGE_SIZE;
+            match &mut open {
+                Some((r, start, n))
+                    if *r == region
+                        && *start + *n * PAGE_SIZE == gpa
+                        && *n < wire::MAX_ZERO_RUN_PAGES =>
+                {
+                    *n += 1
+                }
+                _ => {
+                    runs.extend(open.map(|(_, start, n)| (start, n)));
+                    open = Some((region, gpa, 1));
                 }
             }
-            runs.extend(open);
-        }
+        });
+        runs.extend(open.map(|(_, start, n)| (start, n)));
         runs
     }
 

@@ -24,8 +24,9 @@
 //! device state and Complete. Every step is bounded: batches are at most 2 MiB, the bitmap
 //! walk scans a bounded number of words per call, and between any two of these the loop
 //! checks cancellation and the rate limit. Dirty tracking starts empty
-//! (`SourceVm::start_dirty_log`) and pass 1 walks populated memory only, so no step follows
-//! the configured size of RAM.
+//! (`SourceVm::start_dirty_log`, one call into the VMM whose cost follows populated memory,
+//! counted as the loop's first step in `max_step_ms`) and pass 1 walks populated memory
+//! only, so no step follows the configured size of RAM.
 //!
 //! Invariant: the source never runs a guest it handed over. Until Complete is sent, any failure
 //! resumes a paused guest and tells the destination why; after it, the guest stays paused.
@@ -421,11 +422,13 @@ impl<'a> Session<'a> {
             self.hooks,
             self.preempt_granted,
         )?;
+        // The control loop's first step is the VMM starting its dirty log (one call, whose
+        // cost follows populated memory), so `max_step_ms` counts it.
         let t = Instant::now();
+        self.last_check = Some(t);
         vm.start_dirty_log()?;
         self.stats.dirty_start_ms = ms(t.elapsed());
         self.stats.setup_ms = ms(self.start.elapsed());
-        self.last_check = Some(Instant::now());
         self.set_phase(Phase::Precopy);
         match self.precopy(vm)? {
             Ending::Switchover(last) => self.switchover(vm, last + 1),

@@ -146,8 +146,10 @@ impl KvmVm {
                 self.fetch_slot(s, into)?;
             } else if skip.has_data(memfd, s)? {
                 self.set_slot_logging(s, true)?;
-                logging[i] = true;
+                // Marked as logging only once its pages are reported: a fetch that failed
+                // half way looks at the slot again (and reports its pages) the next time.
                 report_populated(memfd, s, into)?;
+                logging[i] = true;
             }
         }
         Ok(())
@@ -234,19 +236,26 @@ impl KvmVm {
     }
 }
 
-/// Walks slots in file order asking whether each holds populated memory, with one `SEEK_DATA`
-/// for a whole run of empty slots: the answer says where the next data is, and every slot
-/// that ends before it is empty.
+/// Walks slots asking whether each holds populated memory, with one `SEEK_DATA` for a whole
+/// run of empty slots in file order: the answer says where the next data is, and every slot
+/// that ends before it is empty. A slot before the last one asked about (slots out of file
+/// order) starts the knowledge afresh.
 #[derive(Debug, Default)]
 struct Populated {
-    /// No data in the memfd before this offset from where the walk last looked.
+    /// No data in the memfd from `from` to this offset.
     empty_until: u64,
-    /// The file has no data at all from `empty_until` on.
+    /// The file has no data at all from `from` on.
     none_after: bool,
+    /// Where the last question started.
+    from: u64,
 }
 
 impl Populated {
     fn has_data(&mut self, memfd: &File, s: &MemorySlot) -> Result<bool, DirtyLogError> {
+        if s.file_offset < self.from {
+            *self = Populated::default();
+        }
+        self.from = s.file_offset;
         let end = s.file_offset + s.size;
         if self.none_after || end <= self.empty_until {
             return Ok(false);

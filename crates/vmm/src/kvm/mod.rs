@@ -114,6 +114,9 @@ pub const MIN_SLOT_BYTES: u64 = 64 << 20;
 /// Slots a guest's RAM is cut into, at most, when the sizes above allow: RAM / 64 per slot.
 const SLOTS_PER_GUEST: u64 = 64;
 
+/// Largest slot ever made: 4 TiB, a power of two under KVM's limit of 2^31 - 1 pages a slot.
+const MAX_SLOT_BYTES: u64 = 4 << 40;
+
 /// Slots kept free of guest RAM in the count KVM allows, for whatever else a VMM maps.
 const SPARE_SLOTS: u64 = 8;
 
@@ -125,7 +128,7 @@ pub fn slot_bytes(ram: u64, regions: u64, max_slots: u64) -> u64 {
     let mut size = (ram / SLOTS_PER_GUEST)
         .next_power_of_two()
         .clamp(MIN_SLOT_BYTES, SLOT_BYTES);
-    while ram.div_ceil(size) + regions > limit {
+    while ram.div_ceil(size) + regions > limit && size < MAX_SLOT_BYTES {
         size *= 2;
     }
     size
@@ -378,6 +381,11 @@ mod tests {
             slot_bytes(64 * GIB, 2, 0),
             32 * GIB,
             "none allowed: two slots a region"
+        );
+        assert_eq!(
+            slot_bytes(64 << 40, 2, 0),
+            4 << 40,
+            "never above KVM's slot size"
         );
     }
 
