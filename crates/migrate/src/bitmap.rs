@@ -12,6 +12,7 @@
 
 use crate::ram::{RamError, RamRegion};
 use crate::wire::PAGE_SIZE;
+use crate::zeroed::Zeroed;
 
 /// Words a single [`DirtyBitmap::take`] call looks at most, summary words and words of bits
 /// together: 64 Ki words, well under a millisecond of scanning (up to 1 TiB of empty guest
@@ -33,9 +34,10 @@ enum Next {
 struct RegionBits {
     gpa: u64,
     pages: u64,
-    words: Vec<u64>,
+    /// A zeroed mapping of its own (`zeroed.rs`): a bitmap costs what is set in it.
+    words: Zeroed<u64>,
     /// Bit `j` of `summary[s]`: `words[64 * s + j]` may have bits set.
-    summary: Vec<u64>,
+    summary: Zeroed<u64>,
 }
 
 impl RegionBits {
@@ -44,8 +46,8 @@ impl RegionBits {
         RegionBits {
             gpa,
             pages,
-            words: vec![0; words],
-            summary: vec![0; words.div_ceil(64)],
+            words: Zeroed::new(words),
+            summary: Zeroed::new(words.div_ceil(64)),
         }
     }
 
@@ -99,20 +101,16 @@ impl RegionBits {
     }
 }
 
-/// A copy costs what is set: the words are zeroed memory the allocator hands out, and only the
-/// named ones are copied (postcopy copies the bitmap while the guest is paused).
+/// A copy costs what is set: fresh zeroed words, and only the named ones copied (postcopy
+/// copies the bitmap while the guest is paused).
 impl Clone for RegionBits {
     fn clone(&self) -> RegionBits {
-        let mut words = vec![0; self.words.len()];
+        let mut copy = RegionBits::new(self.gpa, self.pages);
         for w in self.named() {
-            words[w] = self.words[w];
+            copy.words[w] = self.words[w];
         }
-        RegionBits {
-            gpa: self.gpa,
-            pages: self.pages,
-            words,
-            summary: self.summary.clone(),
-        }
+        copy.summary.copy_from_slice(&self.summary);
+        copy
     }
 }
 

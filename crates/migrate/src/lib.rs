@@ -40,6 +40,8 @@ pub mod vm;
 pub mod wire;
 #[allow(unsafe_code)] // target_feature functions and SIMD loads
 pub mod zero;
+#[allow(unsafe_code)] // mmap and munmap of the bitmaps' zeroed memory
+pub mod zeroed;
 
 pub use control::{Control, Phase, Progress};
 pub use error::MigrateError;

@@ -14,12 +14,14 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::zeroed::Zeroed;
+
 /// Bits, each word of them named by a summary bit when it may have bits set.
 #[derive(Debug)]
 pub struct PageBits {
-    words: Vec<AtomicU64>,
+    words: Zeroed<AtomicU64>,
     /// Bit `j` of summary word `s`: word `64 * s + j` may have bits set.
-    summary: Vec<AtomicU64>,
+    summary: Zeroed<AtomicU64>,
     len: u64,
 }
 
@@ -28,13 +30,13 @@ pub struct PageBits {
 pub type TakenWords = Vec<(usize, u64)>;
 
 impl PageBits {
-    /// `len` bits, all clear. The words are zeroed memory the allocator hands out, so a
+    /// `len` bits, all clear. The words are a zeroed mapping of their own (`zeroed.rs`), so a
     /// bitmap nobody sets costs address space, not host memory.
     pub fn new(len: u64) -> PageBits {
         let words = len.div_ceil(64) as usize;
         PageBits {
-            words: zeroed(words),
-            summary: zeroed(words.div_ceil(64)),
+            words: Zeroed::new(words),
+            summary: Zeroed::new(words.div_ceil(64)),
             len,
         }
     }
@@ -144,14 +146,6 @@ impl PageBits {
     fn name(&self, w: usize) {
         self.summary[w / 64].fetch_or(1 << (w % 64), Ordering::AcqRel);
     }
-}
-
-/// `n` zeroed atomic words from the allocator's zeroed memory (for large sizes, fresh pages the
-/// kernel maps only when written), not a loop that writes each (a 16 MiB bitmap written with
-/// zeros costs ~10 ms of first touches on a host where a fresh page costs 2-3 µs).
-fn zeroed(n: usize) -> Vec<AtomicU64> {
-    use zerocopy::FromZeros;
-    AtomicU64::new_vec_zeroed(n).expect("a bitmap the size of guest RAM / 32768 fits in memory")
 }
 
 #[cfg(test)]
