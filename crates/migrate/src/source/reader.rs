@@ -100,7 +100,8 @@ pub struct Granted {
     /// PageRequest and Done, and reading on after Resumed.
     pub postcopy: bool,
     /// The guest runs on the destination already (a postcopy recovery's connection): no
-    /// Resumed comes, Done may.
+    /// Resumed comes, Done may, and page requests are in order from the first byte (the
+    /// destination asks again for what it was waiting for as soon as it sent Resume).
     pub resumed: bool,
 }
 
@@ -129,6 +130,10 @@ impl InboundReader {
         let acked_bytes = Arc::new(AtomicU64::new(0));
         let acked_pages = Arc::new(AtomicU64::new(0));
         let requests = Arc::new(Requests::default());
+        if granted.resumed {
+            // Before the thread reads anything: a request may be the first record it reads.
+            requests.allowed.store(true, Ordering::Release);
+        }
         // Depth two: a Resumed that does not end the reading, then the ending; each is sent
         // once, so a send never blocks (nobody may be listening any more).
         let (tx, ending) = sync_channel(2);
@@ -465,6 +470,30 @@ mod tests {
         switched.wait_requests(Duration::from_secs(5));
         assert_eq!(switched.take_requests(), vec![(0x2000, 1)]);
         assert!(switched.poll().is_none(), "nothing ended the reading");
+    }
+
+    /// A postcopy recovery's reader failed its migration when the destination's request for
+    /// a page it still waited for, sent right after Resume, was read before the source allowed
+    /// requests on the new connection (a CI run of the failure matrix): a resumed connection
+    /// takes requests from its first byte.
+    #[test]
+    fn a_recovered_connection_takes_a_request_that_was_waiting_before_the_reader_started() {
+        let request = record(
+            Header::runs(Kind::PageRequest, 1),
+            &crate::wire::encode_runs(&[(0x3000, 1)]),
+        );
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        theirs.write_all(&request).unwrap();
+        let mut conn = Conn::new(Box::new(ours)).unwrap();
+        let resumed = Granted {
+            resumed: true,
+            progress: false,
+            postcopy: true,
+        };
+        let reader = InboundReader::start(&mut conn, resumed).unwrap();
+        reader.wait_requests(Duration::from_secs(5));
+        assert_eq!(reader.take_requests(), vec![(0x3000, 1)]);
+        assert!(reader.poll().is_none(), "nothing ended the reading");
     }
 
     #[test]

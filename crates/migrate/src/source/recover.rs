@@ -142,9 +142,8 @@ impl Session<'_> {
             postcopy: true,
             resumed: true,
         };
-        let reader = InboundReader::start(&mut self.conn, granted)?;
-        reader.allow_requests();
-        self.acks.reader = Some(reader);
+        // A resumed connection's reader takes page requests from its first byte.
+        self.acks.reader = Some(InboundReader::start(&mut self.conn, granted)?);
         self.pool.open(
             &connect,
             &self.params,
