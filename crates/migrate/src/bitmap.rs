@@ -10,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+use crate::pagebits::set_bits;
 use crate::ram::{RamError, RamRegion};
 use crate::wire::PAGE_SIZE;
 use crate::zeroed::Zeroed;
@@ -88,16 +89,7 @@ impl RegionBits {
             .iter()
             .enumerate()
             .filter(|&(_, &named)| named != 0)
-            .flat_map(|(s, &named)| {
-                let mut rest = named;
-                std::iter::from_fn(move || {
-                    (rest != 0).then(|| {
-                        let j = rest.trailing_zeros() as usize;
-                        rest &= rest - 1;
-                        s * 64 + j
-                    })
-                })
-            })
+            .flat_map(|(s, &named)| set_bits(named).map(move |j| s * 64 + j as usize))
     }
 }
 

@@ -102,15 +102,10 @@ impl PageBits {
     /// be seen.
     pub fn for_each_set(&self, mut each: impl FnMut(u64)) {
         for (s, summary) in self.summary.iter().enumerate() {
-            let mut named = summary.load(Ordering::Acquire);
-            while named != 0 {
-                let w = s * 64 + named.trailing_zeros() as usize;
-                named &= named - 1;
-                let mut bits = self.words[w].load(Ordering::Acquire);
-                while bits != 0 {
-                    each(w as u64 * 64 + u64::from(bits.trailing_zeros()));
-                    bits &= bits - 1;
-                }
+            for j in set_bits(summary.load(Ordering::Acquire)) {
+                let w = s as u64 * 64 + j;
+                let bits = self.words[w as usize].load(Ordering::Acquire);
+                set_bits(bits).for_each(|k| each(w * 64 + k));
             }
         }
     }
@@ -126,10 +121,8 @@ impl PageBits {
             if summary.load(Ordering::Acquire) == 0 {
                 continue;
             }
-            let mut named = summary.swap(0, Ordering::AcqRel);
-            while named != 0 {
-                let w = s * 64 + named.trailing_zeros() as usize;
-                named &= named - 1;
+            for j in set_bits(summary.swap(0, Ordering::AcqRel)) {
+                let w = s * 64 + j as usize;
                 let bits = self.words[w].swap(0, Ordering::AcqRel);
                 if bits != 0 {
                     each(w, bits);
@@ -146,6 +139,18 @@ impl PageBits {
     fn name(&self, w: usize) {
         self.summary[w / 64].fetch_or(1 << (w % 64), Ordering::AcqRel);
     }
+}
+
+/// The indices of the bits set in `word`, lowest first: one step per set bit.
+pub fn set_bits(word: u64) -> impl Iterator<Item = u64> {
+    let mut rest = word;
+    std::iter::from_fn(move || {
+        (rest != 0).then(|| {
+            let j = rest.trailing_zeros();
+            rest &= rest - 1;
+            u64::from(j)
+        })
+    })
 }
 
 #[cfg(test)]

@@ -42,8 +42,9 @@ use vm_memory::{
     GuestRegionMmap,
 };
 
-use crate::writes::WriteBitmap;
 use ferry_migrate::pagebits::TakenWords;
+
+use crate::writes::WriteBitmap;
 
 /// Guest memory as vm-memory sees it, every region with its write bitmap.
 pub type TrackedMemory = GuestMemoryMmap<WriteBitmap>;

@@ -155,16 +155,6 @@ impl KvmVm {
         Ok(())
     }
 
-    /// Slots logging dirty pages now.
-    pub fn slots_logging(&self) -> usize {
-        self.logging
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|&&on| on)
-            .count()
-    }
-
     /// Re-registers `slot` with dirty logging on or off. On, it write-protects what the slot
     /// maps; its log starts empty.
     fn set_slot_logging(&self, s: &MemorySlot, on: bool) -> Result<(), DirtyLogError> {
@@ -261,12 +251,7 @@ impl Populated {
             return Ok(false);
         }
         let from = s.file_offset.max(self.empty_until);
-        match next_data_offset(memfd.as_raw_fd(), from).map_err(|source| {
-            DirtyLogError::Populated {
-                slot: s.slot,
-                source,
-            }
-        })? {
+        match next_data_offset(memfd.as_raw_fd(), from).map_err(looking(s))? {
             Some(data) if data < end => Ok(true),
             Some(data) => {
                 self.empty_until = data;
@@ -289,15 +274,16 @@ fn report_populated(
     let end = s.file_offset + s.size;
     let mut at = s.file_offset;
     while let Some((data, hole)) =
-        next_data_in_file(memfd.as_raw_fd(), at, end).map_err(|source| {
-            DirtyLogError::Populated {
-                slot: s.slot,
-                source,
-            }
-        })?
+        next_data_in_file(memfd.as_raw_fd(), at, end).map_err(looking(s))?
     {
         into.set_range(s.gpa + (data - s.file_offset), hole.min(end) - data);
         at = hole;
     }
     Ok(())
+}
+
+/// The error of a failed look for populated memory in slot `s`.
+fn looking(s: &MemorySlot) -> impl FnOnce(std::io::Error) -> DirtyLogError {
+    let slot = s.slot;
+    move |source| DirtyLogError::Populated { slot, source }
 }
