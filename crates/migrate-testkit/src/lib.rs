@@ -157,6 +157,9 @@ struct Shared {
     throttle: AtomicU8,
     /// Free pages and free page hints (absent unless a test attaches it).
     balloon: FakeBalloon,
+    /// Pages the balloon's driver writes at the start of every round of hints (its buffers,
+    /// the used ring), as a real driver does: the last pages of RAM.
+    round_writes: AtomicU64,
 }
 
 impl Shared {
@@ -208,6 +211,7 @@ impl FakeVm {
                 writes: AtomicU64::new(0),
                 throttle: AtomicU8::new(0),
                 balloon: FakeBalloon::new(size / PAGE_SIZE),
+                round_writes: AtomicU64::new(0),
             }),
             threads: Vec::new(),
             // Two instances of one section kind, as a VM with two vCPUs has: every migration
@@ -346,6 +350,13 @@ impl FakeVm {
     /// a round's hints arrive at `pages_per_ms`, as a guest's hints trickle in.
     pub fn attach_balloon(&self, pages_per_ms: u64) {
         self.shared.balloon.attach(pages_per_ms);
+    }
+
+    /// Makes every round of hints write `pages` pages, as a real driver writes its buffers and
+    /// used ring while it reports: the last `pages` pages of RAM, stamped with the round, so
+    /// each round dirties them again and a destination must hold the last round's stamp.
+    pub fn balloon_writes_per_round(&self, pages: u64) {
+        self.shared.round_writes.store(pages, Ordering::Relaxed);
     }
 
     /// The guest frees `count` pages from page index `first` (counting across regions),
@@ -518,7 +529,17 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn start_hints(&mut self) -> Result<(), VmError> {
-        balloon_call(self.shared.balloon.start(&self.shared.ram.regions))
+        let present = self.shared.balloon.start(&self.shared.ram.regions);
+        if present {
+            let pages = self.shared.ram.pages();
+            let round = u64::from(self.shared.balloon.report().rounds);
+            for index in pages - self.shared.round_writes.load(Ordering::Relaxed)..pages {
+                let _g = self.shared.gate.read().unwrap();
+                write_page(&self.shared, index, round << 32 | index | 1);
+                self.shared.mark(index);
+            }
+        }
+        balloon_call(present)
     }
 
     fn stop_hints(&mut self) -> Result<(), VmError> {

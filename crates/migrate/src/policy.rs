@@ -179,8 +179,10 @@ impl Observation {
 
 /// Switch over when the rest, with what is in flight, fits in the downtime limit at the
 /// measured bandwidth and little is in flight; drain first when only the dirty pages fit;
-/// at the timeout do what the policy says; when stalled switch to postcopy or throttle (if
-/// the policy allows); otherwise iterate.
+/// at the timeout do what the policy says; drain when no rate was measured yet but something
+/// is in flight (its acknowledgement measures one: deciding without it would take a guest's
+/// few dirty pages for a stall); when stalled switch to postcopy or throttle (if the policy
+/// allows); otherwise iterate.
 pub fn decide(policy: &Policy, now: &Observation) -> Decision {
     let dirty_only = Observation {
         in_flight_bytes: 0,
@@ -202,6 +204,9 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
             // the only way left to finish.
             TimeoutAction::Postcopy => Decision::Switchover,
         };
+    }
+    if now.bandwidth <= 0.0 && now.in_flight_bytes > 0 {
+        return Decision::Drain;
     }
     if now.stalled_passes < STALL_PASSES {
         return Decision::Iterate;
@@ -323,8 +328,12 @@ mod tests {
             // The dirty pages alone do not fit: in flight does not matter, iterate.
             (limit, 400, 0.0, 1000.0, Decision::Iterate),
             (limit, 400, 500.0, 1000.0, Decision::Iterate),
-            // No rate measured yet: nothing fits, iterate (as without acknowledgements).
-            (limit, 10, 5.0, 0.0, Decision::Iterate),
+            // No rate measured yet, but something in flight: its acknowledgement will
+            // measure the link, so wait for it rather than guess (an idle guest's first pass).
+            (limit, 10, 5.0, 0.0, Decision::Drain),
+            (limit, 5000, 5.0, 0.0, Decision::Drain),
+            // Nothing measured and nothing in flight (no acknowledgements): iterate.
+            (limit, 10, 0.0, 0.0, Decision::Iterate),
             // Forced by the timeout: the in-flight bytes do not delay it.
             (forced, 5000, 500.0, 1000.0, Decision::Switchover),
             // But a guest that fits is still drained after the timeout.

@@ -102,6 +102,10 @@ pub struct MigrationStats {
     /// take in what was in flight (0 without progress acknowledgements).
     #[serde(default)]
     pub drain_ms: f64,
+    /// Drains that waited out their bound ([`crate::policy::drain_bound`]) with bytes still in
+    /// flight: the destination took them in slower than measured, or did not acknowledge them.
+    #[serde(default)]
+    pub drain_timeouts: u32,
     /// Bytes sent or queued but not acknowledged by the destination when the guest paused: the
     /// final pass queued behind them (0 without progress acknowledgements).
     #[serde(default)]

@@ -105,9 +105,31 @@ impl Session<'_> {
         }
     }
 
+    /// Something is about to be handed to the channels: both rate clocks run again (see
+    /// `bandwidth.rs`: time with nothing to carry is not the link's).
+    pub(super) fn link_busy(&mut self) {
+        let now = Instant::now();
+        self.bandwidth.busy(now, self.bytes_written());
+        self.acks.absorbed.busy(now, self.acks.acked);
+    }
+
+    /// Stops a rate clock whose pipeline is empty: the senders wrote every page queued on
+    /// them (the send rate), the destination acknowledged everything written (its rate).
+    fn note_idle(&mut self) {
+        let now = Instant::now();
+        if self.pool.pending_pages() == 0 {
+            self.bandwidth.record(now, self.bytes_written());
+            self.bandwidth.idle(now);
+        }
+        if self.acks.use_ == AckUse::Live && self.in_flight() == 0 {
+            self.acks.absorbed.idle(now);
+        }
+    }
+
     /// What the policy decides on, now.
     pub(super) fn observe(&mut self) -> Observation {
         self.note_acks();
+        self.note_idle();
         Observation {
             remaining_bytes: self.bitmap.count() * PAGE_SIZE,
             in_flight_bytes: self.in_flight(),
@@ -119,8 +141,8 @@ impl Session<'_> {
         }
     }
 
-    /// Waits, sending nothing, until what is in flight has settled or [`policy::drain_bound`]
-    /// passed. A drain through which the destination acknowledged nothing at all means it does
+    /// Waits, sending nothing, until what is in flight has settled (or, when no rate was
+    /// measured yet, until one is) or [`policy::drain_bound`] passed. A drain through which the destination acknowledged nothing at all means it does
     /// not acknowledge: the source stops counting on it.
     pub(super) fn drain(&mut self, now: &Observation) -> Result<(), MigrateError> {
         let started = Instant::now();
@@ -129,10 +151,12 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             let o = self.observe();
-            if o.settled() {
+            // A drain for want of a rate ends once one is measured: the loop decides again.
+            if o.settled() || (now.bandwidth <= 0.0 && o.bandwidth > 0.0) {
                 break;
             }
             if Instant::now() >= deadline {
+                self.stats.drain_timeouts += 1;
                 if self.acks.acked == acked_before {
                     tracing::warn!(
                         "the destination acknowledged nothing for {:?}; deciding on the send rate from now on",

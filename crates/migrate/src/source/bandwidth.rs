@@ -1,11 +1,19 @@
-//! The send rate as a pure value: a window of (time, total bytes written) samples, one per
-//! batch handed to the channels, and the rate between its oldest and newest sample. The
-//! convergence policy divides the remaining bytes by this rate, so it should follow the link
-//! as it is now rather than the average since the start.
+//! The send rate as a pure value: a window of (time, total bytes) samples, one per batch handed
+//! to the channels (or per acknowledgement from the destination), and the rate between its
+//! oldest and newest sample. The convergence policy divides the remaining bytes by this rate,
+//! so it should follow the link as it is now rather than the average since the start.
 //!
-//! Invariant: after a sample is recorded the window spans at most [`WINDOW`] plus one sample
-//! interval, and holds at least two samples once two were recorded (so a slow link whose
-//! samples are further apart than the window still has a rate).
+//! The rate is the link's, not the guest's: time with nothing to carry does not count. An idle
+//! guest sends a few pages a pass and then nothing until the next; over wall-clock time its
+//! "rate" would be a few KB/s, its few dirty pages would never fit the downtime limit, and
+//! precopy would iterate until the window happened to hold a burst (QEMU has the same blind
+//! spot, and asks the user for `avail-switchover-bandwidth` instead). So the window runs on a
+//! clock that stops while the pipeline is empty ([`BandwidthWindow::idle`]) and starts again
+//! when something is handed to it ([`BandwidthWindow::busy`]).
+//!
+//! Invariant: after a sample is recorded the window spans at most [`WINDOW`] of busy time plus
+//! one sample interval, and holds at least two samples once two were recorded (so a slow link
+//! whose samples are further apart than the window still has a rate).
 
 #![forbid(unsafe_code)]
 
@@ -16,23 +24,60 @@ use std::time::{Duration, Instant};
 /// span several records, short enough to follow a changing link.
 pub const WINDOW: Duration = Duration::from_secs(1);
 
-/// Recent (time, total bytes written) samples.
+/// Recent (busy time, total bytes) samples.
 #[derive(Clone, Debug, Default)]
 pub struct BandwidthWindow {
-    samples: VecDeque<(Instant, u64)>,
+    samples: VecDeque<(Duration, u64)>,
+    /// Busy time up to `since`.
+    busy: Duration,
+    /// When the clock last advanced; `None` while it is stopped (or before the first sample).
+    since: Option<Instant>,
 }
 
 impl BandwidthWindow {
-    /// Records that `total_bytes` had been written by `now`, and forgets the samples the window
-    /// no longer needs: the oldest goes while the one after it is at least [`WINDOW`] old.
+    /// The clock at `now`: busy time so far, counting from `since` only while it runs.
+    fn tick(&mut self, now: Instant) -> Duration {
+        if let Some(since) = self.since {
+            self.busy += now.saturating_duration_since(since);
+            self.since = Some(now);
+        }
+        self.busy
+    }
+
+    /// Records that `total_bytes` had been carried by `now`, and forgets the samples the
+    /// window no longer needs: the oldest goes while the one after it is at least [`WINDOW`]
+    /// old. The first sample starts the clock.
     pub fn record(&mut self, now: Instant, total_bytes: u64) {
-        self.samples.push_back((now, total_bytes));
-        while self.samples.len() > 2 && now - self.samples[1].0 >= WINDOW {
+        if self.samples.is_empty() && self.since.is_none() {
+            self.since = Some(now);
+        }
+        let t = self.tick(now);
+        self.samples.push_back((t, total_bytes));
+        while self.samples.len() > 2 && t - self.samples[1].0 >= WINDOW {
             self.samples.pop_front();
         }
     }
 
-    /// Bytes per second over the window; 0 until two samples lie apart in time.
+    /// The pipeline has carried everything handed to it by `now`: stop the clock (idempotent).
+    pub fn idle(&mut self, now: Instant) {
+        self.tick(now);
+        self.since = None;
+    }
+
+    /// Something was handed to the pipeline at `now`: the clock runs again from here. The
+    /// first call also records where the count stood (`total_bytes`), so that the first
+    /// sample after it already measures a rate.
+    pub fn busy(&mut self, now: Instant, total_bytes: u64) {
+        if self.since.is_some() {
+            return;
+        }
+        self.since = Some(now);
+        if self.samples.is_empty() {
+            self.samples.push_back((self.busy, total_bytes));
+        }
+    }
+
+    /// Bytes per second over the window; 0 until two samples lie apart in busy time.
     pub fn rate(&self) -> f64 {
         match (self.samples.front(), self.samples.back()) {
             (Some(&(t0, b0)), Some(&(t1, b1))) if t1 > t0 => {
@@ -108,5 +153,73 @@ mod tests {
         let w = window(&samples);
         assert!(w.samples.len() <= 102, "{}", w.samples.len());
         assert!((w.rate() - 100_000.0).abs() < 1e-6);
+    }
+
+    /// The events of a window over a run, in ms since a base instant.
+    enum At {
+        Record(u64, u64),
+        Idle(u64),
+        Busy(u64, u64),
+    }
+
+    #[test]
+    fn time_with_nothing_to_carry_does_not_count() {
+        use At::*;
+        // (name, events, rate in bytes per second)
+        let table: &[(&str, &[At], f64)] = &[
+            (
+                // An idle guest: 24 KB carried in 10 ms, then a second with nothing to send,
+                // then 24 KB again in 10 ms: the link's rate, not 48 KB over a second.
+                "bursts apart",
+                &[
+                    Busy(0, 0),
+                    Record(10, 24_000),
+                    Idle(10),
+                    Busy(1_000, 24_000),
+                    Record(1_010, 48_000),
+                ],
+                2.4e6,
+            ),
+            (
+                // The first busy call is the baseline: one sample after it measures a rate.
+                "one sample after the start",
+                &[Busy(500, 1_000), Record(510, 25_000)],
+                2.4e6,
+            ),
+            (
+                // Idle twice, busy twice: the clock stops and starts once.
+                "idempotent",
+                &[
+                    Busy(0, 0),
+                    Record(10, 10_000),
+                    Idle(10),
+                    Idle(500),
+                    Busy(900, 10_000),
+                    Busy(905, 10_000),
+                    Record(910, 20_000),
+                ],
+                1e6,
+            ),
+            (
+                // Without idle calls the clock is the wall clock, as before.
+                "always busy",
+                &[Record(0, 0), Record(1_000, 1_000_000)],
+                1e6,
+            ),
+        ];
+        for &(name, events, want) in table {
+            let base = Instant::now();
+            let at = |t: u64| base + Duration::from_millis(t);
+            let mut w = BandwidthWindow::default();
+            for e in events {
+                match *e {
+                    Record(t, bytes) => w.record(at(t), bytes),
+                    Idle(t) => w.idle(at(t)),
+                    Busy(t, bytes) => w.busy(at(t), bytes),
+                }
+            }
+            let got = w.rate();
+            assert!((got - want).abs() < 1e-6 * want, "{name}: {got} != {want}");
+        }
     }
 }

@@ -192,6 +192,7 @@ impl Session<'_> {
         bytes_before: u64,
         started: Instant,
     ) -> Result<(), MigrateError> {
+        self.link_busy();
         self.pool.end_pass(pass)?;
         self.conn
             .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
@@ -212,6 +213,9 @@ impl Session<'_> {
     /// Hands `gpas` to the data channels in batches of `packet_pages`. Returns the pages
     /// handed over.
     fn send_pages(&mut self, gpas: &[u64], pacing: Pacing) -> Result<u64, MigrateError> {
+        if !gpas.is_empty() {
+            self.link_busy();
+        }
         for batch in gpas.chunks(self.params.packet_pages as usize) {
             if pacing == Pacing::Limited {
                 self.pace(batch.len() as u64 * BYTES_PER_PAGE)?;

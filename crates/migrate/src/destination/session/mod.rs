@@ -160,6 +160,10 @@ impl<'a> Session<'a> {
             )));
         }
         let config = self.conn.read_payload(&h, during)?;
+        // Taken in like any record: the source counts it as written, and a byte it never saw
+        // acknowledged would look in flight for the whole migration.
+        let c = &self.control;
+        c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
         Ok(self.vm.check_config(&config).err().map(|e| match e {
             VmError::Failed { message, .. } => message,
             e => e.to_string(),
