@@ -481,6 +481,14 @@ impl Ram {
         Ok(())
     }
 
+    /// The end (first byte after) of the region that holds `gpa`, if one does.
+    pub fn region_end(&self, gpa: u64) -> Option<u64> {
+        self.regions
+            .iter()
+            .find(|r| r.contains(gpa))
+            .map(|r| r.gpa + r.size)
+    }
+
     /// Checks that `pages` pages from `gpa` are RAM within one region.
     pub fn check_run(&self, gpa: u64, pages: u64) -> Result<(), RamError> {
         self.page(gpa)?;

@@ -168,6 +168,10 @@ pub struct PostcopyStats {
     /// that the vCPU waiting for them does not wait behind the background stream.
     #[serde(default)]
     pub pages_resent: u64,
+    /// Pages sent after a request because the vCPU faulted in order (postcopy readahead):
+    /// counted in the run they were sent with, as requested or resent pages.
+    #[serde(default)]
+    pub pages_readahead: u64,
     /// Page request runs the destination sent (a run asked for a page the walk had sent
     /// already counts too).
     pub requests: u64,

@@ -39,6 +39,11 @@ pub struct PostcopyBenchArgs {
     /// (`400` rows: 400 MB/s in all), so that as many vCPUs fault at once.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=64))]
     vcpus: u8,
+    /// Only the pause section: an 8 GiB guest switched after pass 1, five runs each without and
+    /// with the preempt connection, each run's downtime and guest-observed pause and their
+    /// medians.
+    #[arg(long)]
+    pause_only: bool,
 }
 
 const GIB: u64 = 1 << 30;
@@ -46,6 +51,12 @@ const GIB: u64 = 1 << 30;
 const ROUND_TRIPS: usize = 2000;
 
 pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
+    if args.pause_only {
+        for r in pause_rows()? {
+            println!("{r}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let link = |prio: bool| match CappedLink::new(prio) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -146,6 +157,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     drop(pool);
+    rows.extend(pause_rows()?);
     // The preempt connection's urgent marking, on a link whose queue serves it first.
     for rate in ["400", "max"] {
         for marked in [false, true] {
@@ -169,6 +181,81 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         println!("{r}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs per row of [`pause_rows`].
+const PAUSE_RUNS: usize = 5;
+
+/// The pause of a postcopy switch, where the guest dirties memory as fast as it can: an 8 GiB
+/// guest writing a 1 GiB working set flat out (in order, the guest's default), switched after
+/// pass 1 on loopback, without and
+/// with the preempt connection, [`PAUSE_RUNS`] runs each: the source's downtime and the pause
+/// the guest saw (its heartbeats' longest gap across the switch), each run and the median.
+fn pause_rows() -> anyhow::Result<Vec<serde_json::Value>> {
+    println!(
+        "\nthe pause: 8 GiB guest, 1 GiB working set written flat out in order, postcopy after pass 1, loopback, 2 channels"
+    );
+    println!(
+        "{:<12} {:<40} {:>9} {:<40} {:>9}",
+        "", "downtime ms, each run", "median", "guest-observed pause ms, each run", "median"
+    );
+    let mut rows = Vec::new();
+    for preempt in [false, true] {
+        let name = if preempt { "preempt" } else { "no preempt" };
+        let (mut down, mut pause) = (Vec::new(), Vec::new());
+        for run in 0..PAUSE_RUNS {
+            let s = Scenario {
+                postcopy: Some(preempt),
+                ..Scenario::new(
+                    &format!("pause, {name}"),
+                    8 * GIB,
+                    "ws=1G rate=max prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2",
+                    2,
+                )
+            };
+            let m = migrate_over(
+                &s,
+                DestinationSetup::default(),
+                TcpListener::bind("127.0.0.1:0")?,
+            )
+            .with_context(|| format!("pause run {} {name}", run + 1))?;
+            down.push(m.stats.downtime.total_ms);
+            pause.push(m.pause_ms);
+            rows.push(
+                json!({"bench": "postcopy_pause", "preempt": preempt, "run": run + 1,
+                "downtime_ms": m.stats.downtime.total_ms, "guest_pause_ms": m.pause_ms,
+                "downtime": m.stats.downtime}),
+            );
+        }
+        let each = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.1}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "{:<12} {:<40} {:>9.1} {:<40} {:>9.1}",
+            name,
+            each(&down),
+            median(&down),
+            each(&pause),
+            median(&pause)
+        );
+        rows.push(json!({"bench": "postcopy_pause", "preempt": preempt,
+            "median_downtime_ms": median(&down), "median_guest_pause_ms": median(&pause)}));
+    }
+    Ok(rows)
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 /// The link with priority bands under its cap.

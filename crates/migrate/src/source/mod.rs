@@ -41,6 +41,7 @@ mod pool;
 mod postcopy;
 mod precopy;
 mod progress;
+mod readahead;
 mod reader;
 mod recover;
 mod switchover;
@@ -341,6 +342,8 @@ struct Session<'a> {
     /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
     /// postcopy discards, sends and serves whole units.
     postcopy_unit: u64,
+    /// Postcopy's readahead after a vCPU's requests (`readahead.rs`).
+    readahead: readahead::Readahead,
     start: Instant,
     /// When precopy's loop last looked at cancellation (`check_control`), for `max_step_ms`.
     last_check: Option<Instant>,
@@ -386,6 +389,7 @@ impl<'a> Session<'a> {
             recover_granted: false,
             earlier_bytes: 0,
             postcopy_unit: 1,
+            readahead: readahead::Readahead::default(),
             start: Instant::now(),
             last_check: None,
             cpu_start: stats::thread_cpu_ns(),

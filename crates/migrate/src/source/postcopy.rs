@@ -11,12 +11,14 @@
 //!   run the guest, so a failure leaves it paused here, and the migration cannot be cancelled.
 //! - A request is served before the next background batch is queued, and the walk goes on
 //!   right after the requested page (a vCPU that faulted on one page is likely to touch the
-//!   next).
+//!   next); a request where the last one's readahead window ended brings a window of the
+//!   pages after it along (`readahead.rs`).
 
 #![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 
+use super::readahead;
 use super::reader::Inbound;
 use super::{GuestState, Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
@@ -339,7 +341,19 @@ impl Session<'_> {
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         let unit = self.postcopy_unit * PAGE_SIZE;
-        let runs = self.take_requests(pc)?.into_iter().map(|(gpa, pages)| {
+        let mut runs = self.take_requests(pc)?;
+        for run in &mut runs {
+            // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
+            let window = self.readahead.request(run.0, run.1);
+            let end = self
+                .ram
+                .region_end(run.0)
+                .unwrap_or(run.0 + run.1 * PAGE_SIZE);
+            let ahead = window.min((end - run.0) / PAGE_SIZE - run.1);
+            pc.pages_readahead += ahead;
+            run.1 += ahead;
+        }
+        let runs = runs.into_iter().map(|(gpa, pages)| {
             // Whole host pages of the destination, whatever it asked.
             let start = gpa - gpa % unit;
             (
@@ -347,21 +361,8 @@ impl Session<'_> {
                 (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
             )
         });
-        let mut urgent = Vec::new();
-        let mut again = Vec::new();
-        for (gpa, bytes) in runs {
-            for page in (gpa..gpa + bytes).step_by(PAGE_SIZE as usize) {
-                if self.bitmap.test_and_clear(page) {
-                    urgent.push(page);
-                } else if let Ok(k) = held.binary_search(&page) {
-                    held.remove(k);
-                    urgent.push(page);
-                } else if self.preempt_granted && listed.contains(page) {
-                    again.push(page);
-                }
-            }
-        }
-        again.sort_unstable();
+        let again_from = self.preempt_granted.then_some(listed);
+        let (urgent, again) = readahead::pick(runs, &mut self.bitmap, held, again_from);
         pc.pages_resent += again.len() as u64;
         for chunk in again.chunks(self.batch_pages()) {
             self.pool.queue_urgent(chunk.to_vec())?;
@@ -369,7 +370,6 @@ impl Session<'_> {
         let Some(&last) = urgent.last() else {
             return Ok(());
         };
-        urgent.sort_unstable();
         pc.pages_requested += urgent.len() as u64;
         for chunk in urgent.chunks(self.batch_pages()) {
             self.pool.queue_urgent(chunk.to_vec())?;
