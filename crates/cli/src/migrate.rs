@@ -140,6 +140,11 @@ pub struct MigrateArgs {
     /// connection; before the switchover the guest runs on here.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     peer_timeout: Duration,
+    /// How long to keep trying a destination that refuses the connection (nothing listens
+    /// there yet: a destination still starting up, registering its memory or preallocating);
+    /// `0s` tries once.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -243,9 +248,47 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         },
         "tls": tls_body(args)?,
     });
-    client::request_with_body(&args.api_socket, "PUT", "/migration", &body.to_string())
-        .context("could not start the migration")?;
+    start(args, to, &body.to_string())?;
     follow_to_the_end(args, to)
+}
+
+/// How often a refused connection is tried again: a destination that starts listening is
+/// found within this, and the tries cost nothing to speak of.
+const CONNECT_RETRY: Duration = Duration::from_millis(100);
+
+/// Starts the migration (`PUT /migration`), trying again while nothing listens at `to` yet
+/// (the VMM answers 503), for `--connect-timeout`, with a line that says so.
+fn start(args: &MigrateArgs, to: &str, body: &str) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match client::request_with_body(&args.api_socket, "PUT", "/migration", body) {
+            Ok(_) => return Ok(()),
+            Err(client::ApiClientError::Status { status: 503, .. })
+                if started.elapsed() + CONNECT_RETRY <= args.connect_timeout =>
+            {
+                if tries == 1 {
+                    eprintln!(
+                        "ferry: nothing listens at {to} yet (a destination starting up?); trying again for up to {} (--connect-timeout)",
+                        humantime::format_duration(args.connect_timeout)
+                    );
+                }
+                std::thread::sleep(CONNECT_RETRY);
+            }
+            Err(client::ApiClientError::Status {
+                status: 503,
+                message,
+            }) => {
+                anyhow::bail!(
+                    "could not start the migration: nothing listened at {to} in {tries} tries over {:.1} s (--connect-timeout {}): {message}",
+                    started.elapsed().as_secs_f64(),
+                    humantime::format_duration(args.connect_timeout)
+                );
+            }
+            Err(e) => return Err(e).context("could not start the migration"),
+        }
+    }
 }
 
 /// The `tls` of a migration request: absolute paths, for a VMM started elsewhere.

@@ -252,3 +252,65 @@ fn a_guest_migrates_over_a_unix_socket_into_preallocated_memory_and_verifies_cle
     });
     assert_eq!(dst.status()["guest"]["verify_failures"], 0);
 }
+
+/// Issue 29: a destination that preallocates says so, with its progress, and does not listen
+/// until it can take pages; a `ferry migrate` started meanwhile keeps trying and then succeeds.
+#[test]
+fn a_preallocating_destination_listens_only_when_ready_and_a_waiting_source_gets_through() {
+    let src = RunningVm::start("4G", "ws=16M rate=1 verify-ms=200 log-ms=0");
+    // 4 GiB to populate: seconds on this project's machines, so it is watched preparing.
+    let (dst, port) = common::destination_with("4G", &["--prealloc"]);
+    let s = dst.status();
+    assert_eq!(s["state"], "preparing", "{s:#}");
+    let total = s["preparing"]["total_bytes"].as_u64().unwrap();
+    assert_eq!(total, 4 << 30, "{s:#}");
+    let m = dst.status_of("/migration");
+    assert_eq!(m["phase"], "preparing", "{m:#}");
+    assert_eq!(m["preparing"]["task"], "populating guest RAM", "{m:#}");
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "a preparing destination must not accept connections"
+    );
+    let migrate = start_migrate(&src, port, &["--connect-timeout", "120s"]);
+    // Progress moves while it prepares.
+    let mut seen = Vec::new();
+    while dst.status_of("/migration")["phase"] == "preparing" {
+        let done = dst.status()["preparing"]["done_bytes"]
+            .as_u64()
+            .unwrap_or(total);
+        seen.push(done);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        seen.windows(2).all(|w| w[0] <= w[1]) && seen.iter().all(|&d| d <= total),
+        "progress goes up to the total: {seen:?}"
+    );
+    let out = migrate.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("nothing listens at"), "said it waited: {err}");
+    assert_eq!(dst.status()["state"], "running");
+    dst.assert_verifies_clean();
+}
+
+#[test]
+fn a_migration_to_where_nothing_listens_gives_up_after_its_connect_timeout() {
+    let src = RunningVm::start("256M", "ws=16M rate=1 verify-ms=0 log-ms=0");
+    let port = common::free_port();
+    let out = ferry()
+        .args(["migrate", "--to", &format!("tcp:127.0.0.1:{port}")])
+        .args(["--connect-timeout", "1s"])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("nothing listened at tcp:127.0.0.1:{port}"))
+            && err.contains("tries over")
+            && err.contains("Connection refused"),
+        "names the address, what it tried and why: {err}"
+    );
+    assert_eq!(src.status()["state"], "running", "the source runs on");
+}

@@ -34,7 +34,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
 use vm_memory::{
@@ -208,6 +208,8 @@ pub struct GuestRam {
     /// Whether [`GuestRam::prealloc`] populated every page (a destination lands pages
     /// differently in populated RAM).
     populated: AtomicBool,
+    /// Bytes the population under way populated so far ([`GuestRam::populated_bytes`]).
+    populated_bytes: AtomicU64,
     pages: HostPages,
 }
 
@@ -325,6 +327,7 @@ impl GuestRam {
             memory,
             tracking: AtomicBool::new(false),
             populated: AtomicBool::new(false),
+            populated_bytes: AtomicU64::new(0),
             pages,
         })
     }
@@ -447,6 +450,7 @@ impl GuestRam {
             );
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
+        self.populated_bytes.store(0, Ordering::Relaxed);
         std::thread::scope(|scope| {
             let workers: Vec<_> = (0..threads.max(1))
                 .map(|_| {
@@ -455,6 +459,7 @@ impl GuestRam {
                             chunks.get(next.fetch_add(1, Ordering::Relaxed))
                         {
                             populate(addr, len)?;
+                            self.populated_bytes.fetch_add(len, Ordering::Relaxed);
                         }
                         Ok(())
                     })
@@ -465,6 +470,12 @@ impl GuestRam {
                 .try_for_each(|w| w.join().expect("a prealloc thread panicked"))
         })?;
         Ok(started.elapsed())
+    }
+
+    /// Bytes the population under way (or the last one) has populated so far: the progress
+    /// of [`GuestRam::prealloc`] for the control API.
+    pub fn populated_bytes(&self) -> u64 {
+        self.populated_bytes.load(Ordering::Relaxed)
     }
 
     /// The populated ranges of guest RAM as `(gpa, len)`, found with `SEEK_DATA`/`SEEK_HOLE`

@@ -103,6 +103,25 @@ pub enum StartError {
     Connect(#[from] MigrateError),
 }
 
+impl StartError {
+    /// Whether nothing listens at the destination's address yet (the connection was refused,
+    /// or the Unix socket does not exist): a destination still starting up, worth trying
+    /// again shortly, unlike a refusal of the hello or a failed TLS handshake.
+    pub fn not_listening(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                );
+            }
+            cause = e.source();
+        }
+        false
+    }
+}
+
 /// Why a pause, recovery or resume of a postcopy migration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum RecoveryError {
@@ -207,7 +226,13 @@ impl VmHandle {
 
     /// On a migration destination: the incoming migration's progress.
     pub fn incoming(&self) -> Option<IncomingProgress> {
-        self.0.incoming.as_ref().map(|c| c.progress())
+        self.0.incoming.as_ref().map(|c| {
+            let mut p = c.progress();
+            if let Some(preparing) = &mut p.preparing {
+                preparing.done_bytes = self.0.ram.populated_bytes();
+            }
+            p
+        })
     }
 
     /// Asks a migration in precopy that has postcopy enabled to switch to it at the end of

@@ -110,6 +110,9 @@ impl std::fmt::Display for StopReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
+    /// An empty VM readying itself for a migration before it listens (populating its RAM):
+    /// a state the API reports, never one the VM is told to be in.
+    Preparing,
     /// An empty VM waiting for (or receiving) a migration; no vCPU has run.
     Incoming,
     Running,
@@ -204,6 +207,9 @@ pub struct VmStatus {
     pub throttle_percent: u8,
     pub host_monotonic_ns: u64,
     pub guest: GuestTelemetry,
+    /// While the state is `preparing`: what, and how far along.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preparing: Option<ferry_migrate::destination::Preparing>,
 }
 
 /// How much of a destination is made before the migration's switchover.
@@ -704,8 +710,13 @@ impl VmHandle {
         // Each of these takes the control lock; none may run while another holds it.
         let stop_reason = self.lock().stop_reason.clone();
         let vcpu_cpu_ns = self.vcpu_cpu_ns();
+        let preparing = self.incoming().and_then(|p| p.preparing);
         VmStatus {
-            state: self.state(),
+            state: match self.state() {
+                RunState::Incoming if preparing.is_some() => RunState::Preparing,
+                s => s,
+            },
+            preparing,
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
@@ -843,7 +854,7 @@ impl VcpuRunner {
                 }
                 // An incoming VM's vCPU is started only once its state loaded (the desired
                 // state is Running by then); were it not, it must not run.
-                RunState::Paused | RunState::Incoming => {
+                RunState::Paused | RunState::Preparing | RunState::Incoming => {
                     if !parked {
                         parked = true;
                         c.vcpus_parked += 1;

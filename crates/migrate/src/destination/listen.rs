@@ -172,6 +172,7 @@ pub fn listen(
 ) -> Result<ReceiveStats, MigrateError> {
     control.update(|p| {
         p.phase = IncomingPhase::Waiting;
+        p.preparing = None;
         p.listening_on = listener.local();
     });
     let (main_tx, main_rx) = sync_channel(1);

@@ -31,7 +31,7 @@ pub(crate) mod sink;
 use std::time::{Duration, Instant};
 
 pub use listen::listen;
-pub use progress::{IncomingControl, IncomingPhase, IncomingProgress};
+pub use progress::{IncomingControl, IncomingPhase, IncomingProgress, Preparing};
 pub use session::{ReceiveStats, Session};
 
 use crate::error::MigrateError;

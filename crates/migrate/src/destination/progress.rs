@@ -16,6 +16,10 @@ use crate::transport::Stream;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum IncomingPhase {
+    /// Not listening yet: the VMM readies what it needs to take pages first (preallocating
+    /// guest RAM; see [`IncomingProgress::preparing`]). A source that connects now is refused
+    /// by the host and may retry (`ferry migrate` does, for its `--connect-timeout`).
+    Preparing,
     /// Listening; no source has completed a valid hello yet.
     #[default]
     Waiting,
@@ -61,6 +65,18 @@ pub struct IncomingProgress {
     #[serde(default)]
     pub postcopy_recover: bool,
     pub error: Option<String>,
+    /// While [`IncomingPhase::Preparing`]: what, and how far along.
+    #[serde(default)]
+    pub preparing: Option<Preparing>,
+}
+
+/// A destination's preparation before it listens.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Preparing {
+    /// What it does, e.g. "populating guest RAM".
+    pub task: String,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
 }
 
 /// Default [`IncomingControl::set_peer_timeout`]: the source's own default, far above any
@@ -215,6 +231,19 @@ impl IncomingControl {
                 quiet = Duration::ZERO;
             }
         }
+    }
+
+    /// The VMM readies this destination before it listens ([`IncomingPhase::Preparing`]):
+    /// `task` over `total_bytes`; [`crate::destination::listen`] ends the phase.
+    pub fn preparing(&self, task: &str, total_bytes: u64) {
+        self.update(|p| {
+            p.phase = IncomingPhase::Preparing;
+            p.preparing = Some(Preparing {
+                task: task.into(),
+                done_bytes: 0,
+                total_bytes,
+            });
+        });
     }
 
     /// Gives a migration in postcopy-paused the listener its source reconnects to

@@ -291,6 +291,10 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 Err(e) => (400, json!({ "error": e })),
                 Ok(r) => match vm.start_migration(r) {
                     Ok(_) => (202, json!({ "phase": "setup" })),
+                    // 503: nothing listens there yet (a destination starting up), try again.
+                    Err(e @ StartError::Connect(_)) if e.not_listening() => {
+                        (503, json!({ "error": e.to_string() }))
+                    }
                     Err(e @ StartError::Connect(_)) => (502, json!({ "error": e.to_string() })),
                     Err(e) => (409, json!({ "error": e.to_string() })),
                 },
