@@ -493,6 +493,35 @@ fn crafted_bad_postcopy_streams_are_refused_with_a_clear_error() {
             "EndOfPass on a data channel after postcopy started",
         ),
         (
+            "pages on the main connection without main-pages",
+            cat(&[
+                pc.clone(),
+                end(1),
+                runs(Kind::Discard, &[(0x1000, 1)]),
+                state.clone(),
+                postcopy.clone(),
+                pages(&[0x1000]),
+            ]),
+            vec![
+                cat(&[pass_1.clone(), postcopy.clone()]),
+                preempt_hello(1),
+            ],
+            "Pages record on the main channel during postcopy",
+        ),
+        (
+            "a page on the main connection not on the discard list",
+            cat(&[
+                main_hello_asking(Capabilities::POSTCOPY.with(Capabilities::MAIN_PAGES)),
+                end(1),
+                runs(Kind::Discard, &[(0x1000, 1)]),
+                state.clone(),
+                postcopy.clone(),
+                pages(&[0x2000]),
+            ]),
+            vec![cat(&[pass_1.clone(), postcopy.clone()])],
+            "postcopy page 0x2000 is not on the discard list",
+        ),
+        (
             "pages on the preempt connection before the switch",
             cat(&[pc.clone(), end(1)]),
             vec![pass_1.clone(), cat(&[preempt_hello(1), pages(&[0x1000])])],

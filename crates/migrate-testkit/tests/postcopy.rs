@@ -117,6 +117,12 @@ fn requested_pages_arrive(preempt: bool) {
     let pc = sent.postcopy.expect("postcopy");
     assert!(pc.pages_requested > 0, "{pc:?}");
     assert!(pc.requests > 0);
+    // Without a preempt connection, requests after the resume go on the main connection
+    // (MAIN_PAGES), not behind the data channels' background stream.
+    match preempt {
+        false => assert!(pc.pages_on_main > 0, "{pc:?}"),
+        true => assert_eq!(pc.pages_on_main, 0, "{pc:?}"),
+    }
     let here = received.postcopy.expect("postcopy here");
     println!(
         "preempt {preempt}: requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",

@@ -195,6 +195,12 @@ impl Conn {
         Ok(Header::decode(&b)?)
     }
 
+    /// The read side, buffered, for a record whose payload is read in parts (a Pages record:
+    /// its addresses, then its data into place).
+    pub fn reader(&mut self) -> &mut dyn Read {
+        &mut self.reader
+    }
+
     pub fn read_exact(&mut self, buf: &mut [u8], during: &'static str) -> Result<(), MigrateError> {
         self.reader
             .read_exact(buf)

@@ -229,6 +229,48 @@ pub fn start(
         .expect("cannot start a receiver thread")
 }
 
+/// Reads a Pages record's addresses (checked against the header when the checksum covers
+/// them alone) and checks their order; returns them and the checksum over them, which the
+/// page data's check goes on from.
+fn read_addresses(
+    stream: &mut dyn Read,
+    h: &Header,
+    checksum_pages: bool,
+) -> Result<(Vec<u64>, u32), MigrateError> {
+    let mut words = vec![0u8; h.count as usize * 8];
+    stream
+        .read_exact(&mut words)
+        .map_err(|e| MigrateError::io("receiving page addresses", e))?;
+    let crc = wire::crc(&words);
+    if !checksum_pages {
+        h.check(crc, "the page addresses")?;
+    }
+    let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
+    if gpas.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(MigrateError::order(
+            "page addresses of a record are not strictly increasing",
+        ));
+    }
+    Ok((gpas, crc))
+}
+
+/// Reads the rest of a postcopy Pages record of 4 KiB pages whose header is `h` and installs
+/// its pages, as a receiver does (the main connection's requested pages,
+/// [`wire::Capabilities::MAIN_PAGES`]); returns the pages.
+pub(crate) fn install_postcopy_record(
+    stream: &mut dyn Read,
+    h: &Header,
+    pc: &Postcopy,
+    checksum_pages: bool,
+    buffer: &mut Vec<u8>,
+) -> Result<u64, MigrateError> {
+    let (gpas, crc) = read_addresses(stream, h, checksum_pages)?;
+    let mut data = Checked::new(stream, h, crc, checksum_pages);
+    let installed = pc.install_pages(&mut data, &gpas, buffer);
+    data.verdict(installed)?;
+    Ok(gpas.len() as u64)
+}
+
 /// A Pages record's page data as the sink reads it: with page checksums, each read is folded
 /// into the record's checksum (begun over its addresses), and the read that completes the data
 /// fails if the checksum does not match, so that no sink places a page of a record that did
@@ -461,22 +503,12 @@ impl Receiver {
 
     fn pages(&mut self, h: &Header) -> Result<(), MigrateError> {
         let count = h.count;
-        let words = self.read(count as usize * 8, "receiving page addresses")?;
-        let addresses_crc = wire::crc(&words);
-        if !self.shared.checksum_pages {
-            h.check(addresses_crc, "the page addresses")?;
-        }
-        let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
-        if gpas.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(MigrateError::order(
-                "page addresses of a record are not strictly increasing",
-            ));
-        }
+        let checking = self.shared.checksum_pages;
+        let (gpas, addresses_crc) = read_addresses(&mut self.stream, h, checking)?;
         if let Some(pc) = &self.postcopy {
             // No claim: a postcopy page may come twice (a requested page again on the preempt
             // connection), and installing is atomic; the first copy wins. Both install paths
             // check every address before they read the data.
-            let checking = self.shared.checksum_pages;
             let mut data = Checked::new(&mut self.stream, h, addresses_crc, checking);
             let installed = match &mut self.assembler {
                 Some(a) => a.pages(pc.as_ref(), &mut data, &gpas),

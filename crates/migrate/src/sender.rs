@@ -208,6 +208,44 @@ fn drain(detector: &mut dyn Detector, out: &mut Output<'_>) -> Result<(), Migrat
     Ok(())
 }
 
+/// Writes one Pages record of `gpas` (in address order, at most a record's worth) on `conn`,
+/// its data straight from guest memory; with `copy` (page checksums) each page is copied
+/// first and the copy checksummed and sent, so the guest writing on cannot make them differ.
+fn write_record(
+    conn: &mut Conn,
+    ram: &Ram,
+    gpas: &[u64],
+    copy: Option<&mut Vec<u8>>,
+) -> Result<(), MigrateError> {
+    let header = Header::pages(gpas.len() as u32);
+    let addresses: Vec<u8> = gpas.iter().flat_map(|a| a.to_le_bytes()).collect();
+    let mut pages = ram.page_slices(gpas)?;
+    let mut crc = wire::crc(&addresses);
+    if let Some(copy) = copy {
+        copy.clear();
+        for p in &pages {
+            copy.extend_from_slice(p);
+        }
+        crc = wire::crc_append(crc, copy);
+        pages = vec![IoSlice::new(copy)];
+    }
+    conn.write_header(&header.with_crc(crc))?;
+    conn.write_all(&addresses, "sending pages")?;
+    conn.write_with_pages(&pages, "sending pages")
+}
+
+/// [`write_record`] for the migration thread (postcopy's requested pages on the main
+/// connection): not flushed; with `checksum_pages` through a copy made for the call.
+pub fn write_pages(
+    conn: &mut Conn,
+    ram: &Ram,
+    gpas: &[u64],
+    checksum_pages: bool,
+) -> Result<(), MigrateError> {
+    let mut copy = checksum_pages.then(Vec::new);
+    write_record(conn, ram, gpas, copy.as_mut())
+}
+
 struct Output<'a> {
     conn: &'a mut Conn,
     ram: &'a Ram,
@@ -251,21 +289,7 @@ impl Output<'_> {
                 .write_record(&Header::zero_runs(chunk.len() as u32), &words)?;
         }
         if !normal.is_empty() {
-            let header = Header::pages(normal.len() as u32);
-            let addresses: Vec<u8> = normal.iter().flat_map(|a| a.to_le_bytes()).collect();
-            let mut pages = self.ram.page_slices(&normal)?;
-            let mut crc = wire::crc(&addresses);
-            if let Some(copy) = &mut self.copy {
-                copy.clear();
-                for p in &pages {
-                    copy.extend_from_slice(p);
-                }
-                crc = wire::crc_append(crc, copy);
-                pages = vec![IoSlice::new(copy)];
-            }
-            self.conn.write_header(&header.with_crc(crc))?;
-            self.conn.write_all(&addresses, "sending pages")?;
-            self.conn.write_with_pages(&pages, "sending pages")?;
+            write_record(self.conn, self.ram, &normal, self.copy.as_mut())?;
         }
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;

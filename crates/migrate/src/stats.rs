@@ -172,6 +172,10 @@ pub struct PostcopyStats {
     /// counted in the run they were sent with, as requested or resent pages.
     #[serde(default)]
     pub pages_readahead: u64,
+    /// Requested pages sent on the main connection ([`crate::wire::Capabilities::MAIN_PAGES`],
+    /// without a preempt connection, once the guest resumed there).
+    #[serde(default)]
+    pub pages_on_main: u64,
     /// Page request runs the destination sent (a run asked for a page the walk had sent
     /// already counts too).
     pub requests: u64,

@@ -336,6 +336,9 @@ struct Session<'a> {
     preempt_granted: bool,
     /// The destination granted postcopy recovery: a broken connection in postcopy pauses.
     recover_granted: bool,
+    /// Requested pages go on the main connection once the guest resumed there (granted
+    /// without a preempt connection, on 4 KiB pages).
+    main_pages: bool,
     /// Bytes written on main connections that a postcopy recovery replaced (the data
     /// channels' count spans recoveries).
     earlier_bytes: u64,
@@ -387,6 +390,7 @@ impl<'a> Session<'a> {
             throttle: 0,
             preempt_granted: false,
             recover_granted: false,
+            main_pages: false,
             earlier_bytes: 0,
             postcopy_unit: 1,
             readahead: readahead::Readahead::default(),
@@ -454,6 +458,8 @@ impl<'a> Session<'a> {
             c = c.with(Capabilities::POSTCOPY);
             if p.preempt {
                 c = c.with(Capabilities::PREEMPT);
+            } else {
+                c = c.with(Capabilities::MAIN_PAGES);
             }
             if p.recover {
                 c = c.with(Capabilities::RECOVER);
@@ -548,6 +554,9 @@ impl<'a> Session<'a> {
         }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
         self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);
+        self.main_pages = reply.capabilities.contains(Capabilities::MAIN_PAGES)
+            && !self.preempt_granted
+            && self.postcopy_unit == 1;
         let recover = self.recover_granted;
         self.control.update(|p| p.postcopy_recover = recover);
         if self.params.preempt && !self.preempt_granted {

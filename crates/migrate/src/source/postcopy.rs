@@ -24,6 +24,7 @@ use super::{GuestState, Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
 use crate::error::MigrateError;
+use crate::sender;
 use crate::stats::{PostcopyStats, PostcopyTrigger};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
@@ -326,8 +327,8 @@ impl Session<'_> {
     /// and moves the walk to just after the last of them. A request for a page already sent
     /// (it is on its way) is counted and otherwise ignored.
     ///
-    /// With the preempt connection, a request for a listed page the walk already queued is
-    /// served again on it: the first copy may wait behind megabytes of background stream, and
+    /// With the preempt connection (or the main connection, MAIN_PAGES), a request for a
+    /// listed page the walk already queued is served again on it: the first copy may wait behind megabytes of background stream, and
     /// the page's bytes cannot change any more (the guest runs on the destination), so the
     /// destination keeps whichever copy lands first and drops the other.
     ///
@@ -361,21 +362,45 @@ impl Session<'_> {
                 (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
             )
         });
-        let again_from = self.preempt_granted.then_some(listed);
-        let (urgent, again) = readahead::pick(runs, &mut self.bitmap, held, again_from);
+        // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
+        // requested pages on it wait behind no background stream. Before, the destination's
+        // session is loading the state and reads only the data channels.
+        let on_main = self.main_pages && self.phase == Phase::Postcopy;
+        let resend = (self.preempt_granted || on_main).then_some(listed);
+        let (urgent, again) = readahead::pick(runs, &mut self.bitmap, held, resend);
         pc.pages_resent += again.len() as u64;
+        pc.pages_requested += urgent.len() as u64;
         for chunk in again.chunks(self.batch_pages()) {
-            self.pool.queue_urgent(chunk.to_vec())?;
+            self.send_urgent(chunk, on_main, pc)?;
+        }
+        for chunk in urgent.chunks(self.batch_pages()) {
+            self.send_urgent(chunk, on_main, pc)?;
+        }
+        if on_main && !(urgent.is_empty() && again.is_empty()) {
+            self.conn.flush("sending requested pages")?;
         }
         let Some(&last) = urgent.last() else {
             return Ok(());
         };
-        pc.pages_requested += urgent.len() as u64;
-        for chunk in urgent.chunks(self.batch_pages()) {
-            self.pool.queue_urgent(chunk.to_vec())?;
-        }
         *cursor = self.bitmap.cursor_after(last);
         self.after_batch();
+        Ok(())
+    }
+
+    /// Sends pages a vCPU waits for: on the main connection (not flushed) or, as
+    /// `pool.queue_urgent` decides, on the preempt connection or the next data channel.
+    fn send_urgent(
+        &mut self,
+        gpas: &[u64],
+        on_main: bool,
+        pc: &mut PostcopyStats,
+    ) -> Result<(), MigrateError> {
+        if !on_main {
+            return self.pool.queue_urgent(gpas.to_vec());
+        }
+        sender::write_pages(&mut self.conn, &self.ram, gpas, self.params.checksum_pages)?;
+        self.stats.pages_normal += gpas.len() as u64;
+        pc.pages_on_main += gpas.len() as u64;
         Ok(())
     }
 

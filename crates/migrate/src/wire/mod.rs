@@ -236,6 +236,11 @@ impl Capabilities {
     /// VMM checks it before answering (refusing with [`Refusal::Config`] and an Error record
     /// that says what differs).
     pub const CONFIG: Capabilities = Capabilities(1 << 6);
+    /// Bit 7, with postcopy on 4 KiB pages: once the destination sent Resumed, the source may
+    /// send requested pages as Pages records on the main connection (which carries nothing
+    /// else until Complete then), so that without a preempt connection they do not wait
+    /// behind the data channels' background stream.
+    pub const MAIN_PAGES: Capabilities = Capabilities(1 << 7);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -243,7 +248,8 @@ impl Capabilities {
             | Capabilities::CHECKSUM_PAGES.0
             | Capabilities::PROGRESS.0
             | Capabilities::RECOVER.0
-            | Capabilities::CONFIG.0,
+            | Capabilities::CONFIG.0
+            | Capabilities::MAIN_PAGES.0,
     );
 
     /// Both sets' bits.

@@ -613,7 +613,7 @@ impl<'a> Session<'a> {
         let result = result.and_then(|()| {
             loop {
                 let r = self
-                    .await_complete()
+                    .await_complete(&pc)
                     .and_then(|()| self.join_receivers())
                     .and_then(|()| self.nothing_lost(&pc))
                     .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
@@ -676,16 +676,40 @@ impl<'a> Session<'a> {
         pc.write(&header, &payload)
     }
 
-    /// Postcopy: reads the main connection until the source's Complete (it sent every page).
-    fn await_complete(&mut self) -> Result<(), MigrateError> {
-        let h = match self.conn.read_header("waiting for the source's last pages") {
-            Ok(h) => h,
-            Err(e) => return Err(self.explain_main_end(e)),
-        };
+    /// Postcopy: reads the main connection until the source's Complete (it sent every page),
+    /// installing the requested pages it carries when [`Capabilities::MAIN_PAGES`] was granted.
+    fn await_complete(&mut self, pc: &Postcopy) -> Result<(), MigrateError> {
+        let mut buffer = Vec::new();
+        loop {
+            let h = match self.conn.read_header("waiting for the source's last pages") {
+                Ok(h) => h,
+                Err(e) => return Err(self.explain_main_end(e)),
+            };
+            if h.kind == Kind::Pages && self.granted.contains(Capabilities::MAIN_PAGES) {
+                let c = &self.control;
+                c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
+                let checking = self.granted.contains(Capabilities::CHECKSUM_PAGES);
+                let pages = receiver::install_postcopy_record(
+                    self.conn.reader(),
+                    &h,
+                    pc,
+                    checking,
+                    &mut buffer,
+                )?;
+                c.add(&c.pages, pages);
+                continue;
+            }
+            return self.main_record_in_postcopy(&h);
+        }
+    }
+
+    /// A record other than requested pages on the main connection in postcopy: Complete ends
+    /// the wait, the source's Error fails it, anything else is out of order.
+    fn main_record_in_postcopy(&mut self, h: &Header) -> Result<(), MigrateError> {
         match h.kind {
             Kind::Complete => Ok(()),
             Kind::Error => {
-                let p = self.conn.read_payload(&h, "reading the source's error")?;
+                let p = self.conn.read_payload(h, "reading the source's error")?;
                 Err(MigrateError::Remote(
                     crate::error::Side::Source,
                     String::from_utf8_lossy(&p).into_owned(),
@@ -758,7 +782,10 @@ enum PrecopyEnd {
 fn supported(ram: &Ram) -> (Capabilities, u8) {
     let without = Capabilities(
         Capabilities::SUPPORTED.0
-            & !(Capabilities::POSTCOPY.0 | Capabilities::PREEMPT.0 | Capabilities::RECOVER.0),
+            & !(Capabilities::POSTCOPY.0
+                | Capabilities::PREEMPT.0
+                | Capabilities::RECOVER.0
+                | Capabilities::MAIN_PAGES.0),
     );
     let refuse = |why: &str| {
         tracing::warn!("postcopy is not offered: {why}");
@@ -790,6 +817,12 @@ fn supported(ram: &Ram) -> (Capabilities, u8) {
         Ok(u) if shift == wire::HUGE_PAGE_SHIFT && !u.features().missing_hugetlbfs => {
             refuse("this kernel's userfaultfd cannot handle hugetlbfs")
         }
+        // Requested pages on the main connection are whole records of 4 KiB pages; huge
+        // pages are assembled on the data channels and the preempt connection only.
+        Ok(_) if shift == wire::HUGE_PAGE_SHIFT => (
+            Capabilities(Capabilities::SUPPORTED.0 & !Capabilities::MAIN_PAGES.0),
+            shift,
+        ),
         Ok(_) => (Capabilities::SUPPORTED, shift),
         Err(e) => refuse(&e.to_string()),
     }
