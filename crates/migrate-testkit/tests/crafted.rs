@@ -502,10 +502,7 @@ fn crafted_bad_postcopy_streams_are_refused_with_a_clear_error() {
                 postcopy.clone(),
                 pages(&[0x1000]),
             ]),
-            vec![
-                cat(&[pass_1.clone(), postcopy.clone()]),
-                preempt_hello(1),
-            ],
+            vec![cat(&[pass_1.clone(), postcopy.clone()]), preempt_hello(1)],
             "Pages record on the main channel during postcopy",
         ),
         (

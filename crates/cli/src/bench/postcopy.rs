@@ -157,7 +157,6 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     drop(pool);
-    rows.extend(pause_rows()?);
     // The preempt connection's urgent marking, on a link whose queue serves it first.
     for rate in ["400", "max"] {
         for marked in [false, true] {
@@ -177,6 +176,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    rows.extend(pause_rows()?);
     for r in rows {
         println!("{r}");
     }
