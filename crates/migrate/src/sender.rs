@@ -179,15 +179,12 @@ fn run(
             }
             ChannelMsg::EndOfPass(pass) => {
                 drain(&mut *detector, &mut out)?;
-                out.conn
-                    .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
-                out.conn.flush("ending a pass")?;
+                out.marker(Header::new(Kind::EndOfPass, pass, 0), "ending a pass")?;
             }
             ChannelMsg::Postcopy => {
                 postcopy = true;
                 drain(&mut *detector, &mut out)?;
-                out.conn.write_header(&Header::new(Kind::Postcopy, 0, 0))?;
-                out.conn.flush("starting postcopy")?;
+                out.marker(Header::new(Kind::Postcopy, 0, 0), "starting postcopy")?;
             }
             ChannelMsg::Shutdown => {
                 drain(&mut *detector, &mut out)?;
@@ -258,6 +255,18 @@ struct Output<'a> {
 }
 
 impl Output<'_> {
+    /// Writes and flushes a record without payload (a pass end, the postcopy marker), counted
+    /// with the channel's bytes like any record: the destination acknowledges it, and a byte
+    /// acknowledged but never counted here would hide as much in flight (a 40-byte discard
+    /// list looked applied before the destination had read it, and the pause waited for it).
+    fn marker(&mut self, header: Header, during: &'static str) -> Result<(), MigrateError> {
+        self.conn.write_header(&header)?;
+        self.conn.flush(during)?;
+        self.bytes
+            .fetch_add(wire::HEADER_SIZE as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Sends a scanned batch: zero pages as runs of adjacent pages, the rest as one Pages
     /// record of the batch's non-zero pages, in batch order.
     fn send(&mut self, c: Completion) -> Result<(), MigrateError> {
