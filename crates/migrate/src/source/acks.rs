@@ -118,11 +118,10 @@ impl Session<'_> {
     fn note_idle(&mut self) {
         let now = Instant::now();
         if self.pool.pending_pages() == 0 {
-            self.bandwidth.record(now, self.bytes_written());
-            self.bandwidth.idle(now);
+            self.bandwidth.idle(now, self.bytes_written());
         }
         if self.acks.use_ == AckUse::Live && self.in_flight() == 0 {
-            self.acks.absorbed.idle(now);
+            self.acks.absorbed.idle(now, self.acks.acked);
         }
     }
 

@@ -58,9 +58,15 @@ impl BandwidthWindow {
         }
     }
 
-    /// The pipeline has carried everything handed to it by `now`: stop the clock (idempotent).
-    pub fn idle(&mut self, now: Instant) {
-        self.tick(now);
+    /// The pipeline had carried everything handed to it, `total_bytes` in all, by `now`: a last
+    /// sample, and the clock stops. Until [`BandwidthWindow::busy`] further calls do nothing,
+    /// so a session that looks often while idle adds no samples (the window's bound is in busy
+    /// time, which does not pass then).
+    pub fn idle(&mut self, now: Instant, total_bytes: u64) {
+        if self.since.is_none() {
+            return;
+        }
+        self.record(now, total_bytes);
         self.since = None;
     }
 
@@ -158,7 +164,7 @@ mod tests {
     /// The events of a window over a run, in ms since a base instant.
     enum At {
         Record(u64, u64),
-        Idle(u64),
+        Idle(u64, u64),
         Busy(u64, u64),
     }
 
@@ -174,7 +180,7 @@ mod tests {
                 &[
                     Busy(0, 0),
                     Record(10, 24_000),
-                    Idle(10),
+                    Idle(10, 24_000),
                     Busy(1_000, 24_000),
                     Record(1_010, 48_000),
                 ],
@@ -192,8 +198,8 @@ mod tests {
                 &[
                     Busy(0, 0),
                     Record(10, 10_000),
-                    Idle(10),
-                    Idle(500),
+                    Idle(10, 10_000),
+                    Idle(500, 10_000),
                     Busy(900, 10_000),
                     Busy(905, 10_000),
                     Record(910, 20_000),
@@ -214,12 +220,25 @@ mod tests {
             for e in events {
                 match *e {
                     Record(t, bytes) => w.record(at(t), bytes),
-                    Idle(t) => w.idle(at(t)),
+                    Idle(t, bytes) => w.idle(at(t), bytes),
                     Busy(t, bytes) => w.busy(at(t), bytes),
                 }
             }
             let got = w.rate();
             assert!((got - want).abs() < 1e-6 * want, "{name}: {got} != {want}");
         }
+    }
+
+    #[test]
+    fn looking_while_idle_adds_no_samples() {
+        let base = Instant::now();
+        let mut w = BandwidthWindow::default();
+        w.busy(base, 0);
+        w.record(base + Duration::from_millis(10), 24_000);
+        for ms in 10..5_000 {
+            w.idle(base + Duration::from_millis(ms), 24_000);
+        }
+        assert!(w.samples.len() <= 3, "{}", w.samples.len());
+        assert!((w.rate() - 2.4e6).abs() < 1.0, "{}", w.rate());
     }
 }

@@ -335,9 +335,10 @@ impl Session<'_> {
     /// (it is on its way) is counted and otherwise ignored.
     ///
     /// With the preempt connection (or the main connection, MAIN_PAGES), a request for a
-    /// listed page the walk already queued is served again on it: the first copy may wait behind megabytes of background stream, and
-    /// the page's bytes cannot change any more (the guest runs on the destination), so the
-    /// destination keeps whichever copy lands first and drops the other.
+    /// listed page the walk already queued is served again on it: the first copy may wait
+    /// behind megabytes of background stream, and the page's bytes cannot change any more
+    /// (the guest runs on the destination), so the destination keeps whichever copy lands
+    /// first and drops the other.
     ///
     /// It does not look at how the reader ended: the caller does, except while the source
     /// waits for Resumed (which ends nothing) during a load that faults.
