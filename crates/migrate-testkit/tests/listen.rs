@@ -164,6 +164,63 @@ fn garbage_an_http_request_and_a_silent_connection_leave_a_waiting_destination_u
     );
 }
 
+/// A peer that sent a main hello asking to send its VM configuration and then said nothing
+/// held the destination busy to every other source for 600 s (the record timeout), whatever
+/// its peer timeout: the config read was outside every bound.
+#[test]
+fn regression_a_peer_silent_after_asking_to_send_its_config_is_dropped_within_the_peer_timeout() {
+    let dest = Dest::new();
+    dest.control.set_peer_timeout(Some(Duration::from_secs(2)));
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let mut src = running_source(16 * MIB);
+    let ((), received) = dest.serve(&mut dst, |addr| {
+        let mut h = Hello::decode(
+            hello(Role::Main, 0, 1, 16 * MIB, 1)
+                .as_slice()
+                .try_into()
+                .unwrap(),
+        )
+        .unwrap();
+        h.capabilities = wire::Capabilities::CONFIG;
+        let mut mute = TcpStream::connect(addr).unwrap();
+        mute.write_all(&h.encode()).unwrap();
+        // Held open, silent; the destination gives up on it and waits for the next source.
+        wait_for(&dest.control, "the mute peer dropped", |p| {
+            p.rejected_connections >= 1 && p.phase == IncomingPhase::Waiting
+        });
+        migrate_to(&mut src, addr, &params(None)).unwrap();
+        drop(mute);
+    });
+    received.unwrap();
+    assert!(src.contents() == dst.contents());
+}
+
+/// 135 connections that each sent one byte of a hello used to fill every screening slot, and a
+/// real source was dropped at once; a newcomer now evicts the one that has been at its hello
+/// longest.
+#[test]
+fn regression_a_flood_of_slow_hellos_cannot_keep_a_source_out() {
+    let dest = Dest::new();
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let mut src = running_source(16 * MIB);
+    let ((), received) = dest.serve(&mut dst, |addr| {
+        let slow: Vec<TcpStream> = (0..135)
+            .map(|_| {
+                let mut c = TcpStream::connect(addr).unwrap();
+                c.write_all(&main_hello()[..1]).unwrap();
+                c
+            })
+            .collect();
+        wait_for(&dest.control, "the first evictions", |p| {
+            p.rejected_connections >= 6
+        });
+        migrate_to(&mut src, addr, &params(None)).unwrap();
+        drop(slow);
+    });
+    received.unwrap();
+    assert!(src.contents() == dst.contents());
+}
+
 #[test]
 fn a_refused_main_hello_does_not_end_a_waiting_destination() {
     let dest = Dest::new();

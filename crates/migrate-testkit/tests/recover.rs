@@ -3,6 +3,7 @@
 //! recovery attempt that fails), both sides wait in postcopy-paused, and recoveries on a new
 //! listener complete the migration with every page in its last version.
 
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,11 +41,21 @@ fn listener() -> (TcpListener, Address) {
 #[test]
 fn postcopy_survives_broken_connections_and_a_failed_recovery() {
     for preempt in [false, true] {
-        recover_run(preempt);
+        recover_run(preempt, false);
     }
 }
 
-fn recover_run(preempt: bool) {
+/// A recovery listener that is sent an HTTP request, garbage, a connection that says nothing
+/// and one for another migration used to end the paused guest (a bad hello was a
+/// non-recoverable error); and a source whose recovery met a peer that answered its hello and
+/// then said nothing waited for ever (the Missing list was read without a deadline). Both sides
+/// must stay paused, count the strangers, and recover afterwards.
+#[test]
+fn regression_strangers_on_a_recovery_listener_and_a_mute_recovery_peer_leave_both_sides_paused() {
+    recover_run(false, true);
+}
+
+fn recover_run(preempt: bool, hostile: bool) {
     let size = 2 * 16 * MIB;
     let mut src = FakeVm::new(size, 2);
     src.fill(1);
@@ -69,6 +80,8 @@ fn recover_run(preempt: bool) {
         preempt,
         recover: true,
         channels: 2,
+        // Short, so that a mute recovery peer is given up on quickly.
+        peer_timeout: Some(Duration::from_secs(3)),
         ..SourceParams::new(
             Policy {
                 downtime_limit: Duration::from_micros(1),
@@ -165,7 +178,62 @@ fn recover_run(preempt: bool) {
         paused_both();
         // 3. A later recovery still works.
         let (l3, a3) = listener();
+        let l3_addr = l3.local_addr().unwrap();
         dest_control.recover_on(Box::new(l3));
+        if hostile {
+            // Strangers on the recovery listener: dropped and counted, the guest waits on.
+            let rejected = dest_control.progress().rejected_connections;
+            let mut http = TcpStream::connect(l3_addr).unwrap();
+            http.write_all(format!("{:<64}", "GET / HTTP/1.1\r\nHost: ferry\r\n").as_bytes())
+                .unwrap();
+            let mut garbage = TcpStream::connect(l3_addr).unwrap();
+            garbage.write_all(&[0xa5; 64]).unwrap();
+            let silent = TcpStream::connect(l3_addr).unwrap();
+            drop(silent);
+            let mut other = TcpStream::connect(l3_addr).unwrap();
+            other.write_all(&[0u8; 3]).unwrap();
+            drop(other);
+            wait_until(
+                "the strangers dropped and counted",
+                || dest_control.progress().rejected_connections >= rejected + 4,
+                state,
+            );
+            assert_eq!(
+                dest_control.progress().phase,
+                IncomingPhase::PostcopyPaused,
+                "{}",
+                state()
+            );
+            // A peer that answers the source's recovery hello and then says nothing.
+            let (mute, mute_addr) = listener();
+            let muting = s.spawn(move || {
+                let (mut c, _) = mute.accept().unwrap();
+                let mut hello = [0u8; 64];
+                c.read_exact(&mut hello).unwrap();
+                // The source's own hello, status 0: accepted.
+                c.write_all(&hello).unwrap();
+                let mut rest = Vec::new();
+                let _ = c.read_to_end(&mut rest); // until the source gives up
+            });
+            let gave_up_before = Instant::now();
+            source_control.resume_postcopy(mute_addr);
+            muting.join().unwrap();
+            eprintln!(
+                "the source gave up on the mute peer after {:?}",
+                gave_up_before.elapsed()
+            );
+            wait_until(
+                "the source paused again",
+                || {
+                    source_control
+                        .progress()
+                        .error
+                        .is_some_and(|e| e.contains("what the destination lacks"))
+                },
+                state,
+            );
+            paused_both();
+        }
         source_control.resume_postcopy(a3);
         (sender.join().unwrap(), receiver.join().unwrap())
     });

@@ -21,7 +21,7 @@
 
 mod acks;
 pub(crate) mod assemble;
-mod listen;
+pub(crate) mod listen;
 pub(crate) mod postcopy;
 mod progress;
 mod sections;

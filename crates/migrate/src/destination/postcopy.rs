@@ -33,7 +33,7 @@
 //! page and are set for whole units.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -68,7 +68,7 @@ pub(crate) struct Postcopy {
     remaining: AtomicU64,
     /// The write side of the main connection: page requests, and the session's Resumed and
     /// Done, all through this lock so that records never interleave.
-    out: Mutex<Box<dyn Stream>>,
+    out: Outbox,
     /// When the first fault on each requested page came (by page index), for the latencies.
     first_fault: Mutex<HashMap<u64, Instant>>,
     latencies: Mutex<Latencies>,
@@ -109,7 +109,7 @@ impl Postcopy {
             installed: PageBits::new(pages),
             requested: PageBits::new(pages),
             remaining: AtomicU64::new(0),
-            out: Mutex::new(out),
+            out: Outbox(Mutex::new(out)),
             first_fault: Mutex::new(HashMap::new()),
             latencies: Mutex::new(Latencies::default()),
             all_in: (Mutex::new(()), Condvar::new()),
@@ -194,16 +194,17 @@ impl Postcopy {
 
     /// Writes a record on the main connection.
     pub(crate) fn write(&self, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
-        let mut out = self.out.lock().unwrap();
-        out.write_all(&header.seal(payload).encode())
-            .and_then(|()| out.write_all(payload))
-            .and_then(|()| out.flush())
-            .map_err(|e| MigrateError::io("writing to the source", e))
+        self.out.write(header, payload)
     }
 
-    /// A recovery's new main connection replaces the broken one for requests and Done.
-    pub(crate) fn replace_out(&self, out: Box<dyn Stream>) {
-        *self.out.lock().unwrap() = out;
+    /// A recovery's new main connection replaces the broken one for requests and Done, once
+    /// `first` (its Missing list and Resume) is written on it.
+    pub(crate) fn replace_out_after(
+        &self,
+        out: Box<dyn Stream>,
+        first: &[(Header, Vec<u8>)],
+    ) -> Result<(), MigrateError> {
+        self.out.replace_after(out, first)
     }
 
     /// Runs of listed pages not installed yet (at most [`wire::MAX_ZERO_RUN_PAGES`] each):
@@ -553,6 +554,114 @@ impl PostcopyGate {
                 return None;
             }
             open = self.cv.wait_timeout(open, deadline - now).unwrap().0;
+        }
+    }
+}
+
+/// The main connection's write side, shared by the fault thread (page requests) and the
+/// session (Done, a recovery's first records). One lock orders every write, and a recovery
+/// swaps the connection under it only after its first records are written, so no page request
+/// can overtake them on the new connection.
+#[derive(Debug)]
+struct Outbox(Mutex<Box<dyn Stream>>);
+
+impl Outbox {
+    fn write(&self, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
+        write_sealed(self.0.lock().unwrap().as_mut(), header, payload)
+    }
+
+    fn replace_after(
+        &self,
+        mut out: Box<dyn Stream>,
+        first: &[(Header, Vec<u8>)],
+    ) -> Result<(), MigrateError> {
+        let mut current = self.0.lock().unwrap();
+        for (header, payload) in first {
+            write_sealed(out.as_mut(), header, payload)?;
+        }
+        *current = out;
+        Ok(())
+    }
+}
+
+/// Writes one record, its header sealed over its payload, and flushes.
+fn write_sealed(out: &mut dyn Stream, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
+    out.write_all(&header.seal(payload).encode())
+        .and_then(|()| out.write_all(payload))
+        .and_then(|()| out.flush())
+        .map_err(|e| MigrateError::io("writing to the source", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::Outbox;
+    use crate::wire::{self, HEADER_SIZE, Header, Kind};
+
+    /// Reads records (header kinds) off `s` until it ends.
+    fn kinds(mut s: UnixStream) -> Vec<Kind> {
+        let mut out = Vec::new();
+        let mut h = [0u8; HEADER_SIZE];
+        while s.read_exact(&mut h).is_ok() {
+            let header = Header::decode(&h).expect("a valid header");
+            let mut payload = vec![0u8; header.len as usize];
+            s.read_exact(&mut payload).unwrap();
+            out.push(header.kind);
+        }
+        out
+    }
+
+    #[test]
+    fn a_request_written_while_a_recovery_swaps_connections_comes_after_its_first_records() {
+        for _ in 0..50 {
+            let (old, mut old_peer) = UnixStream::pair().unwrap();
+            // The broken connection's other end keeps reading, so no write blocks on it.
+            std::thread::spawn(move || {
+                let mut b = [0u8; 4096];
+                while matches!(old_peer.read(&mut b), Ok(n) if n > 0) {}
+            });
+            let outbox = Arc::new(Outbox(Mutex::new(Box::new(old))));
+            let stop = Arc::new(AtomicBool::new(false));
+            // A fault thread that writes requests as fast as it can, through the swap.
+            let writer = {
+                let (outbox, stop) = (outbox.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let run = wire::encode_runs(&[(0x1000, 1)]);
+                    while !stop.load(Ordering::Relaxed) {
+                        let _ = outbox.write(&Header::runs(Kind::PageRequest, 1), &run);
+                    }
+                })
+            };
+            let (new, new_peer) = UnixStream::pair().unwrap();
+            let reading = std::thread::spawn(move || kinds(new_peer));
+            let missing = wire::encode_runs(&[(0x2000, 4)]);
+            outbox
+                .replace_after(
+                    Box::new(new),
+                    &[
+                        (Header::runs(Kind::Missing, 1), missing),
+                        (Header::new(Kind::Resume, 0, 0), Vec::new()),
+                    ],
+                )
+                .unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            stop.store(true, Ordering::Relaxed);
+            writer.join().unwrap();
+            // Dropping the outbox closes the new connection's write side.
+            drop(outbox);
+            let seen = reading.join().unwrap();
+            assert_eq!(
+                seen[..2],
+                [Kind::Missing, Kind::Resume],
+                "{:?}",
+                &seen[..4.min(seen.len())]
+            );
+            assert!(seen[2..].iter().all(|k| *k == Kind::PageRequest));
         }
     }
 }

@@ -167,6 +167,11 @@ impl IncomingControl {
         *self.peer_timeout.lock().unwrap() = timeout;
     }
 
+    /// The peer timeout in force (`None`: no bound).
+    pub fn peer_timeout(&self) -> Option<Duration> {
+        *self.peer_timeout.lock().unwrap()
+    }
+
     /// Whether the watchdog gave up on a silent source (and has not been told so yet).
     pub(crate) fn silent(&self) -> bool {
         self.silent.load(Ordering::Acquire)

@@ -29,6 +29,8 @@ use crate::wire::{self, Kind, PAGE_SIZE, Role};
 
 /// How long one connection attempt of a recovery may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for the destination's Missing list when no peer timeout was set.
+const MISSING_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often a paused session looks for a resume request.
 const PAUSED_POLL: Duration = Duration::from_millis(100);
 
@@ -136,7 +138,17 @@ impl Session<'_> {
                 s => format!("the destination refused the recovery with status {s}"),
             }));
         }
+        // The Missing list comes within the peer timeout: a peer that answered the hello and
+        // then says nothing must not hold the recovery (and later resume requests) for ever.
+        self.conn
+            .stream()
+            .set_read_timeout(Some(self.params.peer_timeout.unwrap_or(MISSING_TIMEOUT)))
+            .map_err(|e| MigrateError::io("reconnecting", e))?;
         self.read_missing(listed)?;
+        self.conn
+            .stream()
+            .set_read_timeout(None)
+            .map_err(|e| MigrateError::io("reconnecting", e))?;
         let granted = Granted {
             progress: false,
             postcopy: true,

@@ -21,7 +21,10 @@ use super::postcopy::{FaultThread, Postcopy, PostcopyGate};
 use super::progress::Watchdog;
 use super::sections::Sections;
 use super::sink;
-use super::{Arrival, Arrivals, CHANNEL_TIMEOUT, IncomingControl, IncomingPhase, RECORD_TIMEOUT};
+use super::{
+    Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, IncomingControl, IncomingPhase,
+    RECORD_TIMEOUT,
+};
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
@@ -152,7 +155,17 @@ impl<'a> Session<'a> {
             return Ok(None);
         }
         let during = "reading the source VM's configuration";
-        let h = self.conn.read_header(during)?;
+        // A source sends it right after its hello: a peer that asked to send it and then says
+        // nothing holds this destination (busy to every other source) no longer than a hello
+        // may take, or the peer timeout if shorter.
+        let within = self
+            .control
+            .peer_timeout()
+            .map_or(HELLO_TIMEOUT, |t| t.min(HELLO_TIMEOUT));
+        let _ = self.conn.stream().set_read_timeout(Some(within));
+        let h = self.conn.read_header(during);
+        let _ = self.conn.stream().set_read_timeout(Some(RECORD_TIMEOUT));
+        let h = h?;
         if h.kind != Kind::VmConfig {
             return Err(MigrateError::order(format!(
                 "expected the source VM's configuration after its hello, got {:?}",
@@ -344,7 +357,9 @@ impl<'a> Session<'a> {
                 shared
             }
         };
-        let deadline = Instant::now() + CHANNEL_TIMEOUT;
+        // Each channel has CHANNEL_TIMEOUT after the one before: a source opens them one at a
+        // time, so one total for all would refuse many channels over a long round trip.
+        let mut deadline = Instant::now() + CHANNEL_TIMEOUT;
         // Slot 0 is the preempt connection, when granted; slots 1.. the data channels.
         let mut seen = vec![false; usize::from(main.channels) + 1];
         let preempt = self.granted.contains(Capabilities::PREEMPT);
@@ -372,7 +387,7 @@ impl<'a> Session<'a> {
                     missing.push("the preempt connection".into());
                 }
                 return Err(MigrateError::Refused(format!(
-                    "{} never connected within {CHANNEL_TIMEOUT:?}",
+                    "{} never connected within {CHANNEL_TIMEOUT:?} of the connection before",
                     missing.join(", ")
                 )));
             };
@@ -393,6 +408,7 @@ impl<'a> Session<'a> {
             }
             answered?;
             seen[usize::from(hello.channel)] = true;
+            deadline = Instant::now() + CHANNEL_TIMEOUT;
             let _ = stream.set_read_timeout(Some(RECORD_TIMEOUT));
             self.control.register(stream.as_ref());
             let handle = stream

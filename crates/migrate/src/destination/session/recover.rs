@@ -3,8 +3,10 @@
 //! receivers (a huge page half assembled is dropped: it was never placed), and enters
 //! postcopy-paused: the guest runs, and a vCPU that touches a missing page waits (its request
 //! is remembered). Once the VMM hands it a listener
-//! ([`IncomingControl::recover_on`](crate::destination::IncomingControl::recover_on)), it waits
-//! there for the source's recovery hello (role Resume, this migration's uuid), answers it,
+//! ([`IncomingControl::recover_on`](crate::destination::IncomingControl::recover_on)), it
+//! screens every connection there as the main listener does (`listen.rs`: garbage, silence,
+//! trickles and strangers are dropped and counted, and the guest waits on), and to the source's
+//! recovery hello (role Resume, this migration's uuid) it answers,
 //! sends the runs of listed pages it still lacks (Missing) and Resume, asks again for every
 //! page a vCPU waits for, and accepts the data channels (and the preempt connection) anew.
 //! A failure during recovery returns to paused; a cancel gives the guest up as any postcopy
@@ -14,15 +16,17 @@
 
 use std::net::Shutdown;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use super::Session;
 use crate::conn::Conn;
+use crate::destination::listen::Screening;
 use crate::destination::postcopy::Postcopy;
-use crate::destination::{Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, IncomingPhase};
+use crate::destination::{Arrival, IncomingPhase};
 use crate::error::MigrateError;
 use crate::transport::Listener;
-use crate::wire::{self, Capabilities, Header, Hello, Kind, Refusal, Role};
+use crate::wire::{self, Capabilities, Header, Hello, Kind, Refusal};
 
 /// How often a paused session looks for a listener, a cancel, or a connection.
 const PAUSED_POLL: Duration = Duration::from_millis(100);
@@ -70,12 +74,9 @@ impl Session<'_> {
                     std::thread::sleep(PAUSED_POLL);
                     continue;
                 };
-                match l.accept_within(PAUSED_POLL) {
-                    Ok(Some(stream)) => break self.resume_on(stream, pc, l.as_ref()),
-                    Ok(None) => {}
-                    Err(e) => {
-                        break Err(MigrateError::io("waiting for the source to reconnect", e));
-                    }
+                match self.screen_recovery(l.as_ref(), pc)? {
+                    Attempt::Ended(result) => break result,
+                    Attempt::NewListener(l) => listener = Some(l),
                 }
             };
             match attempt {
@@ -95,6 +96,38 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// Screens `listener` (on a thread of its own, as the main listener is screened) until
+    /// this migration's Resume comes and its recovery ends, a new listener is given, or a
+    /// cancel: garbage, silence, trickles and strangers are dropped and counted, and never end
+    /// the wait.
+    fn screen_recovery(
+        &mut self,
+        listener: &dyn Listener,
+        pc: &Arc<Postcopy>,
+    ) -> Result<Attempt, MigrateError> {
+        let uuid = self.hello.uuid;
+        let control = self.control.clone();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let screening = Screening::recovery(scope, listener, control, uuid, &stop)?;
+            loop {
+                if self.control.cancelled() {
+                    return Err(MigrateError::CancelledHere);
+                }
+                if let Some(l) = self.control.take_recovery() {
+                    return Ok(Attempt::NewListener(l));
+                }
+                let Some(arrival) = screening.next_resume(PAUSED_POLL) else {
+                    continue;
+                };
+                let result = self.resume_on(arrival, pc, &screening);
+                if result.is_err() {
+                    screening.reopen(uuid);
+                }
+                return Ok(Attempt::Ended(result));
+            }
+        })
+    }
     /// Shuts the main connection and every receiver's, and waits for the receivers.
     fn sever(&mut self) {
         let _ = self.conn.stream().shutdown(Shutdown::Both);
@@ -108,56 +141,43 @@ impl Session<'_> {
         }
     }
 
-    /// One recovery on a new connection: its hello must be the source's Resume for this
-    /// migration; then the Missing list, the pending requests, and the channels.
+    /// One recovery on a new connection, whose hello the screen found to be this migration's
+    /// Resume: the Missing list, the pending requests, and the channels.
     fn resume_on(
         &mut self,
-        mut stream: Box<dyn crate::transport::Stream>,
+        arrival: Arrival,
         pc: &Arc<Postcopy>,
-        listener: &dyn Listener,
+        screening: &Screening<'_>,
     ) -> Result<(), MigrateError> {
-        let hello = super::super::read_hello(stream.as_mut(), HELLO_TIMEOUT)?;
-        let refusal = if hello.role != Role::Resume {
-            Some((
-                Refusal::Role,
-                format!("a {:?} connection while waiting for a recovery", hello.role),
-            ))
-        } else if hello.uuid != self.hello.uuid {
-            Some((
-                Refusal::UnknownMigration,
-                "a recovery for another migration".to_string(),
-            ))
-        } else {
-            None
-        };
+        let Arrival { mut stream, hello } = arrival;
         let reply = Hello {
-            status: refusal.as_ref().map_or(Refusal::Accepted, |r| r.0) as u32,
+            status: Refusal::Accepted as u32,
             memory_size: self.ram.size(),
             capabilities: self.granted,
             ..hello
         };
-        let _ = std::io::Write::write_all(&mut stream, &reply.encode());
-        if let Some((_, why)) = refusal {
-            self.control.reject(why.clone());
-            return Err(MigrateError::Refused(why));
-        }
+        std::io::Write::write_all(&mut stream, &reply.encode())
+            .map_err(|e| MigrateError::io("answering a recovery", e))?;
         self.control.register(stream.as_ref());
         let _ = stream.set_read_timeout(Some(super::super::RECORD_TIMEOUT));
-        pc.replace_out(
-            stream
-                .try_clone_stream()
-                .map_err(|e| MigrateError::io("accepting a recovery", e))?,
-        );
+        let out = stream
+            .try_clone_stream()
+            .map_err(|e| MigrateError::io("accepting a recovery", e))?;
         self.conn = Conn::new(stream).map_err(|e| MigrateError::io("accepting a recovery", e))?;
         let missing = pc.missing_runs();
-        for chunk in missing.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
-            self.conn.write_record(
-                &Header::runs(Kind::Missing, chunk.len() as u32),
-                &wire::encode_runs(chunk),
-            )?;
-        }
-        self.conn.write_header(&Header::new(Kind::Resume, 0, 0))?;
-        self.conn.flush("sending what this side lacks")?;
+        let mut first: Vec<(Header, Vec<u8>)> = missing
+            .chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize)
+            .map(|chunk| {
+                (
+                    Header::runs(Kind::Missing, chunk.len() as u32),
+                    wire::encode_runs(chunk),
+                )
+            })
+            .collect();
+        first.push((Header::new(Kind::Resume, 0, 0), Vec::new()));
+        // Missing and Resume go first on the new connection, and only then may the fault
+        // thread write to it: a page request ahead of Resume would be a protocol error there.
+        pc.replace_out_after(out, &first)?;
         let pending = pc.pending_requests();
         for chunk in pending.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
             pc.write(
@@ -170,46 +190,16 @@ impl Session<'_> {
             .stream()
             .try_clone_stream()
             .map_err(|e| MigrateError::io("accepting a recovery", e))?;
-        self.connect_channels(&mut Reconnecting { listener, main })?;
+        self.connect_channels(&mut screening.channels(hello.uuid, main))?;
         self.control.update(|p| p.phase = IncomingPhase::Postcopy);
         Ok(())
     }
 }
 
-/// The data connections of a recovery, from its listener. A source whose recovery failed
-/// after the Resume closes the recovery's main connection: that ends the wait at once, and the
-/// destination is paused again, ready for the next recovery, instead of waiting out the
-/// channels' deadline.
-struct Reconnecting<'a> {
-    listener: &'a dyn Listener,
-    main: Box<dyn crate::transport::Stream>,
-}
-
-impl Arrivals for Reconnecting<'_> {
-    fn next(&mut self, deadline: Instant) -> Result<Option<Arrival>, MigrateError> {
-        let mut stream = loop {
-            if self.main.hung_up() {
-                return Err(MigrateError::io(
-                    "waiting for the recovery's channels",
-                    std::io::Error::from(std::io::ErrorKind::ConnectionAborted),
-                ));
-            }
-            let wait = deadline
-                .saturating_duration_since(Instant::now())
-                .min(PAUSED_POLL);
-            match self
-                .listener
-                .accept_within(wait)
-                .map_err(|e| MigrateError::io("accepting a data channel", e))?
-            {
-                Some(stream) => break stream,
-                None if Instant::now() >= deadline => return Ok(None),
-                None => {}
-            }
-        };
-        let hello = super::super::read_hello(stream.as_mut(), CHANNEL_TIMEOUT)?;
-        Ok(Some(Arrival { stream, hello }))
-    }
-
-    fn close(&mut self) {}
+/// How one screened wait for a recovery ended.
+enum Attempt {
+    /// A Resume came, and its recovery succeeded or failed.
+    Ended(Result<(), MigrateError>),
+    /// The VMM gave a new listener: screen that one instead.
+    NewListener(Box<dyn Listener>),
 }
