@@ -36,9 +36,14 @@ pub struct RunArgs {
     /// Where the guest's serial port goes: `stdout`, `none`, or a file path.
     #[arg(long, default_value = "stdout")]
     serial: String,
-    /// Serve the control API (JSON over HTTP) on this Unix socket.
+    /// Serve the control API (JSON over HTTP) on this Unix socket. Whoever can connect to it
+    /// can migrate the guest anywhere or stop it: it is created with --api-socket-mode.
     #[arg(long)]
     api_socket: Option<PathBuf>,
+    /// The API socket's permission bits, in octal, whatever the umask: 600 lets only this
+    /// user connect; 660 lets the socket's group too (for a management daemon in it).
+    #[arg(long, default_value = "600", value_parser = parse_mode)]
+    api_socket_mode: u32,
     /// Boot nothing: wait for a migration on `tcp:HOST:PORT` or `unix:PATH`, then run the
     /// guest it brings. The API socket answers while it waits.
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
@@ -235,7 +240,18 @@ fn receive(
 /// VM of the moment.
 struct Api {
     path: Option<PathBuf>,
+    mode: u32,
     server: Option<ApiServer>,
+}
+
+/// An octal permission mode such as `600` or `0660`.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!(
+            "{s:?} is not a permission mode: give octal digits, such as 600 or 660"
+        )),
+    }
 }
 
 impl Api {
@@ -244,10 +260,11 @@ impl Api {
         match (&self.server, &self.path) {
             (Some(server), _) => server.serve(handle.clone()),
             (None, Some(path)) => {
-                let server = ApiServer::start(path, handle.clone()).map_err(|e| {
-                    handle.stop(StopReason::Requested("API socket unavailable".into()));
-                    anyhow::Error::new(e)
-                })?;
+                let server =
+                    ApiServer::start_with_mode(path, self.mode, handle.clone()).map_err(|e| {
+                        handle.stop(StopReason::Requested("API socket unavailable".into()));
+                        anyhow::Error::new(e)
+                    })?;
                 self.server = Some(server);
             }
             (None, None) => {}
@@ -307,6 +324,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut previous = None;
     let mut api = Api {
         path: args.api_socket.clone(),
+        mode: args.api_socket_mode,
         server: None,
     };
     loop {

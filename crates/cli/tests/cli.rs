@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RunningVm, ferry_output, stderr};
+use common::{RunningVm, ferry, ferry_output, read, require_kvm, stderr};
 
 #[test]
 fn bad_guest_command_lines_are_refused_before_boot() {
@@ -202,4 +202,74 @@ fn vm_rss_bytes(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap();
     kb * 1024
+}
+
+/// A `ferry run` under umask 002 (a group-writable default), with `extra` arguments.
+fn run_under_umask_002(extra: &[&str]) -> RunningVm {
+    require_kvm();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
+    let serial = dir.path().join("serial.log");
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("umask 002; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_ferry"))
+        .args(["run", "--memory", "64M", "--cmdline", "ws=1M"])
+        .arg("--serial")
+        .arg(&serial)
+        .arg("--api-socket")
+        .arg(&socket)
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let vm = RunningVm {
+        child,
+        socket,
+        serial,
+        dir,
+    };
+    vm.wait_until("the API socket", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    vm
+}
+
+#[test]
+fn regression_the_api_socket_is_private_whatever_the_umask_and_a_file_in_its_place_is_kept() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |vm: &RunningVm| std::fs::metadata(&vm.socket).unwrap().permissions().mode() & 0o777;
+    let vm = run_under_umask_002(&[]);
+    assert_eq!(mode(&vm), 0o600, "the default mode, not the umask's 775");
+    assert_eq!(vm.status()["state"], "running");
+    drop(vm);
+    let vm = run_under_umask_002(&["--api-socket-mode", "660"]);
+    assert_eq!(mode(&vm), 0o660);
+    drop(vm);
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "keep me").unwrap();
+    let out = ferry()
+        .args([
+            "run",
+            "--memory",
+            "64M",
+            "--cmdline",
+            "ws=1M",
+            "--serial",
+            "none",
+        ])
+        .arg("--api-socket")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("is not a socket"), "{}", stderr(&out));
+    assert_eq!(
+        read(&file),
+        "keep me",
+        "the file given as --api-socket is kept"
+    );
 }

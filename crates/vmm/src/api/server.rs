@@ -26,7 +26,15 @@ pub enum ApiServerError {
         "cannot listen on API socket {path}: {reason}; check that its directory exists and is writable"
     )]
     Listen { path: PathBuf, reason: String },
+    #[error(
+        "--api-socket {path} exists and is not a socket; it was left as it is: give a path that does not exist yet (or a stale socket)"
+    )]
+    NotASocket { path: PathBuf },
 }
+
+/// The API socket's default mode: only the VMM's own user may connect (whoever can connect can
+/// migrate the guest anywhere or stop it).
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
 
 /// A running API server. Dropping it stops the thread and removes the socket file.
 pub struct ApiServer {
@@ -39,18 +47,48 @@ pub struct ApiServer {
 }
 
 impl ApiServer {
-    /// Listens on `path` (replacing a stale socket file left by a dead process).
+    /// Listens on `path` with [`DEFAULT_SOCKET_MODE`] (replacing a stale socket file left by
+    /// a dead process).
     pub fn start(path: &Path, vm: VmHandle) -> Result<ApiServer, ApiServerError> {
-        if path.exists() {
+        Self::start_with_mode(path, DEFAULT_SOCKET_MODE, vm)
+    }
+
+    /// Listens on `path`, a socket of permission bits `mode` whatever the process's umask: it
+    /// is bound in a private directory beside `path`, given its mode there, and renamed into
+    /// place, so it is never reachable with looser permissions. A path that exists and is not a
+    /// socket is refused and left alone.
+    pub fn start_with_mode(
+        path: &Path,
+        mode: u32,
+        vm: VmHandle,
+    ) -> Result<ApiServer, ApiServerError> {
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        let listen_error = |reason: String| ApiServerError::Listen {
+            path: path.into(),
+            reason,
+        };
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                return Err(ApiServerError::NotASocket { path: path.into() });
+            }
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
                 return Err(ApiServerError::InUse { path: path.into() });
             }
             let _ = std::fs::remove_file(path);
         }
-        let server = Server::http_unix(path).map_err(|e| ApiServerError::Listen {
-            path: path.into(),
-            reason: e.to_string(),
-        })?;
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let private = tempfile::Builder::new()
+            .prefix(".ferry-api-")
+            .tempdir_in(dir)
+            .map_err(|e| listen_error(e.to_string()))?;
+        let staged = private.path().join("api.sock");
+        let server = Server::http_unix(&staged).map_err(|e| listen_error(e.to_string()))?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+            .and_then(|()| std::fs::rename(&staged, path))
+            .map_err(|e| listen_error(e.to_string()))?;
         let server = Arc::new(server);
         let listener = server.clone();
         let vm = Arc::new(Mutex::new(vm));
