@@ -26,6 +26,30 @@ pub fn put(args: &ControlArgs, path: &str) -> anyhow::Result<ExitCode> {
 }
 
 #[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// The VM's API socket (`ferry run --api-socket PATH`).
+    #[arg(long)]
+    api_socket: PathBuf,
+    /// Resume a guest that a migration handed over to its destination, where it may already
+    /// run: only when you know it does not (the destination process is gone, or never loaded
+    /// the guest). Two copies of one guest corrupt whatever it writes outside its RAM. A
+    /// migration waiting in postcopy-paused is given up.
+    #[arg(long)]
+    risk_running_twice: bool,
+}
+
+/// `ferry resume`.
+pub fn resume(args: &ResumeArgs) -> anyhow::Result<ExitCode> {
+    let body = match args.risk_running_twice {
+        true => r#"{"force": true}"#,
+        false => "",
+    };
+    let answer = client::request_with_body(&args.api_socket, "PUT", "/vm/resume", body)?;
+    println!("{answer}");
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Args)]
 pub struct BalloonArgs {
     /// The running VM's API socket (`ferry run --api-socket PATH`).
     #[arg(long)]

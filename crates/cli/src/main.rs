@@ -56,8 +56,9 @@ enum Command {
     Balloon(control::BalloonArgs),
     /// Pause a running VM's vCPUs.
     Pause(control::ControlArgs),
-    /// Resume a paused VM.
-    Resume(control::ControlArgs),
+    /// Resume a paused VM (refused for a guest a migration handed over, unless
+    /// --risk-running-twice).
+    Resume(control::ResumeArgs),
     /// Stop a VM; its `ferry run` exits.
     Shutdown(control::ControlArgs),
     /// Write out the built-in guest (for QEMU's -kernel) or list its parameters.
@@ -83,6 +84,9 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// The migration was cancelled (`ferry cancel` or Ctrl-C; it ended in phase `cancelled`).
     pub const CANCELLED: u8 = 3;
+    /// `ferry migrate` stopped following on Ctrl-C or SIGTERM a migration that could not be
+    /// cancelled any more (postcopy): it goes on in the VMM.
+    pub const DETACHED: u8 = 4;
 }
 
 const EXIT_STATUS_HELP: &str = "Exit status:
@@ -90,7 +94,9 @@ const EXIT_STATUS_HELP: &str = "Exit status:
   1  the migration failed
   2  usage error: a bad flag or value, refused before anything was done
   3  the migration was cancelled (ferry cancel, or Ctrl-C); the source VM keeps running
-     (a --timeout with --timeout-action cancel is a failure: 1)";
+     (a --timeout with --timeout-action cancel is a failure: 1)
+  4  Ctrl-C or SIGTERM while the migration could not be cancelled any more (postcopy): ferry
+     stopped following it, and it goes on in the VMM (ferry status, GET /migration)";
 
 /// A value the CLI refuses before doing anything: exit status 2, like clap's own errors.
 #[derive(Debug)]
@@ -125,7 +131,7 @@ fn main() -> ExitCode {
         Command::Status(args) => control::status(&args),
         Command::Balloon(args) => control::balloon(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
-        Command::Resume(args) => control::put(&args, "/vm/resume"),
+        Command::Resume(args) => control::resume(&args),
         Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),
         Command::Guest(args) => guest::guest(&args),
         Command::Report(args) => report::report(&args),

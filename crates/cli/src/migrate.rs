@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -315,11 +317,22 @@ fn tls_body(args: &MigrateArgs) -> Result<Option<serde_json::Value>, UsageError>
 /// statistics and says how it ended.
 fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
     let socket = args.api_socket.clone();
+    let detach = Arc::new(AtomicBool::new(false));
+    let detaching = detach.clone();
     ctrlc::set_handler(move || {
-        let _ = client::request(&socket, "PUT", "/migration/cancel");
+        // Refused once the guest may run on the destination: then stop following instead.
+        if client::request(&socket, "PUT", "/migration/cancel").is_err() {
+            detaching.store(true, Ordering::Release);
+        }
     })
     .context("cannot install the Ctrl-C handler")?;
-    let (progress, moved_on) = follow(&args.api_socket)?;
+    let Some((progress, moved_on)) = follow(&args.api_socket, &detach)? else {
+        eprintln!(
+            "ferry: stopped following; the migration cannot be cancelled any more (the guest may run on the destination) and goes on in the VMM: watch it with ferry status --api-socket {} or GET /migration",
+            args.api_socket.display()
+        );
+        return Ok(ExitCode::from(exit::DETACHED));
+    };
     if let Some(stats) = &progress.stats {
         report::print_stats(stats);
         if let Some(path) = &args.stats_out {
@@ -347,10 +360,15 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
 }
 
 /// Polls `GET /migration` until the migration ends, showing progress; says too whether the
-/// VMM went on to wait for another migration (`ferry run --then-incoming`).
-fn follow(socket: &Path) -> anyhow::Result<(Progress, bool)> {
+/// VMM went on to wait for another migration (`ferry run --then-incoming`). `None` once
+/// `detach` is set.
+fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress, bool)>> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     loop {
+        if detach.load(Ordering::Acquire) {
+            live.finish();
+            return Ok(None);
+        }
         let mut value = client::request(socket, "GET", "/migration")?;
         // A VMM started with --then-incoming went on to wait for the guest's return once
         // this migration completed; it tells how that ended.
@@ -362,7 +380,7 @@ fn follow(socket: &Path) -> anyhow::Result<(Progress, bool)> {
         live.update(&p);
         if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
             live.finish();
-            return Ok((p, moved_on));
+            return Ok(Some((p, moved_on)));
         }
         std::thread::sleep(POLL);
     }

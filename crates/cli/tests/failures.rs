@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{RunningVm, destination, destination_with, recover, start_migrate, stderr};
+use common::{RunningVm, destination, destination_with, ferry, recover, start_migrate, stderr};
 use ferry_migrate::wire::{Kind, Role};
 use ferry_migrate_testkit::proxy::{Direction, Proxy};
 use nix::sys::signal::{Signal, kill};
@@ -292,8 +292,20 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
             if fault != Fault::KillDestination {
                 assert_eq!(code, Some(1), "no guest runs on the destination");
             }
-            // The operator, who knows that no guest runs there, resumes it here.
+            // A plain resume is refused: the guest may run on the destination.
             let out = src.control("resume");
+            assert!(
+                !out.status.success() && stderr(&out).contains("--risk-running-twice"),
+                "{}",
+                stderr(&out)
+            );
+            assert_eq!(src.status()["state"], "paused");
+            // The operator, who knows that no guest runs there, resumes it here by force.
+            let out = ferry()
+                .args(["resume", "--risk-running-twice", "--api-socket"])
+                .arg(&src.socket)
+                .output()
+                .unwrap();
             assert!(out.status.success(), "{}", stderr(&out));
             migrates_again(&src);
         }

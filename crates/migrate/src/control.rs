@@ -68,6 +68,8 @@ pub struct Control {
     postcopy: AtomicBool,
     /// Break the connections of a migration in postcopy, as a failure would.
     pause: AtomicBool,
+    /// The operator resumed the guest here by force: a paused postcopy migration ends.
+    give_up: AtomicBool,
     /// Where a paused postcopy migration reconnects to, once asked.
     resume: Mutex<Option<crate::transport::Dialer>>,
     resume_asked: Condvar,
@@ -81,6 +83,18 @@ impl Control {
 
     pub fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Ends a migration that handed the guest over and waits in postcopy-paused, because the
+    /// operator resumed the guest on this side by force (`ferry resume --risk-running-twice`):
+    /// it fails with [`MigrateError::GivenUp`](crate::MigrateError::GivenUp) instead of waiting
+    /// for a recovery that would send pages of a guest that runs again here.
+    pub fn give_up(&self) {
+        self.give_up.store(true, Ordering::Release);
+    }
+
+    pub fn given_up(&self) -> bool {
+        self.give_up.load(Ordering::Acquire)
     }
 
     /// Asks a migration that has postcopy enabled to switch to it at the end of the pass it is

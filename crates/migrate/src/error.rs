@@ -126,6 +126,10 @@ pub enum MigrateError {
         "the destination did not acknowledge resuming the guest: {0}; the source stays paused because the guest may already run on the destination"
     )]
     Unacknowledged(Box<MigrateError>),
+    #[error(
+        "the migration was given up while postcopy-paused: the guest was resumed on the source by force (ferry resume --risk-running-twice)"
+    )]
+    GivenUp,
     #[error("internal error in ferry (please report it): {0}")]
     Internal(String),
 }
@@ -174,7 +178,7 @@ impl MigrateError {
             // A sibling connection's failure: its own error carries the kind.
             E::Channel(_) => ErrorKind::Peer,
             E::Vm(_) => ErrorKind::Vm,
-            E::Cancelled | E::CancelledHere | E::Timeout(_) => ErrorKind::Cancelled,
+            E::Cancelled | E::CancelledHere | E::Timeout(_) | E::GivenUp => ErrorKind::Cancelled,
             E::Internal(_) => ErrorKind::Internal,
         }
     }

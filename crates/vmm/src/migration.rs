@@ -289,6 +289,25 @@ impl VmHandle {
         Ok(())
     }
 
+    /// Resumes the guest here. A guest whose migration handed it over (Complete or Postcopy
+    /// sent: it may run on the destination) is refused unless `force`, since running it on
+    /// both sides corrupts whatever it writes outside its RAM; forced, a migration waiting in
+    /// postcopy-paused is given up first (it would otherwise send pages of a guest that runs
+    /// again here).
+    pub fn resume_guest(&self, force: bool) -> Result<(), ResumeError> {
+        if let Some(c) = self.0.migration.lock().unwrap().as_ref() {
+            let p = c.progress();
+            if p.handed_over && !force {
+                return Err(ResumeError::HandedOver);
+            }
+            if p.handed_over && force {
+                tracing::warn!("resuming a guest that was handed over, by force");
+                c.give_up();
+            }
+        }
+        self.resume().map_err(ResumeError::Control)
+    }
+
     /// Asks a running migration to stop (on a source in precopy, or on a destination before
     /// the guest was resumed); false when there is none it can stop.
     pub fn cancel_migration(&self) -> bool {
@@ -642,4 +661,15 @@ mod landing_tests {
         assert_eq!(landing_for(true, 1), PageLanding::Mapping);
         assert_eq!(landing_for(true, 4), PageLanding::Mapping);
     }
+}
+
+/// Why `PUT /vm/resume` refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error(
+        "the migration handed this guest over to the destination, where it may be running: resuming it here too could run it twice and corrupt what it writes outside its RAM; if you know the destination does not run it, ferry resume --risk-running-twice (PUT /vm/resume {{\"force\": true}})"
+    )]
+    HandedOver,
+    #[error(transparent)]
+    Control(crate::vm::ControlError),
 }

@@ -187,7 +187,18 @@ pub enum ControlError {
         "the VM is waiting for an incoming migration and has no guest to pause or resume yet; watch it with GET /migration, or cancel with PUT /migration/cancel"
     )]
     Incoming,
+    #[error(
+        "{parked} of {alive} vCPUs stopped within {waited:?} of the pause; the VM keeps running. A vCPU that waits on a page that has not arrived (postcopy) cannot stop until it comes: recover or wait for the migration, then pause again"
+    )]
+    PauseTimeout {
+        parked: usize,
+        alive: usize,
+        waited: Duration,
+    },
 }
+
+/// Longest [`VmHandle::pause`] waits for every vCPU to stop.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A snapshot for the control API.
 #[derive(Clone, Debug, Serialize)]
@@ -564,16 +575,27 @@ impl VmHandle {
     }
 
     fn kick_all(control: &Control) {
+        // Once every vCPU has left, their threads may have been joined (a stop after the guest
+        // halted, or between two hops of --then-incoming): their ids name nothing any more.
+        if control.vcpus_alive == 0 {
+            return;
+        }
         for &t in &control.threads {
             // SAFETY: thread ids are recorded at spawn and the threads are joined only after
-            // every vCPU has left (vcpus_alive == 0), which needs this lock; so every id here
-            // names a thread that has not been joined.
+            // every vCPU has left (vcpus_alive == 0), which needs this lock; it is held here
+            // with a vCPU alive, so every id names a thread that has not been joined.
             unsafe { kick::kick(t) };
         }
     }
 
-    /// Pauses all vCPUs; returns once none is running guest code.
+    /// Pauses all vCPUs; returns once none is running guest code, or fails after
+    /// [`PAUSE_TIMEOUT`] with the VM running as before (a vCPU blocked on a postcopy page
+    /// cannot stop, and the caller, such as the API's one thread, must not wait for ever).
     pub fn pause(&self) -> Result<(), ControlError> {
+        self.pause_within(PAUSE_TIMEOUT)
+    }
+
+    fn pause_within(&self, timeout: Duration) -> Result<(), ControlError> {
         let mut c = self.lock();
         if let Some(r) = &c.stop_reason {
             return Err(ControlError::Stopped(r.clone()));
@@ -581,10 +603,21 @@ impl VmHandle {
         if c.desired == RunState::Incoming {
             return Err(ControlError::Incoming);
         }
+        let before = c.desired;
         c.desired = RunState::Paused;
         Self::kick_all(&c);
+        let deadline = Instant::now() + timeout;
         while c.vcpus_parked < c.vcpus_alive && c.stop_reason.is_none() {
-            c = self.0.changed.wait(c).unwrap();
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                c.desired = before;
+                self.0.changed.notify_all();
+                return Err(ControlError::PauseTimeout {
+                    parked: c.vcpus_parked,
+                    alive: c.vcpus_alive,
+                    waited: timeout,
+                });
+            };
+            c = self.0.changed.wait_timeout(c, left).unwrap().0;
         }
         if let Some(r) = &c.stop_reason {
             return Err(ControlError::Stopped(r.clone()));

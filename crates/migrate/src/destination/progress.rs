@@ -302,7 +302,12 @@ impl IncomingControl {
 
     /// Registers a connection of the migration under way for [`IncomingControl::cancel`]. A
     /// cancel that came first shuts it at once.
+    /// Every such connection also notices a source that vanished without a word within
+    /// about the peer timeout (TCP keepalive).
     pub(crate) fn register(&self, stream: &dyn Stream) {
+        if let Err(e) = stream.set_keepalive(self.peer_timeout()) {
+            tracing::warn!("cannot enable keepalive on {}: {e}", stream.peer());
+        }
         if let Ok(s) = stream.try_clone_stream() {
             let mut streams = self.streams.lock().unwrap();
             if self.cancelled() {

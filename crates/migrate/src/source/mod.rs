@@ -293,6 +293,7 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     params.check()?;
     stream
         .set_write_timeout(params.peer_timeout)
+        .and_then(|()| stream.set_keepalive(params.peer_timeout))
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let conn = Conn::new(Box::new(stream))
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
@@ -302,6 +303,7 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     let connect = || {
         let s = connect()?;
         s.set_write_timeout(params.peer_timeout)?;
+        s.set_keepalive(params.peer_timeout)?;
         Ok(Box::new(s) as Box<dyn Stream>)
     };
     let result = session.run(vm, &connect);

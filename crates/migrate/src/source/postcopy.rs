@@ -59,6 +59,13 @@ const REQUEST_POLL: Duration = Duration::from_millis(1);
 /// recovery does not wait: its guest has run for a while.
 const QUIET_START: Duration = Duration::from_millis(10);
 
+/// Most pages one requested run brings (before its readahead window): a vCPU's fault asks for
+/// one page or one host page, so a run that spans a region (a stranger's, or a bug's) is not
+/// queued page by page.
+const MAX_REQUEST_PAGES: u64 = 4096;
+/// Bytes of requested runs (windows included) looked at in one pick.
+const MAX_PICK_BYTES: u64 = 2 * MAX_REQUEST_PAGES * PAGE_SIZE;
+
 /// How long the source waits for the destination's Done after sending every page: the
 /// destination installs what is in flight and answers; this bounds a destination that hangs.
 const DONE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -159,18 +166,28 @@ impl Session<'_> {
             .as_ref()
             .expect("the reader runs")
             .allow_requests();
-        self.hand_over(
+        let handed = self.hand_over(
             &sections,
             Kind::Postcopy,
             [t0, t1, t2, t2, t3],
             Some(&mut |s: &mut Self| {
                 s.serve_requests(&mut cursor, &mut pc, &mut Vec::new(), &listed)
             }),
-        )?;
+        );
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
         let mut cursor = Some(cursor);
         let mut quiet_until = Some(Instant::now() + QUIET_START);
+        match handed {
+            Ok(()) => {}
+            // A break between Postcopy and Resumed: the destination has the state and may run
+            // the guest, so both sides pause, and a recovery goes on from its Missing list.
+            Err(e) if self.handed_over && self.recoverable(&e) => {
+                self.recover(&mut pc, &listed, e)?;
+                (cursor, quiet_until) = (None, None);
+            }
+            Err(e) => return Err(e),
+        }
         let latencies = loop {
             // After a recovery the walk starts over the destination's list.
             let from = cursor.take().unwrap_or_default();
@@ -372,6 +389,9 @@ impl Session<'_> {
         let unit = self.postcopy_unit * PAGE_SIZE;
         let mut runs = self.take_requests(pc)?;
         for run in &mut runs {
+            // A vCPU's fault asks for a page or a few: more is a stranger's, and the background
+            // walk sends the rest anyway.
+            run.1 = run.1.min(MAX_REQUEST_PAGES);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
             let window = self.readahead.request(run.0, run.1);
             let end = self
@@ -382,32 +402,53 @@ impl Session<'_> {
             pc.pages_readahead += ahead;
             run.1 += ahead;
         }
-        let runs = runs.into_iter().map(|(gpa, pages)| {
-            // Whole host pages of the destination, whatever it asked.
-            let start = gpa - gpa % unit;
-            (
-                start,
-                (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
-            )
-        });
+        let runs: Vec<(u64, u64)> = runs
+            .into_iter()
+            .map(|(gpa, pages)| {
+                // Whole host pages of the destination, whatever it asked.
+                let start = gpa - gpa % unit;
+                (
+                    start,
+                    (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
+                )
+            })
+            .collect();
         // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
         // requested pages on it wait behind no background stream. Before, the destination's
         // session is loading the state and reads only the data channels.
         let on_main = self.main_pages && self.phase == Phase::Postcopy;
         let resend = (self.preempt_granted || on_main).then_some(listed);
-        let (urgent, again) = readahead::pick(runs, &mut self.bitmap, held, resend);
-        pc.pages_resent += again.len() as u64;
-        pc.pages_requested += urgent.len() as u64;
-        for chunk in again.chunks(self.batch_pages()) {
-            self.send_urgent(chunk, on_main, pc)?;
+        // Picked a bounded number of pages at a time, so that however many requests are
+        // queued, the pages looked at once stay few.
+        let mut last = None;
+        let mut rest = runs.as_slice();
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let n = rest
+                .iter()
+                .take_while(|r| {
+                    bytes += r.1;
+                    bytes <= MAX_PICK_BYTES || bytes == r.1
+                })
+                .count();
+            let (batch, after) = rest.split_at(n);
+            rest = after;
+            let (urgent, again) =
+                readahead::pick(batch.iter().copied(), &mut self.bitmap, held, resend);
+            pc.pages_resent += again.len() as u64;
+            pc.pages_requested += urgent.len() as u64;
+            for chunk in again.chunks(self.batch_pages()) {
+                self.send_urgent(chunk, on_main, pc)?;
+            }
+            for chunk in urgent.chunks(self.batch_pages()) {
+                self.send_urgent(chunk, on_main, pc)?;
+            }
+            if on_main && !(urgent.is_empty() && again.is_empty()) {
+                self.conn.flush("sending requested pages")?;
+            }
+            last = urgent.last().copied().or(last);
         }
-        for chunk in urgent.chunks(self.batch_pages()) {
-            self.send_urgent(chunk, on_main, pc)?;
-        }
-        if on_main && !(urgent.is_empty() && again.is_empty()) {
-            self.conn.flush("sending requested pages")?;
-        }
-        let Some(&last) = urgent.last() else {
+        let Some(last) = last else {
             return Ok(());
         };
         *cursor = self.bitmap.cursor_after(last);

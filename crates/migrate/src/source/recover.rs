@@ -95,6 +95,9 @@ impl Session<'_> {
             self.control.update(|p| p.error = Some(message));
             self.set_phase(Phase::PostcopyPaused);
             let to = loop {
+                if self.control.given_up() {
+                    return Err(MigrateError::GivenUp);
+                }
                 if let Some(to) = self.control.wait_resume(PAUSED_POLL) {
                     break to;
                 }
@@ -124,6 +127,7 @@ impl Session<'_> {
         let connect = move || -> std::io::Result<Box<dyn Stream>> {
             let s = to.connect(CONNECT_TIMEOUT).map_err(std::io::Error::other)?;
             s.set_write_timeout(peer_timeout)?;
+            s.set_keepalive(peer_timeout)?;
             Ok(s)
         };
         let stream =

@@ -94,6 +94,9 @@ impl<'a> Session<'a> {
                 self.control.update(|p| p.handed_over = false);
                 return Err(e);
             }
+            // In postcopy with recovery a break here pauses both sides like any later one
+            // (the destination may run the guest, and it has the state); the caller recovers.
+            Err(e) if last == Kind::Postcopy && self.recoverable(&e) => return Err(e),
             Err(e) => return Err(MigrateError::Unacknowledged(Box::new(e))),
         };
         let t6 = Instant::now();

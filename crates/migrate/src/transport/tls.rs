@@ -393,6 +393,9 @@ impl Listener for TlsListener {
     }
 }
 
+/// Longest a shutdown waits to write its close_notify to a peer that does not read.
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_millis(50);
+
 /// The first byte of a TLS handshake record (RFC 8446 §5.1: content type 22).
 const HANDSHAKE_RECORD: u8 = 0x16;
 /// The first byte of a TLS alert record (content type 21).
@@ -626,9 +629,12 @@ impl Stream for TlsStream {
         if how != Shutdown::Read {
             // A close_notify first, so that the peer reads a clean end; skipped when a writer
             // is blocked, since a shutdown must never wait (it is how blocked threads are
-            // woken).
+            // woken). A peer that stopped reading gets CLOSE_NOTIFY_WAIT for it, not the write
+            // timeout: severing N stalled connections must not take N peer timeouts. The write
+            // side closes right after, so its timeout is not put back.
             if let Ok(mut out) = self.0.outgoing.try_lock() {
                 self.0.conn.lock().unwrap().send_close_notify();
+                let _ = self.socket().set_write_timeout(Some(CLOSE_NOTIFY_WAIT));
                 let _ = self.flush_sealed(&mut out);
             }
         }
@@ -648,6 +654,9 @@ impl Stream for TlsStream {
     }
     fn set_urgent(&self) -> io::Result<()> {
         self.socket().set_urgent()
+    }
+    fn set_keepalive(&self, within: Option<Duration>) -> io::Result<()> {
+        self.socket().set_keepalive(within)
     }
     fn hung_up(&self) -> bool {
         self.socket().hung_up()

@@ -301,7 +301,28 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
     match (method, path) {
         (Method::Get, "/vm") => (200, serde_json::to_value(vm.status()).unwrap_or_default()),
         (Method::Put, "/vm/pause") => control(vm.pause(), "paused"),
-        (Method::Put, "/vm/resume") => control(vm.resume(), "running"),
+        (Method::Put, "/vm/resume") => {
+            #[derive(serde::Deserialize, Default)]
+            #[serde(deny_unknown_fields)]
+            struct ResumeBody {
+                #[serde(default)]
+                force: bool,
+            }
+            let parsed: Result<ResumeBody, _> = match body.trim() {
+                "" => Ok(ResumeBody::default()),
+                b => serde_json::from_str(b),
+            };
+            match parsed {
+                Err(e) => (
+                    400,
+                    json!({ "error": format!("PUT /vm/resume takes no body or {{\"force\": true}}: {e}") }),
+                ),
+                Ok(b) => match vm.resume_guest(b.force) {
+                    Ok(()) => (200, json!({ "state": "running" })),
+                    Err(e) => (409, json!({ "error": e.to_string() })),
+                },
+            }
+        }
         (Method::Put, "/vm/shutdown") => {
             vm.stop(StopReason::Requested("API shutdown".into()));
             (200, json!({ "state": "stopped" }))
