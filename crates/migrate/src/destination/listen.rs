@@ -34,13 +34,13 @@ use crate::wire::{self, Hello, MAX_CHANNELS, Refusal, Role};
 
 /// Connections whose hello is being read at once. A source needs 1 + its channels (at most
 /// 65); beyond this, a newcomer evicts the connection that has been at its hello longest.
-pub(crate) const MAX_PENDING_HELLOS: usize = 2 * MAX_CHANNELS as usize + 1;
+const MAX_PENDING_HELLOS: usize = 2 * MAX_CHANNELS as usize + 1;
 /// How often the waiting loop looks at cancellation and the caller's `keep_waiting`.
 const WAIT_SLICE: Duration = Duration::from_millis(20);
 
 /// Who may come in now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Gate {
+enum Gate {
     /// No migration: the next valid main hello starts one.
     Open,
     /// A paused postcopy migration waits for its source's recovery: the next Resume hello
@@ -64,7 +64,7 @@ struct Pending {
 
 /// What the screening threads share.
 #[derive(Debug)]
-pub(crate) struct Screen {
+struct Screen {
     gate: Mutex<Gate>,
     control: Arc<IncomingControl>,
     main: SyncSender<Arrival>,
@@ -208,7 +208,7 @@ impl Screen {
         let _ = std::io::Write::write_all(&mut stream, &reply.encode());
     }
 
-    pub(crate) fn set(&self, gate: Gate) {
+    fn set(&self, gate: Gate) {
         *self.gate.lock().unwrap() = gate;
     }
 }
@@ -262,6 +262,19 @@ fn accept_loop(listener: &dyn Listener, screen: &Arc<Screen>, stop: &AtomicBool)
     }
 }
 
+/// Starts [`accept_loop`] on a thread of `scope`.
+fn spawn_accept<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    listener: &'scope dyn Listener,
+    screen: Arc<Screen>,
+    stop: &'scope AtomicBool,
+) -> Result<std::thread::ScopedJoinHandle<'scope, ()>, MigrateError> {
+    std::thread::Builder::new()
+        .name("accept".into())
+        .spawn_scoped(scope, move || accept_loop(listener, &screen, stop))
+        .map_err(|e| MigrateError::io("starting the accept thread", e))
+}
+
 /// A listener screened on a thread of its own while a paused postcopy session waits for its
 /// recovery: [`Screening::next_resume`] yields this migration's Resume connections, and
 /// [`Screening::channels`] the data connections that follow one. Dropping it stops the
@@ -283,11 +296,7 @@ impl<'scope> Screening<'scope> {
         stop: &'scope AtomicBool,
     ) -> Result<Self, MigrateError> {
         let (screen, main_rx, data_rx) = Screen::new(Gate::Recovery { uuid }, control);
-        let s = screen.clone();
-        std::thread::Builder::new()
-            .name("accept".into())
-            .spawn_scoped(scope, move || accept_loop(listener, &s, stop))
-            .map_err(|e| MigrateError::io("starting the accept thread", e))?;
+        spawn_accept(scope, listener, screen.clone(), stop)?;
         Ok(Self {
             screen,
             main_rx,
@@ -384,10 +393,7 @@ pub fn listen(
     let (screen, main_rx, data_rx) = Screen::new(Gate::Open, control.clone());
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
-        let accepting = std::thread::Builder::new()
-            .name("accept".into())
-            .spawn_scoped(scope, || accept_loop(listener, &screen, &stop))
-            .map_err(|e| MigrateError::io("starting the accept thread", e))?;
+        let accepting = spawn_accept(scope, listener, screen.clone(), &stop)?;
         let result = wait_and_receive(vm, control, keep_waiting, &screen, &main_rx, &data_rx);
         screen.set(Gate::Closed);
         stop.store(true, Ordering::Release);

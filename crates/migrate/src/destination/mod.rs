@@ -21,7 +21,7 @@
 
 mod acks;
 pub(crate) mod assemble;
-pub(crate) mod listen;
+mod listen;
 pub(crate) mod postcopy;
 mod progress;
 mod sections;

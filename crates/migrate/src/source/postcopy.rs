@@ -52,11 +52,12 @@ const DISCARD_GAP: u64 = 16;
 const REQUEST_POLL: Duration = Duration::from_millis(1);
 
 /// How long after the guest resumed on the destination the source sends only requested pages
-/// (with their readahead) before the background stream starts. Measured with `ferry bench
-/// postcopy --pause-only` (8 GiB, 1 GiB written flat out, postcopy after pass 1): the bulk
-/// stream shared the machine's cores with the guest's first faults, and the guest saw a pause
-/// of 7.4–12.2 ms with no quiet start, 4.3–5.7 ms with 10 ms, 4.0–5.5 ms with 30 ms. A
-/// recovery does not wait: its guest has run for a while.
+/// (with their readahead) before the background stream starts: the bulk stream would share the
+/// machine's cores with the guest's first faults. `ferry bench postcopy --pause-only` (8 GiB,
+/// 1 GiB written flat out, postcopy after pass 1) put the guest-observed pause's medians at
+/// 3.1–3.9 ms without preempt and 3.9–4.6 ms with it with this quiet start, where the build
+/// before it had 8.9–13.9 and 6.7–8.4 ms. A recovery does not wait: its guest has run for a
+/// while.
 const QUIET_START: Duration = Duration::from_millis(10);
 
 /// Most pages one requested run brings (before its readahead window): a vCPU's fault asks for
