@@ -202,11 +202,15 @@ fn receive(
         Ok(stats) => stats,
         Err(_) if handle.state() == RunState::Stopped => {
             return Err(NoGuest::Stopped(format!(
-                "{}; no guest ran here",
+                "{}; {}",
                 handle
                     .status()
                     .stop_reason
-                    .map_or("stopped".into(), |r| r.to_string())
+                    .map_or("stopped".into(), |r| r.to_string()),
+                match incoming.guest_ran() {
+                    true => "the guest ran here until then, and is gone",
+                    false => "no guest ran here",
+                }
             )));
         }
         Err(MigrateError::CancelledHere) => {

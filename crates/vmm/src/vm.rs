@@ -333,6 +333,12 @@ impl IncomingVm {
         self.landing = Some(landing);
     }
 
+    /// Whether the migration resumed the guest here (it may have stopped since: a postcopy
+    /// failure after the resume stops it with its memory incomplete).
+    pub fn guest_ran(&self) -> bool {
+        self.resumed
+    }
+
     /// The running VM, once the migration resumed it.
     pub fn into_running(self) -> Option<Vm> {
         self.threads.filter(|_| self.resumed)
