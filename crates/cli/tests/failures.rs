@@ -35,6 +35,8 @@ enum At {
     AwaitingResumed,
     /// After the switch to postcopy: the guest runs on the destination.
     Postcopy,
+    /// The source sent Postcopy and the destination resumed the guest; its Resumed is held.
+    PostcopyResumed,
 }
 
 impl At {
@@ -43,7 +45,7 @@ impl At {
         match self {
             At::Setup => Some((Direction::ToDestination, Kind::VmConfig)),
             At::DeviceState => Some((Direction::ToDestination, Kind::DeviceState)),
-            At::AwaitingResumed => Some((Direction::ToSource, Kind::Resumed)),
+            At::AwaitingResumed | At::PostcopyResumed => Some((Direction::ToSource, Kind::Resumed)),
             At::FirstPass | At::DirtyPass | At::FinalPass | At::Postcopy => None,
         }
     }
@@ -114,7 +116,9 @@ fn reach(src: &RunningVm, at: At) {
             At::DirtyPass => m["phase"] == "precopy" && m["pass"].as_u64() >= Some(1),
             At::Postcopy => m["phase"] == "postcopy",
             At::FinalPass => unreachable!("watched closely"),
-            At::Setup | At::DeviceState | At::AwaitingResumed => unreachable!("held by the proxy"),
+            At::Setup | At::DeviceState | At::AwaitingResumed | At::PostcopyResumed => {
+                unreachable!("held by the proxy")
+            }
         }
     });
 }
@@ -195,7 +199,7 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
     let mut args = vec!["--peer-timeout", PEER_TIMEOUT];
     match at {
         At::FirstPass | At::DirtyPass => args.extend(["--max-bandwidth", "100M"]),
-        At::Postcopy => args.extend([
+        At::Postcopy | At::PostcopyResumed => args.extend([
             "--max-bandwidth",
             "100M",
             "--postcopy",
@@ -336,18 +340,26 @@ fn row(at: At, fault: Fault, outcome: Outcome) {
             assert_eq!(dst.status()["state"], "running", "the guest runs on there");
         }
         Outcome::Recovered => {
-            // The side that was not stopped pauses first; the stopped one once continued.
+            // The side that was not stopped pauses first; the stopped one once continued. A
+            // cut pauses both.
             let (first, stopped) = match fault {
-                Fault::StopDestination => (&src, &dst),
-                Fault::StopSource => (&dst, &src),
-                _ => unreachable!("a recovery row stops a side"),
+                Fault::StopDestination => (&src, Some(&dst)),
+                Fault::StopSource => (&dst, Some(&src)),
+                Fault::CutConnections => (&src, None),
+                _ => unreachable!("a recovery row stops a side or cuts the link"),
             };
             first.wait_until("the first side paused", LIMIT, |vm| {
                 migration(vm)["phase"] == "postcopy_paused"
             });
             eprintln!("  first side paused after {:?}", struck.elapsed());
-            signal(stopped, Signal::SIGCONT);
-            stopped.wait_until("the stopped side paused", LIMIT, |vm| {
+            let other = match stopped {
+                Some(stopped) => {
+                    signal(stopped, Signal::SIGCONT);
+                    stopped
+                }
+                None => &dst,
+            };
+            other.wait_until("the other side paused", LIMIT, |vm| {
                 migration(vm)["phase"] == "postcopy_paused"
             });
             assert_eq!(
@@ -402,6 +414,7 @@ fn every_failure_ends_as_the_protocol_promises() {
         (Postcopy, KillSource, DestinationPaused),
         (Postcopy, StopDestination, Recovered),
         (Postcopy, StopSource, Recovered),
+        (PostcopyResumed, CutConnections, Recovered),
     ];
     // FERRY_FAILURE_ROWS=TEXT walks only the rows whose "Fault at Phase" name contains it.
     let only = std::env::var("FERRY_FAILURE_ROWS").unwrap_or_default();
