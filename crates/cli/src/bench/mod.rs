@@ -5,6 +5,7 @@
 mod channels;
 mod guest;
 mod hinting;
+mod hostile;
 mod ingest;
 mod link;
 mod postcopy;
@@ -44,6 +45,9 @@ pub enum BenchCommand {
     /// One dirtying guest migrated back and forth between two VMM processes, N round trips:
     /// per-hop time, downtime and guest pause; each process's descriptors and memory.
     Soak(soak::SoakBenchArgs),
+    /// Strangers (garbage, HTTP, TLS, trickled and silent hellos, other migrations) at a
+    /// waiting destination and during a migration into it, against the migration alone.
+    Hostile(hostile::HostileBenchArgs),
     /// An idle guest that touched 256 MiB migrated at 8, 64, 256 and 511 GiB of RAM: what
     /// grows with configured memory (time, setup, steps, CPU, each process's peak memory).
     Scale(scale::ScaleBenchArgs),
@@ -61,5 +65,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Vcpus(args) => vcpus::run(&args),
         BenchCommand::Soak(args) => soak::run(&args),
         BenchCommand::Scale(args) => scale::run(&args),
+        BenchCommand::Hostile(args) => hostile::run(&args),
     }
 }
