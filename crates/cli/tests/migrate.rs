@@ -219,3 +219,65 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
     );
     dst.assert_verifies_clean();
 }
+
+/// `ferry migrate` following a postcopy-paused migration ignored Ctrl-C and SIGTERM (a cancel
+/// is refused there): it now stops following, says the migration goes on in the VMM, and exits
+/// 4; the migration is unharmed and a recovery completes it.
+#[test]
+fn regression_ferry_migrate_following_a_paused_postcopy_stops_on_sigterm_with_status_4() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let src = RunningVm::start(
+        "256M",
+        "ws=64M pattern=random rate=max verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("256M");
+    let following = start_migrate(
+        &src,
+        port,
+        &[
+            "--postcopy",
+            "--postcopy-after-passes",
+            "1",
+            "--max-bandwidth",
+            "10M",
+        ],
+    );
+    let phase = |vm: &RunningVm| {
+        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
+            .map(|m| m["phase"].clone())
+            .unwrap_or_default()
+    };
+    src.wait_until("postcopy", Duration::from_secs(60), |vm| {
+        phase(vm) == "postcopy"
+    });
+    assert!(src.control("migrate-pause").status.success());
+    for vm in [&src, &dst] {
+        vm.wait_until("postcopy_paused", Duration::from_secs(30), |vm| {
+            phase(vm) == "postcopy_paused"
+        });
+    }
+    let mut following = following;
+    kill(Pid::from_raw(following.id() as i32), Signal::SIGTERM).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while following.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = following.kill();
+            panic!("ferry migrate still followed 30 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = following.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("stopped following") && stderr(&out).contains("goes on in the VMM"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(phase(&src), "postcopy_paused", "the migration goes on");
+    recover(&src, &dst);
+    dst.assert_verifies_clean();
+}
