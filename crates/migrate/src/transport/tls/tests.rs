@@ -190,6 +190,34 @@ fn a_clean_shutdown_reads_as_the_end_of_the_stream() {
     assert!(rest.is_empty(), "nothing after the first byte: {rest:?}");
 }
 
+/// A shutdown wrote its close_notify with the connection's write timeout, so severing N
+/// connections whose peer stopped reading took N peer timeouts.
+#[test]
+fn regression_a_shutdown_does_not_wait_out_the_write_timeout_of_a_peer_that_stopped_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    tls_dir(&Ca::new("ferry test CA").unwrap(), dir.path());
+    let p = connect(dir.path(), None, dir.path(), &[]);
+    let mut src = p.source.unwrap();
+    // The destination reads nothing more: fill every buffer on the way.
+    src.set_write_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    for size in [64 << 10, 1 << 10, 16, 1] {
+        let chunk = vec![0x5a; size];
+        while src.write_all(&chunk).is_ok() {}
+    }
+    // A peer timeout far longer than the bound below.
+    src.set_write_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let t = std::time::Instant::now();
+    src.shutdown(Shutdown::Both).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "the shutdown took {:?}",
+        t.elapsed()
+    );
+    drop(p.destination);
+}
+
 #[test]
 fn a_destination_certificate_from_another_ca_is_refused_by_the_source() {
     let (ours, theirs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
