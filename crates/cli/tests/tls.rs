@@ -126,3 +126,81 @@ fn a_tls_destination_refuses_wrong_sources_then_takes_a_postcopy_migration_throu
     );
     dst.assert_verifies_clean();
 }
+
+/// The failure matrix's TLS row: a TLS destination stopped in postcopy with 16 data channels.
+/// The source pauses within about twice its peer timeout (a blocked write, then the severing),
+/// and once the destination is continued a recovery completes the migration. (The close_notify
+/// that could wait out a write timeout per connection is pinned by the unit test in
+/// `transport/tls/tests.rs`; this scenario paused in ~4 s on the earlier code too.)
+#[test]
+fn a_stopped_tls_destination_with_16_channels_pauses_the_source_within_its_peer_timeout() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let pki = tempfile::tempdir().unwrap();
+    generate(pki.path(), "ferry-source");
+    let src = RunningVm::start(
+        "256M",
+        "ws=64M pattern=random rate=max verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let port = free_port();
+    let dir = pki.path().to_str().unwrap();
+    let dst = RunningVm::start_with(
+        "256M",
+        "",
+        &[
+            "--incoming",
+            &format!("tcp:127.0.0.1:{port}"),
+            "--tls-dir",
+            dir,
+            "--peer-timeout",
+            "2s",
+        ],
+    );
+    dst.wait_until("the destination's API", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    let first = start_migrate(
+        &src,
+        port,
+        &[
+            "--tls-dir",
+            dir,
+            "--channels",
+            "16",
+            "--postcopy",
+            "--postcopy-after-passes",
+            "1",
+            "--max-bandwidth",
+            "10M",
+            "--peer-timeout",
+            "2s",
+        ],
+    );
+    src.wait_until("postcopy", Duration::from_secs(60), |vm| {
+        phase(vm) == "postcopy"
+    });
+    let pid = Pid::from_raw(dst.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let stopped = std::time::Instant::now();
+    src.wait_until("the source paused", Duration::from_secs(60), |vm| {
+        phase(vm) == "postcopy_paused"
+    });
+    let took = stopped.elapsed();
+    eprintln!("the source paused {took:?} after the destination stopped (peer timeout 2 s)");
+    kill(pid, Signal::SIGCONT).unwrap();
+    dst.wait_until("the destination paused", Duration::from_secs(30), |vm| {
+        phase(vm) == "postcopy_paused"
+    });
+    // Bounded loosely (a loaded machine stretches it); the figure is printed above.
+    assert!(
+        took < Duration::from_secs(8),
+        "the source paused after {took:?}"
+    );
+    recover(&src, &dst);
+    let first = first.wait_with_output().unwrap();
+    assert!(first.status.success(), "{}", stderr(&first));
+    dst.assert_verifies_clean();
+}
