@@ -221,6 +221,38 @@ fn regression_a_flood_of_slow_hellos_cannot_keep_a_source_out() {
     assert!(src.contents() == dst.contents());
 }
 
+/// A hello trickled a byte every half second was bound only per read (10 s each), so it held
+/// a screening slot for minutes; now the whole hello has 10 s from the accept.
+#[test]
+fn regression_a_trickled_hello_is_cut_ten_seconds_after_its_accept() {
+    let dest = Dest::new();
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let mut src = running_source(16 * MIB);
+    let ((), received) = dest.serve(&mut dst, |addr| {
+        let mut c = TcpStream::connect(addr).unwrap();
+        let accepted = Instant::now();
+        let hello = main_hello();
+        // 63 of its 64 bytes over 31 s, unless the destination cuts it first.
+        let mut sent = 0;
+        for b in &hello[..63] {
+            if c.write_all(&[*b]).is_err() {
+                break;
+            }
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(500));
+            if dest.control.progress().rejected_connections >= 1 {
+                break;
+            }
+        }
+        eprintln!("cut after {sent} bytes, {:?}", accepted.elapsed());
+        assert!(sent < 63, "the trickle was never cut");
+        assert!(dest.control.progress().rejected_connections >= 1);
+        migrate_to(&mut src, addr, &params(None)).unwrap();
+    });
+    received.unwrap();
+    assert!(src.contents() == dst.contents());
+}
+
 #[test]
 fn a_refused_main_hello_does_not_end_a_waiting_destination() {
     let dest = Dest::new();
