@@ -990,6 +990,54 @@ impl VcpuRunner {
 mod tests {
     use super::*;
 
+    /// A pause waited without bound for every vCPU to park: one that cannot (blocked on a
+    /// postcopy page) held the caller, the API's one thread, for good. Here an extra vCPU that
+    /// never parks is counted in: the pause gives up, and the VM runs on.
+    #[test]
+    fn regression_a_pause_that_a_vcpu_cannot_answer_gives_up_and_the_vm_runs_on() {
+        kvm::require_for_tests();
+        let vm = Vm::boot(VmConfig {
+            memory_bytes: 64 << 20,
+            vcpus: 1,
+            kernel: Arc::from(ferry_guest_image::ELF),
+            cmdline: "ws=4M log-ms=0".into(),
+            guest: GuestKind::Foreign,
+            serial: SerialOutput::Discard,
+            balloon: false,
+            host_pages: Default::default(),
+        })
+        .unwrap();
+        let h = vm.handle();
+        let beats = |n: u64| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while h.telemetry().heartbeats < n {
+                assert!(Instant::now() < deadline, "the guest stopped reporting");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        beats(2);
+        h.lock().vcpus_alive += 1; // a vCPU that never parks
+        let e = h.pause_within(Duration::from_millis(300)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ControlError::PauseTimeout {
+                    parked: 1,
+                    alive: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(h.state(), RunState::Running);
+        beats(h.telemetry().heartbeats + 2);
+        h.lock().vcpus_alive -= 1;
+        h.pause().unwrap();
+        assert_eq!(h.state(), RunState::Paused);
+        h.stop(StopReason::Requested("test".into()));
+        vm.wait();
+    }
+
     /// A start the guest asked for while the target had already parked for a pause is carried
     /// out by the pause: the paused VM holds that vCPU started (runnable, at its entry).
     #[test]
