@@ -390,9 +390,7 @@ impl Session<'_> {
         let unit = self.postcopy_unit * PAGE_SIZE;
         let mut runs = self.take_requests(pc)?;
         for run in &mut runs {
-            // A vCPU's fault asks for a page or a few: more is a stranger's, and the background
-            // walk sends the rest anyway.
-            run.1 = run.1.min(MAX_REQUEST_PAGES);
+            run.1 = clamp_request(run.1);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
             let window = self.readahead.request(run.0, run.1);
             let end = self
@@ -422,18 +420,7 @@ impl Session<'_> {
         // Picked a bounded number of pages at a time, so that however many requests are
         // queued, the pages looked at once stay few.
         let mut last = None;
-        let mut rest = runs.as_slice();
-        while !rest.is_empty() {
-            let mut bytes = 0;
-            let n = rest
-                .iter()
-                .take_while(|r| {
-                    bytes += r.1;
-                    bytes <= MAX_PICK_BYTES || bytes == r.1
-                })
-                .count();
-            let (batch, after) = rest.split_at(n);
-            rest = after;
+        for batch in pick_batches(&runs) {
             let (urgent, again) =
                 readahead::pick(batch.iter().copied(), &mut self.bitmap, held, resend);
             pc.pages_resent += again.len() as u64;
@@ -545,5 +532,62 @@ impl Session<'_> {
                 None => {}
             }
         }
+    }
+}
+
+/// The pages of a requested run the source serves (before its readahead window): a vCPU's
+/// fault asks for a page or a few, so more is a stranger's or a bug's, and the background walk
+/// sends the rest anyway.
+fn clamp_request(pages: u64) -> u64 {
+    pages.min(MAX_REQUEST_PAGES)
+}
+
+/// `runs` (`(gpa, bytes)`) in consecutive batches of at most [`MAX_PICK_BYTES`] each (a
+/// longer run alone), so that however many requests are queued, a pick looks at few pages.
+fn pick_batches(runs: &[(u64, u64)]) -> Vec<&[(u64, u64)]> {
+    let mut batches = Vec::new();
+    let mut rest = runs;
+    while !rest.is_empty() {
+        let mut bytes = 0;
+        let n = rest
+            .iter()
+            .take_while(|r| {
+                bytes += r.1;
+                bytes <= MAX_PICK_BYTES || bytes == r.1
+            })
+            .count();
+        let (batch, after) = rest.split_at(n);
+        batches.push(batch);
+        rest = after;
+    }
+    batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A destination could make the source queue every page of a run that spans a region (a
+    /// 1 GiB run: 262,144 pages looked at and queued at once).
+    #[test]
+    fn regression_a_request_spanning_a_region_is_served_a_bounded_number_of_pages_at_a_time() {
+        assert_eq!(clamp_request((1 << 30) / PAGE_SIZE), MAX_REQUEST_PAGES);
+        assert_eq!(clamp_request(1), 1);
+        // A million one-page runs, and one huge run among them.
+        let mut runs: Vec<(u64, u64)> =
+            (0..1_000_000).map(|i| (i * PAGE_SIZE, PAGE_SIZE)).collect();
+        runs[500_000].1 = MAX_PICK_BYTES * 3;
+        let batches = pick_batches(&runs);
+        let flat: Vec<(u64, u64)> = batches.iter().flat_map(|b| b.iter().copied()).collect();
+        assert_eq!(flat, runs, "every run once, in order");
+        for b in &batches {
+            let bytes: u64 = b.iter().map(|r| r.1).sum();
+            assert!(
+                bytes <= MAX_PICK_BYTES || b.len() == 1,
+                "{} runs, {bytes} bytes",
+                b.len()
+            );
+        }
+        assert!(batches.len() >= 1_000_000 * PAGE_SIZE as usize / MAX_PICK_BYTES as usize);
     }
 }
