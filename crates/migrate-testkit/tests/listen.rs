@@ -253,6 +253,38 @@ fn regression_a_trickled_hello_is_cut_ten_seconds_after_its_accept() {
     assert!(src.contents() == dst.contents());
 }
 
+/// `--timeout` with its default action (cancel) was looked at only at pass ends: a 5 s
+/// timeout gave up at 8.7 s, and a pass of minutes overran any window. Pass 1 here takes
+/// ~3.4 s at the bandwidth cap; the timeout is 0.5 s.
+#[test]
+fn regression_a_timeout_that_cancels_stops_a_pass_in_the_middle() {
+    let dest = Dest::new();
+    let mut dst = FakeVm::new(32 * MIB, 1);
+    let mut src = running_source(32 * MIB);
+    let p = SourceParams {
+        policy: Policy {
+            timeout: Some(Duration::from_millis(500)),
+            timeout_action: TimeoutAction::Cancel,
+            ..params(None).policy
+        },
+        ..params(Some(10_000_000))
+    };
+    let (ended, received) = dest.serve(&mut dst, |addr| {
+        let t = Instant::now();
+        let e = migrate_to(&mut src, addr, &p).unwrap_err();
+        (e, t.elapsed())
+    });
+    let (e, took) = ended;
+    eprintln!("the migration ended after {took:?}: {e}");
+    assert!(matches!(e, MigrateError::Timeout(_)), "{e}");
+    assert!(
+        took < Duration::from_millis(2500),
+        "it ended after {took:?}"
+    );
+    assert!(received.is_err(), "no guest runs on the destination");
+    assert!(!src.is_paused() && !src.is_logging(), "the source runs on");
+}
+
 #[test]
 fn a_refused_main_hello_does_not_end_a_waiting_destination() {
     let dest = Dest::new();

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use super::bandwidth::BandwidthWindow;
 use super::reader::{Inbound, InboundReader};
 use super::{Session, ms};
+use crate::control::Phase;
 use crate::error::MigrateError;
-use crate::policy::{self, Observation};
+use crate::policy::{self, Observation, TimeoutAction};
 use crate::wire::{HELLO_SIZE, PAGE_SIZE};
 
 /// How often a drain looks at the acknowledgements: a tenth of the destination's interval.
@@ -171,8 +172,11 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Cancellation, and whatever the destination said that ends the migration (its Error,
-    /// a record out of order, its connection closing) — looked at between any two batches.
+    /// Cancellation, a timeout whose action is to cancel, and whatever the destination said
+    /// that ends the migration (its Error, a record out of order, its connection closing) —
+    /// looked at between any two batches, so that a pass of minutes does not outlive a
+    /// maintenance window. (A timeout that switches over or to postcopy acts at the pass end:
+    /// the pages of a pass cut short would have to be put back first.)
     pub(super) fn check_control(&mut self) -> Result<(), MigrateError> {
         let now = Instant::now();
         if let Some(last) = self.last_check.replace(now) {
@@ -180,6 +184,14 @@ impl Session<'_> {
         }
         if self.control.cancelled() {
             return Err(MigrateError::Cancelled);
+        }
+        let policy = &self.params.policy;
+        if let Some(t) = policy.timeout.filter(|&t| {
+            self.phase == Phase::Precopy
+                && policy.timeout_action == TimeoutAction::Cancel
+                && self.start.elapsed() >= t
+        }) {
+            return Err(MigrateError::Timeout(t));
         }
         match self.acks.reader.as_ref().and_then(InboundReader::poll) {
             None => Ok(()),
