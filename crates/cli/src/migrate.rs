@@ -364,12 +364,24 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
 /// `detach` is set.
 fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress, bool)>> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
+    let mut last: Option<Phase> = None;
     loop {
         if detach.load(Ordering::Acquire) {
             live.finish();
             return Ok(None);
         }
-        let mut value = client::request(socket, "GET", "/migration")?;
+        let mut value = match (client::request(socket, "GET", "/migration"), last) {
+            (Ok(v), _) => v,
+            (Err(e), None) => return Err(e.into()),
+            // The VMM went away under us: say what was last seen, not only that the socket
+            // is missing.
+            (Err(_), Some(phase)) => {
+                live.finish();
+                anyhow::bail!(
+                    "the source VMM stopped while the migration was in phase {phase:?} (its API socket is gone); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output"
+                );
+            }
+        };
         // A VMM started with --then-incoming went on to wait for the guest's return once
         // this migration completed; it tells how that ended.
         let moved_on = value["role"] == "destination";
@@ -378,6 +390,7 @@ fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress
         }
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
         live.update(&p);
+        last = Some(p.phase);
         if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
             live.finish();
             return Ok(Some((p, moved_on)));

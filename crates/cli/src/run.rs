@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
@@ -100,25 +100,59 @@ enum Ready {
     Prealloc,
 }
 
-/// What Ctrl-C acts on: the wait for an incoming migration, then the VM.
+/// What Ctrl-C (or SIGTERM) acts on: the wait for an incoming migration, then the VM. A VM
+/// migrating away is not simply stopped: a migration in precopy is cancelled first (the guest
+/// would be lost with nothing running it), and one that may already have handed the guest over
+/// refuses the stop, since this copy may be all the guest's memory there is.
 #[derive(Debug, Default)]
 struct Interrupt {
     requested: AtomicBool,
+    /// Ctrl-C cancelled a migration away before stopping the VM: the exit says so.
+    cancelled_migration: AtomicBool,
     vm: Mutex<Option<VmHandle>>,
 }
+
+/// Longest Ctrl-C waits for a cancelled migration to end before it stops the VM.
+const CANCEL_WAIT: Duration = Duration::from_secs(10);
 
 impl Interrupt {
     fn install() -> anyhow::Result<Arc<Interrupt>> {
         let me = Arc::new(Interrupt::default());
         let handler = me.clone();
-        ctrlc::set_handler(move || {
-            handler.requested.store(true, Ordering::Relaxed);
-            if let Some(vm) = handler.vm.lock().unwrap().as_ref() {
-                vm.stop(StopReason::Requested("Ctrl-C".into()));
-            }
-        })
-        .context("cannot install the Ctrl-C handler")?;
+        ctrlc::set_handler(move || handler.interrupted())
+            .context("cannot install the Ctrl-C handler")?;
         Ok(me)
+    }
+
+    fn interrupted(&self) {
+        self.requested.store(true, Ordering::Relaxed);
+        let Some(vm) = self.vm.lock().unwrap().clone() else {
+            return;
+        };
+        match vm.migration().map(|p| p.phase) {
+            Some(Phase::Setup | Phase::Precopy) => {
+                eprintln!("ferry: interrupted during a migration: cancelling it first");
+                vm.cancel_migration();
+                let deadline = Instant::now() + CANCEL_WAIT;
+                while vm
+                    .migration()
+                    .is_some_and(|p| matches!(p.phase, Phase::Setup | Phase::Precopy))
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                self.cancelled_migration.store(true, Ordering::Relaxed);
+                vm.stop(StopReason::Requested(
+                    "Ctrl-C, after cancelling the migration".into(),
+                ));
+            }
+            Some(Phase::Switchover | Phase::Postcopy | Phase::PostcopyPaused) => {
+                eprintln!(
+                    "ferry: interrupt refused: the migration is handing the guest over (or has), and this VMM may hold the only copy of its memory; wait for the migration to end (ferry status), or kill the process if the guest is to be lost"
+                );
+            }
+            _ => vm.stop(StopReason::Requested("Ctrl-C".into())),
+        }
     }
 
     fn requested(&self) -> bool {
@@ -357,7 +391,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let handle = vm.handle();
         *interrupt.vm.lock().unwrap() = Some(handle.clone());
         if interrupt.requested() {
-            handle.stop(StopReason::Requested("Ctrl-C".into()));
+            interrupt.interrupted();
         }
         let reason = match &args.then_incoming {
             Some(next) => match wait_unless_migrated(vm) {
@@ -386,6 +420,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             t.verify_passes,
             t.verify_failures,
         );
+        if interrupt.cancelled_migration.load(Ordering::Relaxed) {
+            eprintln!("ferry: the migration away was cancelled, then the VM stopped");
+            return Ok(ExitCode::from(crate::exit::CANCELLED));
+        }
         return Ok(match reason {
             StopReason::Failed(_) => ExitCode::FAILURE,
             StopReason::GuestHalted(_) | StopReason::Requested(_) => ExitCode::SUCCESS,

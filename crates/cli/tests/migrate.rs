@@ -281,3 +281,45 @@ fn regression_ferry_migrate_following_a_paused_postcopy_stops_on_sigterm_with_st
     recover(&src, &dst);
     dst.assert_verifies_clean();
 }
+
+/// Ctrl-C on a source `ferry run` during a migration stopped the VM at once with exit 0 (the
+/// guest gone, and `ferry migrate` blaming a missing socket): the migration is now cancelled
+/// first, and the VMM says so and exits 3.
+#[test]
+fn regression_ctrl_c_on_a_migrating_source_cancels_the_migration_first_and_exits_3() {
+    let src = RunningVm::start(
+        "512M",
+        "ws=256M pattern=random rate=40 verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (_dst, port) = destination("512M");
+    // 20 MB/s: pass 1 takes seconds.
+    let migrate = start_migrate(&src, port, &["--max-bandwidth", "20M"]);
+    src.wait_until("precopy", Duration::from_secs(60), |vm| {
+        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
+            .is_ok_and(|m| m["phase"] == "precopy")
+    });
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &src.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = src.finish(Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cancelling it first")
+            && stderr(&out).contains("the migration away was cancelled"),
+        "{}",
+        stderr(&out)
+    );
+    // The VMM exits as soon as it stopped: its follower saw the cancel, or the VMM go away.
+    let migrate = migrate.wait_with_output().unwrap();
+    assert!(!migrate.status.success());
+    assert!(
+        stderr(&migrate).contains("cancelled") || stderr(&migrate).contains("source VMM stopped"),
+        "ferry migrate says what happened: {}",
+        stderr(&migrate)
+    );
+}
