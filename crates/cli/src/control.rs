@@ -25,6 +25,28 @@ pub fn put(args: &ControlArgs, path: &str) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Longest `ferry shutdown` waits for the VMM to let go of its API socket.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `ferry shutdown`: asks the VMM to stop, then waits until its API socket no longer answers
+/// (the process has dropped it on its way out), so that a script may start another VMM on the
+/// same path right after.
+pub fn shutdown(args: &ControlArgs) -> anyhow::Result<ExitCode> {
+    let body = client::request(&args.api_socket, "PUT", "/vm/shutdown")?;
+    let deadline = std::time::Instant::now() + SHUTDOWN_WAIT;
+    while std::os::unix::net::UnixStream::connect(&args.api_socket).is_ok() {
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "the VMM accepted the shutdown but still answers on {} after {SHUTDOWN_WAIT:?}",
+                args.api_socket.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    println!("{body}");
+    Ok(ExitCode::SUCCESS)
+}
+
 #[derive(Debug, Args)]
 pub struct ResumeArgs {
     /// The VM's API socket (`ferry run --api-socket PATH`).

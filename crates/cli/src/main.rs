@@ -59,7 +59,8 @@ enum Command {
     /// Resume a paused VM (refused for a guest a migration handed over, unless
     /// --risk-running-twice).
     Resume(control::ResumeArgs),
-    /// Stop a VM; its `ferry run` exits.
+    /// Stop a VM; returns once its `ferry run` has let go of the API socket (a new one may
+    /// start on the same path at once).
     Shutdown(control::ControlArgs),
     /// Write out the built-in guest (for QEMU's -kernel) or list its parameters.
     Guest(guest::GuestArgs),
@@ -132,7 +133,7 @@ fn main() -> ExitCode {
         Command::Balloon(args) => control::balloon(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),
         Command::Resume(args) => control::resume(&args),
-        Command::Shutdown(args) => control::put(&args, "/vm/shutdown"),
+        Command::Shutdown(args) => control::shutdown(&args),
         Command::Guest(args) => guest::guest(&args),
         Command::Report(args) => report::report(&args),
         Command::Tls(cmd) => tls::tls(&cmd),

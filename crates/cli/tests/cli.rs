@@ -273,3 +273,43 @@ fn regression_the_api_socket_is_private_whatever_the_umask_and_a_file_in_its_pla
         "the file given as --api-socket is kept"
     );
 }
+
+/// `ferry shutdown` returned before the VMM let go of its API socket, so a script that
+/// restarted a VMM on the same path right after could find it in use.
+#[test]
+fn regression_a_vmm_starts_on_the_same_api_socket_right_after_ferry_shutdown_returns() {
+    let first = RunningVm::start("64M", "ws=1M log-ms=0");
+    let out = first.control("shutdown");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        std::os::unix::net::UnixStream::connect(&first.socket).is_err(),
+        "the first VMM no longer answers once ferry shutdown returned"
+    );
+    let mut second = ferry()
+        .args(["run", "--memory", "64M", "--cmdline", "ws=1M log-ms=0"])
+        .args(["--serial", "none", "--api-socket"])
+        .arg(&first.socket)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Ok(v) = ferry_vmm::api::client::request(&first.socket, "GET", "/vm") {
+            break v;
+        }
+        assert!(
+            second.try_wait().unwrap().is_none(),
+            "the second VMM exited: {}",
+            stderr(&second.wait_with_output().unwrap())
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second VMM never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status["state"], "running");
+    let _ = second.kill();
+    let _ = second.wait();
+}
