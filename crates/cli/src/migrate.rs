@@ -58,6 +58,13 @@ impl From<ZeroDetectionArg> for ZeroDetection {
     }
 }
 
+/// `ferry migrate --output`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum OutputArg {
+    Table,
+    Json,
+}
+
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
     /// The source VM's API socket.
@@ -104,6 +111,10 @@ pub struct MigrateArgs {
     /// the migration completed or not.
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
+    /// How the final statistics are printed on stdout: a table for a person, or one JSON
+    /// line (without the timeline) for a script. Live progress goes to stderr either way.
+    #[arg(long, value_enum, default_value = "table")]
+    output: OutputArg,
     /// Allow switching to postcopy: the guest moves to the destination early and its
     /// remaining pages follow, those it touches first (QEMU: postcopy-ram). The switch comes
     /// after --postcopy-after-passes passes, on a stall with --postcopy-on-stall, or on `ferry
@@ -334,7 +345,10 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(exit::DETACHED));
     };
     if let Some(stats) = &progress.stats {
-        report::print_stats(stats);
+        match args.output {
+            OutputArg::Table => report::print_table(stats),
+            OutputArg::Json => report::print_json(stats),
+        }
         if let Some(path) = &args.stats_out {
             report::write_stats(path, stats)?;
         }

@@ -50,8 +50,8 @@ fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
         stderr(&out)
     );
     assert!(
-        text.contains("downtime") && text.contains("\"passes\""),
-        "statistics: {text}"
+        text.contains("downtime") && !text.contains("\"passes\""),
+        "statistics as a table, without the JSON line (--output json gives that): {text}"
     );
     assert_eq!(src.status()["state"], "paused", "the source ends paused");
     dst.wait_until("the destination's API", Duration::from_secs(30), |vm| {
@@ -322,4 +322,35 @@ fn regression_ctrl_c_on_a_migrating_source_cancels_the_migration_first_and_exits
         "ferry migrate says what happened: {}",
         stderr(&migrate)
     );
+}
+
+/// `ferry migrate` printed a table and a 3 KB JSON line together on stdout; `--output json`
+/// prints the JSON line alone, parseable as it is.
+#[test]
+fn ferry_migrate_output_json_prints_one_parseable_line_and_nothing_else() {
+    let src = RunningVm::start(
+        "256M",
+        "ws=32M pattern=random rate=20 verify-ms=200 log-ms=0",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("256M");
+    let out = start_migrate(&src, port, &["--output", "json"])
+        .wait_with_output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    let stats: serde_json::Value =
+        serde_json::from_str(text.trim()).expect("stdout is one JSON value");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(
+        stats["passes"].as_array().is_some_and(|p| !p.is_empty()),
+        "{stats}"
+    );
+    assert!(
+        stats.get("timeline").is_none(),
+        "the timeline goes only to --stats-out"
+    );
+    dst.assert_verifies_clean();
 }

@@ -75,7 +75,24 @@ pub fn parts_summary(parts: &[StatePart]) -> String {
 }
 
 /// The statistics as a table, then as one JSON line.
+/// The statistics as a table, then as one JSON line (`ferry demo`).
 pub fn print_stats(s: &MigrationStats) {
+    print_table(s);
+    print_json(s);
+}
+
+/// The statistics as one JSON line for scripts: the timeline (up to a few hundred KiB) goes
+/// only to --stats-out.
+pub fn print_json(s: &MigrationStats) {
+    let mut line = serde_json::to_value(s).unwrap_or_default();
+    if let Some(map) = line.as_object_mut() {
+        map.remove("timeline");
+    }
+    println!("{line}");
+}
+
+/// The statistics as a table for a person.
+pub fn print_table(s: &MigrationStats) {
     let d = &s.downtime;
     println!(
         "total            {:>10.1} ms (setup {:.1} ms)",
@@ -178,10 +195,4 @@ pub fn print_stats(s: &MigrationStats) {
             );
         }
     }
-    // One line for scripts; the timeline (up to a few hundred KiB) goes only to --stats-out.
-    let mut line = serde_json::to_value(s).unwrap_or_default();
-    if let Some(map) = line.as_object_mut() {
-        map.remove("timeline");
-    }
-    println!("{line}");
 }
