@@ -187,6 +187,6 @@ pub fn memory_size(size: MemorySize, guest: ferry_vmm::GuestKind) -> anyhow::Res
 /// Parses a byte size such as `2G`, `512M` or `64GiB` (binary units).
 fn parse_size(s: &str) -> Result<u64, String> {
     ferry_guest_abi::params::parse_size(s).ok_or_else(|| {
-        format!("'{s}' is not a size; write a number with an optional K, M, G or T suffix, e.g. 2G")
+        format!("'{s}' is not a size; write a number, a fraction allowed, with an optional K, M, G or T suffix (either case), e.g. 2G or 3.5g")
     })
 }

@@ -26,6 +26,16 @@ fn bad_guest_command_lines_are_refused_before_boot() {
             vec!["run", "--cmdline", "verify"],
             "'verify' is not key=value",
         ),
+        // Both booted and misbehaved before: the guest halted with the wrong cause, or ran
+        // with --vcpus's count while the user's vcpus= said another.
+        (
+            vec!["run", "--memory", "256M", "--cmdline", "ws=16M free=1G"],
+            "free=1024M is more than this guest has left to free",
+        ),
+        (
+            vec!["run", "--vcpus", "2", "--cmdline", "vcpus=4"],
+            "vcpus=4 in --cmdline contradicts --vcpus 2",
+        ),
     ];
     assert_refused(&table);
 }
@@ -59,6 +69,9 @@ fn bad_memory_sizes_are_refused_with_the_fix() {
             "not a multiple of 2M; round it, e.g. to 66M",
         ),
         (vec!["run", "--memory", "2X"], "'2X' is not a size"),
+        // A fraction and a lower-case suffix parse (both were refused without a reason); this
+        // one is refused for what it is.
+        (vec!["run", "--memory", "65.5m"], "not a multiple of 2M"),
         (
             vec!["run", "--memory", "64M", "--cmdline", "ws=256M"],
             "--memory 64M is too small for this guest: its working set of 256M",

@@ -482,21 +482,42 @@ pub fn parse_mmio_device(s: &str) -> Option<MmioDevice> {
     })
 }
 
-/// Parses a byte size: a decimal number with an optional binary suffix `K`, `M`, `G` or `T`
-/// (also written `KiB`, `MiB`, … or `KB`, `MB`, …, all meaning powers of 1024).
+/// Parses a byte size: a decimal number, whole or with a fraction (`3.5G`), with an optional
+/// binary suffix `K`, `M`, `G` or `T` in either case (also written `KiB`, `MiB`, … or `KB`,
+/// `MB`, …, all meaning powers of 1024). A fraction of a byte is dropped.
 pub fn parse_size(s: &str) -> Option<u64> {
-    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+    let digits = s
+        .bytes()
+        .take_while(|b| b.is_ascii_digit() || *b == b'.')
+        .count();
     let (number, suffix) = s.split_at(digits);
-    let shift = match suffix {
-        "" | "B" => 0,
-        "K" | "KB" | "KiB" | "k" => 10,
-        "M" | "MB" | "MiB" => 20,
-        "G" | "GB" | "GiB" => 30,
-        "T" | "TB" | "TiB" => 40,
-        _ => return None,
+    let shift = [
+        (0, ["", "B", "B"]),
+        (10, ["K", "KB", "KiB"]),
+        (20, ["M", "MB", "MiB"]),
+        (30, ["G", "GB", "GiB"]),
+        (40, ["T", "TB", "TiB"]),
+    ]
+    .iter()
+    .find(|(_, names)| names.iter().any(|n| n.eq_ignore_ascii_case(suffix)))?
+    .0;
+    let (whole, fraction) = match number.split_once('.') {
+        Some((w, f)) if !f.is_empty() && f.len() <= 9 => (w, f),
+        Some(_) => return None,
+        None => (number, ""),
     };
-    let n = parse_u64(number)?;
-    n.checked_mul(1u64 << shift)
+    let whole = if whole.is_empty() && !fraction.is_empty() {
+        0
+    } else {
+        parse_u64(whole)?
+    };
+    let bytes = whole.checked_mul(1u64 << shift)?;
+    if fraction.is_empty() {
+        return Some(bytes);
+    }
+    let scale = 10u128.pow(fraction.len() as u32);
+    let part = u128::from(parse_u64(fraction)?) * (1u128 << shift) / scale;
+    bytes.checked_add(u64::try_from(part).ok()?)
 }
 
 fn parse_u64(s: &str) -> Option<u64> {
@@ -646,6 +667,15 @@ mod tests {
         assert_eq!(parse_size("1T"), Some(1 << 40));
         assert_eq!(parse_size("12X"), None);
         assert_eq!(parse_size("G"), None);
+        // Any case, and fractions (a user writing 2g or 3.5G was refused without a reason).
+        assert_eq!(parse_size("2g"), Some(2 << 30));
+        assert_eq!(parse_size("512mib"), Some(512 << 20));
+        assert_eq!(parse_size("3.5G"), Some(7 << 29));
+        assert_eq!(parse_size("0.5k"), Some(512));
+        assert_eq!(parse_size(".25M"), Some(1 << 18));
+        assert_eq!(parse_size("1."), None);
+        assert_eq!(parse_size("1.2.3G"), None);
+        assert_eq!(parse_size("."), None);
         assert_eq!(parse_size("99999999999999999999"), None);
         assert_eq!(parse_size("99999999999T"), None);
     }

@@ -98,6 +98,16 @@ pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(
         )));
     }
     let needed = required_bytes(ws, p.records(), ram_top);
+    if p.free > 0 && needed.saturating_add(p.free) > free {
+        return Err(BootError::Cmdline(format!(
+            "free={}M is more than this guest has left to free: {}M of RAM above its image, {}M of it for its working set and tables; lower free= or raise --memory to at least {}M",
+            p.free >> 20,
+            free >> 20,
+            needed.div_ceil(1 << 20),
+            (ram.size() + (needed + p.free - free)).next_multiple_of(crate::memory::MEMORY_GRANULE)
+                >> 20
+        )));
+    }
     if needed > free {
         let suggest = (ram.size() + needed - free).next_multiple_of(crate::memory::MEMORY_GRANULE);
         return Err(BootError::MemoryTooSmall {

@@ -379,6 +379,20 @@ fn check_config(config: &VmConfig) -> Result<(), VmmError> {
     memory::validate_size(config.memory_bytes)?;
     crate::limit::MemoryLimit::of_host(&kvm::open()?, config.guest).check(config.memory_bytes)?;
     if config.guest == GuestKind::FerryGuest {
+        // The VMM tells the guest its vCPU count; a vcpus= of the user's that says otherwise
+        // was silently overridden.
+        let asked = config
+            .cmdline
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix("vcpus="))
+            .next_back();
+        if let Some(n) = asked.filter(|n| *n != config.vcpus.to_string()) {
+            return Err(boot::BootError::Cmdline(format!(
+                "vcpus={n} in --cmdline contradicts --vcpus {}: give the count with --vcpus alone (ferry tells the guest)",
+                config.vcpus
+            ))
+            .into());
+        }
         ferry_guest_abi::params::parse(&config.full_cmdline())
             .map_err(|e| boot::BootError::Cmdline(e.to_string()))?;
     }
