@@ -159,18 +159,23 @@ fn ferry_demo_migrates_and_the_guest_verifies_clean() {
     assert!(text.contains("downtime"), "{text}");
 }
 
-#[test]
-fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_guest_clean() {
-    let src = RunningVm::start(
-        "256M",
-        "ws=64M pattern=random read=30 rate=max verify-ms=200 log-ms=0",
-    );
+/// A migration's phase as its VMM's API tells it.
+fn phase(vm: &RunningVm) -> serde_json::Value {
+    ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
+        .map(|m| m["phase"].clone())
+        .unwrap_or_default()
+}
+
+/// A 256 MiB guest running `guest`, migrated with postcopy after one pass at 10 MB/s (so that
+/// postcopy lasts seconds) and paused there with `ferry migrate-pause`: the source, the
+/// destination, and the `ferry migrate` that follows it.
+fn paused_postcopy_migration(guest: &str) -> (RunningVm, RunningVm, std::process::Child) {
+    let src = RunningVm::start("256M", guest);
     src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });
     let (dst, port) = destination("256M");
-    // 10 MB/s: postcopy lasts seconds, time enough to pause it.
-    let first = start_migrate(
+    let following = start_migrate(
         &src,
         port,
         &[
@@ -181,11 +186,6 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
             "10M",
         ],
     );
-    let phase = |vm: &RunningVm| {
-        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
-            .map(|m| m["phase"].clone())
-            .unwrap_or_default()
-    };
     src.wait_until("postcopy", Duration::from_secs(60), |vm| {
         phase(vm) == "postcopy"
     });
@@ -196,6 +196,13 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
             phase(vm) == "postcopy_paused"
         });
     }
+    (src, dst, following)
+}
+
+#[test]
+fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_guest_clean() {
+    let (src, dst, first) =
+        paused_postcopy_migration("ws=64M pattern=random read=30 rate=max verify-ms=200 log-ms=0");
     // A second pause has nothing to break.
     let again = src.control("migrate-pause");
     assert!(!again.status.success(), "a paused migration cannot pause");
@@ -227,40 +234,8 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
 fn regression_ferry_migrate_following_a_paused_postcopy_stops_on_sigterm_with_status_4() {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
-    let src = RunningVm::start(
-        "256M",
-        "ws=64M pattern=random rate=max verify-ms=200 log-ms=0",
-    );
-    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
-        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
-    });
-    let (dst, port) = destination("256M");
-    let following = start_migrate(
-        &src,
-        port,
-        &[
-            "--postcopy",
-            "--postcopy-after-passes",
-            "1",
-            "--max-bandwidth",
-            "10M",
-        ],
-    );
-    let phase = |vm: &RunningVm| {
-        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
-            .map(|m| m["phase"].clone())
-            .unwrap_or_default()
-    };
-    src.wait_until("postcopy", Duration::from_secs(60), |vm| {
-        phase(vm) == "postcopy"
-    });
-    assert!(src.control("migrate-pause").status.success());
-    for vm in [&src, &dst] {
-        vm.wait_until("postcopy_paused", Duration::from_secs(30), |vm| {
-            phase(vm) == "postcopy_paused"
-        });
-    }
-    let mut following = following;
+    let (src, dst, mut following) =
+        paused_postcopy_migration("ws=64M pattern=random rate=max verify-ms=200 log-ms=0");
     kill(Pid::from_raw(following.id() as i32), Signal::SIGTERM).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while following.try_wait().unwrap().is_none() {

@@ -127,6 +127,62 @@ impl Drop for Vmm {
     }
 }
 
+/// Two `ferry run --then-incoming` processes a guest can hop between: `first` boots it (and
+/// has verified its memory once), `second` waits; each listens on its own port (`port_a`,
+/// `port_b`) whenever it is without the guest.
+pub struct HopPair {
+    pub first: Vmm,
+    pub second: Vmm,
+    pub port_a: u16,
+    pub port_b: u16,
+}
+
+impl HopPair {
+    pub fn start(dir: &Path, memory: u64, cmdline: &str) -> anyhow::Result<HopPair> {
+        let (port_a, port_b) = (free_port()?, free_port()?);
+        let memory = memory.to_string();
+        let mut first = Vmm::spawn(
+            "first",
+            dir,
+            &[
+                "--memory".into(),
+                memory.clone(),
+                "--cmdline".into(),
+                cmdline.into(),
+                "--then-incoming".into(),
+                at(port_a),
+            ],
+        )?;
+        let mut second = Vmm::spawn(
+            "second",
+            dir,
+            &[
+                "--memory".into(),
+                memory,
+                "--incoming".into(),
+                at(port_b),
+                "--then-incoming".into(),
+                at(port_b),
+            ],
+        )?;
+        first.wait_for("a first verify pass", "/vm", |s| {
+            s["guest"]["verify_passes"].as_u64() >= Some(1)
+        })?;
+        second.waiting()?;
+        Ok(HopPair {
+            first,
+            second,
+            port_a,
+            port_b,
+        })
+    }
+}
+
+/// The address a destination on loopback `port` is given as.
+pub fn at(port: u16) -> String {
+    format!("tcp:127.0.0.1:{port}")
+}
+
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?

@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use serde_json::json;
 
-use super::process::{Migrated, STEP_LIMIT, Vmm, free_port, migrate_and_verify};
+use super::process::{HopPair, Migrated, STEP_LIMIT, Vmm, at, migrate_and_verify};
 
 #[derive(Debug, Args)]
 pub struct SoakBenchArgs {
@@ -58,37 +58,12 @@ struct Hop {
 
 pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
     let dir = tempfile::tempdir()?;
-    let memory = args.memory.to_string();
-    let at = |port: u16| format!("tcp:127.0.0.1:{port}");
-    let (port_a, port_b) = (free_port()?, free_port()?);
-    let mut a = Vmm::spawn(
-        "first",
-        dir.path(),
-        &[
-            "--memory".into(),
-            memory.clone(),
-            "--cmdline".into(),
-            args.cmdline.clone(),
-            "--then-incoming".into(),
-            at(port_a),
-        ],
-    )?;
-    let mut b = Vmm::spawn(
-        "second",
-        dir.path(),
-        &[
-            "--memory".into(),
-            memory,
-            "--incoming".into(),
-            at(port_b),
-            "--then-incoming".into(),
-            at(port_b),
-        ],
-    )?;
-    a.wait_for("a first verify pass", "/vm", |s| {
-        s["guest"]["verify_passes"].as_u64() >= Some(1)
-    })?;
-    b.waiting()?;
+    let HopPair {
+        first: mut a,
+        second: mut b,
+        port_a,
+        port_b,
+    } = HopPair::start(dir.path(), args.memory, &args.cmdline)?;
     println!(
         "soak: {} round trips of a {} MiB guest ({}), {:?}",
         args.round_trips,
