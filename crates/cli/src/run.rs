@@ -130,13 +130,11 @@ impl Interrupt {
             return;
         };
         match vm.migration().map(|p| p.phase) {
-            Some(Phase::Setup | Phase::Precopy) => {
+            Some(phase) if phase.is_cancellable() => {
                 eprintln!("ferry: interrupted during a migration: cancelling it first");
                 vm.cancel_migration();
                 let deadline = Instant::now() + CANCEL_WAIT;
-                while vm
-                    .migration()
-                    .is_some_and(|p| matches!(p.phase, Phase::Setup | Phase::Precopy))
+                while vm.migration().is_some_and(|p| p.phase.is_cancellable())
                     && Instant::now() < deadline
                 {
                     std::thread::sleep(Duration::from_millis(10));
@@ -146,7 +144,7 @@ impl Interrupt {
                     "Ctrl-C, after cancelling the migration".into(),
                 ));
             }
-            Some(Phase::Switchover | Phase::Postcopy | Phase::PostcopyPaused) => {
+            Some(phase) if phase.is_active() => {
                 eprintln!(
                     "ferry: interrupt refused: the migration is handing the guest over (or has), and this VMM may hold the only copy of its memory; wait for the migration to end (ferry status), or kill the process if the guest is to be lost"
                 );

@@ -609,3 +609,25 @@ unsafe impl DestinationVm for FakeVm {
         self.abandoned = Some(why.to_string());
     }
 }
+
+/// Runs `f` while another thread reads `control`'s progress every 5 ms, as a watcher of
+/// `GET /migration` would; returns every progress read, with `f`'s result.
+pub fn watching<T: Send>(
+    control: &ferry_migrate::Control,
+    f: impl FnOnce() -> T + Send,
+) -> (Vec<ferry_migrate::Progress>, T) {
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let watcher = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                seen.push(control.progress());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            seen
+        });
+        let result = f();
+        done.store(true, Ordering::Relaxed);
+        (watcher.join().expect("the watcher"), result)
+    })
+}

@@ -198,6 +198,48 @@ fn holes_are_neither_sent_nor_populated() {
     }
 }
 
+/// Pass 1's progress is shown while it runs, against the populated memory it must send: what
+/// is left falls, what was sent rises on a capped link, and an ETA is given. (It showed
+/// "remaining 0" through all of pass 1, and "sent" moved only every 16 batches.)
+#[test]
+fn pass_one_shows_what_it_has_left_of_populated_memory_while_it_runs() {
+    let mut src = FakeVm::new(32 * MIB, 1);
+    src.fill(2); // half the pages populated: 16 MiB
+    let mut dst = FakeVm::new(32 * MIB, 1);
+    let control = Control::default();
+    // 16 MB/s: pass 1 takes about a second.
+    let (seen, (sent, received)) = ferry_migrate_testkit::watching(&control, || {
+        migrate(&mut src, &mut dst, &params(300, Some(16_000_000)), &control)
+    });
+    sent.unwrap();
+    received.unwrap();
+    let pass1: Vec<_> = seen
+        .iter()
+        .filter(|p| p.phase == Phase::Precopy && p.pass == 0)
+        .collect();
+    let populated = 16 * MIB;
+    assert!(
+        pass1.iter().all(|p| p.remaining_bytes <= populated + MIB),
+        "never more left than populated memory: {pass1:?}"
+    );
+    let left: Vec<u64> = pass1.iter().map(|p| p.remaining_bytes).collect();
+    assert!(
+        left.iter().any(|&l| l > populated / 2) && left.iter().any(|&l| l < populated / 2),
+        "what is left falls through pass 1: {left:?}"
+    );
+    assert!(left.windows(2).all(|w| w[1] <= w[0]), "{left:?}");
+    let mut sent: Vec<u64> = pass1.iter().map(|p| p.bytes_sent).collect();
+    sent.dedup();
+    assert!(
+        sent.len() >= 8,
+        "sent moves through pass 1, not by 8 MiB steps: {sent:?}"
+    );
+    assert!(
+        pass1.iter().any(|p| p.eta_ms.is_some_and(|e| e > 0.0)),
+        "an ETA while pass 1 runs"
+    );
+}
+
 #[test]
 fn cancel_leaves_the_source_running_and_a_second_migration_succeeds() {
     let mut src = FakeVm::new(32 * MIB, 1);

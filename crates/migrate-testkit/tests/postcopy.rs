@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use ferry_migrate::source::SourceParams;
-use ferry_migrate::{Control, Policy, TimeoutAction};
+use ferry_migrate::{Control, Phase, Policy, Progress, TimeoutAction};
 use ferry_migrate_testkit::loopback::migrate;
+use ferry_migrate_testkit::watching;
 use ferry_migrate_testkit::{FakeVm, Writers};
 
 const MIB: u64 = 1 << 20;
@@ -40,6 +41,7 @@ fn postcopy_run(
     channels: u16,
     max_bandwidth: Option<u64>,
     preempt: bool,
+    control: &Control,
 ) -> (
     ferry_migrate::MigrationStats,
     ferry_migrate::destination::ReceiveStats,
@@ -65,7 +67,7 @@ fn postcopy_run(
         &mut src,
         &mut dst,
         &postcopy_params(channels, max_bandwidth, preempt),
-        &Control::default(),
+        control,
     );
     let sent = sent.expect("the source's side");
     let received = received.expect("the destination's side");
@@ -85,7 +87,7 @@ fn postcopy_run(
 #[test]
 fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
     for (channels, preempt) in [(1, false), (4, false), (1, true), (4, true)] {
-        let (sent, received) = postcopy_run(8, channels, None, preempt);
+        let (sent, received) = postcopy_run(8, channels, None, preempt, &Control::default());
         let pc = sent.postcopy.expect("the source switched to postcopy");
         assert_eq!(pc.after_passes, 1);
         assert!(
@@ -113,8 +115,43 @@ fn a_destination_guest_gets_the_pages_it_waits_for_by_request() {
 }
 
 fn requested_pages_arrive(preempt: bool) {
-    let (sent, received) = postcopy_run(4, 2, Some(4 * MIB), preempt);
+    let control = Control::default();
+    let (seen, (sent, received)) = watching(&control, || {
+        postcopy_run(4, 2, Some(4 * MIB), preempt, &control)
+    });
     let pc = sent.postcopy.expect("postcopy");
+    // Progress in postcopy is postcopy's own: what is left, the requests, no predicted pause.
+    let postcopy: Vec<&Progress> = seen.iter().filter(|p| p.phase == Phase::Postcopy).collect();
+    assert!(
+        postcopy
+            .iter()
+            .any(|p| p.remaining_bytes > 0 && p.eta_ms.is_some()),
+        "{postcopy:?}"
+    );
+    assert!(postcopy.iter().all(|p| p.expected_downtime_ms.is_none()));
+    assert!(
+        postcopy.iter().any(|p| p.postcopy_requests > 0),
+        "requests shown while postcopy runs: {postcopy:?}"
+    );
+    // The phases in order, the discard rounds named as what they are.
+    let phases: Vec<Phase> = sent
+        .timeline
+        .iter()
+        .map(|s| s.phase)
+        .fold(vec![], |mut v, p| {
+            if v.last() != Some(&p) {
+                v.push(p);
+            }
+            v
+        });
+    let at = |phase| phases.iter().position(|&p| p == phase);
+    assert!(
+        at(Phase::Precopy) < at(Phase::Discarding)
+            && at(Phase::Discarding) < at(Phase::Switchover)
+            && at(Phase::Switchover) < at(Phase::Postcopy)
+            && at(Phase::Precopy).is_some(),
+        "{phases:?}"
+    );
     assert!(pc.pages_requested > 0, "{pc:?}");
     assert!(pc.requests > 0);
     // Without a preempt connection, requests after the resume go on the main connection

@@ -16,6 +16,12 @@ pub enum Phase {
     #[default]
     Setup,
     Precopy,
+    /// Postcopy was decided and the guest still runs here: the source lists the pages it will
+    /// send again after the switch, and the destination drops them (a round or a few, each
+    /// waiting for the destination to apply the last). Cancelling still leaves the guest here.
+    Discarding,
+    /// The guest is paused here: the last pages (precopy) and the device state go out, and
+    /// the destination loads them and resumes the guest.
     Switchover,
     /// The guest runs on the destination; the source sends the pages it still needs (those it
     /// asks for first). It can no longer be cancelled: the source's copy is out of date.
@@ -29,17 +35,46 @@ pub enum Phase {
     Cancelled,
 }
 
+impl Phase {
+    /// Whether a migration in this phase has not ended yet.
+    pub fn is_active(self) -> bool {
+        !matches!(self, Phase::Completed | Phase::Failed | Phase::Cancelled)
+    }
+
+    /// Whether a cancel still leaves the guest running here with nothing lost: before the
+    /// pause (QEMU's migrate_cancel in its active states).
+    pub fn is_cancellable(self) -> bool {
+        matches!(self, Phase::Setup | Phase::Precopy | Phase::Discarding)
+    }
+}
+
 /// What `GET /migration` and `ferry migrate` show while a migration runs.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Progress {
     pub phase: Phase,
+    /// Precopy passes whose dirty sync is done; the pass being sent is the next one (pass 1
+    /// while this is 0).
     pub pass: u32,
+    /// Bytes still to send, as known now: in pass 1, the populated memory the walk has not
+    /// reached yet (the dirty log is read only when the pass ends); in a dirty pass, the dirty
+    /// pages not sent yet; in postcopy, the pages the destination still lacks. Updated while
+    /// a pass runs, not only at its end.
     pub remaining_bytes: u64,
     pub bytes_sent: u64,
     pub bandwidth_mb_s: f64,
     pub dirty_rate_pages_per_s: f64,
+    /// What the last dirty sync predicts the pause would cost; only in precopy.
     pub expected_downtime_ms: Option<f64>,
+    /// `remaining_bytes` at the current send rate: when the pass (or postcopy's background
+    /// stream) should end. Precopy then syncs and may find more to send.
+    #[serde(default)]
+    pub eta_ms: Option<f64>,
     pub elapsed_ms: f64,
+    /// Page request runs the destination sent in postcopy, and the pages they asked for.
+    #[serde(default)]
+    pub postcopy_requests: u64,
+    #[serde(default)]
+    pub postcopy_pages_requested: u64,
     /// The auto-converge throttle in force, percent (0: none).
     #[serde(default)]
     pub throttle_percent: u8,

@@ -443,6 +443,35 @@ impl Ram {
         sizes.all(|s| s == first).then_some(first)
     }
 
+    /// About how much of guest RAM is populated: the blocks the backing files hold
+    /// (`st_blocks`), each file counted once and at most the size of its regions. One `fstat`
+    /// per file, so pass 1's progress can show what it has left without walking memory twice.
+    /// A file that also backs something else than guest RAM counts high (capped).
+    pub fn populated_bytes(&self) -> u64 {
+        let mut files: Vec<(RawFd, u64)> = Vec::new();
+        for r in &self.regions {
+            match files.iter_mut().find(|(fd, _)| *fd == r.fd) {
+                Some((_, size)) => *size += r.size,
+                None => files.push((r.fd, r.size)),
+            }
+        }
+        files
+            .iter()
+            .map(|&(fd, size)| {
+                // SAFETY: `stat` is plain integers, for which all-zero bytes are a valid value.
+                let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                // SAFETY: fstat writes one `stat` into `st`, which we own for the call; `fd` is
+                // a region's file (an invalid fd only makes the call fail).
+                let ok = unsafe { libc::fstat(fd, &mut st) } == 0;
+                if ok {
+                    (st.st_blocks as u64 * 512).min(size)
+                } else {
+                    size
+                }
+            })
+            .sum()
+    }
+
     /// The guest address of the page at host address `addr`, if it is in RAM.
     pub fn gpa_of_host(&self, addr: usize) -> Option<u64> {
         self.regions
@@ -558,6 +587,41 @@ mod tests {
         assert!(layout_only(vec![RamRegion::for_test(100, 4096)]).is_err());
         assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
         assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
+    }
+
+    #[test]
+    fn populated_bytes_counts_what_the_backing_file_holds_once_per_file() {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::unix::fs::FileExt;
+        // SAFETY: memfd_create with a valid name; the result is checked and owned below.
+        let fd = unsafe { libc::memfd_create(c"ferry-populated-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` was just created and nothing else owns it.
+        let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        file.set_len(1 << 20).unwrap();
+        for page in [0u64, 5, 200] {
+            file.write_all_at(&[1; 4096], page * PAGE_SIZE).unwrap();
+        }
+        let region = |gpa: u64, offset: u64, size: u64| RamRegion {
+            fd: file.as_raw_fd(),
+            file_offset: offset,
+            ..RamRegion::for_test(gpa, size)
+        };
+        let whole = layout_only(vec![region(0, 0, 1 << 20)]).unwrap();
+        assert_eq!(whole.populated_bytes(), 3 * PAGE_SIZE);
+        // Two regions over one file: the file is counted once, capped at what they cover.
+        let split = layout_only(vec![
+            region(0, 0, 1 << 19),
+            region(1 << 32, 1 << 19, 1 << 19),
+        ])
+        .unwrap();
+        assert_eq!(split.populated_bytes(), 3 * PAGE_SIZE);
+        let small = layout_only(vec![region(0, 0, 2 * PAGE_SIZE)]).unwrap();
+        assert_eq!(
+            small.populated_bytes(),
+            2 * PAGE_SIZE,
+            "capped at the regions' size"
+        );
     }
 
     /// Found by the `incoming` fuzz target: a zero run's page count was multiplied before it

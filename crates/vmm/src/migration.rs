@@ -146,16 +146,10 @@ impl VmHandle {
     /// control handle at once. The VM keeps running until the switchover.
     pub fn start_migration(&self, req: MigrationRequest) -> Result<Arc<Control>, StartError> {
         let mut slot = self.0.migration.lock().unwrap();
-        if slot.as_ref().is_some_and(|c| {
-            matches!(
-                c.progress().phase,
-                Phase::Setup
-                    | Phase::Precopy
-                    | Phase::Switchover
-                    | Phase::Postcopy
-                    | Phase::PostcopyPaused
-            )
-        }) {
+        if slot
+            .as_ref()
+            .is_some_and(|c| c.progress().phase.is_active())
+        {
             return Err(StartError::AlreadyRunning);
         }
         match self.state() {
@@ -312,7 +306,7 @@ impl VmHandle {
     /// the guest was resumed); false when there is none it can stop.
     pub fn cancel_migration(&self) -> bool {
         match self.0.migration.lock().unwrap().as_ref() {
-            Some(c) if matches!(c.progress().phase, Phase::Setup | Phase::Precopy) => {
+            Some(c) if c.progress().phase.is_cancellable() => {
                 c.cancel();
                 return true;
             }

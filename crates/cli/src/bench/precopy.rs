@@ -527,12 +527,7 @@ pub(super) fn migrate_over(
     received.0?;
     received.1.context("destination")?;
     wait(&src, Duration::from_secs(120), |h| {
-        h.migration().is_some_and(|p| {
-            !matches!(
-                p.phase,
-                Phase::Setup | Phase::Precopy | Phase::Switchover | Phase::Postcopy
-            )
-        })
+        h.migration().is_some_and(|p| !p.phase.is_active())
     })?;
     let progress = src.migration().context("no migration")?;
     let source_after = src.telemetry();

@@ -62,31 +62,20 @@ impl Live {
             return;
         };
         bar.set_prefix(super::text::phase_name(p.phase));
-        // The bar fills with what was sent against what was sent plus what is known to remain;
-        // in pass 1, before the first dirty sync, nothing is known to remain: no bar yet.
-        // Progress publishes what remains at each dirty sync; once completed, nothing does.
+        // The bar fills with what was sent against what was sent plus what is known to remain
+        // (in pass 1, the populated memory not walked yet); once completed, nothing remains.
         let remaining = if p.phase == Phase::Completed {
             0
         } else {
             p.remaining_bytes
         };
-        if remaining == 0 && p.phase == Phase::Precopy {
+        if remaining == 0 && p.phase == Phase::Setup {
             bar.unset_length();
         } else {
             bar.set_length((p.bytes_sent + remaining).max(1));
         }
         bar.set_position(p.bytes_sent);
-        bar.set_message(format!(
-            "pass {} · sent {:.1} MB · left {:.1} MB · {:.0} MB/s · dirty {:.0} pages/s · downtime ~{}{}",
-            running_pass(p),
-            p.bytes_sent as f64 / 1e6,
-            remaining as f64 / 1e6,
-            p.bandwidth_mb_s,
-            p.dirty_rate_pages_per_s,
-            p.expected_downtime_ms
-                .map_or("-".to_string(), |d| format!("{d:.0} ms")),
-            super::text::throttled(p.throttle_percent),
-        ) + &super::text::recovered(p));
+        bar.set_message(super::text::progress_figures(p));
     }
 
     /// Leaves the bar's last state on screen.
@@ -94,16 +83,5 @@ impl Live {
         if let Some(bar) = &self.bar {
             bar.finish();
         }
-    }
-}
-
-/// The pass being sent: progress counts the passes whose dirty sync is done.
-fn running_pass(p: &Progress) -> String {
-    match p.phase {
-        Phase::Setup => "-".into(),
-        Phase::Precopy => (p.pass + 1).to_string(),
-        Phase::Switchover => "final".into(),
-        Phase::Postcopy => "post".into(),
-        _ => p.pass.to_string(),
     }
 }

@@ -4,18 +4,72 @@ use ferry_migrate::{MigrationStats, Progress, StatePart};
 
 /// One line of live progress.
 pub fn progress_line(p: &Progress) -> String {
-    format!(
-        "{:<10} pass {:>2}  remaining {:>9.1} MB  sent {:>9.1} MB  {:>7.1} MB/s  dirty {:>9.0} pages/s  expected downtime {}{}",
-        phase_name(p.phase),
-        p.pass,
-        p.remaining_bytes as f64 / 1e6,
-        p.bytes_sent as f64 / 1e6,
-        p.bandwidth_mb_s,
-        p.dirty_rate_pages_per_s,
-        p.expected_downtime_ms
-            .map_or("-".to_string(), |d| format!("{d:.1} ms")),
-        throttled(p.throttle_percent),
-    ) + &recovered(p)
+    format!("{:<10} {}", phase_name(p.phase), progress_figures(p))
+}
+
+/// What a migration in `p.phase` is doing, in the figures that phase has: the pass being
+/// sent and what it has left (pass 1: the populated memory it has not walked yet), the
+/// rate and when what is left should be sent, the dirty rate and the pause the last sync
+/// predicts; in postcopy, what is left and the destination's requests.
+pub fn progress_figures(p: &Progress) -> String {
+    use ferry_migrate::Phase;
+    let mb = |bytes: u64| format!("{:.1} MB", bytes as f64 / 1e6);
+    let sent = format!("sent {}", mb(p.bytes_sent));
+    let rate = format!("{:.0} MB/s", p.bandwidth_mb_s);
+    let eta = match p.eta_ms {
+        Some(ms) => format!("eta {}", duration(ms)),
+        None => "eta -".into(),
+    };
+    let line = match p.phase {
+        Phase::Setup => "connecting, opening the data channels, starting the dirty log".into(),
+        Phase::Precopy => {
+            let dirty = match p.pass {
+                0 => "dirty -".into(),
+                _ => format!("dirty {:.0} pages/s", p.dirty_rate_pages_per_s),
+            };
+            let of = if p.pass == 0 {
+                " of populated memory"
+            } else {
+                ""
+            };
+            format!(
+                "pass {}  left {}{of}  {sent}  {rate}  {eta}  {dirty}  expected downtime {}",
+                p.pass + 1,
+                mb(p.remaining_bytes),
+                p.expected_downtime_ms
+                    .map_or("-".to_string(), |d| format!("{d:.1} ms")),
+            )
+        }
+        Phase::Discarding => format!(
+            "postcopy decided after pass {}: the destination drops the {} it will fetch again  {sent}",
+            p.pass,
+            mb(p.remaining_bytes)
+        ),
+        Phase::Switchover => format!(
+            "guest paused: final pages and device state  left {}  {sent}",
+            mb(p.remaining_bytes)
+        ),
+        Phase::Postcopy | Phase::PostcopyPaused => format!(
+            "guest runs on the destination  left {}  {sent}  {rate}  {eta}  requests {} ({} pages)",
+            mb(p.remaining_bytes),
+            p.postcopy_requests,
+            p.postcopy_pages_requested
+        ),
+        Phase::Completed | Phase::Failed | Phase::Cancelled => sent,
+    };
+    line + &throttled(p.throttle_percent) + &recovered(p)
+}
+
+/// A duration for a person: "850 ms", "12.3 s", "4 min 05 s".
+fn duration(ms: f64) -> String {
+    match ms {
+        ms if ms < 1000.0 => format!("{ms:.0} ms"),
+        ms if ms < 60_000.0 => format!("{:.1} s", ms / 1000.0),
+        ms => {
+            let s = (ms / 1000.0).round() as u64;
+            format!("{} min {:02} s", s / 60, s % 60)
+        }
+    }
 }
 
 /// "  recovered N×" once a postcopy migration recovered, and what broke while it is paused.

@@ -354,8 +354,12 @@ struct Session<'a> {
     last_check: Option<Instant>,
     cpu_start: u64,
     stats: MigrationStats,
-    /// Batches sent so far, for publishing progress every few.
+    /// Batches sent so far.
     samples: u64,
+    /// When progress was last published between pass ends (`progress.rs`).
+    published: Instant,
+    /// Pass 1's populated memory not walked yet (0 after pass 1), for its progress.
+    first_pass_left: u64,
     /// The report's time series, and the pass and phase its samples are tagged with.
     timeline: Timeline,
     pass: u32,
@@ -401,6 +405,8 @@ impl<'a> Session<'a> {
             cpu_start: stats::thread_cpu_ns(),
             stats: MigrationStats::default(),
             samples: 0,
+            published: Instant::now(),
+            first_pass_left: 0,
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,

@@ -93,7 +93,7 @@ impl Session<'_> {
         pass: u32,
         trigger: PostcopyTrigger,
     ) -> Result<(), MigrateError> {
-        self.set_phase(Phase::Switchover);
+        self.set_phase(Phase::Discarding);
         let mut pc = PostcopyStats {
             after_passes: pass,
             trigger,
@@ -131,6 +131,7 @@ impl Session<'_> {
             self.sync_dirty(vm)?;
             self.bitmap.round_out(unit);
         }
+        self.set_phase(Phase::Switchover);
         let t0 = Instant::now();
         self.last_check = None; // the control loop's steps end here
         vm.pause()?;
@@ -298,6 +299,7 @@ impl Session<'_> {
         loop {
             self.check_ended()?;
             self.serve_requests(&mut cursor, pc, &mut held, listed)?;
+            self.publish_running(Instant::now(), Some(pc));
             if held.is_empty() {
                 if self.bitmap.count() == 0 {
                     return Ok(());

@@ -120,6 +120,8 @@ impl Session<'_> {
         self.pass = 1;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let regions = self.ram.regions().to_vec();
+        self.first_pass_left = self.ram.populated_bytes();
+        self.publish(None);
         self.start_hint_round(vm);
         let mut hinted = 0;
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
@@ -132,6 +134,7 @@ impl Session<'_> {
                 .map_err(|e| MigrateError::io("looking for populated memory", e))?
             {
                 for gpa in (data..hole.min(end)).step_by(PAGE_SIZE as usize) {
+                    self.first_pass_left = self.first_pass_left.saturating_sub(PAGE_SIZE);
                     if self.hints.skips(gpa) {
                         hinted += 1;
                         continue;
@@ -151,6 +154,7 @@ impl Session<'_> {
             }
         }
         pages += self.send_pages(&batch, Pacing::Limited)?;
+        self.first_pass_left = 0;
         self.hints.first_pass_done();
         self.stats.pages_skipped_hinted += hinted;
         self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages - hinted;

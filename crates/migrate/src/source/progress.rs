@@ -3,43 +3,64 @@
 //! statistics.
 //!
 //! Invariant: a phase change or pass end is always sampled ([`SampleKind::Boundary`]); the
-//! per-batch samples are ticks the timeline thins out, and the per-batch progress is published
-//! only every [`PUBLISH_EVERY`] batches, so observing costs the loop next to nothing.
+//! per-batch samples are ticks the timeline thins out, and the progress between pass ends is
+//! published at most every [`PUBLISH_INTERVAL`], so observing costs the loop next to nothing.
 
 #![forbid(unsafe_code)]
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{Session, ms};
 use crate::control::Phase;
 use crate::policy::Observation;
-use crate::stats::{self, MigrationStats, Sample, SampleKind};
+use crate::stats::{self, MigrationStats, PostcopyStats, Sample, SampleKind};
 use crate::wire::PAGE_SIZE;
 
-/// Publish progress every 16 batches (~32 MiB at full-size records): often enough to watch,
-/// cheap enough.
-const PUBLISH_EVERY: u64 = 16;
+/// Publish progress between pass ends at most this often: a watcher polls every few hundred
+/// ms, and on a capped link a batch can take longer than that, so the interval is in time, not
+/// batches.
+const PUBLISH_INTERVAL: Duration = Duration::from_millis(50);
 
 impl Session<'_> {
     /// After a batch went to the channels: samples the send rate, the destination's
     /// acknowledgements and the timeline, and now and then publishes progress.
     pub(super) fn after_batch(&mut self) {
-        self.bandwidth.record(Instant::now(), self.bytes_written());
+        let now = Instant::now();
+        self.bandwidth.record(now, self.bytes_written());
         self.note_acks();
         self.samples += 1;
         self.sample(SampleKind::Tick);
-        if self.samples.is_multiple_of(PUBLISH_EVERY) {
-            let (sent, bandwidth, elapsed) = (
-                self.bytes_written(),
-                self.bandwidth.rate(),
-                self.start.elapsed(),
-            );
-            self.control.update(|p| {
-                p.bytes_sent = sent;
-                p.bandwidth_mb_s = bandwidth / 1e6;
-                p.elapsed_ms = ms(elapsed);
-            });
+        self.publish_running(now, None);
+    }
+
+    /// Publishes what was sent, the rate, what is left and when it should be sent, if
+    /// [`PUBLISH_INTERVAL`] passed since the last time; in postcopy with its requests so far.
+    pub(super) fn publish_running(&mut self, now: Instant, postcopy: Option<&PostcopyStats>) {
+        if now.duration_since(self.published) >= PUBLISH_INTERVAL {
+            self.publish(postcopy);
         }
+    }
+
+    /// Publishes what was sent, the rate, what is left and when it should be sent.
+    pub(super) fn publish(&mut self, postcopy: Option<&PostcopyStats>) {
+        self.published = Instant::now();
+        let (sent, bandwidth, elapsed) = (
+            self.bytes_written(),
+            self.bandwidth.rate(),
+            self.start.elapsed(),
+        );
+        let remaining = self.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        self.control.update(|p| {
+            p.bytes_sent = sent;
+            p.bandwidth_mb_s = bandwidth / 1e6;
+            p.elapsed_ms = ms(elapsed);
+            p.remaining_bytes = remaining;
+            p.eta_ms = eta_ms(remaining, bandwidth);
+            if let Some(pc) = postcopy {
+                p.postcopy_requests = pc.requests;
+                p.postcopy_pages_requested = pc.pages_requested;
+            }
+        });
     }
 
     /// Publishes where precopy stands after pass `pass` and the dirty sync that ended it.
@@ -52,13 +73,20 @@ impl Session<'_> {
             p.bandwidth_mb_s = now.bandwidth / 1e6;
             p.dirty_rate_pages_per_s = dirty_rate;
             p.expected_downtime_ms = now.expected_downtime().map(ms);
+            p.eta_ms = eta_ms(now.remaining_bytes, now.bandwidth);
             p.elapsed_ms = ms(now.elapsed);
         });
     }
 
-    /// Publishes a new phase and marks it on the timeline.
+    /// Publishes a new phase and marks it on the timeline. Past precopy, the pause a dirty
+    /// sync predicted no longer applies, and is cleared.
     pub(super) fn set_phase(&mut self, phase: Phase) {
-        self.control.update(|p| p.phase = phase);
+        self.control.update(|p| {
+            p.phase = phase;
+            if phase != Phase::Precopy {
+                p.expected_downtime_ms = None;
+            }
+        });
         self.mark(phase);
     }
 
@@ -96,5 +124,20 @@ impl Session<'_> {
         s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
         s.acked_bytes = self.acks.acked();
         s
+    }
+}
+
+/// How long `remaining` bytes take at `rate` bytes per second; `None` before a rate is known.
+fn eta_ms(remaining: u64, rate: f64) -> Option<f64> {
+    (rate > 0.0).then(|| remaining as f64 / rate * 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_eta_is_what_remains_at_the_rate_and_unknown_without_one() {
+        assert_eq!(super::eta_ms(100_000_000, 50e6), Some(2000.0));
+        assert_eq!(super::eta_ms(0, 50e6), Some(0.0));
+        assert_eq!(super::eta_ms(100, 0.0), None);
     }
 }
