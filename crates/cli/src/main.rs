@@ -12,6 +12,7 @@ mod migrate;
 mod report;
 mod run;
 mod tls;
+mod tune;
 
 use std::process::ExitCode;
 
@@ -40,6 +41,9 @@ enum Command {
     Migrate(migrate::MigrateArgs),
     /// Cancel a running VM's migration (it keeps running).
     Cancel(migrate::CancelArgs),
+    /// Change a running migration's downtime limit, bandwidth cap, timeout or auto-converge
+    /// (QEMU: migrate-set-parameters); waits until the migration shows them in force.
+    MigrateSet(tune::SetArgs),
     /// Switch a running migration started with --postcopy to postcopy now (at the end of the
     /// pass it is sending).
     MigratePostcopy(migrate::CancelArgs),
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Migrate(args) => migrate::migrate(&args),
         Command::Cancel(args) => migrate::cancel(&args),
+        Command::MigrateSet(args) => tune::set(&args),
         Command::MigratePostcopy(args) => migrate::start_postcopy(&args),
         Command::MigratePause(args) => migrate::pause(&args),
         Command::MigrateRecover(args) => migrate::recover(&args),

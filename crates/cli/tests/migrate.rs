@@ -329,3 +329,63 @@ fn ferry_migrate_output_json_prints_one_parseable_line_and_nothing_else() {
     );
     dst.assert_verifies_clean();
 }
+
+/// `ferry migrate-set` changes a running migration's settings: a capped migration whose cap
+/// is lifted finishes far sooner than the cap allowed, and the settings are shown in force.
+/// Without a running migration it is refused with the reason, and without a setting it is a
+/// usage error.
+#[test]
+fn ferry_migrate_set_lifts_the_bandwidth_cap_of_a_running_migration() {
+    let src = RunningVm::start(
+        "512M",
+        "ws=256M pattern=random rate=20 verify-ms=300 log-ms=0 prefill=1",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let idle = src.control("migrate-set");
+    assert_eq!(idle.status.code(), Some(2), "{}", stderr(&idle));
+    let set = |extra: &[&str]| {
+        common::ferry()
+            .arg("migrate-set")
+            .args(extra)
+            .arg("--api-socket")
+            .arg(&src.socket)
+            .output()
+            .unwrap()
+    };
+    let refused = set(&["--max-bandwidth", "unlimited"]);
+    assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("no migration is running from this VM"),
+        "{}",
+        stderr(&refused)
+    );
+    let (dst, port) = destination("512M");
+    let cap = 10_000_000.0;
+    let migrate = start_migrate(&src, port, &["--max-bandwidth", "10M", "--output", "json"]);
+    src.wait_until("precopy", Duration::from_secs(60), |vm| {
+        phase(vm) == "precopy"
+    });
+    let out = set(&["--max-bandwidth", "unlimited", "--downtime-limit", "1s"]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        said.contains("downtime limit 1000 ms, bandwidth unlimited"),
+        "{said}"
+    );
+    let out = migrate.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stats: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    let (total_ms, sent) = (
+        stats["total_ms"].as_f64().unwrap(),
+        stats["bytes_sent"].as_f64().unwrap(),
+    );
+    let capped_ms = sent / cap * 1e3;
+    assert!(
+        total_ms < capped_ms / 2.0,
+        "{total_ms:.0} ms; {capped_ms:.0} ms at the cap"
+    );
+    dst.assert_verifies_clean();
+}

@@ -10,7 +10,7 @@ use std::time::Duration;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::wire::{self, Hello};
-use ferry_migrate::{Control, MigrateError, PageLanding, Phase, Policy, TimeoutAction};
+use ferry_migrate::{Control, MigrateError, PageLanding, Phase, Policy, TimeoutAction, Tuning};
 use ferry_migrate_testkit::loopback::{
     migrate, migrate_flipping, migrate_into_slow, migrate_with_hooks,
 };
@@ -238,6 +238,86 @@ fn pass_one_shows_what_it_has_left_of_populated_memory_while_it_runs() {
         pass1.iter().any(|p| p.eta_ms.is_some_and(|e| e > 0.0)),
         "an ETA while pass 1 runs"
     );
+}
+
+/// A running migration takes new settings at its next step: a lifted bandwidth cap lets it
+/// finish far sooner than the cap allowed, and progress shows the settings in force.
+#[test]
+fn a_running_migration_takes_a_new_bandwidth_limit_and_downtime_limit() {
+    let mut src = FakeVm::new(32 * MIB, 1);
+    src.fill(1);
+    let mut dst = FakeVm::new(32 * MIB, 1);
+    let control = Control::default();
+    let cap = 8_000_000;
+    let (seen, (sent, received)) = ferry_migrate_testkit::watching(&control, || {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                control
+                    .tune(Tuning {
+                        max_bandwidth: Some(None),
+                        downtime_limit: Some(Duration::from_millis(700)),
+                        ..Tuning::default()
+                    })
+                    .unwrap();
+            });
+            // 32 MiB at 8 MB/s: over 4 s of pass 1 had the cap stayed.
+            migrate(&mut src, &mut dst, &params(300, Some(cap)), &control)
+        })
+    });
+    let stats = sent.unwrap();
+    received.unwrap();
+    let first = seen
+        .iter()
+        .find(|p| p.phase == Phase::Precopy)
+        .expect("progress in precopy was read");
+    let last = seen.last().expect("progress was read");
+    assert_eq!(first.settings.max_bandwidth, Some(cap), "{first:?}");
+    assert_eq!(first.settings.downtime_limit_ms, 300);
+    assert_eq!(last.settings.max_bandwidth, None, "{last:?}");
+    assert_eq!(last.settings.downtime_limit_ms, 700);
+    let capped_ms = stats.bytes_sent as f64 / cap as f64 * 1e3;
+    assert!(
+        stats.total_ms < capped_ms / 2.0,
+        "the cap was lifted: {:.0} ms, {capped_ms:.0} ms at the cap",
+        stats.total_ms
+    );
+}
+
+/// A timeout set on a running migration acts with its timeout action (cancel) within a step,
+/// and the source keeps running.
+#[test]
+fn a_timeout_set_on_a_running_migration_cancels_it() {
+    let mut src = FakeVm::new(32 * MIB, 1);
+    src.fill(1);
+    let mut dst = FakeVm::new(32 * MIB, 1);
+    let control = Control::default();
+    let policy = Policy {
+        timeout: None,
+        timeout_action: TimeoutAction::Cancel,
+        ..Policy::default()
+    };
+    let p = SourceParams {
+        max_bandwidth: Some(4_000_000),
+        ..SourceParams::new(policy, [3; 16])
+    };
+    let (sent, _) = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            control
+                .tune(Tuning {
+                    timeout: Some(Some(Duration::from_millis(400))),
+                    ..Tuning::default()
+                })
+                .unwrap();
+        });
+        migrate(&mut src, &mut dst, &p, &control)
+    });
+    assert!(
+        matches!(sent, Err(MigrateError::Timeout(t)) if t == Duration::from_millis(400)),
+        "{sent:?}"
+    );
+    assert!(!src.is_paused(), "the source runs on");
 }
 
 #[test]

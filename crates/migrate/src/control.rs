@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::policy::AutoConverge;
 use crate::stats::MigrationStats;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,9 +92,77 @@ pub struct Progress {
     /// operator's call, once the destination is known not to run it.
     #[serde(default)]
     pub handed_over: bool,
+    /// The settings in force, which [`Control::tune`] can change while the migration runs.
+    #[serde(default)]
+    pub settings: Settings,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,
+}
+
+/// The settings of a running migration that [`Control::tune`] can change, as in force.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    pub downtime_limit_ms: u64,
+    /// Bytes per second; `None`: unlimited.
+    pub max_bandwidth: Option<u64>,
+    /// Counted from the migration's start; `None`: none.
+    pub timeout_ms: Option<u64>,
+    /// Auto-converge's highest throttle, percent; `None`: auto-converge is off.
+    pub max_throttle: Option<u8>,
+}
+
+/// New values for settings of a running migration (QEMU's migrate-set-parameters, virsh's
+/// migrate-setmaxdowntime and migrate-setspeed; `PATCH /migration`, `ferry migrate-set`):
+/// each `Some` replaces a setting at the migration's next step (a batch, at most 2 MiB), the
+/// rest stay as they are.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Tuning {
+    pub downtime_limit: Option<Duration>,
+    /// `Some(None)`: no limit. A new limit is an average from when it was set.
+    pub max_bandwidth: Option<Option<u64>>,
+    /// `Some(None)`: no timeout. Counted from the migration's start, so a timeout already
+    /// passed acts at once (with the migration's timeout action).
+    pub timeout: Option<Option<Duration>>,
+    /// `Some(None)`: never throttle, and a throttle in force is lifted at the next pass end;
+    /// a lower cap lowers a throttle above it.
+    pub auto_converge: Option<Option<AutoConverge>>,
+}
+
+impl Tuning {
+    /// Refuses values no migration can run with, naming the fix.
+    pub fn check(&self) -> Result<(), crate::MigrateError> {
+        use crate::MigrateError;
+        if self.max_bandwidth == Some(Some(0)) {
+            return Err(MigrateError::params(
+                "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link",
+            ));
+        }
+        if self.timeout == Some(Some(Duration::ZERO)) {
+            return Err(MigrateError::params(
+                "a timeout of 0 would end the migration at once; give a positive timeout, or none",
+            ));
+        }
+        if let Some(Some(a)) = self.auto_converge
+            && (a.initial == 0 || a.max >= 100 || a.initial > a.max)
+        {
+            return Err(MigrateError::params(format!(
+                "auto-converge throttle of {}% rising to {}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100",
+                a.initial, a.max
+            )));
+        }
+        Ok(())
+    }
+
+    /// These settings, then `later`'s over them.
+    fn then(self, later: Tuning) -> Tuning {
+        Tuning {
+            downtime_limit: later.downtime_limit.or(self.downtime_limit),
+            max_bandwidth: later.max_bandwidth.or(self.max_bandwidth),
+            timeout: later.timeout.or(self.timeout),
+            auto_converge: later.auto_converge.or(self.auto_converge),
+        }
+    }
 }
 
 /// Shared between the migration thread and its controllers.
@@ -108,6 +177,8 @@ pub struct Control {
     /// Where a paused postcopy migration reconnects to, once asked.
     resume: Mutex<Option<crate::transport::Dialer>>,
     resume_asked: Condvar,
+    /// New settings not yet taken by the migration.
+    tuning: Mutex<Option<Tuning>>,
     progress: Mutex<Progress>,
 }
 
@@ -178,11 +249,85 @@ impl Control {
         r.take()
     }
 
+    /// Changes settings of the running migration at its next step (see [`Tuning`]); refuses
+    /// values it could not run with, and changes nothing then. Settings asked for before the
+    /// migration took the last ones are merged, the later winning.
+    pub fn tune(&self, tuning: Tuning) -> Result<(), crate::MigrateError> {
+        tuning.check()?;
+        let mut t = self.tuning.lock().unwrap();
+        *t = Some(t.unwrap_or_default().then(tuning));
+        Ok(())
+    }
+
+    /// The settings asked for since the last call, if any.
+    pub(crate) fn take_tuning(&self) -> Option<Tuning> {
+        self.tuning.lock().unwrap().take()
+    }
+
     pub fn progress(&self) -> Progress {
         self.progress.lock().unwrap().clone()
     }
 
     pub fn update(&self, f: impl FnOnce(&mut Progress)) {
         f(&mut self.progress.lock().unwrap());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuning_is_checked_and_later_settings_win_over_earlier_ones() {
+        let control = Control::default();
+        for bad in [
+            Tuning {
+                max_bandwidth: Some(Some(0)),
+                ..Tuning::default()
+            },
+            Tuning {
+                timeout: Some(Some(Duration::ZERO)),
+                ..Tuning::default()
+            },
+            Tuning {
+                auto_converge: Some(Some(AutoConverge {
+                    max: 100,
+                    ..AutoConverge::default()
+                })),
+                ..Tuning::default()
+            },
+        ] {
+            assert!(control.tune(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            control.take_tuning(),
+            None,
+            "a refused tuning changes nothing"
+        );
+        let ms = Duration::from_millis;
+        control
+            .tune(Tuning {
+                downtime_limit: Some(ms(100)),
+                max_bandwidth: Some(Some(1 << 20)),
+                ..Tuning::default()
+            })
+            .unwrap();
+        control
+            .tune(Tuning {
+                max_bandwidth: Some(None),
+                timeout: Some(Some(ms(5))),
+                ..Tuning::default()
+            })
+            .unwrap();
+        assert_eq!(
+            control.take_tuning(),
+            Some(Tuning {
+                downtime_limit: Some(ms(100)),
+                max_bandwidth: Some(None),
+                timeout: Some(Some(ms(5))),
+                auto_converge: None,
+            })
+        );
+        assert_eq!(control.take_tuning(), None, "taken once");
     }
 }

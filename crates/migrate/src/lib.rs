@@ -43,7 +43,7 @@ pub mod zero;
 #[allow(unsafe_code)] // mmap and munmap of the bitmaps' zeroed memory
 pub mod zeroed;
 
-pub use control::{Control, Phase, Progress};
+pub use control::{Control, Phase, Progress, Settings, Tuning};
 pub use error::MigrateError;
 pub use policy::{AutoConverge, Policy, TimeoutAction};
 pub use source::SourceParams;

@@ -19,7 +19,7 @@ use ferry_migrate::transport::tls::{DestinationTls, SourceTls};
 use ferry_migrate::transport::{Address, AddressError, Dialer, Listener, Stream};
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, PageLanding, Phase, Policy, Progress, Section, SourceVm,
-    VmError,
+    Tuning, VmError,
 };
 
 use crate::devices::virtio::MmioTransport;
@@ -120,6 +120,17 @@ impl StartError {
         }
         false
     }
+}
+
+/// Why new settings for a running migration were refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TuneError {
+    #[error(
+        "no migration is running from this VM (settings are the source's: send them to the source VM's API socket)"
+    )]
+    NotRunning,
+    #[error(transparent)]
+    Refused(#[from] MigrateError),
 }
 
 /// Why a pause, recovery or resume of a postcopy migration was refused.
@@ -227,6 +238,15 @@ impl VmHandle {
             }
             p
         })
+    }
+
+    /// Changes settings of the migration running from this VM, at its next step (see
+    /// [`Tuning`]).
+    pub fn tune_migration(&self, tuning: Tuning) -> Result<(), TuneError> {
+        match self.0.migration.lock().unwrap().as_ref() {
+            Some(c) if c.progress().phase.is_active() => Ok(c.tune(tuning)?),
+            _ => Err(TuneError::NotRunning),
+        }
     }
 
     /// Asks a migration in precopy that has postcopy enabled to switch to it at the end of

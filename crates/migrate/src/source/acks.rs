@@ -185,6 +185,7 @@ impl Session<'_> {
         if self.control.cancelled() {
             return Err(MigrateError::Cancelled);
         }
+        self.retune();
         let policy = &self.params.policy;
         if let Some(t) = policy.timeout.filter(|&t| {
             self.phase == Phase::Precopy

@@ -3,8 +3,9 @@
 //! the average stays at or under the limit. It never sleeps and never reads a clock; the
 //! session does both (in slices of [`MAX_SLEEP`], looking at cancellation in between).
 //!
-//! The limit is an average over the whole migration, not a window: time the link was idle
-//! (a dirty sync, a pause) is credit that later batches may spend at full speed.
+//! The limit is an average since the limit was set (the migration's start, or when a running
+//! migration was given a new limit), not a window: time the link was idle (a dirty sync, a
+//! pause) is credit that later batches may spend at full speed.
 
 #![forbid(unsafe_code)]
 
@@ -29,12 +30,24 @@ pub enum Pacing {
 pub struct Limiter {
     rate: u64,
     bytes: u64,
+    /// When the limit was set, after the migration's start.
+    origin: Duration,
 }
 
 impl Limiter {
     /// A limiter at `rate` bytes per second that has handed over nothing yet.
     pub fn new(rate: u64) -> Limiter {
-        Limiter { rate, bytes: 0 }
+        Limiter::from(rate, Duration::ZERO)
+    }
+
+    /// A limiter at `rate` set `origin` after the migration's start: the average counts from
+    /// there, so a new limit neither bursts on the old one's idle credit nor pays its debt.
+    pub fn from(rate: u64, origin: Duration) -> Limiter {
+        Limiter {
+            rate,
+            bytes: 0,
+            origin,
+        }
     }
 
     /// Counts `bytes` about to be handed over.
@@ -46,7 +59,8 @@ impl Limiter {
     /// time the counted bytes take at the limit, less the time already spent. Zero when the
     /// average is already at or under the limit.
     pub fn wait(&self, elapsed: Duration) -> Duration {
-        Duration::from_secs_f64(self.bytes as f64 / self.rate as f64).saturating_sub(elapsed)
+        Duration::from_secs_f64(self.bytes as f64 / self.rate as f64)
+            .saturating_sub(elapsed.saturating_sub(self.origin))
     }
 }
 
@@ -55,6 +69,19 @@ mod tests {
     use super::*;
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn a_limit_set_later_counts_from_when_it_was_set() {
+        let mut l = Limiter::from(1_000, MS(10_000));
+        l.add(500);
+        assert_eq!(
+            l.wait(MS(10_000)),
+            MS(500),
+            "no credit from before it was set"
+        );
+        assert_eq!(l.wait(MS(10_200)), MS(300));
+        assert_eq!(l.wait(MS(11_000)), MS(0));
+    }
 
     #[test]
     fn wait_is_the_time_the_bytes_take_at_the_limit_less_the_time_spent() {

@@ -56,7 +56,7 @@ use self::pool::ChannelPool;
 use self::reader::{Granted, Inbound, InboundReader};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
-use crate::control::{Control, Phase};
+use crate::control::{Control, Phase, Settings, Tuning};
 use crate::error::MigrateError;
 use crate::policy::Policy;
 use crate::ram::Ram;
@@ -155,6 +155,26 @@ impl SourceParams {
         }
     }
 
+    /// The settings a running migration can change, as a [`Tuning`] that sets them all.
+    fn settings_as_tuning(&self) -> Tuning {
+        Tuning {
+            downtime_limit: Some(self.policy.downtime_limit),
+            max_bandwidth: Some(self.max_bandwidth),
+            timeout: Some(self.policy.timeout),
+            auto_converge: Some(self.policy.auto_converge),
+        }
+    }
+
+    /// The settings in force, as progress shows them.
+    fn settings(&self) -> Settings {
+        Settings {
+            downtime_limit_ms: self.policy.downtime_limit.as_millis() as u64,
+            max_bandwidth: self.max_bandwidth,
+            timeout_ms: self.policy.timeout.map(|t| t.as_millis() as u64),
+            max_throttle: self.policy.auto_converge.map(|a| a.max),
+        }
+    }
+
     /// Refuses channel counts and packet sizes the protocol cannot carry.
     fn check(&self) -> Result<(), MigrateError> {
         if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
@@ -169,11 +189,7 @@ impl SourceParams {
                 "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever",
             ));
         }
-        if self.max_bandwidth == Some(0) {
-            return Err(MigrateError::params(
-                "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link",
-            ));
-        }
+        self.settings_as_tuning().check()?;
         if self.postcopy_after_passes.is_some() && !self.postcopy {
             return Err(MigrateError::params(
                 "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
@@ -198,14 +214,6 @@ impl SourceParams {
             return Err(MigrateError::params(
                 "a timeout action of postcopy was given without enabling postcopy; add --postcopy",
             ));
-        }
-        if let Some(a) = self.policy.auto_converge
-            && (a.initial == 0 || a.max >= 100 || a.initial > a.max)
-        {
-            return Err(MigrateError::params(format!(
-                "auto-converge throttle of {}% rising to {}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100",
-                a.initial, a.max
-            )));
         }
         if self.postcopy_after_passes == Some(0) {
             return Err(MigrateError::params(
@@ -299,7 +307,10 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let ram = Ram::new(vm.ram())?;
     let mut session = Session::new(ram, conn, params, *hooks, control);
-    control.update(|p| p.phase = Phase::Setup);
+    control.update(|p| {
+        p.phase = Phase::Setup;
+        p.settings = params.settings();
+    });
     let connect = || {
         let s = connect()?;
         s.set_write_timeout(params.peer_timeout)?;

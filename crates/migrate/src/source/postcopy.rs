@@ -298,6 +298,7 @@ impl Session<'_> {
         let mut held: Vec<u64> = Vec::with_capacity(packet);
         loop {
             self.check_ended()?;
+            self.retune();
             self.serve_requests(&mut cursor, pc, &mut held, listed)?;
             self.publish_running(Instant::now(), Some(pc));
             if held.is_empty() {

@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use super::limiter::{MAX_SLEEP, Pacing};
+use super::limiter::{Limiter, MAX_SLEEP, Pacing};
 use super::{Ending, GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
@@ -43,6 +43,8 @@ impl Session<'_> {
                     policy::stall_count(self.stalled_passes, last.bytes, dirtied * PAGE_SIZE);
             }
             let dirty_rate = last.dirty_rate_pages_per_s;
+            self.retune();
+            self.fit_throttle(vm)?;
             self.sample(SampleKind::Boundary);
             let now = self.observe();
             self.publish_pass(pass, &now, dirty_rate);
@@ -86,6 +88,45 @@ impl Session<'_> {
         }
     }
 
+    /// Takes the settings a controller changed since the last step ([`Control::tune`]) and
+    /// publishes the settings in force. A throttle above a new cap (or with auto-converge
+    /// turned off) is lowered at the next pass end, by [`Session::fit_throttle`].
+    ///
+    /// [`Control::tune`]: crate::control::Control::tune
+    pub(super) fn retune(&mut self) {
+        let Some(t) = self.control.take_tuning() else {
+            return;
+        };
+        let policy = &mut self.params.policy;
+        if let Some(d) = t.downtime_limit {
+            policy.downtime_limit = d;
+        }
+        if let Some(timeout) = t.timeout {
+            policy.timeout = timeout;
+        }
+        if let Some(a) = t.auto_converge {
+            policy.auto_converge = a;
+        }
+        if let Some(rate) = t.max_bandwidth {
+            self.params.max_bandwidth = rate;
+            let now = self.start.elapsed();
+            self.limiter = rate.map(|r| Limiter::from(r, now));
+        }
+        tracing::info!("migration settings changed: {t:?}");
+        let settings = self.params.settings();
+        self.control.update(|p| p.settings = settings);
+    }
+
+    /// Lowers a throttle in force to the auto-converge cap now in force, or lifts it when
+    /// auto-converge was turned off while the migration ran.
+    fn fit_throttle(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let cap = self.params.policy.auto_converge.map_or(0, |a| a.max);
+        if self.throttle > cap {
+            self.throttle(vm, cap)?;
+        }
+        Ok(())
+    }
+
     /// Sets the guest's throttle for the passes to come. A VMM that cannot throttle turns
     /// auto-converge off for the rest of this migration (said in the log and the statistics).
     fn throttle(&mut self, vm: &mut dyn SourceVm, percent: u8) -> Result<(), MigrateError> {
@@ -102,6 +143,8 @@ impl Session<'_> {
                 );
                 self.params.policy.auto_converge = None;
                 self.stats.throttle_unsupported = true;
+                let settings = self.params.settings();
+                self.control.update(|p| p.settings = settings);
                 Ok(())
             }
             Err(e) => Err(e.into()),

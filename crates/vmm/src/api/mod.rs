@@ -8,6 +8,7 @@
 //! | `PUT /vm/resume` | 200 `{"state":"running"}`; 409 if the VM stopped |
 //! | `PUT /vm/shutdown` | 200 `{"state":"stopped"}`; the VM stops and `ferry run` exits |
 //! | `PUT /migration` | 202; body `{"to": "HOST:PORT", "downtime_limit_ms": 300, "max_bandwidth": BYTES_PER_S, "timeout_ms": MS, "timeout_action": "cancel"\|"switchover"\|"postcopy", "tls": {"ca": PATH, "cert": PATH, "key": PATH, "name": NAME}, ...}` (all but `to` optional; with `tls`, every connection runs mutual TLS with those PEM files of this host, 400 if they cannot be read; every field is [`server::MigrateBody`]'s); 503 if nothing listens at `to` yet (a destination starting up: try again), 502 if the destination cannot be reached otherwise, 409 if one runs |
+//! | `PATCH /migration` | on a source whose migration runs, new settings at its next step, body any of `{"downtime_limit_ms": MS, "max_bandwidth": BYTES_PER_S\|null, "timeout_ms": MS\|null, "auto_converge": BOOL, "max_throttle": PERCENT}` (`null`: no limit, no timeout; [`server::TuneBody`]); `GET /migration`'s `settings` shows them once in force: 200; 400 for a bad value, 409 if no migration runs here |
 //! | `GET /migration` | 200, the migration's [`ferry_migrate::Progress`] (phase, pass, remaining bytes, MB/s, dirty rate, expected downtime, and the statistics once it ended); 404 if none was started |
 //! | `PUT /migration/cancel` | 200 while in precopy (the VM keeps running); 409 otherwise |
 //! | `PUT /migration/postcopy` | 200: a migration started with `"postcopy": true` switches at the end of its pass; 409 otherwise |

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
-use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
+use ferry_migrate::{AutoConverge, Policy, TimeoutAction, Tuning};
 
-use crate::migration::{MigrationRequest, RecoveryError, StartError};
+use crate::migration::{MigrationRequest, RecoveryError, StartError, TuneError};
 use crate::vm::{StopReason, VmHandle};
 
 #[derive(Debug, thiserror::Error)]
@@ -193,6 +193,68 @@ pub struct MigrateBody {
     pub peer_timeout_ms: Option<u64>,
 }
 
+/// The body of `PATCH /migration`: new settings for the running migration, each field
+/// optional; `null` lifts a bandwidth limit or a timeout.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuneBody {
+    pub downtime_limit_ms: Option<u64>,
+    /// Bytes per second; `null`: unlimited.
+    #[serde(default, deserialize_with = "present")]
+    pub max_bandwidth: Option<Option<u64>>,
+    /// Counted from the migration's start; `null`: none.
+    #[serde(default, deserialize_with = "present")]
+    pub timeout_ms: Option<Option<u64>>,
+    /// Throttle the guest when precopy stalls; `false` also lifts a throttle in force.
+    pub auto_converge: Option<bool>,
+    /// Auto-converge's highest throttle, percent (1 to 99); turns auto-converge on.
+    pub max_throttle: Option<u8>,
+}
+
+/// A field that is present, `null` or not: `Some(None)` for `null` (absent is the field's
+/// default, `None`).
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+impl TuneBody {
+    pub fn tuning(&self) -> Result<Tuning, String> {
+        let auto_converge = match (self.auto_converge, self.max_throttle) {
+            (Some(false), Some(_)) => {
+                return Err("max_throttle with auto_converge false: drop one of them".into());
+            }
+            (Some(false), None) => Some(None),
+            (_, Some(max)) => {
+                let d = AutoConverge::default();
+                Some(Some(AutoConverge {
+                    initial: d.initial.min(max),
+                    max,
+                    ..d
+                }))
+            }
+            (Some(true), None) => Some(Some(AutoConverge::default())),
+            (None, None) => None,
+        };
+        let t = Tuning {
+            downtime_limit: self.downtime_limit_ms.map(Duration::from_millis),
+            max_bandwidth: self.max_bandwidth,
+            timeout: self.timeout_ms.map(|t| t.map(Duration::from_millis)),
+            auto_converge,
+        };
+        if t == Tuning::default() {
+            return Err(format!("nothing to change; send any of {TUNE_FIELDS}"));
+        }
+        Ok(t)
+    }
+}
+
+/// The fields `PATCH /migration` takes, for the errors that name them.
+const TUNE_FIELDS: &str = "{\"downtime_limit_ms\": MS, \"max_bandwidth\": BYTES_PER_S|null, \"timeout_ms\": MS|null, \"auto_converge\": BOOL, \"max_throttle\": PERCENT}";
+
 /// What a migration's checksums cover: device state, control records, record headers and page
 /// addresses always (`state`), page data too (`pages`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -359,6 +421,22 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 },
             }
         }
+        (Method::Patch, "/migration") => {
+            let tuning = serde_json::from_str::<TuneBody>(body)
+                .map_err(|e| format!("bad settings: {e}; send any of {TUNE_FIELDS}"))
+                .and_then(|b| b.tuning());
+            match tuning {
+                Err(e) => (400, json!({ "error": e })),
+                Ok(t) => match vm.tune_migration(t) {
+                    Ok(()) => (
+                        200,
+                        json!({ "settings": "changing at the migration's next step; GET /migration shows them in force" }),
+                    ),
+                    Err(e @ TuneError::Refused(_)) => (400, json!({ "error": e.to_string() })),
+                    Err(e) => (409, json!({ "error": e.to_string() })),
+                },
+            }
+        }
         (Method::Put, "/migration/postcopy") => match vm.start_postcopy() {
             true => (200, json!({ "phase": "postcopy requested" })),
             false => (
@@ -463,7 +541,7 @@ fn recovery(result: Result<serde_json::Value, RecoveryError>) -> (u16, serde_jso
 }
 
 /// What the API serves, for the errors that name it.
-const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT /migration, PUT /migration/cancel|postcopy|pause|recover|resume, GET|PUT /balloon";
+const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT|PATCH /migration, PUT /migration/cancel|postcopy|pause|recover|resume, GET|PUT /balloon";
 
 /// Longest request body read: a migration request is a few hundred bytes.
 const MAX_BODY: u64 = 64 * 1024;
@@ -511,6 +589,50 @@ mod tests {
                 answer["error"].as_str().unwrap().contains("\"listen\""),
                 "{bad}: {answer}"
             );
+        }
+    }
+
+    #[test]
+    fn a_tuning_body_tells_absent_from_null_and_refuses_what_cannot_apply() {
+        let tuning = |body: &str| {
+            serde_json::from_str::<TuneBody>(body)
+                .map_err(|e| e.to_string())
+                .and_then(|b| b.tuning())
+        };
+        let ms = Duration::from_millis;
+        assert_eq!(
+            tuning(r#"{"downtime_limit_ms": 500, "max_bandwidth": null}"#),
+            Ok(Tuning {
+                downtime_limit: Some(ms(500)),
+                max_bandwidth: Some(None),
+                ..Tuning::default()
+            })
+        );
+        assert_eq!(
+            tuning(r#"{"max_bandwidth": 1000000, "timeout_ms": 60000}"#),
+            Ok(Tuning {
+                max_bandwidth: Some(Some(1_000_000)),
+                timeout: Some(Some(ms(60_000))),
+                ..Tuning::default()
+            })
+        );
+        assert_eq!(
+            tuning(r#"{"auto_converge": false}"#).map(|t| t.auto_converge),
+            Ok(Some(None))
+        );
+        assert_eq!(
+            tuning(r#"{"max_throttle": 10}"#)
+                .map(|t| t.auto_converge.flatten().map(|a| (a.initial, a.max))),
+            Ok(Some((10, 10))),
+            "a cap under the initial throttle starts there"
+        );
+        for bad in [
+            "{}",
+            r#"{"auto_converge": false, "max_throttle": 50}"#,
+            r#"{"downtime": 5}"#,
+            "not json",
+        ] {
+            assert!(tuning(bad).is_err(), "{bad}");
         }
     }
 }
