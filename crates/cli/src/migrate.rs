@@ -111,6 +111,11 @@ pub struct MigrateArgs {
     /// the migration completed or not.
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
+    /// Start the migration and return at once, without following it (QEMU: migrate -d);
+    /// watch it with GET /migration (`curl --unix-socket`), tune it with ferry migrate-set,
+    /// cancel it with ferry cancel.
+    #[arg(long, conflicts_with = "stats_out")]
+    detach: bool,
     /// How the final statistics are printed on stdout: a table for a person, or one JSON
     /// line (without the timeline) for a script. Live progress goes to stderr either way.
     #[arg(long, value_enum, default_value = "table")]
@@ -231,7 +236,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         )
         .context("could not resume the migration")?;
         eprintln!("ferry: reconnecting to {to}");
-        return follow_to_the_end(args, to);
+        return follow_unless_detached(args, to);
     }
     let body = json!({
         "to": to,
@@ -262,6 +267,18 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "tls": tls_body(args)?,
     });
     start(args, to, &body.to_string())?;
+    follow_unless_detached(args, to)
+}
+
+/// Follows the migration to its end, or with --detach says where to watch it and returns.
+fn follow_unless_detached(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
+    if args.detach {
+        eprintln!(
+            "ferry: migrating to {to} in the background; watch it with GET /migration on {}, cancel it with ferry cancel",
+            args.api_socket.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     follow_to_the_end(args, to)
 }
 

@@ -54,6 +54,11 @@ pub struct RunArgs {
     /// guest back and forth between two such processes).
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     then_incoming: Option<String>,
+    /// When an incoming migration ends before any guest ran here (the source cancelled it,
+    /// or it failed), wait for the next one on the same address instead of exiting, so the
+    /// source can simply try again. A cancel here (ferry cancel, Ctrl-C) still exits.
+    #[arg(long)]
+    incoming_retry: bool,
     /// With --incoming: populate all of guest RAM before waiting (one thread per core), so the
     /// migration copies into memory that is already there. The guest's RAM is no longer
     /// sparse on this host.
@@ -161,8 +166,14 @@ impl Interrupt {
 /// How a `ferry run --incoming` ended without a guest to run.
 #[derive(Debug)]
 enum NoGuest {
-    /// Cancelled (API or Ctrl-C) or shut down before the guest arrived.
+    /// Cancelled here (API or Ctrl-C) or shut down before the guest arrived.
     Stopped(String),
+    /// The migration ended before any guest ran here, cancelled by the source or failed:
+    /// another may come (`--incoming-retry`).
+    Ended {
+        cancelled: bool,
+        why: anyhow::Error,
+    },
     Failed(anyhow::Error),
 }
 
@@ -250,10 +261,23 @@ fn receive(
                 "the incoming migration was cancelled; no guest ran here".into(),
             ));
         }
+        Err(e @ MigrateError::CancelledThere(..)) if !incoming.guest_ran() => {
+            return Err(NoGuest::Ended {
+                cancelled: true,
+                why: anyhow::Error::new(e).context("no guest ran here"),
+            });
+        }
+        Err(e) if !incoming.guest_ran() => {
+            return Err(NoGuest::Ended {
+                cancelled: false,
+                why: anyhow::Error::new(e)
+                    .context("the incoming migration failed; no guest ran here"),
+            });
+        }
         Err(e) => {
-            return Err(NoGuest::Failed(
-                anyhow::Error::new(e).context("the incoming migration failed; no guest runs here"),
-            ));
+            return Err(NoGuest::Failed(anyhow::Error::new(e).context(
+                "the incoming migration failed after the guest ran here; it is gone",
+            )));
         }
     };
     eprintln!(
@@ -341,6 +365,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             HostPages::Small
         },
     };
+    if args.incoming_retry && args.incoming.is_none() && args.then_incoming.is_none() {
+        return Err(UsageError(
+            "--incoming-retry is for a destination; give --incoming (or --then-incoming) too"
+                .into(),
+        )
+        .into());
+    }
     let interrupt = Interrupt::install()?;
     if args.peer_timeout.is_zero() {
         anyhow::bail!(
@@ -383,7 +414,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     eprintln!("ferry: {why}");
                     return Ok(ExitCode::from(crate::exit::CANCELLED));
                 }
-                Err(NoGuest::Failed(e)) => return Err(e),
+                Err(NoGuest::Ended { why, .. }) if args.incoming_retry => {
+                    eprintln!(
+                        "ferry: {why:#}\nferry: waiting for the next migration on {spec} (--incoming-retry)"
+                    );
+                    continue;
+                }
+                Err(NoGuest::Ended {
+                    cancelled: true,
+                    why,
+                }) => {
+                    eprintln!("ferry: {why:#}");
+                    return Ok(ExitCode::from(crate::exit::CANCELLED));
+                }
+                Err(NoGuest::Ended { why, .. } | NoGuest::Failed(why)) => return Err(why),
             },
         };
         let handle = vm.handle();

@@ -84,6 +84,20 @@ fn bad_memory_sizes_are_refused_with_the_fix() {
             vec!["run", "--guest", "/nonexistent/kernel.elf"],
             "cannot read guest kernel",
         ),
+        (
+            vec!["run", "--incoming-retry"],
+            "--incoming-retry is for a destination; give --incoming",
+        ),
+        (
+            vec![
+                "migrate-set",
+                "--api-socket",
+                "x.sock",
+                "--max-bandwidth",
+                "0",
+            ],
+            "a limit of 0 would never send a page",
+        ),
     ];
     for (args, want) in table {
         let out = ferry_output(&args);

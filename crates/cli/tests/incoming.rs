@@ -205,7 +205,7 @@ fn a_bad_stream_after_a_valid_hello_ends_the_destination_with_the_reason() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let err = stderr(&out);
     assert!(
-        err.contains("the incoming migration failed; no guest runs here")
+        err.contains("the incoming migration failed; no guest ran here")
             && err.contains("data channel 1 never connected"),
         "{err}"
     );

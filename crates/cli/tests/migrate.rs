@@ -104,7 +104,7 @@ fn a_cancelled_migration_exits_with_status_3_and_the_source_keeps_running() {
     src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
         vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
     });
-    let (_dst, port) = destination("1G");
+    let (dst, port) = destination("1G");
     let stats = src.dir.path().join("cancelled.json");
     // 20 MB/s: pass 1 of 512 MiB takes ~25 s, so the cancel lands mid-precopy.
     let migrate = start_migrate(
@@ -134,6 +134,52 @@ fn a_cancelled_migration_exits_with_status_3_and_the_source_keeps_running() {
     let timeline = written["timeline"].as_array().expect("a timeline");
     assert!(timeline.len() > 5, "{written:#}");
     assert_eq!(timeline.last().unwrap()["phase"], "cancelled");
+    // The destination reads the source's cancel as a cancel (it read "failed", exit 1).
+    let out = dst.finish(Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the source cancelled the migration"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A destination started with `--incoming-retry` waits on after the source cancels, and takes
+/// the next migration: the source just tries again. The first is started with `--detach`.
+#[test]
+fn a_destination_with_incoming_retry_takes_the_next_migration_after_a_cancel() {
+    let src = RunningVm::start(
+        "512M",
+        "ws=128M pattern=random rate=20 verify-ms=300 log-ms=0 prefill=1",
+    );
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = common::destination_with("512M", &["--incoming-retry"]);
+    // 5 MB/s: pass 1 of 128 MiB takes ~25 s, so the cancel lands mid-precopy. --detach
+    // returns once the migration started, and it goes on.
+    let first = start_migrate(&src, port, &["--max-bandwidth", "5M", "--detach"])
+        .wait_with_output()
+        .unwrap();
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(
+        stderr(&first).contains("in the background"),
+        "{}",
+        stderr(&first)
+    );
+    src.wait_until("precopy", Duration::from_secs(60), |vm| {
+        phase(vm) == "precopy"
+    });
+    assert!(src.control("cancel").status.success());
+    src.wait_until("cancelled", Duration::from_secs(30), |vm| {
+        phase(vm) == "cancelled"
+    });
+    dst.wait_until("waiting again", Duration::from_secs(30), |vm| {
+        vm.status_of("/migration")["phase"] == "waiting"
+    });
+    let out = start_migrate(&src, port, &[]).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    dst.assert_verifies_clean();
 }
 
 #[test]

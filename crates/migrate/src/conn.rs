@@ -22,6 +22,8 @@ pub struct Conn {
     writer: Writer,
     /// Payload and header bytes written.
     pub bytes_written: u64,
+    /// The peer reads an Error record's count ([`crate::wire::Capabilities::ERROR_CODES`]).
+    pub error_codes: bool,
 }
 
 /// The write side: bytes gathered in `pending` until it fills, a flush, or a vectored write
@@ -92,6 +94,7 @@ impl Conn {
             reader: BufReader::with_capacity(READ_BUFFER, stream.try_clone_stream()?),
             writer: Writer::new(WRITE_BUFFER, stream),
             bytes_written: 0,
+            error_codes: false,
         })
     }
 
@@ -105,6 +108,7 @@ impl Conn {
             reader,
             writer: Writer::new(HEADER_SIZE, self.stream().try_clone_stream()?),
             bytes_written: 0,
+            error_codes: self.error_codes,
         })
     }
 
@@ -222,8 +226,26 @@ impl Conn {
 
     /// Sends an Error record, best effort (the connection may already be gone).
     pub fn send_error(&mut self, message: &str) {
+        self.send_error_coded(message, crate::wire::ERROR_FAILED);
+    }
+
+    /// Sends the Error record that ends a migration with `e`, saying (to a peer that reads
+    /// it) whether it was cancelled here or failed; best effort.
+    pub fn send_ending(&mut self, e: &crate::MigrateError) {
+        let code = match e {
+            crate::MigrateError::Cancelled | crate::MigrateError::CancelledHere
+                if self.error_codes =>
+            {
+                crate::wire::ERROR_CANCELLED
+            }
+            _ => crate::wire::ERROR_FAILED,
+        };
+        self.send_error_coded(&e.to_string(), code);
+    }
+
+    fn send_error_coded(&mut self, message: &str, code: u32) {
         let bytes = &message.as_bytes()[..message.len().min(crate::wire::MAX_ERROR_BYTES as usize)];
-        let _ = self.write_record(&Header::new(Kind::Error, 0, bytes.len() as u64), bytes);
+        let _ = self.write_record(&Header::new(Kind::Error, code, bytes.len() as u64), bytes);
         let _ = self.flush("sending an error");
     }
 

@@ -96,6 +96,10 @@ pub enum MigrateError {
     /// detected is never one).
     #[error("the {0} reported an error: {1}")]
     Remote(Side, String),
+    /// An Error record that says its sayer cancelled the migration (`wire::ERROR_CANCELLED`):
+    /// an operator's choice there, not a failure.
+    #[error("the {0} cancelled the migration: {1}")]
+    CancelledThere(Side, String),
     /// A connection of this side failed (its own error names the channel); the other parties
     /// stop with it.
     #[error("{0}")]
@@ -178,9 +182,31 @@ impl MigrateError {
             // A sibling connection's failure: its own error carries the kind.
             E::Channel(_) => ErrorKind::Peer,
             E::Vm(_) => ErrorKind::Vm,
-            E::Cancelled | E::CancelledHere | E::Timeout(_) | E::GivenUp => ErrorKind::Cancelled,
+            E::Cancelled
+            | E::CancelledHere
+            | E::CancelledThere(..)
+            | E::Timeout(_)
+            | E::GivenUp => ErrorKind::Cancelled,
             E::Internal(_) => ErrorKind::Internal,
         }
+    }
+
+    /// The peer's Error record `h` with its `payload`, said by `side`: a cancel there, or its
+    /// failure.
+    pub(crate) fn from_peer(side: Side, h: &crate::wire::Header, payload: &[u8]) -> MigrateError {
+        let message = String::from_utf8_lossy(payload).into_owned();
+        match h.count {
+            crate::wire::ERROR_CANCELLED => MigrateError::CancelledThere(side, message),
+            _ => MigrateError::Remote(side, message),
+        }
+    }
+
+    /// Whether the peer said this (it is not sent back to it).
+    pub fn from_the_peer(&self) -> bool {
+        matches!(
+            self,
+            MigrateError::Remote(..) | MigrateError::CancelledThere(..)
+        )
     }
 
     /// Maps an I/O error, telling a closed connection from other failures.

@@ -449,10 +449,7 @@ impl Receiver {
                 Kind::Error => {
                     let p = self.read(h.len as usize, "reading the source's error")?;
                     h.check(wire::crc(&p), "the whole payload")?;
-                    return Err(MigrateError::Remote(
-                        crate::error::Side::Source,
-                        String::from_utf8_lossy(&p).into_owned(),
-                    ));
+                    return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
                 }
                 k => {
                     return Err(MigrateError::order(format!(

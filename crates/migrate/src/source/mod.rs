@@ -119,9 +119,11 @@ pub struct SourceParams {
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The protocol features this source always asks for: progress acknowledgements, so that it
-/// decides the switchover on what the destination has taken in. Postcopy is asked for when
+/// decides the switchover on what the destination has taken in, and error codes, so that a
+/// cancel reads as one on both sides. Postcopy is asked for when
 /// [`SourceParams::postcopy`] is set.
-const REQUESTED: Capabilities = Capabilities::PROGRESS;
+const REQUESTED: Capabilities =
+    Capabilities(Capabilities::PROGRESS.0 | Capabilities::ERROR_CODES.0);
 /// How long a failed write waits for the destination's explanation on the main connection.
 const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
 /// Default data channels: two streams already beat one on loopback, and each costs a thread on
@@ -573,6 +575,7 @@ impl<'a> Session<'a> {
         }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
         self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);
+        self.conn.error_codes = reply.capabilities.contains(Capabilities::ERROR_CODES);
         self.main_pages = reply.capabilities.contains(Capabilities::MAIN_PAGES)
             && !self.preempt_granted
             && self.postcopy_unit == 1;
@@ -620,8 +623,8 @@ impl<'a> Session<'a> {
                 let e = self.explain(e);
                 if !self.handed_over {
                     // The destination's own error is not echoed back to it.
-                    if !matches!(e, MigrateError::Remote(..)) {
-                        self.conn.send_error(&e.to_string());
+                    if !e.from_the_peer() {
+                        self.conn.send_ending(&e);
                     }
                     if self.guest == GuestState::Paused {
                         vm.resume()?;

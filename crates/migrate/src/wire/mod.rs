@@ -46,6 +46,10 @@ pub const MAX_SECTIONS: usize = 1024;
 pub const MAX_STATE_BYTES: u64 = 64 << 20;
 /// An error message.
 pub const MAX_ERROR_BYTES: u64 = 4096;
+/// An Error record's count: the sayer failed (and always without [`Capabilities::ERROR_CODES`]).
+pub const ERROR_FAILED: u32 = 0;
+/// An Error record's count: the sayer's operator cancelled the migration.
+pub const ERROR_CANCELLED: u32 = 1;
 /// Cap on a VmConfig record: a VMM's description of its VM (vCPUs, devices, a CPUID digest)
 /// is a few hundred bytes; 64 KiB leaves room for a CPUID table in full.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
@@ -241,6 +245,10 @@ impl Capabilities {
     /// else until Complete then), so that without a preempt connection they do not wait
     /// behind the data channels' background stream.
     pub const MAIN_PAGES: Capabilities = Capabilities(1 << 7);
+    /// Bit 8: an Error record's count says why it ends the migration: [`ERROR_FAILED`] (0),
+    /// or [`ERROR_CANCELLED`] (1, the sayer's operator cancelled it). Without it, every Error
+    /// has count 0.
+    pub const ERROR_CODES: Capabilities = Capabilities(1 << 8);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -249,7 +257,8 @@ impl Capabilities {
             | Capabilities::PROGRESS.0
             | Capabilities::RECOVER.0
             | Capabilities::CONFIG.0
-            | Capabilities::MAIN_PAGES.0,
+            | Capabilities::MAIN_PAGES.0
+            | Capabilities::ERROR_CODES.0,
     );
 
     /// Both sets' bits.
@@ -820,14 +829,13 @@ impl Header {
             kind,
             Kind::DeviceState
                 | Kind::Complete
-                | Kind::Error
                 | Kind::Received
                 | Kind::Postcopy
                 | Kind::Done
                 | Kind::Resume
                 | Kind::VmConfig
         );
-        if countless && count != 0 {
+        if (countless && count != 0) || (kind == Kind::Error && count > ERROR_CANCELLED) {
             return Err(WireError::Reserved("record count"));
         }
         match kind {

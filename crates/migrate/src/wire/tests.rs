@@ -398,6 +398,19 @@ fn a_vm_config_is_bounded_and_countless() {
 }
 
 #[test]
+fn an_error_record_counts_only_its_code() {
+    for code in [ERROR_FAILED, ERROR_CANCELLED] {
+        let ok = Header::new(Kind::Error, code, 10);
+        assert_eq!(Header::decode(&ok.encode()).unwrap(), ok);
+    }
+    let unknown = Header::new(Kind::Error, ERROR_CANCELLED + 1, 10);
+    assert!(matches!(
+        Header::decode(&unknown.encode()),
+        Err(WireError::Reserved(_))
+    ));
+}
+
+#[test]
 fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
     let part = |name: &str, ms: f64, bytes: u64| crate::stats::StatePart {
         name: name.into(),

@@ -246,6 +246,7 @@ impl<'a> Session<'a> {
         }
         self.conn.write_hello(&reply)?;
         self.granted = reply.capabilities;
+        self.conn.error_codes = reply.capabilities.contains(Capabilities::ERROR_CODES);
         self.control.update(|p| {
             p.phase = IncomingPhase::Handshake;
             p.channels_announced = hello.channels;
@@ -272,7 +273,9 @@ impl<'a> Session<'a> {
             Ok(_) => p.phase = IncomingPhase::Completed,
             Err(e) => {
                 p.phase = match e {
-                    MigrateError::CancelledHere => IncomingPhase::Cancelled,
+                    MigrateError::CancelledHere | MigrateError::CancelledThere(..) => {
+                        IncomingPhase::Cancelled
+                    }
                     _ => IncomingPhase::Failed,
                 };
                 p.error = Some(e.to_string());
@@ -291,8 +294,8 @@ impl<'a> Session<'a> {
         // The acker's own failure matters less than `e`, which is what the source is told.
         let _ = self.stop_acks();
         // The source's own error is not sent back; the source names this side as the sayer.
-        if !matches!(e, MigrateError::Remote(..)) {
-            self.conn.send_error(&e.to_string());
+        if !e.from_the_peer() {
+            self.conn.send_ending(&e);
         }
         if let Some(shared) = &self.shared {
             shared.barrier.fail("the main channel failed");
@@ -519,10 +522,7 @@ impl<'a> Session<'a> {
                 }
                 Kind::Error => {
                     let p = self.conn.read_payload(&h, "reading the source's error")?;
-                    return Err(MigrateError::Remote(
-                        crate::error::Side::Source,
-                        String::from_utf8_lossy(&p).into_owned(),
-                    ));
+                    return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
                 }
                 k => {
                     return Err(MigrateError::order(format!(
@@ -726,10 +726,7 @@ impl<'a> Session<'a> {
             Kind::Complete => Ok(()),
             Kind::Error => {
                 let p = self.conn.read_payload(h, "reading the source's error")?;
-                Err(MigrateError::Remote(
-                    crate::error::Side::Source,
-                    String::from_utf8_lossy(&p).into_owned(),
-                ))
+                Err(MigrateError::from_peer(crate::error::Side::Source, h, &p))
             }
             k => Err(MigrateError::order(format!(
                 "{k:?} record on the main channel during postcopy"
