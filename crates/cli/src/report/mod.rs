@@ -1,12 +1,20 @@
 //! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
 //! `ferry report`, which draws statistics written with `--stats-out` as SVG charts
-//! (`plot.rs`, `charts.rs`, `latency.rs`), alone or side by side.
+//! (`plot.rs`, `timeline.rs`, `charts.rs`, `latency.rs`, their text fitted by `layout.rs`),
+//! alone or side by side. `drawn.rs` tests what is drawn for every kind of run
+//! (`fixtures.rs`), read back from the SVG.
 
 mod charts;
+#[cfg(test)]
+mod drawn;
+#[cfg(test)]
+mod fixtures;
 mod latency;
+mod layout;
 mod live;
 mod plot;
 mod text;
+mod timeline;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
