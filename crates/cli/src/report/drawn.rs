@@ -9,8 +9,8 @@
 use ferry_migrate::{MigrationStats, Phase};
 
 use super::fixtures;
-use super::layout::em_width;
-use super::plot::{COLUMN_WIDTH, Run, render};
+use super::layout::{SVG_FONT_SCALE, em_width};
+use super::plot::{CAPTION_FONT, COLUMN_WIDTH, Run, render};
 
 /// One SVG element: its name, attributes and text content.
 #[derive(Clone, Debug)]
@@ -175,11 +175,12 @@ impl Drawn {
             });
             x.is_some_and(|x| (x / f64::from(COLUMN_WIDTH)) as usize == column)
         };
+        let caption_size = f64::from(CAPTION_FONT) / SVG_FONT_SCALE;
         let titles: Vec<(f64, &str)> = self
             .elements
             .iter()
             .filter(in_column)
-            .filter(|e| e.name == "text" && e.num("font-size") == 17.0 / 1.24)
+            .filter(|e| e.name == "text" && e.num("font-size") == caption_size)
             .map(|e| (e.num("y"), e.text.as_str()))
             .collect();
         let (i, &(top, _)) = titles

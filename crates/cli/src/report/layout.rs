@@ -3,7 +3,7 @@
 //! font), so the report estimates widths and flows, wraps or truncates its lines to fit.
 
 /// plotters writes a font of `f` px into SVG as `font-size` f / 1.24.
-const SVG_FONT_SCALE: f64 = 1.24;
+pub(super) const SVG_FONT_SCALE: f64 = 1.24;
 
 /// A character's advance in em, by class, from DejaVu Sans (what `sans-serif` resolves to on
 /// most Linux viewers, and wider than Helvetica or Arial, so an estimate that fits it fits

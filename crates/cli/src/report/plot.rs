@@ -47,9 +47,9 @@ pub(super) struct Scales {
     pub passes_max: usize,
     pub pass_mb_max: f64,
     pub pass_ms_max: f64,
-    /// Some run has a postcopy phase, or a postcopy phase that a broken connection paused:
-    /// every column's timeline legend then names it.
+    /// Some run has a postcopy phase: every column's timeline legend then names its band.
     pub postcopy: bool,
+    /// Some run's postcopy was paused by a broken connection: likewise.
     pub broken: bool,
     /// The postcopy latency buckets, lowest and highest, that any run counted requests in.
     pub latency_buckets: Option<(usize, usize)>,
