@@ -117,10 +117,6 @@ pub struct MigrationStats {
     /// it existed.
     #[serde(default)]
     pub timeline: Vec<Sample>,
-    /// Microseconds from a postcopy page fault to its page arriving. Precopy has none: the
-    /// field exists so reports already draw the histogram when postcopy fills it.
-    #[serde(default)]
-    pub page_latencies_us: Vec<f64>,
     /// What postcopy did, if the migration switched to it.
     #[serde(default)]
     pub postcopy: Option<PostcopyStats>,

@@ -1,123 +1,121 @@
-//! The postcopy page latencies of a run as a histogram (precopy has none; the chart appears
-//! when any run of a report has some).
+//! The latencies of a run's postcopy page requests as a histogram (precopy has none; the chart
+//! appears when any run of a report counted some). The destination counts each request in a
+//! power-of-two bucket (`PostcopyStats::latency_buckets`: bucket k holds the requests that took
+//! [2^k, 2^(k+1)) µs from fault to page in place), so the histogram has one bar per non-empty
+//! bucket on a log scale, over the buckets any run of the report filled.
 
+use ferry_migrate::MigrationStats;
 use plotters::prelude::*;
 
-use super::charts::{BLUE, Swatch, header, label};
+use super::charts::{BLUE, Swatch, header, headroom, label};
 use super::plot::{Area, Scales};
 
-/// Histogram buckets: fine enough to show a tail's shape, coarse enough for ten-pixel bars.
-const LATENCY_BUCKETS: u32 = 40;
+/// Space per x-axis label ("131 ms" at 13 px and a gap): fewer labels than buckets when the
+/// buckets are narrower.
+const LABEL_SPACING_PX: u32 = 56;
 
-/// The postcopy page latencies as a histogram of [`LATENCY_BUCKETS`] equal buckets up to the
-/// largest latency of any run.
-pub(super) fn histogram(
-    area: &Area<'_>,
-    s: &ferry_migrate::MigrationStats,
-    sc: &Scales,
-) -> anyhow::Result<()> {
-    let counts = buckets(&s.page_latencies_us, sc.latency_max_us);
-    let top = counts.iter().copied().max().unwrap_or(0).max(1);
-    let width_us = bucket_width(sc.latency_max_us);
-    let area = header(
-        area,
-        "Postcopy page latency",
-        &[("pages", BLUE, Swatch::Block)],
-    )?;
+/// The postcopy request latencies as one bar per non-empty bucket, on the buckets and counts
+/// every run of the report shares.
+pub(super) fn histogram(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyhow::Result<()> {
+    let Some((lo, hi)) = sc.latency_buckets else {
+        return Ok(());
+    };
+    let pc = s.postcopy.as_ref();
+    let title = match pc {
+        Some(pc) if pc.requests > 0 => format!(
+            "Postcopy fault to page: p50 {}, p99 {}, max {}",
+            duration(pc.latency_p50_us as f64),
+            duration(pc.latency_p99_us as f64),
+            duration(pc.latency_max_us as f64)
+        ),
+        _ => "Postcopy fault to page".into(),
+    };
+    let area = header(area, &title, &[("requests", BLUE, Swatch::Block)])?;
     let mut chart = ChartBuilder::on(&area)
         .margin(10)
         .margin_top(4)
-        .margin_right(16)
+        // Room for half of the last edge's label ("8.2 ms") past the plot.
+        .margin_right(32)
         .x_label_area_size(36)
         .y_label_area_size(58)
+        // Bucket k spans k..k + 1 on the axis; a tick at k is its lower bound, 2^k µs.
         .build_cartesian_2d(
-            (0u32..LATENCY_BUCKETS).into_segmented(),
-            0u32..(top + top / 10 + 1),
+            lo as f64..(hi + 1) as f64,
+            0f64..headroom(sc.latency_count_max as f64),
         )?;
-    let us = |v: &SegmentValue<u32>| match v {
-        SegmentValue::Exact(b) | SegmentValue::CenterOf(b) => {
-            format!("{:.0}", f64::from(*b) * width_us)
-        }
-        SegmentValue::Last => String::new(),
+    let edge = |v: &f64| match v.fract() == 0.0 {
+        true => duration(2f64.powf(*v)),
+        false => String::new(),
     };
+    let plot_px = chart.plotting_area().dim_in_pixel().0;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(10)
-        .x_label_formatter(&us)
-        .x_desc("µs from fault to page")
-        .y_desc("pages")
+        .x_labels((plot_px / LABEL_SPACING_PX).clamp(2, (hi - lo + 2) as u32) as usize)
+        .x_label_formatter(&edge)
+        .x_desc("fault to page, log scale (each bar: from its left edge to twice that)")
+        .y_desc("requests")
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(label())
         .axis_desc_style(label())
         .light_line_style(WHITE)
         .draw()?;
-    if s.page_latencies_us.is_empty() {
+    let buckets = pc.map_or(&[][..], |pc| &pc.latency_buckets);
+    if !buckets.iter().any(|&c| c > 0) {
         let (width, height) = area.dim_in_pixel();
-        area.draw_text(
-            "no postcopy page latencies",
-            &label(),
-            (width as i32 / 3, height as i32 / 3),
-        )?;
+        let note = match pc {
+            Some(_) => "no postcopy page requests",
+            None => "no postcopy in this run",
+        };
+        area.draw_text(note, &label(), (width as i32 / 3, height as i32 / 3))?;
         return Ok(());
     }
+    // A bucket of a few requests in a tail of thousands still shows: 1% of the axis at least.
+    let least = headroom(sc.latency_count_max as f64) * 0.01;
     chart.draw_series(
-        Histogram::vertical(&chart)
-            .style(BLUE.filled())
-            .margin(1)
-            .data(counts.iter().enumerate().map(|(i, &c)| (i as u32, c))),
+        buckets
+            .iter()
+            .enumerate()
+            .filter(|&(_, &count)| count > 0)
+            .map(|(k, &count)| {
+                let k = k as f64;
+                let mut bar = Rectangle::new(
+                    [(k, 0.0), (k + 1.0, (count as f64).max(least))],
+                    BLUE.filled(),
+                );
+                bar.set_margin(0, 0, 1, 1);
+                bar
+            }),
     )?;
     Ok(())
 }
 
-fn bucket_width(max_us: f64) -> f64 {
-    (max_us / f64::from(LATENCY_BUCKETS)).max(1e-9)
-}
-
-/// How many latencies fall in each of [`LATENCY_BUCKETS`] equal buckets up to `max_us`.
-pub(super) fn buckets(latencies_us: &[f64], max_us: f64) -> Vec<u32> {
-    let mut counts = vec![0u32; LATENCY_BUCKETS as usize];
-    let width = bucket_width(max_us);
-    for &l in latencies_us {
-        let i = ((l / width) as usize).min(LATENCY_BUCKETS as usize - 1);
-        counts[i] += 1;
+/// A latency in µs as a reader takes it in: µs under a millisecond, then ms, then s.
+pub(super) fn duration(us: f64) -> String {
+    match us {
+        us if us < 1e3 => format!("{us:.0} µs"),
+        us if us < 1e4 => format!("{:.1} ms", us / 1e3),
+        us if us < 1e6 => format!("{:.0} ms", us / 1e3),
+        us => format!("{:.1} s", us / 1e6),
     }
-    counts
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::plot::{Run, render};
 
     #[test]
-    fn latencies_fill_equal_buckets_and_the_largest_lands_in_the_last() {
-        let counts = buckets(&[0.0, 10.0, 24.9, 25.0, 1000.0], 1000.0);
-        assert_eq!(counts.len(), LATENCY_BUCKETS as usize);
-        assert_eq!(counts[0], 3, "0, 10 and 24.9 µs are under 25 µs");
-        assert_eq!(counts[1], 1);
-        assert_eq!(counts[LATENCY_BUCKETS as usize - 1], 1);
-        assert_eq!(counts.iter().sum::<u32>(), 5);
-    }
-
-    #[test]
-    fn a_run_with_postcopy_latencies_gets_a_histogram() {
-        let stats = ferry_migrate::MigrationStats {
-            page_latencies_us: (0..500)
-                .map(|i| 80.0 + f64::from(i % 40) + f64::from(i / 100) * 400.0)
-                .collect(),
-            ..Default::default()
-        };
-        let with = render(&[Run {
-            name: "postcopy".into(),
-            stats,
-        }])
-        .unwrap();
-        assert!(with.contains("Postcopy page latency"), "{with}");
-        let without = render(&[Run {
-            name: "precopy".into(),
-            stats: Default::default(),
-        }])
-        .unwrap();
-        assert!(!without.contains("Postcopy page latency"));
+    fn latencies_read_in_the_unit_that_suits_them() {
+        let cases = [
+            (1.0, "1 µs"),
+            (512.0, "512 µs"),
+            (1024.0, "1.0 ms"),
+            (4096.0, "4.1 ms"),
+            (131_072.0, "131 ms"),
+            (2_097_152.0, "2.1 s"),
+        ];
+        for (us, text) in cases {
+            assert_eq!(duration(us), text, "{us} µs");
+        }
     }
 }

@@ -1,12 +1,16 @@
 //! `ferry report`'s picture: one column per run, each with a title, the timeline, the downtime
-//! bar, the per-pass bars and (when any run has postcopy page latencies) their histogram. Runs
-//! side by side share every scale, so a longer bar is a larger figure.
+//! bar, the per-pass bars and (when any run has postcopy page requests) their latencies. Runs
+//! side by side share every scale, so a longer bar is a larger figure, and every row is as
+//! tall as the tallest of its cells, so that the charts of the runs line up.
 
 use ferry_migrate::MigrationStats;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::{charts, latency};
+use super::charts::LINE_HEIGHT;
+use super::layout::{flow, truncate};
+use super::timeline::spans;
+use super::{charts, latency, timeline};
 
 /// One migration to draw, named (by its file, or its benchmark scenario).
 #[derive(Clone, Debug)]
@@ -20,13 +24,14 @@ pub(super) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 
 /// A column wide enough for a timeline of a few hundred samples and the downtime legend's
 /// seven parts on two lines.
-const COLUMN_WIDTH: u32 = 760;
-/// Heights, in pixels, of the rows of a column: title, timeline, downtime, passes, latency.
-const TITLE_HEIGHT: u32 = 56;
+pub(super) const COLUMN_WIDTH: u32 = 760;
+/// Heights, in pixels, of the rows of a column whose content does not set them: timeline,
+/// passes, latency (the title and the downtime grow with their lines of text).
 const TIMELINE_HEIGHT: u32 = 360;
-const DOWNTIME_HEIGHT: u32 = 170;
 const PASSES_HEIGHT: u32 = 280;
 const LATENCY_HEIGHT: u32 = 260;
+/// Room left free at a column's left and right edges, so that two columns' text never meet.
+const SIDE_MARGIN: i32 = 14;
 /// Font sizes (px): large enough to read at the picture's natural size.
 pub(super) const TITLE_FONT: u32 = 22;
 pub(super) const CAPTION_FONT: u32 = 17;
@@ -42,7 +47,13 @@ pub(super) struct Scales {
     pub passes_max: usize,
     pub pass_mb_max: f64,
     pub pass_ms_max: f64,
-    pub latency_max_us: f64,
+    /// Some run has a postcopy phase: every column's timeline legend then names its band.
+    pub postcopy: bool,
+    /// Some run's postcopy was paused by a broken connection: likewise.
+    pub broken: bool,
+    /// The postcopy latency buckets, lowest and highest, that any run counted requests in.
+    pub latency_buckets: Option<(usize, usize)>,
+    pub latency_count_max: u64,
 }
 
 impl Scales {
@@ -72,8 +83,14 @@ impl Scales {
                 s.pass_mb_max = s.pass_mb_max.max(p.bytes as f64 / 1e6);
                 s.pass_ms_max = s.pass_ms_max.max(p.duration_ms);
             }
-            for &l in &st.page_latencies_us {
-                s.latency_max_us = s.latency_max_us.max(l);
+            let spans = spans(st);
+            s.postcopy |= spans.postcopy.is_some();
+            s.broken |= !spans.broken.is_empty();
+            let buckets = st.postcopy.as_ref().map_or(&[][..], |p| &p.latency_buckets);
+            for (k, &count) in buckets.iter().enumerate().filter(|b| *b.1 > 0) {
+                let (lo, hi) = s.latency_buckets.unwrap_or((k, k));
+                s.latency_buckets = Some((lo.min(k), hi.max(k)));
+                s.latency_count_max = s.latency_count_max.max(count);
             }
         }
         s
@@ -84,14 +101,14 @@ impl Scales {
 pub fn render(runs: &[Run]) -> anyhow::Result<String> {
     anyhow::ensure!(!runs.is_empty(), "no runs to draw");
     let scales = Scales::of(runs);
-    let latencies = runs.iter().any(|r| !r.stats.page_latencies_us.is_empty());
+    let tallest = |height: &dyn Fn(&Run) -> u32| runs.iter().map(height).max().unwrap_or(0);
     let mut rows = vec![
-        TITLE_HEIGHT,
+        tallest(&title_height),
         TIMELINE_HEIGHT,
-        DOWNTIME_HEIGHT,
+        tallest(&|r| charts::downtime_height(&r.stats, COLUMN_WIDTH)),
         PASSES_HEIGHT,
     ];
-    if latencies {
+    if scales.latency_buckets.is_some() {
         rows.push(LATENCY_HEIGHT);
     }
     let height: u32 = rows.iter().sum();
@@ -112,10 +129,10 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
                 .collect();
             let cells = column.split_by_breakpoints([] as [i32; 0], breaks);
             title(&cells[0], run)?;
-            charts::timeline(&cells[1], &run.stats, &scales)?;
+            timeline::timeline(&cells[1], &run.stats, &scales)?;
             charts::downtime(&cells[2], &run.stats, &scales)?;
             charts::passes(&cells[3], &run.stats, &scales)?;
-            if latencies {
+            if scales.latency_buckets.is_some() {
                 latency::histogram(&cells[4], &run.stats, &scales)?;
             }
         }
@@ -124,36 +141,108 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
     Ok(svg)
 }
 
+/// How a run ended, in a few words: converged, forced, postcopy and why, cancelled or failed
+/// and where (the timeline's last mark says; a run's postcopy statistics exist only once its
+/// postcopy completed).
+fn outcome(s: &MigrationStats) -> String {
+    use ferry_migrate::Phase::{Cancelled, Failed};
+    let last = s.timeline.last();
+    let pass = last.map_or(0, |x| x.pass);
+    let during = s
+        .timeline
+        .iter()
+        .rev()
+        .map(|x| x.phase)
+        .find(|p| !matches!(p, Cancelled | Failed))
+        .map_or("setup".into(), |p| {
+            super::text::phase_name(p).replace('_', " ")
+        });
+    let postcopy = s.postcopy.as_ref();
+    let mut out = match (last.map(|x| x.phase), postcopy) {
+        (Some(Cancelled), _) => format!("cancelled in pass {pass}"),
+        (Some(Failed), _) => format!("failed in {during}"),
+        (_, Some(pc)) => format!(
+            "postcopy after pass {} ({})",
+            pc.after_passes,
+            super::text::trigger_name(pc.trigger)
+        ),
+        (_, None) if s.converged => "converged".into(),
+        (_, None) => "forced switchover".into(),
+    };
+    if let Some(pc) = postcopy.filter(|pc| pc.recoveries > 0) {
+        out += &format!(
+            ", recovered {}× after {:.0} ms paused",
+            pc.recoveries, pc.paused_ms
+        );
+    }
+    out
+}
+
+/// The title's second line, in pieces: the headline figures and how the run ended.
+fn summary(s: &MigrationStats) -> Vec<String> {
+    let mut pieces = vec![
+        format!("total {:.0} ms", s.total_ms),
+        format!("downtime {:.1} ms", s.downtime.total_ms),
+        format!(
+            "{:.1} MB sent at {:.0} MB/s",
+            s.bytes_sent as f64 / 1e6,
+            s.bandwidth_mb_s
+        ),
+        match s.passes.len() {
+            1 => "1 pass".into(),
+            n => format!("{n} passes"),
+        },
+        outcome(s),
+    ];
+    if s.throttle_max_percent > 0 {
+        pieces.push(format!("throttled up to {}%", s.throttle_max_percent));
+    }
+    if s.throttle_unsupported {
+        pieces.push("auto-converge unsupported by the VMM".into());
+    }
+    pieces
+}
+
+/// The run's name (cut to the column) and its summary flowed into lines.
+fn title_lines(run: &Run) -> (String, Vec<String>) {
+    let width = COLUMN_WIDTH as i32 - 2 * SIDE_MARGIN;
+    (
+        truncate(&run.name, width, TITLE_FONT),
+        flow(&summary(&run.stats), " · ", width, 0, SUMMARY_FONT),
+    )
+}
+
+/// The summary's font: a label's, one px larger.
+const SUMMARY_FONT: u32 = LABEL_FONT + 1;
+/// The title's first line: 8 px above a 22 px name and its descent.
+const NAME_HEIGHT: u32 = 34;
+
+fn title_height(run: &Run) -> u32 {
+    NAME_HEIGHT + title_lines(run).1.len() as u32 * LINE_HEIGHT + 8
+}
+
 /// The run's name and its headline figures.
 fn title(area: &Area<'_>, run: &Run) -> anyhow::Result<()> {
-    let s = &run.stats;
+    let (name, lines) = title_lines(run);
     area.draw_text(
-        &run.name,
+        &name,
         &("sans-serif", TITLE_FONT)
             .into_font()
             .style(FontStyle::Bold)
             .color(&BLACK),
-        (14, 8),
+        (SIDE_MARGIN, 8),
     )?;
-    let summary = format!(
-        "total {:.0} ms · downtime {:.1} ms · {:.1} MB sent at {:.0} MB/s · {} passes · {}",
-        s.total_ms,
-        s.downtime.total_ms,
-        s.bytes_sent as f64 / 1e6,
-        s.bandwidth_mb_s,
-        s.passes.len(),
-        if s.converged {
-            "converged"
-        } else {
-            "forced switchover"
-        }
-    );
-    area.draw_text(
-        &summary,
-        &("sans-serif", LABEL_FONT + 1)
-            .into_font()
-            .color(&BLACK.mix(0.75)),
-        (14, 34),
-    )?;
+    for (i, line) in lines.iter().enumerate() {
+        area.draw_text(
+            line,
+            &("sans-serif", SUMMARY_FONT)
+                .into_font()
+                .color(&BLACK.mix(0.75)),
+            (
+                SIDE_MARGIN,
+                NAME_HEIGHT as i32 + i as i32 * LINE_HEIGHT as i32,
+            ),
+        )?;
+    }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Printing migration progress and statistics, shared by `ferry migrate` and `ferry demo`.
 
+use ferry_migrate::stats::PostcopyTrigger;
 use ferry_migrate::{MigrationStats, Progress, StatePart};
 
 /// One line of live progress.
@@ -107,6 +108,15 @@ pub fn throttled(percent: u8) -> String {
 /// A save's or load's parts in a line: the vCPUs together (with the slowest), then the other
 /// parts, slowest first. The whole list is in the statistics' JSON.
 pub fn parts_summary(parts: &[StatePart]) -> String {
+    let pieces = parts_pieces(parts);
+    match pieces.is_empty() {
+        true => "not timed by the VMM".into(),
+        false => pieces.join(", "),
+    }
+}
+
+/// The pieces of [`parts_summary`], for a report that wraps them between pieces.
+pub fn parts_pieces(parts: &[StatePart]) -> Vec<String> {
     let (vcpus, others): (Vec<&StatePart>, Vec<&StatePart>) =
         parts.iter().partition(|p| p.name.starts_with("vcpu "));
     let mut out = Vec::new();
@@ -122,13 +132,18 @@ pub fn parts_summary(parts: &[StatePart]) -> String {
     let mut others = others;
     others.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     out.extend(others.iter().map(|p| format!("{} {:.3} ms", p.name, p.ms)));
-    match out.is_empty() {
-        true => "not timed by the VMM".into(),
-        false => out.join(", "),
+    out
+}
+
+/// Why a migration switched to postcopy, in a few words.
+pub fn trigger_name(trigger: PostcopyTrigger) -> &'static str {
+    match trigger {
+        PostcopyTrigger::Asked => "asked for",
+        PostcopyTrigger::AfterPasses => "pass count",
+        PostcopyTrigger::Policy => "policy",
     }
 }
 
-/// The statistics as a table, then as one JSON line.
 /// The statistics as a table, then as one JSON line (`ferry demo`).
 pub fn print_stats(s: &MigrationStats) {
     print_table(s);
@@ -221,11 +236,7 @@ pub fn print_table(s: &MigrationStats) {
             "postcopy         {:>10.1} ms after pass {} ({}): {} pages discarded, {} sent on request ({} requests), {} in the background, {:.1} MB",
             pc.duration_ms,
             pc.after_passes,
-            match pc.trigger {
-                ferry_migrate::stats::PostcopyTrigger::Asked => "asked for",
-                ferry_migrate::stats::PostcopyTrigger::AfterPasses => "pass count",
-                ferry_migrate::stats::PostcopyTrigger::Policy => "policy",
-            },
+            trigger_name(pc.trigger),
             pc.discarded_pages,
             pc.pages_requested,
             pc.requests,
