@@ -135,7 +135,7 @@ fn ferry_report_draws_the_timeline_downtime_and_passes_of_a_run() {
     }
     assert!(svg.contains("<polyline"), "the timeline's series are drawn");
     assert!(
-        !svg.contains("Postcopy page latency"),
+        !svg.contains("Postcopy fault to page"),
         "no latencies, no histogram"
     );
 }
