@@ -447,7 +447,11 @@ impl Workload {
             }
             if self.p.verify_ms != 0 && now >= next_verify {
                 self.verify();
-                next_verify = self.clock.now_ns() + every(self.p.verify_ms);
+                let done = self.clock.now_ns();
+                next_verify = done + every(self.p.verify_ms);
+                if let Some(pace) = &mut self.pace {
+                    pace.make_up(done.saturating_sub(now), every(self.p.verify_ms));
+                }
             }
             if let Some(free) = &mut self.free {
                 let bad = free.churn(now);
