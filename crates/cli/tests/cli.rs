@@ -185,6 +185,31 @@ fn status_without_a_vm_says_what_to_do() {
     );
 }
 
+/// `ferry bench state --help` shows its default vCPU counts as `1 8 32 64`, and `--vcpus 1 8`
+/// was refused ("unexpected argument '8'"). Cheap: the second value here is out of range, so
+/// the parse refuses it by name before any VM boots, which it can do only if it took it as
+/// one of the list.
+#[test]
+fn regression_bench_state_takes_its_vcpu_counts_as_its_help_shows_them() {
+    let help = ferry_output(&["bench", "state", "--help"]);
+    assert!(help.status.success());
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("[default: 1 8 32 64]"), "{help}");
+    for args in [
+        &["bench", "state", "--vcpus", "1", "65"][..],
+        &["bench", "state", "--vcpus", "1,65"],
+    ] {
+        let out = ferry_output(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr(&out)
+                .contains("invalid value '65' for '--vcpus <VCPUS>...': 65 is not in 1..=64"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+}
+
 /// A 64 GiB guest that touches 256 MiB costs about 256 MiB of host memory: RAM is a sparse
 /// memfd mapped MAP_NORESERVE, and the guest maps all 64 GiB but writes only its working set.
 #[test]

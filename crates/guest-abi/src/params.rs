@@ -47,7 +47,7 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "rate",
         "max | idle | MB/s",
         "max",
-        "how fast each vCPU dirties the working set (idle: not at all, after prefill=)",
+        "how fast each vCPU dirties the working set, verify passes included (idle: not at all, after prefill=)",
     ),
     (
         "pattern",

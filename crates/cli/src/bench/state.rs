@@ -19,8 +19,14 @@ const GIB: u64 = 1 << 30;
 
 #[derive(Debug, Args)]
 pub struct StateBenchArgs {
-    /// vCPU counts to measure.
-    #[arg(long, value_delimiter = ',', default_values_t = [1u8, 8, 32, 64])]
+    /// vCPU counts to measure, each 1 to 64: `--vcpus 1 8` or `--vcpus 1,8`.
+    #[arg(
+        long,
+        num_args = 1..,
+        value_delimiter = ',',
+        value_parser = clap::value_parser!(u8).range(1..=i64::from(ferry_vmm::vm::MAX_VCPUS)),
+        default_values_t = [1u8, 8, 32, 64]
+    )]
     vcpus: Vec<u8>,
 }
 
@@ -161,4 +167,37 @@ fn check_parts(st: &MigrationStats, n: u8) -> anyhow::Result<()> {
         load.vcpus
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::bench::BenchCommand;
+    use crate::{Cli, Command};
+
+    fn vcpus(args: &[&str]) -> Result<Vec<u8>, clap::Error> {
+        let cli = Cli::try_parse_from(["ferry", "bench", "state"].iter().chain(args))?;
+        match cli.command {
+            Command::Bench(BenchCommand::State(a)) => Ok(a.vcpus),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn regression_vcpus_takes_the_list_its_help_shows() {
+        // `--vcpus 1 8`, as the help prints the default, was refused: "unexpected argument '8'".
+        for (args, want) in [
+            (&["--vcpus", "1", "8"][..], vec![1, 8]),
+            (&["--vcpus", "1,8"], vec![1, 8]),
+            (&["--vcpus", "64"], vec![64]),
+            (&["--vcpus", "1", "8", "--vcpus", "32"], vec![1, 8, 32]),
+            (&[], vec![1, 8, 32, 64]),
+        ] {
+            assert_eq!(vcpus(args).unwrap(), want, "{args:?}");
+        }
+        for refused in [&["--vcpus", "1", "0"][..], &["--vcpus", "65"], &["--vcpus"]] {
+            assert!(vcpus(refused).is_err(), "{refused:?} was accepted");
+        }
+    }
 }

@@ -4,6 +4,7 @@
 use ferry_guest::pace::Pace;
 use ferry_guest::pattern::{Picker, Rng};
 use ferry_guest::plan::{self, Plan, PlanError};
+use ferry_guest::rate::WriteRate;
 use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
 use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
 use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
@@ -397,7 +398,8 @@ impl Workload {
         let mut next_heartbeat = 0;
         let mut next_log = every(self.p.log_ms);
         let mut next_verify = every(self.p.verify_ms);
-        let mut last_log = (0, 0);
+        // The first line's rate counts from here: not the boot's setup, nor `prefill=1`'s pages.
+        let mut last_log = (self.clock.now_ns(), self.counters.pages_written);
         loop {
             let now = self.clock.now_ns();
             if now >= next_heartbeat {
@@ -428,14 +430,15 @@ impl Workload {
             self.last_now = now;
             if self.p.log_ms != 0 && now >= next_log && self.clock.vcpu() == 0 {
                 let (t0, w0) = last_log;
-                let rate = (self.counters.pages_written - w0) * 1000 / ((now - t0) / MS).max(1);
+                let rate = WriteRate {
+                    pages: self.counters.pages_written - w0,
+                    ns: now - t0,
+                };
                 sprintln!(
-                    "ferry-guest: t={}.{:03}s written={} pages ({}.{:01} M/s) verify passes={} failures={}",
+                    "ferry-guest: t={}.{:03}s written={} pages ({rate}) verify passes={} failures={}",
                     now / 1_000_000_000,
                     now / MS % 1000,
                     self.counters.pages_written,
-                    rate / 1_000_000,
-                    rate / 100_000 % 10,
                     self.counters.verify_passes,
                     self.counters.verify_failures
                 );
@@ -444,7 +447,11 @@ impl Workload {
             }
             if self.p.verify_ms != 0 && now >= next_verify {
                 self.verify();
-                next_verify = self.clock.now_ns() + every(self.p.verify_ms);
+                let done = self.clock.now_ns();
+                next_verify = done + every(self.p.verify_ms);
+                if let Some(pace) = &mut self.pace {
+                    pace.make_up(done.saturating_sub(now), every(self.p.verify_ms));
+                }
             }
             if let Some(free) = &mut self.free {
                 let bad = free.churn(now);
