@@ -252,6 +252,9 @@ fn halt_with(reason: HaltReason, counters: &Counters, clock: &Clock) -> ! {
     arch::halt()
 }
 
+/// A verify pass looks at the clock every this many pages, for a heartbeat that is due.
+const HEARTBEAT_CHECK_PAGES: u64 = 256;
+
 struct Workload {
     p: Params,
     plan: Plan,
@@ -280,6 +283,9 @@ struct Workload {
     free: Option<FreeMemory>,
     /// The clock's last reading: it must never go back, across a migration least of all.
     last_now: u64,
+    /// When the next heartbeat is due (also looked at inside a verify pass, so that a pass
+    /// never reads as a pause to the host).
+    next_heartbeat: u64,
     /// With `shared=1`, the word of each page this vCPU owns (its index).
     lane: Option<usize>,
 }
@@ -306,6 +312,7 @@ impl Workload {
             timer: Timer::start(),
             reads: Rng::new(seed ^ 0x7265_6164),
             last_now: 0,
+            next_heartbeat: 0,
             lane: p.shared.then_some(usize::from(clock.vcpu())),
             // vCPUs sharing the pages start apart, so that they do not write in lockstep.
             cursor: match p.shared {
@@ -395,28 +402,14 @@ impl Workload {
             self.prefill();
         }
         let every = |ms: u32| u64::from(ms) * MS;
-        let mut next_heartbeat = 0;
         let mut next_log = every(self.p.log_ms);
         let mut next_verify = every(self.p.verify_ms);
         // The first line's rate counts from here: not the boot's setup, nor `prefill=1`'s pages.
         let mut last_log = (self.clock.now_ns(), self.counters.pages_written);
         loop {
             let now = self.clock.now_ns();
-            if now >= next_heartbeat {
-                let mut detail = [0; report::DETAIL_WORDS];
-                detail[report::heartbeat::BAD_PAGES_TOTAL] = self.counters.bad_pages;
-                detail[report::heartbeat::MAX_BATCH_NS] = core::mem::take(&mut self.max_batch_ns);
-                detail[report::heartbeat::SLOW_BATCHES] = self.slow_batches;
-                detail[report::heartbeat::SLOW_BATCH_TIME_NS] = self.slow_batch_ns;
-                detail[report::heartbeat::PAGES_READ] = self.pages_read;
-                detail[report::heartbeat::BAD_READS] = self.bad_reads;
-                if let Some(free) = &mut self.free {
-                    free.poll();
-                    free.heartbeat(&mut detail);
-                }
-                let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
-                telemetry::send(&hb);
-                next_heartbeat = now + every(self.p.heartbeat_ms);
+            if now >= self.next_heartbeat {
+                self.heartbeat(now);
             }
             if now < self.last_now {
                 self.counters.verify_failures += 1;
@@ -488,9 +481,9 @@ impl Workload {
                 let mut wake = match &self.pace {
                     Some(pace) => {
                         let burst = pace.pages_in(PACE_QUANTUM_NS).min(BATCH_PAGES);
-                        pace.due_ns(now, burst).min(next_heartbeat)
+                        pace.due_ns(now, burst).min(self.next_heartbeat)
                     }
-                    None => next_heartbeat,
+                    None => self.next_heartbeat,
                 };
                 for (interval, at) in [
                     (self.p.log_ms, next_log),
@@ -509,7 +502,7 @@ impl Workload {
                 continue;
             }
             let started = self.clock.now_ns();
-            self.owed = n - self.write_batch(n, next_heartbeat);
+            self.owed = n - self.write_batch(n, self.next_heartbeat);
             let took = self.clock.now_ns().saturating_sub(started);
             self.max_batch_ns = self.max_batch_ns.max(took);
             if took > report::heartbeat::SLOW_BATCH_NS {
@@ -591,16 +584,41 @@ impl Workload {
     }
 
     /// Checks every working-set page against its recorded generation and reports the pass.
+    /// Sends a heartbeat with the workload's figures, and sets when the next is due.
+    fn heartbeat(&mut self, now: u64) {
+        let mut detail = [0; report::DETAIL_WORDS];
+        detail[report::heartbeat::BAD_PAGES_TOTAL] = self.counters.bad_pages;
+        detail[report::heartbeat::MAX_BATCH_NS] = core::mem::take(&mut self.max_batch_ns);
+        detail[report::heartbeat::SLOW_BATCHES] = self.slow_batches;
+        detail[report::heartbeat::SLOW_BATCH_TIME_NS] = self.slow_batch_ns;
+        detail[report::heartbeat::PAGES_READ] = self.pages_read;
+        detail[report::heartbeat::BAD_READS] = self.bad_reads;
+        if let Some(free) = &mut self.free {
+            free.poll();
+            free.heartbeat(&mut detail);
+        }
+        let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
+        telemetry::send(&hb);
+        self.next_heartbeat = now + u64::from(self.p.heartbeat_ms) * MS;
+    }
+
     fn verify(&mut self) {
         let start = self.clock.now_ns();
         let zero = self.p.zero_percent;
         let mut bad = 0u64;
         let mut listed = [0u64; report::LISTED_BAD_PAGES];
         let mut first_bad = None;
-        for e in self.plan.extents() {
-            let records = &self.record[e.first_index as usize..(e.first_index + e.pages) as usize];
-            for (k, &generation) in records.iter().enumerate() {
-                let pfn = e.first_pfn + k as u64;
+        let plan = self.plan;
+        for e in plan.extents() {
+            for k in 0..e.pages {
+                if k % HEARTBEAT_CHECK_PAGES == 0 {
+                    let now = self.clock.now_ns();
+                    if now >= self.next_heartbeat {
+                        self.heartbeat(now);
+                    }
+                }
+                let generation = self.record[(e.first_index + k) as usize];
+                let pfn = e.first_pfn + k;
                 let want = expected_word(pfn, generation, zero);
                 if !self.holds(pfn, want) {
                     if (bad as usize) < listed.len() {
