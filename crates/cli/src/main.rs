@@ -122,6 +122,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
     let cli = Cli::parse();
@@ -147,7 +148,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ferry: error: {e:#}");
+            eprintln!("ferry: error: {}", error_text(&e));
             if e.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(exit::USAGE)
             } else {
@@ -155,6 +156,24 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// An error and its causes in one line, each cause once: most of ferry's errors already say
+/// their cause's words (`cannot listen on ...: Address in use`), which anyhow's `{:#}` would
+/// print a second time.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if out.contains(&said) {
+            continue;
+        }
+        if !out.is_empty() {
+            out += ": ";
+        }
+        out += &said;
+    }
+    out
 }
 
 /// A guest's RAM size: a size, or `max` for the most this host and guest allow (resolved by
@@ -194,4 +213,26 @@ fn parse_size(s: &str) -> Result<u64, String> {
     ferry_guest_abi::params::parse_size(s).ok_or_else(|| {
         format!("'{s}' is not a size; write a number, a fraction allowed, with an optional K, M, G or T suffix (either case), e.g. 2G or 3.5g")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let said = io.to_string();
+        let e = anyhow::Error::new(ferry_vmm::api::client::ApiClientError::Connect {
+            path: "x.sock".into(),
+            source: io,
+        })
+        .context("could not start");
+        let text = super::error_text(&e);
+        assert_eq!(text.matches(&said).count(), 1, "{text}");
+        assert!(
+            text.starts_with("could not start: no ferry VM is listening on x.sock"),
+            "{text}"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(super::error_text(&plain), "outer: inner");
+    }
 }

@@ -363,7 +363,9 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
     };
     if let Some(stats) = &progress.stats {
         match args.output {
-            OutputArg::Table => report::print_table(stats),
+            OutputArg::Table if progress.phase == Phase::Completed => report::print_table(stats),
+            // A migration that ended early has no downtime or final pass to show: one line.
+            OutputArg::Table => report::print_partial(stats, progress.phase),
             OutputArg::Json => report::print_json(stats),
         }
         if let Some(path) = &args.stats_out {
@@ -383,10 +385,10 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(exit::COMPLETED))
         }
         Phase::Cancelled => {
-            eprintln!("ferry: migration cancelled ({error}); the source VM keeps running");
+            eprintln!("ferry: {error}");
             Ok(ExitCode::from(exit::CANCELLED))
         }
-        phase => anyhow::bail!("migration {phase:?}: {error}"),
+        phase => anyhow::bail!("migration {}: {error}", report::phase_name(phase)),
     }
 }
 
@@ -409,7 +411,8 @@ fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress
             (Err(_), Some(phase)) => {
                 live.finish();
                 anyhow::bail!(
-                    "the source VMM stopped while the migration was in phase {phase:?} (its API socket is gone); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output"
+                    "the source VMM stopped while the migration was in phase {} (its API socket is gone); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output",
+                    report::phase_name(phase)
                 );
             }
         };

@@ -416,7 +416,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 }
                 Err(NoGuest::Ended { why, .. }) if args.incoming_retry => {
                     eprintln!(
-                        "ferry: {why:#}\nferry: waiting for the next migration on {spec} (--incoming-retry)"
+                        "ferry: {}\nferry: waiting for the next migration on {spec} (--incoming-retry)",
+                        crate::error_text(&why)
                     );
                     continue;
                 }
@@ -424,7 +425,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     cancelled: true,
                     why,
                 }) => {
-                    eprintln!("ferry: {why:#}");
+                    eprintln!("ferry: {}", crate::error_text(&why));
                     return Ok(ExitCode::from(crate::exit::CANCELLED));
                 }
                 Err(NoGuest::Ended { why, .. } | NoGuest::Failed(why)) => return Err(why),

@@ -365,3 +365,63 @@ fn regression_a_vmm_starts_on_the_same_api_socket_right_after_ferry_shutdown_ret
     let _ = second.kill();
     let _ = second.wait();
 }
+
+/// Logs written to a file or pipe carry no colour codes (they did: tracing's ANSI styling).
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    common::require_kvm();
+    let out = common::ferry()
+        .env("FERRY_LOG", "debug")
+        .args(["run", "--memory", "64M", "--vcpus", "2", "--serial", "none"])
+        .args(["--cmdline", "ws=8M run-ms=200"])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("vCPU 1 started"),
+        "a debug line was logged: {err}"
+    );
+    assert!(!err.contains('\u{1b}'), "{err:?}");
+}
+
+/// Errors say each cause once and in the words of the flags: a refused connection is not an
+/// "invalid migration request" nor a bare HTTP status, an OS error is printed once, a peer
+/// that is not a migration listener (a destination's API socket) is named as the likely slip
+/// within seconds, a failed migration is "failed" (not a Debug name), and a cancelled one says
+/// "keeps running" once, without a table of zeros.
+#[test]
+fn migration_errors_say_each_cause_once_in_plain_words() {
+    let src = RunningVm::start("256M", "ws=16M rate=10 log-ms=0");
+    let port = common::free_port().to_string();
+    let refused = common::ferry()
+        .args(["migrate", "--connect-timeout", "0s", "--to"])
+        .arg(format!("tcp:127.0.0.1:{port}"))
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    let err = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot connect to"), "{err}");
+    assert!(!err.contains("invalid migration request"), "{err}");
+    assert!(!err.contains("502") && !err.contains("503"), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
+    // A destination's API socket given as --to: not a migration listener.
+    let dst = RunningVm::start("256M", "ws=16M rate=10 log-ms=0");
+    let out = common::ferry()
+        .args(["migrate", "--to"])
+        .arg(format!("unix:{}", dst.socket.display()))
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("migration failed: "), "{err}");
+    assert!(err.contains("not, say, its API socket"), "{err}");
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(table.starts_with("failed after "), "{table}");
+    assert!(!table.contains("downtime"), "no table of zeros: {table}");
+    assert_eq!(src.status()["state"], "running");
+}

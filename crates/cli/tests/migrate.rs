@@ -127,6 +127,14 @@ fn a_cancelled_migration_exits_with_status_3_and_the_source_keeps_running() {
         "{}",
         stderr(&out)
     );
+    assert_eq!(
+        stderr(&out).matches("keeps running").count(),
+        1,
+        "said once"
+    );
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(said.starts_with("cancelled after "), "{said}");
+    assert!(!said.contains("downtime"), "no table of zeros: {said}");
     assert_eq!(src.status()["state"], "running");
     assert_eq!(src.status_of("/migration")["phase"], "cancelled");
     let written: serde_json::Value =

@@ -78,6 +78,10 @@ pub enum MigrateError {
     Protocol(#[from] ProtocolError),
     #[error("invalid migration request: {0}")]
     Config(#[from] ConfigError),
+    /// The destination could not be reached (nothing listens, TLS failed): the request may
+    /// be fine, the peer is not there.
+    #[error(transparent)]
+    Connect(crate::transport::AddressError),
     #[error("connection failed while {during}: {source}")]
     Io {
         during: &'static str,
@@ -152,8 +156,21 @@ impl From<RamError> for MigrateError {
 
 impl From<crate::transport::AddressError> for MigrateError {
     fn from(e: crate::transport::AddressError) -> Self {
-        MigrateError::Config(e.into())
+        use crate::transport::AddressError as A;
+        match e {
+            A::Connect { .. } | A::Tls { .. } => MigrateError::Connect(e),
+            e => MigrateError::Config(e.into()),
+        }
     }
+}
+
+/// Why a destination of another RAM size cannot take the guest, and the fix.
+pub(crate) fn memory_sizes_differ(source: u64, destination: u64) -> String {
+    format!(
+        "guest memory sizes differ (source {}, destination {}); start the destination with the same --memory",
+        crate::ram::Size(source),
+        crate::ram::Size(destination)
+    )
 }
 
 impl MigrateError {
@@ -172,7 +189,7 @@ impl MigrateError {
         match self {
             E::Protocol(_) => ErrorKind::Protocol,
             E::Config(_) => ErrorKind::Configuration,
-            E::Io { .. } | E::Truncated { .. } => ErrorKind::Transport,
+            E::Io { .. } | E::Truncated { .. } | E::Connect(_) => ErrorKind::Transport,
             E::Refused(_)
             | E::Remote(..)
             | E::ChannelEnded { .. }

@@ -31,6 +31,23 @@ use std::os::fd::RawFd;
 
 use crate::wire::PAGE_SIZE;
 
+/// A byte count as a person writes it and `--memory` takes it: `64K`, `10M`, `64G`, or
+/// bytes when not a whole KiB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            b if b != 0 && b.is_multiple_of(1 << 40) => write!(f, "{}T", b >> 40),
+            b if b != 0 && b.is_multiple_of(1 << 30) => write!(f, "{}G", b >> 30),
+            b if b != 0 && b.is_multiple_of(1 << 20) => write!(f, "{}M", b >> 20),
+            b if b != 0 && b.is_multiple_of(1 << 10) => write!(f, "{}K", b >> 10),
+            b => write!(f, "{b} bytes"),
+        }
+    }
+}
+
 /// One contiguous range of guest RAM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RamRegion {
@@ -587,6 +604,20 @@ mod tests {
         assert!(layout_only(vec![RamRegion::for_test(100, 4096)]).is_err());
         assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
         assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
+    }
+
+    #[test]
+    fn sizes_read_as_the_flags_take_them() {
+        for (bytes, said) in [
+            (1u64 << 40, "1T"),
+            (3 << 30, "3G"),
+            (1536 << 20, "1536M"),
+            (64 << 10, "64K"),
+            (100, "100 bytes"),
+            (0, "0 bytes"),
+        ] {
+            assert_eq!(Size(bytes).to_string(), said);
+        }
     }
 
     #[test]

@@ -40,7 +40,9 @@ pub enum BalloonTargetError {
     #[error("this VM has no balloon; start it without --balloon off")]
     NoBalloon,
     #[error(
-        "a balloon of {bytes} bytes is more than the VM's {memory} bytes of memory; ask for less"
+        "a balloon of {} is more than the VM's {} of memory; ask for less",
+        crate::memory::Size(*bytes),
+        crate::memory::Size(*memory)
     )]
     TooBig { bytes: u64, memory: u64 },
 }

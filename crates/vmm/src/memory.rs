@@ -106,20 +106,7 @@ pub enum MemoryError {
     },
 }
 
-/// A byte count as a person writes it: `10M`, `64G`, or bytes when not a whole MiB.
-#[derive(Clone, Copy, Debug)]
-pub struct Size(pub u64);
-
-impl std::fmt::Display for Size {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            b if b != 0 && b.is_multiple_of(1 << 40) => write!(f, "{}T", b >> 40),
-            b if b != 0 && b.is_multiple_of(1 << 30) => write!(f, "{}G", b >> 30),
-            b if b != 0 && b.is_multiple_of(1 << 20) => write!(f, "{}M", b >> 20),
-            b => write!(f, "{b} bytes"),
-        }
-    }
-}
+pub use ferry_migrate::ram::Size;
 
 /// One contiguous range of guest RAM and where it lives on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -160,6 +160,21 @@ pub fn print_json(s: &MigrationStats) {
     println!("{line}");
 }
 
+/// What a migration that did not complete had done, in one line: no downtime, no final pass.
+pub fn print_partial(s: &MigrationStats, phase: ferry_migrate::Phase) {
+    let when = match s.timeline.last().map_or(s.passes.len() as u32, |x| x.pass) {
+        0 => "in setup".to_string(),
+        pass => format!("in pass {pass}"),
+    };
+    println!(
+        "{} after {:.1} s, {when}: sent {:.1} MB at {:.1} MB/s",
+        phase_name(phase),
+        s.total_ms / 1000.0,
+        s.bytes_sent as f64 / 1e6,
+        s.bandwidth_mb_s
+    );
+}
+
 /// The statistics as a table for a person.
 pub fn print_table(s: &MigrationStats) {
     let d = &s.downtime;

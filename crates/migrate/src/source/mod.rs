@@ -124,6 +124,10 @@ pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`SourceParams::postcopy`] is set.
 const REQUESTED: Capabilities =
     Capabilities(Capabilities::PROGRESS.0 | Capabilities::ERROR_CODES.0);
+/// Longest the source waits for the answer to its hello: a destination answers at once (its
+/// VMM checks the guest's configuration first, in milliseconds), so a peer silent this long is
+/// something else listening there.
+const HELLO_WAIT: Duration = Duration::from_secs(10);
 /// How long a failed write waits for the destination's explanation on the main connection.
 const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
 /// Default data channels: two streams already beat one on loopback, and each costs a thread on
@@ -524,7 +528,16 @@ impl<'a> Session<'a> {
             self.conn.write_record(&h, config)?;
             self.conn.flush("sending the VM's configuration")?;
         }
-        let reply = self.conn.read_hello(self.params.peer_timeout)?;
+        let within = self
+            .params
+            .peer_timeout
+            .map_or(HELLO_WAIT, |t| t.min(HELLO_WAIT));
+        let reply = self.conn.read_hello(Some(within)).map_err(|e| match e {
+            MigrateError::Stalled { .. } => MigrateError::Stalled {
+                during: "waiting for the answer to the hello (a ferry destination answers at once: is --to its --incoming address, and not, say, its API socket?)",
+            },
+            e => e,
+        })?;
         if !reply.capabilities.is_subset(self.requested()) {
             return Err(MigrateError::order(format!(
                 "the destination granted capabilities {:#x} that were not asked for",
@@ -533,11 +546,7 @@ impl<'a> Session<'a> {
         }
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match reply.status {
-                1 => format!(
-                    "guest memory sizes differ (source {} bytes, destination {} bytes); start the destination with the same --memory",
-                    self.ram.size(),
-                    reply.memory_size
-                ),
+                1 => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
                 5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
                 7 => self
                     .conn

@@ -25,7 +25,8 @@ pub enum ApiClientError {
     },
     #[error("malformed API response: {0}")]
     Malformed(String),
-    #[error("the VMM answered {status}: {message}")]
+    /// The VMM's refusal, in its own words (the HTTP status is for scripts).
+    #[error("{message}")]
     Status { status: u16, message: String },
 }
 

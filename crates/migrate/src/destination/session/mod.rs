@@ -206,11 +206,7 @@ impl<'a> Session<'a> {
         } else if hello.memory_size != self.ram.size() {
             Some((
                 Refusal::MemorySize,
-                format!(
-                    "guest memory sizes differ (source {} bytes, destination {} bytes); start the destination with the same --memory",
-                    hello.memory_size,
-                    self.ram.size()
-                ),
+                crate::error::memory_sizes_differ(hello.memory_size, self.ram.size()),
             ))
         } else if let Some(why) = self.config_refusal(&hello).unwrap_or_else(|e| {
             // Answered like a configuration that does not fit, so that the source hears why.
