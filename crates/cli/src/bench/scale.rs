@@ -18,8 +18,9 @@ use super::process::{Migrated, STEP_LIMIT, Vmm, free_port, migrate_and_verify};
 
 #[derive(Debug, Args)]
 pub struct ScaleBenchArgs {
-    /// Guest RAM sizes in GiB, smallest first (the first is the reference).
-    #[arg(long, value_delimiter = ',', default_values_t = [8u64, 64, 256, ferry_vmm::limit::BUILTIN_GUEST_MAX_MEMORY >> 30])]
+    /// Guest RAM sizes in GiB, smallest first (the first is the reference): `--sizes-gib 8
+    /// 64` or `--sizes-gib 8,64`.
+    #[arg(long, num_args = 1.., value_delimiter = ',', default_values_t = [8u64, 64, 256, ferry_vmm::limit::BUILTIN_GUEST_MAX_MEMORY >> 30])]
     sizes_gib: Vec<u64>,
     /// The guest's workload: what it touches, the same at every size.
     #[arg(long, default_value = "ws=256M rate=idle prefill=1 log-ms=0")]

@@ -18,8 +18,14 @@ const GIB: u64 = 1 << 30;
 
 #[derive(Debug, Args)]
 pub struct VcpusBenchArgs {
-    /// vCPU counts to measure.
-    #[arg(long, value_delimiter = ',', default_values_t = [1u8, 16, 64])]
+    /// vCPU counts to measure, each 1 to 64: `--vcpus 1 16` or `--vcpus 1,16`.
+    #[arg(
+        long,
+        num_args = 1..,
+        value_delimiter = ',',
+        value_parser = clap::value_parser!(u8).range(1..=i64::from(ferry_vmm::vm::MAX_VCPUS)),
+        default_values_t = [1u8, 16, 64]
+    )]
     vcpus: Vec<u8>,
     /// MB/s each vCPU writes.
     #[arg(long, default_value_t = 8)]
