@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use ferry_guest::rate::WriteRate;
-use ferry_migrate::{Phase, Policy, TimeoutAction};
+use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
@@ -37,8 +37,9 @@ pub struct DemoArgs {
     /// seq, random or hotcold.
     #[arg(long, default_value = "random")]
     pattern: String,
-    #[arg(long, default_value = "300ms", value_parser = humantime::parse_duration)]
-    downtime_limit: Duration,
+    /// Longest pause the switchover may cause at the measured bandwidth.
+    #[arg(long, default_value_t = crate::migrate::ms(MigrationRequest::default().downtime_limit_ms))]
+    downtime_limit: humantime::Duration,
     /// Cap on the send rate in bytes per second, e.g. 500M.
     #[arg(long, value_parser = crate::parse_size)]
     max_bandwidth: Option<u64>,
@@ -153,18 +154,15 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let to = listener.local_addr()?.to_string();
     let mut incoming = Vm::incoming(config)?;
     println!("ferry demo: destination VM waiting on {to}; migrating");
-    let mut request = MigrationRequest::new(
-        to,
-        Policy {
-            downtime_limit: args.downtime_limit,
-            timeout: Some(Duration::from_secs(60)),
-            timeout_action: TimeoutAction::Switchover,
-            ..Policy::default()
-        },
-    );
-    request.max_bandwidth = args.max_bandwidth;
-    request.channels = args.channels;
-    request.zero = args.zero_detection.into();
+    let request = MigrationRequest {
+        downtime_limit_ms: args.downtime_limit.as_millis() as u64,
+        timeout_ms: Some(60_000),
+        timeout_action: TimeoutAction::Switchover,
+        max_bandwidth: args.max_bandwidth,
+        channels: args.channels,
+        zero_detection: args.zero_detection.into(),
+        ..MigrationRequest::to(to)
+    };
     let migrating = Written::of(&src.telemetry());
     let received = std::thread::scope(|s| {
         let receiver = s.spawn(|| {

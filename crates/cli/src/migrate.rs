@@ -11,8 +11,9 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::transport::tls::Side;
-use ferry_migrate::{Phase, Progress};
+use ferry_migrate::{Phase, Progress, TimeoutAction};
 use ferry_vmm::api::client;
+use ferry_vmm::request::{Checksum, MigrationRequest, TlsRequest};
 use serde_json::json;
 
 use crate::report::{self, Live, PlainLines};
@@ -48,6 +49,16 @@ pub enum ZeroDetectionArg {
     None,
 }
 
+impl From<TimeoutActionArg> for TimeoutAction {
+    fn from(a: TimeoutActionArg) -> TimeoutAction {
+        match a {
+            TimeoutActionArg::Cancel => TimeoutAction::Cancel,
+            TimeoutActionArg::Switchover => TimeoutAction::Switchover,
+            TimeoutActionArg::Postcopy => TimeoutAction::Postcopy,
+        }
+    }
+}
+
 impl From<ZeroDetectionArg> for ZeroDetection {
     fn from(z: ZeroDetectionArg) -> ZeroDetection {
         match z {
@@ -56,6 +67,16 @@ impl From<ZeroDetectionArg> for ZeroDetection {
             ZeroDetectionArg::None => ZeroDetection::None,
         }
     }
+}
+
+/// The API's defaults ([`MigrationRequest`]'s, written once there), which the flags show.
+fn defaults() -> MigrationRequest {
+    MigrationRequest::default()
+}
+
+/// Milliseconds as a duration flag shows and reads them (`300ms`, `30s`).
+pub fn ms(ms: u64) -> humantime::Duration {
+    Duration::from_millis(ms).into()
 }
 
 /// `ferry migrate --output`.
@@ -75,8 +96,8 @@ pub struct MigrateArgs {
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     to: String,
     /// Longest pause the switchover may cause at the measured bandwidth (QEMU: downtime-limit).
-    #[arg(long, default_value = "300ms", value_parser = humantime::parse_duration)]
-    downtime_limit: Duration,
+    #[arg(long, default_value_t = ms(defaults().downtime_limit_ms))]
+    downtime_limit: humantime::Duration,
     /// Cap on the send rate in bytes per second, e.g. 1G (QEMU: max-bandwidth). Default: none.
     #[arg(long, value_parser = crate::parse_size)]
     max_bandwidth: Option<u64>,
@@ -94,14 +115,14 @@ pub struct MigrateArgs {
     #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     auto_converge: OnOff,
     /// Auto-converge's highest throttle, percent of vCPU time asleep (1 to 99).
-    #[arg(long, default_value_t = 99, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
+    #[arg(long, default_value_t = defaults().max_throttle, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
     max_throttle: u8,
     /// Data channels, each a TCP connection with a sender and a receiver thread (QEMU:
     /// multifd-channels).
-    #[arg(long, default_value_t = ferry_migrate::source::DEFAULT_CHANNELS)]
+    #[arg(long, default_value_t = defaults().channels)]
     channels: u16,
     /// Bytes of pages per batch on a data channel, a multiple of 4K up to 2M.
-    #[arg(long, default_value = "512K", value_parser = crate::parse_size)]
+    #[arg(long, default_value_t = defaults().packet_size, value_parser = crate::parse_size)]
     packet_size: u64,
     /// Where zero pages are found: inline (sender threads), offload (a scanning thread per
     /// channel), none (every page sent as data, for measurements).
@@ -156,8 +177,8 @@ pub struct MigrateArgs {
     /// Longest a write to the destination may wait: a destination that takes nothing for
     /// this long (stopped, overloaded, unreachable) fails the migration like a broken
     /// connection; before the switchover the guest runs on here.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    peer_timeout: Duration,
+    #[arg(long, default_value_t = ms(defaults().peer_timeout_ms))]
+    peer_timeout: humantime::Duration,
     /// How long to keep trying a destination that refuses the connection (nothing listens
     /// there yet: a destination still starting up, registering its memory or preallocating);
     /// `0s` tries once.
@@ -238,35 +259,33 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         eprintln!("ferry: reconnecting to {to}");
         return follow_unless_detached(args, to);
     }
-    let body = json!({
-        "to": to,
-        "downtime_limit_ms": args.downtime_limit.as_millis() as u64,
-        "max_bandwidth": args.max_bandwidth,
-        "timeout_ms": args.timeout.map(|t| t.as_millis() as u64),
-        "timeout_action": match args.timeout_action {
-            TimeoutActionArg::Cancel => "cancel",
-            TimeoutActionArg::Switchover => "switchover",
-            TimeoutActionArg::Postcopy => "postcopy",
+    let body = MigrationRequest {
+        to: to.to_string(),
+        downtime_limit_ms: args.downtime_limit.as_millis() as u64,
+        max_bandwidth: args.max_bandwidth,
+        timeout_ms: args.timeout.map(|t| t.as_millis() as u64),
+        timeout_action: args.timeout_action.into(),
+        auto_converge: args.auto_converge == OnOff::On,
+        max_throttle: args.max_throttle,
+        postcopy_on_stall: args.postcopy_on_stall,
+        channels: args.channels,
+        packet_size: args.packet_size,
+        zero_detection: args.zero_detection.into(),
+        postcopy: args.postcopy,
+        postcopy_after_passes: args.postcopy_after_passes,
+        postcopy_preempt: args.postcopy_preempt,
+        postcopy_recover: args.postcopy_recover == OnOff::On,
+        free_page_hints: args.free_page_hints == OnOff::On,
+        peer_timeout_ms: args.peer_timeout.as_millis() as u64,
+        checksum: match args.checksum {
+            ChecksumArg::State => Checksum::State,
+            ChecksumArg::Pages => Checksum::Pages,
         },
-        "auto_converge": args.auto_converge == OnOff::On,
-        "max_throttle": args.max_throttle,
-        "postcopy_on_stall": args.postcopy_on_stall,
-        "channels": args.channels,
-        "packet_size": args.packet_size,
-        "zero_detection": ZeroDetection::from(args.zero_detection),
-        "postcopy": args.postcopy,
-        "postcopy_after_passes": args.postcopy_after_passes,
-        "postcopy_preempt": args.postcopy_preempt,
-        "postcopy_recover": args.postcopy_recover == OnOff::On,
-        "free_page_hints": args.free_page_hints == OnOff::On,
-        "peer_timeout_ms": args.peer_timeout.as_millis() as u64,
-        "checksum": match args.checksum {
-            ChecksumArg::State => "state",
-            ChecksumArg::Pages => "pages",
-        },
-        "tls": tls_body(args)?,
-    });
-    start(args, to, &body.to_string())?;
+        tls: tls_request(args)?,
+        ..MigrationRequest::default()
+    };
+    let body = serde_json::to_string(&body).context("encoding the migration request")?;
+    start(args, to, &body)?;
     follow_unless_detached(args, to)
 }
 
@@ -322,7 +341,7 @@ fn start(args: &MigrateArgs, to: &str, body: &str) -> anyhow::Result<()> {
 }
 
 /// The `tls` of a migration request: absolute paths, for a VMM started elsewhere.
-fn tls_body(args: &MigrateArgs) -> Result<Option<serde_json::Value>, UsageError> {
+fn tls_request(args: &MigrateArgs) -> Result<Option<TlsRequest>, UsageError> {
     let Some(files) = args.tls.files(Side::Source)? else {
         if args.tls_name.is_some() {
             return Err(UsageError(
@@ -333,12 +352,12 @@ fn tls_body(args: &MigrateArgs) -> Result<Option<serde_json::Value>, UsageError>
         return Ok(None);
     };
     let files = crate::tls::absolute(files);
-    Ok(Some(json!({
-        "ca": files.ca,
-        "cert": files.cert,
-        "key": files.key,
-        "name": args.tls_name,
-    })))
+    Ok(Some(TlsRequest {
+        ca: files.ca,
+        cert: files.cert,
+        key: files.key,
+        name: args.tls_name.clone(),
+    }))
 }
 
 /// Follows the migration until it ends (Ctrl-C cancels it while it can be), prints its

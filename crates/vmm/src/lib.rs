@@ -17,6 +17,7 @@ pub mod kvm;
 pub mod limit;
 pub mod memory;
 pub mod migration;
+pub mod request;
 pub mod sections;
 pub mod throttle;
 pub mod vm;

@@ -13,13 +13,12 @@ use std::time::{Duration, Instant};
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::destination::{self, IncomingPhase, IncomingProgress, ReceiveStats};
 use ferry_migrate::ram::RamRegion;
-use ferry_migrate::scan::ZeroDetection;
-use ferry_migrate::source::{self, SourceParams};
-use ferry_migrate::transport::tls::{DestinationTls, SourceTls};
+use ferry_migrate::source;
+use ferry_migrate::transport::tls::DestinationTls;
 use ferry_migrate::transport::{Address, AddressError, Dialer, Listener, Stream};
 use ferry_migrate::{
-    Control, DestinationVm, MigrateError, PageLanding, Phase, Policy, Progress, Section, SourceVm,
-    Tuning, VmError,
+    Control, DestinationVm, MigrateError, PageLanding, Phase, Progress, Section, SourceVm, Tuning,
+    VmError,
 };
 
 use crate::devices::virtio::MmioTransport;
@@ -31,68 +30,13 @@ use crate::vm::{IncomingVm, RunState, Shared, VmHandle};
 /// How long connecting to a destination may take before the API reports failure.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What `PUT /migration` asks for.
-#[derive(Clone, Debug)]
-pub struct MigrationRequest {
-    /// Where a `ferry run --incoming` destination waits: `tcp:HOST:PORT`, `unix:PATH`, or a
-    /// bare `HOST:PORT` (TCP).
-    pub to: String,
-    pub policy: Policy,
-    pub max_bandwidth: Option<u64>,
-    pub channels: u16,
-    pub packet_pages: u32,
-    pub zero: ZeroDetection,
-    /// Allow switching to postcopy (the destination must offer it).
-    pub postcopy: bool,
-    /// Switch to postcopy after this many passes; `None`: only when asked
-    /// ([`VmHandle::start_postcopy`]).
-    pub postcopy_after_passes: Option<u32>,
-    /// With postcopy: requested pages on a preempt connection of their own.
-    pub postcopy_preempt: bool,
-    /// Mark the preempt connection's packets urgent (on by default; see
-    /// `SourceParams::preempt_priority`).
-    pub postcopy_preempt_priority: bool,
-    /// With postcopy: a connection that breaks in postcopy pauses both sides until a recovery
-    /// ([`VmHandle::recover_migration`] on the destination, [`VmHandle::resume_migration`]
-    /// here) instead of failing and losing the guest. On by default.
-    pub postcopy_recover: bool,
-    /// Ask the guest's balloon for free page hints and skip the pages it reports free. On by
-    /// default; a VM without a balloon, or a guest without its driver, sends every page.
-    pub free_page_hints: bool,
-    /// Checksum page data too (the engine's `SourceParams::checksum_pages`); device state,
-    /// control records and page addresses always are.
-    pub checksum_pages: bool,
-    /// Run every connection (main, data, preempt, recovery) over TLS; `None`: plain.
-    pub tls: Option<Arc<SourceTls>>,
-    /// Longest a write to the destination may wait (`SourceParams::peer_timeout`).
-    pub peer_timeout: Duration,
-}
-
-impl MigrationRequest {
-    /// A request with the engine's defaults for everything but the destination and policy.
-    pub fn new(to: String, policy: Policy) -> MigrationRequest {
-        MigrationRequest {
-            to,
-            policy,
-            max_bandwidth: None,
-            channels: source::DEFAULT_CHANNELS,
-            packet_pages: source::DEFAULT_PACKET_PAGES,
-            zero: ZeroDetection::Inline,
-            postcopy: false,
-            postcopy_after_passes: None,
-            postcopy_preempt: false,
-            postcopy_preempt_priority: true,
-            postcopy_recover: true,
-            free_page_hints: true,
-            checksum_pages: false,
-            tls: None,
-            peer_timeout: source::DEFAULT_PEER_TIMEOUT,
-        }
-    }
-}
+pub use crate::request::MigrationRequest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The request itself is wrong; the text names the field.
+    #[error("{0}")]
+    Request(String),
     #[error(
         "a migration of this VM is already running; cancel it first (ferry cancel, or PUT /migration/cancel)"
     )]
@@ -167,28 +111,17 @@ impl VmHandle {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
         }
+        let params = req
+            .source_params(migration_uuid())
+            .map_err(StartError::Request)?;
+        let tls = req.source_tls().map_err(StartError::Request)?;
         let dialer = address_of(&req.to)
-            .and_then(|a| Ok(Dialer::new(a, req.tls.clone())?))
+            .and_then(|a| Ok(Dialer::new(a, tls.clone())?))
             .map_err(MigrateError::from)?;
         let stream = connect(&dialer)?;
-        *self.0.migration_tls.lock().unwrap() = req.tls.clone();
+        *self.0.migration_tls.lock().unwrap() = tls;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
-        let params = SourceParams {
-            max_bandwidth: req.max_bandwidth,
-            channels: req.channels,
-            packet_pages: req.packet_pages,
-            zero: req.zero,
-            postcopy: req.postcopy,
-            postcopy_after_passes: req.postcopy_after_passes,
-            preempt: req.postcopy_preempt,
-            preempt_priority: req.postcopy_preempt_priority,
-            recover: req.postcopy && req.postcopy_recover,
-            free_page_hints: req.free_page_hints,
-            checksum_pages: req.checksum_pages,
-            peer_timeout: Some(req.peer_timeout),
-            ..SourceParams::new(req.policy, migration_uuid())
-        };
         let mut adapter = SourceAdapter {
             shared: self.0.clone(),
             handle: self.clone(),

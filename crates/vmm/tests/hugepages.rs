@@ -9,7 +9,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{config, receive_from, require_kvm, verifies_clean, wait_for_telemetry};
-use ferry_migrate::{Phase, Policy, TimeoutAction};
+use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::memory::{HostPages, HugePagePool};
 use ferry_vmm::migration::MigrationRequest;
 use ferry_vmm::{Vm, VmConfig};
@@ -30,18 +30,14 @@ fn huge(cmdline: &str, serial: &std::path::Path) -> VmConfig {
 }
 
 fn request(listener: &TcpListener, postcopy: bool) -> MigrationRequest {
-    let mut r = MigrationRequest::new(
-        listener.local_addr().unwrap().to_string(),
-        Policy {
-            downtime_limit: Duration::from_millis(300),
-            timeout: Some(Duration::from_secs(60)),
-            timeout_action: TimeoutAction::Cancel,
-            ..Policy::default()
-        },
-    );
-    r.postcopy = postcopy;
-    r.postcopy_after_passes = postcopy.then_some(1);
-    r
+    MigrationRequest {
+        downtime_limit_ms: 300,
+        timeout_ms: Some(60_000),
+        timeout_action: TimeoutAction::Cancel,
+        postcopy,
+        postcopy_after_passes: postcopy.then_some(1),
+        ..MigrationRequest::to(listener.local_addr().unwrap().to_string())
+    }
 }
 
 /// Tests of this file that raise the pool take turns, so that each restores what it found.

@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use common::{TestVm, boot, config, require_kvm, verifies_clean, wait_migration};
-use ferry_migrate::{Phase, Policy, Progress, TimeoutAction};
+use ferry_migrate::{Phase, Progress, TimeoutAction};
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm};
 
@@ -30,17 +30,13 @@ fn destination() -> Destination {
 }
 
 fn request(d: &Destination, downtime_ms: u64, max_bandwidth: Option<u64>) -> MigrationRequest {
-    let mut r = MigrationRequest::new(
-        d.listener.local_addr().unwrap().to_string(),
-        Policy {
-            downtime_limit: Duration::from_millis(downtime_ms),
-            timeout: Some(Duration::from_secs(60)),
-            timeout_action: TimeoutAction::Cancel,
-            ..Policy::default()
-        },
-    );
-    r.max_bandwidth = max_bandwidth;
-    r
+    MigrationRequest {
+        downtime_limit_ms: downtime_ms,
+        timeout_ms: Some(60_000),
+        timeout_action: TimeoutAction::Cancel,
+        max_bandwidth,
+        ..MigrationRequest::to(d.listener.local_addr().unwrap().to_string())
+    }
 }
 
 /// Migrates `src` into a fresh destination VM and returns it running.
@@ -245,9 +241,9 @@ fn holes_written_after_pass_1_walked_past_them_arrive_and_verify() {
     // A 0 ms limit never fits while the guest writes: precopy iterates (without throttling)
     // until the switchover is forced.
     let mut req = request(&d, 0, Some(100_000_000));
-    req.policy.timeout = Some(Duration::from_millis(1500));
-    req.policy.timeout_action = TimeoutAction::Switchover;
-    req.policy.auto_converge = None;
+    req.timeout_ms = Some(1500);
+    req.timeout_action = TimeoutAction::Switchover;
+    req.auto_converge = false;
     let at_start = populated(&src.handle());
     let handle = src.handle();
     let done = std::sync::atomic::AtomicBool::new(false);

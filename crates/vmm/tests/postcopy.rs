@@ -9,7 +9,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{boot, config, receive_from, require_kvm, verifies_clean};
-use ferry_migrate::{Phase, Policy, TimeoutAction};
+use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::migration::MigrationRequest;
 use ferry_vmm::{RunState, Vm};
 
@@ -32,20 +32,17 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut incoming =
             Vm::incoming(config(512 * MIB, "", &dir.path().join("serial.log"))).unwrap();
-        let mut req = MigrationRequest::new(
-            listener.local_addr().unwrap().to_string(),
-            Policy {
-                // No flat-out guest fits 1 ms: precopy never switches over by itself.
-                downtime_limit: Duration::from_millis(1),
-                timeout: Some(Duration::from_secs(60)),
-                timeout_action: TimeoutAction::Cancel,
-                ..Policy::default()
-            },
-        );
-        req.channels = channels;
-        req.postcopy = true;
-        req.postcopy_after_passes = Some(1);
-        req.postcopy_preempt = preempt;
+        let req = MigrationRequest {
+            // No flat-out guest fits 1 ms: precopy never switches over by itself.
+            downtime_limit_ms: 1,
+            timeout_ms: Some(60_000),
+            timeout_action: TimeoutAction::Cancel,
+            channels,
+            postcopy: true,
+            postcopy_after_passes: Some(1),
+            postcopy_preempt: preempt,
+            ..MigrationRequest::to(listener.local_addr().unwrap().to_string())
+        };
         let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
         let received =
             received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));

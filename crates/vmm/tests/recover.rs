@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::{boot, config, require_kvm, verifies_clean, wait_migration};
 use ferry_migrate::destination::{IncomingPhase, ReceiveStats};
 use ferry_migrate::wire::Role;
-use ferry_migrate::{Phase, Policy, Progress, TimeoutAction};
+use ferry_migrate::{Phase, Progress, TimeoutAction};
 use ferry_migrate_testkit::proxy::Proxy;
 use ferry_vmm::api::client;
 use ferry_vmm::api::server::ApiServer;
@@ -142,19 +142,16 @@ fn migrate_through_breaks(
     let (src_api, dst_api) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
     let _src_server = ApiServer::start(&src_api, src.handle()).unwrap();
     let _dst_server = ApiServer::start(&dst_api, incoming.handle()).unwrap();
-    let mut req = MigrationRequest::new(
-        proxy.address().to_string(),
-        Policy {
-            // No flat-out guest fits 1 ms: precopy never switches over by itself.
-            downtime_limit: Duration::from_millis(1),
-            timeout: Some(Duration::from_secs(120)),
-            timeout_action: TimeoutAction::Cancel,
-            ..Policy::default()
-        },
-    );
-    req.postcopy = true;
-    req.postcopy_after_passes = Some(1);
-    req.postcopy_preempt = preempt;
+    let req = MigrationRequest {
+        // No flat-out guest fits 1 ms: precopy never switches over by itself.
+        downtime_limit_ms: 1,
+        timeout_ms: Some(120_000),
+        timeout_action: TimeoutAction::Cancel,
+        postcopy: true,
+        postcopy_after_passes: Some(1),
+        postcopy_preempt: preempt,
+        ..MigrationRequest::to(proxy.address().to_string())
+    };
     let sides = Sides {
         src: src.handle(),
         dst: incoming.handle(),

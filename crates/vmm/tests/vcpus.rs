@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{
     boot_config, config, forced_request, receive_from, require_kvm, verifies_clean, wait_migration,
 };
-use ferry_migrate::{Phase, Policy};
+use ferry_migrate::Phase;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm, VmConfig};
 
@@ -227,10 +227,7 @@ fn a_destination_configured_differently_is_refused_before_the_source_pauses() {
     for (config, fix) in mismatches {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut incoming = Vm::incoming(config).unwrap();
-        let req = MigrationRequest::new(
-            listener.local_addr().unwrap().to_string(),
-            Policy::default(),
-        );
+        let req = MigrationRequest::to(listener.local_addr().unwrap().to_string());
         let source_ended = AtomicBool::new(false);
         let (received, progress) = std::thread::scope(|s| {
             let (incoming, listener, ended) = (&mut incoming, &listener, &source_ended);

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use ferry_migrate::wire::{Capabilities, HELLO_SIZE, Hello, Role};
+use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
 use super::process::{HopPair, Migrated, STEP_LIMIT, Vmm, at, migrate_and_verify};
@@ -141,11 +142,9 @@ pub fn run(args: &HostileBenchArgs) -> anyhow::Result<ExitCode> {
         port_a,
         port_b,
     } = HopPair::start(dir.path(), args.memory, &args.cmdline)?;
-    let body = |port: u16| {
-        json!({
-            "to": at(port),
-            "timeout_ms": STEP_LIMIT.as_millis() as u64,
-        })
+    let body = |port: u16| MigrationRequest {
+        timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
+        ..MigrationRequest::to(at(port))
     };
 
     // Phase one: strangers at the waiting second process.

@@ -28,10 +28,11 @@ use clap::Args;
 use ferry_migrate::transport::Listener;
 use ferry_migrate::transport::tls::pki::Ca;
 use ferry_migrate::transport::tls::{DestinationTls, Side, SourceTls, TlsFiles};
-use ferry_migrate::{MigrationStats, PageLanding, Phase, Policy, TimeoutAction};
+use ferry_migrate::{MigrationStats, PageLanding, Phase, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::memory::HostPages;
 use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::request::Checksum;
 use ferry_vmm::{GuestKind, Preparation, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
 
@@ -492,17 +493,19 @@ pub(super) fn migrate_over(
         }
     };
     let source_before = src.telemetry();
-    let mut request = MigrationRequest::new(listener.local_addr()?.to_string(), policy(s));
+    let mut request = request(s, listener.local_addr()?.to_string());
     let listener: Box<dyn Listener> = if s.tls {
         let (source, destination) = run_pki()?;
-        request.tls = Some(source);
+        request.tls_config = Some(source);
         destination.listener(Box::new(listener))
     } else {
         Box::new(listener)
     };
     request.channels = s.channels;
     request.free_page_hints = s.free_page_hints;
-    request.checksum_pages = s.checksum_pages;
+    if s.checksum_pages {
+        request.checksum = Checksum::Pages;
+    }
     if let Some(preempt) = s.postcopy {
         request.postcopy = true;
         if s.finish == Finish::Forced {
@@ -559,20 +562,22 @@ pub(super) fn migrate_over(
 }
 
 /// The policy a scenario migrates with.
-fn policy(s: &Scenario) -> Policy {
-    let forced = |after: u64| Policy {
-        downtime_limit: s.downtime,
-        timeout: Some(Duration::from_secs(after)),
+/// The scenario's request to `to`: forced by a timeout (sooner without auto-converge), or
+/// careful, or switching to postcopy on a stall.
+fn request(s: &Scenario, to: String) -> MigrationRequest {
+    let forced = |after: u64| MigrationRequest {
+        downtime_limit_ms: s.downtime.as_millis() as u64,
+        timeout_ms: Some(after * 1000),
         timeout_action: TimeoutAction::Switchover,
-        ..Policy::default()
+        ..MigrationRequest::to(to.clone())
     };
     match s.finish {
-        Finish::Forced => Policy {
-            auto_converge: None,
+        Finish::Forced => MigrationRequest {
+            auto_converge: false,
             ..forced(30)
         },
         Finish::Careful => forced(60),
-        Finish::PostcopyOnStall => Policy {
+        Finish::PostcopyOnStall => MigrationRequest {
             postcopy_on_stall: true,
             ..forced(60)
         },

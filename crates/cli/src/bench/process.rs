@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use ferry_migrate::{MigrationStats, Phase, Progress};
 use ferry_vmm::api::client;
+use ferry_vmm::request::MigrationRequest;
 use serde_json::Value;
 
 /// Longest any one step of a hop may take before the soak calls the run failed: a hop of the
@@ -198,8 +199,13 @@ pub struct Migrated {
 /// Starts a migration on `src` with `body` (PUT /migration), follows it to its end, and waits
 /// for the guest to run on `dst` and verify its memory once more; fails unless the migration
 /// completed and the guest found no bad page.
-pub fn migrate_and_verify(src: &mut Vmm, dst: &mut Vmm, body: &Value) -> anyhow::Result<Migrated> {
-    client::request_with_body(&src.socket, "PUT", "/migration", &body.to_string())
+pub fn migrate_and_verify(
+    src: &mut Vmm,
+    dst: &mut Vmm,
+    request: &MigrationRequest,
+) -> anyhow::Result<Migrated> {
+    let body = serde_json::to_string(request).context("encoding the migration request")?;
+    client::request_with_body(&src.socket, "PUT", "/migration", &body)
         .context("could not start the migration")?;
     // Once it completes, `src` goes on to wait for the guest's return and tells how the
     // migration ended as `previous`.

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ferry_migrate::MigrationStats;
+use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
 use super::process::{Migrated, STEP_LIMIT, Vmm, free_port, migrate_and_verify};
@@ -146,7 +147,10 @@ fn measure(gib: u64, cmdline: &str) -> anyhow::Result<Row> {
     )?;
     dst.waiting()?;
     let ready_ms = started.elapsed().as_secs_f64() * 1e3;
-    let body = json!({"to": to, "timeout_ms": STEP_LIMIT.as_millis() as u64});
+    let body = MigrationRequest {
+        timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
+        ..MigrationRequest::to(to)
+    };
     let Migrated { stats, .. } = migrate_and_verify(&mut src, &mut dst, &body)?;
     let rss_mib = [src.peak_rss_kib()?, dst.peak_rss_kib()?].map(|k| k as f64 / 1024.0);
     Ok(Row {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
 use super::process::{HopPair, Migrated, STEP_LIMIT, Vmm, at, migrate_and_verify};
@@ -120,13 +121,13 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 /// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
 /// there, and waits for `src` to listen again.
 fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool) -> anyhow::Result<Hop> {
-    let body = json!({
-        "to": to,
-        "timeout_ms": STEP_LIMIT.as_millis() as u64,
-        "postcopy": postcopy,
-        "postcopy_after_passes": postcopy.then_some(1),
-        "postcopy_preempt": postcopy,
-    });
+    let body = MigrationRequest {
+        timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
+        postcopy,
+        postcopy_after_passes: postcopy.then_some(1),
+        postcopy_preempt: postcopy,
+        ..MigrationRequest::to(to)
+    };
     let Migrated { stats, guest } = migrate_and_verify(src, dst, &body)?;
     src.waiting()?;
     Ok(Hop {

@@ -9,9 +9,7 @@ use tiny_http::{Header, Method, Request, Response, Server};
 
 use std::time::Duration;
 
-use ferry_migrate::scan::ZeroDetection;
-use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
-use ferry_migrate::{AutoConverge, Policy, TimeoutAction, Tuning};
+use ferry_migrate::{AutoConverge, Tuning};
 
 use crate::migration::{MigrationRequest, RecoveryError, StartError, TuneError};
 use crate::vm::{StopReason, VmHandle};
@@ -140,59 +138,6 @@ impl Drop for ApiServer {
     }
 }
 
-/// The body of `PUT /migration`.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MigrateBody {
-    /// `HOST:PORT` of the destination.
-    pub to: String,
-    #[serde(default = "default_downtime_ms")]
-    pub downtime_limit_ms: u64,
-    /// Bytes per second; absent = unlimited.
-    pub max_bandwidth: Option<u64>,
-    /// Absent = no timeout.
-    pub timeout_ms: Option<u64>,
-    #[serde(default)]
-    pub timeout_action: Option<String>,
-    /// Data channels; absent = the engine's default (2).
-    pub channels: Option<u16>,
-    /// Bytes per batch, a multiple of 4096 up to 2 MiB; absent = 512 KiB.
-    pub packet_size: Option<u64>,
-    /// `inline` (default), `offload` or `none`.
-    pub zero_detection: Option<ZeroDetection>,
-    /// Allow switching to postcopy (`PUT /migration/postcopy`, or after
-    /// `postcopy_after_passes`).
-    #[serde(default)]
-    pub postcopy: bool,
-    pub postcopy_after_passes: Option<u32>,
-    /// With postcopy: requested pages on a preempt connection of their own.
-    #[serde(default)]
-    pub postcopy_preempt: bool,
-    /// Throttle the guest when precopy stalls; absent = on (the careful default).
-    #[serde(default = "default_true")]
-    pub auto_converge: bool,
-    /// Auto-converge's highest throttle, percent; absent = 99.
-    pub max_throttle: Option<u8>,
-    /// With postcopy: switch to it when precopy stalls, before throttling.
-    #[serde(default)]
-    pub postcopy_on_stall: bool,
-    /// With postcopy: a broken connection pauses both sides until a recovery instead of
-    /// failing; absent = on.
-    #[serde(default = "default_true")]
-    pub postcopy_recover: bool,
-    /// Skip the pages the guest's balloon hints free; absent = on.
-    #[serde(default = "default_true")]
-    pub free_page_hints: bool,
-    /// What the checksums cover beyond state, control records and page addresses: `pages`
-    /// adds page data; absent = `state`.
-    #[serde(default)]
-    pub checksum: Checksum,
-    /// Run every connection over TLS with these files (paths on this host); absent = plain.
-    pub tls: Option<TlsBody>,
-    /// Longest a write to the destination may wait; absent = the engine's default (30 s).
-    pub peer_timeout_ms: Option<u64>,
-}
-
 /// The body of `PATCH /migration`: new settings for the running migration, each field
 /// optional; `null` lifts a bandwidth limit or a timeout.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -255,104 +200,6 @@ impl TuneBody {
 /// The fields `PATCH /migration` takes, for the errors that name them.
 const TUNE_FIELDS: &str = "{\"downtime_limit_ms\": MS, \"max_bandwidth\": BYTES_PER_S|null, \"timeout_ms\": MS|null, \"auto_converge\": BOOL, \"max_throttle\": PERCENT}";
 
-/// What a migration's checksums cover: device state, control records, record headers and page
-/// addresses always (`state`), page data too (`pages`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Checksum {
-    #[default]
-    State,
-    Pages,
-}
-
-/// The source's TLS in a migration request: the CA, this side's certificate and key (PEM
-/// files), and the name the destination's certificate must carry when it is not the host of
-/// `to`.
-#[derive(Debug, serde::Deserialize, serde::Serialize)]
-pub struct TlsBody {
-    pub ca: std::path::PathBuf,
-    pub cert: std::path::PathBuf,
-    pub key: std::path::PathBuf,
-    pub name: Option<String>,
-}
-
-fn default_downtime_ms() -> u64 {
-    300
-}
-
-fn default_true() -> bool {
-    true
-}
-
-impl MigrateBody {
-    pub fn request(&self) -> Result<MigrationRequest, String> {
-        let timeout_action = match self.timeout_action.as_deref() {
-            None | Some("cancel") => TimeoutAction::Cancel,
-            Some("switchover") => TimeoutAction::Switchover,
-            Some("postcopy") => TimeoutAction::Postcopy,
-            Some(other) => {
-                return Err(format!(
-                    "timeout_action '{other}' is none of 'cancel', 'switchover' and 'postcopy'"
-                ));
-            }
-        };
-        let auto_converge = self.auto_converge.then(|| {
-            let d = AutoConverge::default();
-            let max = self.max_throttle.unwrap_or(d.max);
-            AutoConverge {
-                initial: d.initial.min(max),
-                max,
-                ..d
-            }
-        });
-        let policy = Policy {
-            downtime_limit: Duration::from_millis(self.downtime_limit_ms),
-            timeout: self.timeout_ms.map(Duration::from_millis),
-            timeout_action,
-            auto_converge,
-            postcopy_on_stall: self.postcopy_on_stall,
-        };
-        let mut r = MigrationRequest::new(self.to.clone(), policy);
-        r.max_bandwidth = self.max_bandwidth;
-        if let Some(c) = self.channels {
-            r.channels = c;
-        }
-        if let Some(size) = self.packet_size {
-            if size == 0 || !size.is_multiple_of(4096) || size > 2 << 20 {
-                return Err(format!(
-                    "packet_size {size} must be a multiple of 4096 between 4K and 2M"
-                ));
-            }
-            r.packet_pages = (size / 4096) as u32;
-        }
-        if let Some(z) = self.zero_detection {
-            r.zero = z;
-        }
-        r.postcopy = self.postcopy;
-        r.postcopy_after_passes = self.postcopy_after_passes;
-        r.postcopy_preempt = self.postcopy_preempt;
-        r.postcopy_recover = self.postcopy_recover;
-        r.free_page_hints = self.free_page_hints;
-        r.checksum_pages = self.checksum == Checksum::Pages;
-        if let Some(ms) = self.peer_timeout_ms {
-            if ms == 0 {
-                return Err("peer_timeout_ms 0 would fail the first write that waits; give a positive timeout".into());
-            }
-            r.peer_timeout = Duration::from_millis(ms);
-        }
-        if let Some(t) = &self.tls {
-            let files = TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            };
-            let tls = SourceTls::new(&files, t.name.as_deref()).map_err(|e| e.to_string())?;
-            r.tls = Some(Arc::new(tls));
-        }
-        Ok(r)
-    }
-}
-
 /// The status code and JSON body for a request.
 pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, serde_json::Value) {
     let path = url.split('?').next().unwrap_or(url).trim_end_matches('/');
@@ -405,13 +252,14 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             ),
         },
         (Method::Put, "/migration") => {
-            let request = serde_json::from_str::<MigrateBody>(body)
-                .map_err(|e| format!("bad migration request: {e}; send {{\"to\": \"HOST:PORT\", \"downtime_limit_ms\": 300, ...}}"))
-                .and_then(|b| b.request());
-            match request {
-                Err(e) => (400, json!({ "error": e })),
+            match serde_json::from_str::<MigrationRequest>(body) {
+                Err(e) => (
+                    400,
+                    json!({ "error": format!("bad migration request: {e}; send {{\"to\": \"HOST:PORT\", \"downtime_limit_ms\": 300, ...}}") }),
+                ),
                 Ok(r) => match vm.start_migration(r) {
                     Ok(_) => (202, json!({ "phase": "setup" })),
+                    Err(e @ StartError::Request(_)) => (400, json!({ "error": e.to_string() })),
                     // 503: nothing listens there yet (a destination starting up), try again.
                     Err(e @ StartError::Connect(_)) if e.not_listening() => {
                         (503, json!({ "error": e.to_string() }))

@@ -155,15 +155,12 @@ pub fn wait_migration(h: &VmHandle, timeout: Duration) -> Progress {
 /// A request to migrate to `listener` with a 100 ms downtime limit, the switchover forced after
 /// a minute: tests that check what arrives, not how precopy converges.
 pub fn forced_request(listener: &TcpListener) -> MigrationRequest {
-    MigrationRequest::new(
-        listener.local_addr().unwrap().to_string(),
-        ferry_migrate::Policy {
-            downtime_limit: Duration::from_millis(100),
-            timeout: Some(Duration::from_secs(60)),
-            timeout_action: ferry_migrate::TimeoutAction::Switchover,
-            ..ferry_migrate::Policy::default()
-        },
-    )
+    MigrationRequest {
+        downtime_limit_ms: 100,
+        timeout_ms: Some(60_000),
+        timeout_action: ferry_migrate::TimeoutAction::Switchover,
+        ..MigrationRequest::to(listener.local_addr().unwrap().to_string())
+    }
 }
 
 /// Runs `req` from `src` into `incoming`, which listens on `listener`: the destination's

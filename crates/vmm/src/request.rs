@@ -1,0 +1,258 @@
+//! What a migration is asked to do: [`MigrationRequest`], the one type that `PUT /migration`
+//! deserializes, `ferry migrate` serializes, and the demo, the benches and the tests build.
+//! Each default is written once, in its `Default`, from the engine's own defaults; a new
+//! option is a field here, its use in [`MigrationRequest::source_params`], and the CLI's flag.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_migrate::scan::ZeroDetection;
+use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
+use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
+use serde::{Deserialize, Serialize};
+
+/// A migration request: the body of `PUT /migration`, every field but `to` optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigrationRequest {
+    /// Where a `ferry run --incoming` destination waits: `tcp:HOST:PORT`, `unix:PATH`, or a
+    /// bare `HOST:PORT` (TCP).
+    pub to: String,
+    /// The longest pause the switchover may cause at the measured bandwidth.
+    pub downtime_limit_ms: u64,
+    /// Bytes per second, an average; `None`: unlimited.
+    pub max_bandwidth: Option<u64>,
+    /// Give up converging this long after the start; `None`: never.
+    pub timeout_ms: Option<u64>,
+    /// What the timeout does.
+    pub timeout_action: TimeoutAction,
+    /// Throttle the guest when precopy stalls.
+    pub auto_converge: bool,
+    /// Auto-converge's highest throttle, percent (1 to 99).
+    pub max_throttle: u8,
+    /// With postcopy: switch to it when precopy stalls, before throttling.
+    pub postcopy_on_stall: bool,
+    /// Data channels.
+    pub channels: u16,
+    /// Bytes per batch, a multiple of 4096 up to 2 MiB.
+    pub packet_size: u64,
+    /// Where zero pages are found.
+    pub zero_detection: ZeroDetection,
+    /// Allow switching to postcopy (the destination must offer it).
+    pub postcopy: bool,
+    /// With postcopy: switch after this many passes; `None`: only when asked
+    /// (`PUT /migration/postcopy`), on a stall, or at the timeout.
+    pub postcopy_after_passes: Option<u32>,
+    /// With postcopy: requested pages on a preempt connection of their own.
+    pub postcopy_preempt: bool,
+    /// Mark the preempt connection's packets urgent (see `SourceParams::preempt_priority`).
+    pub postcopy_preempt_priority: bool,
+    /// With postcopy: a connection that breaks in postcopy pauses both sides until a recovery
+    /// instead of failing and losing the guest. On by default in this VMM, which can be told
+    /// to recover on both sides.
+    pub postcopy_recover: bool,
+    /// Ask the guest's balloon for free page hints and skip the pages it reports free.
+    pub free_page_hints: bool,
+    /// What the checksums cover beyond state, control records and page addresses.
+    pub checksum: Checksum,
+    /// Run every connection over TLS with these files (paths on this host); `None`: plain.
+    pub tls: Option<TlsRequest>,
+    /// Longest a write to the destination may wait.
+    pub peer_timeout_ms: u64,
+    /// An in-process caller's loaded TLS configuration, used instead of `tls`' files.
+    #[serde(skip)]
+    pub tls_config: Option<Arc<SourceTls>>,
+}
+
+/// What a migration's checksums cover: device state, control records, record headers and page
+/// addresses always (`state`), page data too (`pages`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Checksum {
+    #[default]
+    State,
+    Pages,
+}
+
+/// The source's TLS in a migration request: the CA, this side's certificate and key (PEM
+/// files), and the name the destination's certificate must carry when it is not the host of
+/// `to`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsRequest {
+    pub ca: std::path::PathBuf,
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+impl Default for MigrationRequest {
+    fn default() -> MigrationRequest {
+        let engine = SourceParams::new(Policy::default(), [0; 16]);
+        let policy = engine.policy;
+        MigrationRequest {
+            to: String::new(),
+            downtime_limit_ms: policy.downtime_limit.as_millis() as u64,
+            max_bandwidth: engine.max_bandwidth,
+            timeout_ms: policy.timeout.map(|t| t.as_millis() as u64),
+            timeout_action: policy.timeout_action,
+            auto_converge: policy.auto_converge.is_some(),
+            max_throttle: AutoConverge::default().max,
+            postcopy_on_stall: policy.postcopy_on_stall,
+            channels: engine.channels,
+            packet_size: u64::from(engine.packet_pages) * ferry_migrate::wire::PAGE_SIZE,
+            zero_detection: engine.zero,
+            postcopy: engine.postcopy,
+            postcopy_after_passes: engine.postcopy_after_passes,
+            postcopy_preempt: engine.preempt,
+            postcopy_preempt_priority: engine.preempt_priority,
+            postcopy_recover: true,
+            free_page_hints: engine.free_page_hints,
+            checksum: Checksum::State,
+            tls: None,
+            peer_timeout_ms: engine
+                .peer_timeout
+                .unwrap_or(source::DEFAULT_PEER_TIMEOUT)
+                .as_millis() as u64,
+            tls_config: None,
+        }
+    }
+}
+
+impl MigrationRequest {
+    /// A request to migrate to `to` with every default.
+    pub fn to(to: impl Into<String>) -> MigrationRequest {
+        MigrationRequest {
+            to: to.into(),
+            ..MigrationRequest::default()
+        }
+    }
+
+    /// The engine's policy for this request.
+    pub fn policy(&self) -> Policy {
+        let auto_converge = self.auto_converge.then(|| {
+            let d = AutoConverge::default();
+            AutoConverge {
+                initial: d.initial.min(self.max_throttle),
+                max: self.max_throttle,
+                ..d
+            }
+        });
+        Policy {
+            downtime_limit: Duration::from_millis(self.downtime_limit_ms),
+            timeout: self.timeout_ms.map(Duration::from_millis),
+            timeout_action: self.timeout_action,
+            auto_converge,
+            postcopy_on_stall: self.postcopy_on_stall,
+        }
+    }
+
+    /// The engine's parameters for this request, for migration `uuid`; what the engine
+    /// cannot do is refused by it (`SourceParams::check`), what only this request can get
+    /// wrong is refused here, with the field to fix.
+    pub fn source_params(&self, uuid: [u8; 16]) -> Result<SourceParams, String> {
+        if self.to.is_empty() {
+            return Err(
+                "a migration request needs \"to\": the destination's tcp:HOST:PORT or unix:PATH"
+                    .into(),
+            );
+        }
+        let page = ferry_migrate::wire::PAGE_SIZE;
+        let most = u64::from(ferry_migrate::wire::MAX_PAGES_PER_RECORD) * page;
+        if self.packet_size == 0
+            || !self.packet_size.is_multiple_of(page)
+            || self.packet_size > most
+        {
+            return Err(format!(
+                "packet_size {} must be a multiple of 4096 between 4K and 2M",
+                self.packet_size
+            ));
+        }
+        if self.peer_timeout_ms == 0 {
+            return Err(
+                "peer_timeout_ms 0 would fail the first write that waits; give a positive timeout"
+                    .into(),
+            );
+        }
+        Ok(SourceParams {
+            max_bandwidth: self.max_bandwidth,
+            channels: self.channels,
+            packet_pages: (self.packet_size / page) as u32,
+            zero: self.zero_detection,
+            postcopy: self.postcopy,
+            postcopy_after_passes: self.postcopy_after_passes,
+            preempt: self.postcopy_preempt,
+            preempt_priority: self.postcopy_preempt_priority,
+            recover: self.postcopy && self.postcopy_recover,
+            free_page_hints: self.free_page_hints,
+            checksum_pages: self.checksum == Checksum::Pages,
+            peer_timeout: Some(Duration::from_millis(self.peer_timeout_ms)),
+            ..SourceParams::new(self.policy(), uuid)
+        })
+    }
+
+    /// The TLS to run every connection through: the in-process configuration, or one loaded
+    /// from `tls`' files; `None` for plain connections.
+    pub fn source_tls(&self) -> Result<Option<Arc<SourceTls>>, String> {
+        if let Some(tls) = &self.tls_config {
+            return Ok(Some(tls.clone()));
+        }
+        let Some(t) = &self.tls else {
+            return Ok(None);
+        };
+        let files = TlsFiles {
+            ca: t.ca.clone(),
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+        };
+        let tls = SourceTls::new(&files, t.name.as_deref()).map_err(|e| e.to_string())?;
+        Ok(Some(Arc::new(tls)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_the_engines_and_a_body_needs_only_to() {
+        let r: MigrationRequest = serde_json::from_str(r#"{"to": "tcp:127.0.0.1:4444"}"#).unwrap();
+        let p = r.source_params([1; 16]).unwrap();
+        let engine = SourceParams::new(Policy::default(), [1; 16]);
+        assert_eq!(p.policy, engine.policy);
+        assert_eq!(p.channels, engine.channels);
+        assert_eq!(p.packet_pages, engine.packet_pages);
+        assert_eq!(p.peer_timeout, engine.peer_timeout);
+        assert_eq!(p.max_bandwidth, None);
+        assert!(!p.postcopy && !p.recover, "recover only with postcopy");
+        // What the CLI serializes reads back the same.
+        let back: MigrationRequest =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.source_params([1; 16]).unwrap().policy, p.policy);
+    }
+
+    #[test]
+    fn a_request_refuses_what_it_alone_can_get_wrong_with_the_field() {
+        for (body, want) in [
+            (r#"{}"#, "needs \"to\""),
+            (r#"{"to": "a:1", "packet_size": 1000}"#, "packet_size 1000"),
+            (
+                r#"{"to": "a:1", "peer_timeout_ms": 0}"#,
+                "peer_timeout_ms 0",
+            ),
+        ] {
+            let r: MigrationRequest = serde_json::from_str(body).unwrap();
+            let e = r.source_params([1; 16]).unwrap_err();
+            assert!(e.contains(want), "{body}: {e}");
+        }
+        let typo = serde_json::from_str::<MigrationRequest>(r#"{"to": "a:1", "downtime": 5}"#);
+        assert!(typo.unwrap_err().to_string().contains("downtime"));
+        let action: MigrationRequest =
+            serde_json::from_str(r#"{"to": "a:1", "timeout_action": "postcopy"}"#).unwrap();
+        assert_eq!(action.timeout_action, TimeoutAction::Postcopy);
+    }
+}
