@@ -218,6 +218,19 @@ impl MigrateError {
         }
     }
 
+    /// Whether a connection broke (failed, closed, stalled, a data channel ended early): what
+    /// postcopy recovery recovers from, on either side.
+    pub fn is_broken_connection(&self) -> bool {
+        matches!(
+            self,
+            MigrateError::Io { .. }
+                | MigrateError::Truncated { .. }
+                | MigrateError::Stalled { .. }
+                | MigrateError::Channel(_)
+                | MigrateError::ChannelEnded { .. }
+        )
+    }
+
     /// Whether the peer said this (it is not sent back to it).
     pub fn from_the_peer(&self) -> bool {
         matches!(

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::readahead;
 use super::reader::Inbound;
-use super::{GuestState, Session, ms};
+use super::{Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
 use crate::error::MigrateError;
@@ -131,12 +131,7 @@ impl Session<'_> {
             self.sync_dirty(vm)?;
             self.bitmap.round_out(unit);
         }
-        self.set_phase(Phase::Switchover);
-        let t0 = Instant::now();
-        self.last_check = None; // the control loop's steps end here
-        vm.pause()?;
-        self.guest = GuestState::Paused;
-        let t1 = Instant::now();
+        let (t0, t1) = self.pause_guest(vm)?;
         self.sync_dirty(vm)?;
         self.bitmap.round_out(unit);
         let t2 = Instant::now();

@@ -38,15 +38,7 @@ impl Session<'_> {
     /// Whether `e` is a broken connection that recovery can mend (not a refusal or a protocol
     /// violation, which a reconnect would only repeat).
     pub(super) fn recoverable(&self, e: &MigrateError) -> bool {
-        self.recover_granted
-            && matches!(
-                e,
-                MigrateError::Io { .. }
-                    | MigrateError::Truncated { .. }
-                    | MigrateError::Stalled { .. }
-                    | MigrateError::Channel(_)
-                    | MigrateError::ChannelEnded { .. }
-            )
+        self.recover_granted && e.is_broken_connection()
     }
 
     /// Fails with a broken connection when a pause was asked for (after severing them all):

@@ -47,14 +47,9 @@ impl<'a> Session<'a> {
         vm: &mut dyn SourceVm,
         pass: u32,
     ) -> Result<(), MigrateError> {
-        self.set_phase(Phase::Switchover);
         self.note_acks();
         self.stats.in_flight_at_pause_bytes = self.in_flight();
-        let t0 = Instant::now();
-        self.last_check = None; // the control loop's steps end here
-        vm.pause()?;
-        self.guest = GuestState::Paused;
-        let t1 = Instant::now();
+        let (t0, t1) = self.pause_guest(vm)?;
         self.sync_dirty(vm)?;
         let t2 = Instant::now();
         self.dirty_pass(vm, pass, GuestState::Paused, t2)?;
@@ -65,6 +60,20 @@ impl<'a> Session<'a> {
         let t4 = Instant::now();
         self.note_state(vm, &sections);
         self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4], None)
+    }
+
+    /// Pauses the guest here for the switchover (precopy's, or postcopy's): the phase, the end
+    /// of the control loop's steps, and when the pause was asked for and done.
+    pub(super) fn pause_guest(
+        &mut self,
+        vm: &mut dyn SourceVm,
+    ) -> Result<(Instant, Instant), MigrateError> {
+        self.set_phase(Phase::Switchover);
+        let asked = Instant::now();
+        self.last_check = None; // the control loop's steps end here
+        vm.pause()?;
+        self.guest = GuestState::Paused;
+        Ok((asked, Instant::now()))
     }
 
     /// Sends the saved state and `last` (Complete, or Postcopy), hands the guest over, waits

@@ -36,14 +36,7 @@ impl Session<'_> {
     pub(super) fn recoverable(&self, e: &MigrateError) -> bool {
         self.granted.contains(Capabilities::RECOVER)
             && !self.control.cancelled()
-            && matches!(
-                e,
-                MigrateError::Io { .. }
-                    | MigrateError::Truncated { .. }
-                    | MigrateError::Stalled { .. }
-                    | MigrateError::Channel(_)
-                    | MigrateError::ChannelEnded { .. }
-            )
+            && e.is_broken_connection()
     }
 
     /// Postcopy-paused until a recovery succeeds; `why` is what broke.
