@@ -8,17 +8,23 @@
 //! - [`vm`]: a running VM and its pause/resume/stop control.
 //! - [`api`]: the JSON-over-HTTP control API on a Unix socket, server and client.
 
+#![deny(unsafe_code)]
+
 pub mod api;
 pub mod balloon;
 pub mod boot;
 pub mod devices;
 pub mod error;
+#[allow(unsafe_code)] // KVM's ioctls on guest memory, the kick signal, XSAVE
 pub mod kvm;
 pub mod limit;
+#[allow(unsafe_code)] // the memfd, its hole punching, and populating its mappings
 pub mod memory;
+#[allow(unsafe_code)] // implements the engine's unsafe VM traits: the promise is made here
 pub mod migration;
 pub mod sections;
 pub mod throttle;
+#[allow(unsafe_code)] // kicks vCPU threads by id, and registers a vCPU's kvm_run for kicks
 pub mod vm;
 pub mod vmconfig;
 pub mod writes;

@@ -6,6 +6,8 @@
 //! No PIT is created: neither ferry's guest nor any other device uses it, and a PIT that ticks
 //! would wake a halted guest 18 times a second for nothing.
 
+#![forbid(unsafe_code)]
+
 use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, kvm_irqchip, kvm_lapic_state,
 };

@@ -1,5 +1,7 @@
 //! A vCPU: PVH entry state, the run loop, and what each exit means.
 
+#![forbid(unsafe_code)]
+
 use kvm_bindings::CpuId;
 use kvm_bindings::{
     KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE, kvm_mp_state, kvm_regs, kvm_segment, kvm_sregs,
