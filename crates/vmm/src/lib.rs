@@ -22,9 +22,9 @@ pub mod limit;
 pub mod memory;
 #[allow(unsafe_code)] // implements the engine's unsafe VM traits: the promise is made here
 pub mod migration;
+pub mod part_timer;
 pub mod sections;
 pub mod throttle;
-#[allow(unsafe_code)] // kicks vCPU threads by id, and registers a vCPU's kvm_run for kicks
 pub mod vm;
 pub mod vmconfig;
 pub mod writes;

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use ferry_migrate::Section;
 use ferry_migrate::wire::SectionId;
 
-use crate::sections::PartTimer;
+use crate::part_timer::PartTimer;
 
 pub use bus::{Bus, BusError};
 

@@ -49,6 +49,15 @@ pub fn connect(vm: &VmFd, line: &IrqLine, gsi: u32) -> Result<(), KvmError> {
         .map_err(|source| KvmError::Irqfd { gsi, source })
 }
 
+/// The master PIC's interrupt request register, read from its saved bytes (the chip union
+/// holds a `kvm_pic_state` for chip 0).
+#[cfg(test)]
+pub(crate) fn pic_master_irr(vm: &VmFd) -> u8 {
+    use std::mem::offset_of;
+    let bytes = save_chip(vm, Chip::PicMaster).unwrap();
+    bytes[offset_of!(kvm_irqchip, chip) + offset_of!(kvm_bindings::kvm_pic_state, irr)]
+}
+
 pub fn save_chip(vm: &VmFd, chip: Chip) -> Result<Vec<u8>, StateError> {
     let mut c = kvm_irqchip {
         chip_id: chip.id(),
