@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 use crate::devices::virtio::balloon::PAGE;
-use crate::vm::VmHandle;
+use crate::vm::handle::VmHandle;
 
 /// The balloon's state, as `GET /balloon` serves it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

@@ -12,7 +12,7 @@ pub enum VmmError {
     Boot(#[from] BootError),
     #[error(transparent)]
     Kvm(#[from] KvmError),
-    #[error("--vcpus {0} is not supported: a VM has 1 to {max} vCPUs", max = crate::vm::MAX_VCPUS)]
+    #[error("--vcpus {0} is not supported: a VM has 1 to {max} vCPUs", max = crate::vm::config::MAX_VCPUS)]
     Vcpus(u8),
     #[error("cannot open the serial output {path}: {source}")]
     Serial {

@@ -13,23 +13,24 @@
 //! registered (a 511 GiB guest: 1 GiB of kernel memory, 0.3-2 s; 4 TiB: 8 GiB, 27 s measured
 //! on the project's machine); a host without that memory refuses the slot
 //! (`KvmError::OutOfMemory` says so, and what to do).
+//!
+//! The arithmetic is here, pure; asking the host's KVM (`MemoryLimit::of_host`) is in
+//! `kvm/host.rs`.
 
-use kvm_ioctls::Kvm;
+#![forbid(unsafe_code)]
 
-use crate::GuestKind;
 use crate::memory::{MMIO_HOLE_END, MMIO_HOLE_START, MemoryError, Size};
+use crate::vm::config::GuestKind;
+
+pub use crate::memory::MAPPABLE_TOP;
 
 /// The built-in guest maps RAM with one PML4 entry: 512 GiB of addresses, less the MMIO hole.
 pub const BUILTIN_GUEST_MAX_MEMORY: u64 =
     ferry_guest_abi::layout::MAX_RAM_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
 
-/// Highest guest address ferry maps: half of the 47-bit user address space (see the module
-/// doc).
-pub const MAPPABLE_TOP: u64 = 1 << 46;
-
 /// What KVM's supported CPUID leaf 0x8000_0008 says when a host leaves it out: the 36 bits
 /// every x86-64 CPU has.
-const DEFAULT_PHYS_BITS: u8 = 36;
+pub const DEFAULT_PHYS_BITS: u8 = 36;
 
 /// The most RAM a VM may have here, and the bound that sets it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,11 +79,6 @@ impl MemoryLimit {
         }
     }
 
-    /// The limit on this host, asking its KVM.
-    pub fn of_host(kvm: &Kvm, guest: GuestKind) -> MemoryLimit {
-        MemoryLimit::new(guest_phys_bits(kvm), guest)
-    }
-
     /// Refuses `size` above the limit, naming it and why.
     pub fn check(&self, size: u64) -> Result<(), MemoryError> {
         if size > self.bytes {
@@ -94,22 +90,6 @@ impl MemoryLimit {
         }
         Ok(())
     }
-}
-
-/// The guest physical address width KVM offers (supported CPUID leaf 0x8000_0008, EAX bits
-/// 7:0), or the x86-64 minimum when it does not say.
-pub fn guest_phys_bits(kvm: &Kvm) -> u8 {
-    kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-        .ok()
-        .and_then(|cpuid| {
-            cpuid
-                .as_slice()
-                .iter()
-                .find(|e| e.function == 0x8000_0008)
-                .map(|e| (e.eax & 0xff) as u8)
-        })
-        .filter(|&bits| bits >= DEFAULT_PHYS_BITS)
-        .unwrap_or(DEFAULT_PHYS_BITS)
 }
 
 #[cfg(test)]

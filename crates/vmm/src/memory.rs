@@ -56,9 +56,13 @@ pub const MMIO_HOLE_START: u64 = 3 << 30;
 pub const MMIO_HOLE_END: u64 = 4 << 30;
 /// Smallest guest: the built-in guest's image, its tables and a useful working set fit.
 pub const MIN_MEMORY: u64 = 64 << 20;
+/// Highest guest address ferry maps: half of x86-64's 47-bit user address space, 64 TiB. Guest
+/// RAM is one mapping in the VMM process, and `ferry demo` maps a source's and a
+/// destination's in one process.
+pub const MAPPABLE_TOP: u64 = 1 << 46;
 /// Largest guest RAM ferry maps on any host (`crate::limit` has the bound of this host and
 /// guest, which may be lower).
-pub const MAX_MEMORY: u64 = crate::limit::MAPPABLE_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
+pub const MAX_MEMORY: u64 = MAPPABLE_TOP - (MMIO_HOLE_END - MMIO_HOLE_START);
 /// Granule of guest memory sizes: the 2 MiB pages the guest maps RAM with.
 pub const MEMORY_GRANULE: u64 = 2 << 20;
 
@@ -140,7 +144,7 @@ pub fn validate_size(size: u64) -> Result<(), MemoryError> {
             max: MAX_MEMORY,
             why: format!(
                 "ferry maps at most {} of guest addresses",
-                Size(crate::limit::MAPPABLE_TOP)
+                Size(MAPPABLE_TOP)
             ),
         });
     }

@@ -25,7 +25,10 @@ use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::{Balloon, Discard};
 use crate::memory::GuestRam;
 use crate::sections;
-use crate::vm::{IncomingVm, RunState, Shared, VmHandle};
+use crate::vm::build::IncomingVm;
+use crate::vm::handle::{ControlError, VmHandle};
+use crate::vm::shared::Shared;
+use crate::vm::state::{RunState, StopReason};
 
 /// How long connecting to a destination may take before the API reports failure.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -557,7 +560,7 @@ unsafe impl DestinationVm for IncomingVm {
     }
 
     fn abandon(&mut self, why: &str) {
-        self.handle().stop(crate::StopReason::Failed(format!(
+        self.handle().stop(StopReason::Failed(format!(
             "postcopy failed after the guest resumed here, so its memory is incomplete: {why}"
         )));
     }
@@ -618,5 +621,5 @@ pub enum ResumeError {
     )]
     HandedOver,
     #[error(transparent)]
-    Control(crate::vm::ControlError),
+    Control(ControlError),
 }

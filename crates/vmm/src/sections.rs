@@ -16,15 +16,14 @@
 //! section is mandatory both ways: a destination refuses an id or instance it has no part for
 //! and a stream that lacks one of its parts.
 
-use std::time::Instant;
-
 use ferry_migrate::wire::SectionId;
 use ferry_migrate::{Section, StatePart};
 
 use crate::devices::{self, DeviceStateError};
 use crate::kvm::irqchip::{self, Chip};
 use crate::kvm::state::{self, StateError};
-use crate::vm::Shared;
+use crate::part_timer::PartTimer;
+use crate::vm::shared::Shared;
 
 pub const VCPU: SectionId = SectionId(1);
 pub const VM_CLOCK: SectionId = SectionId(2);
@@ -54,40 +53,7 @@ pub enum SectionError {
     #[error(transparent)]
     Version(#[from] DeviceStateError),
     #[error("cannot create the vCPUs to load: {0}")]
-    CreateVcpus(Box<crate::VmmError>),
-}
-
-/// Times a save or load part by part, for the downtime breakdown: each [`PartTimer::mark`]
-/// ends the part that began at the previous one.
-#[derive(Debug)]
-pub struct PartTimer {
-    parts: Vec<StatePart>,
-    at: Instant,
-}
-
-impl PartTimer {
-    pub fn start() -> PartTimer {
-        PartTimer {
-            parts: Vec::new(),
-            at: Instant::now(),
-        }
-    }
-
-    /// Ends a part of `bytes` of state named `name` (built only now, off the clock's path).
-    pub fn mark(&mut self, name: impl FnOnce() -> String, bytes: usize) {
-        let now = Instant::now();
-        let ms = (now - self.at).as_secs_f64() * 1e3;
-        self.parts.push(StatePart {
-            name: name(),
-            ms,
-            bytes: bytes as u64,
-        });
-        self.at = Instant::now();
-    }
-
-    pub fn finish(self) -> Vec<StatePart> {
-        self.parts
-    }
+    CreateVcpus(Box<crate::error::VmmError>),
 }
 
 fn section(id: SectionId, instance: u32, version: u32, data: Vec<u8>) -> Section {
@@ -212,13 +178,11 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use std::mem::offset_of;
-
-    use kvm_bindings::{kvm_irqchip, kvm_pic_state};
-
     use super::*;
-    use crate::vm::{GuestKind, IncomingVm, Preparation, Vm, VmConfig};
-    use crate::{SerialOutput, kvm};
+    use crate::devices::serial::SerialOutput;
+    use crate::kvm;
+    use crate::vm::build::{IncomingVm, Preparation, Vm};
+    use crate::vm::config::{GuestKind, VmConfig};
 
     fn incoming() -> IncomingVm {
         incoming_with(Preparation::Prepared)
@@ -239,11 +203,8 @@ mod tests {
         Vm::incoming_with(config, preparation).unwrap()
     }
 
-    /// The master PIC's interrupt request register, read from its saved bytes (the chip
-    /// union holds a `kvm_pic_state` for chip 0).
     fn pic_irr(shared: &Shared) -> u8 {
-        let bytes = irqchip::save_chip(&shared.kvm.vm, Chip::PicMaster).unwrap();
-        bytes[offset_of!(kvm_irqchip, chip) + offset_of!(kvm_pic_state, irr)]
+        irqchip::pic_master_irr(&shared.kvm.vm)
     }
 
     /// COM1's interrupt (GSI 4) reaches KVM's interrupt controller through its irqfd, and the

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 pub struct VmDescription {
     pub vcpus: u8,
     pub balloon: bool,
-    /// A digest of the CPU identity and features the vCPUs get ([`cpuid_digest`]), so that
+    /// A digest of the CPU identity and features the vCPUs get (`kvm::vcpu::cpuid_digest`), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
 }
@@ -54,33 +54,6 @@ impl VmDescription {
         }
         Ok(())
     }
-}
-
-/// FNV-1a, as hex, over what CPUID says of the CPU's identity and features: the vendor (leaf
-/// 0) and the feature flags of leaves 1, 7 and 0x80000001. Not over every entry: KVM fills
-/// some (XSAVE sizes, topology) from state that differs between two VMs of one host, and the
-/// OS-controlled bits (OSXSAVE, OSPKE) follow the guest's CR4.
-pub fn cpuid_digest(entries: &[kvm_bindings::kvm_cpuid_entry2]) -> String {
-    const OSXSAVE: u32 = 1 << 27;
-    const OSPKE: u32 = 1 << 4;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |w: u32| {
-        for b in w.to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for e in entries {
-        let words = match (e.function, e.index) {
-            (0, _) => [e.ebx, e.ecx, e.edx],
-            (1, _) => [0, e.ecx & !OSXSAVE, e.edx],
-            (7, 0) => [e.ebx, e.ecx & !OSPKE, e.edx],
-            (0x8000_0001, _) => [0, e.ecx, e.edx],
-            _ => continue,
-        };
-        eat(e.function);
-        words.into_iter().for_each(&mut eat);
-    }
-    format!("{h:016x}")
 }
 
 #[cfg(test)]

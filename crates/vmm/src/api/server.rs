@@ -12,7 +12,8 @@ use std::time::Duration;
 use ferry_migrate::{AutoConverge, Tuning};
 
 use crate::migration::{MigrationRequest, RecoveryError, StartError, TuneError};
-use crate::vm::{StopReason, VmHandle};
+use crate::vm::handle::VmHandle;
+use crate::vm::state::StopReason;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiServerError {
@@ -203,7 +204,7 @@ const TUNE_FIELDS: &str = "{\"downtime_limit_ms\": MS, \"max_bandwidth\": BYTES_
 /// The status code and JSON body for a request.
 pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, serde_json::Value) {
     let path = url.split('?').next().unwrap_or(url).trim_end_matches('/');
-    let control = |result: Result<(), crate::vm::ControlError>, state: &str| match result {
+    let control = |result: Result<(), crate::vm::handle::ControlError>, state: &str| match result {
         Ok(()) => (200, json!({ "state": state })),
         Err(e) => (409, json!({ "error": e.to_string() })),
     };

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::Device;
+use super::device::Device;
 
 /// Why a device could not be placed on a bus.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -124,7 +124,7 @@ impl Bus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::{DeviceStateError, SectionKind};
+    use crate::devices::device::{DeviceStateError, SectionKind};
 
     /// Remembers the last access.
     #[derive(Default)]

@@ -12,8 +12,8 @@ use ferry_migrate::wire::SectionId;
 use vm_superio::Serial;
 use vm_superio::serial::{NoEvents, SerialState};
 
+use super::device::{Device, DeviceStateError, SectionKind};
 use super::irq::IrqLine;
-use super::{Device, DeviceStateError, SectionKind};
 
 /// Where the guest's serial output goes.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use super::DeviceStateError;
+use super::device::DeviceStateError;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
 use serde::Serialize;

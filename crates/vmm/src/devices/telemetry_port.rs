@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use ferry_guest_abi::report::REPORT_SIZE;
 use ferry_migrate::wire::SectionId;
 
+use super::device::{Device, DeviceStateError, SectionKind};
 use super::telemetry::{GuestTelemetry, host_monotonic_ns};
-use super::{Device, DeviceStateError, SectionKind};
 use crate::memory::GuestRam;
 
 /// The section id of the telemetry state.

@@ -6,6 +6,8 @@
 //! No PIT is created: neither ferry's guest nor any other device uses it, and a PIT that ticks
 //! would wake a halted guest 18 times a second for nothing.
 
+#![forbid(unsafe_code)]
+
 use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, kvm_irqchip, kvm_lapic_state,
 };
@@ -45,6 +47,15 @@ pub fn create(vm: &VmFd) -> Result<(), KvmError> {
 pub fn connect(vm: &VmFd, line: &IrqLine, gsi: u32) -> Result<(), KvmError> {
     vm.register_irqfd(line.eventfd(), gsi)
         .map_err(|source| KvmError::Irqfd { gsi, source })
+}
+
+/// The master PIC's interrupt request register, read from its saved bytes (the chip union
+/// holds a `kvm_pic_state` for chip 0).
+#[cfg(test)]
+pub(crate) fn pic_master_irr(vm: &VmFd) -> u8 {
+    use std::mem::offset_of;
+    let bytes = save_chip(vm, Chip::PicMaster).unwrap();
+    bytes[offset_of!(kvm_irqchip, chip) + offset_of!(kvm_bindings::kvm_pic_state, irr)]
 }
 
 pub fn save_chip(vm: &VmFd, chip: Chip) -> Result<Vec<u8>, StateError> {

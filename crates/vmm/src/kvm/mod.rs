@@ -13,6 +13,7 @@
 //! regions) that would have to stay numbered alike.
 
 pub mod dirty;
+pub mod host;
 pub mod irqchip;
 pub mod kick;
 pub mod state;

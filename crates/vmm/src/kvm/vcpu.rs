@@ -1,10 +1,17 @@
 //! A vCPU: PVH entry state, the run loop, and what each exit means.
 
+#![forbid(unsafe_code)]
+
 use kvm_bindings::CpuId;
 use kvm_bindings::{
-    KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE, kvm_mp_state, kvm_regs, kvm_segment, kvm_sregs,
+    KVM_MAX_CPUID_ENTRIES, kvm_cpuid_entry2, kvm_mp_state, kvm_regs, kvm_segment, kvm_sregs,
 };
-use kvm_ioctls::{Cap, VcpuExit, VcpuFd};
+use kvm_ioctls::{Cap, VcpuExit};
+
+/// The `mp_state` of a vCPU that runs (started, not waiting for a start-up IPI).
+pub use kvm_bindings::KVM_MP_STATE_RUNNABLE;
+/// A vCPU as KVM gives it: the VM's other modules hold it without importing KVM.
+pub use kvm_ioctls::VcpuFd;
 
 use super::{KvmError, KvmVm};
 use crate::boot::BootSetup;
@@ -56,7 +63,45 @@ fn cpuid(vm: &KvmVm, id: u8) -> Result<CpuId, KvmError> {
 /// A digest of the CPUID this VM's vCPUs get (what a migration's destination must match),
 /// computed without a vCPU, so that a destination can answer before it creates its vCPUs.
 pub fn cpuid_digest(vm: &KvmVm) -> Result<String, KvmError> {
-    Ok(crate::vmconfig::cpuid_digest(cpuid(vm, 0)?.as_slice()))
+    Ok(digest(cpuid(vm, 0)?.as_slice()))
+}
+
+/// FNV-1a, as hex, over what CPUID says of the CPU's identity and features: the vendor (leaf
+/// 0) and the feature flags of leaves 1, 7 and 0x80000001. Not over every entry: KVM fills
+/// some (XSAVE sizes, topology) from state that differs between two VMs of one host, and the
+/// OS-controlled bits (OSXSAVE, OSPKE) follow the guest's CR4.
+fn digest(entries: &[kvm_cpuid_entry2]) -> String {
+    const OSXSAVE: u32 = 1 << 27;
+    const OSPKE: u32 = 1 << 4;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |w: u32| {
+        for b in w.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for e in entries {
+        let words = match (e.function, e.index) {
+            (0, _) => [e.ebx, e.ecx, e.edx],
+            (1, _) => [0, e.ecx & !OSXSAVE, e.edx],
+            (7, 0) => [e.ebx, e.ecx & !OSPKE, e.edx],
+            (0x8000_0001, _) => [0, e.ecx, e.edx],
+            _ => continue,
+        };
+        eat(e.function);
+        words.into_iter().for_each(&mut eat);
+    }
+    format!("{h:016x}")
+}
+
+/// Where a kick of the vCPU's thread makes `KVM_RUN` return at once (`kick::Registration`):
+/// the `immediate_exit` byte of its `kvm_run` mapping, valid as long as `vcpu` is.
+pub fn immediate_exit(vcpu: &mut VcpuFd) -> *mut u8 {
+    &raw mut vcpu.get_kvm_run().immediate_exit
+}
+
+/// Re-arms `KVM_RUN` after a kick made it return ([`Exit::Interrupted`]).
+pub fn clear_immediate_exit(vcpu: &mut VcpuFd) {
+    vcpu.set_kvm_immediate_exit(0);
 }
 
 /// Puts vCPU 0 in PVH entry state: flat 32-bit protected mode at `boot.entry` with %ebx =

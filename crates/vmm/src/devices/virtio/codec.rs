@@ -8,7 +8,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::devices::DeviceStateError;
+use crate::devices::device::DeviceStateError;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]

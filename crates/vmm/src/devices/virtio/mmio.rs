@@ -34,9 +34,11 @@ use ferry_migrate::wire::SectionId;
 use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 
-use super::{VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1, VirtioDevice, VirtioError, status};
+use super::device::{
+    VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1, VirtioDevice, VirtioError, status,
+};
+use crate::devices::device::{Device, DeviceStateError, SectionKind};
 use crate::devices::irq::IrqLine;
-use crate::devices::{Device, DeviceStateError, SectionKind};
 use crate::memory::GuestRam;
 
 /// The section id of a virtio-mmio device's state (ids 1 to 6 are taken, see `sections.rs`).

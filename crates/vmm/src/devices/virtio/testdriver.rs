@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use super::device::{VirtioDevice, status};
 use super::mmio::{CONFIG_OFFSET, MmioTransport};
-use super::{VirtioDevice, status};
-use crate::devices::Device;
+use crate::devices::device::Device;
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestRam;
 

@@ -25,8 +25,8 @@
 
 #![forbid(unsafe_code)]
 
-use super::Balloon;
 use super::pages::{PAGE, ram_pages};
+use super::spec::BalloonCounters;
 use crate::devices::virtio::chain::Chain;
 use crate::memory::GuestRam;
 
@@ -287,17 +287,24 @@ impl HintRound {
     }
 }
 
-impl Balloon {
+impl HintRound {
     /// One buffer on free_page_vq: a command (its readable part, a le32 id), then hints (its
-    /// writable descriptors, each a free range), as QEMU reads them. Always returned with
-    /// length 0: the device writes nothing into hint buffers.
-    pub(super) fn free_page_buffer(&mut self, chain: &Chain, ram: &GuestRam) {
+    /// writable descriptors, each a free range), as QEMU reads them, from a guest whose poison
+    /// value is `poison`; a malformed one is counted in `counters`. Always returned with length
+    /// 0: the device writes nothing into hint buffers.
+    pub(super) fn buffer(
+        &mut self,
+        chain: &Chain,
+        ram: &GuestRam,
+        poison: u32,
+        counters: &mut BalloonCounters,
+    ) {
         if chain.readable().next().is_some() {
             match chain.read(ram.memory(), 4).filter(|b| b.len() == 4) {
-                Some(b) => self.hint.command(u32::from_le_bytes(b.try_into().unwrap())),
+                Some(b) => self.command(u32::from_le_bytes(b.try_into().unwrap())),
                 None => {
                     tracing::warn!("virtio-balloon: a hint command is not 4 bytes of guest RAM");
-                    self.counters.malformed_buffers += 1;
+                    counters.malformed_buffers += 1;
                     return;
                 }
             }
@@ -308,11 +315,11 @@ impl Balloon {
         let ranges = chain
             .writable()
             .flat_map(|d| ram_pages(ram, d.addr, d.len.into()));
-        let poison = match self.poison() {
+        let poison = match poison {
             0 => Poison::Zero,
             _ => Poison::NonZero,
         };
-        self.hint.hint(ranges, poison);
+        self.hint(ranges, poison);
     }
 }
 

@@ -10,11 +10,12 @@
 
 use virtio_queue::QueueT;
 
-use super::{
-    Balloon, BalloonCounters, BalloonStats, Discard, F_FREE_PAGE_HINT, F_STATS_VQ, HintStatus, Vq,
-    queue_index,
-};
-use crate::devices::virtio::{MmioTransport, VirtioError};
+use super::device::Balloon;
+use super::hinting::HintStatus;
+use super::spec::{BalloonCounters, Discard, F_FREE_PAGE_HINT, F_STATS_VQ, Vq, queue_index};
+use super::stats::BalloonStats;
+use crate::devices::virtio::device::VirtioError;
+use crate::devices::virtio::mmio::MmioTransport;
 
 /// Why a host request to the balloon cannot be served.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::{Balloon, Discard};
+use super::spec::BalloonCounters;
 use crate::devices::virtio::chain::Chain;
 use crate::memory::GuestRam;
 
@@ -56,12 +56,15 @@ enum Direction {
     Deflate,
 }
 
-impl Balloon {
-    /// Whether pages may go back to the host now (see the module doc of `balloon`).
-    pub(super) fn may_discard(&self) -> bool {
-        self.discard == Discard::Allowed && self.poison() == 0
-    }
+/// What the page buffers change: the balloon's counters, and whether pages may go back to the
+/// host now (`Balloon::may_discard`).
+#[derive(Debug)]
+pub(super) struct PageBuffers<'a> {
+    pub(super) counters: &'a mut BalloonCounters,
+    pub(super) may_discard: bool,
+}
 
+impl PageBuffers<'_> {
     /// Gives `[gpa, gpa + len)` (whole pages in one RAM region) back to the host.
     fn discard(&mut self, ram: &GuestRam, (gpa, len): (u64, u64)) {
         match ram.punch_hole(gpa, len) {
@@ -90,7 +93,7 @@ impl Balloon {
             self.counters.malformed_buffers += 1;
             return;
         };
-        let discard = direction == Direction::Inflate && self.may_discard();
+        let discard = direction == Direction::Inflate && self.may_discard;
         let mut runs = Runs::default();
         for pfn in bytes.chunks_exact(4) {
             let gpa = u64::from(u32::from_le_bytes(pfn.try_into().unwrap())) * PAGE;
@@ -115,7 +118,7 @@ impl Balloon {
     /// descriptor is a free range; its whole pages in RAM are counted and, when allowed, given
     /// back. Readable descriptors mean nothing here and are skipped.
     pub(super) fn report(&mut self, chain: &Chain, ram: &GuestRam) {
-        let discard = self.may_discard();
+        let discard = self.may_discard;
         for d in chain.writable() {
             for range in ram_pages(ram, d.addr, d.len.into()) {
                 self.counters.reported_pages += range.1 / PAGE;

@@ -11,15 +11,12 @@
 
 #![forbid(unsafe_code)]
 
-use super::hinting::{HintCounters, HintPhase, HintRound};
-use super::stats::{BalloonStats, MAX_STATS, StatsSlot};
-use super::{
-    Balloon, BalloonCounters, CMD_ID_DONE, CMD_ID_MIN, CMD_ID_STOP, F_FREE_PAGE_HINT, NAME, Vq,
-    queue_index,
-};
-use crate::devices::DeviceStateError;
-use crate::devices::virtio::Negotiated;
+use super::hinting::{CMD_ID_DONE, CMD_ID_MIN, CMD_ID_STOP, HintCounters, HintPhase};
+use super::spec::{BalloonCounters, F_FREE_PAGE_HINT, NAME, Vq, queue_index};
+use super::stats::{BalloonStats, MAX_STATS};
+use crate::devices::device::DeviceStateError;
 use crate::devices::virtio::codec::{Reader, Writer};
+use crate::devices::virtio::device::Negotiated;
 
 /// Version of the balloon's state layout.
 pub const STATE_VERSION: u32 = 1;
@@ -170,44 +167,5 @@ impl BalloonState {
                 malformed_buffers: c[5],
             },
         })
-    }
-}
-
-impl Balloon {
-    pub(super) fn state(&self) -> BalloonState {
-        BalloonState {
-            num_pages: self.num_pages,
-            actual: self.actual,
-            poison_val: self.poison_val,
-            phase: self.hint.phase,
-            round: self.hint.round,
-            cmd_id: self.hint.cmd_id,
-            next_id: self.hint.next_id,
-            hint_counters: self.hint.counters,
-            stats_held: self.stats.held,
-            stats: self.stats.latest.clone(),
-            counters: self.counters,
-        }
-    }
-
-    /// Replaces the state with `s` (validated) for a driver that accepted `features`.
-    pub(super) fn apply_state(&mut self, s: BalloonState, features: u64) {
-        self.features = features;
-        self.num_pages = s.num_pages;
-        self.actual = s.actual;
-        self.poison_val = s.poison_val;
-        self.hint = HintRound {
-            phase: s.phase,
-            round: s.round,
-            cmd_id: s.cmd_id,
-            next_id: s.next_id,
-            counters: s.hint_counters,
-            ..HintRound::default()
-        };
-        self.stats = StatsSlot {
-            held: s.stats_held,
-            latest: s.stats,
-        };
-        self.counters = s.counters;
     }
 }

@@ -7,9 +7,9 @@
 
 #![forbid(unsafe_code)]
 
-use super::Balloon;
-use crate::devices::virtio::Disposition;
+use super::spec::BalloonCounters;
 use crate::devices::virtio::chain::Chain;
+use crate::devices::virtio::device::Disposition;
 use crate::memory::GuestRam;
 
 /// Entries read from one buffer: Linux 6.x defines tags 0 to 15 (`VIRTIO_BALLOON_S_NR`);
@@ -65,20 +65,26 @@ pub(super) fn parse(bytes: &[u8]) -> Vec<(u16, u64)> {
         .collect()
 }
 
-impl Balloon {
-    /// A buffer on statsq: read it, hold it, return the one held before (if any).
-    pub(super) fn stats_buffer(&mut self, chain: Chain, ram: &GuestRam) -> Disposition {
+impl StatsSlot {
+    /// A buffer on statsq: read it, hold it, return the one held before (if any); a malformed
+    /// one is counted in `counters`.
+    pub(super) fn buffer(
+        &mut self,
+        chain: Chain,
+        ram: &GuestRam,
+        counters: &mut BalloonCounters,
+    ) -> Disposition {
         let Some(bytes) = chain.read(ram.memory(), MAX_STATS * ENTRY) else {
             tracing::warn!("virtio-balloon: a statistics buffer is not in guest RAM");
-            self.counters.malformed_buffers += 1;
+            counters.malformed_buffers += 1;
             return Disposition::Return {
                 head: chain.head,
                 len: 0,
             };
         };
-        self.stats.latest.entries = parse(&bytes);
-        self.stats.latest.updates += 1;
-        match self.stats.held.replace(chain.head) {
+        self.latest.entries = parse(&bytes);
+        self.latest.updates += 1;
+        match self.held.replace(chain.head) {
             Some(head) => Disposition::Return { head, len: 0 },
             None => Disposition::Hold,
         }

@@ -22,9 +22,11 @@
 use virtio_queue::QueueT;
 
 use super::super::codec::{Reader, Writer};
-use super::super::{Negotiated, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1, VirtioDevice, status};
+use super::super::device::{
+    Negotiated, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1, VirtioDevice, status,
+};
 use super::{INT_CONFIG, INT_USED_BUFFER, MmioTransport, QueueSetup};
-use crate::devices::DeviceStateError;
+use crate::devices::device::DeviceStateError;
 
 /// Queues a section may carry: more than any device here has (a balloon has 5), few enough
 /// that a corrupt count cannot make the decoder allocate much.

@@ -1,8 +1,8 @@
 //! The transport driven through its registers by the test driver, with a balloon behind it.
 
 use super::super::balloon::{Balloon, F_STATS_VQ};
+use super::super::device::{VIRTIO_F_VERSION_1, status};
 use super::super::testdriver::{Driver, RAM, TestQueue, reg};
-use super::super::{VIRTIO_F_VERSION_1, status};
 use super::*;
 
 const V1: u64 = VIRTIO_F_VERSION_1;

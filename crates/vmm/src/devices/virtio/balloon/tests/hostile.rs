@@ -3,7 +3,7 @@
 
 use super::hinting::{started, take};
 use super::*;
-use crate::devices::virtio::status;
+use crate::devices::virtio::device::status;
 use crate::devices::virtio::testdriver::{F_INDIRECT, F_NEXT, F_WRITE};
 
 fn needs_reset(d: &mut Driver<Balloon>) -> bool {

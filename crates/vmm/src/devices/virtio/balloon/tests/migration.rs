@@ -2,9 +2,9 @@
 
 use super::hinting::{command, hint, started, take};
 use super::*;
-use crate::devices::Device;
+use crate::devices::device::{Device, DeviceStateError};
+use crate::devices::virtio::device::{Negotiated, status};
 use crate::devices::virtio::mmio::VERSION;
-use crate::devices::virtio::{Negotiated, status};
 use state::BalloonState;
 
 /// A fresh device over `d`'s RAM, restored from `d`'s saved state; the test driver's own

@@ -7,8 +7,8 @@ mod hostile;
 mod migration;
 
 use super::*;
-use crate::devices::Device;
-use crate::devices::virtio::VIRTIO_F_VERSION_1;
+use crate::devices::device::Device;
+use crate::devices::virtio::device::VIRTIO_F_VERSION_1;
 use crate::devices::virtio::mmio::{INT_CONFIG, INT_USED_BUFFER};
 use crate::devices::virtio::testdriver::{Driver, RAM};
 

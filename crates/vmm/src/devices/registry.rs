@@ -1,0 +1,253 @@
+//! [`Devices`]: every device of one VM registered on its bus under a section kind and an
+//! instance number, the vCPU exits routed to them, and all of them saved and loaded as
+//! sections.
+
+#![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use ferry_migrate::Section;
+use ferry_migrate::wire::SectionId;
+
+use super::bus::{Bus, BusError};
+use super::device::{BusKind, Device, DeviceStateError, SectionKind};
+use crate::part_timer::PartTimer;
+
+/// A registered device.
+struct Entry {
+    name: &'static str,
+    kind: SectionKind,
+    instance: u32,
+    device: Arc<Mutex<dyn Device>>,
+}
+
+/// Why a section could not be loaded into the devices.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LoadError {
+    #[error(transparent)]
+    State(#[from] DeviceStateError),
+    #[error(
+        "{0} instance {1} names no device of this VM; start the destination with the source's devices"
+    )]
+    NoDevice(SectionId, u32),
+    #[error(
+        "the stream has no state for {name} (instance {instance}); the source has different devices"
+    )]
+    Missing { name: &'static str, instance: u32 },
+}
+
+/// Every device of one VM, on its buses.
+#[derive(Default)]
+pub struct Devices {
+    pio: Bus,
+    mmio: Bus,
+    entries: Vec<Entry>,
+    /// Ports and MMIO pages already reported as unknown: each is logged once, then ignored.
+    unknown: Mutex<HashSet<(BusKind, u64)>>,
+}
+
+impl std::fmt::Debug for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Devices")
+            .field("pio", &self.pio)
+            .field("mmio", &self.mmio)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Devices {
+    /// Places `device` at `base..base + len` on `bus`, its state saved as `instance` of its
+    /// kind.
+    pub fn register(
+        &mut self,
+        name: &'static str,
+        instance: u32,
+        (bus, base, len): (BusKind, u64, u64),
+        device: Arc<Mutex<dyn Device>>,
+    ) -> Result<(), BusError> {
+        let target = match bus {
+            BusKind::Pio => &mut self.pio,
+            BusKind::Mmio => &mut self.mmio,
+        };
+        target.insert(name, base, len, device.clone())?;
+        let kind = device.lock().unwrap().kind();
+        self.entries.push(Entry {
+            name,
+            kind,
+            instance,
+            device,
+        });
+        Ok(())
+    }
+
+    pub fn io_out(&self, port: u16, data: &[u8]) {
+        if !self.pio.write(port.into(), data) {
+            self.unknown(BusKind::Pio, port.into(), "write to I/O port");
+        }
+    }
+
+    pub fn io_in(&self, port: u16, data: &mut [u8]) {
+        if !self.pio.read(port.into(), data) {
+            data.fill(0xff);
+            self.unknown(BusKind::Pio, port.into(), "read of I/O port");
+        }
+    }
+
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        if !self.mmio.read(addr, data) {
+            data.fill(0xff);
+            self.unknown(BusKind::Mmio, addr & !0xfff, "read from MMIO page");
+        }
+    }
+
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        if !self.mmio.write(addr, data) {
+            self.unknown(BusKind::Mmio, addr & !0xfff, "write to MMIO page");
+        }
+    }
+
+    /// Every device's state, one section each.
+    pub fn save(&self, timer: &mut PartTimer) -> Vec<Section> {
+        self.entries
+            .iter()
+            .map(|e| {
+                let data = e.device.lock().unwrap().save();
+                timer.mark(|| format!("{} {}", e.name, e.instance), data.len());
+                Section {
+                    id: e.kind.id,
+                    instance: e.instance,
+                    version: e.kind.version,
+                    data,
+                }
+            })
+            .collect()
+    }
+
+    /// Whether `id` is a device section of this VM (the others are the VM's own).
+    pub fn owns(&self, id: SectionId) -> bool {
+        self.entries.iter().any(|e| e.kind.id == id)
+    }
+
+    /// Restores every device from `sections` (those with a device id); each device must find
+    /// its section.
+    pub fn load(&self, sections: &[Section], timer: &mut PartTimer) -> Result<(), LoadError> {
+        let mut loaded = vec![false; self.entries.len()];
+        for s in sections.iter().filter(|s| self.owns(s.id)) {
+            let i = self
+                .entries
+                .iter()
+                .position(|e| e.instance == s.instance && e.kind.id == s.id)
+                .ok_or(LoadError::NoDevice(s.id, s.instance))?;
+            self.entries[i]
+                .device
+                .lock()
+                .unwrap()
+                .restore(s.version, &s.data)?;
+            let e = &self.entries[i];
+            timer.mark(|| format!("{} {}", e.name, e.instance), s.data.len());
+            loaded[i] = true;
+        }
+        match loaded.iter().position(|&l| !l) {
+            Some(i) => Err(LoadError::Missing {
+                name: self.entries[i].name,
+                instance: self.entries[i].instance,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn unknown(&self, bus: BusKind, addr: u64, what: &str) {
+        if self.unknown.lock().unwrap().insert((bus, addr)) {
+            tracing::warn!("guest {what} {addr:#x} ignored: no device there (logged once)");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::irq::IrqLine;
+    use crate::devices::serial::{self, SerialDevice, SerialOutput};
+
+    /// Two UARTs with different scratch registers, saved and loaded into a fresh pair.
+    fn pair() -> (Devices, [Arc<Mutex<SerialDevice>>; 2]) {
+        let mut devices = Devices::default();
+        let uarts = [0u16, 1].map(|_| {
+            Arc::new(Mutex::new(
+                SerialDevice::new(&SerialOutput::Discard, IrqLine::unconnected().unwrap()).unwrap(),
+            ))
+        });
+        for (i, (u, port)) in uarts.iter().zip([0x3f8, 0x2f8]).enumerate() {
+            devices
+                .register("uart", i as u32, (BusKind::Pio, port, 8), u.clone())
+                .unwrap();
+        }
+        (devices, uarts)
+    }
+
+    /// The 16550's scratch register, at offset 7.
+    const SCRATCH: u16 = 7;
+
+    #[test]
+    fn two_instances_of_one_kind_migrate_apart() {
+        let (source, _) = pair();
+        source.io_out(0x3f8 + SCRATCH, &[0x11]);
+        source.io_out(0x2f8 + SCRATCH, &[0x22]);
+        let mut timer = PartTimer::start();
+        let sections = source.save(&mut timer);
+        assert_eq!(sections.len(), 2);
+        let parts = timer.finish();
+        assert_eq!(
+            parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            ["uart 0", "uart 1"],
+            "a part per device, named"
+        );
+        assert_eq!(sections[0].id, sections[1].id);
+        assert_ne!(sections[0].instance, sections[1].instance);
+
+        let (destination, _) = pair();
+        destination
+            .load(&sections, &mut PartTimer::start())
+            .unwrap();
+        let mut b = [0u8];
+        destination.io_in(0x3f8 + SCRATCH, &mut b);
+        assert_eq!(b, [0x11]);
+        destination.io_in(0x2f8 + SCRATCH, &mut b);
+        assert_eq!(b, [0x22]);
+    }
+
+    #[test]
+    fn a_missing_or_foreign_instance_is_refused_by_name() {
+        let (source, _) = pair();
+        let mut sections = source.save(&mut PartTimer::start());
+        let (destination, _) = pair();
+        let second = sections.pop().unwrap();
+        assert_eq!(
+            destination.load(&sections, &mut PartTimer::start()),
+            Err(LoadError::Missing {
+                name: "uart",
+                instance: 1
+            })
+        );
+        sections.push(Section {
+            instance: 9,
+            ..second
+        });
+        assert_eq!(
+            destination.load(&sections, &mut PartTimer::start()),
+            Err(LoadError::NoDevice(serial::SECTION, 9))
+        );
+    }
+
+    #[test]
+    fn unknown_addresses_read_as_all_ones() {
+        let devices = Devices::default();
+        let mut b = [0u8; 4];
+        devices.io_in(0x60, &mut b);
+        assert_eq!(b, [0xff; 4]);
+        devices.mmio_read(0xfee0_0000, &mut b);
+        assert_eq!(b, [0xff; 4]);
+        devices.io_out(0x60, &[1]);
+    }
+}

@@ -1,0 +1,361 @@
+//! Building a VM: [`Vm::boot`] checks the configuration, loads the guest and starts a fresh
+//! VM; [`Vm::incoming`] makes an empty one ([`IncomingVm`]) that a migration fills and then
+//! starts. Both build the same parts: RAM, the KVM VM with its memory slots and interrupt
+//! controller, the vCPUs with their CPUID, the devices with their interrupts wired, and a
+//! thread per vCPU.
+
+#![forbid(unsafe_code)]
+
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
+use super::handle::VmHandle;
+use super::runner::VcpuRunner;
+use super::shared::{Control, Shared};
+use super::state::{RunState, StopReason};
+use crate::boot;
+use crate::devices::irq::IrqLine;
+use crate::devices::serial::{SerialDevice, SerialOutput};
+use crate::devices::telemetry::GuestTelemetry;
+use crate::devices::telemetry_port::{self, TelemetryPort};
+use crate::devices::virtio::balloon::Balloon;
+use crate::devices::virtio::{MmioTransport, mmio};
+use crate::devices::{BusKind, Devices};
+use crate::error::VmmError;
+use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
+use crate::limit::MemoryLimit;
+use crate::memory::{self, GuestRam};
+use crate::throttle::Throttle;
+use crate::vmconfig::VmDescription;
+
+/// A VM whose vCPU threads run. Dropping it stops the VM and joins its threads.
+#[derive(Debug)]
+pub struct Vm {
+    handle: VmHandle,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// How much of a destination is made before the migration's switchover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preparation {
+    /// Everything the VM's configuration determines: RAM and its memory slots, devices, the
+    /// vCPUs (created, CPUID set) and their threads (started, parked until the guest runs).
+    /// During the downtime only state is loaded and the parked threads are woken.
+    Prepared,
+    /// RAM, memory slots and devices only (pages land in RAM during precopy); the vCPUs are
+    /// created at the state load and their threads at resume, in the downtime. The
+    /// reference `ferry bench state` measures preparation against.
+    Unprepared,
+}
+
+/// A VM waiting for an incoming migration: RAM, a KVM VM and vCPUs with nothing loaded.
+/// `crate::migration` implements the engine's `DestinationVm` on it.
+#[derive(Debug)]
+pub struct IncomingVm {
+    pub(crate) shared: Arc<Shared>,
+    /// The vCPU threads: parked from the start when prepared, else started at resume.
+    threads: Option<Vm>,
+    /// Whether a migration resumed the guest here.
+    resumed: bool,
+    /// How received pages land, if forced (see [`IncomingVm::land_pages`]).
+    pub(crate) landing: Option<ferry_migrate::PageLanding>,
+}
+
+impl Vm {
+    /// Validates `config`, sets up RAM, loads the guest, creates the KVM VM and starts it.
+    /// Everything that can be checked without KVM is checked first.
+    pub fn boot(config: VmConfig) -> Result<Vm, VmmError> {
+        check_config(&config)?;
+        let ram = Arc::new(GuestRam::with_pages(
+            config.memory_bytes,
+            config.host_pages,
+        )?);
+        let cmdline = config.full_cmdline();
+        let setup = boot::load(&ram, &config.kernel, &cmdline)?;
+        if config.guest == GuestKind::FerryGuest {
+            boot::check_workload(&cmdline, &ram, setup.image_end)?;
+        }
+        let shared = build(&config, ram, None)?;
+        shared.create_vcpus()?;
+        vcpu::set_pvh_entry(&shared.vcpus()[0].lock().unwrap(), &setup)?;
+        start(shared)
+    }
+
+    /// An empty VM of `config`'s size and devices, ready to receive a migration, prepared
+    /// ([`Preparation::Prepared`]). The kernel and command line are not used: the guest
+    /// arrives with its memory.
+    pub fn incoming(config: VmConfig) -> Result<IncomingVm, VmmError> {
+        Vm::incoming_with(config, Preparation::Prepared)
+    }
+
+    /// [`Vm::incoming`], as prepared as `preparation` says.
+    pub fn incoming_with(
+        config: VmConfig,
+        preparation: Preparation,
+    ) -> Result<IncomingVm, VmmError> {
+        check_config(&config)?;
+        let ram = Arc::new(GuestRam::with_pages(
+            config.memory_bytes,
+            config.host_pages,
+        )?);
+        let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
+        let shared = build(&config, ram, Some(control))?;
+        let threads = match preparation {
+            Preparation::Prepared => {
+                shared.create_vcpus()?;
+                Some(start(shared.clone())?)
+            }
+            Preparation::Unprepared => None,
+        };
+        Ok(IncomingVm {
+            shared,
+            threads,
+            resumed: false,
+            landing: None,
+        })
+    }
+
+    pub fn handle(&self) -> VmHandle {
+        self.handle.clone()
+    }
+
+    /// Waits until the VM stops and returns why.
+    pub fn wait(mut self) -> StopReason {
+        self.join()
+    }
+
+    fn join(&mut self) -> StopReason {
+        let reason = self.handle.wait_stopped(None).expect("no timeout");
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        reason
+    }
+}
+
+impl IncomingVm {
+    pub fn handle(&self) -> VmHandle {
+        VmHandle(self.shared.clone())
+    }
+
+    /// Makes a migration into this VM land its pages as `landing` says, whatever the RAM is
+    /// (`ferry bench ingest` compares both). Without it, pages land in the mapping when RAM was
+    /// preallocated and through the memfd when it is sparse, the faster way for each.
+    pub fn land_pages(&mut self, landing: ferry_migrate::PageLanding) {
+        self.landing = Some(landing);
+    }
+
+    /// Whether the migration resumed the guest here (it may have stopped since: a postcopy
+    /// failure after the resume stops it with its memory incomplete).
+    pub fn guest_ran(&self) -> bool {
+        self.resumed
+    }
+
+    /// The running VM, once the migration resumed it.
+    pub fn into_running(self) -> Option<Vm> {
+        self.threads.filter(|_| self.resumed)
+    }
+
+    /// The incoming migration's progress and cancel.
+    pub fn control(&self) -> Arc<ferry_migrate::destination::IncomingControl> {
+        self.shared
+            .incoming
+            .clone()
+            .expect("an incoming VM has its control")
+    }
+
+    /// Runs the guest (called by the migration's resume): wakes the parked vCPU threads, or
+    /// starts them if unprepared. Returns the step, for the downtime breakdown.
+    pub(crate) fn start(&mut self) -> Result<&'static str, VmmError> {
+        {
+            let mut c = self.shared.control.lock().unwrap();
+            if let Some(r) = &c.stop_reason {
+                return Err(VmmError::Stopped(r.to_string()));
+            }
+            c.desired = RunState::Running;
+            self.shared.changed.notify_all();
+        }
+        self.resumed = true;
+        if self.threads.is_some() {
+            return Ok("wake vCPU threads");
+        }
+        self.threads = Some(start(self.shared.clone())?);
+        Ok("start vCPU threads")
+    }
+}
+
+fn check_config(config: &VmConfig) -> Result<(), VmmError> {
+    if !(1..=MAX_VCPUS).contains(&config.vcpus) {
+        return Err(VmmError::Vcpus(config.vcpus));
+    }
+    memory::validate_size(config.memory_bytes)?;
+    MemoryLimit::of_host(&kvm::open()?, config.guest).check(config.memory_bytes)?;
+    if config.guest == GuestKind::FerryGuest {
+        config.check_cmdline()?;
+    }
+    Ok(())
+}
+
+/// The legacy serial ports: COM1 carries the guest's output, COM2 is there as a PC has one
+/// (and so that the VM has two instances of one device kind); its output is discarded.
+const SERIAL_PORTS: [(u16, u32); 2] = [(ferry_guest_abi::SERIAL_PORT, 4), (0x2f8, 3)];
+/// A 16550's eight registers.
+const SERIAL_PORT_LEN: u64 = 8;
+
+/// RAM, KVM VM with memory slots and its interrupt controller, a vCPU with its CPUID, and the
+/// devices.
+fn build(
+    config: &VmConfig,
+    ram: Arc<GuestRam>,
+    incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
+) -> Result<Arc<Shared>, VmmError> {
+    let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
+    kvm_vm.enable_manual_dirty_protect()?;
+    irqchip::create(&kvm_vm.vm)?;
+    kick::install_handler().map_err(kvm::KvmError::Signal)?;
+    let description = VmDescription {
+        vcpus: config.vcpus,
+        balloon: config.balloon,
+        cpuid: vcpu::cpuid_digest(&kvm_vm)?,
+    };
+    let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
+    let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
+    Ok(Arc::new(Shared {
+        control: Mutex::new(Control {
+            desired: match incoming {
+                Some(_) => RunState::Incoming,
+                None => RunState::Running,
+            },
+            stop_reason: None,
+            vcpus_alive: 0,
+            vcpus_parked: 0,
+            threads: Vec::new(),
+            starts: vec![None; usize::from(config.vcpus)],
+        }),
+        changed: Condvar::new(),
+        devices,
+        balloon,
+        telemetry,
+        ram,
+        kvm: Arc::new(kvm_vm),
+        vcpu_fds: OnceLock::new(),
+        description,
+        msrs: OnceLock::new(),
+        state_parts: Mutex::new(Vec::new()),
+        migration: Mutex::new(None),
+        incoming,
+        migration_tls: Mutex::new(None),
+        incoming_tls: Mutex::new(None),
+        previous_migration: Mutex::new(None),
+        throttle: Throttle::default(),
+        started: Instant::now(),
+    }))
+}
+
+/// The balloon a VM built by `devices` has, if any.
+type BalloonDevice = Option<Arc<Mutex<MmioTransport<Balloon>>>>;
+
+/// The serial ports and the telemetry port on the port bus, and the balloon on the MMIO bus,
+/// their interrupts wired.
+fn devices(
+    config: &VmConfig,
+    kvm_vm: &KvmVm,
+    ram: &Arc<GuestRam>,
+    telemetry: &Arc<Mutex<GuestTelemetry>>,
+) -> Result<(Devices, BalloonDevice), VmmError> {
+    let mut devices = Devices::default();
+    for (instance, (port, gsi)) in SERIAL_PORTS.into_iter().enumerate() {
+        let out = match instance {
+            0 => &config.serial,
+            _ => &SerialOutput::Discard,
+        };
+        let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+        irqchip::connect(&kvm_vm.vm, &line, gsi)?;
+        let uart = SerialDevice::new(out, line).map_err(|source| VmmError::Serial {
+            path: format!("{out:?}"),
+            source,
+        })?;
+        let at = (BusKind::Pio, u64::from(port), SERIAL_PORT_LEN);
+        devices.register(
+            "serial port",
+            instance as u32,
+            at,
+            Arc::new(Mutex::new(uart)),
+        )?;
+    }
+    let port = TelemetryPort::new(telemetry.clone(), ram.clone());
+    let at = (
+        BusKind::Pio,
+        u64::from(ferry_guest_abi::TELEMETRY_PORT),
+        telemetry_port::LEN,
+    );
+    devices.register("telemetry port", 0, at, Arc::new(Mutex::new(port)))?;
+    let balloon = match config.balloon {
+        false => None,
+        true => {
+            let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+            irqchip::connect(&kvm_vm.vm, &line, BALLOON_GSI)?;
+            let balloon = Arc::new(Mutex::new(MmioTransport::new(
+                Balloon::new(),
+                ram.clone(),
+                line,
+            )));
+            let at = (BusKind::Mmio, BALLOON_MMIO, mmio::MMIO_SIZE);
+            devices.register("virtio-balloon", 0, at, balloon.clone())?;
+            Some(balloon)
+        }
+    };
+    Ok((devices, balloon))
+}
+
+/// Spawns a thread per vCPU.
+fn start(shared: Arc<Shared>) -> Result<Vm, VmmError> {
+    // Hold the control lock until every thread id is recorded, so no kick can miss one.
+    let mut control = shared.control.lock().unwrap();
+    let mut threads = Vec::new();
+    for index in 0..shared.vcpus().len() {
+        let runner = VcpuRunner {
+            shared: shared.clone(),
+            index,
+        };
+        let thread = match std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || runner.run())
+        {
+            Ok(t) => t,
+            Err(e) => {
+                // The threads already running stop and are joined before the error returns.
+                control.stop_reason = Some(StopReason::Failed(format!("no thread: {e}")));
+                control.desired = RunState::Stopped;
+                control.kick_all();
+                shared.changed.notify_all();
+                drop(control);
+                for t in threads {
+                    let _ = JoinHandle::join(t);
+                }
+                return Err(VmmError::Thread(e));
+            }
+        };
+        control.vcpus_alive += 1;
+        control
+            .threads
+            .push(std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread));
+        threads.push(thread);
+    }
+    drop(control);
+    Ok(Vm {
+        handle: VmHandle(shared),
+        threads,
+    })
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.handle.stop(StopReason::Requested("VM dropped".into()));
+            self.join();
+        }
+    }
+}

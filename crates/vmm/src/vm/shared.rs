@@ -1,0 +1,136 @@
+//! What every thread of a VM shares: its parts (RAM, the KVM VM, the vCPUs, the devices) and
+//! the control state under one mutex with a condvar.
+//!
+//! The control state also records each vCPU thread's id, so that a controller can kick it out
+//! of `KVM_RUN`; the kicks are here, beside the rule that keeps those ids valid: threads are
+//! joined only after every vCPU has left (`vcpus_alive == 0`), which takes the control lock.
+
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Instant;
+
+use ferry_guest_abi::smp::StartVcpu;
+
+use super::state::{RunState, StopReason};
+use crate::devices::Devices;
+use crate::devices::telemetry::GuestTelemetry;
+use crate::devices::virtio::MmioTransport;
+use crate::devices::virtio::balloon::Balloon;
+use crate::error::VmmError;
+use crate::kvm::vcpu::{self, VcpuFd};
+use crate::kvm::{KvmVm, kick};
+use crate::memory::GuestRam;
+use crate::throttle::Throttle;
+
+#[derive(Debug)]
+pub(crate) struct Control {
+    pub(super) desired: RunState,
+    pub(super) stop_reason: Option<StopReason>,
+    pub(super) vcpus_alive: usize,
+    pub(super) vcpus_parked: usize,
+    pub(super) threads: Vec<libc::pthread_t>,
+    /// Secondary vCPUs the guest asked to start, by index, until their threads do.
+    pub(super) starts: Vec<Option<StartVcpu>>,
+}
+
+impl Control {
+    /// Kicks every vCPU thread out of `KVM_RUN`.
+    pub(super) fn kick_all(&self) {
+        // Once every vCPU has left, their threads may have been joined (a stop after the guest
+        // halted, or between two hops of --then-incoming): their ids name nothing any more.
+        if self.vcpus_alive == 0 {
+            return;
+        }
+        for &t in &self.threads {
+            // SAFETY: thread ids are recorded at spawn and the threads are joined only after
+            // every vCPU has left (vcpus_alive == 0), which needs this lock; it is held here
+            // with a vCPU alive, so every id names a thread that has not been joined.
+            unsafe { kick::kick(t) };
+        }
+    }
+
+    /// Kicks vCPU `index`'s thread, if it has one; called by a vCPU that runs.
+    pub(super) fn kick(&self, index: usize) {
+        if let Some(&t) = self.threads.get(index) {
+            // SAFETY: as in `kick_all`: under the control lock, with this vCPU alive, no vCPU
+            // thread has been joined.
+            unsafe { kick::kick(t) };
+        }
+    }
+
+    /// CPU time used by the vCPU threads still alive, in ns.
+    pub(super) fn cpu_ns(&self) -> u64 {
+        if self.vcpus_alive == 0 {
+            return 0;
+        }
+        self.threads
+            .iter()
+            // SAFETY: as in `kick_all`: under this lock, with a vCPU alive, no vCPU thread
+            // has been joined.
+            .map(|&t| unsafe { kick::thread_cpu_ns(t) })
+            .sum()
+    }
+}
+
+/// What every thread of a VM shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(super) control: Mutex<Control>,
+    pub(super) changed: Condvar,
+    pub(crate) telemetry: Arc<Mutex<GuestTelemetry>>,
+    pub(crate) ram: Arc<GuestRam>,
+    pub(crate) kvm: Arc<KvmVm>,
+    /// The vCPUs, by id, once created (at build, or for an unprepared destination at its
+    /// state load); each one's thread holds its lock only inside `KVM_RUN` and exit handling.
+    pub(super) vcpu_fds: OnceLock<Vec<Arc<Mutex<VcpuFd>>>>,
+    /// Fixed once built; each device has a lock of its own.
+    pub(crate) devices: Devices,
+    /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
+    pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
+    /// MSRs this host lets a vCPU save and restore (found with the vCPUs).
+    pub(super) msrs: OnceLock<Vec<u32>>,
+    /// Where the last state save or load (and a destination's resume) spent its time.
+    pub(crate) state_parts: Mutex<Vec<ferry_migrate::StatePart>>,
+    /// What a migration's destination must match (`vmconfig.rs`).
+    pub(crate) description: crate::vmconfig::VmDescription,
+    pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
+    /// On a migration destination: the incoming migration's progress and cancel.
+    pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
+    /// The TLS of the last migration from here, for its postcopy recovery's connections.
+    pub(crate) migration_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::SourceTls>>>,
+    /// On a migration destination: the TLS its listener requires, for a recovery's listener.
+    pub(crate) incoming_tls: Mutex<Option<Arc<ferry_migrate::transport::tls::DestinationTls>>>,
+    /// How the last migration away from the VMM that made this VM ended, when the VMM went on
+    /// to receive the guest again (`ferry run --then-incoming`): what its follower reads.
+    pub(crate) previous_migration: Mutex<Option<ferry_migrate::Progress>>,
+    /// Auto-converge's throttle (see `throttle.rs`).
+    pub(super) throttle: Throttle,
+    pub(super) started: Instant,
+}
+
+impl Shared {
+    /// The vCPUs, by id; none before they are created.
+    pub(crate) fn vcpus(&self) -> &[Arc<Mutex<VcpuFd>>] {
+        self.vcpu_fds.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// The MSRs a vCPU saves; none before the vCPUs are created.
+    pub(crate) fn msrs(&self) -> &[u32] {
+        self.msrs.get().map_or(&[], Vec::as_slice)
+    }
+
+    /// Creates the VM's vCPUs with their CPUID, and finds the MSRs they can save, unless
+    /// that was done; says whether it created them.
+    pub(crate) fn create_vcpus(&self) -> Result<bool, VmmError> {
+        if self.vcpu_fds.get().is_some() {
+            return Ok(false);
+        }
+        let fds = (0..self.description.vcpus)
+            .map(|id| vcpu::create(&self.kvm, id).map(|fd| Arc::new(Mutex::new(fd))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let msrs = crate::kvm::state::readable_msrs(&self.kvm.kvm, &fds[0].lock().unwrap())?;
+        // Only the state load or a boot creates them, on one thread, before any vCPU runs.
+        let _ = self.msrs.set(msrs);
+        let _ = self.vcpu_fds.set(fds);
+        Ok(true)
+    }
+}
