@@ -437,8 +437,8 @@ fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress
         };
         // A VMM started with --then-incoming went on to wait for the guest's return once
         // this migration completed; it tells how that ended.
-        let moved_on = value["role"] == "destination";
-        if moved_on {
+        let moved_on = value["role"] == "destination" || value["then_incoming"].is_string();
+        if value["role"] == "destination" {
             value = value["previous"].take();
         }
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;

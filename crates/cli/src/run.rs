@@ -432,6 +432,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             },
         };
         let handle = vm.handle();
+        if let Some(next) = &args.then_incoming {
+            handle.set_then_incoming(next);
+        }
         *interrupt.vm.lock().unwrap() = Some(handle.clone());
         if interrupt.requested() {
             interrupt.interrupted();

@@ -15,6 +15,9 @@ const WRITE_BUFFER: usize = 4 << 20;
 /// Receive buffer: many 4 KiB page reads are served from one socket read.
 const READ_BUFFER: usize = 1 << 20;
 
+/// What a connection closed at the hello most likely met.
+const CLOSED_AT_HELLO: &str = "reading the answer to the hello (a destination that requires TLS closes a plaintext connection at once; give this source --tls-dir then)";
+
 /// One migration connection.
 #[derive(Debug)]
 pub struct Conn {
@@ -129,10 +132,19 @@ impl Conn {
             .set_read_timeout(within)
             .map_err(|e| MigrateError::io(during, e))?;
         let mut b = [0u8; HELLO_SIZE];
+        // A peer that closes at once (a TLS destination given plaintext) is read as an end of
+        // stream, or as a reset when the hello was still unread in its socket: the same hint.
         self.read_exact(&mut b, during).map_err(|e| match e {
             MigrateError::Truncated { .. } => MigrateError::Truncated {
-                during: "reading the answer to the hello (a destination that requires TLS closes a plaintext connection at once; give this source --tls-dir then)",
+                during: CLOSED_AT_HELLO,
             },
+            MigrateError::Io { ref source, .. }
+                if source.kind() == std::io::ErrorKind::ConnectionReset =>
+            {
+                MigrateError::Truncated {
+                    during: CLOSED_AT_HELLO,
+                }
+            }
             e => e,
         })?;
         self.stream()

@@ -150,6 +150,18 @@ impl VmHandle {
         *self.0.previous_migration.lock().unwrap() = Some(progress);
     }
 
+    /// Says that once a migration takes the guest away, this VMM waits for its return on
+    /// `at` (`ferry run --then-incoming`): `GET /migration` tells a follower so from the start,
+    /// so that it need not race the VMM's move to that wait.
+    pub fn set_then_incoming(&self, at: &str) {
+        *self.0.then_incoming.lock().unwrap() = Some(at.to_string());
+    }
+
+    /// See [`VmHandle::set_then_incoming`].
+    pub fn then_incoming(&self) -> Option<String> {
+        self.0.then_incoming.lock().unwrap().clone()
+    }
+
     /// See [`VmHandle::set_previous_migration`].
     pub fn previous_migration(&self) -> Option<Progress> {
         self.0.previous_migration.lock().unwrap().clone()
@@ -272,7 +284,10 @@ impl VmHandle {
             Some(c)
                 if matches!(
                     c.progress().phase,
-                    IncomingPhase::Waiting | IncomingPhase::Handshake | IncomingPhase::Precopy
+                    IncomingPhase::Preparing
+                        | IncomingPhase::Waiting
+                        | IncomingPhase::Handshake
+                        | IncomingPhase::Precopy
                 ) =>
             {
                 c.cancel();

@@ -17,11 +17,13 @@ use crate::transport::Stream;
 #[serde(rename_all = "snake_case")]
 pub enum IncomingPhase {
     /// Not listening yet: the VMM readies what it needs to take pages first (preallocating
-    /// guest RAM; see [`IncomingProgress::preparing`]). A source that connects now is refused
-    /// by the host and may retry (`ferry migrate` does, for its `--connect-timeout`).
+    /// guest RAM; see [`IncomingProgress::preparing`]), or has not reached its listener. A
+    /// source that connects now is refused by the host and may retry (`ferry migrate` does,
+    /// for its `--connect-timeout`). Where every incoming migration starts: a watcher that
+    /// sees `waiting` may connect.
+    #[default]
     Preparing,
     /// Listening; no source has completed a valid hello yet.
-    #[default]
     Waiting,
     /// A source's main hello was accepted; its data channels connect.
     Handshake,

@@ -238,7 +238,13 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             (200, json!({ "state": "stopped" }))
         }
         (Method::Get, "/migration") => match (vm.migration(), vm.incoming()) {
-            (Some(p), _) => (200, serde_json::to_value(p).unwrap_or_default()),
+            (Some(p), _) => {
+                let mut v = serde_json::to_value(p).unwrap_or_default();
+                if let Some(at) = vm.then_incoming() {
+                    v["then_incoming"] = json!(at);
+                }
+                (200, v)
+            }
             (None, Some(p)) => {
                 let mut v = serde_json::to_value(p).unwrap_or_default();
                 v["role"] = json!("destination");
