@@ -22,6 +22,7 @@ pub mod control;
 pub mod destination;
 pub mod error;
 pub mod pagebits;
+mod phase;
 pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;
@@ -29,6 +30,7 @@ mod receiver;
 pub mod scan;
 mod sender;
 pub mod source;
+mod state_part;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;
 pub mod transport;

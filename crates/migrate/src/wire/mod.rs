@@ -472,7 +472,7 @@ pub struct ResumedRecord {
     pub load_ns: u64,
     pub resume_ns: u64,
     pub cpu_ns: u64,
-    pub parts: Vec<crate::stats::StatePart>,
+    pub parts: Vec<crate::state_part::StatePart>,
 }
 
 impl ResumedRecord {
@@ -531,7 +531,7 @@ impl ResumedRecord {
                 .get(PART_HEAD..PART_HEAD + name_len)
                 .ok_or(bad("name cut short"))?;
             let name = std::str::from_utf8(name).map_err(|_| bad("name not UTF-8"))?;
-            r.parts.push(crate::stats::StatePart {
+            r.parts.push(crate::state_part::StatePart {
                 name: name.to_string(),
                 ms: word(rest, 0) as f64 / 1e6,
                 bytes: word(rest, 8),
