@@ -28,7 +28,6 @@ pub mod policy;
 pub mod ram;
 mod receiver;
 pub mod scan;
-mod sender;
 pub mod source;
 mod state_part;
 #[allow(unsafe_code)] // one clock_gettime call
