@@ -17,18 +17,16 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::acks::Acker;
+use super::arrival::{Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, RECORD_TIMEOUT};
 use super::postcopy::{FaultThread, Postcopy, PostcopyGate};
 use super::progress::Watchdog;
+use super::progress::{IncomingControl, IncomingPhase};
+use super::receiver::{self, PageBits, PassBarrier, ReceiverStats};
 use super::sections::Sections;
 use super::sink;
-use super::{
-    Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, IncomingControl, IncomingPhase,
-    RECORD_TIMEOUT,
-};
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
-use crate::receiver::{self, PageBits, PassBarrier, ReceiverStats};
 use crate::stats;
 use crate::transport::Stream;
 use crate::vm::{DestinationVm, Section, VmError};
