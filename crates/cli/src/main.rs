@@ -7,6 +7,7 @@
 mod bench;
 mod control;
 mod demo;
+pub mod exit;
 mod guest;
 mod migrate;
 mod report;
@@ -17,6 +18,7 @@ mod tune;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+pub use exit::UsageError;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -79,21 +81,6 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
-/// `ferry`'s exit statuses (README.md has the same table).
-pub mod exit {
-    /// The command did what it was asked (a migration completed).
-    pub const COMPLETED: u8 = 0;
-    /// It failed (a migration failed; the source keeps running unless it was handed over).
-    pub const FAILED: u8 = 1;
-    /// Bad flags or values, refused before anything was done (clap's own status for bad flags).
-    pub const USAGE: u8 = 2;
-    /// The migration was cancelled (`ferry cancel` or Ctrl-C; it ended in phase `cancelled`).
-    pub const CANCELLED: u8 = 3;
-    /// `ferry migrate` stopped following on Ctrl-C or SIGTERM a migration that could not be
-    /// cancelled any more (postcopy): it goes on in the VMM.
-    pub const DETACHED: u8 = 4;
-}
-
 const EXIT_STATUS_HELP: &str = "Exit status:
   0  the migration completed; the guest runs on the destination, the source VM is paused
   1  the migration failed
@@ -102,18 +89,6 @@ const EXIT_STATUS_HELP: &str = "Exit status:
      (a --timeout with --timeout-action cancel is a failure: 1)
   4  Ctrl-C or SIGTERM while the migration could not be cancelled any more (postcopy): ferry
      stopped following it, and it goes on in the VMM (ferry status, GET /migration)";
-
-/// A value the CLI refuses before doing anything: exit status 2, like clap's own errors.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()

@@ -8,46 +8,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::phase::Phase;
 use crate::policy::AutoConverge;
 use crate::stats::MigrationStats;
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    #[default]
-    Setup,
-    Precopy,
-    /// Postcopy was decided and the guest still runs here: the source lists the pages it will
-    /// send again after the switch, and the destination drops them (a round or a few, each
-    /// waiting for the destination to apply the last). Cancelling still leaves the guest here.
-    Discarding,
-    /// The guest is paused here: the last pages (precopy) and the device state go out, and
-    /// the destination loads them and resumes the guest.
-    Switchover,
-    /// The guest runs on the destination; the source sends the pages it still needs (those it
-    /// asks for first). It can no longer be cancelled: the source's copy is out of date.
-    Postcopy,
-    /// A connection broke (or `PUT /migration/pause` broke them) in postcopy: the guest runs on
-    /// the destination and waits for missing pages; the source keeps what it still has to
-    /// send and waits for `ferry migrate --resume` to reconnect.
-    PostcopyPaused,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl Phase {
-    /// Whether a migration in this phase has not ended yet.
-    pub fn is_active(self) -> bool {
-        !matches!(self, Phase::Completed | Phase::Failed | Phase::Cancelled)
-    }
-
-    /// Whether a cancel still leaves the guest running here with nothing lost: before the
-    /// pause (QEMU's migrate_cancel in its active states).
-    pub fn is_cancellable(self) -> bool {
-        matches!(self, Phase::Setup | Phase::Precopy | Phase::Discarding)
-    }
-}
 
 /// What `GET /migration` and `ferry migrate` show while a migration runs.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

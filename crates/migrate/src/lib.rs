@@ -7,8 +7,8 @@
 //!   the engine's `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
 //! - [`policy`]: when to switch over, as a pure function.
-//! - [`source`] and [`destination`]: the two sessions; `sender` and `receiver` (internal): the data
-//!   channels' threads; [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
+//! - [`source`] and [`destination`]: the two sessions, each with its data channels' threads;
+//!   [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
@@ -22,13 +22,13 @@ pub mod control;
 pub mod destination;
 pub mod error;
 pub mod pagebits;
+mod phase;
 pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;
-mod receiver;
 pub mod scan;
-mod sender;
 pub mod source;
+mod state_part;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;
 pub mod transport;

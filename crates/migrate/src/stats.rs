@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::control::Phase;
+use crate::phase::Phase;
+pub use crate::state_part::StatePart;
 
 /// One precopy pass (pass 1 walks populated memory; later passes walk the dirty bitmap; the
 /// last row, `final`, is what was sent with the guest paused).
@@ -46,16 +47,6 @@ pub struct Downtime {
     /// them (carried in the Resumed record).
     #[serde(default)]
     pub load_parts: Vec<StatePart>,
-}
-
-/// One part of a VMM's state save or load: a vCPU, a device, the VM clock, or a step of its
-/// own (creating vCPUs, waking their threads), named by the VMM.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct StatePart {
-    pub name: String,
-    pub ms: f64,
-    /// Bytes of state it saved or loaded (0 for a step).
-    pub bytes: u64,
 }
 
 /// The statistics of one migration.

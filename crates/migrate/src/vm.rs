@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::bitmap::DirtyBitmap;
 use crate::ram::RamRegion;
-use crate::stats::StatePart;
+use crate::state_part::StatePart;
 use crate::wire::{SectionHeader, SectionId};
 
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and

@@ -3,6 +3,7 @@
 //!
 //! - [`memory`]: guest RAM in one sparse memfd, around the 32-bit MMIO hole; [`writes`]: the
 //!   bitmap that records every write the VMM makes to it.
+//! - [`hugepages`]: the host's hugetlbfs pool, raised for a test or bench's huge-page guests.
 //! - [`limit`]: the most RAM a VM may have on this host, and why.
 //! - [`boot`]: PVH loading (linux-loader) and the pre-boot checks of the built-in guest.
 //! - [`kvm`]: the only module that talks to KVM: VM, memory slots, vCPUs, kicks, the dirty
@@ -32,6 +33,7 @@ pub mod balloon;
 pub mod boot;
 pub mod devices;
 pub mod error;
+pub mod hugepages;
 #[allow(unsafe_code)] // KVM's ioctls on guest memory, the kick signal, XSAVE
 pub mod kvm;
 pub mod limit;

@@ -1,116 +1,17 @@
 //! The charts of one run's column but its timeline (`timeline.rs`) and latencies
 //! (`latency.rs`): the header every chart opens with, the downtime's parts and the passes.
-//! Each draws into its own cell on the scales all runs share, its text laid out to fit.
+//! Each draws into its own cell on the scales all runs share, its text laid out to fit, with
+//! what `canvas.rs` gives every chart.
 
 use ferry_migrate::MigrationStats;
 use ferry_migrate::stats::Downtime;
 use plotters::prelude::*;
 
+use super::canvas::{
+    Area, BLUE, BROWN, GREEN, HEADER_HEIGHT, LABEL_FONT, LINE_HEIGHT, ORANGE, PINK, PLOT_LEFT,
+    PURPLE, RED, RIGHT_MARGIN, Scales, Swatch, header, headroom, label,
+};
 use super::layout::{flow, text_width};
-use super::plot::{Area, CAPTION_FONT, LABEL_FONT, Scales};
-
-const PAGE_SIZE: f64 = 4096.0;
-/// Matplotlib's "tab10" colours: distinct, and distinct to most colour-blind readers.
-pub(super) const BLUE: RGBColor = RGBColor(31, 119, 180);
-pub(super) const ORANGE: RGBColor = RGBColor(255, 127, 14);
-pub(super) const GREEN: RGBColor = RGBColor(44, 160, 44);
-pub(super) const RED: RGBColor = RGBColor(214, 39, 40);
-pub(super) const PURPLE: RGBColor = RGBColor(148, 103, 189);
-const BROWN: RGBColor = RGBColor(140, 86, 75);
-const PINK: RGBColor = RGBColor(227, 119, 194);
-pub(super) const GREY: RGBColor = RGBColor(127, 127, 127);
-pub(super) const TEAL: RGBColor = RGBColor(23, 190, 207);
-/// The strip above a chart holding its title and the first row of its legend.
-const HEADER_HEIGHT: u32 = 30;
-/// Each further row of a legend or line of text: a 13 px label and its spacing.
-pub(super) const LINE_HEIGHT: u32 = 20;
-/// Where a chart's plot, and the text under it, start: past the left axis's labels.
-const PLOT_LEFT: i32 = 68;
-/// Room kept free at a column's right edge.
-const RIGHT_MARGIN: i32 = 12;
-
-/// Headroom above the largest value so the top of a line or bar is not on the frame.
-pub(super) fn headroom(max: f64) -> f64 {
-    if max > 0.0 { max * 1.1 } else { 1.0 }
-}
-
-pub(super) fn dirty_mb_s(pages_per_s: f64) -> f64 {
-    pages_per_s * PAGE_SIZE / 1e6
-}
-
-pub(super) fn caption() -> TextStyle<'static> {
-    ("sans-serif", CAPTION_FONT).into_font().color(&BLACK)
-}
-
-pub(super) fn label() -> TextStyle<'static> {
-    ("sans-serif", LABEL_FONT).into_font().color(&BLACK)
-}
-
-/// How a legend entry is drawn.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Swatch {
-    Line,
-    Block,
-    /// A translucent band, as the timeline's spans are drawn.
-    Band,
-}
-
-/// A legend entry: its name, colour and swatch.
-pub(super) type Entry<'a> = (&'a str, RGBColor, Swatch);
-
-/// Where each legend entry of a chart `width` wide goes: after the title on its first row,
-/// under the first entry on the rows after.
-fn legend_rows<'a, 'b>(
-    title: &str,
-    entries: &'b [Entry<'a>],
-    width: i32,
-) -> Vec<(i32, i32, &'b Entry<'a>)> {
-    let left = 14 + text_width(title, CAPTION_FONT) + 24;
-    let (mut x, mut row) = (left, 0);
-    let mut out = Vec::new();
-    for entry in entries {
-        let w = 22 + text_width(entry.0, LABEL_FONT);
-        if x > left && x + w > width - RIGHT_MARGIN {
-            (x, row) = (left, row + 1);
-        }
-        out.push((x, row, entry));
-        x += w + 16;
-    }
-    out
-}
-
-/// A chart's title with its legend after it, in as many rows as the width takes, above the
-/// plot where no line or bar can hide under it; returns the area left for the plot.
-pub(super) fn header<'a>(
-    area: &Area<'a>,
-    title: &str,
-    entries: &[Entry<'_>],
-) -> anyhow::Result<Area<'a>> {
-    let width = area.dim_in_pixel().0 as i32;
-    let placed = legend_rows(title, entries, width);
-    let rows = placed.last().map_or(0, |p| p.1) as u32;
-    let (top, rest) = area.split_vertically(HEADER_HEIGHT + rows * LINE_HEIGHT);
-    top.draw_text(title, &caption(), (14, 8))?;
-    for &(x, row, &(name, color, swatch)) in &placed {
-        let y = 15 + row * LINE_HEIGHT as i32;
-        match swatch {
-            Swatch::Line => top.draw(&PathElement::new(
-                [(x, y), (x + 18, y)],
-                color.stroke_width(3),
-            ))?,
-            Swatch::Block => top.draw(&Rectangle::new(
-                [(x + 3, y - 6), (x + 15, y + 6)],
-                color.filled(),
-            ))?,
-            Swatch::Band => top.draw(&Rectangle::new(
-                [(x, y - 7), (x + 18, y + 7)],
-                color.mix(0.3).filled(),
-            ))?,
-        }
-        top.draw_text(name, &label(), (x + 22, y - 6))?;
-    }
-    Ok(rest)
-}
 
 /// The downtime's parts, in order, with their colours.
 pub(super) fn downtime_parts(d: &Downtime) -> [(&'static str, f64, RGBColor); 7] {

@@ -8,9 +8,10 @@
 
 use ferry_migrate::{MigrationStats, Phase};
 
+use super::canvas::CAPTION_FONT;
 use super::fixtures;
 use super::layout::{SVG_FONT_SCALE, em_width};
-use super::plot::{CAPTION_FONT, COLUMN_WIDTH, Run, render};
+use super::plot::{COLUMN_WIDTH, Run, render};
 
 /// One SVG element: its name, attributes and text content.
 #[derive(Clone, Debug)]

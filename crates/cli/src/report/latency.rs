@@ -7,8 +7,7 @@
 use ferry_migrate::MigrationStats;
 use plotters::prelude::*;
 
-use super::charts::{BLUE, Swatch, header, headroom, label};
-use super::plot::{Area, Scales};
+use super::canvas::{Area, BLUE, Scales, Swatch, header, headroom, label};
 
 /// Space per x-axis label ("131 ms" at 13 px and a gap): fewer labels than buckets when the
 /// buckets are narrower.

@@ -1,9 +1,11 @@
 //! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
 //! `ferry report`, which draws statistics written with `--stats-out` as SVG charts
-//! (`plot.rs`, `timeline.rs`, `charts.rs`, `latency.rs`, their text fitted by `layout.rs`),
+//! (`plot.rs` arranges `timeline.rs`, `charts.rs` and `latency.rs`, which draw with
+//! `canvas.rs`, their text fitted by `layout.rs`),
 //! alone or side by side. `drawn.rs` tests what is drawn for every kind of run
 //! (`fixtures.rs`), read back from the SVG.
 
+mod canvas;
 mod charts;
 #[cfg(test)]
 mod drawn;
@@ -27,7 +29,7 @@ pub use live::{Live, PlainLines};
 pub use plot::Run;
 pub use text::{phase_name, print_json, print_partial, print_stats, print_table, progress_line};
 
-use crate::UsageError;
+use crate::exit::UsageError;
 
 #[derive(Debug, Args)]
 pub struct ReportArgs {

@@ -4,10 +4,9 @@
 //! tall as the tallest of its cells, so that the charts of the runs line up.
 
 use ferry_migrate::MigrationStats;
-use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::charts::LINE_HEIGHT;
+use super::canvas::{Area, LABEL_FONT, LINE_HEIGHT, Scales, TITLE_FONT, dirty_mb_s};
 use super::layout::{flow, truncate};
 use super::timeline::spans;
 use super::{charts, latency, timeline};
@@ -19,9 +18,6 @@ pub struct Run {
     pub stats: MigrationStats,
 }
 
-/// A drawing area on the SVG being written.
-pub(super) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
-
 /// A column wide enough for a timeline of a few hundred samples and the downtime legend's
 /// seven parts on two lines.
 pub(super) const COLUMN_WIDTH: u32 = 760;
@@ -32,30 +28,6 @@ const PASSES_HEIGHT: u32 = 280;
 const LATENCY_HEIGHT: u32 = 260;
 /// Room left free at a column's left and right edges, so that two columns' text never meet.
 const SIDE_MARGIN: i32 = 14;
-/// Font sizes (px): large enough to read at the picture's natural size.
-pub(super) const TITLE_FONT: u32 = 22;
-pub(super) const CAPTION_FONT: u32 = 17;
-pub(super) const LABEL_FONT: u32 = 13;
-
-/// The largest figure of each kind over all runs: the shared scales.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Scales {
-    pub t_max_s: f64,
-    pub mb_max: f64,
-    pub rate_max_mb_s: f64,
-    pub downtime_max_ms: f64,
-    pub passes_max: usize,
-    pub pass_mb_max: f64,
-    pub pass_ms_max: f64,
-    /// Some run has a postcopy phase: every column's timeline legend then names its band.
-    pub postcopy: bool,
-    /// Some run's postcopy was paused by a broken connection: likewise.
-    pub broken: bool,
-    /// The postcopy latency buckets, lowest and highest, that any run counted requests in.
-    pub latency_buckets: Option<(usize, usize)>,
-    pub latency_count_max: u64,
-}
-
 impl Scales {
     fn of(runs: &[Run]) -> Scales {
         let mut s = Scales::default();
@@ -70,7 +42,7 @@ impl Scales {
                 s.rate_max_mb_s = s
                     .rate_max_mb_s
                     .max(x.send_rate_mb_s)
-                    .max(charts::dirty_mb_s(x.dirty_rate_pages_per_s));
+                    .max(dirty_mb_s(x.dirty_rate_pages_per_s));
             }
             s.downtime_max_ms = s.downtime_max_ms.max(st.downtime.total_ms).max(
                 charts::downtime_parts(&st.downtime)

@@ -8,11 +8,11 @@ use plotters::chart::DualCoordChartContext;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::charts::{
-    BLUE, GREEN, GREY, ORANGE, PURPLE, RED, Swatch, TEAL, dirty_mb_s, header, headroom, label,
+use super::canvas::{
+    Area, BLUE, GREEN, GREY, LABEL_FONT, ORANGE, PURPLE, RED, Scales, Swatch, TEAL, dirty_mb_s,
+    header, headroom, label,
 };
 use super::layout::text_width;
-use super::plot::{Area, LABEL_FONT, Scales};
 
 /// Where a run's guest was over the timeline, in seconds since the migration started.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -23,10 +23,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{
-    Arrival, Arrivals, HELLO_TIMEOUT, IncomingControl, IncomingPhase, ReceiveStats, Session,
-    read_hello,
-};
+use super::arrival::{Arrival, Arrivals, HELLO_TIMEOUT, read_hello};
+use super::progress::{IncomingControl, IncomingPhase};
+use super::session::{ReceiveStats, Session};
 use crate::error::MigrateError;
 use crate::transport::{Listener, Stream};
 use crate::vm::DestinationVm;

@@ -13,6 +13,10 @@
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
 //! - `acks` (internal): the thread that tells the source how much arrived, when it asked.
+//! - `arrival` (internal): what every connection starts with, below both the screening and
+//!   the session: the hello read within its bound, [`Arrival`], [`Arrivals`], the time bounds.
+//! - `receiver` (internal): a data channel's receiver thread, and the per-pass barrier with its
+//!   page-claim bitmap.
 //! - `sink` (internal) is how received pages land in memory: for precopy straight into
 //!   mapped RAM or through the backing file, as the VMM's [`PageLanding`](crate::PageLanding)
 //!   says; an atomic install for postcopy later.
@@ -20,66 +24,25 @@
 #![forbid(unsafe_code)]
 
 mod acks;
+mod arrival;
 pub(crate) mod assemble;
 mod listen;
 pub(crate) mod postcopy;
 mod progress;
+mod receiver;
 mod sections;
 mod session;
 pub(crate) mod sink;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+pub use arrival::{Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, RECORD_TIMEOUT, read_hello};
 pub use listen::listen;
 pub use progress::{IncomingControl, IncomingPhase, IncomingProgress, Preparing};
 pub use session::{ReceiveStats, Session};
 
 use crate::error::MigrateError;
 use crate::transport::Stream;
-use crate::wire::{HELLO_SIZE, Hello};
-
-/// How long the destination waits for the next record on a connection before it gives up on
-/// a silent source. Generous: the main channel is quiet while a long pass runs on the data
-/// channels (a pass is bounded by the migration's own timeout, at most minutes).
-pub const RECORD_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long the announced data channels have to connect after the main hello.
-pub const CHANNEL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a new connection has to send its hello: a source sends it at once, so 10 s is
-/// only ever reached by something that is not a source (a port scanner, an idle client).
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A connection that has sent its hello.
-#[derive(Debug)]
-pub struct Arrival {
-    pub stream: Box<dyn Stream>,
-    pub hello: Hello,
-}
-
-/// Where a session's data connections come from.
-pub trait Arrivals {
-    /// The next connection with its hello; `None` once `deadline` passed without one.
-    fn next(&mut self, deadline: Instant) -> Result<Option<Arrival>, MigrateError>;
-    /// Every announced channel is connected: later connections are not this session's.
-    fn close(&mut self);
-}
-
-/// Reads a hello unbuffered (whatever follows it belongs to the connection's reader), within
-/// `timeout`.
-pub fn read_hello(stream: &mut dyn Stream, timeout: Duration) -> Result<Hello, MigrateError> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| MigrateError::io("reading the hello", e))?;
-    let mut raw = [0u8; HELLO_SIZE];
-    std::io::Read::read_exact(stream, &mut raw)
-        .map_err(|e| MigrateError::io("reading the hello", e))?;
-    if crate::transport::tls::looks_like_tls(&raw) {
-        return Err(crate::error::ProtocolError::Order(
-            "a TLS handshake instead of a hello: this destination does not use TLS; start it with ferry run --tls-dir (or the source's migration without it)".into(),
-        )
-        .into());
-    }
-    Ok(Hello::decode(&raw)?)
-}
 
 /// Arrivals from a caller's accept function, each hello read here.
 struct Accepted<'a, S> {

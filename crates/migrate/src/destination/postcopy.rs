@@ -40,8 +40,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::MigrateError;
+use crate::pagebits::PageBits;
 use crate::ram::Ram;
-use crate::receiver::PageBits;
 use crate::transport::Stream;
 use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};

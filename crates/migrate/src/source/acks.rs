@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::bandwidth::BandwidthWindow;
+use super::acked::AckUse;
 use super::reader::{Inbound, InboundReader};
 use super::{Session, ms};
 use crate::control::Phase;
@@ -26,46 +26,6 @@ const DRAIN_POLL: Duration = Duration::from_millis(1);
 /// What a page queued on a sender costs once written: its address and its data (a zero page
 /// costs less; counting it in full only makes the source wait a little longer).
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
-
-/// Whether the source may trust acknowledgements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AckUse {
-    /// The destination does not acknowledge (not granted).
-    Unavailable,
-    /// It does; in-flight and absorption come from its acknowledgements.
-    Live,
-    /// It was granted but made no progress through a whole drain: ignored from then on.
-    Stalled,
-}
-
-/// The source's view of the destination's progress.
-#[derive(Debug)]
-pub struct Acks {
-    pub(super) reader: Option<InboundReader>,
-    pub(super) use_: AckUse,
-    /// (arrival time, acknowledged bytes), one sample per new acknowledgement.
-    absorbed: BandwidthWindow,
-    /// The acknowledged byte count last seen.
-    acked: u64,
-}
-
-impl Default for Acks {
-    fn default() -> Acks {
-        Acks {
-            reader: None,
-            use_: AckUse::Unavailable,
-            absorbed: BandwidthWindow::default(),
-            acked: 0,
-        }
-    }
-}
-
-impl Acks {
-    /// Bytes the destination acknowledged so far.
-    pub fn acked(&self) -> u64 {
-        self.acked
-    }
-}
 
 impl Session<'_> {
     /// Folds a new acknowledgement, if one came, into the absorption window.

@@ -18,11 +18,11 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{SourceParams, TestHooks};
+use super::params::{SourceParams, TestHooks};
+use super::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
-use crate::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
 use crate::wire::{self, Hello, Role};

@@ -22,11 +22,11 @@ use std::time::{Duration, Instant};
 
 use super::readahead;
 use super::reader::Inbound;
+use super::sender;
 use super::{Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
 use crate::error::MigrateError;
-use crate::sender;
 use crate::stats::{PostcopyStats, PostcopyTrigger};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
@@ -250,7 +250,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.acks.use_ != super::acks::AckUse::Live {
+            if self.acks.use_ != super::acked::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {

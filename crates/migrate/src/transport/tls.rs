@@ -37,7 +37,7 @@ use rustls::{
     DistinguishedName, RootCertStore, ServerConfig, ServerConnection, SignatureScheme,
 };
 
-use super::{Address, Listener, Stream};
+use super::stream::{Listener, Stream};
 
 /// The CA certificate in a `--tls-dir`.
 pub const CA_FILE: &str = "ca-cert.pem";
@@ -147,7 +147,7 @@ fn read_roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
     Ok(Arc::new(roots))
 }
 
-fn parse_name(name: &str) -> Result<ServerName<'static>, TlsError> {
+pub(super) fn parse_name(name: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(name.to_string()).map_err(|_| TlsError::Name(name.into()))
 }
 
@@ -155,7 +155,7 @@ fn parse_name(name: &str) -> Result<ServerName<'static>, TlsError> {
 /// connects to).
 pub struct SourceTls {
     config: Arc<ClientConfig>,
-    name: Option<ServerName<'static>>,
+    pub(super) name: Option<ServerName<'static>>,
 }
 
 impl std::fmt::Debug for SourceTls {
@@ -187,20 +187,6 @@ impl SourceTls {
             config: Arc::new(config),
             name: name.map(parse_name).transpose()?,
         })
-    }
-
-    /// The name the destination at `to` must prove it holds.
-    pub fn name_for(&self, to: &Address) -> Result<ServerName<'static>, TlsError> {
-        if let Some(n) = &self.name {
-            return Ok(n.clone());
-        }
-        match to {
-            Address::Tcp(a) => {
-                let host = a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h);
-                parse_name(host.trim_start_matches('[').trim_end_matches(']'))
-            }
-            Address::Unix(_) => Err(TlsError::NeedsName(to.to_string())),
-        }
     }
 
     /// Runs the handshake over `stream` as the source, within `timeout`; the destination's

@@ -412,7 +412,7 @@ fn an_error_record_counts_only_its_code() {
 
 #[test]
 fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
-    let part = |name: &str, ms: f64, bytes: u64| crate::stats::StatePart {
+    let part = |name: &str, ms: f64, bytes: u64| crate::state_part::StatePart {
         name: name.into(),
         ms,
         bytes,

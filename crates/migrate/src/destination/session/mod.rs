@@ -3,6 +3,11 @@
 //! the announced data channels, follows the main channel through the passes, loads the device
 //! state, resumes the guest and acknowledges. Each phase is a method; what the phases share
 //! (connections, receivers, counters) is the session's, and it is consumed when it ends.
+//! Here: the handshake, the run, precopy on the main channel, and the load and resume; in
+//! `channels.rs` the data channels' connection and the join of their receivers; in
+//! `postcopy.rs` the postcopy phase; in `recover.rs` postcopy-paused and its recovery. Those
+//! add their methods to [`Session`] and nothing here names them, so the files stand on this one
+//! and not the other way round.
 //!
 //! When the source asked for [`Capabilities::PROGRESS`], an [`Acker`] thread acknowledges
 //! what arrived on the main connection from the moment every data channel connected until
@@ -17,23 +22,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::acks::Acker;
-use super::postcopy::{FaultThread, Postcopy, PostcopyGate};
+use super::arrival::{Arrival, Arrivals, HELLO_TIMEOUT, RECORD_TIMEOUT};
+use super::postcopy::{Postcopy, PostcopyGate};
 use super::progress::Watchdog;
+use super::progress::{IncomingControl, IncomingPhase};
+use super::receiver::{self, ReceiverStats};
 use super::sections::Sections;
-use super::sink;
-use super::{
-    Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, IncomingControl, IncomingPhase,
-    RECORD_TIMEOUT,
-};
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
-use crate::receiver::{self, PageBits, PassBarrier, ReceiverStats};
 use crate::stats;
 use crate::transport::Stream;
 use crate::vm::{DestinationVm, Section, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
+mod channels;
+mod postcopy;
 mod recover;
 
 /// What the destination measured.
@@ -328,105 +332,6 @@ impl<'a> Session<'a> {
         self.acker.take().map_or(Ok(()), Acker::stop)
     }
 
-    /// Phase 2: every announced data channel connects within [`CHANNEL_TIMEOUT`], naming this
-    /// migration and a fresh channel id; each gets a receiver thread.
-    fn connect_channels(&mut self, arrivals: &mut dyn Arrivals) -> Result<(), MigrateError> {
-        let main = self.hello;
-        let shared = match &self.shared {
-            // A postcopy recovery: the new channels carry on where the broken ones stopped.
-            Some(shared) => shared.clone(),
-            None => {
-                let pages = self.ram.size() / PAGE_SIZE;
-                let claimed = Arc::new(PageBits::new(pages));
-                let shared = receiver::Shared {
-                    barrier: Arc::new(PassBarrier::new(
-                        usize::from(main.channels) + 1,
-                        claimed.clone(),
-                        RECORD_TIMEOUT,
-                    )),
-                    written: Arc::new(PageBits::new(pages)),
-                    claimed,
-                    ram: self.ram.clone(),
-                    sink: sink::for_landing(self.vm.page_landing(main.channels), &self.ram),
-                    control: self.control.clone(),
-                    postcopy: self.gate.clone(),
-                    checksum_pages: self.granted.contains(Capabilities::CHECKSUM_PAGES),
-                };
-                self.shared = Some(shared.clone());
-                shared
-            }
-        };
-        // Each channel has CHANNEL_TIMEOUT after the one before: a source opens them one at a
-        // time, so one total for all would refuse many channels over a long round trip.
-        let mut deadline = Instant::now() + CHANNEL_TIMEOUT;
-        // Slot 0 is the preempt connection, when granted; slots 1.. the data channels.
-        let mut seen = vec![false; usize::from(main.channels) + 1];
-        let preempt = self.granted.contains(Capabilities::PREEMPT);
-        let expected = usize::from(main.channels) + usize::from(preempt);
-        while self.receivers.len() < expected {
-            if self.control.cancelled() {
-                return Err(MigrateError::CancelledHere);
-            }
-            if self.control.silent() {
-                // The watchdog gave up on the source while its channels were awaited.
-                return Err(MigrateError::Stalled {
-                    during: "waiting for the data channels",
-                });
-            }
-            // In short waits, so that a cancel or the watchdog is seen at once.
-            let Some(arrival) = arrivals.next(deadline.min(Instant::now() + CHANNEL_POLL))? else {
-                if Instant::now() < deadline {
-                    continue;
-                }
-                let mut missing: Vec<String> = (1..=main.channels)
-                    .filter(|&c| !seen[usize::from(c)])
-                    .map(|c| format!("data channel {c}"))
-                    .collect();
-                if preempt && !seen[0] {
-                    missing.push("the preempt connection".into());
-                }
-                return Err(MigrateError::Refused(format!(
-                    "{} never connected within {CHANNEL_TIMEOUT:?} of the connection before",
-                    missing.join(", ")
-                )));
-            };
-            let Arrival { mut stream, hello } = arrival;
-            let refusal = channel_refusal(&main, &hello, &seen, preempt);
-            let mut reply = Hello {
-                status: Refusal::Accepted as u32,
-                memory_size: self.ram.size(),
-                ..hello
-            };
-            if let Some((status, _)) = &refusal {
-                reply.status = *status as u32;
-            }
-            let answered = std::io::Write::write_all(&mut stream, &reply.encode())
-                .map_err(|e| MigrateError::io("answering a data channel", e));
-            if let Some((_, why)) = refusal {
-                return Err(MigrateError::Refused(why));
-            }
-            answered?;
-            seen[usize::from(hello.channel)] = true;
-            deadline = Instant::now() + CHANNEL_TIMEOUT;
-            let _ = stream.set_read_timeout(Some(RECORD_TIMEOUT));
-            self.control.register(stream.as_ref());
-            let handle = stream
-                .try_clone_stream()
-                .map_err(|e| MigrateError::io("accepting a data channel", e))?;
-            self.receivers.push(Running {
-                channel: hello.channel,
-                thread: receiver::start(hello.channel, stream, shared.clone()),
-                stream: handle,
-            });
-            let connected = self.receivers.iter().filter(|r| r.channel != 0).count() as u16;
-            self.control.update(|p| p.channels_connected = connected);
-        }
-        arrivals.close();
-        self.stats.channels = main.channels;
-        self.control.update(|p| p.phase = IncomingPhase::Precopy);
-        Ok(())
-    }
-
     /// Phase 3: the main channel's pass ends, then the device state up to Complete (every
     /// receiver finished every pass) or, with postcopy, the discard list and the device state
     /// up to Postcopy.
@@ -543,193 +448,6 @@ impl<'a> Session<'a> {
         barrier.failure().unwrap_or(e)
     }
 
-    /// After Complete: every data channel must have ended after the last pass.
-    fn join_receivers(&mut self) -> Result<(), MigrateError> {
-        for r in self.receivers.drain(..) {
-            let s = r.thread.join().map_err(|_| {
-                MigrateError::Internal(format!(
-                    "{}: its receiver panicked",
-                    receiver::name(r.channel)
-                ))
-            })??;
-            // The preempt connection (channel 0) carries no passes, nor do the channels a
-            // postcopy recovery opened.
-            if r.channel != 0 && s.passes != self.stats.passes && self.recoveries == 0 {
-                return Err(MigrateError::ChannelEnded {
-                    channel: r.channel,
-                    after_pass: s.passes,
-                    pass: self.stats.passes,
-                });
-            }
-            self.stats.pages += s.pages;
-            self.stats.zero_pages += s.zero_pages;
-            self.stats.receiver_cpu_ns += s.cpu_ns;
-        }
-        Ok(())
-    }
-
-    /// The postcopy state, made at the first Discard (or at Postcopy, with nothing to
-    /// discard): guest RAM is registered with userfaultfd from here on.
-    fn start_postcopy(&mut self) -> Result<Arc<Postcopy>, MigrateError> {
-        if let Some(pc) = &self.postcopy {
-            return Ok(pc.clone());
-        }
-        let out = self
-            .conn
-            .stream()
-            .try_clone_stream()
-            .map_err(|e| MigrateError::io("starting postcopy", e))?;
-        let recoverable = self.granted.contains(Capabilities::RECOVER);
-        let pc = Arc::new(Postcopy::new(self.ram.clone(), out, recoverable)?);
-        self.postcopy = Some(pc.clone());
-        Ok(pc)
-    }
-
-    /// Postcopy: load the state and resume the guest while the receivers install the pages
-    /// that still come and the fault thread asks for those a vCPU waits for; then wait for
-    /// the source's Complete and for every page, and say Done.
-    ///
-    /// Once the guest ran, a failure cannot be undone: the session hands the VM to
-    /// [`DestinationVm::abandon`] and keeps the userfaultfd open for good (see `postcopy.rs`).
-    fn postcopy(&mut self, sections: &[Section]) -> Result<ReceiveStats, MigrateError> {
-        let pc = self.postcopy.clone().expect("Postcopy started it");
-        let faults = FaultThread::start(pc.clone())?;
-        self.gate.open(pc.clone());
-        let discarded = pc.remaining();
-        self.control.update(|p| p.phase = IncomingPhase::Loading);
-        let t = Instant::now();
-        if let Err(e) = self.vm.load_state(sections) {
-            faults.stop();
-            return Err(e.into());
-        }
-        self.stats.load = t.elapsed();
-        self.stats.resume = match self.vm.resume() {
-            Ok(d) => d,
-            Err(e) => {
-                // The vCPUs may have started: the pages they wait for must never become zeros.
-                std::mem::forget(pc.clone());
-                faults.stop();
-                let e = MigrateError::from(e);
-                self.vm.abandon(&e.to_string());
-                return Err(e);
-            }
-        };
-        let resumed_at = Instant::now();
-        self.control.update(|p| p.phase = IncomingPhase::Postcopy);
-        let mut result = self.write_resumed(&pc);
-        if let Err(e) = &result
-            && self.recoverable(e)
-        {
-            result = self.recover(&pc, result.unwrap_err());
-        }
-        let result = result.and_then(|()| {
-            loop {
-                let r = self
-                    .await_complete(&pc)
-                    .and_then(|()| self.join_receivers())
-                    .and_then(|()| self.nothing_lost(&pc))
-                    .and_then(|()| pc.wait_all_in(ALL_IN_TIMEOUT))
-                    .and_then(|()| pc.finish());
-                match r {
-                    Err(e) if self.recoverable(&e) => self.recover(&pc, e)?,
-                    r => break r,
-                }
-            }
-        });
-        faults.stop();
-        if let Err(e) = result {
-            std::mem::forget(pc.clone());
-            self.vm.abandon(&e.to_string());
-            return Err(e);
-        }
-        let latencies = pc.latencies();
-        self.stats.postcopy = Some(PostcopyReceived {
-            pages: discarded,
-            zero_fills: pc.zero_fills(),
-            faults: pc.faults(),
-            latencies,
-            duration: resumed_at.elapsed(),
-            recoveries: self.recoveries,
-            paused: self.paused,
-        });
-        // Every page is here; a lost Done leaves the source waiting, then failing, with the
-        // guest safe here.
-        if let Err(e) = pc.write(
-            &Header::new(Kind::Done, 0, wire::DONE_SIZE),
-            &latencies.encode(),
-        ) {
-            tracing::warn!("every page arrived, but the source did not get Done: {e}");
-        }
-        Ok(self.stats.clone())
-    }
-
-    /// Once every connection that carries pages ended, no page can still come: with recovery
-    /// granted, pages still missing were lost with a connection that broke (a page written
-    /// just before its end), and a recovery's Missing list brings them. Without it, the wait
-    /// for them fails in its own time.
-    fn nothing_lost(&self, pc: &Postcopy) -> Result<(), MigrateError> {
-        let left = pc.remaining();
-        if left > 0 && self.granted.contains(Capabilities::RECOVER) {
-            return Err(MigrateError::io(
-                "postcopy: every connection ended",
-                std::io::Error::new(
-                    std::io::ErrorKind::ConnectionAborted,
-                    format!("{left} pages never arrived; a connection broke"),
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Tells the source the guest runs here (postcopy: through the shared writer).
-    fn write_resumed(&mut self, pc: &Postcopy) -> Result<(), MigrateError> {
-        let cpu = stats::thread_cpu_ns() - self.cpu_start;
-        let (header, payload) = self.resumed_record(cpu);
-        pc.write(&header, &payload)
-    }
-
-    /// Postcopy: reads the main connection until the source's Complete (it sent every page),
-    /// installing the requested pages it carries when [`Capabilities::MAIN_PAGES`] was granted.
-    fn await_complete(&mut self, pc: &Postcopy) -> Result<(), MigrateError> {
-        let mut buffer = Vec::new();
-        loop {
-            let h = match self.conn.read_header("waiting for the source's last pages") {
-                Ok(h) => h,
-                Err(e) => return Err(self.explain_main_end(e)),
-            };
-            if h.kind == Kind::Pages && self.granted.contains(Capabilities::MAIN_PAGES) {
-                let c = &self.control;
-                c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
-                let checking = self.granted.contains(Capabilities::CHECKSUM_PAGES);
-                let pages = receiver::install_postcopy_record(
-                    self.conn.reader(),
-                    &h,
-                    pc,
-                    checking,
-                    &mut buffer,
-                )?;
-                c.add(&c.pages, pages);
-                continue;
-            }
-            return self.main_record_in_postcopy(&h);
-        }
-    }
-
-    /// A record other than requested pages on the main connection in postcopy: Complete ends
-    /// the wait, the source's Error fails it, anything else is out of order.
-    fn main_record_in_postcopy(&mut self, h: &Header) -> Result<(), MigrateError> {
-        match h.kind {
-            Kind::Complete => Ok(()),
-            Kind::Error => {
-                let p = self.conn.read_payload(h, "reading the source's error")?;
-                Err(MigrateError::from_peer(crate::error::Side::Source, h, &p))
-            }
-            k => Err(MigrateError::order(format!(
-                "{k:?} record on the main channel during postcopy"
-            ))),
-        }
-    }
-
     /// The Resumed record: load, resume and CPU times, and the VMM's parts of the load.
     fn resumed_record(&self, cpu: u64) -> (Header, Vec<u8>) {
         wire::ResumedRecord {
@@ -767,13 +485,6 @@ impl<'a> Session<'a> {
         Ok(self.stats.clone())
     }
 }
-
-/// The longest single wait for a data channel, between looks for a cancel or a silent source.
-const CHANNEL_POLL: Duration = Duration::from_millis(100);
-
-/// How long postcopy waits, after the source's Complete and the end of every data channel, for
-/// the last pages to be installed (they are in the receivers' hands by then).
-const ALL_IN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How the main channel ended precopy, with the device state.
 enum PrecopyEnd {
@@ -839,74 +550,3 @@ fn supported(ram: &Ram) -> (Capabilities, u8) {
 
 /// A 2 MiB huge page.
 const HUGE_PAGE: u64 = 1 << wire::HUGE_PAGE_SHIFT;
-
-/// Why a data or preempt connection's hello does not belong to the migration `main`
-/// announced, if it does not; `preempt` says whether a preempt connection was granted, and
-/// `seen[0]` whether it connected.
-fn channel_refusal(
-    main: &Hello,
-    hello: &Hello,
-    seen: &[bool],
-    preempt: bool,
-) -> Option<(Refusal, String)> {
-    if hello.role == Role::Preempt {
-        return if !preempt {
-            Some((
-                Refusal::Role,
-                "a preempt connection, but the preempt capability was not granted".into(),
-            ))
-        } else if hello.uuid != main.uuid {
-            Some((
-                Refusal::UnknownMigration,
-                format!(
-                    "a preempt connection names migration {:02x?}, not the one in progress",
-                    hello.uuid
-                ),
-            ))
-        } else if hello.channel != 0 {
-            Some((
-                Refusal::ChannelId,
-                format!(
-                    "a preempt connection with channel id {} (must be 0)",
-                    hello.channel
-                ),
-            ))
-        } else if seen[0] {
-            Some((Refusal::ChannelId, "a second preempt connection".into()))
-        } else {
-            None
-        };
-    }
-    if hello.role != Role::Data {
-        Some((
-            Refusal::Role,
-            format!(
-                "a second connection with role {:?}; extra connections must be data channels (or the preempt connection)",
-                hello.role
-            ),
-        ))
-    } else if hello.uuid != main.uuid {
-        Some((
-            Refusal::UnknownMigration,
-            format!(
-                "data channel {} names migration {:02x?}, not the one in progress",
-                hello.channel, hello.uuid
-            ),
-        ))
-    } else if hello.channel == 0 || hello.channel > main.channels {
-        Some((
-            Refusal::ChannelId,
-            format!(
-                "data channel id {} is out of range 1..={}",
-                hello.channel, main.channels
-            ),
-        ))
-    } else if seen[usize::from(hello.channel)] {
-        Some((
-            Refusal::ChannelId,
-            format!("data channel {} connected twice", hello.channel),
-        ))
-    } else {
-        None
-    }
-}

@@ -21,9 +21,10 @@ use std::time::{Duration, Instant};
 
 use super::Session;
 use crate::conn::Conn;
+use crate::destination::arrival::{Arrival, RECORD_TIMEOUT};
 use crate::destination::listen::Screening;
 use crate::destination::postcopy::Postcopy;
-use crate::destination::{Arrival, IncomingPhase};
+use crate::destination::progress::IncomingPhase;
 use crate::error::MigrateError;
 use crate::transport::Listener;
 use crate::wire::{self, Capabilities, Header, Hello, Kind, Refusal};
@@ -152,7 +153,7 @@ impl Session<'_> {
         std::io::Write::write_all(&mut stream, &reply.encode())
             .map_err(|e| MigrateError::io("answering a recovery", e))?;
         self.control.register(stream.as_ref());
-        let _ = stream.set_read_timeout(Some(super::super::RECORD_TIMEOUT));
+        let _ = stream.set_read_timeout(Some(RECORD_TIMEOUT));
         let out = stream
             .try_clone_stream()
             .map_err(|e| MigrateError::io("accepting a recovery", e))?;

@@ -17,10 +17,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::destination::IncomingControl;
-use crate::destination::assemble::Assembler;
-use crate::destination::postcopy::{Postcopy, PostcopyGate};
-use crate::destination::sink::PageSink;
+use super::assemble::Assembler;
+use super::postcopy::{Postcopy, PostcopyGate};
+use super::progress::IncomingControl;
+use super::sink::PageSink;
 use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::transport::Stream;

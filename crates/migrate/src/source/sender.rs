@@ -26,11 +26,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
+use super::params::TestHooks;
 use crate::conn::Conn;
 use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
-use crate::source::TestHooks;
 use crate::stats;
 use crate::transport::Stream;
 use crate::wire::{self, Header, Kind, PAGE_SIZE};

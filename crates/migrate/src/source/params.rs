@@ -1,0 +1,232 @@
+//! What a source migration is asked to do: [`SourceParams`] with its defaults and the check
+//! that refuses what the protocol cannot carry, and the faults a test may inject
+//! ([`TestHooks`]). Plain values, below the session and its senders.
+
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use crate::control::{Settings, Tuning};
+use crate::error::MigrateError;
+use crate::policy::Policy;
+use crate::scan::ZeroDetection;
+use crate::wire;
+
+/// How to migrate.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceParams {
+    pub policy: Policy,
+    /// Bytes per second, `None` = unlimited.
+    pub max_bandwidth: Option<u64>,
+    pub uuid: [u8; 16],
+    /// Data channels (QEMU: multifd-channels), 1..=[`wire::MAX_CHANNELS`].
+    pub channels: u16,
+    /// Pages per batch (QEMU: the multifd packet size / 4096), 1..=512.
+    pub packet_pages: u32,
+    pub zero: ZeroDetection,
+    /// Whether the migration may switch to postcopy (QEMU's postcopy-ram capability): the
+    /// destination must offer it, and the switch comes after
+    /// [`SourceParams::postcopy_after_passes`] passes or when
+    /// [`Control::start_postcopy`](crate::Control::start_postcopy) asks.
+    pub postcopy: bool,
+    /// Switch to postcopy after this many precopy passes (pass 1 counts); `None`: only when
+    /// asked.
+    pub postcopy_after_passes: Option<u32>,
+    /// With postcopy: send the pages the destination asks for on a connection of their own
+    /// (QEMU's postcopy-preempt), not behind the background stream.
+    pub preempt: bool,
+    /// Mark the preempt connection's packets urgent (`Stream::set_urgent`), so that a link
+    /// whose queue has priority bands sends them ahead of the background stream.
+    pub preempt_priority: bool,
+    /// With postcopy: ask for recovery, so that a connection that breaks in postcopy pauses
+    /// both sides until [`Control::resume_postcopy`](crate::Control::resume_postcopy) instead
+    /// of failing. Off by default in the engine: ask for it only when both VMMs can be told to
+    /// recover (the destination's needs
+    /// [`crate::destination::IncomingControl::recover_on`]); a destination without a way to
+    /// get a listener would wait paused until cancelled. The reference VMM asks for it.
+    pub recover: bool,
+    /// Ask the VMM for free page hints (virtio-balloon) and skip the pages the guest reports
+    /// free (see `source/hints.rs` for the rule). On by default: a VMM or guest that cannot
+    /// hint simply sends every page.
+    pub free_page_hints: bool,
+    /// Checksum page data as well as everything else
+    /// ([`Capabilities::CHECKSUM_PAGES`](wire::Capabilities::CHECKSUM_PAGES)): each sender
+    /// copies a page before it checksums and sends it, and the destination checks it before
+    /// the page counts as received. Device state, control records, headers and page addresses
+    /// are always checksummed.
+    pub checksum_pages: bool,
+    /// Longest a write to the destination may block, on every connection: a destination that
+    /// takes nothing for this long (stopped, overloaded, its host gone without a reset) fails
+    /// the migration like a broken connection (before the handover the guest runs on here;
+    /// in postcopy with recovery both sides pause). `None`: writes wait for ever.
+    pub peer_timeout: Option<Duration>,
+}
+
+/// Default [`SourceParams::peer_timeout`]: far above any one write of a live link (a 2 MiB
+/// record at 1 MB/s takes 2 s), short enough that a stalled destination does not hold a
+/// source for minutes. The source's wait for the destination's Resumed is as long.
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default data channels: two streams already beat one on loopback, and each costs a thread on
+/// both sides of a small machine.
+pub const DEFAULT_CHANNELS: u16 = 2;
+/// Default batch: 512 KiB (128 pages), QEMU's multifd packet size. 2 MiB batches (one `writev`
+/// per 2 MiB) were measured with `ferry bench channels` ("4G random data", 1/2/4 channels, three
+/// runs, loaded 2-core machine): the source's CPU fell only from a mean of 0.32 to 0.30 s/GiB
+/// (within the noise), and against a slow destination an idle guest's pause grew to 85 ms
+/// (the engine test `an_idle_guest_pauses_only_after_a_slow_destination_took_in_pass_1`
+/// bounds it at 60 ms): a bigger batch is a bigger tail in the socket buffers at the pause.
+pub const DEFAULT_PACKET_PAGES: u32 = 128;
+
+impl SourceParams {
+    pub fn new(policy: Policy, uuid: [u8; 16]) -> SourceParams {
+        SourceParams {
+            policy,
+            max_bandwidth: None,
+            uuid,
+            channels: DEFAULT_CHANNELS,
+            packet_pages: DEFAULT_PACKET_PAGES,
+            zero: ZeroDetection::Inline,
+            postcopy: false,
+            postcopy_after_passes: None,
+            preempt: false,
+            preempt_priority: true,
+            recover: false,
+            free_page_hints: true,
+            checksum_pages: false,
+            peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
+        }
+    }
+
+    /// The settings a running migration can change, as a [`Tuning`] that sets them all.
+    pub(super) fn settings_as_tuning(&self) -> Tuning {
+        Tuning {
+            downtime_limit: Some(self.policy.downtime_limit),
+            max_bandwidth: Some(self.max_bandwidth),
+            timeout: Some(self.policy.timeout),
+            auto_converge: Some(self.policy.auto_converge),
+        }
+    }
+
+    /// The settings in force, as progress shows them.
+    pub(super) fn settings(&self) -> Settings {
+        Settings {
+            downtime_limit_ms: self.policy.downtime_limit.as_millis() as u64,
+            max_bandwidth: self.max_bandwidth,
+            timeout_ms: self.policy.timeout.map(|t| t.as_millis() as u64),
+            max_throttle: self.policy.auto_converge.map(|a| a.max),
+        }
+    }
+
+    /// Refuses channel counts and packet sizes the protocol cannot carry.
+    pub(super) fn check(&self) -> Result<(), MigrateError> {
+        if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
+            return Err(MigrateError::params(format!(
+                "{} channels requested; use 1 to {}",
+                self.channels,
+                wire::MAX_CHANNELS
+            )));
+        }
+        if self.peer_timeout == Some(Duration::ZERO) {
+            return Err(MigrateError::params(
+                "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever",
+            ));
+        }
+        self.settings_as_tuning().check()?;
+        if self.postcopy_after_passes.is_some() && !self.postcopy {
+            return Err(MigrateError::params(
+                "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.recover && !self.postcopy {
+            return Err(MigrateError::params(
+                "postcopy recovery was asked for without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.preempt && !self.postcopy {
+            return Err(MigrateError::params(
+                "a preempt connection was asked for without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.policy.postcopy_on_stall && !self.postcopy {
+            return Err(MigrateError::params(
+                "postcopy on a stall was asked for without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy && !self.postcopy {
+            return Err(MigrateError::params(
+                "a timeout action of postcopy was given without enabling postcopy; add --postcopy",
+            ));
+        }
+        if self.postcopy_after_passes == Some(0) {
+            return Err(MigrateError::params(
+                "postcopy after 0 passes: the switch comes after a pass ends; give 1 or more",
+            ));
+        }
+        if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
+            return Err(MigrateError::params(format!(
+                "packet size of {} pages is outside 1..={} (4 KiB to 2 MiB)",
+                self.packet_pages,
+                wire::MAX_PAGES_PER_RECORD
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Faults a test injects into a migration; [`TestHooks::default`] injects none.
+///
+/// Why a separate value behind a hidden entry point ([`migrate_with_hooks`](super::migrate_with_hooks)) rather than a
+/// cargo feature: cargo unifies features across a workspace build, so a `test-hooks` feature
+/// enabled by the testkit's dev-dependency would be on in the VMM and CLI too whenever they are
+/// built together with the tests, and every check would need running with and without it.
+/// This way the hooks are always compiled (and linted), never part of [`SourceParams`], and
+/// reachable only by naming the hidden function.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TestHooks {
+    /// Make the offload zero-scan engine report every n-th batch as failed.
+    pub offload_fail_every: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn impossible_parameters_are_configuration_errors_that_name_the_fix() {
+        let ok = SourceParams::new(Policy::default(), [1; 16]);
+        assert!(ok.check().is_ok());
+        let table = [
+            (SourceParams { channels: 0, ..ok }, "use 1 to 64"),
+            (SourceParams { channels: 65, ..ok }, "use 1 to 64"),
+            (
+                SourceParams {
+                    packet_pages: 0,
+                    ..ok
+                },
+                "outside 1..=512",
+            ),
+            (
+                SourceParams {
+                    packet_pages: 513,
+                    ..ok
+                },
+                "outside 1..=512",
+            ),
+            (
+                SourceParams {
+                    max_bandwidth: Some(0),
+                    ..ok
+                },
+                "give a positive limit",
+            ),
+        ];
+        for (p, fix) in table {
+            let e = p.check().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Configuration, "{e}");
+            assert!(e.to_string().contains(fix), "{e}");
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! The optional protocol features a main hello asks for and its reply grants.
+
+#![forbid(unsafe_code)]
+
+/// Optional protocol features, agreed in the main hello: the source asks for a set and the
+/// destination answers with the subset it grants, so that a newer source can talk to an older
+/// destination by asking and reading the answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    pub const NONE: Capabilities = Capabilities(0);
+    /// Bit 0: the source may switch to postcopy (Discard, Postcopy), and the destination then
+    /// requests missing pages (PageRequest) and says when it has them all (Done).
+    pub const POSTCOPY: Capabilities = Capabilities(1);
+    /// Bit 1, with postcopy: a preempt connection (role 3) carries the pages the destination
+    /// asked for, so that they never wait behind the data channels' background stream.
+    pub const PREEMPT: Capabilities = Capabilities(1 << 1);
+    /// Bit 2: a Pages record's payload checksum covers its page data as well as its addresses
+    /// (without it, the addresses only). The sender copies each page before it checksums and
+    /// sends it, so a page the guest changes meanwhile is sent as checksummed.
+    pub const CHECKSUM_PAGES: Capabilities = Capabilities(1 << 2);
+    /// Bit 4: the destination sends [`Kind::Received`](super::Kind::Received) records on the main
+    /// connection while pages arrive, and the source reads them as it sends.
+    pub const PROGRESS: Capabilities = Capabilities(1 << 4);
+    /// Bit 5, with postcopy: a connection that breaks in postcopy pauses the migration on both
+    /// sides instead of failing it, and a recovery (role 4) resumes it.
+    pub const RECOVER: Capabilities = Capabilities(1 << 5);
+    /// A [`Kind::VmConfig`](super::Kind::VmConfig) record follows the source's main hello, and the
+    /// destination's VMM checks it before answering (refusing with
+    /// [`Refusal::Config`](super::Refusal::Config) and an Error record that says what differs).
+    pub const CONFIG: Capabilities = Capabilities(1 << 6);
+    /// Bit 7, with postcopy on 4 KiB pages: once the destination sent Resumed, the source may
+    /// send requested pages as Pages records on the main connection (which carries nothing
+    /// else until Complete then), so that without a preempt connection they do not wait
+    /// behind the data channels' background stream.
+    pub const MAIN_PAGES: Capabilities = Capabilities(1 << 7);
+    /// Bit 8: an Error record's count says why it ends the migration:
+    /// [`ERROR_FAILED`](super::ERROR_FAILED) (0), or [`ERROR_CANCELLED`](super::ERROR_CANCELLED)
+    /// (1, the sayer's operator cancelled it). Without it, every Error has count 0.
+    pub const ERROR_CODES: Capabilities = Capabilities(1 << 8);
+    /// What this side implements.
+    pub const SUPPORTED: Capabilities = Capabilities(
+        Capabilities::POSTCOPY.0
+            | Capabilities::PREEMPT.0
+            | Capabilities::CHECKSUM_PAGES.0
+            | Capabilities::PROGRESS.0
+            | Capabilities::RECOVER.0
+            | Capabilities::CONFIG.0
+            | Capabilities::MAIN_PAGES.0
+            | Capabilities::ERROR_CODES.0,
+    );
+
+    /// Both sets' bits.
+    pub fn with(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 | other.0)
+    }
+
+    /// Whether every bit of `other` is in `self`.
+    pub fn contains(self, other: Capabilities) -> bool {
+        other.is_subset(self)
+    }
+
+    /// What a destination grants for a request: the bits it also supports.
+    pub fn grant(self, supported: Capabilities) -> Capabilities {
+        Capabilities(self.0 & supported.0)
+    }
+
+    /// Whether every bit of `self` is in `of`.
+    pub fn is_subset(self, of: Capabilities) -> bool {
+        self.0 & !of.0 == 0
+    }
+}
