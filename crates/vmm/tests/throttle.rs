@@ -52,10 +52,16 @@ fn a_throttled_guest_gets_the_cpu_share_the_throttle_leaves_it() {
             pages
         );
     }
-    assert!(
-        free_cpu > 0.3,
-        "an unthrottled flat-out guest should be on a CPU most of the time: {rows:?}"
-    );
+    // On an idle machine a flat-out guest is on a CPU most of the time; on a loaded one (CI
+    // runs the tests beside a CPU hog) it got 0.28 once. The shares below are relative to it,
+    // so they hold either way; only a guest that hardly ran says nothing.
+    assert!(free_cpu > 0.05, "the guest hardly ran: {rows:?}");
+    if free_cpu < 0.3 {
+        eprintln!(
+            "LOADED MACHINE: the unthrottled guest was on a CPU {:.0}% of the time; the throttle's shares are checked against that",
+            free_cpu * 100.0
+        );
+    }
     // The share the throttle leaves, relative to the unthrottled share, within a margin for a
     // noisy machine: 50% leaves half, 80% leaves a fifth.
     let (_, cpu50, pages50) = rows[1];
