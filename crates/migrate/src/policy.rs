@@ -57,6 +57,16 @@ impl Default for AutoConverge {
 }
 
 impl AutoConverge {
+    /// The default steps capped at `max` percent (the first throttle no higher than the cap).
+    pub fn up_to(max: u8) -> AutoConverge {
+        let d = AutoConverge::default();
+        AutoConverge {
+            initial: d.initial.min(max),
+            max,
+            ..d
+        }
+    }
+
     /// The throttle after `current` when precopy is still stalled, or `None` at the cap.
     pub fn next(&self, current: u8) -> Option<u8> {
         let next = match current {

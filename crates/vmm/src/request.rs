@@ -134,14 +134,9 @@ impl MigrationRequest {
 
     /// The engine's policy for this request.
     pub fn policy(&self) -> Policy {
-        let auto_converge = self.auto_converge.then(|| {
-            let d = AutoConverge::default();
-            AutoConverge {
-                initial: d.initial.min(self.max_throttle),
-                max: self.max_throttle,
-                ..d
-            }
-        });
+        let auto_converge = self
+            .auto_converge
+            .then(|| AutoConverge::up_to(self.max_throttle));
         Policy {
             downtime_limit: Duration::from_millis(self.downtime_limit_ms),
             timeout: self.timeout_ms.map(Duration::from_millis),

@@ -174,14 +174,7 @@ impl TuneBody {
                 return Err("max_throttle with auto_converge false: drop one of them".into());
             }
             (Some(false), None) => Some(None),
-            (_, Some(max)) => {
-                let d = AutoConverge::default();
-                Some(Some(AutoConverge {
-                    initial: d.initial.min(max),
-                    max,
-                    ..d
-                }))
-            }
+            (_, Some(max)) => Some(Some(AutoConverge::up_to(max))),
             (Some(true), None) => Some(Some(AutoConverge::default())),
             (None, None) => None,
         };
