@@ -253,3 +253,115 @@ fn recover_run(preempt: bool, hostile: bool) {
         "{compared} of {pages} pages compared (preempt {preempt})"
     );
 }
+
+/// A destination that falls silent once every page is sent (a stopped process keeps its
+/// sockets open and its kernel answers keepalives) kept the source waiting 60 s for its Done,
+/// whatever the operator's peer timeout: a test that stopped a destination at that moment
+/// waited for the source's pause in vain. The source must pause within its peer timeout.
+#[test]
+fn regression_a_destination_silent_after_the_last_page_pauses_the_source_within_its_peer_timeout() {
+    use ferry_migrate::wire::Kind;
+    use ferry_migrate_testkit::proxy::{Direction, Proxy};
+
+    let size = 2 * 8 * MIB;
+    let mut src = FakeVm::new(size, 2);
+    src.fill(1);
+    src.start_writers(Writers {
+        threads: 1,
+        seed: 0x51e,
+        zero_percent: 10,
+        interval: Duration::ZERO,
+    });
+    let mut dst = FakeVm::new(size, 2);
+    dst.start_writers_on_resume(Writers {
+        threads: 1,
+        seed: 0xd57,
+        zero_percent: 10,
+        interval: Duration::from_millis(20),
+    });
+    let peer_timeout = Duration::from_secs(1);
+    let params = SourceParams {
+        postcopy: true,
+        postcopy_after_passes: Some(1),
+        recover: true,
+        channels: 2,
+        peer_timeout: Some(peer_timeout),
+        ..SourceParams::new(
+            Policy {
+                downtime_limit: Duration::from_micros(1),
+                auto_converge: None,
+                ..Policy::default()
+            },
+            [0x5e; 16],
+        )
+    };
+    let (l, _) = listener();
+    let proxy = Proxy::start(&l.local_addr().unwrap().to_string(), u64::MAX);
+    // Every page goes through; the destination's Done (and all after it) is held.
+    proxy.hold_at(Direction::ToSource, Kind::Done);
+    let via: std::net::SocketAddr = proxy.address().parse().unwrap();
+    let source_control = Control::default();
+    let dest_control = Arc::new(IncomingControl::default());
+    let (sent, received, waited) = std::thread::scope(|s| {
+        let dc = dest_control.clone();
+        let dst = &mut dst;
+        let l = &l;
+        let receiver = s.spawn(move || {
+            let main = l.accept().unwrap().0;
+            let mut accept = acceptor(l);
+            destination::receive_with(dst, main, &mut accept, dc)
+        });
+        let sc = &source_control;
+        let src_ref = &mut src;
+        let params = &params;
+        let sender = s.spawn(move || {
+            let connect = || TcpStream::connect(via);
+            source::migrate(
+                src_ref,
+                TcpStream::connect(via).unwrap(),
+                &connect,
+                params,
+                sc,
+            )
+        });
+        let state = || {
+            let (s, d) = (source_control.progress(), dest_control.progress());
+            format!(
+                "source {:?} {:?}; destination {:?} {:?}",
+                s.phase, s.error, d.phase, d.error
+            )
+        };
+        assert!(
+            proxy.wait_struck(Duration::from_secs(30)),
+            "the destination never sent Done: {}",
+            state()
+        );
+        let held = Instant::now();
+        while source_control.progress().phase != Phase::PostcopyPaused
+            && held.elapsed() < Duration::from_secs(30)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let waited = held.elapsed();
+        let at = state();
+        // Ends a source still waiting too, so that a failure below is not a hang.
+        source_control.give_up();
+        (
+            sender.join().unwrap(),
+            receiver.join().unwrap(),
+            (waited, at),
+        )
+    });
+    let (waited, at) = waited;
+    eprintln!(
+        "the source paused {waited:?} after the Done was held (peer timeout {peer_timeout:?})"
+    );
+    assert!(
+        waited < Duration::from_secs(30),
+        "the source did not pause within 30 s: {at}"
+    );
+    assert!(sent.is_err(), "a source given up on does not complete");
+    received.expect("the destination installed every page and said Done");
+    assert_eq!(dst.state, src.state);
+    dst.assert_holds_the_last_version_of(&src);
+}

@@ -64,7 +64,8 @@ pub struct SourceParams {
 
 /// Default [`SourceParams::peer_timeout`]: far above any one write of a live link (a 2 MiB
 /// record at 1 MB/s takes 2 s), short enough that a stalled destination does not hold a
-/// source for minutes. The source's wait for the destination's Resumed is as long.
+/// source for minutes. The source's waits for the destination's Resumed, and for its Done after postcopy's
+/// last page, are as long.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default data channels: two streams already beat one on loopback, and each costs a thread on

@@ -67,8 +67,10 @@ const MAX_REQUEST_PAGES: u64 = 4096;
 /// Bytes of requested runs (windows included) looked at in one pick.
 const MAX_PICK_BYTES: u64 = 2 * MAX_REQUEST_PAGES * PAGE_SIZE;
 
-/// How long the source waits for the destination's Done after sending every page: the
+/// How long the source waits at most for the destination's Done after sending every page: the
 /// destination installs what is in flight and answers; this bounds a destination that hangs.
+/// A peer timeout shorter than this bounds the wait instead: a stopped destination keeps its
+/// sockets open (its kernel even answers keepalives), so only silence tells it is gone.
 const DONE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Session<'_> {
@@ -502,7 +504,11 @@ impl Session<'_> {
     /// Waits for the destination's Done; requests that still arrive are for pages on their
     /// way and are only counted (and checked).
     fn await_done(&mut self, pc: &mut PostcopyStats) -> Result<Latencies, MigrateError> {
-        let deadline = Instant::now() + DONE_TIMEOUT;
+        let wait = self
+            .params
+            .peer_timeout
+            .map_or(DONE_TIMEOUT, |t| t.min(DONE_TIMEOUT));
+        let deadline = Instant::now() + wait;
         loop {
             self.check_pause()?;
             self.take_requests(pc)?;
