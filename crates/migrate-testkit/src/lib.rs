@@ -160,6 +160,10 @@ struct Shared {
     /// Pages the balloon's driver writes at the start of every round of hints (its buffers,
     /// the used ring), as a real driver does: the last pages of RAM.
     round_writes: AtomicU64,
+    /// Pages written at every dirty sync while the guest runs (see [`FakeVm::writes_per_sync`]),
+    /// and the syncs that wrote them so far.
+    sync_writes: AtomicU64,
+    syncs: AtomicU64,
 }
 
 impl Shared {
@@ -212,6 +216,8 @@ impl FakeVm {
                 throttle: AtomicU8::new(0),
                 balloon: FakeBalloon::new(size / PAGE_SIZE),
                 round_writes: AtomicU64::new(0),
+                sync_writes: AtomicU64::new(0),
+                syncs: AtomicU64::new(0),
             }),
             threads: Vec::new(),
             // Two instances of one section kind, as a VM with two vCPUs has: every migration
@@ -359,6 +365,13 @@ impl FakeVm {
         self.shared.round_writes.store(pages, Ordering::Relaxed);
     }
 
+    /// Makes every dirty sync while the guest runs find `pages` pages written since the one
+    /// before (a window that moves on each time, stamped with the sync), whether or not the
+    /// writer threads got a core meanwhile: a guest that no loaded machine makes look idle.
+    pub fn writes_per_sync(&self, pages: u64) {
+        self.shared.sync_writes.store(pages, Ordering::Relaxed);
+    }
+
     /// The guest frees `count` pages from page index `first` (counting across regions),
     /// leaving stale content in them as a real guest does (before any writer runs).
     pub fn free_pages(&self, first: u64, count: u64) {
@@ -487,6 +500,17 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
+        let n = self.shared.sync_writes.load(Ordering::Relaxed);
+        if n > 0 && !self.shared.paused.load(Ordering::Acquire) {
+            let pages = self.shared.ram.pages();
+            let sync = self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+            let _g = self.shared.gate.read().unwrap();
+            for k in 0..n.min(pages) {
+                let index = (sync * n + k) % pages;
+                write_page(&self.shared, index, (sync + 1) << 32 | index | 1);
+                self.shared.mark(index);
+            }
+        }
         let regions = &self.shared.ram.regions;
         let per_words = (regions[0].size / PAGE_SIZE / 64) as usize;
         for (i, r) in regions.iter().enumerate() {

@@ -101,6 +101,9 @@ fn postcopy_on_stall_moves_the_guest_instead_of_throttling_it() {
 #[test]
 fn without_auto_converge_the_same_guest_runs_into_the_timeout_and_keeps_running() {
     let (mut src, mut dst) = hot_guest();
+    // 8 MiB written before every sync as well: a loaded machine once kept the writer thread
+    // off the cores for a whole pass, so the guest looked idle and converged.
+    src.writes_per_sync(2048);
     let policy = Policy {
         downtime_limit: DOWNTIME,
         timeout: Some(Duration::from_secs(2)),

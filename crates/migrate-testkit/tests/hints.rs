@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use ferry_migrate::source::SourceParams;
-use ferry_migrate::{Control, Policy, TimeoutAction};
+use ferry_migrate::{Control, Policy, TimeoutAction, Tuning};
 use ferry_migrate_testkit::loopback::migrate;
 use ferry_migrate_testkit::{FakeVm, Writers};
 
@@ -78,8 +78,23 @@ fn a_hinted_page_the_guest_writes_again_is_sent_again() {
             interval: Duration::from_millis(20),
         });
         let mut dst = FakeVm::new(32 * MIB, 2);
-        // A downtime limit nothing meets: precopy iterates, a round per pass.
-        let (sent, received) = migrate(&mut src, &mut dst, &params(1, 400), &Control::default());
+        // A downtime limit nothing meets: precopy iterates, a round per pass, until pass 3 has
+        // begun (two running passes, each with its round); then a timeout that has already
+        // passed switches over. (A 400 ms timeout, which this was, ended a loaded machine's
+        // pass 1 with one round.)
+        let control = Control::default();
+        let (sent, received) = std::thread::scope(|s| {
+            s.spawn(|| {
+                while control.progress().pass < 3 && control.progress().phase.is_active() {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let _ = control.tune(Tuning {
+                    timeout: Some(Some(Duration::ZERO)),
+                    ..Tuning::default()
+                });
+            });
+            migrate(&mut src, &mut dst, &params(1, 60_000), &control)
+        });
         let stats = sent.unwrap();
         received.unwrap();
         let report = src.hint_report();
