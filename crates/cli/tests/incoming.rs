@@ -32,6 +32,14 @@ fn main_hello(memory: u64) -> Vec<u8> {
     .to_vec()
 }
 
+/// Waits until `dst` listens. Its API answers before its listener is bound (it prepares
+/// first): a connection made in between was refused on a loaded machine.
+fn waiting(dst: &RunningVm) {
+    dst.wait_until("the listener", Duration::from_secs(30), |vm| {
+        vm.status_of("/migration")["phase"] == "waiting"
+    });
+}
+
 fn rejected(dst: &RunningVm) -> u64 {
     dst.status_of("/migration")["rejected_connections"]
         .as_u64()
@@ -47,6 +55,7 @@ fn a_waiting_destination_answers_its_api_survives_strays_and_then_receives_a_cle
         "ws=64M pattern=random rate=10 verify-ms=200 log-ms=0",
     );
     let (dst, port) = destination("256M");
+    waiting(&dst);
     let s = dst.status();
     assert_eq!(s["state"], "incoming", "{s:#}");
     let m = dst.status_of("/migration");
@@ -192,6 +201,7 @@ fn a_waiting_destination_stops_on_cancel_or_shutdown() {
 #[test]
 fn a_bad_stream_after_a_valid_hello_ends_the_destination_with_the_reason() {
     let (dst, port) = destination("128M");
+    waiting(&dst);
     let mut c = connect(port);
     c.write_all(&main_hello(128 * MIB)).unwrap();
     let mut reply = [0u8; HELLO_SIZE];

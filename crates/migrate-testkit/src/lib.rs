@@ -106,7 +106,7 @@ impl FakeRam {
     /// The region holding the `pages` pages from `gpa` and the first one's page index
     /// (counting across regions), or why there is none.
     fn locate(&self, operation: &'static str, gpa: u64, pages: u64) -> Result<u64, VmError> {
-        let fail = |message: String| VmError::Failed { operation, message };
+        let fail = |message: String| VmError::failed(operation, message);
         let (i, r) = self
             .regions
             .iter()
@@ -519,10 +519,7 @@ unsafe impl SourceVm for FakeVm {
                 .map(|w| w.swap(0, Ordering::AcqRel))
                 .collect();
             into.merge_at(r.gpa, r.size / PAGE_SIZE, &words)
-                .map_err(|e| VmError::Failed {
-                    operation: "fetch_dirty",
-                    message: e.to_string(),
-                })?;
+                .map_err(|e| VmError::failed("fetch_dirty", e))?;
         }
         Ok(())
     }
@@ -603,10 +600,7 @@ unsafe impl DestinationVm for FakeVm {
     /// Accepts vCPU sections of [`FAKE_STATE_VERSION`] with some data, as a real VMM validates
     /// what it loads.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        let fail = |message: String| VmError::Failed {
-            operation: "load_state",
-            message,
-        };
+        let fail = |message: String| VmError::failed("load_state", message);
         for s in sections {
             if s.id != FAKE_VCPU {
                 return Err(fail("the fake VM has only a vCPU section".into()));

@@ -95,24 +95,21 @@ pub struct Tuning {
 impl Tuning {
     /// Refuses values no migration can run with, naming the fix.
     pub fn check(&self) -> Result<(), crate::MigrateError> {
-        use crate::MigrateError;
+        use crate::error::ConfigError;
         if self.max_bandwidth == Some(Some(0)) {
-            return Err(MigrateError::params(
-                "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link",
-            ));
+            return Err(ConfigError::ZeroBandwidth.into());
         }
         if self.timeout == Some(Some(Duration::ZERO)) {
-            return Err(MigrateError::params(
-                "a timeout of 0 would end the migration at once; give a positive timeout, or none",
-            ));
+            return Err(ConfigError::ZeroTimeout.into());
         }
         if let Some(Some(a)) = self.auto_converge
             && (a.initial == 0 || a.max >= 100 || a.initial > a.max)
         {
-            return Err(MigrateError::params(format!(
-                "auto-converge throttle of {}% rising to {}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100",
-                a.initial, a.max
-            )));
+            return Err(ConfigError::Throttle {
+                initial: a.initial,
+                max: a.max,
+            }
+            .into());
         }
         Ok(())
     }

@@ -34,27 +34,13 @@ pub enum ErrorKind {
     Internal,
 }
 
-/// The peer sent something the protocol does not allow.
-#[derive(Debug, thiserror::Error)]
-pub enum ProtocolError {
-    #[error(transparent)]
-    Wire(#[from] WireError),
-    #[error(transparent)]
-    Ram(#[from] RamError),
-    /// A record where it may not come, or a value the protocol's rules refuse.
-    #[error("{0}")]
-    Order(String),
-}
+mod config;
+mod internal;
+mod protocol;
 
-/// A request that cannot work as given.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error(transparent)]
-    Address(#[from] crate::transport::AddressError),
-    /// A parameter outside what the protocol or the engine can do; the text says which.
-    #[error("{0}")]
-    Params(String),
-}
+pub use config::{ConfigError, PostcopySetting};
+pub use internal::Internal;
+pub use protocol::{Bound, Connection, ProtocolError, Rule, Twice};
 
 /// Which end of a migration said something.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,12 +125,18 @@ pub enum MigrateError {
     )]
     GivenUp,
     #[error("internal error in ferry (please report it): {0}")]
-    Internal(String),
+    Internal(#[from] Internal),
 }
 
 impl From<WireError> for MigrateError {
     fn from(e: WireError) -> Self {
         MigrateError::Protocol(e.into())
+    }
+}
+
+impl From<crate::uffd::UffdError> for MigrateError {
+    fn from(e: crate::uffd::UffdError) -> Self {
+        MigrateError::Internal(e.into())
     }
 }
 
@@ -174,14 +166,9 @@ pub(crate) fn memory_sizes_differ(source: u64, destination: u64) -> String {
 }
 
 impl MigrateError {
-    /// The peer sent a record where the protocol does not allow it, or a value it refuses.
-    pub fn order(what: impl Into<String>) -> MigrateError {
-        MigrateError::Protocol(ProtocolError::Order(what.into()))
-    }
-
-    /// The request asks for what the engine cannot do.
-    pub fn params(what: impl Into<String>) -> MigrateError {
-        MigrateError::Config(ConfigError::Params(what.into()))
+    /// A record of kind `got` that broke the record order's `rule`.
+    pub fn misplaced(got: crate::wire::Kind, rule: Rule) -> MigrateError {
+        MigrateError::Protocol(ProtocolError::Misplaced { got, rule })
     }
 
     pub fn kind(&self) -> ErrorKind {
@@ -265,12 +252,12 @@ mod tests {
                 "invalid migration stream: unknown record kind 9",
             ),
             (
-                MigrateError::order("Pages on the main channel"),
+                MigrateError::misplaced(crate::wire::Kind::Pages, Rule::MainChannel),
                 ErrorKind::Protocol,
-                "invalid migration stream: Pages on the main channel",
+                "invalid migration stream: Pages record on the main channel",
             ),
             (
-                MigrateError::params("0 channels requested; use 1 to 64"),
+                ConfigError::Channels { asked: 0, max: 64 }.into(),
                 ErrorKind::Configuration,
                 "invalid migration request: 0 channels",
             ),
@@ -300,7 +287,10 @@ mod tests {
             ),
             (MigrateError::Cancelled, ErrorKind::Cancelled, "cancelled"),
             (
-                MigrateError::Internal("a sender thread panicked".into()),
+                Internal::Panicked {
+                    thread: "a sender thread",
+                }
+                .into(),
                 ErrorKind::Internal,
                 "please report it",
             ),

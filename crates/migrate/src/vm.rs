@@ -38,11 +38,26 @@ impl Section {
 pub enum VmError {
     #[error("{operation} is not supported by this VMM")]
     Unsupported { operation: &'static str },
-    #[error("{operation} failed: {message}")]
+    #[error("{operation} failed: {source}")]
     Failed {
         operation: &'static str,
-        message: String,
+        /// The VMM's own error, typed as it made it.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+impl VmError {
+    /// `operation` failed with `source` (a VMM's typed error, or a message of its own).
+    pub fn failed(
+        operation: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> VmError {
+        VmError::Failed {
+            operation,
+            source: source.into(),
+        }
+    }
 }
 
 /// The sending side of a migration.

@@ -361,10 +361,6 @@ fn ram_regions(ram: &GuestRam) -> Vec<RamRegion> {
         .collect()
 }
 
-fn failed(operation: &'static str) -> impl FnOnce(String) -> VmError {
-    move |message| VmError::Failed { operation, message }
-}
-
 /// A running VM as the engine's [`SourceVm`]. A migration makes its own; the conformance
 /// suite (`ferry_migrate_testkit::conformance`) gets one from [`VmHandle::migration_source`].
 #[derive(Debug)]
@@ -402,7 +398,7 @@ unsafe impl SourceVm for SourceAdapter {
             .shared
             .kvm
             .start_dirty_log(self.shared.ram.memfd())
-            .map_err(|e| failed("start_dirty_log")(e.to_string()))?;
+            .map_err(|e| VmError::failed("start_dirty_log", e))?;
         tracing::debug!(
             "dirty logging on for {logged} of {} memory slots",
             self.shared.kvm.slots().slots().len()
@@ -415,11 +411,12 @@ unsafe impl SourceVm for SourceAdapter {
         self.shared
             .kvm
             .fetch_dirty_log(self.shared.ram.memfd(), into)
-            .map_err(|e| failed("fetch_dirty")(e.to_string()))?;
+            .map_err(|e| VmError::failed("fetch_dirty", e))?;
         for log in self.shared.ram.take_writes() {
             for (gpa, pages, bits) in log.runs() {
-                into.merge_at(gpa, pages, &[bits])
-                    .map_err(|e| failed("fetch_dirty")(format!("the VMM's own writes: {e}")))?;
+                into.merge_at(gpa, pages, &[bits]).map_err(|e| {
+                    VmError::failed("fetch_dirty", format!("the VMM's own writes: {e}"))
+                })?;
             }
         }
         Ok(())
@@ -440,26 +437,24 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn pause(&mut self) -> Result<(), VmError> {
-        self.handle
-            .pause()
-            .map_err(|e| failed("pause")(e.to_string()))
+        self.handle.pause().map_err(|e| VmError::failed("pause", e))
     }
 
     fn resume(&mut self) -> Result<(), VmError> {
         self.handle
             .resume()
-            .map_err(|e| failed("resume")(e.to_string()))
+            .map_err(|e| VmError::failed("resume", e))
     }
 
     fn set_throttle(&mut self, percent: u8) -> Result<(), VmError> {
         self.handle
             .set_throttle(percent)
-            .map_err(|e| failed("throttle")(e.to_string()))
+            .map_err(|e| VmError::failed("throttle", e))
     }
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
         let (sections, parts) =
-            sections::save(&self.shared).map_err(|e| failed("save_state")(e.to_string()))?;
+            sections::save(&self.shared).map_err(|e| VmError::failed("save_state", e))?;
         *self.shared.state_parts.lock().unwrap() = parts;
         Ok(sections)
     }
@@ -515,7 +510,7 @@ impl SourceAdapter {
         self.shared
             .balloon
             .as_ref()
-            .ok_or_else(|| failed(operation)("the VM has no balloon".into()))
+            .ok_or_else(|| VmError::failed(operation, "the VM has no balloon"))
     }
 }
 
@@ -527,7 +522,7 @@ unsafe impl DestinationVm for IncomingVm {
         self.shared
             .description
             .accepts(config)
-            .map_err(failed("check the source VM's configuration"))
+            .map_err(|m| VmError::failed("check the source VM's configuration", m))
     }
 
     fn ram(&self) -> Vec<RamRegion> {
@@ -548,15 +543,15 @@ unsafe impl DestinationVm for IncomingVm {
     }
 
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        let parts = sections::load(&self.shared, sections)
-            .map_err(|e| failed("load_state")(e.to_string()))?;
+        let parts =
+            sections::load(&self.shared, sections).map_err(|e| VmError::failed("load_state", e))?;
         *self.shared.state_parts.lock().unwrap() = parts;
         Ok(())
     }
 
     fn resume(&mut self) -> Result<Duration, VmError> {
         let t = Instant::now();
-        let step = self.start().map_err(|e| failed("resume")(e.to_string()))?;
+        let step = self.start().map_err(|e| VmError::failed("resume", e))?;
         let took = t.elapsed();
         self.shared
             .state_parts

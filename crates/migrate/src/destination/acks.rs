@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::IncomingControl;
-use crate::error::MigrateError;
+use crate::error::{Internal, MigrateError};
 use crate::transport::Stream;
 use crate::wire::{HEADER_SIZE, Header, Kind, RECEIVED_SIZE, Received};
 
@@ -73,7 +73,9 @@ impl Acker {
         // The thread may have ended on a failed write already; then nobody receives this.
         let _ = self.stop.try_send(());
         self.thread.join().map_err(|_| {
-            MigrateError::Internal("the progress acknowledgement thread panicked".into())
+            MigrateError::from(Internal::Panicked {
+                thread: "the progress acknowledgement thread",
+            })
         })?
     }
 }

@@ -46,10 +46,7 @@ pub fn read_hello(stream: &mut dyn Stream, timeout: Duration) -> Result<Hello, M
     std::io::Read::read_exact(stream, &mut raw)
         .map_err(|e| MigrateError::io("reading the hello", e))?;
     if crate::transport::tls::looks_like_tls(&raw) {
-        return Err(crate::error::ProtocolError::Order(
-            "a TLS handshake instead of a hello: this destination does not use TLS; start it with ferry run --tls-dir (or the source's migration without it)".into(),
-        )
-        .into());
+        return Err(crate::error::ProtocolError::TlsInsteadOfHello.into());
     }
     Ok(Hello::decode(&raw)?)
 }

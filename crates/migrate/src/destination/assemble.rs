@@ -17,7 +17,7 @@
 use std::io::Read;
 
 use super::postcopy::Postcopy;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, ProtocolError, Twice};
 use crate::wire::PAGE_SIZE;
 
 /// Huge pages one connection may have in progress: 4 × 2 MiB of buffer per receiver. The
@@ -161,9 +161,11 @@ impl Assembler {
             return Ok(i);
         }
         if self.open.len() >= MAX_OPEN_UNITS {
-            return Err(MigrateError::order(format!(
-                "postcopy pages of more than {MAX_OPEN_UNITS} huge pages in progress on one connection (the huge page at {base:#x} would be the next): a source sends each huge page's pages together"
-            )));
+            return Err(ProtocolError::OpenHugePages {
+                max: MAX_OPEN_UNITS,
+                next: base,
+            }
+            .into());
         }
         let bytes = (self.unit_pages * PAGE_SIZE) as usize;
         let data = self.spare.pop().unwrap_or_else(|| vec![0; bytes]);
@@ -195,10 +197,11 @@ impl Open {
         for p in first..first + pages {
             let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
             if self.have[w] & bit != 0 {
-                return Err(MigrateError::order(format!(
-                    "postcopy page {:#x} arrived twice on one connection",
-                    self.base + p * PAGE_SIZE
-                )));
+                return Err(ProtocolError::PageTwice {
+                    gpa: self.base + p * PAGE_SIZE,
+                    twice: Twice::OnConnection,
+                }
+                .into());
             }
             self.have[w] |= bit;
         }
@@ -223,7 +226,11 @@ mod tests {
     impl Units for Placed {
         fn check_needed(&self, gpa: u64) -> Result<(), MigrateError> {
             if gpa >= 8 * HUGE {
-                return Err(MigrateError::order(format!("{gpa:#x} not listed")));
+                return Err(crate::vm::VmError::failed(
+                    "check_needed",
+                    format!("{gpa:#x} not listed"),
+                )
+                .into());
             }
             Ok(())
         }

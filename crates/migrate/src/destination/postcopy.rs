@@ -39,7 +39,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::MigrateError;
+use crate::error::{Internal, MigrateError, ProtocolError, Twice};
 use crate::pagebits::PageBits;
 use crate::ram::Ram;
 use crate::transport::Stream;
@@ -74,7 +74,7 @@ pub(crate) struct Postcopy {
     latencies: Mutex<Latencies>,
     /// Signalled when `remaining` reaches zero or the fault thread fails.
     all_in: (Mutex<()>, Condvar),
-    failure: Mutex<Option<String>>,
+    failure: Mutex<Option<Arc<MigrateError>>>,
     stop: AtomicBool,
     /// Faults on pages that were not needed, filled with zeros here.
     zero_fills: AtomicU64,
@@ -93,13 +93,10 @@ impl Postcopy {
         out: Box<dyn Stream>,
         recoverable: bool,
     ) -> Result<Postcopy, MigrateError> {
-        let uffd = Uffd::new().map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
-        ram.register_missing(&uffd)
-            .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+        let uffd = Uffd::new()?;
+        ram.register_missing(&uffd)?;
         let pages = ram.size() / PAGE_SIZE;
-        let unit = ram.host_page_size().ok_or_else(|| {
-            MigrateError::Internal("postcopy: guest RAM mixes host page sizes".into())
-        })?;
+        let unit = ram.host_page_size().ok_or(Internal::MixedHostPages)?;
         Ok(Postcopy {
             ram,
             uffd,
@@ -126,18 +123,21 @@ impl Postcopy {
     pub(crate) fn discard(&self, gpa: u64, pages: u64) -> Result<(), MigrateError> {
         self.ram.check_run(gpa, pages)?;
         if !gpa.is_multiple_of(self.unit) || !(pages * PAGE_SIZE).is_multiple_of(self.unit) {
-            return Err(MigrateError::order(format!(
-                "discard run of {pages} pages at {gpa:#x} is not whole {} KiB host pages, the unit this destination announced",
-                self.unit >> 10
-            )));
+            return Err(ProtocolError::DiscardMisaligned {
+                gpa,
+                pages,
+                unit_kib: self.unit >> 10,
+            }
+            .into());
         }
         for k in 0..pages {
             let i = self.ram.page_index(gpa + k * PAGE_SIZE)?;
             if self.needed.set(i) {
-                return Err(MigrateError::order(format!(
-                    "page {:#x} discarded twice",
-                    gpa + k * PAGE_SIZE
-                )));
+                return Err(ProtocolError::PageTwice {
+                    gpa: gpa + k * PAGE_SIZE,
+                    twice: Twice::Discarded,
+                }
+                .into());
             }
         }
         self.remaining.fetch_add(pages, Ordering::AcqRel);
@@ -333,9 +333,7 @@ impl Postcopy {
         if self.needed.get(i) {
             Ok(i)
         } else {
-            Err(MigrateError::order(format!(
-                "postcopy page {gpa:#x} is not on the discard list: the destination holds its last version"
-            )))
+            Err(ProtocolError::NotDiscarded { gpa }.into())
         }
     }
 
@@ -344,9 +342,7 @@ impl Postcopy {
     }
 
     fn wake_bytes(&self, host: usize, len: usize) -> Result<(), MigrateError> {
-        self.uffd
-            .wake(host, len)
-            .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
+        Ok(self.uffd.wake(host, len)?)
     }
 
     /// Marks page `i` installed: its latency if a vCPU waited, and the count. A second copy
@@ -375,7 +371,7 @@ impl Postcopy {
         let mut guard = self.all_in.0.lock().unwrap();
         loop {
             if let Some(f) = self.failure.lock().unwrap().clone() {
-                return Err(MigrateError::Internal(f));
+                return Err(Internal::FaultThread(f).into());
             }
             let left = self.remaining();
             if left == 0 {
@@ -383,9 +379,7 @@ impl Postcopy {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(MigrateError::order(format!(
-                    "{left} postcopy pages never arrived within {timeout:?}"
-                )));
+                return Err(ProtocolError::PagesNeverArrived { left, timeout }.into());
             }
             guard = self
                 .all_in
@@ -413,9 +407,7 @@ impl Postcopy {
     /// plain hole again).
     pub(crate) fn finish(&self) -> Result<(), MigrateError> {
         for r in self.ram.regions() {
-            self.uffd
-                .unregister(r.host_addr, r.size as usize)
-                .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+            self.uffd.unregister(r.host_addr, r.size as usize)?;
         }
         Ok(())
     }
@@ -426,10 +418,7 @@ impl Postcopy {
         // Units are aligned in guest and host address alike (regions start on one).
         let host = f.addr & !(self.unit as usize - 1);
         let Some(gpa) = self.ram.gpa_of_host(host) else {
-            return Err(MigrateError::Internal(format!(
-                "a fault at host address {:#x} outside guest RAM",
-                f.addr
-            )));
+            return Err(Internal::FaultOutsideRam { addr: f.addr }.into());
         };
         let i = self.ram.page_index(gpa)?;
         if !self.needed.get(i) {
@@ -455,9 +444,7 @@ impl Postcopy {
         let mut faults = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
             faults.clear();
-            self.uffd
-                .read_faults(&mut faults, FAULT_POLL)
-                .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))?;
+            self.uffd.read_faults(&mut faults, FAULT_POLL)?;
             self.faults
                 .fetch_add(faults.len() as u64, Ordering::Relaxed);
             let mut ask: Vec<(u64, u64)> = Vec::new();
@@ -488,8 +475,7 @@ impl Postcopy {
 /// A fill's outcome. A page already there is kept (userfaultfd never overwrites): for a listed
 /// page it is the other copy of a page sent twice; for a hole, a page someone placed first.
 fn placed(r: Result<CopyOutcome, crate::uffd::UffdError>) -> Result<(), MigrateError> {
-    r.map(|_| ())
-        .map_err(|e| MigrateError::Internal(format!("postcopy: {e}")))
+    r.map(|_| ()).map_err(MigrateError::from)
 }
 
 /// The fault thread of a postcopy phase.
@@ -506,7 +492,7 @@ impl FaultThread {
             .name("postcopy-faults".into())
             .spawn(move || {
                 if let Err(e) = shared.run_faults() {
-                    *shared.failure.lock().unwrap() = Some(format!("the fault thread: {e}"));
+                    *shared.failure.lock().unwrap() = Some(Arc::new(e));
                     let _guard = shared.all_in.0.lock().unwrap();
                     shared.all_in.1.notify_all();
                 }

@@ -21,7 +21,7 @@ use super::assemble::Assembler;
 use super::postcopy::{Postcopy, PostcopyGate};
 use super::progress::IncomingControl;
 use super::sink::PageSink;
-use crate::error::MigrateError;
+use crate::error::{Connection, Internal, MigrateError, ProtocolError, Rule, Twice};
 use crate::ram::Ram;
 use crate::transport::Stream;
 use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
@@ -51,15 +51,25 @@ struct BarrierState {
     arrived: BTreeMap<u32, usize>,
     /// Data channels whose stream ended, with the last pass each finished.
     departed: Vec<(u16, u32)>,
-    /// The first failure, and whether it was a bug (a receiver that panicked).
-    failure: Option<(String, bool)>,
+    /// The first failure.
+    failure: Option<Failure>,
 }
 
-fn failure_error((why, bug): &(String, bool)) -> MigrateError {
-    if *bug {
-        MigrateError::Internal(why.clone())
-    } else {
-        MigrateError::Channel(why.clone())
+/// Why the parties of a pass stop: a connection's error, as its siblings are told it (the
+/// failing connection's thread returns the error itself), or a receiver that panicked.
+#[derive(Debug)]
+enum Failure {
+    Channel(String),
+    Panicked(Connection),
+}
+
+fn failure_error(failure: &Failure) -> MigrateError {
+    match failure {
+        Failure::Channel(why) => MigrateError::Channel(why.clone()),
+        Failure::Panicked(connection) => Internal::ReceiverUnwound {
+            connection: *connection,
+        }
+        .into(),
     }
 }
 
@@ -130,17 +140,17 @@ impl PassBarrier {
 
     /// Records the first failure and releases every waiter.
     pub fn fail(&self, why: &str) {
-        self.record(why, false);
+        self.record(Failure::Channel(why.to_string()));
     }
 
     /// Records a bug (a party that panicked) as the failure, unless one came first.
-    fn fail_with_bug(&self, why: &str) {
-        self.record(why, true);
+    fn fail_with_bug(&self, connection: Connection) {
+        self.record(Failure::Panicked(connection));
     }
 
-    fn record(&self, why: &str, bug: bool) {
+    fn record(&self, failure: Failure) {
         let mut s = self.state.lock().unwrap();
-        s.failure.get_or_insert_with(|| (why.to_string(), bug));
+        s.failure.get_or_insert(failure);
         self.cv.notify_all();
     }
 
@@ -184,14 +194,6 @@ pub struct Shared {
     pub checksum_pages: bool,
 }
 
-/// How errors name channel `channel`: data channels by number, 0 is the preempt connection.
-pub fn name(channel: u16) -> String {
-    match channel {
-        0 => "the preempt connection".into(),
-        c => format!("data channel {c}"),
-    }
-}
-
 /// Starts the receiver of data channel `channel` (0: the preempt connection, which carries
 /// only postcopy pages: a Postcopy record first, no passes).
 pub fn start(
@@ -222,7 +224,9 @@ pub fn start(
             }
             .run();
             if let Err(e) = &r {
-                shared.barrier.fail(&format!("{}: {e}", name(channel)));
+                shared
+                    .barrier
+                    .fail(&format!("{}: {e}", Connection(channel)));
             }
             r
         })
@@ -247,9 +251,7 @@ fn read_addresses(
     }
     let gpas: Vec<u64> = wire::decode_addresses(&words).collect();
     if gpas.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(MigrateError::order(
-            "page addresses of a record are not strictly increasing",
-        ));
+        return Err(ProtocolError::AddressesNotIncreasing.into());
     }
     Ok((gpas, crc))
 }
@@ -358,10 +360,7 @@ impl Drop for PanicGuard {
         if !std::thread::panicking() {
             return;
         }
-        self.barrier.fail_with_bug(&format!(
-            "{}: the receiver thread panicked (a bug in ferry)",
-            name(self.channel)
-        ));
+        self.barrier.fail_with_bug(Connection(self.channel));
     }
 }
 
@@ -390,11 +389,11 @@ impl Receiver {
                 if let Some(a) = &self.assembler
                     && a.open_units() > 0
                 {
-                    return Err(MigrateError::order(format!(
-                        "the source closed {} with {} huge pages incomplete",
-                        name(self.channel),
-                        a.open_units()
-                    )));
+                    return Err(ProtocolError::IncompleteHugePages {
+                        connection: Connection(self.channel),
+                        open: a.open_units(),
+                    }
+                    .into());
                 }
                 if self.channel != 0 {
                     self.shared.barrier.leave(self.channel, self.stats.passes);
@@ -405,31 +404,27 @@ impl Receiver {
             let c = &self.shared.control;
             c.add(&c.bytes, HEADER_SIZE as u64 + h.len);
             if self.channel == 0 && self.postcopy.is_none() && h.kind != Kind::Postcopy {
-                return Err(MigrateError::order(format!(
-                    "{:?} on the preempt connection before Postcopy",
-                    h.kind
-                )));
+                return Err(MigrateError::misplaced(
+                    h.kind,
+                    Rule::PreemptStartsWithPostcopy,
+                ));
             }
             match h.kind {
                 Kind::Pages => self.pages(&h)?,
                 Kind::ZeroRuns => self.zero_runs(&h)?,
                 Kind::EndOfPass if self.postcopy.is_some() => {
-                    return Err(MigrateError::order(
-                        "EndOfPass on a data channel after postcopy started",
-                    ));
+                    return Err(MigrateError::misplaced(h.kind, Rule::NoPassInPostcopy));
                 }
                 Kind::Postcopy if self.postcopy.is_some() => {
-                    return Err(MigrateError::order("a second Postcopy on a data channel"));
+                    return Err(MigrateError::misplaced(h.kind, Rule::OnePostcopy));
                 }
                 Kind::Postcopy => {
                     // Every page of the last pass is in (the barrier); wait for the session to
                     // register guest RAM and apply the discard list.
                     let gate = self.shared.postcopy.wait(POSTCOPY_GATE_TIMEOUT);
-                    let pc = gate.ok_or_else(|| {
-                        MigrateError::order(format!(
-                            "Postcopy on {} but the main channel did not switch within {POSTCOPY_GATE_TIMEOUT:?}",
-                            name(self.channel)
-                        ))
+                    let pc = gate.ok_or(ProtocolError::PostcopyGate {
+                        connection: Connection(self.channel),
+                        timeout: POSTCOPY_GATE_TIMEOUT,
                     })?;
                     if pc.unit_pages() > 1 {
                         self.assembler = Some(Assembler::new(pc.unit_pages()));
@@ -438,10 +433,12 @@ impl Receiver {
                 }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
-                        return Err(MigrateError::order(format!(
-                            "end of pass {} after pass {} on a data channel",
-                            h.count, self.stats.passes
-                        )));
+                        return Err(ProtocolError::PassOrder {
+                            got: h.count,
+                            after: self.stats.passes,
+                            data_channel: true,
+                        }
+                        .into());
                     }
                     self.stats.passes = h.count;
                     self.shared.barrier.wait(h.count)?;
@@ -452,9 +449,7 @@ impl Receiver {
                     return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
                 }
                 k => {
-                    return Err(MigrateError::order(format!(
-                        "{k:?} record on a data channel"
-                    )));
+                    return Err(MigrateError::misplaced(k, Rule::DataChannel));
                 }
             }
         }
@@ -491,9 +486,11 @@ impl Receiver {
     fn claim(&self, gpa: u64) -> Result<u64, MigrateError> {
         let i = self.shared.ram.page_index(gpa)?;
         if self.shared.claimed.set(i) {
-            return Err(MigrateError::order(format!(
-                "page {gpa:#x} sent twice in one pass"
-            )));
+            return Err(ProtocolError::PageTwice {
+                gpa,
+                twice: Twice::InPass,
+            }
+            .into());
         }
         Ok(i)
     }

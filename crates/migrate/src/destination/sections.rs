@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 
-use crate::error::MigrateError;
+use crate::error::{Bound, MigrateError, ProtocolError};
 use crate::vm::Section;
 use crate::wire::{self, SectionHeader, SectionId};
 
@@ -24,22 +24,25 @@ impl Sections {
     pub(crate) fn add(&mut self, payload: &[u8]) -> Result<(), MigrateError> {
         let (h, data) = SectionHeader::decode(payload)?;
         if self.sections.len() == wire::MAX_SECTIONS {
-            return Err(MigrateError::order(format!(
-                "more than {} device-state sections",
-                wire::MAX_SECTIONS
-            )));
+            return Err(ProtocolError::OverBound {
+                bound: Bound::Sections,
+                max: wire::MAX_SECTIONS as u64,
+            }
+            .into());
         }
         if self.bytes + data.len() as u64 > wire::MAX_STATE_BYTES {
-            return Err(MigrateError::order(format!(
-                "device state exceeds {} bytes in all",
-                wire::MAX_STATE_BYTES
-            )));
+            return Err(ProtocolError::OverBound {
+                bound: Bound::StateBytes,
+                max: wire::MAX_STATE_BYTES,
+            }
+            .into());
         }
         if !self.seen.insert((h.id, h.instance)) {
-            return Err(MigrateError::order(format!(
-                "{} instance {} sent twice",
-                h.id, h.instance
-            )));
+            return Err(ProtocolError::SectionTwice {
+                id: h.id,
+                instance: h.instance,
+            }
+            .into());
         }
         self.bytes += data.len() as u64;
         self.sections.push(Section {

@@ -17,9 +17,9 @@ use super::acked::AckUse;
 use super::reader::{Inbound, InboundReader};
 use super::{Session, ms};
 use crate::control::Phase;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, Rule};
 use crate::policy::{self, Observation, TimeoutAction};
-use crate::wire::{HELLO_SIZE, PAGE_SIZE};
+use crate::wire::{HELLO_SIZE, Kind, PAGE_SIZE};
 
 /// How often a drain looks at the acknowledgements: a tenth of the destination's interval.
 const DRAIN_POLL: Duration = Duration::from_millis(1);
@@ -160,15 +160,16 @@ impl Session<'_> {
                 crate::error::Side::Destination,
                 message,
             )),
-            Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::order(
-                "the destination sent Resumed before Complete",
+            Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::misplaced(
+                Kind::Resumed,
+                Rule::ResumedAfterComplete,
             )),
             Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_))) => {
                 unreachable!("the reader folds acknowledgements and queues requests")
             }
-            Some(Ok(Inbound::Done(_))) => Err(MigrateError::order(
-                "the destination sent Done during precopy",
-            )),
+            Some(Ok(Inbound::Done(_))) => {
+                Err(MigrateError::misplaced(Kind::Done, Rule::NoDoneInPrecopy))
+            }
             Some(Err(e)) => Err(e),
         }
     }

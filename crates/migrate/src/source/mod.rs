@@ -70,7 +70,7 @@ use self::reader::{Granted, Inbound, InboundReader};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
-use crate::error::MigrateError;
+use crate::error::{ConfigError, MigrateError, ProtocolError};
 use crate::ram::Ram;
 use crate::stats::{self, MigrationStats, Timeline};
 use crate::transport::Stream;
@@ -355,11 +355,11 @@ impl<'a> Session<'a> {
         self.conn.write_hello(&self.main_hello(Role::Main))?;
         if let Some(config) = config {
             if config.len() as u64 > wire::MAX_CONFIG_BYTES {
-                return Err(MigrateError::order(format!(
-                    "the VMM's configuration of {} bytes exceeds the protocol's {}",
-                    config.len(),
-                    wire::MAX_CONFIG_BYTES
-                )));
+                return Err(ConfigError::VmConfigTooLarge {
+                    bytes: config.len() as u64,
+                    max: wire::MAX_CONFIG_BYTES,
+                }
+                .into());
             }
             let h = Header::new(Kind::VmConfig, 0, config.len() as u64);
             self.conn.write_record(&h, config)?;
@@ -376,10 +376,10 @@ impl<'a> Session<'a> {
             e => e,
         })?;
         if !reply.capabilities.is_subset(self.requested()) {
-            return Err(MigrateError::order(format!(
-                "the destination granted capabilities {:#x} that were not asked for",
-                reply.capabilities.0
-            )));
+            return Err(ProtocolError::NotAsked {
+                bits: reply.capabilities.0,
+            }
+            .into());
         }
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match reply.status {
@@ -414,10 +414,10 @@ impl<'a> Session<'a> {
         self.postcopy_granted = granted.postcopy;
         self.postcopy_unit = reply.postcopy_unit_pages();
         if granted.postcopy && self.postcopy_unit > u64::from(wire::MAX_PAGES_PER_RECORD) {
-            return Err(MigrateError::order(format!(
-                "the destination's postcopy pages of {} wire pages exceed a record",
-                self.postcopy_unit
-            )));
+            return Err(ProtocolError::UnitTooLarge {
+                pages: self.postcopy_unit,
+            }
+            .into());
         }
         self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
         self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crate::control::{Settings, Tuning};
-use crate::error::MigrateError;
+use crate::error::{ConfigError, MigrateError, PostcopySetting};
 use crate::policy::Policy;
 use crate::scan::ZeroDetection;
 use crate::wire;
@@ -122,54 +122,44 @@ impl SourceParams {
     /// Refuses channel counts and packet sizes the protocol cannot carry.
     pub(super) fn check(&self) -> Result<(), MigrateError> {
         if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
-            return Err(MigrateError::params(format!(
-                "{} channels requested; use 1 to {}",
-                self.channels,
-                wire::MAX_CHANNELS
-            )));
+            return Err(ConfigError::Channels {
+                asked: self.channels,
+                max: wire::MAX_CHANNELS,
+            }
+            .into());
         }
         if self.peer_timeout == Some(Duration::ZERO) {
-            return Err(MigrateError::params(
-                "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever",
-            ));
+            return Err(ConfigError::ZeroPeerTimeout.into());
         }
         self.settings_as_tuning().check()?;
-        if self.postcopy_after_passes.is_some() && !self.postcopy {
-            return Err(MigrateError::params(
-                "a pass count to switch to postcopy after was given without enabling postcopy; add --postcopy",
-            ));
-        }
-        if self.recover && !self.postcopy {
-            return Err(MigrateError::params(
-                "postcopy recovery was asked for without enabling postcopy; add --postcopy",
-            ));
-        }
-        if self.preempt && !self.postcopy {
-            return Err(MigrateError::params(
-                "a preempt connection was asked for without enabling postcopy; add --postcopy",
-            ));
-        }
-        if self.policy.postcopy_on_stall && !self.postcopy {
-            return Err(MigrateError::params(
-                "postcopy on a stall was asked for without enabling postcopy; add --postcopy",
-            ));
-        }
-        if self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy && !self.postcopy {
-            return Err(MigrateError::params(
-                "a timeout action of postcopy was given without enabling postcopy; add --postcopy",
-            ));
+        let needs_postcopy = [
+            (
+                self.postcopy_after_passes.is_some(),
+                PostcopySetting::AfterPasses,
+            ),
+            (self.recover, PostcopySetting::Recovery),
+            (self.preempt, PostcopySetting::Preempt),
+            (self.policy.postcopy_on_stall, PostcopySetting::OnStall),
+            (
+                self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy,
+                PostcopySetting::TimeoutAction,
+            ),
+        ];
+        if let Some(&(_, setting)) = needs_postcopy
+            .iter()
+            .find(|(set, _)| *set && !self.postcopy)
+        {
+            return Err(ConfigError::NeedsPostcopy(setting).into());
         }
         if self.postcopy_after_passes == Some(0) {
-            return Err(MigrateError::params(
-                "postcopy after 0 passes: the switch comes after a pass ends; give 1 or more",
-            ));
+            return Err(ConfigError::PostcopyAfterZeroPasses.into());
         }
         if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
-            return Err(MigrateError::params(format!(
-                "packet size of {} pages is outside 1..={} (4 KiB to 2 MiB)",
-                self.packet_pages,
-                wire::MAX_PAGES_PER_RECORD
-            )));
+            return Err(ConfigError::PacketSize {
+                pages: self.packet_pages,
+                max: wire::MAX_PAGES_PER_RECORD,
+            }
+            .into());
         }
         Ok(())
     }

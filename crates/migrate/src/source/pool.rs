@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::params::{SourceParams, TestHooks};
 use super::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::conn::Conn;
-use crate::error::MigrateError;
+use crate::error::{Connection, MigrateError, ProtocolError};
 use crate::ram::Ram;
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
@@ -123,7 +123,10 @@ impl ChannelPool {
         }
         Err(match preempt.finish() {
             Err(e) => e,
-            Ok(_) => MigrateError::order("the preempt connection stopped early"),
+            Ok(_) => ProtocolError::StoppedEarly {
+                connection: Connection(0),
+            }
+            .into(),
         })
     }
 
@@ -144,10 +147,12 @@ impl ChannelPool {
         if let Some(p) = &mut self.preempt
             && !p.send(ChannelMsg::Postcopy)
         {
-            return Err(p
-                .finish()
-                .err()
-                .unwrap_or_else(|| MigrateError::order("the preempt connection stopped early")));
+            return Err(p.finish().err().unwrap_or_else(|| {
+                ProtocolError::StoppedEarly {
+                    connection: Connection(0),
+                }
+                .into()
+            }));
         }
         Ok(())
     }
@@ -166,9 +171,10 @@ impl ChannelPool {
             Ok(Some(_)) => unreachable!("try_send gives back what it was given"),
             Err(_) => Err(match self.senders[self.next].finish() {
                 Err(e) => e,
-                Ok(_) => {
-                    MigrateError::order(format!("data channel {} stopped early", self.next + 1))
+                Ok(_) => ProtocolError::StoppedEarly {
+                    connection: Connection(self.next as u16 + 1),
                 }
+                .into(),
             }),
         }
     }
@@ -245,7 +251,10 @@ impl ChannelPool {
         }
         Err(match self.senders[i].finish() {
             Err(e) => e,
-            Ok(_) => MigrateError::order(format!("data channel {} stopped early", i + 1)),
+            Ok(_) => ProtocolError::StoppedEarly {
+                connection: Connection(i as u16 + 1),
+            }
+            .into(),
         })
     }
 }

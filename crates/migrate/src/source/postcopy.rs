@@ -26,7 +26,7 @@ use super::sender;
 use super::{Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, ProtocolError, Rule};
 use crate::stats::{PostcopyStats, PostcopyTrigger};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
@@ -472,9 +472,9 @@ impl Session<'_> {
             .take_requests();
         for &(gpa, pages) in &runs {
             pc.requests += 1;
-            self.ram.check_run(gpa, pages).map_err(|e| {
-                MigrateError::order(format!("the destination requested pages outside RAM: {e}"))
-            })?;
+            self.ram
+                .check_run(gpa, pages)
+                .map_err(ProtocolError::RequestOutsideRam)?;
         }
         Ok(runs)
     }
@@ -491,12 +491,8 @@ impl Session<'_> {
                 crate::error::Side::Destination,
                 message,
             )),
-            Some(Ok(Inbound::Done(_))) => Err(MigrateError::order(
-                "the destination said Done before every page was sent",
-            )),
-            Some(Ok(other)) => Err(MigrateError::order(format!(
-                "unexpected {other:?} from the destination during postcopy"
-            ))),
+            Some(Ok(Inbound::Done(_))) => Err(MigrateError::misplaced(Kind::Done, Rule::DoneLast)),
+            Some(Ok(other)) => Err(MigrateError::misplaced(other.kind(), Rule::InPostcopy)),
             Some(Err(e)) => Err(e),
         }
     }
@@ -522,9 +518,7 @@ impl Session<'_> {
                     ));
                 }
                 Some(Ok(other)) => {
-                    return Err(MigrateError::order(format!(
-                        "expected Done from the destination, got {other:?}"
-                    )));
+                    return Err(MigrateError::misplaced(other.kind(), Rule::AwaitingDone));
                 }
                 Some(Err(e)) => return Err(e),
                 None if Instant::now() > deadline => {

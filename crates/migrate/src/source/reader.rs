@@ -30,7 +30,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::conn::Conn;
-use crate::error::MigrateError;
+use crate::error::{Bound, MigrateError, ProtocolError, Rule};
 use crate::transport::Stream;
 use crate::wire::{self, Kind, Latencies, Received, ResumedRecord};
 
@@ -52,6 +52,19 @@ pub enum Inbound {
     PageRequest(Vec<(u64, u64)>),
     /// Every page is in place on the destination, with its request latencies (postcopy only).
     Done(Box<Latencies>),
+}
+
+impl Inbound {
+    /// The kind of record it came in.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Inbound::Resumed(_) => Kind::Resumed,
+            Inbound::Error(_) => Kind::Error,
+            Inbound::Received(_) => Kind::Received,
+            Inbound::PageRequest(_) => Kind::PageRequest,
+            Inbound::Done(_) => Kind::Done,
+        }
+    }
 }
 
 /// What the session is waiting for, for its errors: `during` names the wait when the
@@ -79,10 +92,10 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
             ))
         }
         Kind::Done => Ok(Inbound::Done(Box::new(Latencies::decode(&payload)?))),
-        k => Err(MigrateError::order(format!(
-            "expected {} from the destination, got {k:?}",
-            awaiting.expected
-        ))),
+        k => Err(MigrateError::misplaced(
+            k,
+            Rule::Awaiting(awaiting.expected),
+        )),
     }
 }
 
@@ -241,50 +254,54 @@ fn read_until_end(
     let mut seen_resumed = granted.resumed;
     loop {
         match read(conn, AWAITING_ANY)? {
-            Inbound::PageRequest(_) | Inbound::Done(_) if !granted.postcopy => {
-                return Err(MigrateError::order(
-                    "the destination sent a postcopy record without the postcopy capability",
+            inbound @ (Inbound::PageRequest(_) | Inbound::Done(_)) if !granted.postcopy => {
+                return Err(MigrateError::misplaced(
+                    inbound.kind(),
+                    Rule::PostcopyRecordsNeedPostcopy,
                 ));
             }
             Inbound::PageRequest(_) if !into.requests.allowed.load(Ordering::Acquire) => {
-                return Err(MigrateError::order(
-                    "the destination sent a page request before the source switched to postcopy",
+                return Err(MigrateError::misplaced(
+                    Kind::PageRequest,
+                    Rule::RequestsInPostcopy,
                 ));
             }
             Inbound::Done(_) if !seen_resumed => {
-                return Err(MigrateError::order(
-                    "the destination sent Done before it resumed the guest",
-                ));
+                return Err(MigrateError::misplaced(Kind::Done, Rule::DoneAfterResumed));
             }
             Inbound::PageRequest(runs) => {
                 let mut q = into.requests.queue.lock().unwrap();
                 if q.len() + runs.len() > MAX_QUEUED_REQUESTS {
-                    return Err(MigrateError::order(format!(
-                        "the destination has more than {MAX_QUEUED_REQUESTS} page requests outstanding"
-                    )));
+                    return Err(ProtocolError::OverBound {
+                        bound: Bound::QueuedRequests,
+                        max: MAX_QUEUED_REQUESTS as u64,
+                    }
+                    .into());
                 }
                 q.extend(runs);
                 into.requests.arrived.notify_all();
             }
             Inbound::Resumed(_) if seen_resumed => {
-                return Err(MigrateError::order("the destination sent Resumed twice"));
+                return Err(MigrateError::misplaced(Kind::Resumed, Rule::OneResumed));
             }
             Inbound::Resumed(r) if granted.postcopy => {
                 seen_resumed = true;
                 resumed(Inbound::Resumed(r));
             }
             Inbound::Received(_) if !granted.progress => {
-                return Err(MigrateError::order(
-                    "the destination sent Received without the progress capability",
+                return Err(MigrateError::misplaced(
+                    Kind::Received,
+                    Rule::ReceivedNeedsProgress,
                 ));
             }
             Inbound::Received(r) => {
                 let before = bytes.load(Ordering::Relaxed);
                 if r.bytes < before {
-                    return Err(MigrateError::order(format!(
-                        "the destination's received bytes went back from {before} to {}",
-                        r.bytes
-                    )));
+                    return Err(ProtocolError::ReceivedWentBack {
+                        before,
+                        now: r.bytes,
+                    }
+                    .into());
                 }
                 pages.store(r.pages, Ordering::Relaxed);
                 bytes.store(r.bytes, Ordering::Release);

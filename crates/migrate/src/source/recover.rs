@@ -22,7 +22,7 @@ use super::{Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::Phase;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, ProtocolError, Rule};
 use crate::stats::PostcopyStats;
 use crate::transport::{Dialer, Stream};
 use crate::wire::{self, Kind, PAGE_SIZE, Role};
@@ -180,9 +180,7 @@ impl Session<'_> {
                         for k in 0..pages {
                             let page = gpa + k * PAGE_SIZE;
                             if !listed.contains(page) {
-                                return Err(MigrateError::order(format!(
-                                    "the destination lacks page {page:#x}, which it was never told to drop"
-                                )));
+                                return Err(ProtocolError::LacksUndropped { gpa: page }.into());
                             }
                             missing.set(page);
                         }
@@ -196,9 +194,7 @@ impl Session<'_> {
                     ));
                 }
                 k => {
-                    return Err(MigrateError::order(format!(
-                        "{k:?} from the destination during a recovery"
-                    )));
+                    return Err(MigrateError::misplaced(k, Rule::InRecovery));
                 }
             }
         }

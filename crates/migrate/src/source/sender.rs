@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 
 use super::params::TestHooks;
 use crate::conn::Conn;
-use crate::error::MigrateError;
+use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
 use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
 use crate::stats;
@@ -132,7 +132,10 @@ impl Sender {
         drop(self.tx.take());
         match self.thread.take().map(|t| t.join()) {
             Some(Ok(r)) => r,
-            Some(Err(_)) => Err(MigrateError::Internal("a sender thread panicked".into())),
+            Some(Err(_)) => Err(Internal::Panicked {
+                thread: "a sender thread",
+            }
+            .into()),
             None => Ok(SenderStats::default()),
         }
     }

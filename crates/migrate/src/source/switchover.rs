@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::reader::{Awaiting, Inbound};
 use super::{GuestState, Session, ms};
 use crate::control::Phase;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, Rule};
 use crate::vm::{Section, SourceVm};
 use crate::wire::ResumedRecord;
 use crate::wire::{Header, Kind};
@@ -179,9 +179,7 @@ impl<'a> Session<'a> {
             Inbound::Received(_) | Inbound::PageRequest(_) => {
                 unreachable!("the reader folds acknowledgements and queues requests")
             }
-            Inbound::Done(_) => Err(MigrateError::order(
-                "the destination sent Done before it resumed the guest",
-            )),
+            Inbound::Done(_) => Err(MigrateError::misplaced(Kind::Done, Rule::DoneAfterResumed)),
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::destination::arrival::{Arrival, Arrivals, CHANNEL_TIMEOUT, RECORD_TIM
 use crate::destination::progress::IncomingPhase;
 use crate::destination::receiver::{self, PageBits, PassBarrier};
 use crate::destination::sink;
-use crate::error::MigrateError;
+use crate::error::{Connection, Internal, MigrateError};
 use crate::transport::Stream;
 use crate::wire::{Capabilities, Hello, PAGE_SIZE, Refusal, Role};
 
@@ -122,11 +122,8 @@ impl Session<'_> {
     /// After Complete: every data channel must have ended after the last pass.
     pub(super) fn join_receivers(&mut self) -> Result<(), MigrateError> {
         for r in self.receivers.drain(..) {
-            let s = r.thread.join().map_err(|_| {
-                MigrateError::Internal(format!(
-                    "{}: its receiver panicked",
-                    receiver::name(r.channel)
-                ))
+            let s = r.thread.join().map_err(|_| Internal::ReceiverPanicked {
+                connection: Connection(r.channel),
             })??;
             // The preempt connection (channel 0) carries no passes, nor do the channels a
             // postcopy recovery opened.

@@ -29,7 +29,7 @@ use super::progress::{IncomingControl, IncomingPhase};
 use super::receiver::{self, ReceiverStats};
 use super::sections::Sections;
 use crate::conn::Conn;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, ProtocolError, Rule};
 use crate::ram::Ram;
 use crate::stats;
 use crate::transport::Stream;
@@ -171,10 +171,7 @@ impl<'a> Session<'a> {
         let _ = self.conn.stream().set_read_timeout(Some(RECORD_TIMEOUT));
         let h = h?;
         if h.kind != Kind::VmConfig {
-            return Err(MigrateError::order(format!(
-                "expected the source VM's configuration after its hello, got {:?}",
-                h.kind
-            )));
+            return Err(MigrateError::misplaced(h.kind, Rule::ConfigFirst));
         }
         let config = self.conn.read_payload(&h, during)?;
         // Taken in like any record: the source counts it as written, and a byte it never saw
@@ -182,7 +179,7 @@ impl<'a> Session<'a> {
         let c = &self.control;
         c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
         Ok(self.vm.check_config(&config).err().map(|e| match e {
-            VmError::Failed { message, .. } => message,
+            VmError::Failed { source, .. } => source.to_string(),
             e => e.to_string(),
         }))
     }
@@ -357,21 +354,17 @@ impl<'a> Session<'a> {
             }
             match h.kind {
                 Kind::EndOfPass if !state.is_empty() || self.postcopy.is_some() => {
-                    return Err(MigrateError::order(
-                        "EndOfPass record after device state or a discard list",
-                    ));
+                    return Err(MigrateError::misplaced(h.kind, Rule::NoPassAfterState));
                 }
                 Kind::Discard | Kind::Postcopy
                     if !self.granted.contains(Capabilities::POSTCOPY) =>
                 {
-                    return Err(MigrateError::order(format!(
-                        "{:?} record without the postcopy capability",
-                        h.kind
-                    )));
+                    return Err(MigrateError::misplaced(h.kind, Rule::NeedsPostcopy));
                 }
                 Kind::Discard if self.stats.passes == 0 || !state.is_empty() => {
-                    return Err(MigrateError::order(
-                        "a discard list must come after a memory pass and before the device state",
+                    return Err(MigrateError::misplaced(
+                        h.kind,
+                        Rule::DiscardBetweenPassesAndState,
                     ));
                 }
                 Kind::Discard => {
@@ -386,17 +379,19 @@ impl<'a> Session<'a> {
                 }
                 Kind::Postcopy => {
                     if state.is_empty() {
-                        return Err(MigrateError::order("Postcopy without any device state"));
+                        return Err(MigrateError::misplaced(h.kind, Rule::PostcopyAfterState));
                     }
                     self.start_postcopy()?;
                     return Ok(PrecopyEnd::Postcopy(state.into_vec()));
                 }
                 Kind::EndOfPass => {
                     if h.count != self.stats.passes + 1 {
-                        return Err(MigrateError::order(format!(
-                            "end of pass {} after pass {}",
-                            h.count, self.stats.passes
-                        )));
+                        return Err(ProtocolError::PassOrder {
+                            got: h.count,
+                            after: self.stats.passes,
+                            data_channel: false,
+                        }
+                        .into());
                     }
                     self.stats.passes = h.count;
                     barrier.wait(h.count)?;
@@ -404,19 +399,20 @@ impl<'a> Session<'a> {
                 }
                 Kind::DeviceState => {
                     if self.stats.passes == 0 {
-                        return Err(MigrateError::order("device state before any memory pass"));
+                        return Err(MigrateError::misplaced(h.kind, Rule::StateAfterPass));
                     }
                     let payload = self.conn.read_payload(&h, "receiving device state")?;
                     state.add(&payload)?;
                 }
                 Kind::Complete if self.postcopy.is_some() => {
-                    return Err(MigrateError::order(
-                        "Complete after a discard list: postcopy must start with Postcopy",
+                    return Err(MigrateError::misplaced(
+                        h.kind,
+                        Rule::NoCompleteAfterDiscard,
                     ));
                 }
                 Kind::Complete => {
                     if state.is_empty() {
-                        return Err(MigrateError::order("Complete without any device state"));
+                        return Err(MigrateError::misplaced(h.kind, Rule::CompleteAfterState));
                     }
                     self.join_receivers()?;
                     return Ok(PrecopyEnd::Complete(state.into_vec()));
@@ -426,9 +422,7 @@ impl<'a> Session<'a> {
                     return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
                 }
                 k => {
-                    return Err(MigrateError::order(format!(
-                        "{k:?} record on the main channel"
-                    )));
+                    return Err(MigrateError::misplaced(k, Rule::MainChannel));
                 }
             }
         }

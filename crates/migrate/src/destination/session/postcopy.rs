@@ -11,7 +11,7 @@ use super::{PostcopyReceived, ReceiveStats, Session};
 use crate::destination::postcopy::{FaultThread, Postcopy};
 use crate::destination::progress::IncomingPhase;
 use crate::destination::receiver;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, Rule};
 use crate::stats;
 use crate::vm::Section;
 use crate::wire::{self, Capabilities, Header, Kind};
@@ -177,9 +177,7 @@ impl Session<'_> {
                 let p = self.conn.read_payload(h, "reading the source's error")?;
                 Err(MigrateError::from_peer(crate::error::Side::Source, h, &p))
             }
-            k => Err(MigrateError::order(format!(
-                "{k:?} record on the main channel during postcopy"
-            ))),
+            k => Err(MigrateError::misplaced(k, Rule::MainChannelInPostcopy)),
         }
     }
 }

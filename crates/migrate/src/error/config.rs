@@ -1,0 +1,59 @@
+//! A migration request that cannot work as given, each refusal a variant with the values that
+//! broke it; the message names the fix (the CLI's flag where there is one).
+
+#![forbid(unsafe_code)]
+
+/// A request that cannot work as given.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    Address(#[from] crate::transport::AddressError),
+    #[error("{asked} channels requested; use 1 to {max}")]
+    Channels { asked: u16, max: u16 },
+    #[error(
+        "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever"
+    )]
+    ZeroPeerTimeout,
+    /// A postcopy setting without postcopy itself.
+    #[error("{} without enabling postcopy; add --postcopy", .0.describe())]
+    NeedsPostcopy(PostcopySetting),
+    #[error("postcopy after 0 passes: the switch comes after a pass ends; give 1 or more")]
+    PostcopyAfterZeroPasses,
+    #[error("packet size of {pages} pages is outside 1..={max} (4 KiB to 2 MiB)")]
+    PacketSize { pages: u32, max: u32 },
+    #[error(
+        "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link"
+    )]
+    ZeroBandwidth,
+    #[error("a timeout of 0 would end the migration at once; give a positive timeout, or none")]
+    ZeroTimeout,
+    #[error(
+        "auto-converge throttle of {initial}% rising to {max}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100"
+    )]
+    Throttle { initial: u8, max: u8 },
+    /// The VMM's configuration record is larger than the protocol carries.
+    #[error("the VMM's configuration of {bytes} bytes exceeds the protocol's {max}")]
+    VmConfigTooLarge { bytes: u64, max: u64 },
+}
+
+/// A setting that only means something with postcopy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PostcopySetting {
+    AfterPasses,
+    Recovery,
+    Preempt,
+    OnStall,
+    TimeoutAction,
+}
+
+impl PostcopySetting {
+    fn describe(self) -> &'static str {
+        match self {
+            PostcopySetting::AfterPasses => "a pass count to switch to postcopy after was given",
+            PostcopySetting::Recovery => "postcopy recovery was asked for",
+            PostcopySetting::Preempt => "a preempt connection was asked for",
+            PostcopySetting::OnStall => "postcopy on a stall was asked for",
+            PostcopySetting::TimeoutAction => "a timeout action of postcopy was given",
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! Failures that are ferry's own (a thread that panicked, state that cannot be), or that the
+//! host's userfaultfd reported while postcopy ran: nothing a user's request or a peer caused.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use super::{Connection, MigrateError};
+use crate::uffd::UffdError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Internal {
+    #[error("{thread} panicked")]
+    Panicked { thread: &'static str },
+    /// A receiver thread that panicked, found when it was joined.
+    #[error("{connection}: its receiver panicked")]
+    ReceiverPanicked { connection: Connection },
+    /// A receiver thread that panicked, as its siblings are told while it unwinds.
+    #[error("{connection}: the receiver thread panicked (a bug in ferry)")]
+    ReceiverUnwound { connection: Connection },
+    #[error("postcopy: {0}")]
+    Userfault(#[from] UffdError),
+    #[error("postcopy: guest RAM mixes host page sizes")]
+    MixedHostPages,
+    #[error("a fault at host address {addr:#x} outside guest RAM")]
+    FaultOutsideRam { addr: usize },
+    /// The postcopy fault thread's failure, as the thread waiting for the last page sees it.
+    #[error("the fault thread: {0}")]
+    FaultThread(#[source] Arc<MigrateError>),
+}
