@@ -126,6 +126,9 @@ pub enum MigrateError {
     GivenUp,
     #[error("internal error in ferry (please report it): {0}")]
     Internal(#[from] Internal),
+    /// The postcopy fault thread's failure, as the thread waiting for the last page sees it.
+    #[error("internal error in ferry (please report it): the fault thread: {0}")]
+    FaultThread(#[source] std::sync::Arc<MigrateError>),
 }
 
 impl From<WireError> for MigrateError {
@@ -191,7 +194,7 @@ impl MigrateError {
             | E::CancelledThere(..)
             | E::Timeout(_)
             | E::GivenUp => ErrorKind::Cancelled,
-            E::Internal(_) => ErrorKind::Internal,
+            E::Internal(_) | E::FaultThread(_) => ErrorKind::Internal,
         }
     }
 

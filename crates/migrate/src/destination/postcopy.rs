@@ -371,7 +371,7 @@ impl Postcopy {
         let mut guard = self.all_in.0.lock().unwrap();
         loop {
             if let Some(f) = self.failure.lock().unwrap().clone() {
-                return Err(Internal::FaultThread(f).into());
+                return Err(MigrateError::FaultThread(f));
             }
             let left = self.remaining();
             if left == 0 {

@@ -3,9 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
-
-use super::{Connection, MigrateError};
+use super::protocol::Connection;
 use crate::uffd::UffdError;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +22,4 @@ pub enum Internal {
     MixedHostPages,
     #[error("a fault at host address {addr:#x} outside guest RAM")]
     FaultOutsideRam { addr: usize },
-    /// The postcopy fault thread's failure, as the thread waiting for the last page sees it.
-    #[error("the fault thread: {0}")]
-    FaultThread(#[source] Arc<MigrateError>),
 }
