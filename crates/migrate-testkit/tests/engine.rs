@@ -88,11 +88,11 @@ fn offload_failures_fall_back_to_the_cpu_and_lose_nothing() {
     let p = SourceParams {
         channels: 3,
         packet_pages: 32,
-        zero: ZeroDetection::Offload,
+        zero: ZeroDetection::Offload.into(),
         ..params(20, None)
     };
     let hooks = TestHooks {
-        offload_fail_every: Some(3),
+        zero_fail_every: Some(3),
     };
     let (sent, received) = migrate_with_hooks(&mut src, &mut dst, &p, &Control::default(), &hooks);
     let stats = sent.unwrap();
@@ -129,7 +129,7 @@ fn every_channel_count_and_detector_moves_memory_exactly() {
         let p = SourceParams {
             channels,
             packet_pages: 16,
-            zero,
+            zero: zero.into(),
             ..params(30, None)
         };
         let (sent, received) = migrate(&mut src, &mut dst, &p, &Control::default());

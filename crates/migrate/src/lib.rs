@@ -8,7 +8,8 @@
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
 //! - [`policy`]: when to switch over, as a pure function.
 //! - [`source`] and [`destination`]: the two sessions, each with its data channels' threads;
-//!   [`scan`] and [`zero`]: zero-page detection, inline or offloaded.
+//!   [`scan`] and [`zero`]: zero-page detection, inline, offloaded, or the VMM's own
+//!   ([`scan::ZeroDetectorFactory`] in [`SourceParams::zero`]).
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.

@@ -182,13 +182,15 @@ impl Ram {
         unreachable!("page() found the region")
     }
 
-    /// Whether the page at `gpa` is all zeros, read in place (no copy): the sender's zero scan.
+    /// Whether the page at `gpa` is all zeros, read in place (no copy): the sender's zero scan,
+    /// and what a VMM's own [`crate::scan::ZeroDetector`] may ask about the pages it knows
+    /// nothing of.
     ///
     /// The guest may write the page while it is scanned, so the answer describes some mix of
-    /// its old and new bytes. That is harmless for the same reason as for [`Ram::page_slices`]:
+    /// its old and new bytes. That is harmless for the same reason as for `Ram::page_slices`:
     /// tracking was re-armed before the page was queued, so a page that changes now is dirty
     /// again and sent again in its newer state.
-    pub(crate) fn is_zero_page(&self, gpa: u64) -> Result<bool, RamError> {
+    pub fn is_zero_page(&self, gpa: u64) -> Result<bool, RamError> {
         let host = self.page(gpa)?;
         // SAFETY: a page of guest RAM (checked above), mapped and readable while `self` lives
         // (the `Ram` invariant), and the slice lives only for this call. A vCPU may store to

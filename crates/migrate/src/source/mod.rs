@@ -236,7 +236,7 @@ impl<'a> Session<'a> {
             bitmap: DirtyBitmap::new(ram.regions()),
             ram,
             conn,
-            params: *params,
+            params: params.clone(),
             hooks,
             control,
             pool: ChannelPool::default(),

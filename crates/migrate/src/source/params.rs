@@ -4,16 +4,17 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::control::{Settings, Tuning};
 use crate::error::{ConfigError, MigrateError, PostcopySetting};
 use crate::policy::Policy;
-use crate::scan::ZeroDetection;
+use crate::scan::{ZeroDetection, ZeroDetectorFactory};
 use crate::wire;
 
 /// How to migrate.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SourceParams {
     pub policy: Policy,
     /// Bytes per second, `None` = unlimited.
@@ -23,7 +24,11 @@ pub struct SourceParams {
     pub channels: u16,
     /// Pages per batch (QEMU: the multifd packet size / 4096), 1..=512.
     pub packet_pages: u32,
-    pub zero: ZeroDetection,
+    /// How the senders find zero pages: the factory that builds each sending thread's
+    /// [`ZeroDetector`](crate::scan::ZeroDetector). One of the engine's own is a
+    /// [`ZeroDetection`] choice `.into()` this; a VMM may bring its own (`scan.rs` has the
+    /// contract: a page reported zero arrives as zeros). Default: [`ZeroDetection::Inline`].
+    pub zero: Arc<dyn ZeroDetectorFactory>,
     /// Whether the migration may switch to postcopy (QEMU's postcopy-ram capability): the
     /// destination must offer it, and the switch comes after
     /// [`SourceParams::postcopy_after_passes`] passes or when
@@ -87,7 +92,7 @@ impl SourceParams {
             uuid,
             channels: DEFAULT_CHANNELS,
             packet_pages: DEFAULT_PACKET_PAGES,
-            zero: ZeroDetection::Inline,
+            zero: ZeroDetection::default().into(),
             postcopy: false,
             postcopy_after_passes: None,
             preempt: false,
@@ -176,8 +181,9 @@ impl SourceParams {
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TestHooks {
-    /// Make the offload zero-scan engine report every n-th batch as failed.
-    pub offload_fail_every: Option<u64>,
+    /// Make each sender's zero detector report every n-th batch as failed, unscanned, as an
+    /// offload engine that fails does.
+    pub zero_fail_every: Option<u64>,
 }
 
 #[cfg(test)]
@@ -190,26 +196,38 @@ mod tests {
         let ok = SourceParams::new(Policy::default(), [1; 16]);
         assert!(ok.check().is_ok());
         let table = [
-            (SourceParams { channels: 0, ..ok }, "use 1 to 64"),
-            (SourceParams { channels: 65, ..ok }, "use 1 to 64"),
+            (
+                SourceParams {
+                    channels: 0,
+                    ..ok.clone()
+                },
+                "use 1 to 64",
+            ),
+            (
+                SourceParams {
+                    channels: 65,
+                    ..ok.clone()
+                },
+                "use 1 to 64",
+            ),
             (
                 SourceParams {
                     packet_pages: 0,
-                    ..ok
+                    ..ok.clone()
                 },
                 "outside 1..=512",
             ),
             (
                 SourceParams {
                     packet_pages: 513,
-                    ..ok
+                    ..ok.clone()
                 },
                 "outside 1..=512",
             ),
             (
                 SourceParams {
                     max_bandwidth: Some(0),
-                    ..ok
+                    ..ok.clone()
                 },
                 "give a positive limit",
             ),

@@ -97,7 +97,7 @@ impl ChannelPool {
                 )));
             }
             let config = SenderConfig {
-                zero: params.zero,
+                zero: params.zero.clone(),
                 bytes: self.bytes.clone(),
                 pages: self.written_pages.clone(),
                 checksum_pages: params.checksum_pages,

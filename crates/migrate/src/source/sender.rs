@@ -1,5 +1,7 @@
 //! A data channel's sender thread: takes batches of page addresses from the migration thread,
-//! has the pages scanned for zeros in guest memory (inline or offloaded), and sends the zero
+//! has the pages scanned for zeros in guest memory (by the detector the migration's
+//! [`ZeroDetectorFactory`] builds for this thread: inline, offloaded, or the VMM's own), checks
+//! what comes back (a failed or malformed completion is scanned here), and sends the zero
 //! pages as compact runs and the rest as a Pages record whose page data the kernel copies
 //! straight from guest memory (one `writev` of the buffered header and addresses and the
 //! pages; `Ram::page_slices` says why sending live guest memory is as correct as a copy). A
@@ -30,7 +32,7 @@ use super::params::TestHooks;
 use crate::conn::Conn;
 use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
-use crate::scan::{self, Batch, Completion, Detector, ZeroDetection};
+use crate::scan::{Batch, Completion, FailEvery, ZeroDetector, ZeroDetectorFactory};
 use crate::stats;
 use crate::transport::Stream;
 use crate::wire::{self, Header, Kind, PAGE_SIZE};
@@ -73,7 +75,8 @@ pub struct Sender {
 /// How senders scan and where they count bytes.
 #[derive(Clone, Debug)]
 pub struct SenderConfig {
-    pub zero: ZeroDetection,
+    /// Builds this sender's zero detector ([`crate::SourceParams::zero`]).
+    pub zero: Arc<dyn ZeroDetectorFactory>,
     /// Bytes written by all senders, for the bandwidth window.
     pub bytes: Arc<AtomicU64>,
     /// Pages written by all senders (with data or as zero runs), so that the session knows how
@@ -155,7 +158,14 @@ fn run(
     hooks: TestHooks,
 ) -> Result<SenderStats, MigrateError> {
     let cpu_start = stats::thread_cpu_ns();
-    let mut detector = scan::detector(config.zero, ram.clone(), hooks.offload_fail_every);
+    let mut detector = config.zero.detector(&ram);
+    if let Some(every) = hooks.zero_fail_every {
+        detector = Box::new(FailEvery::new(detector, every));
+    }
+    let mut detector = Pipeline {
+        detector,
+        outstanding: 0,
+    };
     let mut s = SenderStats::default();
     let mut out = Output {
         conn: &mut conn,
@@ -171,26 +181,26 @@ fn run(
         match msg {
             ChannelMsg::Pages(gpas) => {
                 detector.submit(Batch::new(gpas));
-                while detector.outstanding() > PIPELINE {
+                while detector.outstanding > PIPELINE {
                     out.send(detector.complete().expect("outstanding batch"))?;
                 }
                 if postcopy {
                     // A vCPU may be waiting for any of these pages: nothing stays behind.
-                    drain(&mut *detector, &mut out)?;
+                    drain(&mut detector, &mut out)?;
                     out.conn.flush("sending postcopy pages")?;
                 }
             }
             ChannelMsg::EndOfPass(pass) => {
-                drain(&mut *detector, &mut out)?;
+                drain(&mut detector, &mut out)?;
                 out.marker(Header::new(Kind::EndOfPass, pass, 0), "ending a pass")?;
             }
             ChannelMsg::Postcopy => {
                 postcopy = true;
-                drain(&mut *detector, &mut out)?;
+                drain(&mut detector, &mut out)?;
                 out.marker(Header::new(Kind::Postcopy, 0, 0), "starting postcopy")?;
             }
             ChannelMsg::Shutdown => {
-                drain(&mut *detector, &mut out)?;
+                drain(&mut detector, &mut out)?;
                 out.conn.flush("closing a data channel")?;
                 let _ = out.conn.stream().shutdown(std::net::Shutdown::Write);
                 break;
@@ -201,11 +211,34 @@ fn run(
     Ok(s)
 }
 
-fn drain(detector: &mut dyn Detector, out: &mut Output<'_>) -> Result<(), MigrateError> {
+fn drain(detector: &mut Pipeline, out: &mut Output<'_>) -> Result<(), MigrateError> {
     while let Some(c) = detector.complete() {
         out.send(c)?;
     }
     Ok(())
+}
+
+/// The sender's detector and the batches in it, counted here rather than asked of the
+/// detector: a pass end drains exactly what was submitted, whatever a VMM's detector believes.
+struct Pipeline {
+    detector: Box<dyn ZeroDetector>,
+    outstanding: usize,
+}
+
+impl Pipeline {
+    fn submit(&mut self, batch: Batch) {
+        self.detector.submit(batch);
+        self.outstanding += 1;
+    }
+
+    /// The oldest outstanding batch's completion; `None` when nothing is outstanding.
+    fn complete(&mut self) -> Option<Completion> {
+        if self.outstanding == 0 {
+            return None;
+        }
+        self.outstanding -= 1;
+        Some(self.detector.complete())
+    }
 }
 
 /// Writes one Pages record of `gpas` (in address order, at most a record's worth) on `conn`,
@@ -274,7 +307,9 @@ impl Output<'_> {
     /// record of the batch's non-zero pages, in batch order.
     fn send(&mut self, c: Completion) -> Result<(), MigrateError> {
         let mut batch = c.batch;
-        if !c.ok {
+        // A completion without one answer per page is one the detector failed: zipping it
+        // would drop pages.
+        if !c.ok || batch.zero.len() != batch.gpas.len() {
             self.stats.fallbacks += 1;
             batch.scan_inline(self.ram);
         }
