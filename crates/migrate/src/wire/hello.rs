@@ -99,12 +99,10 @@ impl Hello {
         if crc(&b[..HELLO_CRC_AT]).to_le_bytes() != b[HELLO_CRC_AT..] {
             return Err(WireError::HelloChecksum("hello"));
         }
-        let role = match u16::from_le_bytes([b[12], b[13]]) {
-            1 => Role::Main,
-            2 => Role::Data,
-            3 => Role::Preempt,
-            4 => Role::Resume,
-            r => return Err(WireError::Role(r)),
+        let raw_role = u16::from_le_bytes([b[12], b[13]]);
+        let role = match Role::try_from(raw_role) {
+            Ok(Role::Invalid) | Err(_) => return Err(WireError::Role(raw_role)),
+            Ok(role) => role,
         };
         let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
         if u64::from(page_size) != PAGE_SIZE {
