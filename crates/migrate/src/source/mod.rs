@@ -382,14 +382,14 @@ impl<'a> Session<'a> {
             )));
         }
         if reply.status != wire::Refusal::Accepted as u32 {
-            return Err(MigrateError::Refused(match reply.status {
-                1 => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
-                5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
-                7 => self
+            return Err(MigrateError::Refused(match wire::Refusal::try_from(reply.status) {
+                Ok(wire::Refusal::MemorySize) => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
+                Ok(wire::Refusal::Busy) => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
+                Ok(wire::Refusal::Config) => self
                     .conn
                     .peer_error()
                     .unwrap_or_else(|| "the destination VM is configured differently".into()),
-                s => format!("status {s}"),
+                _ => format!("status {}", reply.status),
             }));
         }
         let granted = Granted {
