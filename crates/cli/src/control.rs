@@ -78,7 +78,7 @@ pub struct BalloonArgs {
     api_socket: PathBuf,
     /// How much memory the guest should give back (e.g. 1G; 0 deflates it all). Without it,
     /// the balloon's state is printed.
-    #[arg(long, value_parser = crate::parse_size)]
+    #[arg(long, value_parser = crate::sizes::parse_size)]
     target: Option<u64>,
 }
 

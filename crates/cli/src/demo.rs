@@ -25,10 +25,10 @@ use crate::report::{self, Live, PlainLines};
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Guest RAM of both VMs.
-    #[arg(long, default_value = "2G", value_parser = crate::parse_size)]
+    #[arg(long, default_value = "2G", value_parser = crate::sizes::parse_size)]
     memory: u64,
     /// The guest's working set.
-    #[arg(long, default_value = "512M", value_parser = crate::parse_size)]
+    #[arg(long, default_value = "512M", value_parser = crate::sizes::parse_size)]
     ws: u64,
     /// MB/s the guest writes (10^6 bytes of whole pages, verify passes included; `max` for
     /// flat out): the guest's `rate=`.
@@ -41,7 +41,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = crate::migrate::ms(MigrationRequest::default().downtime_limit_ms))]
     downtime_limit: humantime::Duration,
     /// Cap on the send rate in bytes per second, e.g. 500M.
-    #[arg(long, value_parser = crate::parse_size)]
+    #[arg(long, value_parser = crate::sizes::parse_size)]
     max_bandwidth: Option<u64>,
     /// Verify passes the guest must complete on the destination before the verdict.
     #[arg(long, default_value_t = 3)]

@@ -1,5 +1,6 @@
-//! How `ferry` ends: its exit statuses (README.md has the same table) and the error that
-//! ends it with [`USAGE`]. Below every command, which all end through it.
+//! How `ferry` ends: its exit statuses (README.md has the same table), the error that ends it
+//! with [`USAGE`], and how an error is said ([`error_text`]). Below every command, which all
+//! end through it.
 
 /// The command did what it was asked (a migration completed).
 pub const COMPLETED: u8 = 0;
@@ -24,3 +25,43 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+/// An error and its causes in one line, each cause once: most of ferry's errors already say
+/// their cause's words (`cannot listen on ...: Address in use`), which anyhow's `{:#}` would
+/// print a second time.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if out.contains(&said) {
+            continue;
+        }
+        if !out.is_empty() {
+            out += ": ";
+        }
+        out += &said;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let said = io.to_string();
+        let e = anyhow::Error::new(ferry_vmm::api::client::ApiClientError::Connect {
+            path: "x.sock".into(),
+            source: io,
+        })
+        .context("could not start");
+        let text = super::error_text(&e);
+        assert_eq!(text.matches(&said).count(), 1, "{text}");
+        assert!(
+            text.starts_with("could not start: no ferry VM is listening on x.sock"),
+            "{text}"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(super::error_text(&plain), "outer: inner");
+    }
+}

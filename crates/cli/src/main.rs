@@ -12,6 +12,7 @@ mod guest;
 mod migrate;
 mod report;
 mod run;
+mod sizes;
 mod tls;
 mod tune;
 
@@ -123,7 +124,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ferry: error: {}", error_text(&e));
+            eprintln!("ferry: error: {}", exit::error_text(&e));
             if e.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(exit::USAGE)
             } else {
@@ -133,81 +134,57 @@ fn main() -> ExitCode {
     }
 }
 
-/// An error and its causes in one line, each cause once: most of ferry's errors already say
-/// their cause's words (`cannot listen on ...: Address in use`), which anyhow's `{:#}` would
-/// print a second time.
-pub fn error_text(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let said = cause.to_string();
-        if out.contains(&said) {
-            continue;
-        }
-        if !out.is_empty() {
-            out += ": ";
-        }
-        out += &said;
-    }
-    out
-}
-
-/// A guest's RAM size: a size, or `max` for the most this host and guest allow (resolved by
-/// [`memory_size`] once the guest is known).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemorySize {
-    Bytes(u64),
-    Max,
-}
-
-fn parse_memory(s: &str) -> Result<MemorySize, String> {
-    match s {
-        "max" => Ok(MemorySize::Max),
-        s => parse_size(s).map(MemorySize::Bytes),
-    }
-}
-
-/// The bytes of RAM `size` asks for a guest of kind `guest`: `max` is the limit of this host
-/// and guest, said on standard error with why.
-pub fn memory_size(size: MemorySize, guest: ferry_vmm::GuestKind) -> anyhow::Result<u64> {
-    match size {
-        MemorySize::Bytes(b) => Ok(b),
-        MemorySize::Max => {
-            let limit = ferry_vmm::limit::MemoryLimit::of_host(&ferry_vmm::kvm::open()?, guest);
-            eprintln!(
-                "ferry: --memory max: {} ({})",
-                ferry_vmm::memory::Size(limit.bytes),
-                limit.why
-            );
-            Ok(limit.bytes)
-        }
-    }
-}
-
-/// Parses a byte size such as `2G`, `512M` or `64GiB` (binary units).
-fn parse_size(s: &str) -> Result<u64, String> {
-    ferry_guest_abi::params::parse_size(s).ok_or_else(|| {
-        format!("'{s}' is not a size; write a number, a fraction allowed, with an optional K, M, G or T suffix (either case), e.g. 2G or 3.5g")
-    })
-}
-
 #[cfg(test)]
 mod tests {
+    //! The command line as a whole, parsed through [`Cli`] as `ferry` parses it: the tests of a
+    //! command's flags that need the root's grammar live here, below which every command sits.
+
+    use clap::Parser;
+
+    use crate::bench::BenchCommand;
+    use crate::{Cli, Command};
+
+    /// Every bench that takes a list takes it as its help shows a default (space separated)
+    /// or comma separated; `bench state` has its own test of the values.
     #[test]
-    fn an_error_says_each_cause_once() {
-        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
-        let said = io.to_string();
-        let e = anyhow::Error::new(ferry_vmm::api::client::ApiClientError::Connect {
-            path: "x.sock".into(),
-            source: io,
-        })
-        .context("could not start");
-        let text = super::error_text(&e);
-        assert_eq!(text.matches(&said).count(), 1, "{text}");
-        assert!(
-            text.starts_with("could not start: no ferry VM is listening on x.sock"),
-            "{text}"
-        );
-        let plain = anyhow::anyhow!("inner").context("outer");
-        assert_eq!(super::error_text(&plain), "outer: inner");
+    fn regression_list_flags_take_spaces_and_commas() {
+        for args in [
+            &["bench", "vcpus", "--vcpus", "1", "16"][..],
+            &["bench", "vcpus", "--vcpus", "1,16"],
+            &["bench", "guest", "--ws", "256M", "1G"],
+            &["bench", "guest", "--ws", "256M,1G"],
+            &["bench", "scale", "--sizes-gib", "8", "64"],
+            &["bench", "scale", "--sizes-gib", "8,64"],
+        ] {
+            let parsed = Cli::try_parse_from(std::iter::once("ferry").chain(args.iter().copied()));
+            assert!(parsed.is_ok(), "{args:?}: {}", parsed.unwrap_err());
+        }
+        let too_many = Cli::try_parse_from(["ferry", "bench", "vcpus", "--vcpus", "1", "65"]);
+        assert!(too_many.is_err(), "65 vCPUs accepted");
+    }
+
+    fn vcpus(args: &[&str]) -> Result<Vec<u8>, clap::Error> {
+        let cli = Cli::try_parse_from(["ferry", "bench", "state"].iter().chain(args))?;
+        match cli.command {
+            Command::Bench(BenchCommand::State(a)) => Ok(a.vcpus),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn regression_vcpus_takes_the_list_its_help_shows() {
+        // `--vcpus 1 8`, as the help prints the default, was refused: "unexpected argument '8'".
+        for (args, want) in [
+            (&["--vcpus", "1", "8"][..], vec![1, 8]),
+            (&["--vcpus", "1,8"], vec![1, 8]),
+            (&["--vcpus", "64"], vec![64]),
+            (&["--vcpus", "1", "8", "--vcpus", "32"], vec![1, 8, 32]),
+            (&[], vec![1, 8, 32, 64]),
+        ] {
+            assert_eq!(vcpus(args).unwrap(), want, "{args:?}");
+        }
+        for refused in [&["--vcpus", "1", "0"][..], &["--vcpus", "65"], &["--vcpus"]] {
+            assert!(vcpus(refused).is_err(), "{refused:?} was accepted");
+        }
     }
 }

@@ -99,7 +99,7 @@ pub struct MigrateArgs {
     #[arg(long, default_value_t = ms(defaults().downtime_limit_ms))]
     downtime_limit: humantime::Duration,
     /// Cap on the send rate in bytes per second, e.g. 1G (QEMU: max-bandwidth). Default: none.
-    #[arg(long, value_parser = crate::parse_size)]
+    #[arg(long, value_parser = crate::sizes::parse_size)]
     max_bandwidth: Option<u64>,
     /// Give up converging after this long, e.g. 60s. Default: no timeout.
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -122,7 +122,7 @@ pub struct MigrateArgs {
     #[arg(long, default_value_t = defaults().channels)]
     channels: u16,
     /// Bytes of pages per batch on a data channel, a multiple of 4K up to 2M.
-    #[arg(long, default_value_t = defaults().packet_size, value_parser = crate::parse_size)]
+    #[arg(long, default_value_t = defaults().packet_size, value_parser = crate::sizes::parse_size)]
     packet_size: u64,
     /// Where zero pages are found: inline (sender threads), offload (a scanning thread per
     /// channel), none (every page sent as data, for measurements).

@@ -22,8 +22,8 @@ pub struct RunArgs {
     /// Guest RAM, e.g. 512M, 2G, 64G, or `max` for the most this host's KVM and the guest
     /// allow (511G for the built-in guest; said on start). RAM is sparse: untouched memory
     /// costs nothing, and a migration's cost follows the memory the guest touched.
-    #[arg(long, default_value = "2G", value_parser = crate::parse_memory)]
-    memory: crate::MemorySize,
+    #[arg(long, default_value = "2G", value_parser = crate::sizes::parse_memory)]
+    memory: crate::sizes::MemorySize,
     /// vCPUs (the PVH boot path starts one).
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
@@ -352,7 +352,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         path => SerialOutput::File(path.into()),
     };
     let config = VmConfig {
-        memory_bytes: crate::memory_size(args.memory, guest)?,
+        memory_bytes: crate::sizes::memory_size(args.memory, guest)?,
         vcpus: args.vcpus,
         kernel,
         cmdline: args.cmdline,
@@ -417,7 +417,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 Err(NoGuest::Ended { why, .. }) if args.incoming_retry => {
                     eprintln!(
                         "ferry: {}\nferry: waiting for the next migration on {spec} (--incoming-retry)",
-                        crate::error_text(&why)
+                        crate::exit::error_text(&why)
                     );
                     continue;
                 }
@@ -425,7 +425,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     cancelled: true,
                     why,
                 }) => {
-                    eprintln!("ferry: {}", crate::error_text(&why));
+                    eprintln!("ferry: {}", crate::exit::error_text(&why));
                     return Ok(ExitCode::from(crate::exit::CANCELLED));
                 }
                 Err(NoGuest::Ended { why, .. } | NoGuest::Failed(why)) => return Err(why),

@@ -53,7 +53,7 @@ struct Timeout(Option<Duration>);
 fn parse_bandwidth(s: &str) -> Result<Bandwidth, String> {
     match s {
         "unlimited" => Ok(Bandwidth(None)),
-        s => match crate::parse_size(s)? {
+        s => match crate::sizes::parse_size(s)? {
             0 => Err(
                 "a limit of 0 would never send a page; give a positive size, or `unlimited`".into(),
             ),

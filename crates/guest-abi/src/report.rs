@@ -18,66 +18,87 @@ pub const DETAIL_WORDS: usize = 10;
 /// Bad frame numbers a verify report lists (the first ones found in the pass).
 pub const LISTED_BAD_PAGES: usize = 6;
 
-/// What a report says. `Invalid = 0` so a zeroed buffer is never mistaken for a report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u16)]
-pub enum Kind {
-    Invalid = 0,
-    /// Once, after the command line was parsed. Detail: [`boot`] words.
-    Boot = 1,
-    /// Every `heartbeat-ms`. Detail: [`heartbeat`] words.
-    Heartbeat = 2,
-    /// After every verify pass. Detail: [`verify`] words.
-    Verify = 3,
-    /// From the CPL0 exception handler, before the guest halts. Detail: [`exception`] words.
-    Exception = 4,
-    /// Before a deliberate halt. Detail: `[reason as u64, ..]` with a [`HaltReason`].
-    Halt = 5,
-    /// Once, after Boot: where the working set is. Detail: [`layout`] words.
-    Layout = 6,
+/// Declares a fieldless enum over an integer type (`pub enum Kind: u16 { .. }` becomes
+/// `#[repr(u16)] pub enum Kind { .. }`) and its decoder, `TryFrom<u16>`, from the one list of
+/// variants: a variant added is a value decoded. The error is the value no variant has. (The
+/// engine's wire enums are declared the same way by `ferry_migrate`'s `wire_enum!`: neither crate
+/// depends on the other, and a proc-macro crate such as num_enum would be built with the guest
+/// kernel's flags, which a host shared object cannot link with.)
+macro_rules! report_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident: $repr:ident {
+            $( $(#[$variant_meta:meta])* $variant:ident = $value:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr($repr)]
+        $vis enum $name {
+            $( $(#[$variant_meta])* $variant = $value, )+
+        }
+
+        impl TryFrom<$repr> for $name {
+            type Error = $repr;
+
+            fn try_from(value: $repr) -> Result<Self, $repr> {
+                match value {
+                    $( $value => Ok($name::$variant), )+
+                    unknown => Err(unknown),
+                }
+            }
+        }
+    };
 }
 
-impl Kind {
-    pub fn from_u16(v: u16) -> Kind {
-        match v {
-            1 => Kind::Boot,
-            2 => Kind::Heartbeat,
-            3 => Kind::Verify,
-            4 => Kind::Exception,
-            5 => Kind::Halt,
-            6 => Kind::Layout,
-            _ => Kind::Invalid,
-        }
+report_enum! {
+    /// What a report says. `Invalid = 0` so a zeroed buffer is never mistaken for a report.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind: u16 {
+        Invalid = 0,
+        /// Once, after the command line was parsed. Detail: [`boot`] words.
+        Boot = 1,
+        /// Every `heartbeat-ms`. Detail: [`heartbeat`] words.
+        Heartbeat = 2,
+        /// After every verify pass. Detail: [`verify`] words.
+        Verify = 3,
+        /// From the CPL0 exception handler, before the guest halts. Detail: [`exception`] words.
+        Exception = 4,
+        /// Before a deliberate halt. Detail: `[reason as u64, ..]` with a [`HaltReason`].
+        Halt = 5,
+        /// Once, after Boot: where the working set is. Detail: [`layout`] words.
+        Layout = 6,
     }
 }
 
-/// Why the guest halted on purpose.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u64)]
-pub enum HaltReason {
-    Invalid = 0,
-    /// `run-ms` elapsed.
-    RunTimeElapsed = 1,
-    /// The command line did not parse; the serial port has the message.
-    BadCommandLine = 2,
-    /// The working set does not fit in the RAM the memory map offers.
-    NotEnoughMemory = 3,
-    /// The PVH start_info was missing, malformed, or had no memory map.
-    BadBootInfo = 4,
-    /// A Rust panic in the guest; the serial port has the message.
-    Panic = 5,
+impl Kind {
+    /// The kind with value `v`; [`Kind::Invalid`] for a value no kind has.
+    pub fn from_u16(v: u16) -> Kind {
+        Kind::try_from(v).unwrap_or(Kind::Invalid)
+    }
+}
+
+report_enum! {
+    /// Why the guest halted on purpose.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum HaltReason: u64 {
+        Invalid = 0,
+        /// `run-ms` elapsed.
+        RunTimeElapsed = 1,
+        /// The command line did not parse; the serial port has the message.
+        BadCommandLine = 2,
+        /// The working set does not fit in the RAM the memory map offers.
+        NotEnoughMemory = 3,
+        /// The PVH start_info was missing, malformed, or had no memory map.
+        BadBootInfo = 4,
+        /// A Rust panic in the guest; the serial port has the message.
+        Panic = 5,
+    }
 }
 
 impl HaltReason {
+    /// The reason with value `v`; [`HaltReason::Invalid`] for a value no reason has.
     pub fn from_u64(v: u64) -> HaltReason {
-        match v {
-            1 => HaltReason::RunTimeElapsed,
-            2 => HaltReason::BadCommandLine,
-            3 => HaltReason::NotEnoughMemory,
-            4 => HaltReason::BadBootInfo,
-            5 => HaltReason::Panic,
-            _ => HaltReason::Invalid,
-        }
+        HaltReason::try_from(v).unwrap_or(HaltReason::Invalid)
     }
 
     pub fn describe(self) -> &'static str {

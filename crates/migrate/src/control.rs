@@ -1,4 +1,7 @@
 //! The handle another thread holds on a running migration: cancel it, read its progress.
+//! These are the source's, unprefixed as the outgoing migration is everywhere (`ferry migrate`,
+//! `GET /migration` on the source); the destination's twins carry the prefix:
+//! [`IncomingControl`](crate::destination::IncomingControl), `IncomingPhase`, `IncomingProgress`.
 
 #![forbid(unsafe_code)]
 

@@ -10,15 +10,15 @@
 //!   log, the interrupt controller, vCPU and clock state.
 //! - [`devices`]: the device model: the serial ports, the telemetry port and the virtio-mmio
 //!   balloon on a port bus and an MMIO bus, each device's state a versioned section.
-//! - [`vm`]: a VM: its configuration, building it, its vCPU threads, and its
-//!   pause/resume/stop control ([`VmHandle`]).
+//! - [`vm`]: a VM: its configuration, building it, its vCPU threads, its
+//!   pause/resume/stop control ([`VmHandle`]), and its balloon as the API shows it: a target
+//!   and what was given.
 //! - [`throttle`]: auto-converge's throttle of the vCPUs.
 //! - [`sections`]: this VMM's state as migration sections; [`part_timer`]: the timer that
 //!   names each part of a save or load.
 //! - [`vmconfig`]: what a migration's destination must match, checked at the hello.
 //! - [`migration`]: the engine's `SourceVm` and `DestinationVm` on this VMM's VMs.
 //! - [`request`]: [`MigrationRequest`], the one migration request type (`PUT /migration`).
-//! - [`balloon`]: the balloon as the API shows it: a target and what was given.
 //! - [`api`]: the JSON-over-HTTP control API on a Unix socket, server and client.
 //! - [`error`]: the VMM's top-level error.
 //!
@@ -29,7 +29,6 @@
 #![deny(unsafe_code)]
 
 pub mod api;
-pub mod balloon;
 pub mod boot;
 pub mod devices;
 pub mod error;

@@ -28,7 +28,7 @@ use serde_json::json;
 #[derive(Debug, Args)]
 pub struct GuestBenchArgs {
     /// Working-set sizes to measure: `--ws 256M 1G` or `--ws 256M,1G`.
-    #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "256M,1G", value_parser = crate::parse_size)]
+    #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "256M,1G", value_parser = crate::sizes::parse_size)]
     ws: Vec<u64>,
     /// Seconds each rate is measured over.
     #[arg(long, default_value_t = 2.0)]

@@ -36,7 +36,7 @@ pub struct HostileBenchArgs {
     #[arg(long, default_value_t = 16)]
     threads: usize,
     /// Guest RAM of the VM.
-    #[arg(long, default_value = "512M", value_parser = crate::parse_size)]
+    #[arg(long, default_value = "512M", value_parser = crate::sizes::parse_size)]
     memory: u64,
     /// The guest's workload.
     #[arg(

@@ -68,29 +68,3 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Hostile(args) => hostile::run(&args),
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use crate::Cli;
-
-    /// Every bench that takes a list takes it as its help shows a default (space separated)
-    /// or comma separated; `bench state` has its own test of the values.
-    #[test]
-    fn regression_list_flags_take_spaces_and_commas() {
-        for args in [
-            &["bench", "vcpus", "--vcpus", "1", "16"][..],
-            &["bench", "vcpus", "--vcpus", "1,16"],
-            &["bench", "guest", "--ws", "256M", "1G"],
-            &["bench", "guest", "--ws", "256M,1G"],
-            &["bench", "scale", "--sizes-gib", "8", "64"],
-            &["bench", "scale", "--sizes-gib", "8,64"],
-        ] {
-            let parsed = Cli::try_parse_from(std::iter::once("ferry").chain(args.iter().copied()));
-            assert!(parsed.is_ok(), "{args:?}: {}", parsed.unwrap_err());
-        }
-        let too_many = Cli::try_parse_from(["ferry", "bench", "vcpus", "--vcpus", "1", "65"]);
-        assert!(too_many.is_err(), "65 vCPUs accepted");
-    }
-}

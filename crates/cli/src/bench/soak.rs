@@ -25,7 +25,7 @@ pub struct SoakBenchArgs {
     #[arg(long, value_enum, default_value = "both")]
     mode: SoakMode,
     /// Guest RAM of the VM.
-    #[arg(long, default_value = "256M", value_parser = crate::parse_size)]
+    #[arg(long, default_value = "256M", value_parser = crate::sizes::parse_size)]
     memory: u64,
     /// The guest's workload; it dirties and reads back its working set all along.
     #[arg(

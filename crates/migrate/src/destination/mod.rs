@@ -12,7 +12,7 @@
 //! - [`receive`] runs one session on a main connection the caller already accepted (tests, and
 //!   VMMs that dispatch connections themselves).
 //! - [`IncomingControl`] is the handle the API holds: progress, and cancel.
-//! - `acks` (internal): the thread that tells the source how much arrived, when it asked.
+//! - `acker` (internal): the thread that tells the source how much arrived, when it asked.
 //! - `arrival` (internal): what every connection starts with, below both the screening and
 //!   the session: the hello read within its bound, [`Arrival`], [`Arrivals`], the time bounds.
 //! - `receiver` (internal): a data channel's receiver thread, and the per-pass barrier with its
@@ -23,7 +23,7 @@
 
 #![forbid(unsafe_code)]
 
-mod acks;
+mod acker;
 mod arrival;
 pub(crate) mod assemble;
 mod listen;

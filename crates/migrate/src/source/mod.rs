@@ -17,8 +17,8 @@
 //! hooks), `pool.rs` (the data channels' senders), `sender.rs` (one channel's sender thread),
 //! `limiter.rs` (the rate limit as a pure value), `bandwidth.rs` (the rate window as a pure
 //! value), `reader.rs` (the thread that reads what comes back from the destination on the main
-//! connection), `acks.rs` with `acked.rs` (what the destination acknowledged: in flight, its
-//! absorption rate, the observation the policy decides on, and the drain before a
+//! connection), `observe.rs` with `ack_state.rs` (what the destination acknowledged: in
+//! flight, its absorption rate, the observation the policy decides on, and the drain before a
 //! switchover), and `hints.rs` with `hint_rounds.rs` (free page hints).
 //!
 //! Each file below this one stands on it or on its siblings, never both ways: a value the
@@ -39,12 +39,12 @@
 
 #![forbid(unsafe_code)]
 
-mod acked;
-mod acks;
+mod ack_state;
 mod bandwidth;
 mod hint_rounds;
 mod hints;
 mod limiter;
+mod observe;
 mod params;
 mod pool;
 mod postcopy;
@@ -58,7 +58,7 @@ mod switchover;
 
 use std::time::{Duration, Instant};
 
-use self::acked::{AckUse, Acks};
+use self::ack_state::{AckUse, Acks};
 use self::bandwidth::BandwidthWindow;
 use self::hint_rounds::Hints;
 use self::limiter::{Limiter, Pacing};
@@ -382,14 +382,14 @@ impl<'a> Session<'a> {
             .into());
         }
         if reply.status != wire::Refusal::Accepted as u32 {
-            return Err(MigrateError::Refused(match reply.status {
-                1 => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
-                5 => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
-                7 => self
+            return Err(MigrateError::Refused(match wire::Refusal::try_from(reply.status) {
+                Ok(wire::Refusal::MemorySize) => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
+                Ok(wire::Refusal::Busy) => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
+                Ok(wire::Refusal::Config) => self
                     .conn
                     .peer_error()
                     .unwrap_or_else(|| "the destination VM is configured differently".into()),
-                s => format!("status {s}"),
+                _ => format!("status {}", reply.status),
             }));
         }
         let granted = Granted {

@@ -252,7 +252,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.acks.use_ != super::acked::AckUse::Live {
+            if self.acks.use_ != super::ack_state::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {

@@ -129,9 +129,9 @@ impl Session<'_> {
         self.conn.write_hello(&self.main_hello(Role::Resume))?;
         let reply = self.conn.read_hello(self.params.peer_timeout)?;
         if reply.status != wire::Refusal::Accepted as u32 {
-            return Err(MigrateError::Refused(match reply.status {
-                3 | 6 => "the destination has no paused postcopy migration of this uuid (was it given `ferry migrate-recover`?)".into(),
-                s => format!("the destination refused the recovery with status {s}"),
+            return Err(MigrateError::Refused(match wire::Refusal::try_from(reply.status) {
+                Ok(wire::Refusal::UnknownMigration | wire::Refusal::NotPaused) => "the destination has no paused postcopy migration of this uuid (was it given `ferry migrate-recover`?)".into(),
+                _ => format!("the destination refused the recovery with status {}", reply.status),
             }));
         }
         // The Missing list comes within the peer timeout: a peer that answered the hello and

@@ -8,6 +8,7 @@ use super::capabilities::Capabilities;
 use super::error::WireError;
 use super::format::{HELLO_SIZE, MAGIC, PAGE_SIZE, VERSION, crc};
 use super::kind::Role;
+use super::wire_enum::wire_enum;
 
 /// The first 64 bytes on a connection, in both directions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,24 +48,28 @@ pub const SMALL_PAGE_SHIFT: u8 = 12;
 /// whole, so postcopy moves guest memory in units of 512 wire pages.
 pub const HUGE_PAGE_SHIFT: u8 = 21;
 
-/// Why a destination refused a connection (the reply hello's `status`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum Refusal {
-    Accepted = 0,
-    MemorySize = 1,
-    Role = 2,
-    /// A data channel named a migration uuid the destination is not receiving.
-    UnknownMigration = 3,
-    /// A data channel's id is out of range or already connected.
-    ChannelId = 4,
-    /// Another migration is under way on this destination (or has ended there).
-    Busy = 5,
-    /// A recovery for a migration that is not paused in postcopy here.
-    NotPaused = 6,
-    /// The destination VM cannot take the source's (its [`Kind::VmConfig`](super::Kind::VmConfig)
-    /// differs: vCPUs, devices, CPU); an Error record after the hello says what and how to fix it.
-    Config = 7,
+wire_enum! {
+    /// Why a destination refused a connection (the reply hello's `status`). A source reads it
+    /// with `Refusal::try_from(reply.status)`; a status this version does not know is the
+    /// number back.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Refusal: u32 {
+        Accepted = 0,
+        MemorySize = 1,
+        Role = 2,
+        /// A data channel named a migration uuid the destination is not receiving.
+        UnknownMigration = 3,
+        /// A data channel's id is out of range or already connected.
+        ChannelId = 4,
+        /// Another migration is under way on this destination (or has ended there).
+        Busy = 5,
+        /// A recovery for a migration that is not paused in postcopy here.
+        NotPaused = 6,
+        /// The destination VM cannot take the source's (its
+        /// [`Kind::VmConfig`](super::Kind::VmConfig) differs: vCPUs, devices, CPU); an Error
+        /// record after the hello says what and how to fix it.
+        Config = 7,
+    }
 }
 
 impl Hello {
@@ -99,12 +104,10 @@ impl Hello {
         if crc(&b[..HELLO_CRC_AT]).to_le_bytes() != b[HELLO_CRC_AT..] {
             return Err(WireError::HelloChecksum("hello"));
         }
-        let role = match u16::from_le_bytes([b[12], b[13]]) {
-            1 => Role::Main,
-            2 => Role::Data,
-            3 => Role::Preempt,
-            4 => Role::Resume,
-            r => return Err(WireError::Role(r)),
+        let raw_role = u16::from_le_bytes([b[12], b[13]]);
+        let role = match Role::try_from(raw_role) {
+            Ok(Role::Invalid) | Err(_) => return Err(WireError::Role(raw_role)),
+            Ok(role) => role,
         };
         let page_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
         if u64::from(page_size) != PAGE_SIZE {

@@ -2,98 +2,89 @@
 
 #![forbid(unsafe_code)]
 
-/// What a connection is for. `Invalid = 0` so that zeroed bytes never pass as a role.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u16)]
-pub enum Role {
-    Invalid = 0,
-    /// Control and device state; opened first.
-    Main = 1,
-    /// Page batches; `channel` is 1..=channels, as announced in the main hello.
-    Data = 2,
-    /// Postcopy's requested pages, ahead of the data channels' background stream; `channel` is 0.
-    /// Only with [`Capabilities::PREEMPT`](super::Capabilities::PREEMPT) granted, and at most one.
-    Preempt = 3,
-    /// The main connection of a postcopy recovery: names a migration in postcopy-paused on the
-    /// destination by its uuid; `channel` is 0. Only with
-    /// [`Capabilities::RECOVER`](super::Capabilities::RECOVER) granted.
-    Resume = 4,
+use super::wire_enum::wire_enum;
+
+wire_enum! {
+    /// What a connection is for. `Invalid = 0` so that zeroed bytes never pass as a role.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Role: u16 {
+        Invalid = 0,
+        /// Control and device state; opened first.
+        Main = 1,
+        /// Page batches; `channel` is 1..=channels, as announced in the main hello.
+        Data = 2,
+        /// Postcopy's requested pages, ahead of the data channels' background stream; `channel`
+        /// is 0. Only with [`Capabilities::PREEMPT`](super::Capabilities::PREEMPT) granted, and
+        /// at most one.
+        Preempt = 3,
+        /// The main connection of a postcopy recovery: names a migration in postcopy-paused on
+        /// the destination by its uuid; `channel` is 0. Only with
+        /// [`Capabilities::RECOVER`](super::Capabilities::RECOVER) granted.
+        Resume = 4,
+    }
 }
 
-/// Record kinds. `Invalid = 0`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u16)]
-pub enum Kind {
-    Invalid = 0,
-    /// `count` pages: `count` guest addresses (u64), then `count` × 4096 bytes of data.
-    Pages = 1,
-    /// `count` runs of zero pages, each `gpa:u64 pages:u64`.
-    ZeroRuns = 2,
-    /// End of precopy pass `count` (1-based). No payload.
-    EndOfPass = 3,
-    /// A device-state section: payload = a [`SectionHeader`](super::SectionHeader), then the
-    /// section's data.
-    DeviceState = 4,
-    /// Source → destination: everything was sent; load, resume and acknowledge. No payload.
-    Complete = 5,
-    /// Either direction: the sender gives up; payload = UTF-8 message.
-    Error = 6,
-    /// Destination → source: the guest runs on the destination. Payload:
-    /// [`RESUMED_SIZE`](super::RESUMED_SIZE) bytes, the destination's load, resume and CPU times
-    /// (ns, u64 each).
-    Resumed = 7,
-    /// Destination → source, only when [`Capabilities::PROGRESS`](super::Capabilities::PROGRESS)
-    /// was granted: how much the destination has taken in so far. Payload: a
-    /// [`Received`](super::Received) ([`RECEIVED_SIZE`](super::RECEIVED_SIZE) bytes).
-    Received = 8,
-    /// Source → destination, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages
-    /// the source will send after the switch; whatever the destination holds for them is stale.
-    Discard = 9,
-    /// Source → destination, postcopy only. On the main connection, after the device state:
-    /// load and resume the guest now, the remaining pages follow. On a data connection, after
-    /// its last EndOfPass: the page records that follow are postcopy pages. No payload.
-    Postcopy = 10,
-    /// Destination → source, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages a
-    /// vCPU waits for.
-    PageRequest = 11,
-    /// Destination → source, main, postcopy only: every page is in place. Payload: the
-    /// destination's request latencies, a [`Latencies`](super::Latencies)
-    /// ([`DONE_SIZE`](super::DONE_SIZE) bytes).
-    Done = 12,
-    /// Destination → source, on a recovery's main connection: `count` runs `gpa:u64
-    /// pages:u64` of listed pages the destination still lacks (it holds every other page).
-    Missing = 13,
-    /// Destination → source, on a recovery's main connection: the Missing list is complete;
-    /// reconnect the data channels and send the missing pages. No payload.
-    Resume = 14,
-    /// Source → destination, main, right after the hello when
-    /// [`Capabilities::CONFIG`](super::Capabilities::CONFIG) is requested: the VM's configuration
-    /// as the source VMM describes it (opaque to the engine, at most
-    /// [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES)). The destination VMM compares it with its own
-    /// before it answers the hello, so a VM that cannot take this guest is refused before anything
-    /// is sent, let alone the guest paused.
-    VmConfig = 15,
+wire_enum! {
+    /// Record kinds. `Invalid = 0`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind: u16 {
+        Invalid = 0,
+        /// `count` pages: `count` guest addresses (u64), then `count` × 4096 bytes of data.
+        Pages = 1,
+        /// `count` runs of zero pages, each `gpa:u64 pages:u64`.
+        ZeroRuns = 2,
+        /// End of precopy pass `count` (1-based). No payload.
+        EndOfPass = 3,
+        /// A device-state section: payload = a [`SectionHeader`](super::SectionHeader), then the
+        /// section's data.
+        DeviceState = 4,
+        /// Source → destination: everything was sent; load, resume and acknowledge. No payload.
+        Complete = 5,
+        /// Either direction: the sender gives up; payload = UTF-8 message.
+        Error = 6,
+        /// Destination → source: the guest runs on the destination. Payload:
+        /// [`RESUMED_SIZE`](super::RESUMED_SIZE) bytes, the destination's load, resume and CPU
+        /// times (ns, u64 each).
+        Resumed = 7,
+        /// Destination → source, only when
+        /// [`Capabilities::PROGRESS`](super::Capabilities::PROGRESS) was granted: how much the
+        /// destination has taken in so far. Payload: a [`Received`](super::Received)
+        /// ([`RECEIVED_SIZE`](super::RECEIVED_SIZE) bytes).
+        Received = 8,
+        /// Source → destination, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages
+        /// the source will send after the switch; whatever the destination holds for them is
+        /// stale.
+        Discard = 9,
+        /// Source → destination, postcopy only. On the main connection, after the device state:
+        /// load and resume the guest now, the remaining pages follow. On a data connection, after
+        /// its last EndOfPass: the page records that follow are postcopy pages. No payload.
+        Postcopy = 10,
+        /// Destination → source, main, postcopy only: `count` runs `gpa:u64 pages:u64` of pages a
+        /// vCPU waits for.
+        PageRequest = 11,
+        /// Destination → source, main, postcopy only: every page is in place. Payload: the
+        /// destination's request latencies, a [`Latencies`](super::Latencies)
+        /// ([`DONE_SIZE`](super::DONE_SIZE) bytes).
+        Done = 12,
+        /// Destination → source, on a recovery's main connection: `count` runs `gpa:u64
+        /// pages:u64` of listed pages the destination still lacks (it holds every other page).
+        Missing = 13,
+        /// Destination → source, on a recovery's main connection: the Missing list is complete;
+        /// reconnect the data channels and send the missing pages. No payload.
+        Resume = 14,
+        /// Source → destination, main, right after the hello when
+        /// [`Capabilities::CONFIG`](super::Capabilities::CONFIG) is requested: the VM's
+        /// configuration as the source VMM describes it (opaque to the engine, at most
+        /// [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES)). The destination VMM compares it with
+        /// its own before it answers the hello, so a VM that cannot take this guest is refused
+        /// before anything is sent, let alone the guest paused.
+        VmConfig = 15,
+    }
 }
 
 impl Kind {
+    /// The kind with value `v`; [`Kind::Invalid`] for a value no kind has.
     pub fn from_u16(v: u16) -> Kind {
-        match v {
-            1 => Kind::Pages,
-            2 => Kind::ZeroRuns,
-            3 => Kind::EndOfPass,
-            4 => Kind::DeviceState,
-            5 => Kind::Complete,
-            6 => Kind::Error,
-            7 => Kind::Resumed,
-            8 => Kind::Received,
-            9 => Kind::Discard,
-            10 => Kind::Postcopy,
-            11 => Kind::PageRequest,
-            12 => Kind::Done,
-            13 => Kind::Missing,
-            14 => Kind::Resume,
-            15 => Kind::VmConfig,
-            _ => Kind::Invalid,
-        }
+        Kind::try_from(v).unwrap_or(Kind::Invalid)
     }
 }

@@ -11,9 +11,9 @@
 //! [`Capabilities::CHECKSUM_PAGES`] was granted), so a byte changed on the way is refused
 //! before it is used rather than trusted to TCP's 16-bit checksum.
 //!
-//! Floors, each standing only on those below: `format.rs` (the numbers and the CRC), `kind.rs`
-//! (roles and record kinds), `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads),
-//! `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello` and so on.
+//! Floors, each standing only on those below: `wire_enum.rs` (how an enum and its decoder are
+//! declared), `format.rs` (the numbers and the CRC), `kind.rs` (roles and record kinds),
+//! `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads), `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello` and so on.
 
 mod capabilities;
 mod error;
@@ -22,6 +22,7 @@ mod header;
 mod hello;
 mod kind;
 mod records;
+mod wire_enum;
 
 pub use capabilities::Capabilities;
 pub use error::WireError;

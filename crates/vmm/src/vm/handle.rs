@@ -9,6 +9,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod balloon;
+
 use std::sync::{Arc, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 

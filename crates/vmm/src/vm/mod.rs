@@ -7,7 +7,8 @@
 //!   [`Vm`] and [`IncomingVm`].
 //! - `state`: the run state and why a VM stopped.
 //! - `shared`: what every thread of a VM shares, the control state and the kicks.
-//! - `handle`: [`VmHandle`], the pause/resume/stop state machine, the throttle, status.
+//! - `handle`: [`VmHandle`], the pause/resume/stop state machine, the throttle, status;
+//!   `handle/balloon.rs`: the balloon's status and target as `GET`/`PUT /balloon` show them.
 //! - `runner`: a vCPU thread's loop.
 //! - `start_port`: how the guest starts its secondary vCPUs.
 
@@ -25,5 +26,6 @@ mod tests;
 
 pub use build::{IncomingVm, Preparation, Vm};
 pub use config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
+pub use handle::balloon::{BalloonStatus, BalloonTargetError};
 pub use handle::{ControlError, PAUSE_TIMEOUT, VmHandle, VmStatus};
 pub use state::{RunState, StopReason};

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::acks::Acker;
+use super::acker::Acker;
 use super::arrival::{Arrival, Arrivals, HELLO_TIMEOUT, RECORD_TIMEOUT};
 use super::postcopy::{Postcopy, PostcopyGate};
 use super::progress::Watchdog;

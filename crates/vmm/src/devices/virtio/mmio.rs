@@ -22,7 +22,8 @@
 //!   lost).
 //!
 //! Its state (section [`SECTION`], layout in `mmio/state.rs`) carries every register, each
-//! queue's setup and ring positions, and the device's own state.
+//! queue's setup and ring positions, and the device's own state. `mmio/state.rs` adds the save
+//! and the load to [`MmioTransport`] and stands on this file; this one only calls them.
 
 #![forbid(unsafe_code)]
 
@@ -528,8 +529,7 @@ impl<D: VirtioDevice> Device for MmioTransport<D> {
 
     fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError> {
         DeviceStateError::check_version(self.device.name(), version, VERSION)?;
-        let state = state::TransportState::decode(self.device.name(), data)?;
-        self.apply(state)
+        self.load(data)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The virtio-mmio transport's state section, layout [`super::VERSION`] 1: a plain value
 //! ([`TransportState`]), its byte layout, and its validation against the device and guest RAM
-//! before anything is replaced.
+//! before anything is replaced. This file adds the save (`state`) and the load (`load`) to
+//! [`MmioTransport`], standing on `mmio.rs`, which only calls them and names nothing here.
 //!
 //! Layout (little-endian):
 //!
@@ -156,9 +157,15 @@ impl<D: VirtioDevice> MmioTransport<D> {
         }
     }
 
+    /// Decodes a section's bytes and [`apply`](Self::apply)s them.
+    pub(super) fn load(&mut self, data: &[u8]) -> Result<(), DeviceStateError> {
+        let state = TransportState::decode(self.device.name(), data)?;
+        self.apply(state)
+    }
+
     /// Validates `s` against this device and guest RAM, then replaces the transport's and the
     /// device's state with it.
-    pub(super) fn apply(&mut self, s: TransportState) -> Result<(), DeviceStateError> {
+    fn apply(&mut self, s: TransportState) -> Result<(), DeviceStateError> {
         let name = self.device.name();
         let bad = |reason: String| DeviceStateError::Malformed {
             device: name,

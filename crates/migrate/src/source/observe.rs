@@ -1,5 +1,6 @@
-//! What the destination has taken in, as the source uses it: the acknowledged byte count from
-//! the reader thread, the rate at which the destination absorbs data, what is still in flight,
+//! What the policy observes ([`Session::observe`]) and what the destination has taken in, as
+//! the source uses it: the acknowledged byte count from the reader thread (kept in
+//! `ack_state.rs`), the rate at which the destination absorbs data, what is still in flight,
 //! the observation the policy decides on, and the drain the policy may ask for.
 //!
 //! Without acknowledgements (a destination that did not grant the progress capability, or one
@@ -13,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::acked::AckUse;
+use super::ack_state::AckUse;
 use super::reader::{Inbound, InboundReader};
 use super::{Session, ms};
 use crate::control::Phase;

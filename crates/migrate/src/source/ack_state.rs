@@ -1,6 +1,6 @@
 //! What the destination acknowledged, as a value the source session holds: whether it may be
 //! trusted, the window of its absorption rate and the count last seen. How the session folds
-//! and uses it is in `acks.rs`.
+//! and uses it is in `observe.rs`.
 
 #![forbid(unsafe_code)]
 

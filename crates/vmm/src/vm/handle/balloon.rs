@@ -1,13 +1,14 @@
-//! The balloon as a user of the VMM sees it: a target size the guest is asked to give back,
-//! what it gave, what its free page hinting did, and its statistics. `PUT /balloon` and
-//! `ferry balloon` come here; migrations use the device directly (`migration.rs`).
+//! The balloon as a user of the VMM sees it, through [`VmHandle`]: a target size the guest is
+//! asked to give back, what it gave, what its free page hinting did, and its statistics.
+//! `GET`/`PUT /balloon` and `ferry balloon` come here; the device itself is
+//! `devices/virtio/balloon/`, and migrations use it directly (`migration.rs`).
 
 #![forbid(unsafe_code)]
 
 use serde::Serialize;
 
+use super::VmHandle;
 use crate::devices::virtio::balloon::PAGE;
-use crate::vm::handle::VmHandle;
 
 /// The balloon's state, as `GET /balloon` serves it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
