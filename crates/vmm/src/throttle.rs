@@ -10,7 +10,7 @@
 //!
 //! Invariant: at most one ticker runs per VM, and none while the throttle is 0.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// How long a vCPU runs between two throttle sleeps: QEMU's CPU_THROTTLE_TIMESLICE, short
@@ -26,6 +26,8 @@ pub const MAX_PERCENT: u8 = 99;
 pub struct Throttle {
     percent: AtomicU8,
     ticking: AtomicBool,
+    /// Wall time the vCPUs spent in throttle sleeps, summed over vCPUs, in ns.
+    slept_ns: AtomicU64,
 }
 
 impl Throttle {
@@ -52,6 +54,18 @@ impl Throttle {
         // A throttle set between the look above and the store would find a ticker still
         // marked running and start none: look again, and take the ticker back if so.
         vm_alive && self.percent() > 0 && !self.ticking.swap(true, Ordering::AcqRel)
+    }
+
+    /// Counts a throttle sleep a vCPU came out of (a pause that began during it included).
+    pub fn add_slept(&self, slept: Duration) {
+        self.slept_ns
+            .fetch_add(slept.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Wall time the vCPUs spent in throttle sleeps so far, summed over vCPUs, in ns: the share
+    /// a throttle takes, whatever else the host's CPUs were doing meanwhile.
+    pub fn slept_ns(&self) -> u64 {
+        self.slept_ns.load(Ordering::Relaxed)
     }
 
     /// How long a vCPU that ran `ran` since its last sleep sleeps now; zero before a

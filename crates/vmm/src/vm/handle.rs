@@ -195,6 +195,11 @@ impl VmHandle {
         self.0.throttle.percent()
     }
 
+    /// Wall time the vCPUs spent in throttle sleeps so far, summed over vCPUs, in ns.
+    pub fn throttle_slept_ns(&self) -> u64 {
+        self.0.throttle.slept_ns()
+    }
+
     pub fn telemetry(&self) -> GuestTelemetry {
         self.0.telemetry.lock().unwrap().clone()
     }

@@ -49,8 +49,13 @@ impl VcpuRunner {
             if let Some(reason) = start_port::start_if_asked(&self.shared, self.index, vcpu) {
                 return reason;
             }
-            if let Some(reason) = self.wait_while_paused(asleep_until.take(), &mut running_since) {
+            let asleep = asleep_until.take();
+            let parked_at = Instant::now();
+            if let Some(reason) = self.wait_while_paused(asleep, &mut running_since) {
                 return reason;
+            }
+            if asleep.is_some() {
+                self.shared.throttle.add_slept(parked_at.elapsed());
             }
             if self.shared.throttle.percent() == 0 {
                 // Unthrottled time is not owed: a throttle set later counts from its first
