@@ -5,7 +5,7 @@
 //!   a destination over the fake VMM. It must end with an error, or with a resumed guest whose
 //!   memory is exactly what the data connections carried (each page in the version of the last
 //!   pass that sent it, zero where nothing was sent) and whose state is the sections sent.
-//! - [`wire`]: arbitrary bytes through every decoder of the wire module; each must return an
+//! - [`wire()`]: arbitrary bytes through every decoder of the wire module; each must return an
 //!   error or a value that encodes back to the same bytes where the format has one encoding.
 
 use std::collections::BTreeMap;

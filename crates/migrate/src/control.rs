@@ -196,7 +196,7 @@ impl Control {
 
     /// Asks a migration in postcopy-paused to reconnect to `to` (`ferry migrate --resume`,
     /// `PUT /migration/resume`).
-    /// A plain [`Address`](crate::transport::Address) converts; a [`Dialer`] with TLS
+    /// A plain [`Address`](crate::transport::Address) converts; a [`Dialer`](crate::transport::Dialer) with TLS
     /// reconnects through it.
     pub fn resume_postcopy(&self, to: impl Into<crate::transport::Dialer>) {
         *self.resume.lock().unwrap() = Some(to.into());

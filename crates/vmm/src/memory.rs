@@ -363,7 +363,7 @@ impl GuestRam {
     /// Populates every page of guest RAM ahead of need (QEMU's `-mem-prealloc`): a migration
     /// destination then copies incoming pages into memory that is already there instead of
     /// paying the first-touch cost per page inside the migration. `threads` threads share the
-    /// work in [`PREALLOC_CHUNK`] pieces. Returns how long it took. The guest's RAM is no longer
+    /// work in `PREALLOC_CHUNK` pieces. Returns how long it took. The guest's RAM is no longer
     /// sparse afterwards: it occupies its full size on the host.
     pub fn prealloc(&self, threads: usize) -> std::io::Result<std::time::Duration> {
         let all: Vec<(u64, u64)> = self.regions.iter().map(|r| (r.gpa, r.size)).collect();

@@ -34,7 +34,7 @@ pub struct ChannelsBenchArgs {
     /// Only the migration scenarios whose name contains this.
     #[arg(long)]
     scenario: Option<String>,
-    /// Draw each migration scenario into DIR/<scenario>.svg (see `ferry report`).
+    /// Draw each migration scenario into `DIR/<scenario>.svg` (see `ferry report`).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
 }

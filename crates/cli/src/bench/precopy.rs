@@ -43,7 +43,7 @@ pub struct PrecopyBenchArgs {
     /// Only the first N scenarios (for a quick look).
     #[arg(long)]
     only: Option<usize>,
-    /// Draw each scenario's migration into DIR/<scenario>.svg (see `ferry report`).
+    /// Draw each scenario's migration into `DIR/<scenario>.svg` (see `ferry report`).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
     /// Only the capped-link cases that precopy alone does not finish.

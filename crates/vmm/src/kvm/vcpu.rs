@@ -24,7 +24,7 @@ const PVH_CR0: u64 = 0x11;
 /// RFLAGS at entry: only the always-one bit.
 const PVH_RFLAGS: u64 = 0x2;
 
-/// Creates vCPU `id` with [`cpuid`]'s table. Its registers are set by [`set_pvh_entry`] for a
+/// Creates vCPU `id` with `cpuid`'s table. Its registers are set by [`set_pvh_entry`] for a
 /// fresh boot, by [`start_secondary`] when the guest starts it, or by `state::restore_vcpu`
 /// for an incoming migration.
 pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
