@@ -38,6 +38,34 @@ fn listener() -> (TcpListener, Address) {
     (l, addr)
 }
 
+type Sent = Result<ferry_migrate::MigrationStats, ferry_migrate::MigrateError>;
+type Received = Result<destination::ReceiveStats, ferry_migrate::MigrateError>;
+
+/// Starts in `s` a destination that receives into `vms.1` what arrives on `at.0`, and a
+/// source that migrates `vms.0` to `at.1` (the listener's address, or a proxy's before it).
+fn spawn_pair<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    vms: (&'env mut FakeVm, &'env mut FakeVm),
+    at: (&'env TcpListener, std::net::SocketAddr),
+    params: &'env SourceParams,
+    controls: (&'env Control, Arc<IncomingControl>),
+) -> (
+    std::thread::ScopedJoinHandle<'scope, Sent>,
+    std::thread::ScopedJoinHandle<'scope, Received>,
+) {
+    let ((src, dst), (listener, to), (sc, dc)) = (vms, at, controls);
+    let receiver = s.spawn(move || {
+        let main = listener.accept().unwrap().0;
+        let mut accept = acceptor(listener);
+        destination::receive_with(dst, main, &mut accept, dc)
+    });
+    let sender = s.spawn(move || {
+        let connect = || TcpStream::connect(to);
+        source::migrate(src, TcpStream::connect(to).unwrap(), &connect, params, sc)
+    });
+    (sender, receiver)
+}
+
 #[test]
 fn postcopy_survives_broken_connections_and_a_failed_recovery() {
     for preempt in [false, true] {
@@ -97,27 +125,13 @@ fn recover_run(preempt: bool, hostile: bool) {
     let source_control = Control::default();
     let dest_control = Arc::new(IncomingControl::default());
     let (sent, received) = std::thread::scope(|s| {
-        let dc = dest_control.clone();
-        let dst = &mut dst;
-        let first = &first;
-        let receiver = s.spawn(move || {
-            let main = first.accept().unwrap().0;
-            let mut accept = acceptor(first);
-            destination::receive_with(dst, main, &mut accept, dc)
-        });
-        let sc = &source_control;
-        let src_ref = &mut src;
-        let params = &params;
-        let sender = s.spawn(move || {
-            let connect = || TcpStream::connect(addr);
-            source::migrate(
-                src_ref,
-                TcpStream::connect(addr).unwrap(),
-                &connect,
-                params,
-                sc,
-            )
-        });
+        let (sender, receiver) = spawn_pair(
+            s,
+            (&mut src, &mut dst),
+            (&first, addr),
+            &params,
+            (&source_control, dest_control.clone()),
+        );
         let state = || {
             let (s, d) = (source_control.progress(), dest_control.progress());
             format!(
@@ -303,27 +317,13 @@ fn regression_a_destination_silent_after_the_last_page_pauses_the_source_within_
     let source_control = Control::default();
     let dest_control = Arc::new(IncomingControl::default());
     let (sent, received, waited) = std::thread::scope(|s| {
-        let dc = dest_control.clone();
-        let dst = &mut dst;
-        let l = &l;
-        let receiver = s.spawn(move || {
-            let main = l.accept().unwrap().0;
-            let mut accept = acceptor(l);
-            destination::receive_with(dst, main, &mut accept, dc)
-        });
-        let sc = &source_control;
-        let src_ref = &mut src;
-        let params = &params;
-        let sender = s.spawn(move || {
-            let connect = || TcpStream::connect(via);
-            source::migrate(
-                src_ref,
-                TcpStream::connect(via).unwrap(),
-                &connect,
-                params,
-                sc,
-            )
-        });
+        let (sender, receiver) = spawn_pair(
+            s,
+            (&mut src, &mut dst),
+            (&l, via),
+            &params,
+            (&source_control, dest_control.clone()),
+        );
         let state = || {
             let (s, d) = (source_control.progress(), dest_control.progress());
             format!(
