@@ -15,6 +15,8 @@
 //! - `acker` (internal): the thread that tells the source how much arrived, when it asked.
 //! - `arrival` (internal): what every connection starts with, below both the screening and
 //!   the session: the hello read within its bound, [`Arrival`], [`Arrivals`], the time bounds.
+//! - `order` (internal): the main channel's record order as a pure state machine (`next`),
+//!   table-tested; the session does what it says.
 //! - `receiver` (internal): a data channel's receiver thread, and the per-pass barrier with its
 //!   page-claim bitmap.
 //! - `sink` (internal) is how received pages land in memory: for precopy straight into
@@ -27,6 +29,7 @@ mod acker;
 mod arrival;
 pub(crate) mod assemble;
 mod listen;
+mod order;
 pub(crate) mod postcopy;
 mod progress;
 mod receiver;

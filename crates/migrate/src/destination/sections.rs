@@ -54,10 +54,6 @@ impl Sections {
         Ok(())
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.sections.is_empty()
-    }
-
     pub(crate) fn into_vec(self) -> Vec<Section> {
         self.sections
     }

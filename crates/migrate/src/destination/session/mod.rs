@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 
 use super::acker::Acker;
 use super::arrival::{Arrival, Arrivals, HELLO_TIMEOUT, RECORD_TIMEOUT};
+use super::order::{self, Step};
 use super::postcopy::{Postcopy, PostcopyGate};
 use super::progress::Watchdog;
 use super::progress::{IncomingControl, IncomingPhase};
 use super::receiver::{self, ReceiverStats};
 use super::sections::Sections;
 use crate::conn::Conn;
-use crate::error::{MigrateError, ProtocolError, Rule};
+use crate::error::{MigrateError, Rule};
 use crate::ram::Ram;
 use crate::stats;
 use crate::transport::Stream;
@@ -340,6 +341,7 @@ impl<'a> Session<'a> {
             .barrier
             .clone();
         let mut state = Sections::default();
+        let mut at = order::Main::START;
         loop {
             let h = match self.conn.read_header("receiving the migration") {
                 Ok(h) => h,
@@ -352,22 +354,20 @@ impl<'a> Session<'a> {
             if h.kind != Kind::Discard {
                 c.add(&c.bytes, record);
             }
-            match h.kind {
-                Kind::EndOfPass if !state.is_empty() || self.postcopy.is_some() => {
-                    return Err(MigrateError::misplaced(h.kind, Rule::NoPassAfterState));
+            let (then, step) = order::next(
+                at,
+                h.kind,
+                h.count,
+                self.granted.contains(Capabilities::POSTCOPY),
+            )?;
+            at = then;
+            match step {
+                Step::EndPass(pass) => {
+                    self.stats.passes = pass;
+                    barrier.wait(pass)?;
+                    self.control.update(|p| p.passes = pass);
                 }
-                Kind::Discard | Kind::Postcopy
-                    if !self.granted.contains(Capabilities::POSTCOPY) =>
-                {
-                    return Err(MigrateError::misplaced(h.kind, Rule::NeedsPostcopy));
-                }
-                Kind::Discard if self.stats.passes == 0 || !state.is_empty() => {
-                    return Err(MigrateError::misplaced(
-                        h.kind,
-                        Rule::DiscardBetweenPassesAndState,
-                    ));
-                }
-                Kind::Discard => {
+                Step::Discard => {
                     let payload = self.conn.read_payload(&h, "receiving a discard list")?;
                     let pc = self.start_postcopy()?;
                     let w: Vec<u64> = wire::decode_addresses(&payload).collect();
@@ -377,52 +377,21 @@ impl<'a> Session<'a> {
                     let c = &self.control;
                     c.add(&c.bytes, record);
                 }
-                Kind::Postcopy => {
-                    if state.is_empty() {
-                        return Err(MigrateError::misplaced(h.kind, Rule::PostcopyAfterState));
-                    }
-                    self.start_postcopy()?;
-                    return Ok(PrecopyEnd::Postcopy(state.into_vec()));
-                }
-                Kind::EndOfPass => {
-                    if h.count != self.stats.passes + 1 {
-                        return Err(ProtocolError::PassOrder {
-                            got: h.count,
-                            after: self.stats.passes,
-                            data_channel: false,
-                        }
-                        .into());
-                    }
-                    self.stats.passes = h.count;
-                    barrier.wait(h.count)?;
-                    self.control.update(|p| p.passes = h.count);
-                }
-                Kind::DeviceState => {
-                    if self.stats.passes == 0 {
-                        return Err(MigrateError::misplaced(h.kind, Rule::StateAfterPass));
-                    }
+                Step::Section => {
                     let payload = self.conn.read_payload(&h, "receiving device state")?;
                     state.add(&payload)?;
                 }
-                Kind::Complete if self.postcopy.is_some() => {
-                    return Err(MigrateError::misplaced(
-                        h.kind,
-                        Rule::NoCompleteAfterDiscard,
-                    ));
+                Step::Postcopy => {
+                    self.start_postcopy()?;
+                    return Ok(PrecopyEnd::Postcopy(state.into_vec()));
                 }
-                Kind::Complete => {
-                    if state.is_empty() {
-                        return Err(MigrateError::misplaced(h.kind, Rule::CompleteAfterState));
-                    }
+                Step::Complete => {
                     self.join_receivers()?;
                     return Ok(PrecopyEnd::Complete(state.into_vec()));
                 }
-                Kind::Error => {
+                Step::PeerError => {
                     let p = self.conn.read_payload(&h, "reading the source's error")?;
                     return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
-                }
-                k => {
-                    return Err(MigrateError::misplaced(k, Rule::MainChannel));
                 }
             }
         }

@@ -1,0 +1,208 @@
+//! The record order of the destination's main channel (docs/protocol.md), as a pure state
+//! machine: [`next`] takes where the stream is and the header that came, and says what the
+//! session does with the record, or which rule it broke. No I/O: the session reads, applies and
+//! waits; the table below tests every rule, as `policy.rs`'s tables test the policy.
+//!
+//! The main channel carries pass ends while the data channels carry pages; once postcopy is
+//! decided, discard lists (no pass ends any more); then the device state, ended by Complete
+//! (precopy) or Postcopy. An Error record may come anywhere.
+
+#![forbid(unsafe_code)]
+
+use crate::error::{ProtocolError, Rule};
+use crate::wire::Kind;
+
+/// Where the main channel's stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Main {
+    /// Memory passes run; `passes` have ended.
+    Passes { passes: u32 },
+    /// Postcopy was decided after `passes` passes: discard lists come, then the device state.
+    Discarding { passes: u32 },
+    /// The device state is coming; `discarded` if discard lists came first (then it ends with
+    /// Postcopy, never Complete).
+    State { discarded: bool },
+}
+
+impl Main {
+    /// A migration's main channel before its first record.
+    pub(crate) const START: Main = Main::Passes { passes: 0 };
+}
+
+/// What the session does with a record the order allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Pass `n` ended: wait until every data channel ended it too.
+    EndPass(u32),
+    /// Read a discard list and drop its pages (postcopy fetches them again).
+    Discard,
+    /// Read a device-state section.
+    Section,
+    /// Precopy is complete: every data channel must have ended; load the state and resume.
+    Complete,
+    /// Switch to postcopy with the state received.
+    Postcopy,
+    /// The source's Error record: read it and end with it.
+    PeerError,
+}
+
+/// The record of kind `kind` (with the header's `count`) at `at`: the state after it and what
+/// to do, or the rule it broke. `postcopy` is whether the capability was granted.
+pub(crate) fn next(
+    at: Main,
+    kind: Kind,
+    count: u32,
+    postcopy: bool,
+) -> Result<(Main, Step), ProtocolError> {
+    use Main as M;
+    let refuse = |rule| Err(ProtocolError::Misplaced { got: kind, rule });
+    match (kind, at) {
+        (Kind::Error, _) => Ok((at, Step::PeerError)),
+        (Kind::EndOfPass, M::Passes { passes }) if count == passes + 1 => {
+            Ok((M::Passes { passes: count }, Step::EndPass(count)))
+        }
+        (Kind::EndOfPass, M::Passes { passes }) => Err(ProtocolError::PassOrder {
+            got: count,
+            after: passes,
+            data_channel: false,
+        }),
+        (Kind::EndOfPass, _) => refuse(Rule::NoPassAfterState),
+        (Kind::Discard | Kind::Postcopy, _) if !postcopy => refuse(Rule::NeedsPostcopy),
+        (Kind::Discard, M::Passes { passes } | M::Discarding { passes }) if passes > 0 => {
+            Ok((M::Discarding { passes }, Step::Discard))
+        }
+        (Kind::Discard, _) => refuse(Rule::DiscardBetweenPassesAndState),
+        (Kind::Postcopy, M::State { .. }) => Ok((at, Step::Postcopy)),
+        (Kind::Postcopy, _) => refuse(Rule::PostcopyAfterState),
+        (Kind::DeviceState, M::Passes { passes: 0 }) => refuse(Rule::StateAfterPass),
+        (Kind::DeviceState, M::Passes { .. }) => Ok((M::State { discarded: false }, Step::Section)),
+        (Kind::DeviceState, M::Discarding { .. }) => {
+            Ok((M::State { discarded: true }, Step::Section))
+        }
+        (Kind::DeviceState, M::State { .. }) => Ok((at, Step::Section)),
+        (Kind::Complete, M::Discarding { .. } | M::State { discarded: true }) => {
+            refuse(Rule::NoCompleteAfterDiscard)
+        }
+        (Kind::Complete, M::State { discarded: false }) => Ok((at, Step::Complete)),
+        (Kind::Complete, M::Passes { .. }) => refuse(Rule::CompleteAfterState),
+        (k, _) => Err(ProtocolError::Misplaced {
+            got: k,
+            rule: Rule::MainChannel,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P0: Main = Main::START;
+    const P2: Main = Main::Passes { passes: 2 };
+    const D2: Main = Main::Discarding { passes: 2 };
+    const S: Main = Main::State { discarded: false };
+    const SD: Main = Main::State { discarded: true };
+
+    /// Every state against every record kind the main channel can meet, with and without the
+    /// postcopy capability where it matters: what is allowed, and the rule each refusal names.
+    #[test]
+    fn the_main_channel_takes_records_in_the_protocol_s_order() {
+        use Kind as K;
+        use Step as St;
+        let ok = |m: Main, s: Step| Ok::<_, Rule>((m, s));
+        let no = Err::<(Main, Step), Rule>;
+        type Row = (Main, Kind, u32, bool, Result<(Main, Step), Rule>);
+        let table: &[Row] = &[
+            // Passes end in order, and only before postcopy and the state.
+            (
+                P0,
+                K::EndOfPass,
+                1,
+                false,
+                ok(Main::Passes { passes: 1 }, St::EndPass(1)),
+            ),
+            (
+                P2,
+                K::EndOfPass,
+                3,
+                true,
+                ok(Main::Passes { passes: 3 }, St::EndPass(3)),
+            ),
+            (D2, K::EndOfPass, 3, true, no(Rule::NoPassAfterState)),
+            (S, K::EndOfPass, 3, true, no(Rule::NoPassAfterState)),
+            // Discard lists: with postcopy, after a pass, before the state; several.
+            (P2, K::Discard, 0, true, ok(D2, St::Discard)),
+            (D2, K::Discard, 0, true, ok(D2, St::Discard)),
+            (P2, K::Discard, 0, false, no(Rule::NeedsPostcopy)),
+            (
+                P0,
+                K::Discard,
+                0,
+                true,
+                no(Rule::DiscardBetweenPassesAndState),
+            ),
+            (
+                S,
+                K::Discard,
+                0,
+                true,
+                no(Rule::DiscardBetweenPassesAndState),
+            ),
+            // The device state: after a pass; after discard lists it remembers them.
+            (P0, K::DeviceState, 0, true, no(Rule::StateAfterPass)),
+            (P2, K::DeviceState, 0, false, ok(S, St::Section)),
+            (D2, K::DeviceState, 0, true, ok(SD, St::Section)),
+            (S, K::DeviceState, 0, false, ok(S, St::Section)),
+            (SD, K::DeviceState, 0, true, ok(SD, St::Section)),
+            // Complete: after the state, never after discard lists.
+            (S, K::Complete, 0, false, ok(S, St::Complete)),
+            (P2, K::Complete, 0, false, no(Rule::CompleteAfterState)),
+            (SD, K::Complete, 0, true, no(Rule::NoCompleteAfterDiscard)),
+            (D2, K::Complete, 0, true, no(Rule::NoCompleteAfterDiscard)),
+            // Postcopy: with the capability, after the state (with or without discard lists).
+            (SD, K::Postcopy, 0, true, ok(SD, St::Postcopy)),
+            (S, K::Postcopy, 0, true, ok(S, St::Postcopy)),
+            (S, K::Postcopy, 0, false, no(Rule::NeedsPostcopy)),
+            (D2, K::Postcopy, 0, true, no(Rule::PostcopyAfterState)),
+            (P2, K::Postcopy, 0, true, no(Rule::PostcopyAfterState)),
+            // The source's Error, anywhere.
+            (P0, K::Error, 0, false, ok(P0, St::PeerError)),
+            (SD, K::Error, 0, true, ok(SD, St::PeerError)),
+            // What belongs on other connections, or to the other direction.
+            (P2, K::Pages, 1, true, no(Rule::MainChannel)),
+            (P2, K::ZeroRuns, 1, true, no(Rule::MainChannel)),
+            (S, K::Resumed, 0, true, no(Rule::MainChannel)),
+            (S, K::VmConfig, 0, true, no(Rule::MainChannel)),
+        ];
+        for &(at, kind, count, postcopy, want) in table {
+            let got = next(at, kind, count, postcopy).map_err(|e| match e {
+                ProtocolError::Misplaced { got, rule } => {
+                    assert_eq!(got, kind);
+                    rule
+                }
+                e => panic!("{at:?} {kind:?}: {e}"),
+            });
+            assert_eq!(
+                got, want,
+                "{at:?} {kind:?} count {count} postcopy {postcopy}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_pass_end_out_of_order_names_both_passes() {
+        for (at, count) in [(P0, 2), (P2, 2), (P2, 5)] {
+            let e = next(at, Kind::EndOfPass, count, false).unwrap_err();
+            let Main::Passes { passes } = at else {
+                unreachable!()
+            };
+            assert!(
+                matches!(e, ProtocolError::PassOrder { got, after, data_channel: false } if got == count && after == passes),
+                "{e}"
+            );
+            assert_eq!(
+                e.to_string(),
+                format!("end of pass {count} after pass {passes}")
+            );
+        }
+    }
+}
