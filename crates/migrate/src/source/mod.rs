@@ -14,7 +14,8 @@
 //! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline.
 //!
 //! And the parts the phases use: `params.rs` (the parameters and their check, and the test
-//! hooks), `pool.rs` (the data channels' senders), `sender.rs` (one channel's sender thread),
+//! hooks), `agreement.rs` (what the destination granted, one value the handshake sets in
+//! place of a flag per capability), `pool.rs` (the data channels' senders), `sender.rs` (one channel's sender thread),
 //! `limiter.rs` (the rate limit as a pure value), `bandwidth.rs` (the rate window as a pure
 //! value), `reader.rs` (the thread that reads what comes back from the destination on the main
 //! connection), `observe.rs` with `ack_state.rs` (what the destination acknowledged: in
@@ -40,6 +41,7 @@
 #![forbid(unsafe_code)]
 
 mod ack_state;
+mod agreement;
 mod bandwidth;
 mod hint_rounds;
 mod hints;
@@ -59,6 +61,7 @@ mod switchover;
 use std::time::{Duration, Instant};
 
 use self::ack_state::{AckUse, Acks};
+use self::agreement::Agreement;
 use self::bandwidth::BandwidthWindow;
 use self::hint_rounds::Hints;
 use self::limiter::{Limiter, Pacing};
@@ -182,25 +185,15 @@ struct Session<'a> {
     /// Complete was sent: from here the guest may run on the destination, so the source must
     /// never run it again.
     handed_over: bool,
-    /// The destination granted postcopy.
-    postcopy_granted: bool,
+    /// What the destination granted (the handshake sets it).
+    agreed: Agreement,
     /// Passes in a row that dirtied more than half of what they sent (`policy::stall_count`).
     stalled_passes: u32,
     /// The auto-converge throttle in force, percent; lifted when the session concludes.
     throttle: u8,
-    /// The destination granted the preempt connection.
-    preempt_granted: bool,
-    /// The destination granted postcopy recovery: a broken connection in postcopy pauses.
-    recover_granted: bool,
-    /// Requested pages go on the main connection once the guest resumed there (granted
-    /// without a preempt connection, on 4 KiB pages).
-    main_pages: bool,
     /// Bytes written on main connections that a postcopy recovery replaced (the data
     /// channels' count spans recoveries).
     earlier_bytes: u64,
-    /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
-    /// postcopy discards, sends and serves whole units.
-    postcopy_unit: u64,
     /// Postcopy's readahead after a vCPU's requests (`readahead.rs`).
     readahead: readahead::Readahead,
     start: Instant,
@@ -245,14 +238,10 @@ impl<'a> Session<'a> {
             acks: Acks::default(),
             guest: GuestState::Running,
             handed_over: false,
-            postcopy_granted: false,
+            agreed: Agreement::NONE,
             stalled_passes: 0,
             throttle: 0,
-            preempt_granted: false,
-            recover_granted: false,
-            main_pages: false,
             earlier_bytes: 0,
-            postcopy_unit: 1,
             readahead: readahead::Readahead::default(),
             start: Instant::now(),
             last_check: None,
@@ -290,7 +279,7 @@ impl<'a> Session<'a> {
             &self.params,
             &self.ram,
             self.hooks,
-            self.preempt_granted,
+            self.agreed.preempt,
         )?;
         // The control loop's first step is the VMM starting its dirty log (one call, whose
         // cost follows populated memory), so `max_step_ms` counts it.
@@ -392,9 +381,10 @@ impl<'a> Session<'a> {
                 _ => format!("status {}", reply.status),
             }));
         }
+        let agreed = Agreement::from_reply(&reply)?;
         let granted = Granted {
-            progress: reply.capabilities.contains(Capabilities::PROGRESS),
-            postcopy: reply.capabilities.contains(Capabilities::POSTCOPY),
+            progress: agreed.progress,
+            postcopy: agreed.postcopy,
             resumed: false,
         };
         if granted.progress {
@@ -411,23 +401,10 @@ impl<'a> Session<'a> {
                 "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
             ));
         }
-        self.postcopy_granted = granted.postcopy;
-        self.postcopy_unit = reply.postcopy_unit_pages();
-        if granted.postcopy && self.postcopy_unit > u64::from(wire::MAX_PAGES_PER_RECORD) {
-            return Err(ProtocolError::UnitTooLarge {
-                pages: self.postcopy_unit,
-            }
-            .into());
-        }
-        self.preempt_granted = reply.capabilities.contains(Capabilities::PREEMPT);
-        self.recover_granted = reply.capabilities.contains(Capabilities::RECOVER);
-        self.conn.error_codes = reply.capabilities.contains(Capabilities::ERROR_CODES);
-        self.main_pages = reply.capabilities.contains(Capabilities::MAIN_PAGES)
-            && !self.preempt_granted
-            && self.postcopy_unit == 1;
-        let recover = self.recover_granted;
-        self.control.update(|p| p.postcopy_recover = recover);
-        if self.params.preempt && !self.preempt_granted {
+        self.agreed = agreed;
+        self.conn.error_codes = agreed.error_codes;
+        self.control.update(|p| p.postcopy_recover = agreed.recover);
+        if self.params.preempt && !agreed.preempt {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
             ));

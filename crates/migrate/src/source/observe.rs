@@ -98,7 +98,7 @@ impl Session<'_> {
             elapsed: self.start.elapsed(),
             stalled_passes: self.stalled_passes,
             throttle: self.throttle,
-            postcopy_granted: self.postcopy_granted,
+            postcopy_granted: self.agreed.postcopy,
         }
     }
 

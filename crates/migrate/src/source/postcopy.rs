@@ -77,7 +77,7 @@ impl Session<'_> {
     /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
     /// count), and how; the policy's own reasons come after.
     pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
-        if !self.postcopy_granted {
+        if !self.agreed.postcopy {
             None
         } else if self.control.postcopy_requested() {
             Some(PostcopyTrigger::Asked)
@@ -105,7 +105,7 @@ impl Session<'_> {
         // destination drops them while the guest still runs here (punching a GiB out of its
         // memory takes it ~0.2 s), and again those dirtied meanwhile, so that the pause only
         // covers the last few.
-        let unit = self.postcopy_unit;
+        let unit = self.agreed.postcopy_unit;
         self.bitmap.round_out(unit);
         let mut early = DirtyBitmap::new(self.ram.regions());
         for round in 1..=EARLY_DISCARD_ROUNDS {
@@ -314,7 +314,9 @@ impl Session<'_> {
                 }
                 self.bitmap.take(&mut cursor, packet, &mut held);
                 // A take that stopped at its scan bound inside a unit goes on to the unit's end.
-                while !held.len().is_multiple_of(self.postcopy_unit as usize)
+                while !held
+                    .len()
+                    .is_multiple_of(self.agreed.postcopy_unit as usize)
                     && !cursor.at_end(&self.bitmap)
                 {
                     self.bitmap
@@ -351,8 +353,8 @@ impl Session<'_> {
     /// bigger, so that a huge page travels whole in one batch on one connection (the
     /// destination assembles it there; see `destination/assemble.rs`).
     fn batch_pages(&self) -> usize {
-        if self.postcopy_unit > 1 {
-            self.postcopy_unit as usize
+        if self.agreed.postcopy_unit > 1 {
+            self.agreed.postcopy_unit as usize
         } else {
             self.params.packet_pages as usize
         }
@@ -387,7 +389,7 @@ impl Session<'_> {
         held: &mut Vec<u64>,
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
-        let unit = self.postcopy_unit * PAGE_SIZE;
+        let unit = self.agreed.postcopy_unit * PAGE_SIZE;
         let mut runs = self.take_requests(pc)?;
         for run in &mut runs {
             run.1 = clamp_request(run.1);
@@ -415,8 +417,8 @@ impl Session<'_> {
         // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
         // requested pages on it wait behind no background stream. Before, the destination's
         // session is loading the state and reads only the data channels.
-        let on_main = self.main_pages && self.phase == Phase::Postcopy;
-        let resend = (self.preempt_granted || on_main).then_some(listed);
+        let on_main = self.agreed.main_pages && self.phase == Phase::Postcopy;
+        let resend = (self.agreed.preempt || on_main).then_some(listed);
         // Picked a bounded number of pages at a time, so that however many requests are
         // queued, the pages looked at once stay few.
         let mut last = None;

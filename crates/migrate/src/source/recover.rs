@@ -38,7 +38,7 @@ impl Session<'_> {
     /// Whether `e` is a broken connection that recovery can mend (not a refusal or a protocol
     /// violation, which a reconnect would only repeat).
     pub(super) fn recoverable(&self, e: &MigrateError) -> bool {
-        self.recover_granted && e.is_broken_connection()
+        self.agreed.recover && e.is_broken_connection()
     }
 
     /// Fails with a broken connection when a pause was asked for (after severing them all):
@@ -46,7 +46,7 @@ impl Session<'_> {
     /// closed: a page written into it just before may be lost without any write failing, and
     /// the recovery's Missing list is what brings it back.
     pub(super) fn check_pause(&mut self) -> Result<(), MigrateError> {
-        if !self.recover_granted {
+        if !self.agreed.recover {
             return Ok(());
         }
         let during = if self.control.take_pause() {
@@ -157,7 +157,7 @@ impl Session<'_> {
             &self.params,
             &self.ram,
             self.hooks,
-            self.preempt_granted,
+            self.agreed.preempt,
         )?;
         self.pool.postcopy()
     }
@@ -198,7 +198,7 @@ impl Session<'_> {
                 }
             }
         }
-        missing.round_out(self.postcopy_unit);
+        missing.round_out(self.agreed.postcopy_unit);
         self.bitmap = missing;
         Ok(())
     }
