@@ -13,6 +13,8 @@
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
+//! - [`snapshot`]: the snapshot file's format (`docs/snapshot.md`), pure; the writer and the
+//!   restores are to come.
 //! - `uffd` (internal): userfaultfd, the base of postcopy's destination fault path.
 
 #![deny(unsafe_code)]
@@ -28,6 +30,7 @@ pub mod policy;
 #[allow(unsafe_code)]
 pub mod ram;
 pub mod scan;
+pub mod snapshot;
 pub mod source;
 mod state_part;
 #[allow(unsafe_code)] // one clock_gettime call
