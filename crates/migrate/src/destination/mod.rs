@@ -15,8 +15,9 @@
 //! - `acker` (internal): the thread that tells the source how much arrived, when it asked.
 //! - `arrival` (internal): what every connection starts with, below both the screening and
 //!   the session: the hello read within its bound, [`Arrival`], [`Arrivals`], the time bounds.
-//! - `order` (internal): the main channel's record order as a pure state machine (`next`),
-//!   table-tested; the session does what it says.
+//! - `order` (internal): the record order of the main channel (`next`) and of the data and
+//!   preempt connections (`next_data`) as pure state machines, table-tested; the session and
+//!   the receivers do what they say.
 //! - `receiver` (internal): a data channel's receiver thread, and the per-pass barrier with its
 //!   page-claim bitmap.
 //! - `sink` (internal) is how received pages land in memory: for precopy straight into

@@ -1,6 +1,7 @@
-//! The record order of the destination's main channel (docs/protocol.md), as a pure state
-//! machine: [`next`] takes where the stream is and the header that came, and says what the
-//! session does with the record, or which rule it broke. No I/O: the session reads, applies and
+//! The record order of the destination's connections (docs/protocol.md), as pure state
+//! machines: [`next`] for the main channel and [`next_data`] for a data channel or the preempt
+//! connection take where the stream is and the header that came, and say what the session or
+//! the receiver does with the record, or which rule it broke. No I/O: the session reads, applies and
 //! waits; the table below tests every rule, as `policy.rs`'s tables test the policy.
 //!
 //! The main channel carries pass ends while the data channels carry pages; once postcopy is
@@ -89,6 +90,71 @@ pub(crate) fn next(
             got: k,
             rule: Rule::MainChannel,
         }),
+    }
+}
+
+/// Where a data channel's (or the preempt connection's) stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Data {
+    /// A data channel in precopy; `passes` have ended on it.
+    Passes { passes: u32 },
+    /// The preempt connection before its first record, which must be Postcopy.
+    Preempt,
+    /// After its Postcopy record: postcopy pages only.
+    Postcopy,
+}
+
+impl Data {
+    /// A connection's state before its first record: channel 0 is the preempt connection.
+    pub(crate) fn start(channel: u16) -> Data {
+        match channel {
+            0 => Data::Preempt,
+            _ => Data::Passes { passes: 0 },
+        }
+    }
+}
+
+/// What a receiver does with a record the order allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DataStep {
+    /// Read and land a Pages record.
+    Pages,
+    /// Read and apply a ZeroRuns record.
+    ZeroRuns,
+    /// Pass `n` ended on this channel: wait until every channel ended it.
+    EndPass(u32),
+    /// Switch to postcopy once the session has (the gate).
+    Postcopy,
+    /// The source's Error record: read it and end with it.
+    PeerError,
+}
+
+/// The record of kind `kind` (with the header's `count`) on a data channel or the preempt
+/// connection at `at`: the state after it and what to do, or the rule it broke.
+pub(crate) fn next_data(
+    at: Data,
+    kind: Kind,
+    count: u32,
+) -> Result<(Data, DataStep), ProtocolError> {
+    use Data as D;
+    let refuse = |rule| Err(ProtocolError::Misplaced { got: kind, rule });
+    match (kind, at) {
+        (Kind::Postcopy, D::Preempt | D::Passes { .. }) => Ok((D::Postcopy, DataStep::Postcopy)),
+        (_, D::Preempt) => refuse(Rule::PreemptStartsWithPostcopy),
+        (Kind::Pages, _) => Ok((at, DataStep::Pages)),
+        (Kind::ZeroRuns, _) => Ok((at, DataStep::ZeroRuns)),
+        (Kind::EndOfPass, D::Passes { passes }) if count == passes + 1 => {
+            Ok((D::Passes { passes: count }, DataStep::EndPass(count)))
+        }
+        (Kind::EndOfPass, D::Passes { passes }) => Err(ProtocolError::PassOrder {
+            got: count,
+            after: passes,
+            data_channel: true,
+        }),
+        (Kind::EndOfPass, D::Postcopy) => refuse(Rule::NoPassInPostcopy),
+        (Kind::Postcopy, D::Postcopy) => refuse(Rule::OnePostcopy),
+        (Kind::Error, _) => Ok((at, DataStep::PeerError)),
+        _ => refuse(Rule::DataChannel),
     }
 }
 
@@ -186,6 +252,53 @@ mod tests {
                 "{at:?} {kind:?} count {count} postcopy {postcopy}"
             );
         }
+    }
+
+    /// A data channel's and the preempt connection's records, in every state.
+    #[test]
+    fn a_data_channel_takes_records_in_the_protocol_s_order() {
+        use DataStep as St;
+        use Kind as K;
+        let p0 = Data::start(1);
+        let p1 = Data::Passes { passes: 1 };
+        let (pre, pc) = (Data::start(0), Data::Postcopy);
+        let ok = |d: Data, s: DataStep| Ok::<_, Rule>((d, s));
+        let no = Err::<(Data, DataStep), Rule>;
+        type Row = (Data, Kind, u32, Result<(Data, DataStep), Rule>);
+        let table: &[Row] = &[
+            (p0, K::Pages, 8, ok(p0, St::Pages)),
+            (p0, K::ZeroRuns, 2, ok(p0, St::ZeroRuns)),
+            (p0, K::EndOfPass, 1, ok(p1, St::EndPass(1))),
+            (p1, K::Postcopy, 0, ok(pc, St::Postcopy)),
+            (p1, K::Error, 0, ok(p1, St::PeerError)),
+            (pc, K::Pages, 1, ok(pc, St::Pages)),
+            (pc, K::EndOfPass, 2, no(Rule::NoPassInPostcopy)),
+            (pc, K::Postcopy, 0, no(Rule::OnePostcopy)),
+            (pc, K::Error, 0, ok(pc, St::PeerError)),
+            // The preempt connection: Postcopy first, nothing before it (not even an Error).
+            (pre, K::Postcopy, 0, ok(pc, St::Postcopy)),
+            (pre, K::Pages, 1, no(Rule::PreemptStartsWithPostcopy)),
+            (pre, K::Error, 0, no(Rule::PreemptStartsWithPostcopy)),
+            // What belongs on the main channel.
+            (p1, K::DeviceState, 0, no(Rule::DataChannel)),
+            (p1, K::Complete, 0, no(Rule::DataChannel)),
+            (pc, K::Discard, 0, no(Rule::DataChannel)),
+        ];
+        for &(at, kind, count, want) in table {
+            let got = next_data(at, kind, count).map_err(|e| match e {
+                ProtocolError::Misplaced { got, rule } => {
+                    assert_eq!(got, kind);
+                    rule
+                }
+                e => panic!("{at:?} {kind:?}: {e}"),
+            });
+            assert_eq!(got, want, "{at:?} {kind:?} count {count}");
+        }
+        let e = next_data(p1, K::EndOfPass, 3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "end of pass 3 after pass 1 on a data channel"
+        );
     }
 
     #[test]

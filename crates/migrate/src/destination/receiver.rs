@@ -18,13 +18,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::assemble::Assembler;
+use super::order::{self, DataStep};
 use super::postcopy::{Postcopy, PostcopyGate};
 use super::progress::IncomingControl;
 use super::sink::PageSink;
-use crate::error::{Connection, Internal, MigrateError, ProtocolError, Rule, Twice};
+use crate::error::{Connection, Internal, MigrateError, ProtocolError, Twice};
 use crate::ram::Ram;
 use crate::transport::Stream;
-use crate::wire::{self, HEADER_SIZE, Header, Kind, PAGE_SIZE};
+use crate::wire::{self, HEADER_SIZE, Header, PAGE_SIZE};
 
 /// How long a data channel that read its Postcopy marker waits for the main channel's switch
 /// (the discard list, the device state and the Postcopy record, which the source wrote before
@@ -221,6 +222,7 @@ pub fn start(
                 buffer: Vec::new(),
                 postcopy: None,
                 assembler: None,
+                at: order::Data::start(channel),
             }
             .run();
             if let Err(e) = &r {
@@ -375,6 +377,8 @@ struct Receiver {
     postcopy: Option<Arc<Postcopy>>,
     /// Postcopy's huge pages in progress, when the host pages are huge.
     assembler: Option<Assembler>,
+    /// Where its record stream is (`order.rs`).
+    at: order::Data,
 }
 
 impl Receiver {
@@ -403,22 +407,12 @@ impl Receiver {
             };
             let c = &self.shared.control;
             c.add(&c.bytes, HEADER_SIZE as u64 + h.len);
-            if self.channel == 0 && self.postcopy.is_none() && h.kind != Kind::Postcopy {
-                return Err(MigrateError::misplaced(
-                    h.kind,
-                    Rule::PreemptStartsWithPostcopy,
-                ));
-            }
-            match h.kind {
-                Kind::Pages => self.pages(&h)?,
-                Kind::ZeroRuns => self.zero_runs(&h)?,
-                Kind::EndOfPass if self.postcopy.is_some() => {
-                    return Err(MigrateError::misplaced(h.kind, Rule::NoPassInPostcopy));
-                }
-                Kind::Postcopy if self.postcopy.is_some() => {
-                    return Err(MigrateError::misplaced(h.kind, Rule::OnePostcopy));
-                }
-                Kind::Postcopy => {
+            let (then, step) = order::next_data(self.at, h.kind, h.count)?;
+            self.at = then;
+            match step {
+                DataStep::Pages => self.pages(&h)?,
+                DataStep::ZeroRuns => self.zero_runs(&h)?,
+                DataStep::Postcopy => {
                     // Every page of the last pass is in (the barrier); wait for the session to
                     // register guest RAM and apply the discard list.
                     let gate = self.shared.postcopy.wait(POSTCOPY_GATE_TIMEOUT);
@@ -431,25 +425,14 @@ impl Receiver {
                     }
                     self.postcopy = Some(pc);
                 }
-                Kind::EndOfPass => {
-                    if h.count != self.stats.passes + 1 {
-                        return Err(ProtocolError::PassOrder {
-                            got: h.count,
-                            after: self.stats.passes,
-                            data_channel: true,
-                        }
-                        .into());
-                    }
-                    self.stats.passes = h.count;
-                    self.shared.barrier.wait(h.count)?;
+                DataStep::EndPass(pass) => {
+                    self.stats.passes = pass;
+                    self.shared.barrier.wait(pass)?;
                 }
-                Kind::Error => {
+                DataStep::PeerError => {
                     let p = self.read(h.len as usize, "reading the source's error")?;
                     h.check(wire::crc(&p), "the whole payload")?;
                     return Err(MigrateError::from_peer(crate::error::Side::Source, &h, &p));
-                }
-                k => {
-                    return Err(MigrateError::misplaced(k, Rule::DataChannel));
                 }
             }
         }
