@@ -1,9 +1,12 @@
-//! Snapshots to a file (docs/snapshot.md): the file's format today; the writer (a migration
-//! target that is a file) and the restores come next.
+//! Snapshots to a file (docs/snapshot.md): the file's format and its reading and writing
+//! today; the migration target that is a file (`ferry snapshot`) and the restores come next.
 //!
 //! - [`format`]: the header, the layout of the areas and guest RAM in the file, and the checks a
 //!   reader makes before it uses anything. Pure: no I/O, no `unsafe`.
+//! - [`file`]: the [`Writer`](file::Writer) that fills a file in parallel and makes it complete
+//!   only at the end, and the [`Reader`](file::Reader) that checks what it hands out.
 
 #![forbid(unsafe_code)]
 
+pub mod file;
 pub mod format;
