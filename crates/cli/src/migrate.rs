@@ -158,6 +158,11 @@ pub struct MigrateArgs {
     /// With --postcopy: switch to postcopy when precopy stalls, before throttling the guest.
     #[arg(long, requires = "postcopy")]
     postcopy_on_stall: bool,
+    /// With --postcopy: for this long after the guest resumed on the destination, send only the
+    /// pages it asks for, before the background stream starts sharing the cores with its
+    /// first faults (0s: start at once).
+    #[arg(long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(defaults().postcopy_quiet_start_ms))]
+    postcopy_quiet_start: humantime::Duration,
     /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
     /// failing (the guest keeps running on the destination and waits for missing pages)
     /// until `ferry migrate-recover` on the destination and `ferry migrate --resume` here
@@ -274,6 +279,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         postcopy: args.postcopy,
         postcopy_after_passes: args.postcopy_after_passes,
         postcopy_preempt: args.postcopy_preempt,
+        postcopy_quiet_start_ms: args.postcopy_quiet_start.as_millis() as u64,
         postcopy_recover: args.postcopy_recover == OnOff::On,
         free_page_hints: args.free_page_hints == OnOff::On,
         peer_timeout_ms: args.peer_timeout.as_millis() as u64,

@@ -13,7 +13,7 @@
 //!   right after the requested page (a vCPU that faulted on one page is likely to touch the
 //!   next); a request where the last one's readahead window ended brings a window of the
 //!   pages after it along (`readahead.rs`).
-//! - For the first [`QUIET_START`] after the guest resumed there, only requested pages (and
+//! - For the first `postcopy_quiet_start` after the guest resumed there, only requested pages (and
 //!   their readahead) are sent: the guest's first faults do not share the cores with the bulk.
 
 #![forbid(unsafe_code)]
@@ -50,15 +50,6 @@ const DISCARD_GAP: u64 = 16;
 /// Longest the source waits for a page request while the bandwidth limit or a full data
 /// channel holds the background walk back; a request that comes ends the wait at once.
 const REQUEST_POLL: Duration = Duration::from_millis(1);
-
-/// How long after the guest resumed on the destination the source sends only requested pages
-/// (with their readahead) before the background stream starts: the bulk stream would share the
-/// machine's cores with the guest's first faults. `ferry bench postcopy --pause-only` (8 GiB,
-/// 1 GiB written flat out, postcopy after pass 1) put the guest-observed pause's medians at
-/// 3.1–3.9 ms without preempt and 3.9–4.6 ms with it with this quiet start, where the build
-/// before it had 8.9–13.9 and 6.7–8.4 ms. A recovery does not wait: its guest has run for a
-/// while.
-const QUIET_START: Duration = Duration::from_millis(10);
 
 /// Most pages one requested run brings (before its readahead window): a vCPU's fault asks for
 /// one page or one host page, so a run that spans a region (a stranger's, or a bug's) is not
@@ -176,7 +167,7 @@ impl Session<'_> {
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
         let mut cursor = Some(cursor);
-        let mut quiet_until = Some(Instant::now() + QUIET_START);
+        let mut quiet_until = Some(Instant::now() + self.params.postcopy_quiet_start);
         match handed {
             Ok(()) => {}
             // A break between Postcopy and Resumed: the destination has the state and may run
@@ -278,7 +269,7 @@ impl Session<'_> {
 
     /// Sends every page left in the bitmap: requested pages as soon as they are asked for,
     /// the rest by a walk that resumes after the last requested page. Until `quiet_until` only
-    /// requests are served (see [`QUIET_START`]).
+    /// requests are served (see `SourceParams::postcopy_quiet_start`).
     ///
     /// The session never blocks where a request could wait: a background batch waits for the
     /// bandwidth limit or for room in a data channel's queue by waiting for requests (at most
