@@ -64,7 +64,9 @@ impl Dest {
         self.listener.local_addr().unwrap()
     }
 
-    /// Runs `sources` (given the address) while `dst` listens; returns what both returned.
+    /// Runs `sources` (given the address) while `dst` listens; returns what both returned. A
+    /// failed assertion in `sources` cancels the waiting destination first, so that the test
+    /// fails with it instead of hanging on a destination that waits for ever.
     fn serve<T>(
         &self,
         dst: &mut FakeVm,
@@ -73,8 +75,14 @@ impl Dest {
         let addr = self.addr();
         std::thread::scope(|s| {
             let d = s.spawn(|| destination::listen(dst, &self.listener, &self.control, &|| true));
-            let t = sources(addr);
-            (t, d.join().unwrap())
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sources(addr))) {
+                Ok(t) => (t, d.join().unwrap()),
+                Err(panic) => {
+                    self.control.cancel();
+                    let _ = d.join();
+                    std::panic::resume_unwind(panic)
+                }
+            }
         })
     }
 }
