@@ -518,3 +518,33 @@ fn a_source_killed_at_any_point_of_a_pass_fails_the_migration_in_seconds() {
     });
     assert!(dst.resumed);
 }
+
+/// A refused source that tries again the moment it reads its refusal (here: 200 times, each a
+/// main hello of the wrong size and then one that fits) used to meet a destination that had
+/// not reopened yet, and was refused as "a second source while a migration is under way" (it
+/// reopened after the reply; `a_refused_main_hello_does_not_end_a_waiting_destination` failed
+/// so under load). A waiting destination now reopens before it replies.
+#[test]
+fn regression_a_source_that_tries_again_at_once_after_a_refusal_is_not_refused_as_busy() {
+    let dest = Dest::new();
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let mut src = running_source(16 * MIB);
+    let ((), received) = dest.serve(&mut dst, |addr| {
+        for round in 0..200u16 {
+            let mut wrong = TcpStream::connect(addr).unwrap();
+            wrong
+                .write_all(&hello(Role::Main, 0, round as u8, 8 * MIB, 1))
+                .unwrap();
+            let mut reply = [0u8; wire::HELLO_SIZE];
+            wrong.read_exact(&mut reply).unwrap();
+            assert_eq!(
+                Hello::decode(&reply).unwrap().status,
+                Refusal::MemorySize as u32,
+                "round {round}"
+            );
+        }
+        migrate_to(&mut src, addr, &params(None)).unwrap();
+    });
+    received.unwrap();
+    assert!(src.contents() == dst.contents());
+}

@@ -429,7 +429,18 @@ fn wait_and_receive(
         };
         let uuid = arrival.hello.uuid;
         let peer = arrival.stream.peer();
-        match Session::new(vm, arrival, control.clone())?.handshake() {
+        let reopened = std::cell::Cell::new(false);
+        let reopen = || {
+            while data_rx.try_recv().is_ok() {}
+            control.update(|p| {
+                p.phase = IncomingPhase::Waiting;
+                p.source = None;
+                p.channels_announced = 0;
+            });
+            screen.set(Gate::Open);
+            reopened.set(true);
+        };
+        match Session::new(vm, arrival, control.clone())?.handshake_then(reopen) {
             Ok(session) => {
                 let mut arrivals = Screened {
                     rx: data_rx,
@@ -441,15 +452,13 @@ fn wait_and_receive(
             }
             Err(e) => {
                 // Not a valid hello: this source is refused (its reply says why) and the
-                // destination keeps waiting for one that fits.
+                // destination waits for one that fits. A refusal reopened before its reply
+                // (the next source may already be through the gate); a failure before the
+                // judgment reopens here.
                 control.reject(format!("{peer}: {e}"));
-                while data_rx.try_recv().is_ok() {}
-                control.update(|p| {
-                    p.phase = IncomingPhase::Waiting;
-                    p.source = None;
-                    p.channels_announced = 0;
-                });
-                screen.set(Gate::Open);
+                if !reopened.get() {
+                    reopen();
+                }
             }
         }
     }

@@ -187,7 +187,17 @@ impl<'a> Session<'a> {
 
     /// Phase 1: accepts the main hello or refuses it (the reply says why, and so does the
     /// error). A refused session has touched nothing.
-    pub fn handshake(mut self) -> Result<Session<'a>, MigrateError> {
+    pub fn handshake(self) -> Result<Session<'a>, MigrateError> {
+        self.handshake_then(|| {})
+    }
+
+    /// [`Session::handshake`], calling `before_refusal` before a refusal is sent: a waiting
+    /// destination reopens to the next source there, so that a source that tries again as
+    /// soon as it reads its refusal is not refused as a second one.
+    pub(crate) fn handshake_then(
+        mut self,
+        before_refusal: impl FnOnce(),
+    ) -> Result<Session<'a>, MigrateError> {
         let hello = self.hello;
         let (offered, page_shift) = supported(&self.ram);
         let mut reply = Hello {
@@ -230,6 +240,7 @@ impl<'a> Session<'a> {
             None
         };
         if let Some((status, why)) = refusal {
+            before_refusal();
             reply.status = status as u32;
             // The source puts its own "refused" before the reason.
             if self.conn.write_hello(&reply).is_ok() {
