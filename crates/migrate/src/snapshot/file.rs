@@ -155,7 +155,7 @@ impl Writer {
             at as i64,
             PAGE_SIZE as i64,
         )
-        .map_err(|e| std::io::Error::from_raw_os_error(e as i32))
+        .map_err(std::io::Error::from)
         .map_err(self.io("punching a zero page out of"))
     }
 

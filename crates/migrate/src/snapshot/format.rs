@@ -252,8 +252,7 @@ impl Header {
     /// then the checksum before any other field is used, then every field and that every area
     /// lies inside the file, between the header and guest RAM, apart from the others.
     pub fn decode(b: &[u8; HEADER_SIZE], file_len: u64) -> Result<Header, FormatError> {
-        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
-        let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+        let u32_at = |at| le32(b, at);
         if b[..8] != MAGIC {
             return Err(FormatError::Magic);
         }
@@ -270,16 +269,11 @@ impl Header {
         if flags & COMPLETE == 0 {
             return Err(FormatError::Incomplete);
         }
-        Self::fields(b, flags, file_len, u32_at, u64_at)
+        Self::fields(b, flags, file_len)
     }
 
-    fn fields(
-        b: &[u8; HEADER_SIZE],
-        flags: u32,
-        file_len: u64,
-        u32_at: impl Fn(usize) -> u32,
-        u64_at: impl Fn(usize) -> u64,
-    ) -> Result<Header, FormatError> {
+    fn fields(b: &[u8; HEADER_SIZE], flags: u32, file_len: u64) -> Result<Header, FormatError> {
+        let (u32_at, u64_at) = (|at| le32(b, at), |at| le64(b, at));
         if u32_at(16) != PAGE_SIZE as u32 {
             return Err(Invalid::PageSize(u32_at(16)).into());
         }
@@ -396,6 +390,15 @@ impl Header {
         }
         Ok(())
     }
+}
+
+/// The little-endian integer at byte `at` of the header.
+fn le32(b: &[u8; HEADER_SIZE], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn le64(b: &[u8; HEADER_SIZE], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
 #[cfg(test)]
