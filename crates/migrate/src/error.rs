@@ -110,6 +110,9 @@ pub enum MigrateError {
     CancelledHere,
     #[error(transparent)]
     Vm(#[from] VmError),
+    /// A snapshot file could not be written, or read for a restore.
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error("migration cancelled; the source VM keeps running")]
     Cancelled,
     #[error(
@@ -189,6 +192,10 @@ impl MigrateError {
             // A sibling connection's failure: its own error carries the kind.
             E::Channel(_) => ErrorKind::Peer,
             E::Vm(_) => ErrorKind::Vm,
+            // The file could not be written or read: its storage failed.
+            E::Snapshot(crate::snapshot::SnapshotError::Io { .. }) => ErrorKind::Transport,
+            // The file is not a snapshot this VM can take.
+            E::Snapshot(_) => ErrorKind::Protocol,
             E::Cancelled
             | E::CancelledHere
             | E::CancelledThere(..)

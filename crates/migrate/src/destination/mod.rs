@@ -34,7 +34,7 @@ mod order;
 pub(crate) mod postcopy;
 mod progress;
 mod receiver;
-mod sections;
+pub(crate) mod sections;
 mod session;
 pub(crate) mod sink;
 

@@ -31,6 +31,30 @@ pub enum ConfigError {
         "auto-converge throttle of {initial}% rising to {max}%: use an initial throttle of 1 or more, at most the cap, and a cap under 100"
     )]
     Throttle { initial: u8, max: u8 },
+    /// A snapshot restored into a VM of another RAM layout.
+    #[error(
+        "the snapshot holds {} of guest RAM in {file_regions} region(s) and this VM has {} in {here_regions}; restore it into a VM of the snapshot's size (ferry run --restore sizes the VM from the file)",
+        crate::ram::Size(*file),
+        crate::ram::Size(*here)
+    )]
+    SnapshotRam {
+        file: u64,
+        file_regions: usize,
+        here: u64,
+        here_regions: usize,
+    },
+    #[error(
+        "the snapshot's VM has {file} vCPUs and this one {here}; restore it into a VM with {file} vCPUs (ferry run --restore takes them from the file)"
+    )]
+    SnapshotVcpus { file: u32, here: u32 },
+    #[error(
+        "a lazy restore places 4 KiB pages, and this VM's RAM is on huge pages; restore it without --lazy"
+    )]
+    LazyHugePages,
+    #[error(
+        "this kernel's userfaultfd cannot serve shared memory (no UFFD_FEATURE_MISSING_SHMEM); restore without --lazy"
+    )]
+    LazyUnsupported,
     /// The VMM's configuration record is larger than the protocol carries.
     #[error("the VMM's configuration of {bytes} bytes exceeds the protocol's {max}")]
     VmConfigTooLarge { bytes: u64, max: u64 },

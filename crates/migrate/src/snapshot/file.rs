@@ -65,6 +65,18 @@ pub struct Writer {
     /// Room reserved for the device state and the hot set (their lengths come at the end).
     reserved: (u64, u64),
     crcs: Vec<AtomicU32>,
+    /// Renamed to its name: the drop leaves it.
+    finished: bool,
+}
+
+/// A writer dropped before it finished removes its `.partial` file: nothing is left of a
+/// snapshot that failed.
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
 }
 
 impl Writer {
@@ -115,6 +127,7 @@ impl Writer {
             header,
             reserved,
             crcs,
+            finished: false,
         })
     }
 
@@ -129,34 +142,81 @@ impl Writer {
     /// Writes the page at `gpa` (4096 bytes) where it belongs, and records its CRC. A page of
     /// zeros is punched instead (a hole reads as zeros and takes no space).
     pub fn write_page(&self, gpa: u64, page: &[u8]) -> Result<(), SnapshotError> {
-        debug_assert_eq!(page.len(), PAGE_SIZE as usize);
-        let (at, index) = self
-            .header
-            .locate(gpa)
-            .ok_or(SnapshotError::OutsideRam { gpa })?;
-        if page.iter().all(|&b| b == 0) {
-            self.punch(at)?;
-            self.crcs[index as usize].store(zero_page_crc(), Ordering::Relaxed);
-            return Ok(());
-        }
-        self.file
-            .write_all_at(page, at)
-            .map_err(self.io("writing a page to"))?;
-        self.crcs[index as usize].store(crc(page), Ordering::Relaxed);
-        Ok(())
+        self.write_pages(&[gpa], page).map(drop)
     }
 
-    fn punch(&self, at: u64) -> Result<(), SnapshotError> {
+    /// Writes `data`, one page per address of `gpas`, where the pages belong, and records their
+    /// CRCs: the pages that follow one another in the file in one write, and each run of zero
+    /// pages punched in one call (or left alone where the file holds zeros already: a page
+    /// never written, or punched before). Returns how many of the pages were zeros.
+    pub fn write_pages(&self, gpas: &[u64], data: &[u8]) -> Result<u64, SnapshotError> {
+        assert_eq!(data.len() as u64, gpas.len() as u64 * PAGE_SIZE);
+        let zero_crc = zero_page_crc();
+        // The run being gathered: (file offset, first page's index in `data`, pages, zeros).
+        let mut run: Option<(u64, usize, usize, bool)> = None;
+        let mut zeros = 0;
+        for (k, (&gpa, page)) in gpas
+            .iter()
+            .zip(data.chunks_exact(PAGE_SIZE as usize))
+            .enumerate()
+        {
+            let (at, index) = self
+                .header
+                .locate(gpa)
+                .ok_or(SnapshotError::OutsideRam { gpa })?;
+            let slot = &self.crcs[index as usize];
+            let zero = crate::zero::is_zero(page);
+            zeros += u64::from(zero);
+            if zero && slot.load(Ordering::Relaxed) == zero_crc {
+                self.flush_run(run.take(), data)?;
+                continue;
+            }
+            slot.store(if zero { zero_crc } else { crc(page) }, Ordering::Relaxed);
+            match &mut run {
+                Some((start, _, pages, z))
+                    if *z == zero && *start + *pages as u64 * PAGE_SIZE == at =>
+                {
+                    *pages += 1
+                }
+                _ => {
+                    self.flush_run(run.take(), data)?;
+                    run = Some((at, k, 1, zero));
+                }
+            }
+        }
+        self.flush_run(run, data)?;
+        Ok(zeros)
+    }
+
+    /// Writes (or punches) a run [`Writer::write_pages`] gathered.
+    fn flush_run(
+        &self,
+        run: Option<(u64, usize, usize, bool)>,
+        data: &[u8],
+    ) -> Result<(), SnapshotError> {
+        let Some((at, first, pages, zero)) = run else {
+            return Ok(());
+        };
+        let page = PAGE_SIZE as usize;
+        if zero {
+            return self.punch(at, pages as u64 * PAGE_SIZE);
+        }
+        self.file
+            .write_all_at(&data[first * page..(first + pages) * page], at)
+            .map_err(self.io("writing pages to"))
+    }
+
+    fn punch(&self, at: u64, len: u64) -> Result<(), SnapshotError> {
         use std::os::fd::AsFd;
         nix::fcntl::fallocate(
             self.file.as_fd(),
             nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
                 | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             at as i64,
-            PAGE_SIZE as i64,
+            len as i64,
         )
         .map_err(std::io::Error::from)
-        .map_err(self.io("punching a zero page out of"))
+        .map_err(self.io("punching zero pages out of"))
     }
 
     /// Ends the snapshot: writes the device `state` (sections as a migration carries them) and
@@ -205,6 +265,7 @@ impl Writer {
             .map_err(self.io("writing the header of"))?;
         file.sync_data().map_err(self.io("syncing"))?;
         std::fs::rename(&self.partial, &self.path).map_err(self.io("renaming"))?;
+        self.finished = true;
         Ok(self.header.clone())
     }
 }
@@ -307,24 +368,83 @@ impl Reader {
 
     /// Reads the page at `gpa` into `into` (4096 bytes) and checks it against its CRC.
     pub fn read_page(&self, gpa: u64, into: &mut [u8]) -> Result<(), SnapshotError> {
-        let (at, index) = self
+        self.read_pages(gpa, into)
+    }
+
+    /// Reads the pages from `gpa` on (as many as `into` holds; inside one region) with one
+    /// read, and checks each against its CRC.
+    pub fn read_pages(&self, gpa: u64, into: &mut [u8]) -> Result<(), SnapshotError> {
+        let pages = into.len() as u64 / PAGE_SIZE;
+        let (at, first) = self
             .header
             .locate(gpa)
             .ok_or(SnapshotError::OutsideRam { gpa })?;
+        let last = gpa + (pages.max(1) - 1) * PAGE_SIZE;
+        if self.header.locate(last) != Some((at + (last - gpa), first + (last - gpa) / PAGE_SIZE)) {
+            return Err(SnapshotError::OutsideRam { gpa: last });
+        }
         self.file
             .read_exact_at(into, at)
             .map_err(|source| SnapshotError::Io {
-                during: "reading a page of",
+                during: "reading pages of",
                 path: self.path.clone(),
                 source,
             })?;
-        if crc(into) != self.crcs[index as usize] {
-            return Err(SnapshotError::PageChecksum {
-                path: self.path.clone(),
-                gpa,
-            });
+        for (k, page) in into.chunks_exact(PAGE_SIZE as usize).enumerate() {
+            if crc(page) != self.crcs[first as usize + k] {
+                return Err(SnapshotError::PageChecksum {
+                    path: self.path.clone(),
+                    gpa: gpa + k as u64 * PAGE_SIZE,
+                });
+            }
         }
         Ok(())
+    }
+
+    /// The pages the file holds data for, as runs `(gpa, pages)` of at most `max_pages`, in
+    /// address order; the rest of RAM is holes (zero pages). Checks that every page in a hole
+    /// has a zero page's CRC: a hole where the table recorded data is a damaged file.
+    pub fn data_runs(&self, max_pages: u64) -> Result<Vec<(u64, u64)>, SnapshotError> {
+        use std::os::fd::AsRawFd;
+        let io = |source| SnapshotError::Io {
+            during: "looking for the data in",
+            path: self.path.clone(),
+            source,
+        };
+        let zero = zero_page_crc();
+        let mut runs = Vec::new();
+        for r in &self.header.regions {
+            let start = self.header.ram_offset + r.offset;
+            let end = start + r.size;
+            let mut at = start;
+            let hole_check = |from: u64, to: u64| {
+                for off in (from..to).step_by(PAGE_SIZE as usize) {
+                    let index = (off - self.header.ram_offset) / PAGE_SIZE;
+                    if self.crcs[index as usize] != zero {
+                        return Err(SnapshotError::PageChecksum {
+                            path: self.path.clone(),
+                            gpa: r.gpa + (off - start),
+                        });
+                    }
+                }
+                Ok(())
+            };
+            while let Some((data, hole)) =
+                crate::ram::next_data_in_file(self.file.as_raw_fd(), at, end).map_err(io)?
+            {
+                hole_check(at, data)?;
+                let mut gpa = r.gpa + (data - start);
+                let last = r.gpa + (hole.min(end) - start);
+                while gpa < last {
+                    let pages = ((last - gpa) / PAGE_SIZE).min(max_pages);
+                    runs.push((gpa, pages));
+                    gpa += pages * PAGE_SIZE;
+                }
+                at = hole.min(end);
+            }
+            hole_check(at, end)?;
+        }
+        Ok(runs)
     }
 }
 

@@ -10,3 +10,10 @@
 
 pub mod file;
 pub mod format;
+pub mod restore;
+pub mod save;
+pub mod state;
+
+pub use file::{Reader, SnapshotError, Writer};
+pub use restore::{LazyLoad, LazyStats, Loading, RestoreParams, RestoreStats, Restored, restore};
+pub use save::{SaveParams, save};

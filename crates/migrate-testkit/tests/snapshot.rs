@@ -1,0 +1,253 @@
+//! Snapshots over the fake VMM, without /dev/kvm: a live save while the fake guest writes, then
+//! eager and lazy restores (real files, real userfaultfd) that must hold exactly what the
+//! source held when it paused; and every kind of bad file refused before anything is used.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferry_migrate::snapshot::{self, Loading, RestoreParams, SaveParams};
+use ferry_migrate::{Control, MigrateError, Phase, Policy, TimeoutAction};
+use ferry_migrate_testkit::{FakeVm, Writers};
+
+const MIB: u64 = 1 << 20;
+
+fn save_params(stop: bool) -> SaveParams {
+    SaveParams {
+        writers: 2,
+        policy: Policy {
+            downtime_limit: Duration::from_millis(50),
+            timeout: Some(Duration::from_secs(1)),
+            timeout_action: TimeoutAction::Switchover,
+            ..Policy::default()
+        },
+        vcpus: 2,
+        uuid: [7; 16],
+        stop,
+    }
+}
+
+fn restore_params(loading: Loading) -> RestoreParams {
+    RestoreParams {
+        loading,
+        readers: 2,
+        vcpus: 2,
+        hot_first: true,
+    }
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("ferry-snapshot-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+
+    fn file(&self) -> PathBuf {
+        self.0.join("vm.snap")
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A source with a third of its pages filled (some zero), saved with `--stop` while writers
+/// ran: returns it, paused, and the file.
+fn saved(dir: &Dir, size: u64, regions: usize) -> FakeVm {
+    let mut src = FakeVm::new(size, regions);
+    src.fill(3);
+    src.start_writers(Writers {
+        threads: 2,
+        seed: 11,
+        zero_percent: 20,
+        interval: Duration::from_micros(20),
+    });
+    let control = Control::default();
+    let stats = snapshot::save(&mut src, &dir.file(), &save_params(true), &control).unwrap();
+    assert!(src.is_paused(), "--stop leaves the guest paused");
+    assert!(!src.is_logging(), "dirty logging is off afterwards");
+    assert!(
+        stats.passes.len() >= 2,
+        "pass 1 and the final pass at least"
+    );
+    assert!(stats.passes.last().unwrap().paused);
+    assert_eq!(control.progress().phase, Phase::Completed);
+    src.stop_writers();
+    src
+}
+
+#[test]
+fn an_eager_restore_holds_what_the_source_held_when_it_paused() {
+    let dir = Dir::new("eager");
+    let src = saved(&dir, 24 * MIB, 2);
+    let mut dst = FakeVm::new(24 * MIB, 2);
+    let restored =
+        snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Eager)).unwrap();
+    assert!(restored.lazy.is_none());
+    assert!(dst.resumed);
+    assert_eq!(dst.state, src.state);
+    assert!(src.contents() == dst.contents(), "memory differs");
+    assert!(restored.stats.bytes_read > 0);
+}
+
+#[test]
+fn a_lazy_restore_serves_what_the_guest_touches_first_and_loads_the_rest() {
+    let dir = Dir::new("lazy");
+    let src = saved(&dir, 32 * MIB, 1);
+    let mut dst = FakeVm::new(32 * MIB, 1);
+    let restored =
+        snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Lazy)).unwrap();
+    assert!(dst.resumed);
+    // Read all of RAM at once, as a guest would touch it: pages the loader has not placed
+    // yet fault and are served from the file.
+    let seen = dst.contents();
+    let lazy = restored
+        .lazy
+        .expect("a lazy restore loads in the background");
+    let stats = lazy.wait().unwrap();
+    assert!(
+        seen == src.contents(),
+        "memory read during the load differs"
+    );
+    assert!(
+        dst.contents() == src.contents(),
+        "memory differs after the load"
+    );
+    assert!(stats.bytes_read > 0);
+    println!(
+        "lazy: {} demand faults, {} hot pages, loaded in {:.1} ms",
+        stats.demand_faults, stats.hot_pages, stats.load_ms
+    );
+}
+
+#[test]
+fn a_live_save_resumes_the_guest_and_the_file_holds_the_paused_moment() {
+    let dir = Dir::new("live");
+    let mut src = FakeVm::new(16 * MIB, 1);
+    src.fill(2);
+    src.start_writers(Writers {
+        threads: 1,
+        seed: 5,
+        zero_percent: 0,
+        interval: Duration::from_micros(50),
+    });
+    let before = src.writes();
+    snapshot::save(
+        &mut src,
+        &dir.file(),
+        &save_params(false),
+        &Control::default(),
+    )
+    .unwrap();
+    assert!(!src.is_paused(), "the guest runs on after a live snapshot");
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(src.writes() > before, "the guest kept writing");
+    src.stop_writers();
+    assert!(!dir.0.join("vm.snap.partial").exists());
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Eager)).unwrap();
+    assert_eq!(dst.state, src.state);
+}
+
+#[test]
+fn a_cancelled_save_leaves_the_guest_running_and_no_file() {
+    let dir = Dir::new("cancel");
+    let mut src = FakeVm::new(16 * MIB, 1);
+    src.fill(1);
+    let control = Control::default();
+    control.cancel();
+    let e = snapshot::save(&mut src, &dir.file(), &save_params(true), &control).unwrap_err();
+    assert!(matches!(e, MigrateError::Cancelled), "{e}");
+    assert!(!src.is_paused());
+    assert_eq!(control.progress().phase, Phase::Cancelled);
+    assert!(!dir.file().exists());
+    assert!(
+        !dir.0.join("vm.snap.partial").exists(),
+        "a failed save removes its partial file"
+    );
+}
+
+/// Restores `path` into a fresh fake VM of `size`; the error's text.
+fn refusal(path: &Path, size: u64, vcpus: u32) -> String {
+    let mut dst = FakeVm::new(size, 1);
+    let params = RestoreParams {
+        vcpus,
+        ..restore_params(Loading::Eager)
+    };
+    let e = snapshot::restore(&mut dst, path, &params).unwrap_err();
+    assert!(!dst.resumed, "nothing runs after a refused restore");
+    e.to_string()
+}
+
+/// What a case does to a good file's bytes.
+type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+
+#[test]
+fn bad_files_are_refused_with_the_cause() {
+    let dir = Dir::new("bad");
+    saved(&dir, 8 * MIB, 1);
+    let good = std::fs::read(dir.file()).unwrap();
+    let reader = snapshot::Reader::open(&dir.file()).unwrap();
+    let h = reader.header().clone();
+    let bad = dir.0.join("bad.snap");
+    let with = |f: &dyn Fn(&mut Vec<u8>)| {
+        let mut b = good.clone();
+        f(&mut b);
+        std::fs::write(&bad, &b).unwrap();
+    };
+    // A page with data, found through the file's own data runs.
+    let (gpa, _) = reader.data_runs(1).unwrap()[0];
+    let (page_at, _) = h.locate(gpa).unwrap();
+    // The header as a writer leaves it until the end: valid, and not complete.
+    let mut incomplete = h.clone();
+    incomplete.complete = false;
+    let cases: Vec<(&str, Damage, &str)> = vec![
+        (
+            "truncated",
+            Box::new(|b| b.truncate(b.len() - 4096)),
+            "cut short",
+        ),
+        (
+            "header byte",
+            Box::new(|b| b[200] ^= 1),
+            "header is damaged",
+        ),
+        (
+            "state byte",
+            Box::new(move |b| b[h.state.offset as usize] ^= 1),
+            "device state is damaged",
+        ),
+        (
+            "page byte",
+            Box::new(move |b| b[page_at as usize + 9] ^= 0x40),
+            "is damaged",
+        ),
+        (
+            "not a snapshot",
+            Box::new(|b| b[0] = b'X'),
+            "not a ferry snapshot",
+        ),
+        (
+            "incomplete",
+            Box::new(move |b| b[..4096].copy_from_slice(&incomplete.encode())),
+            "incomplete",
+        ),
+    ];
+    for (what, damage, expected) in cases {
+        with(&*damage);
+        let e = refusal(&bad, 8 * MIB, 2);
+        assert!(e.contains(expected), "{what}: {e}");
+    }
+    let e = refusal(&dir.file(), 16 * MIB, 2);
+    assert!(
+        e.contains("holds 8M of guest RAM") || e.contains("8 MiB"),
+        "{e}"
+    );
+    let e = refusal(&dir.file(), 8 * MIB, 4);
+    assert!(e.contains("has 2 vCPUs and this one 4"), "{e}");
+}

@@ -1,0 +1,416 @@
+//! Restores from a snapshot file into a [`DestinationVm`]: the destination's half with a file
+//! as its origin. Everything checksummed is checked before it is used: the header, the
+//! configuration, the device state, the hot set and the page CRC table when the file opens,
+//! and each page against its CRC as it is read.
+//!
+//! - **Eager** ([`Loading::Eager`]): reader threads read the file's data runs (holes are zero
+//!   pages, which fresh guest RAM already is) into guest RAM, then the state is loaded and the
+//!   guest resumes.
+//! - **Lazy** ([`Loading::Lazy`]): guest RAM is registered with userfaultfd, the state is
+//!   loaded and the guest resumes at once; a fault thread serves each page the guest touches
+//!   from the file, and a loader thread places the rest, the hot set first. Once every data
+//!   run is placed the userfaultfd is closed: what is still missing then is a hole, which
+//!   reads as zeros.
+//!
+//! Invariants: nothing of the file reaches guest RAM before its CRC matched; the guest never
+//! resumes before every section was loaded. A page that fails its CRC while the guest runs
+//! (lazy) fails the loader, and the VMM stops the guest ([`LazyLoad::wait`] says why): its
+//! memory is incomplete.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::file::Reader;
+use super::state;
+use crate::error::{ConfigError, Internal, MigrateError};
+use crate::pagebits::PageBits;
+use crate::ram::Ram;
+use crate::uffd::{Fault, Uffd, Wake};
+use crate::vm::DestinationVm;
+use crate::wire::{self, PAGE_SIZE};
+
+/// Pages per read: 2 MiB.
+const RUN_PAGES: u64 = wire::MAX_PAGES_PER_RECORD as u64;
+/// How long the fault thread waits for a fault before it looks at whether to stop.
+const FAULT_POLL: Duration = Duration::from_millis(5);
+
+/// When guest RAM is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Loading {
+    /// All of it before the guest resumes.
+    Eager,
+    /// On demand and in the background after the guest resumed.
+    Lazy,
+}
+
+/// How to restore.
+#[derive(Clone, Copy, Debug)]
+pub struct RestoreParams {
+    pub loading: Loading,
+    /// Reader threads (eager).
+    pub readers: u16,
+    /// The VM's vCPU count: a snapshot of another count is refused.
+    pub vcpus: u32,
+    /// Lazy: load the hot set first (off only to measure what it saves).
+    pub hot_first: bool,
+}
+
+/// What a restore took.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RestoreStats {
+    /// Opening the file and checking its metadata and every CRC but the pages'.
+    pub open_ms: f64,
+    /// Eager: reading guest RAM in (0 for a lazy restore).
+    pub ram_ms: f64,
+    pub state_load_ms: f64,
+    pub resume_ms: f64,
+    /// From the call to the guest running.
+    pub to_running_ms: f64,
+    /// Eager: bytes of page data read (holes are not read).
+    pub bytes_read: u64,
+    pub memory_bytes: u64,
+}
+
+/// What a lazy restore's loading took, once all of RAM is in place.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LazyStats {
+    /// From the guest's resume to the last data run placed.
+    pub load_ms: f64,
+    pub bytes_read: u64,
+    /// Pages the guest touched before the loader had placed them, served from the file.
+    pub demand_faults: u64,
+    /// Pages of the hot set.
+    pub hot_pages: u64,
+    /// Mean time from reading a fault to the page placed.
+    pub fault_mean_us: f64,
+}
+
+/// A restore whose guest runs.
+#[derive(Debug)]
+pub struct Restored {
+    pub stats: RestoreStats,
+    /// The background load of a lazy restore.
+    pub lazy: Option<LazyLoad>,
+}
+
+/// A lazy restore's loading in the background.
+#[derive(Debug)]
+pub struct LazyLoad {
+    shared: Arc<Lazy>,
+    loader: JoinHandle<Result<(), MigrateError>>,
+    faults: JoinHandle<Result<(), MigrateError>>,
+    resumed: Instant,
+}
+
+impl LazyLoad {
+    /// Whether all of RAM is in place.
+    pub fn is_done(&self) -> bool {
+        self.loader.is_finished()
+    }
+
+    /// Waits until all of RAM is in place, then closes the userfaultfd. An error means the
+    /// guest's memory is incomplete: stop it.
+    pub fn wait(self) -> Result<LazyStats, MigrateError> {
+        let loaded = join(self.loader);
+        let load_ms = ms(self.resumed.elapsed());
+        self.shared.stop.store(true, Ordering::Release);
+        let served = join(self.faults);
+        loaded.and(served)?;
+        let s = &self.shared;
+        let faults = s.faults.load(Ordering::Relaxed);
+        Ok(LazyStats {
+            load_ms,
+            bytes_read: s.bytes.load(Ordering::Relaxed),
+            demand_faults: faults,
+            hot_pages: s.hot_pages,
+            fault_mean_us: s.fault_ns.load(Ordering::Relaxed) as f64 / 1e3 / faults.max(1) as f64,
+        })
+    }
+}
+
+fn join(t: JoinHandle<Result<(), MigrateError>>) -> Result<(), MigrateError> {
+    t.join().unwrap_or_else(|_| {
+        Err(Internal::Panicked {
+            thread: "the snapshot loader",
+        }
+        .into())
+    })
+}
+
+/// Restores the snapshot at `path` into `vm` and resumes the guest. On an error nothing runs:
+/// the VM is left as it was made, and may be thrown away.
+pub fn restore(
+    vm: &mut dyn DestinationVm,
+    path: &Path,
+    params: &RestoreParams,
+) -> Result<Restored, MigrateError> {
+    let started = Instant::now();
+    let reader = Arc::new(Reader::open(path)?);
+    let ram = Ram::new(vm.ram())?;
+    check_fits(&reader, &ram, params.vcpus)?;
+    if !reader.config().is_empty() {
+        vm.check_config(reader.config())?;
+    }
+    let sections = state::decode(reader.state())?;
+    let runs = reader.data_runs(RUN_PAGES)?;
+    let mut stats = RestoreStats {
+        open_ms: ms(started.elapsed()),
+        memory_bytes: ram.size(),
+        ..RestoreStats::default()
+    };
+    let lazy = match params.loading {
+        Loading::Eager => {
+            let t = Instant::now();
+            stats.bytes_read = load_eagerly(&reader, &ram, &runs, params.readers)?;
+            stats.ram_ms = ms(t.elapsed());
+            None
+        }
+        Loading::Lazy => Some(Lazy::start(reader, ram, runs, params.hot_first)?),
+    };
+    let t = Instant::now();
+    let loaded = vm.load_state(&sections);
+    let t2 = Instant::now();
+    let resumed = loaded.and_then(|()| vm.resume());
+    let (lazy_shared, threads) = match lazy {
+        Some((shared, threads)) => (Some(shared), Some(threads)),
+        None => (None, None),
+    };
+    if let Err(e) = resumed {
+        if let (Some(shared), Some((loader, faults))) = (lazy_shared, threads) {
+            shared.stop.store(true, Ordering::Release);
+            let _ = (join(loader), join(faults));
+        }
+        return Err(e.into());
+    }
+    let now = Instant::now();
+    stats.state_load_ms = ms(t2 - t);
+    stats.resume_ms = ms(now - t2);
+    stats.to_running_ms = ms(now - started);
+    let lazy = match (lazy_shared, threads) {
+        (Some(shared), Some((loader, faults))) => Some(LazyLoad {
+            shared,
+            loader,
+            faults,
+            resumed: now,
+        }),
+        _ => None,
+    };
+    Ok(Restored { stats, lazy })
+}
+
+/// Refuses a snapshot whose RAM layout or vCPU count differs from the VM's.
+fn check_fits(reader: &Reader, ram: &Ram, vcpus: u32) -> Result<(), MigrateError> {
+    let h = reader.header();
+    let file: Vec<(u64, u64)> = h.regions.iter().map(|r| (r.gpa, r.size)).collect();
+    let here: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
+    if file != here {
+        return Err(ConfigError::SnapshotRam {
+            file: h.memory_size(),
+            file_regions: file.len(),
+            here: ram.size(),
+            here_regions: here.len(),
+        }
+        .into());
+    }
+    if h.vcpus != vcpus {
+        return Err(ConfigError::SnapshotVcpus {
+            file: h.vcpus,
+            here: vcpus,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Reads every data run into guest RAM on `readers` threads; returns the bytes read.
+fn load_eagerly(
+    reader: &Reader,
+    ram: &Ram,
+    runs: &[(u64, u64)],
+    readers: u16,
+) -> Result<u64, MigrateError> {
+    let next = AtomicU64::new(0);
+    let failed = AtomicBool::new(false);
+    let read = |_| -> Result<(), MigrateError> {
+        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
+        let mut gpas = Vec::with_capacity(RUN_PAGES as usize);
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+            if i >= runs.len() || failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let (gpa, pages) = runs[i];
+            let data = &mut buf[..(pages * PAGE_SIZE) as usize];
+            let placed = reader
+                .read_pages(gpa, data)
+                .map_err(MigrateError::from)
+                .and_then(|()| {
+                    gpas.clear();
+                    gpas.extend((0..pages).map(|k| gpa + k * PAGE_SIZE));
+                    ram.write_pages(&gpas, data).map_err(|e| {
+                        MigrateError::io("writing the snapshot's pages into guest RAM", e)
+                    })
+                });
+            if placed.is_err() {
+                failed.store(true, Ordering::Relaxed);
+                return placed;
+            }
+        }
+    };
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..readers.max(1))
+            .map(|i| scope.spawn(move || read(i)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join().unwrap_or_else(|_| {
+                    Err(Internal::Panicked {
+                        thread: "a snapshot reader",
+                    }
+                    .into())
+                })
+            })
+            .collect::<Result<Vec<()>, _>>()
+    })?;
+    Ok(runs.iter().map(|r| r.1 * PAGE_SIZE).sum())
+}
+
+/// What a lazy restore's threads share.
+#[derive(Debug)]
+struct Lazy {
+    reader: Arc<Reader>,
+    ram: Ram,
+    uffd: Uffd,
+    /// Pages placed, by the loader or the fault thread.
+    placed: PageBits,
+    stop: AtomicBool,
+    bytes: AtomicU64,
+    faults: AtomicU64,
+    fault_ns: AtomicU64,
+    hot_pages: u64,
+}
+
+type Threads = (
+    JoinHandle<Result<(), MigrateError>>,
+    JoinHandle<Result<(), MigrateError>>,
+);
+
+impl Lazy {
+    /// Registers `ram` with a userfaultfd and starts the fault thread and the loader (which
+    /// loads the hot set first when `hot_first`, then every data run).
+    fn start(
+        reader: Arc<Reader>,
+        ram: Ram,
+        runs: Vec<(u64, u64)>,
+        hot_first: bool,
+    ) -> Result<(Arc<Lazy>, Threads), MigrateError> {
+        if ram.host_page_size() != Some(PAGE_SIZE) {
+            return Err(ConfigError::LazyHugePages.into());
+        }
+        let uffd = Uffd::new()?;
+        if !uffd.features().missing_shmem {
+            return Err(ConfigError::LazyUnsupported.into());
+        }
+        ram.register_missing(&uffd)?;
+        let hot: Vec<(u64, u64)> = if hot_first {
+            reader.hot().to_vec()
+        } else {
+            Vec::new()
+        };
+        let shared = Arc::new(Lazy {
+            placed: PageBits::new(ram.size() / PAGE_SIZE),
+            hot_pages: hot.iter().map(|r| r.1).sum(),
+            reader,
+            ram,
+            uffd,
+            stop: AtomicBool::new(false),
+            bytes: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
+            fault_ns: AtomicU64::new(0),
+        });
+        let s = shared.clone();
+        let faults = std::thread::Builder::new()
+            .name("restore-faults".into())
+            .spawn(move || s.serve_faults())
+            .map_err(|e| MigrateError::io("starting the restore's fault thread", e))?;
+        let s = shared.clone();
+        let loader = std::thread::Builder::new()
+            .name("restore-loader".into())
+            .spawn(move || s.load(hot.into_iter().chain(runs)))
+            .map_err(|e| MigrateError::io("starting the restore's loader", e))?;
+        Ok((shared, (loader, faults)))
+    }
+
+    /// Places each run that is not placed yet, split into what is missing of it.
+    fn load(&self, runs: impl Iterator<Item = (u64, u64)>) -> Result<(), MigrateError> {
+        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
+        for (gpa, pages) in runs {
+            let mut k = 0;
+            while k < pages {
+                if self.stop.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let index = self.ram.page_index(gpa + k * PAGE_SIZE)?;
+                if self.placed.get(index) {
+                    k += 1;
+                    continue;
+                }
+                // The run of missing pages from here, at most RUN_PAGES.
+                let mut n = 1;
+                while k + n < pages && n < RUN_PAGES && !self.placed.get(index + n) {
+                    n += 1;
+                }
+                self.place(gpa + k * PAGE_SIZE, n, &mut buf)?;
+                k += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `pages` pages from `gpa` (checked) and places them, waking whoever waits on them.
+    fn place(&self, gpa: u64, pages: u64, buf: &mut [u8]) -> Result<(), MigrateError> {
+        let data = &mut buf[..(pages * PAGE_SIZE) as usize];
+        self.reader.read_pages(gpa, data)?;
+        let host = self.ram.page(gpa)?;
+        self.uffd.copy(host, data, Wake::Now)?;
+        let index = self.ram.page_index(gpa)?;
+        for i in index..index + pages {
+            self.placed.set(i);
+        }
+        self.bytes.fetch_add(pages * PAGE_SIZE, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Serves the guest's faults from the file until told to stop.
+    fn serve_faults(&self) -> Result<(), MigrateError> {
+        let mut faults: Vec<Fault> = Vec::new();
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        while !self.stop.load(Ordering::Acquire) {
+            faults.clear();
+            self.uffd.read_faults(&mut faults, FAULT_POLL)?;
+            for f in &faults {
+                let t = Instant::now();
+                let gpa = self
+                    .ram
+                    .gpa_of_host(f.addr)
+                    .ok_or(Internal::FaultOutsideRam { addr: f.addr })?;
+                self.place(gpa, 1, &mut page)?;
+                self.faults.fetch_add(1, Ordering::Relaxed);
+                self.fault_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
