@@ -13,6 +13,7 @@ mod migrate;
 mod report;
 mod run;
 mod sizes;
+mod snapshot;
 mod tls;
 mod tune;
 
@@ -42,7 +43,10 @@ enum Command {
     /// Migrate a running VM to a `ferry run --incoming` destination, showing progress.
     #[command(after_help = EXIT_STATUS_HELP)]
     Migrate(migrate::MigrateArgs),
-    /// Cancel a running VM's migration (it keeps running).
+    /// Write a running VM to a file while it runs (a live snapshot); restore it with `ferry
+    /// run --restore FILE`.
+    Snapshot(snapshot::SnapshotArgs),
+    /// Cancel a running VM's migration or snapshot (it keeps running).
     Cancel(migrate::CancelArgs),
     /// Change a running migration's downtime limit, bandwidth cap, timeout or auto-converge
     /// (QEMU: migrate-set-parameters); waits until the migration shows them in force.
@@ -106,6 +110,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::demo(&args),
         Command::Run(args) => run::run(args),
         Command::Migrate(args) => migrate::migrate(&args),
+        Command::Snapshot(args) => snapshot::snapshot(&args),
         Command::Cancel(args) => migrate::cancel(&args),
         Command::MigrateSet(args) => tune::set(&args),
         Command::MigratePostcopy(args) => migrate::start_postcopy(&args),

@@ -420,7 +420,10 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
 /// Polls `GET /migration` until the migration ends, showing progress; says too whether the
 /// VMM went on to wait for another migration (`ferry run --then-incoming`). `None` once
 /// `detach` is set.
-fn follow(socket: &Path, detach: &AtomicBool) -> anyhow::Result<Option<(Progress, bool)>> {
+pub(crate) fn follow(
+    socket: &Path,
+    detach: &AtomicBool,
+) -> anyhow::Result<Option<(Progress, bool)>> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     let mut last: Option<Phase> = None;
     loop {

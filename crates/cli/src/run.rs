@@ -48,6 +48,19 @@ pub struct RunArgs {
     /// guest it brings. The API socket answers while it waits.
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     incoming: Option<String>,
+    /// Start the guest from a snapshot written by `ferry snapshot` instead of booting: the
+    /// VM's RAM size, vCPUs and balloon come from the file. Eager by default: all of RAM is
+    /// read (every page checked against its CRC) before the guest resumes.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["incoming", "memory", "vcpus", "guest", "cmdline", "prealloc", "hugepages", "balloon"])]
+    restore: Option<PathBuf>,
+    /// With --restore: resume the guest as soon as its state is loaded; the pages it touches
+    /// are read from the file on demand (userfaultfd) while a background loader reads the
+    /// rest, the pages the snapshot found hottest first.
+    #[arg(long, requires = "restore")]
+    lazy: bool,
+    /// With --restore --lazy: ignore the snapshot's hot set (to measure what it saves).
+    #[arg(long, requires = "lazy", hide = true)]
+    no_hot_set: bool,
     /// Once the guest has migrated away from this process, wait for the next migration on
     /// this address instead of staying paused: the process becomes a destination again, with
     /// the same API socket and TLS, for as many hops as come (`ferry bench soak` migrates a
@@ -388,6 +401,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         peer_timeout: args.peer_timeout,
     };
     let mut wait_on = args.incoming.clone();
+    let mut restore_from = args.restore.clone();
     let mut previous = None;
     let mut api = Api {
         path: args.api_socket.clone(),
@@ -396,6 +410,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     loop {
         let vm = match &wait_on {
+            None if restore_from.is_some() => {
+                let file = restore_from.take().expect("checked");
+                let vm = restore(&config, &file, args.lazy, !args.no_hot_set)?;
+                api.serve(&vm.handle())?;
+                vm
+            }
             None => {
                 let vm = Vm::boot(config.clone())?;
                 api.serve(&vm.handle())?;
@@ -477,6 +497,72 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Makes a VM of the snapshot's size and devices (the rest of `config`: serial, guest kind)
+/// and restores `file` into it; a lazy restore's background load is followed by a thread that
+/// says when all of RAM is in place, or stops the guest if a page could not be read.
+fn restore(
+    config: &VmConfig,
+    file: &std::path::Path,
+    lazy: bool,
+    hot_first: bool,
+) -> anyhow::Result<Vm> {
+    use ferry_migrate::snapshot::Loading;
+    let what = ferry_vmm::snapshot::describe(file)
+        .with_context(|| format!("cannot restore {}", file.display()))?;
+    let config = VmConfig {
+        memory_bytes: what.memory_bytes,
+        vcpus: what.vcpus,
+        balloon: what.balloon,
+        host_pages: HostPages::Small,
+        ..config.clone()
+    };
+    let loading = if lazy { Loading::Lazy } else { Loading::Eager };
+    let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, hot_first)
+        .with_context(|| format!("cannot restore {}", file.display()))?;
+    let s = &restored.stats;
+    match loading {
+        Loading::Eager => eprintln!(
+            "ferry: restored {}: {} MiB of data read in {:.0} ms ({:.0} MB/s), state loaded in {:.1} ms; the guest runs {:.0} ms after the start",
+            file.display(),
+            s.bytes_read >> 20,
+            s.ram_ms,
+            s.bytes_read as f64 / 1e3 / s.ram_ms.max(1e-3),
+            s.state_load_ms,
+            s.to_running_ms
+        ),
+        Loading::Lazy => eprintln!(
+            "ferry: restoring {} lazily: state loaded in {:.1} ms, the guest runs {:.1} ms after the start; its RAM loads in the background",
+            file.display(),
+            s.state_load_ms,
+            s.to_running_ms
+        ),
+    }
+    if let Some(load) = restored.lazy {
+        let handle = vm.handle();
+        std::thread::Builder::new()
+            .name("restore-wait".into())
+            .spawn(move || match load.wait() {
+                Ok(l) => {
+                    ferry_vmm::snapshot::loaded(&handle);
+                    eprintln!(
+                        "ferry: all of RAM in place {:.0} ms after the resume: {} MiB read ({:.2} GB/s), {} pages the guest touched first served on demand (mean {:.0} us), {} hot pages loaded first",
+                        l.load_ms,
+                        l.bytes_read >> 20,
+                        l.bytes_read as f64 / 1e6 / l.load_ms.max(1e-3),
+                        l.demand_faults,
+                        l.fault_mean_us,
+                        l.hot_pages
+                    );
+                }
+                Err(e) => handle.stop(StopReason::Failed(format!(
+                    "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
+                ))),
+            })
+            .context("cannot start the restore's follower")?;
+    }
+    Ok(vm)
+}
+
 /// How a VM that may migrate away ended here.
 enum Ended {
     Stopped(StopReason),
@@ -496,7 +582,11 @@ fn wait_unless_migrated(vm: Vm) -> Ended {
         if handle.wait_stopped(Some(HANDOVER_POLL)).is_some() {
             return Ended::Stopped(vm.wait());
         }
-        if let Some(done) = handle.migration().filter(|p| p.phase == Phase::Completed) {
+        // A snapshot completes too, in the same slot, and hands nothing over.
+        if let Some(done) = handle
+            .migration()
+            .filter(|p| p.phase == Phase::Completed && p.handed_over)
+        {
             handle.stop(StopReason::Requested("migrated away".into()));
             vm.wait();
             return Ended::MigratedAway(Box::new(done));

@@ -43,6 +43,7 @@ pub mod migration;
 pub mod part_timer;
 pub mod request;
 pub mod sections;
+pub mod snapshot;
 pub mod throttle;
 pub mod vm;
 pub mod vmconfig;

@@ -339,7 +339,7 @@ impl VmHandle {
 }
 
 /// 16 bytes that differ between migrations: time and process id, mixed.
-fn migration_uuid() -> [u8; 16] {
+pub(crate) fn migration_uuid() -> [u8; 16] {
     let t = crate::devices::telemetry::host_monotonic_ns();
     let mut u = [0u8; 16];
     u[..8].copy_from_slice(&t.to_le_bytes());

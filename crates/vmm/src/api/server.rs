@@ -269,6 +269,19 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 },
             }
         }
+        (Method::Put, "/snapshot") => {
+            match serde_json::from_str::<crate::snapshot::SnapshotRequest>(body) {
+                Err(e) => (
+                    400,
+                    json!({ "error": format!("bad snapshot request: {e}; send {{\"to\": \"/path/to/file\", \"stop\": false, ...}}") }),
+                ),
+                Ok(r) => match vm.start_snapshot(r) {
+                    Ok(_) => (202, json!({ "phase": "setup" })),
+                    Err(e @ StartError::Request(_)) => (400, json!({ "error": e.to_string() })),
+                    Err(e) => (409, json!({ "error": e.to_string() })),
+                },
+            }
+        }
         (Method::Patch, "/migration") => {
             let tuning = serde_json::from_str::<TuneBody>(body)
                 .map_err(|e| format!("bad settings: {e}; send any of {TUNE_FIELDS}"))
@@ -351,6 +364,7 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             | "/migration/pause"
             | "/migration/recover"
             | "/migration/resume"
+            | "/snapshot"
             | "/balloon",
         ) => (
             405,
@@ -389,7 +403,7 @@ fn recovery(result: Result<serde_json::Value, RecoveryError>) -> (u16, serde_jso
 }
 
 /// What the API serves, for the errors that name it.
-const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT|PATCH /migration, PUT /migration/cancel|postcopy|pause|recover|resume, GET|PUT /balloon";
+const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT|PATCH /migration, PUT /migration/cancel|postcopy|pause|recover|resume, PUT /snapshot, GET|PUT /balloon";
 
 /// Longest request body read: a migration request is a few hundred bytes.
 const MAX_BODY: u64 = 64 * 1024;

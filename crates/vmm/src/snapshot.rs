@@ -1,0 +1,194 @@
+//! Snapshots of this VMM's VMs: a live save to a file through the engine's
+//! [`ferry_migrate::snapshot::save`] (`PUT /snapshot`, `ferry snapshot`), and a restore into a
+//! VM made from what the file describes (`ferry run --restore`).
+//!
+//! A snapshot runs in the migration's slot: `GET /migration` follows it, `ferry cancel`
+//! cancels it, and a migration cannot start while it runs (nor it while one does). It never
+//! hands the guest over (`Progress::handed_over` stays false): the guest runs on here, or stays
+//! paused with `stop`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_migrate::snapshot::{self, Loading, Reader, RestoreParams, Restored, SaveParams};
+use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
+use serde::{Deserialize, Serialize};
+
+use crate::devices::virtio::balloon::Discard;
+use crate::migration::StartError;
+use crate::vm::build::Vm;
+use crate::vm::handle::VmHandle;
+use crate::vm::state::RunState;
+use crate::vmconfig::VmDescription;
+use crate::{VmConfig, VmmError};
+
+/// The body of `PUT /snapshot`: every field but `to` optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SnapshotRequest {
+    /// The file to write (`FILE.partial` until it is complete), a path on the VMM's host.
+    pub to: PathBuf,
+    /// Leave the guest paused once the snapshot is complete (a save before shutdown).
+    pub stop: bool,
+    /// Threads writing pages into the file at once.
+    pub writers: u16,
+    /// The longest pause the snapshot may cause at the rate the file takes pages.
+    pub downtime_limit_ms: u64,
+    /// Throttle the guest when it dirties memory faster than the file takes it.
+    pub auto_converge: bool,
+    /// Give up converging this long after the start, and pause anyway; `None`: never.
+    pub timeout_ms: Option<u64>,
+}
+
+impl Default for SnapshotRequest {
+    fn default() -> Self {
+        SnapshotRequest {
+            to: PathBuf::new(),
+            stop: false,
+            writers: 2,
+            downtime_limit_ms: 20,
+            auto_converge: true,
+            timeout_ms: None,
+        }
+    }
+}
+
+impl SnapshotRequest {
+    fn params(&self, vcpus: u32) -> Result<SaveParams, String> {
+        if self.to.as_os_str().is_empty() {
+            return Err(
+                "a snapshot request needs \"to\": the file to write, a path on the VMM's host"
+                    .into(),
+            );
+        }
+        Ok(SaveParams {
+            writers: self.writers,
+            policy: Policy {
+                downtime_limit: Duration::from_millis(self.downtime_limit_ms),
+                timeout: self.timeout_ms.map(Duration::from_millis),
+                // A snapshot that cannot converge pauses the guest and writes the rest: a save
+                // has no peer to give up on.
+                timeout_action: TimeoutAction::Switchover,
+                auto_converge: self
+                    .auto_converge
+                    .then(ferry_migrate::AutoConverge::default),
+                postcopy_on_stall: false,
+            },
+            vcpus,
+            uuid: crate::migration::migration_uuid(),
+            stop: self.stop,
+        })
+    }
+}
+
+impl VmHandle {
+    /// Starts a live snapshot into `req.to` in a thread of its own; returns its control at
+    /// once (the migration's slot, see the module doc).
+    pub fn start_snapshot(&self, req: SnapshotRequest) -> Result<Arc<Control>, StartError> {
+        let mut slot = self.0.migration.lock().unwrap();
+        if slot
+            .as_ref()
+            .is_some_and(|c| c.progress().phase.is_active())
+        {
+            return Err(StartError::AlreadyRunning);
+        }
+        match self.state() {
+            RunState::Running => {}
+            s => return Err(StartError::NotRunning(s)),
+        }
+        let params = req
+            .params(self.0.vcpus().len() as u32)
+            .map_err(StartError::Request)?;
+        let control = Arc::new(Control::default());
+        *slot = Some(control.clone());
+        let mut adapter = self.migration_source();
+        let thread_control = control.clone();
+        std::thread::Builder::new()
+            .name("snapshot".into())
+            .spawn(
+                move || match snapshot::save(&mut adapter, &req.to, &params, &thread_control) {
+                    Ok(_) => tracing::info!("snapshot written to {}", req.to.display()),
+                    Err(e) => tracing::warn!("snapshot failed: {e}"),
+                },
+            )
+            .map_err(|e| MigrateError::io("starting the snapshot thread", e))?;
+        Ok(control)
+    }
+}
+
+/// What a snapshot file says about the VM it holds, for making a VM to restore it into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotVm {
+    pub memory_bytes: u64,
+    pub vcpus: u8,
+    pub balloon: bool,
+}
+
+/// Opens `path` (checking its header and metadata) and says what VM it needs.
+pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
+    let reader = Reader::open(path)?;
+    let h = reader.header();
+    let description: VmDescription = serde_json::from_slice(reader.config()).map_err(|e| {
+        ferry_migrate::VmError::failed(
+            "read the snapshot's VM configuration",
+            format!("{e}; restore it with the ferry that wrote it"),
+        )
+    })?;
+    Ok(SnapshotVm {
+        memory_bytes: h.memory_size(),
+        vcpus: u8::try_from(h.vcpus).unwrap_or(u8::MAX),
+        balloon: description.balloon,
+    })
+}
+
+/// Why a restore failed; nothing runs.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error(transparent)]
+    Vm(#[from] VmmError),
+    #[error(transparent)]
+    Restore(#[from] MigrateError),
+}
+
+/// Makes a VM of `config` (its size and devices from [`describe`]) and restores the snapshot at
+/// `path` into it; returns the running VM and what the restore took. A lazy restore's balloon
+/// gives no page back to the host until all of RAM is in place (a page punched out of a
+/// registered range would fault as missing again).
+pub fn restore(
+    config: VmConfig,
+    path: &Path,
+    loading: Loading,
+    hot_first: bool,
+) -> Result<(Vm, Restored), RestoreError> {
+    let vcpus = u32::from(config.vcpus);
+    let mut incoming = Vm::incoming(config)?;
+    let balloon = incoming.shared.balloon.clone();
+    if loading == Loading::Lazy
+        && let Some(b) = &balloon
+    {
+        b.lock().unwrap().set_discard(Discard::Forbidden);
+    }
+    let params = RestoreParams {
+        loading,
+        readers: std::thread::available_parallelism().map_or(2, |n| n.get().min(8) as u16),
+        vcpus,
+        hot_first,
+    };
+    let restored = snapshot::restore(&mut incoming, path, &params).inspect_err(|_| {
+        incoming
+            .handle()
+            .stop(crate::StopReason::Failed("the restore failed".into()));
+    })?;
+    let vm = incoming.into_running().ok_or_else(|| {
+        MigrateError::Channel("the restore ended without resuming the guest".into())
+    })?;
+    Ok((vm, restored))
+}
+
+/// After a lazy restore: lets the balloon give pages back again once all of RAM is in place.
+pub fn loaded(handle: &VmHandle) {
+    if let Some(b) = &handle.0.balloon {
+        b.lock().unwrap().set_discard(Discard::Allowed);
+    }
+}
