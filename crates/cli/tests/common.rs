@@ -66,6 +66,38 @@ impl RunningVm {
         vm
     }
 
+    /// A `ferry run --restore FILE` (with `extra` arguments) in the background; waits for
+    /// the API socket, which answers once the guest runs.
+    pub fn restore(file: &Path, extra: &[&str]) -> RunningVm {
+        require_kvm();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let serial = dir.path().join("serial.log");
+        let child = ferry()
+            .arg("run")
+            .arg("--restore")
+            .arg(file)
+            .arg("--serial")
+            .arg(&serial)
+            .arg("--api-socket")
+            .arg(&socket)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ferry run starts");
+        let vm = RunningVm {
+            child,
+            socket,
+            serial,
+            dir,
+        };
+        vm.wait_until("the API socket", Duration::from_secs(60), |vm| {
+            vm.socket.exists()
+        });
+        vm
+    }
+
     /// `ferry status` as JSON.
     pub fn status(&self) -> serde_json::Value {
         let out = ferry()

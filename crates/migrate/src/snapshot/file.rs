@@ -17,7 +17,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::format::{FormatError, HEADER_SIZE, Header, MAX_STATE_BYTES};
+use super::format::{FormatError, HEADER_SIZE, Header, MAGIC, MAX_STATE_BYTES};
 use crate::wire::{PAGE_SIZE, crc};
 
 /// Why a snapshot could not be written or read.
@@ -297,11 +297,19 @@ impl Reader {
         let len = file.metadata().map_err(io("reading the size of"))?.len();
         let mut b = [0u8; HEADER_SIZE];
         if len < HEADER_SIZE as u64 {
+            // A short file of something else is not a snapshot, rather than a cut one.
+            let mut start = vec![0u8; len.min(MAGIC.len() as u64) as usize];
+            file.read_exact_at(&mut start, 0)
+                .map_err(io("reading the header of"))?;
             return Err(SnapshotError::Format {
                 path: path.to_owned(),
-                source: FormatError::Truncated {
-                    file: len,
-                    needed: HEADER_SIZE as u64,
+                source: if MAGIC.starts_with(&start) {
+                    FormatError::Truncated {
+                        file: len,
+                        needed: HEADER_SIZE as u64,
+                    }
+                } else {
+                    FormatError::Magic
                 },
             });
         }
