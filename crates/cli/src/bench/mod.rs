@@ -12,6 +12,7 @@ mod postcopy;
 mod precopy;
 mod process;
 mod scale;
+mod snapshot;
 mod soak;
 mod state;
 mod vcpus;
@@ -48,6 +49,9 @@ pub enum BenchCommand {
     /// Strangers (garbage, HTTP, TLS, trickled and silent hellos, other migrations) at a
     /// waiting destination and during a migration into it, against the migration alone.
     Hostile(hostile::HostileBenchArgs),
+    /// Saves and restores (eager, lazy, with and without the hot set) of an 8 GiB guest
+    /// holding 4 GiB of random data, against the file system's write rate and fresh memory's.
+    Snapshot(snapshot::SnapshotBenchArgs),
     /// An idle guest that touched 256 MiB migrated at 8, 64, 256 and 511 GiB of RAM: what
     /// grows with configured memory (time, setup, steps, CPU, each process's peak memory).
     Scale(scale::ScaleBenchArgs),
@@ -65,6 +69,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Vcpus(args) => vcpus::run(&args),
         BenchCommand::Soak(args) => soak::run(&args),
         BenchCommand::Scale(args) => scale::run(&args),
+        BenchCommand::Snapshot(args) => snapshot::run(&args),
         BenchCommand::Hostile(args) => hostile::run(&args),
     }
 }

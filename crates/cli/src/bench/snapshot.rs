@@ -1,0 +1,379 @@
+//! `ferry bench snapshot`: saves and restores of an 8 GiB guest holding 4 GiB of random data,
+//! each set against references measured in the same run:
+//!
+//! - the file system's sequential write rate (2 GiB in 2 MiB writes, then `fdatasync`), which
+//!   bounds a save;
+//! - the fresh-memory write rate (`pwrite` of 1 GiB into a fresh memfd, on 1 thread and on as
+//!   many threads as an eager restore reads with), which bounds an eager restore.
+//!
+//! Rows: a save with `stop` of the idle guest (time, rate, the file's allocated blocks against
+//! the data the guest holds), its eager and its lazy restore (time to the guest running, the
+//! rate RAM comes in at); a live save while the guest dirties a hot 1 GiB of its working set
+//! at 400 MB/s (the pause the guest saw), and that file's lazy restore with and without its
+//! hot set (the guest's demand faults). Every restored guest must then finish a verify pass
+//! of its whole working set, clean.
+//!
+//! The restores read a file the save just wrote: its pages are in the page cache (warm), as
+//! in the QEMU figures the issue quotes. The guest's RAM on either side is fresh memory.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use ferry_migrate::snapshot::Loading;
+use ferry_migrate::{MigrationStats, Phase};
+use ferry_vmm::memory::{GuestRam, HostPages};
+use ferry_vmm::snapshot::SnapshotRequest;
+use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
+use serde_json::json;
+
+#[derive(Debug, Args)]
+pub struct SnapshotBenchArgs {
+    /// Where the snapshot files go (about 4.3 GB each, one at a time; removed at the end).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Guest RAM (the data is half of it).
+    #[arg(long, default_value = "8G", value_parser = crate::sizes::parse_size)]
+    memory: u64,
+}
+
+const GIB: u64 = 1 << 30;
+/// Writes of the file system reference.
+const FS_CHUNK: usize = 2 << 20;
+
+pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
+    let data = args.memory / 2;
+    let ws = format!(
+        "ws={}M fill=random prefill=1 log-ms=0 heartbeat-ms=2",
+        data >> 20
+    );
+    let readers = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
+    let mut rows = Vec::new();
+    println!("references (same run):");
+    let fs = fs_write_rate(&args.dir, 2 * GIB)?;
+    println!(
+        "  file system, sequential write + fdatasync: {:>8.0} MB/s",
+        fs / 1e6
+    );
+    let fresh1 = fresh_pwrite_rate(GIB, 1)?;
+    let fresh = fresh_pwrite_rate(GIB, readers)?;
+    println!(
+        "  pwrite into fresh memory, 1 thread:         {:>8.0} MB/s",
+        fresh1 / 1e6
+    );
+    println!(
+        "  pwrite into fresh memory, {readers} threads:        {:>8.0} MB/s",
+        fresh / 1e6
+    );
+    rows.push(json!({"bench": "snapshot_ref", "fs_write_mb_s": fs / 1e6,
+        "fresh_pwrite_1_mb_s": fresh1 / 1e6, "fresh_pwrite_mb_s": fresh / 1e6, "threads": readers}));
+
+    let file = args
+        .dir
+        .join(format!("ferry-bench-{}.snap", std::process::id()));
+    let _cleanup = Remove(file.clone());
+    println!(
+        "\n{} GiB guest, {} GiB random data, idle:",
+        args.memory / GIB,
+        data / GIB
+    );
+    let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
+    // Save with --stop.
+    let (stats, _) = save(&config, &file, true, Duration::ZERO)?;
+    let allocated = std::fs::metadata(&file)?.blocks() * 512;
+    let save_ms = stats.total_ms;
+    let mb_s = data as f64 / 1e3 / save_ms;
+    println!(
+        "  save --stop        {save_ms:>8.0} ms  {mb_s:>6.0} MB/s = {:.2} of the file system's  file {:.1} MiB allocated for {} MiB of data ({:+.2}%)  pause {:.1} ms",
+        mb_s * 1e6 / fs,
+        allocated as f64 / (1 << 20) as f64,
+        data >> 20,
+        (allocated as f64 / data as f64 - 1.0) * 100.0,
+        stats.downtime.total_ms
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "save_stop", "total_ms": save_ms,
+        "data_mb_s": mb_s, "ratio_fs": mb_s * 1e6 / fs, "allocated_bytes": allocated,
+        "data_bytes": data, "overhead_percent": (allocated as f64 / data as f64 - 1.0) * 100.0}),
+    );
+    // Eager restore.
+    let r = restore(&config, &file, Loading::Eager, true)?;
+    let rate = r.bytes as f64 / (r.ram_ms / 1e3);
+    println!(
+        "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory ({readers} threads)  RAM {:.0} ms, state {:.1} ms; verify clean",
+        r.to_running_ms,
+        rate / 1e6,
+        rate / fresh,
+        r.ram_ms,
+        r.state_ms
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "restore_eager", "to_running_ms": r.to_running_ms,
+        "ram_ms": r.ram_ms, "mb_s": rate / 1e6, "ratio_fresh": rate / fresh}),
+    );
+    // Lazy restore.
+    let r = restore(&config, &file, Loading::Lazy, true)?;
+    println!(
+        "  lazy restore       {:>8.1} ms to the guest running (state {:.1} ms, resume {:.1} ms); all of RAM in {:.0} ms at {:.2} GB/s; {} demand faults; verify clean",
+        r.to_running_ms,
+        r.state_ms,
+        r.resume_ms,
+        r.load_ms,
+        r.bytes as f64 / 1e6 / r.load_ms,
+        r.faults
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "restore_lazy", "to_running_ms": r.to_running_ms,
+        "state_load_ms": r.state_ms, "resume_ms": r.resume_ms, "load_ms": r.load_ms,
+        "gb_s": r.bytes as f64 / 1e6 / r.load_ms, "demand_faults": r.faults}),
+    );
+
+    println!("\nthe same guest dirtying a hot 1 GiB of its data at 400 MB/s:");
+    let hot = (GIB * 100 / data).clamp(1, 100);
+    let config = config_with(
+        &config,
+        &format!("{ws} pattern=hotcold hot={hot} rate=400 verify-ms=0"),
+    );
+    let (stats, gap_ms) = save(&config, &file, false, Duration::from_millis(20))?;
+    println!(
+        "  live save          {:>8.0} ms  {} passes, pause {:.1} ms (the guest saw at most {:.1} ms between heartbeats)",
+        stats.total_ms,
+        stats.passes.len(),
+        stats.downtime.total_ms,
+        gap_ms
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "save_live", "total_ms": stats.total_ms,
+        "passes": stats.passes.len(), "pause_ms": stats.downtime.total_ms,
+        "guest_gap_ms": gap_ms, "throttle_max": stats.throttle_max_percent}),
+    );
+    let with = restore(&config, &file, Loading::Lazy, true)?;
+    let without = restore(&config, &file, Loading::Lazy, false)?;
+    println!(
+        "  lazy restore, hot set first: {} demand faults ({} hot pages); without it: {} = {:.1}%",
+        with.faults,
+        with.hot_pages,
+        without.faults,
+        with.faults as f64 * 100.0 / without.faults.max(1) as f64
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "restore_lazy_hot", "faults_hot_first": with.faults,
+        "faults_without": without.faults, "hot_pages": with.hot_pages,
+        "ratio": with.faults as f64 / without.faults.max(1) as f64}),
+    );
+    println!();
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Removes a file when dropped.
+struct Remove(PathBuf);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn config(memory: u64, cmdline: &str) -> VmConfig {
+    VmConfig {
+        memory_bytes: memory,
+        vcpus: 1,
+        kernel: Arc::from(ferry_guest_image::ELF),
+        cmdline: cmdline.into(),
+        guest: GuestKind::FerryGuest,
+        serial: SerialOutput::Discard,
+        balloon: true,
+        host_pages: HostPages::Small,
+    }
+}
+
+fn config_with(c: &VmConfig, cmdline: &str) -> VmConfig {
+    VmConfig {
+        cmdline: cmdline.into(),
+        ..c.clone()
+    }
+}
+
+/// Boots `config`, waits for its prefill, snapshots it into `file` (`stop`, or live with
+/// `downtime` as its limit) and stops it; returns the statistics and the longest gap between
+/// the guest's heartbeats the host saw from the start of the snapshot to its end.
+fn save(
+    config: &VmConfig,
+    file: &Path,
+    stop: bool,
+    downtime: Duration,
+) -> anyhow::Result<(MigrationStats, f64)> {
+    let vm = Vm::boot(config.clone())?;
+    let h = vm.handle();
+    prefilled(&h)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let gap_before = h.telemetry().max_report_gap_ns;
+    let mut req = SnapshotRequest {
+        to: file.to_owned(),
+        stop,
+        ..SnapshotRequest::default()
+    };
+    if !downtime.is_zero() {
+        req.downtime_limit_ms = downtime.as_millis() as u64;
+    }
+    h.start_snapshot(req)?;
+    wait(&h, Duration::from_secs(300), |h| {
+        h.migration().is_some_and(|p| !p.phase.is_active())
+    })?;
+    std::thread::sleep(Duration::from_millis(50));
+    let gap_after = h.telemetry().max_report_gap_ns;
+    let p = h.migration().context("no snapshot")?;
+    h.stop(StopReason::Requested("benchmark done".into()));
+    vm.wait();
+    if p.phase != Phase::Completed {
+        bail!("snapshot {:?}: {}", p.phase, p.error.unwrap_or_default());
+    }
+    // The gap grew during the snapshot, or it stayed within what it was before.
+    let gap = gap_after.max(gap_before) as f64 / 1e6;
+    Ok((p.stats.context("no statistics")?, gap))
+}
+
+/// Waits until the guest has written its working set once.
+fn prefilled(h: &VmHandle) -> anyhow::Result<()> {
+    wait(h, Duration::from_secs(300), |h| {
+        let t = h.telemetry();
+        t.config
+            .as_ref()
+            .is_some_and(|c| t.pages_written >= c.working_set_pages)
+            && t.heartbeats > 100
+    })
+    .context("the guest did not finish its prefill")
+}
+
+/// What one restore measured.
+struct Restored {
+    to_running_ms: f64,
+    ram_ms: f64,
+    state_ms: f64,
+    resume_ms: f64,
+    /// Lazy: from the resume to all of RAM in place.
+    load_ms: f64,
+    bytes: u64,
+    faults: u64,
+    hot_pages: u64,
+}
+
+/// Restores `file` into a VM of `config`'s devices, waits for a clean verify pass (and a lazy
+/// load's end), stops it.
+fn restore(
+    config: &VmConfig,
+    file: &Path,
+    loading: Loading,
+    hot_first: bool,
+) -> anyhow::Result<Restored> {
+    let (vm, restored) = ferry_vmm::snapshot::restore(config.clone(), file, loading, hot_first)?;
+    let h = vm.handle();
+    let s = &restored.stats;
+    let mut r = Restored {
+        to_running_ms: s.to_running_ms,
+        ram_ms: s.ram_ms,
+        state_ms: s.state_load_ms,
+        resume_ms: s.resume_ms,
+        load_ms: 0.0,
+        bytes: s.bytes_read,
+        faults: 0,
+        hot_pages: 0,
+    };
+    if let Some(lazy) = restored.lazy {
+        let l = lazy.wait()?;
+        ferry_vmm::snapshot::loaded(&h);
+        r.load_ms = l.load_ms;
+        r.bytes = l.bytes_read;
+        r.faults = l.demand_faults;
+        r.hot_pages = l.hot_pages;
+    }
+    let verifies = h.telemetry().verify_passes;
+    let verifying = h.telemetry().config.is_some_and(|c| c.verify_ms > 0);
+    if verifying {
+        wait(&h, Duration::from_secs(120), |h| {
+            h.telemetry().verify_passes > verifies
+        })
+        .context("no verify pass after the restore")?;
+    }
+    let t = h.telemetry();
+    h.stop(StopReason::Requested("benchmark done".into()));
+    vm.wait();
+    if t.verify_failures > 0 || t.bad_pages_total > 0 {
+        bail!(
+            "the restored guest found {} bad pages in {} failed verify passes",
+            t.bad_pages_total,
+            t.verify_failures
+        );
+    }
+    Ok(r)
+}
+
+fn wait(h: &VmHandle, timeout: Duration, done: impl Fn(&VmHandle) -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done(h) {
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?}: {:?}", h.status().stop_reason);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// Bytes per second the file system takes `bytes` of data at in `dir`, written sequentially
+/// and made durable with `fdatasync`, the way a snapshot's end is.
+fn fs_write_rate(dir: &Path, bytes: u64) -> anyhow::Result<f64> {
+    let path = dir.join(format!("ferry-bench-fs-{}", std::process::id()));
+    let _cleanup = Remove(path.clone());
+    let mut f =
+        File::create(&path).with_context(|| format!("cannot write in {}", dir.display()))?;
+    let mut chunk = vec![0u8; FS_CHUNK];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for w in chunk.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    let t = Instant::now();
+    for _ in 0..bytes / FS_CHUNK as u64 {
+        f.write_all(&chunk)?;
+    }
+    f.sync_data()?;
+    Ok(bytes as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Bytes per second `pwrite` lands `bytes` in a fresh memfd at, split over `threads`.
+fn fresh_pwrite_rate(bytes: u64, threads: usize) -> anyhow::Result<f64> {
+    let ram = GuestRam::new(bytes)?;
+    let chunk = vec![0x5au8; FS_CHUNK];
+    let per = bytes / threads as u64;
+    let t = Instant::now();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let ram = &ram;
+        let chunk = &chunk;
+        let workers: Vec<_> = (0..threads as u64)
+            .map(|i| {
+                s.spawn(move || -> std::io::Result<()> {
+                    for off in (i * per..(i + 1) * per).step_by(FS_CHUNK) {
+                        ram.memfd().write_all_at(chunk, off)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("writer")?;
+        }
+        Ok(())
+    })?;
+    Ok(bytes as f64 / t.elapsed().as_secs_f64())
+}
