@@ -38,6 +38,9 @@ pub struct SnapshotBenchArgs {
     /// Where the snapshot files go (about 4.3 GB each, one at a time; removed at the end).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     dir: PathBuf,
+    /// Only the idle guest's rows (`idle`) or the writing guest's (`live`).
+    #[arg(long, value_parser = ["idle", "live"])]
+    only: Option<String>,
     /// Guest RAM (the data is half of it).
     #[arg(long, default_value = "8G", value_parser = crate::sizes::parse_size)]
     memory: u64,
@@ -78,15 +81,37 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
         .dir
         .join(format!("ferry-bench-{}.snap", std::process::id()));
     let _cleanup = Remove(file.clone());
+    let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
+    if args.only.as_deref() != Some("live") {
+        idle_rows(&config, &file, data, fs, fresh, readers, &mut rows)?;
+    }
+    if args.only.as_deref() != Some("idle") {
+        live_rows(&config, &file, &ws, data, &mut rows)?;
+    }
+    println!();
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The idle guest: a save with `stop`, its eager and its lazy restore.
+fn idle_rows(
+    config: &VmConfig,
+    file: &Path,
+    data: u64,
+    fs: f64,
+    fresh: f64,
+    readers: usize,
+    rows: &mut Vec<serde_json::Value>,
+) -> anyhow::Result<()> {
     println!(
         "\n{} GiB guest, {} GiB random data, idle:",
-        args.memory / GIB,
+        config.memory_bytes / GIB,
         data / GIB
     );
-    let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
-    // Save with --stop.
-    let (stats, _) = save(&config, &file, true, Duration::ZERO)?;
-    let allocated = std::fs::metadata(&file)?.blocks() * 512;
+    let (stats, _, _) = save(config, file, true, Duration::ZERO)?;
+    let allocated = std::fs::metadata(file)?.blocks() * 512;
     let save_ms = stats.total_ms;
     let mb_s = data as f64 / 1e3 / save_ms;
     println!(
@@ -103,7 +128,7 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
         "data_bytes": data, "overhead_percent": (allocated as f64 / data as f64 - 1.0) * 100.0}),
     );
     // Eager restore.
-    let r = restore(&config, &file, Loading::Eager, true)?;
+    let r = restore(config, file, Loading::Eager, true)?;
     let rate = r.bytes as f64 / (r.ram_ms / 1e3);
     println!(
         "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory ({readers} threads)  RAM {:.0} ms, state {:.1} ms; verify clean",
@@ -118,10 +143,11 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
         "ram_ms": r.ram_ms, "mb_s": rate / 1e6, "ratio_fresh": rate / fresh}),
     );
     // Lazy restore.
-    let r = restore(&config, &file, Loading::Lazy, true)?;
+    let r = restore(config, file, Loading::Lazy, true)?;
     println!(
-        "  lazy restore       {:>8.1} ms to the guest running (state {:.1} ms, resume {:.1} ms); all of RAM in {:.0} ms at {:.2} GB/s; {} demand faults; verify clean",
+        "  lazy restore       {:>8.1} ms to the guest running (open {:.1} ms, state {:.1} ms, resume {:.1} ms); all of RAM in {:.0} ms at {:.2} GB/s; {} demand faults; verify clean",
         r.to_running_ms,
+        r.open_ms,
         r.state_ms,
         r.resume_ms,
         r.load_ms,
@@ -133,28 +159,43 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
         "state_load_ms": r.state_ms, "resume_ms": r.resume_ms, "load_ms": r.load_ms,
         "gb_s": r.bytes as f64 / 1e6 / r.load_ms, "demand_faults": r.faults}),
     );
+    Ok(())
+}
 
+/// The guest dirtying a hot 1 GiB: a live save, and its lazy restore with and without the hot
+/// set.
+fn live_rows(
+    config: &VmConfig,
+    file: &Path,
+    ws: &str,
+    data: u64,
+    rows: &mut Vec<serde_json::Value>,
+) -> anyhow::Result<()> {
     println!("\nthe same guest dirtying a hot 1 GiB of its data at 400 MB/s:");
     let hot = (GIB * 100 / data).clamp(1, 100);
     let config = config_with(
-        &config,
+        config,
         &format!("{ws} pattern=hotcold hot={hot} rate=400 verify-ms=0"),
     );
-    let (stats, gap_ms) = save(&config, &file, false, Duration::from_millis(20))?;
+    let (stats, gap_ms, baseline_ms) = save(&config, file, false, Duration::from_millis(20))?;
     println!(
-        "  live save          {:>8.0} ms  {} passes, pause {:.1} ms (the guest saw at most {:.1} ms between heartbeats)",
+        "  live save          {:>8.0} ms  {} passes, throttle up to {}%, pause {:.1} ms; the guest saw at most {:.1} ms between heartbeats (2 s before: {:.1} ms; dirty log start {:.1} ms)",
         stats.total_ms,
         stats.passes.len(),
+        stats.throttle_max_percent,
         stats.downtime.total_ms,
-        gap_ms
+        gap_ms,
+        baseline_ms,
+        stats.dirty_start_ms
     );
     rows.push(
         json!({"bench": "snapshot", "row": "save_live", "total_ms": stats.total_ms,
         "passes": stats.passes.len(), "pause_ms": stats.downtime.total_ms,
-        "guest_gap_ms": gap_ms, "throttle_max": stats.throttle_max_percent}),
+        "guest_gap_ms": gap_ms, "guest_gap_before_ms": baseline_ms,
+        "throttle_max": stats.throttle_max_percent, "dirty_start_ms": stats.dirty_start_ms}),
     );
-    let with = restore(&config, &file, Loading::Lazy, true)?;
-    let without = restore(&config, &file, Loading::Lazy, false)?;
+    let with = restore(&config, file, Loading::Lazy, true)?;
+    let without = restore(&config, file, Loading::Lazy, false)?;
     println!(
         "  lazy restore, hot set first: {} demand faults ({} hot pages); without it: {} = {:.1}%",
         with.faults,
@@ -167,11 +208,7 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
         "faults_without": without.faults, "hot_pages": with.hot_pages,
         "ratio": with.faults as f64 / without.faults.max(1) as f64}),
     );
-    println!();
-    for r in rows {
-        println!("{r}");
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Removes a file when dropped.
@@ -205,18 +242,17 @@ fn config_with(c: &VmConfig, cmdline: &str) -> VmConfig {
 
 /// Boots `config`, waits for its prefill, snapshots it into `file` (`stop`, or live with
 /// `downtime` as its limit) and stops it; returns the statistics and the longest gap between
-/// the guest's heartbeats the host saw from the start of the snapshot to its end.
+/// the guest's heartbeats the host saw while the snapshot ran (with `stop`, the pause from
+/// the snapshot's end on is not in it).
 fn save(
     config: &VmConfig,
     file: &Path,
     stop: bool,
     downtime: Duration,
-) -> anyhow::Result<(MigrationStats, f64)> {
+) -> anyhow::Result<(MigrationStats, f64, f64)> {
     let vm = Vm::boot(config.clone())?;
     let h = vm.handle();
     prefilled(&h)?;
-    std::thread::sleep(Duration::from_millis(500));
-    let gap_before = h.telemetry().max_report_gap_ns;
     let mut req = SnapshotRequest {
         to: file.to_owned(),
         stop,
@@ -225,21 +261,68 @@ fn save(
     if !downtime.is_zero() {
         req.downtime_limit_ms = downtime.as_millis() as u64;
     }
-    h.start_snapshot(req)?;
-    wait(&h, Duration::from_secs(300), |h| {
-        h.migration().is_some_and(|p| !p.phase.is_active())
+    // The longest gap between the guest's heartbeats (every 2 ms) while the snapshot runs, as
+    // a thread looking every millisecond sees their arrival times.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let baseline = heartbeat_gap(&h, Duration::from_secs(2));
+    let gap = std::thread::scope(|scope| -> anyhow::Result<u64> {
+        let watcher = scope.spawn(|| {
+            let (mut last, mut gap) = (h.telemetry().last_report_host_ns, 0u64);
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                let now = h.telemetry().last_report_host_ns;
+                if let (Some(a), Some(b)) = (last, now)
+                    && b - a > gap
+                {
+                    gap = b - a;
+                    tracing::debug!(
+                        "heartbeat gap {:.1} ms in {:?}",
+                        gap as f64 / 1e6,
+                        h.migration().map(|p| p.phase)
+                    );
+                }
+                last = now;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            gap
+        });
+        let saved = h
+            .start_snapshot(req)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                wait(&h, Duration::from_secs(300), |h| {
+                    h.migration().is_some_and(|p| !p.phase.is_active())
+                })
+            });
+        done.store(true, std::sync::atomic::Ordering::Release);
+        let gap = watcher.join().expect("watcher");
+        saved.map(|()| gap)
     })?;
-    std::thread::sleep(Duration::from_millis(50));
-    let gap_after = h.telemetry().max_report_gap_ns;
     let p = h.migration().context("no snapshot")?;
     h.stop(StopReason::Requested("benchmark done".into()));
     vm.wait();
     if p.phase != Phase::Completed {
         bail!("snapshot {:?}: {}", p.phase, p.error.unwrap_or_default());
     }
-    // The gap grew during the snapshot, or it stayed within what it was before.
-    let gap = gap_after.max(gap_before) as f64 / 1e6;
-    Ok((p.stats.context("no statistics")?, gap))
+    Ok((
+        p.stats.context("no statistics")?,
+        gap as f64 / 1e6,
+        baseline,
+    ))
+}
+
+/// The longest gap between the guest's heartbeats over `window`, with nothing else running.
+fn heartbeat_gap(h: &VmHandle, window: Duration) -> f64 {
+    let end = Instant::now() + window;
+    let (mut last, mut gap) = (h.telemetry().last_report_host_ns, 0u64);
+    while Instant::now() < end {
+        let now = h.telemetry().last_report_host_ns;
+        if let (Some(a), Some(b)) = (last, now) {
+            gap = gap.max(b - a);
+        }
+        last = now;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    gap as f64 / 1e6
 }
 
 /// Waits until the guest has written its working set once.
@@ -257,6 +340,7 @@ fn prefilled(h: &VmHandle) -> anyhow::Result<()> {
 /// What one restore measured.
 struct Restored {
     to_running_ms: f64,
+    open_ms: f64,
     ram_ms: f64,
     state_ms: f64,
     resume_ms: f64,
@@ -280,6 +364,7 @@ fn restore(
     let s = &restored.stats;
     let mut r = Restored {
         to_running_ms: s.to_running_ms,
+        open_ms: s.open_ms,
         ram_ms: s.ram_ms,
         state_ms: s.state_load_ms,
         resume_ms: s.resume_ms,

@@ -10,6 +10,7 @@
 
 pub mod file;
 pub mod format;
+pub mod hot;
 pub mod restore;
 pub mod save;
 pub mod state;

@@ -8,7 +8,8 @@
 //!   guest resumes.
 //! - **Lazy** ([`Loading::Lazy`]): guest RAM is registered with userfaultfd, the state is
 //!   loaded and the guest resumes at once; a fault thread serves each page the guest touches
-//!   from the file, and a loader thread places the rest, the hot set first. Once every data
+//!   from the file (with the rest of its hot run when it is in the hot set: the guest touches
+//!   those next), and loader threads place the rest, the hot set first. Once every data
 //!   run is placed the userfaultfd is closed: what is still missing then is a hole, which
 //!   reads as zeros.
 //!
@@ -30,7 +31,7 @@ use super::state;
 use crate::error::{ConfigError, Internal, MigrateError};
 use crate::pagebits::PageBits;
 use crate::ram::Ram;
-use crate::uffd::{Fault, Uffd, Wake};
+use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
 use crate::vm::DestinationVm;
 use crate::wire::{self, PAGE_SIZE};
 
@@ -157,8 +158,14 @@ pub fn restore(
     if !reader.config().is_empty() {
         vm.check_config(reader.config())?;
     }
+    let opened = started.elapsed();
     let sections = state::decode(reader.state())?;
     let runs = reader.data_runs(RUN_PAGES)?;
+    tracing::debug!(
+        "snapshot opened and checked in {:.1} ms, its data runs found in {:.1} ms",
+        ms(opened),
+        ms(started.elapsed() - opened)
+    );
     let mut stats = RestoreStats {
         open_ms: ms(started.elapsed()),
         memory_bytes: ram.size(),
@@ -295,6 +302,10 @@ struct Lazy {
     faults: AtomicU64,
     fault_ns: AtomicU64,
     hot_pages: u64,
+    /// The hot set's runs by address: a fault inside one places the whole run.
+    hot_by_address: Vec<(u64, u64)>,
+    /// Threads the loader places pages with.
+    loaders: usize,
 }
 
 type Threads = (
@@ -324,9 +335,13 @@ impl Lazy {
         } else {
             Vec::new()
         };
+        let mut hot_by_address = hot.clone();
+        hot_by_address.sort_unstable();
         let shared = Arc::new(Lazy {
             placed: PageBits::new(ram.size() / PAGE_SIZE),
             hot_pages: hot.iter().map(|r| r.1).sum(),
+            hot_by_address,
+            loaders: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
             reader,
             ram,
             uffd,
@@ -343,35 +358,65 @@ impl Lazy {
         let s = shared.clone();
         let loader = std::thread::Builder::new()
             .name("restore-loader".into())
-            .spawn(move || s.load(hot.into_iter().chain(runs)))
+            .spawn(move || s.load(&hot.into_iter().chain(runs).collect::<Vec<_>>()))
             .map_err(|e| MigrateError::io("starting the restore's loader", e))?;
         Ok((shared, (loader, faults)))
     }
 
-    /// Places each run that is not placed yet, split into what is missing of it.
-    fn load(&self, runs: impl Iterator<Item = (u64, u64)>) -> Result<(), MigrateError> {
-        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
-        for (gpa, pages) in runs {
-            let mut k = 0;
-            while k < pages {
-                if self.stop.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                let index = self.ram.page_index(gpa + k * PAGE_SIZE)?;
-                if self.placed.get(index) {
-                    k += 1;
-                    continue;
-                }
-                // The run of missing pages from here, at most RUN_PAGES.
-                let mut n = 1;
-                while k + n < pages && n < RUN_PAGES && !self.placed.get(index + n) {
-                    n += 1;
-                }
-                self.place(gpa + k * PAGE_SIZE, n, &mut buf)?;
-                k += n;
+    /// Places every run of `runs` that is not placed yet, roughly in order, on
+    /// [`Lazy::loaders`] threads.
+    fn load(&self, runs: &[(u64, u64)]) -> Result<(), MigrateError> {
+        let next = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..self.loaders)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), MigrateError> {
+                        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                            if i >= runs.len() || self.stop.load(Ordering::Relaxed) {
+                                return Ok(());
+                            }
+                            self.place_missing(runs[i].0, runs[i].1, &mut buf)?;
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(Internal::Panicked {
+                        thread: "a snapshot loader",
+                    }
+                    .into())
+                })
+            })
+        })
+    }
+
+    /// Places what is missing of the `pages` pages from `gpa`, in runs of missing pages.
+    fn place_missing(&self, gpa: u64, pages: u64, buf: &mut [u8]) -> Result<(), MigrateError> {
+        let mut k = 0;
+        while k < pages {
+            let index = self.ram.page_index(gpa + k * PAGE_SIZE)?;
+            if self.placed.get(index) {
+                k += 1;
+                continue;
             }
+            let mut n = 1;
+            while k + n < pages && n < RUN_PAGES && !self.placed.get(index + n) {
+                n += 1;
+            }
+            self.place(gpa + k * PAGE_SIZE, n, buf)?;
+            k += n;
         }
         Ok(())
+    }
+
+    /// The hot run that holds `gpa`, if any.
+    fn hot_run_of(&self, gpa: u64) -> Option<(u64, u64)> {
+        let i = self.hot_by_address.partition_point(|r| r.0 <= gpa);
+        let run = *self.hot_by_address.get(i.checked_sub(1)?)?;
+        (gpa < run.0 + run.1 * PAGE_SIZE).then_some(run)
     }
 
     /// Reads `pages` pages from `gpa` (checked) and places them, waking whoever waits on them.
@@ -379,19 +424,25 @@ impl Lazy {
         let data = &mut buf[..(pages * PAGE_SIZE) as usize];
         self.reader.read_pages(gpa, data)?;
         let host = self.ram.page(gpa)?;
-        self.uffd.copy(host, data, Wake::Now)?;
+        let copied = match self.uffd.copy(host, data, Wake::Now)? {
+            CopyOutcome::Copied => data.len(),
+            CopyOutcome::AlreadyThere => 0,
+            CopyOutcome::Partly { copied } => copied,
+        };
         let index = self.ram.page_index(gpa)?;
         for i in index..index + pages {
             self.placed.set(i);
         }
-        self.bytes.fetch_add(pages * PAGE_SIZE, Ordering::Relaxed);
+        self.bytes.fetch_add(copied as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Serves the guest's faults from the file until told to stop.
+    /// Serves the guest's faults from the file until told to stop: the page first (its
+    /// thread goes on at once), then the rest of its hot run, if it is in one.
     fn serve_faults(&self) -> Result<(), MigrateError> {
         let mut faults: Vec<Fault> = Vec::new();
         let mut page = vec![0u8; PAGE_SIZE as usize];
+        let mut run = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
         while !self.stop.load(Ordering::Acquire) {
             faults.clear();
             self.uffd.read_faults(&mut faults, FAULT_POLL)?;
@@ -405,6 +456,9 @@ impl Lazy {
                 self.faults.fetch_add(1, Ordering::Relaxed);
                 self.fault_ns
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                if let Some((start, pages)) = self.hot_run_of(gpa) {
+                    self.place_missing(start, pages, &mut run)?;
+                }
             }
         }
         Ok(())

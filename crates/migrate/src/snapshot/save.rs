@@ -4,6 +4,10 @@
 //! guest memory and write it where the pages belong in the file ([`Writer::write_pages`]), so
 //! a dirty pass overwrites pages in place and the file stays bounded by RAM.
 //!
+//! The final pass, with the guest paused, copies its pages into buffers touched beforehand and
+//! the guest resumes before they are written: the pause does not wait for the file system
+//! (whose writes slow to the disk's rate once the page cache holds enough dirty data).
+//!
 //! A file has no peer: nothing to shake hands with, no acknowledgements (what the writers
 //! have written is what the file has taken in; every pass ends when they have written it all),
 //! no resume to wait for. The file is the agreement: its header names the layout.
@@ -91,6 +95,9 @@ pub fn save(
         written: AtomicU64::new(0),
         zeros: AtomicU64::new(0),
         pending: AtomicU64::new(0),
+        pool: Mutex::new(Vec::new()),
+        staged: Mutex::new(Vec::new()),
+        staging: AtomicBool::new(false),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
     };
@@ -158,6 +165,12 @@ struct Shared<'a> {
     zeros: AtomicU64,
     /// Pages handed to the writers and not written yet.
     pending: AtomicU64,
+    /// Buffers for the final pass's pages, touched ahead (`Shared::stage`); taken while
+    /// staging is on.
+    pool: Mutex<Vec<Vec<u8>>>,
+    /// The final pass's batches, copied and not written yet.
+    staged: Mutex<Vec<(Vec<u64>, Vec<u8>)>>,
+    staging: AtomicBool,
     /// A writer failed; its error is in `error`.
     failed: AtomicBool,
     error: Mutex<Option<SnapshotError>>,
@@ -195,6 +208,9 @@ impl Save<'_> {
         });
         let (sections, hot) = result?;
         self.shared.check_writers()?;
+        for (gpas, data) in self.shared.take_staged() {
+            writer.write_pages(&gpas, &data[..gpas.len() * PAGE_SIZE as usize])?;
+        }
         let t = Instant::now();
         writer.finish(&state::encode(&sections), &hot)?;
         tracing::debug!(
@@ -218,7 +234,9 @@ impl Save<'_> {
         self.stats.setup_ms = ms(self.started.elapsed());
         self.set_phase(Phase::Precopy);
         self.first_pass(queues)?;
-        let (mut pass, mut stalled, mut hot_last) = (1, 0, Vec::new());
+        let (mut pass, mut stalled) = (1, 0);
+        // What each dirty pass sent, newest last: the hot set is made of them.
+        let mut history: Vec<Vec<(u64, u64)>> = Vec::new();
         loop {
             vm.fetch_dirty(&mut bitmap)?;
             let dirtied = bitmap.count();
@@ -252,17 +270,21 @@ impl Save<'_> {
                 Decision::Iterate | Decision::Drain | Decision::Postcopy => {}
             }
             pass += 1;
-            hot_last = bitmap.runs_except(None, BATCH_PAGES as u64);
+            history.push(bitmap.runs_except(None, BATCH_PAGES as u64));
             self.dirty_pass(&mut bitmap, queues, pass, false)?;
         }
         self.set_phase(Phase::Switchover);
+        // The final pass copies its pages into memory, to be written once the guest runs
+        // again: the pause does not wait for the file system. The buffers are touched now, so
+        // that the copy does not fault fresh memory in while the guest waits.
+        self.shared.stage(bitmap.count() * 2);
         let t0 = Instant::now();
         vm.pause()?;
         self.paused = true;
         let t1 = Instant::now();
         vm.fetch_dirty(&mut bitmap)?;
         let t2 = Instant::now();
-        let mut hot = bitmap.runs_except(None, BATCH_PAGES as u64);
+        history.push(bitmap.runs_except(None, BATCH_PAGES as u64));
         self.dirty_pass(&mut bitmap, queues, pass + 1, true)?;
         let t3 = Instant::now();
         let sections = vm.save_state()?;
@@ -281,8 +303,16 @@ impl Save<'_> {
         d.resume_ms = ms(t5 - t4);
         d.state_bytes = sections.iter().map(|s| s.data.len() as u64).sum();
         d.save_parts = vm.state_parts();
-        hot.extend(hot_last);
-        hot.truncate(self.shared.ram.size().div_ceil(PAGE_SIZE) as usize);
+        history.reverse();
+        let max_runs = self.shared.ram.size().div_ceil(PAGE_SIZE) as usize;
+        let regions: Vec<(u64, u64)> = self
+            .shared
+            .ram
+            .regions()
+            .iter()
+            .map(|r| (r.gpa, r.size))
+            .collect();
+        let hot = super::hot::hot_set(&history, &regions, max_runs);
         Ok((sections, hot))
     }
 
@@ -454,21 +484,73 @@ impl Shared<'_> {
         batch: &[u64],
         buf: &mut Vec<u8>,
     ) -> Result<(), SnapshotError> {
-        buf.clear();
         // A copy, so that the CRC recorded is the CRC of what was written even while the
         // guest writes the page (it is dirty then, and a later pass writes it again).
         let slices = self
             .ram
             .page_slices(batch)
             .map_err(|_| SnapshotError::OutsideRam { gpa: batch[0] })?;
+        if self.staging.load(Ordering::Acquire) {
+            let mut copy = self
+                .pool
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop()
+                .unwrap_or_else(|| vec![0; BATCH_PAGES * PAGE_SIZE as usize]);
+            let mut at = 0;
+            for s in &slices {
+                copy[at..at + s.len()].copy_from_slice(s);
+                at += s.len();
+            }
+            let zeros = copy[..at]
+                .chunks_exact(PAGE_SIZE as usize)
+                .filter(|p| crate::zero::is_zero(p))
+                .count() as u64;
+            self.count(batch.len() as u64, zeros);
+            self.staged
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((batch.to_vec(), copy));
+            return Ok(());
+        }
+        buf.clear();
         for s in &slices {
             buf.extend_from_slice(s);
         }
         let zeros = writer.write_pages(batch, buf)?;
-        self.zeros.fetch_add(zeros, Ordering::Relaxed);
-        self.written
-            .fetch_add(batch.len() as u64 - zeros, Ordering::Relaxed);
+        self.count(batch.len() as u64, zeros);
         Ok(())
+    }
+
+    fn count(&self, pages: u64, zeros: u64) {
+        self.zeros.fetch_add(zeros, Ordering::Relaxed);
+        self.written.fetch_add(pages - zeros, Ordering::Relaxed);
+    }
+
+    /// From now on the writers copy batches into memory instead of writing them; buffers
+    /// for about `pages` pages are made and touched first.
+    fn stage(&self, pages: u64) {
+        let buffers = pages.div_ceil(BATCH_PAGES as u64) as usize;
+        let mut pool = Vec::with_capacity(buffers);
+        for _ in 0..buffers {
+            let mut b = vec![0u8; BATCH_PAGES * PAGE_SIZE as usize];
+            // Fault every page in (a zeroed allocation may be mapped lazily).
+            for page in b.chunks_exact_mut(PAGE_SIZE as usize) {
+                page[0] = 1;
+            }
+            pool.push(b);
+        }
+        *self.pool.lock().unwrap_or_else(PoisonError::into_inner) = pool;
+        self.staging.store(true, Ordering::Release);
+    }
+
+    /// The staged batches, in no particular order (each page is in one batch).
+    fn take_staged(&self) -> Vec<(Vec<u64>, Vec<u8>)> {
+        self.pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        std::mem::take(&mut *self.staged.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The first writer's error, if one failed.
