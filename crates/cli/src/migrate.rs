@@ -386,17 +386,11 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(exit::DETACHED));
     };
-    if let Some(stats) = &progress.stats {
-        match args.output {
-            OutputArg::Table if progress.phase == Phase::Completed => report::print_table(stats),
-            // A migration that ended early has no downtime or final pass to show: one line.
-            OutputArg::Table => report::print_partial(stats, progress.phase),
-            OutputArg::Json => report::print_json(stats),
-        }
-        if let Some(path) = &args.stats_out {
-            report::write_stats(path, stats)?;
-        }
-    }
+    print_stats(
+        &progress,
+        matches!(args.output, OutputArg::Json),
+        args.stats_out.as_deref(),
+    )?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {
@@ -415,6 +409,28 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
         }
         phase => anyhow::bail!("migration {}: {error}", report::phase_name(phase)),
     }
+}
+
+/// Prints how a migration (or a snapshot) that ended went: a table for a person, or one JSON
+/// line with `json`; writes its statistics to `stats_out` if given.
+pub(crate) fn print_stats(
+    progress: &Progress,
+    json: bool,
+    stats_out: Option<&Path>,
+) -> anyhow::Result<()> {
+    let Some(stats) = &progress.stats else {
+        return Ok(());
+    };
+    match json {
+        false if progress.phase == Phase::Completed => report::print_table(stats),
+        // A migration that ended early has no downtime or final pass to show: one line.
+        false => report::print_partial(stats, progress.phase),
+        true => report::print_json(stats),
+    }
+    if let Some(path) = stats_out {
+        report::write_stats(path, stats)?;
+    }
+    Ok(())
 }
 
 /// Polls `GET /migration` until the migration ends, showing progress; says too whether the

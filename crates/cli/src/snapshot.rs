@@ -13,7 +13,7 @@ use ferry_migrate::Phase;
 use ferry_vmm::api::client;
 use ferry_vmm::snapshot::SnapshotRequest;
 
-use crate::migrate::{OnOff, follow, ms};
+use crate::migrate::{OnOff, follow, ms, print_stats};
 use crate::{exit, report};
 
 #[derive(Debug, Args)]
@@ -69,15 +69,7 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
     let Some((progress, _)) = follow(&args.api_socket, &Arc::new(AtomicBool::new(false)))? else {
         unreachable!("nothing detaches a snapshot's follower")
     };
-    if let Some(stats) = &progress.stats {
-        match progress.phase {
-            Phase::Completed => report::print_table(stats),
-            phase => report::print_partial(stats, phase),
-        }
-        if let Some(path) = &args.stats_out {
-            report::write_stats(path, stats)?;
-        }
-    }
+    print_stats(&progress, false, args.stats_out.as_deref())?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {

@@ -37,27 +37,10 @@ impl RunningVm {
     /// A `ferry run` with extra arguments (e.g. `--incoming tcp:...`); without them, waits
     /// for the API socket.
     pub fn start_with(memory: &str, cmdline: &str, extra: &[&str]) -> RunningVm {
-        require_kvm();
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("api.sock");
-        let serial = dir.path().join("serial.log");
-        let child = ferry()
-            .args(["run", "--memory", memory, "--cmdline", cmdline])
-            .arg("--serial")
-            .arg(&serial)
-            .arg("--api-socket")
-            .arg(&socket)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ferry run starts");
-        let vm = RunningVm {
-            child,
-            socket,
-            serial,
-            dir,
-        };
+        let vm = RunningVm::spawn(|c| {
+            c.args(["--memory", memory, "--cmdline", cmdline])
+                .args(extra);
+        });
         if extra.is_empty() {
             vm.wait_until("the API socket", Duration::from_secs(30), |vm| {
                 vm.socket.exists()
@@ -69,33 +52,40 @@ impl RunningVm {
     /// A `ferry run --restore FILE` (with `extra` arguments) in the background; waits for
     /// the API socket, which answers once the guest runs.
     pub fn restore(file: &Path, extra: &[&str]) -> RunningVm {
-        require_kvm();
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("api.sock");
-        let serial = dir.path().join("serial.log");
-        let child = ferry()
-            .arg("run")
-            .arg("--restore")
-            .arg(file)
-            .arg("--serial")
-            .arg(&serial)
-            .arg("--api-socket")
-            .arg(&socket)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ferry run starts");
-        let vm = RunningVm {
-            child,
-            socket,
-            serial,
-            dir,
-        };
+        let vm = RunningVm::spawn(|c| {
+            c.arg("--restore").arg(file).args(extra);
+        });
         vm.wait_until("the API socket", Duration::from_secs(60), |vm| {
             vm.socket.exists()
         });
         vm
+    }
+
+    /// `ferry run` with a serial file and an API socket in a directory of its own, and the
+    /// arguments `args` adds.
+    fn spawn(args: impl FnOnce(&mut Command)) -> RunningVm {
+        require_kvm();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let serial = dir.path().join("serial.log");
+        let mut command = ferry();
+        command.arg("run");
+        args(&mut command);
+        let child = command
+            .arg("--serial")
+            .arg(&serial)
+            .arg("--api-socket")
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ferry run starts");
+        RunningVm {
+            child,
+            socket,
+            serial,
+            dir,
+        }
     }
 
     /// `ferry status` as JSON.

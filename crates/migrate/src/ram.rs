@@ -151,6 +151,11 @@ impl Ram {
         &self.regions
     }
 
+    /// The regions as `(gpa, size)`: the layout a snapshot records and a restore checks.
+    pub fn layout(&self) -> Vec<(u64, u64)> {
+        self.regions.iter().map(|r| (r.gpa, r.size)).collect()
+    }
+
     /// Total bytes of RAM.
     pub fn size(&self) -> u64 {
         self.size

@@ -103,17 +103,7 @@ impl VmHandle {
     /// Connects to the destination and starts migrating in a thread of its own; returns the
     /// control handle at once. The VM keeps running until the switchover.
     pub fn start_migration(&self, req: MigrationRequest) -> Result<Arc<Control>, StartError> {
-        let mut slot = self.0.migration.lock().unwrap();
-        if slot
-            .as_ref()
-            .is_some_and(|c| c.progress().phase.is_active())
-        {
-            return Err(StartError::AlreadyRunning);
-        }
-        match self.state() {
-            RunState::Running => {}
-            s => return Err(StartError::NotRunning(s)),
-        }
+        let mut slot = self.migration_slot()?;
         let params = req
             .source_params(migration_uuid())
             .map_err(StartError::Request)?;
@@ -142,6 +132,24 @@ impl VmHandle {
             })
             .map_err(|e| MigrateError::io("starting the migration thread", e))?;
         Ok(control)
+    }
+
+    /// The migration's slot, for a migration or a snapshot to start in: refused while one
+    /// runs, or when the VM does not run.
+    pub(crate) fn migration_slot(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, Option<Arc<Control>>>, StartError> {
+        let slot = self.0.migration.lock().unwrap();
+        if slot
+            .as_ref()
+            .is_some_and(|c| c.progress().phase.is_active())
+        {
+            return Err(StartError::AlreadyRunning);
+        }
+        match self.state() {
+            RunState::Running => Ok(slot),
+            s => Err(StartError::NotRunning(s)),
+        }
     }
 
     /// Records how the last migration away from this VMM ended, on the VM it then made to

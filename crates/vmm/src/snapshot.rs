@@ -19,7 +19,6 @@ use crate::devices::virtio::balloon::Discard;
 use crate::migration::StartError;
 use crate::vm::build::Vm;
 use crate::vm::handle::VmHandle;
-use crate::vm::state::RunState;
 use crate::vmconfig::VmDescription;
 use crate::{VmConfig, VmmError};
 
@@ -86,17 +85,7 @@ impl VmHandle {
     /// Starts a live snapshot into `req.to` in a thread of its own; returns its control at
     /// once (the migration's slot, see the module doc).
     pub fn start_snapshot(&self, req: SnapshotRequest) -> Result<Arc<Control>, StartError> {
-        let mut slot = self.0.migration.lock().unwrap();
-        if slot
-            .as_ref()
-            .is_some_and(|c| c.progress().phase.is_active())
-        {
-            return Err(StartError::AlreadyRunning);
-        }
-        match self.state() {
-            RunState::Running => {}
-            s => return Err(StartError::NotRunning(s)),
-        }
+        let mut slot = self.migration_slot()?;
         let params = req
             .params(self.0.vcpus().len() as u32)
             .map_err(StartError::Request)?;

@@ -584,7 +584,11 @@ fn request(s: &Scenario, to: String) -> MigrationRequest {
     }
 }
 
-fn wait(h: &VmHandle, timeout: Duration, done: impl Fn(&VmHandle) -> bool) -> anyhow::Result<()> {
+pub(super) fn wait(
+    h: &VmHandle,
+    timeout: Duration,
+    done: impl Fn(&VmHandle) -> bool,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     while !done(h) {
         if Instant::now() > deadline {

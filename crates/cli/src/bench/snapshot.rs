@@ -33,6 +33,8 @@ use ferry_vmm::snapshot::SnapshotRequest;
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
 
+use super::precopy::wait;
+
 #[derive(Debug, Args)]
 pub struct SnapshotBenchArgs {
     /// Where the snapshot files go (about 4.3 GB each, one at a time; removed at the end).
@@ -400,17 +402,6 @@ fn restore(
         );
     }
     Ok(r)
-}
-
-fn wait(h: &VmHandle, timeout: Duration, done: impl Fn(&VmHandle) -> bool) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    while !done(h) {
-        if Instant::now() > deadline {
-            bail!("timed out after {timeout:?}: {:?}", h.status().stop_reason);
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Ok(())
 }
 
 /// Bytes per second the file system takes `bytes` of data at in `dir`, written sequentially

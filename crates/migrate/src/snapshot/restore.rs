@@ -215,7 +215,7 @@ pub fn restore(
 fn check_fits(reader: &Reader, ram: &Ram, vcpus: u32) -> Result<(), MigrateError> {
     let h = reader.header();
     let file: Vec<(u64, u64)> = h.regions.iter().map(|r| (r.gpa, r.size)).collect();
-    let here: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
+    let here = ram.layout();
     if file != here {
         return Err(ConfigError::SnapshotRam {
             file: h.memory_size(),

@@ -183,13 +183,7 @@ impl Save<'_> {
             Err(VmError::Unsupported { .. }) => Vec::new(),
             Err(e) => return Err(e.into()),
         };
-        let regions: Vec<(u64, u64)> = self
-            .shared
-            .ram
-            .regions()
-            .iter()
-            .map(|r| (r.gpa, r.size))
-            .collect();
+        let regions = self.shared.ram.layout();
         let writer = Writer::create(path, self.params.vcpus, self.params.uuid, &regions, &config)?;
         let mut queues = Vec::new();
         let result = std::thread::scope(|scope| {
@@ -305,14 +299,7 @@ impl Save<'_> {
         d.save_parts = vm.state_parts();
         history.reverse();
         let max_runs = self.shared.ram.size().div_ceil(PAGE_SIZE) as usize;
-        let regions: Vec<(u64, u64)> = self
-            .shared
-            .ram
-            .regions()
-            .iter()
-            .map(|r| (r.gpa, r.size))
-            .collect();
-        let hot = super::hot::hot_set(&history, &regions, max_runs);
+        let hot = super::hot::hot_set(&history, &self.shared.ram.layout(), max_runs);
         Ok((sections, hot))
     }
 
