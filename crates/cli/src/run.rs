@@ -541,7 +541,12 @@ fn restore(
         let handle = vm.handle();
         std::thread::Builder::new()
             .name("restore-wait".into())
-            .spawn(move || match load.wait() {
+            .spawn(move || match load.wait(|e| {
+                handle.stop(StopReason::Failed(format!(
+                    "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
+                )));
+                handle.wait_stopped(Some(Duration::from_secs(10)));
+            }) {
                 Ok(l) => {
                     ferry_vmm::snapshot::loaded(&handle);
                     eprintln!(
@@ -554,9 +559,7 @@ fn restore(
                         l.hot_pages
                     );
                 }
-                Err(e) => handle.stop(StopReason::Failed(format!(
-                    "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
-                ))),
+                Err(_) => {} // the guest was stopped, with the reason
             })
             .context("cannot start the restore's follower")?;
     }

@@ -109,7 +109,7 @@ fn a_lazy_restore_serves_what_the_guest_touches_first_and_loads_the_rest() {
     let lazy = restored
         .lazy
         .expect("a lazy restore loads in the background");
-    let stats = lazy.wait().unwrap();
+    let stats = lazy.wait(|e| panic!("the load failed: {e}")).unwrap();
     assert!(
         seen == src.contents(),
         "memory read during the load differs"
@@ -250,4 +250,37 @@ fn bad_files_are_refused_with_the_cause() {
     );
     let e = refusal(&dir.file(), 8 * MIB, 4);
     assert!(e.contains("has 2 vCPUs and this one 4"), "{e}");
+}
+
+#[test]
+fn a_damaged_page_found_after_a_lazy_resume_abandons_the_guest_before_it_sees_the_page() {
+    let dir = Dir::new("lazy-damage");
+    saved(&dir, 8 * MIB, 1);
+    let reader = snapshot::Reader::open(&dir.file()).unwrap();
+    // The last data run's last page: the loader reaches it last, the guest never touches it.
+    let &(gpa, pages) = reader.data_runs(1).unwrap().last().unwrap();
+    let (at, _) = reader.header().locate(gpa + (pages - 1) * 4096).unwrap();
+    drop(reader);
+    let mut bytes = std::fs::read(dir.file()).unwrap();
+    bytes[at as usize + 100] ^= 0x10;
+    std::fs::write(dir.file(), &bytes).unwrap();
+    let mut dst = FakeVm::new(8 * MIB, 1);
+    let restored =
+        snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Lazy)).unwrap();
+    assert!(
+        dst.resumed,
+        "the file's metadata is sound: the guest resumes"
+    );
+    let abandoned = std::cell::Cell::new(None);
+    let e = restored
+        .lazy
+        .unwrap()
+        .wait(|e| abandoned.set(Some(e.to_string())))
+        .unwrap_err();
+    assert!(e.to_string().contains("is damaged"), "{e}");
+    assert_eq!(
+        abandoned.take(),
+        Some(e.to_string()),
+        "the guest was abandoned with the cause"
+    );
 }

@@ -376,7 +376,7 @@ fn restore(
         hot_pages: 0,
     };
     if let Some(lazy) = restored.lazy {
-        let l = lazy.wait()?;
+        let l = lazy.wait(|_| h.stop(StopReason::Failed("the lazy restore failed".into())))?;
         ferry_vmm::snapshot::loaded(&h);
         r.load_ms = l.load_ms;
         r.bytes = l.bytes_read;

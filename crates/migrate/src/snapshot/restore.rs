@@ -115,14 +115,19 @@ impl LazyLoad {
         self.loader.is_finished()
     }
 
-    /// Waits until all of RAM is in place, then closes the userfaultfd. An error means the
-    /// guest's memory is incomplete: stop it.
-    pub fn wait(self) -> Result<LazyStats, MigrateError> {
+    /// Waits until all of RAM is in place, then closes the userfaultfd. On an error the
+    /// guest's memory is incomplete: `abandon` is called with it while the userfaultfd is
+    /// still open, and must stop the guest (a vCPU waiting on a page is then interrupted,
+    /// where closing the userfaultfd first would hand it a page of zeros).
+    pub fn wait(self, abandon: impl FnOnce(&MigrateError)) -> Result<LazyStats, MigrateError> {
         let loaded = join(self.loader);
         let load_ms = ms(self.resumed.elapsed());
         self.shared.stop.store(true, Ordering::Release);
         let served = join(self.faults);
-        loaded.and(served)?;
+        if let Err(e) = loaded.and(served) {
+            abandon(&e);
+            return Err(e);
+        }
         let s = &self.shared;
         let faults = s.faults.load(Ordering::Relaxed);
         Ok(LazyStats {
