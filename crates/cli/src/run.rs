@@ -541,13 +541,15 @@ fn restore(
         let handle = vm.handle();
         std::thread::Builder::new()
             .name("restore-wait".into())
-            .spawn(move || match load.wait(|e| {
-                handle.stop(StopReason::Failed(format!(
-                    "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
-                )));
-                handle.wait_stopped(Some(Duration::from_secs(10)));
-            }) {
-                Ok(l) => {
+            .spawn(move || {
+                let stop = |e: &MigrateError| {
+                    handle.stop(StopReason::Failed(format!(
+                        "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
+                    )));
+                    handle.wait_stopped(Some(Duration::from_secs(10)));
+                };
+                // On an error the guest was stopped, with the reason.
+                if let Ok(l) = load.wait(stop) {
                     ferry_vmm::snapshot::loaded(&handle);
                     eprintln!(
                         "ferry: all of RAM in place {:.0} ms after the resume: {} MiB read ({:.2} GB/s), {} pages the guest touched first served on demand (mean {:.0} us), {} hot pages loaded first",
@@ -559,7 +561,6 @@ fn restore(
                         l.hot_pages
                     );
                 }
-                Err(_) => {} // the guest was stopped, with the reason
             })
             .context("cannot start the restore's follower")?;
     }
