@@ -508,7 +508,7 @@ fn restore(
 ) -> anyhow::Result<Vm> {
     use ferry_migrate::snapshot::Loading;
     let what = ferry_vmm::snapshot::describe(file)
-        .with_context(|| format!("cannot restore {}", file.display()))?;
+        .context("cannot restore the snapshot")?;
     let config = VmConfig {
         memory_bytes: what.memory_bytes,
         vcpus: what.vcpus,
@@ -518,7 +518,7 @@ fn restore(
     };
     let loading = if lazy { Loading::Lazy } else { Loading::Eager };
     let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, hot_first)
-        .with_context(|| format!("cannot restore {}", file.display()))?;
+        .context("cannot restore the snapshot")?;
     let s = &restored.stats;
     match loading {
         Loading::Eager => eprintln!(

@@ -36,9 +36,15 @@ pub enum SnapshotError {
         #[source]
         source: FormatError,
     },
-    #[error("{}: its {area} is damaged (its checksum does not match)", path.display())]
+    #[error(
+        "{}: its {area} is damaged (its checksum does not match); restore another copy or take a new snapshot",
+        path.display()
+    )]
     AreaChecksum { path: PathBuf, area: &'static str },
-    #[error("{}: the page at {gpa:#x} is damaged (its checksum does not match)", path.display())]
+    #[error(
+        "{}: the page at {gpa:#x} is damaged (its checksum does not match); restore another copy or take a new snapshot",
+        path.display()
+    )]
     PageChecksum { path: PathBuf, gpa: u64 },
     #[error("{gpa:#x} is not guest RAM in this snapshot")]
     OutsideRam { gpa: u64 },

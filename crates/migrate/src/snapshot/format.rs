@@ -83,13 +83,17 @@ pub enum FormatError {
         "snapshot format version {0}, this ferry reads version {VERSION}: restore it with the ferry that wrote it"
     )]
     Version(u32),
-    #[error("the snapshot's header is damaged (its checksum does not match)")]
+    #[error(
+        "the snapshot's header is damaged (its checksum does not match); restore another copy or take a new snapshot"
+    )]
     HeaderChecksum,
     #[error("the snapshot is incomplete: the snapshot that wrote it failed or is still running")]
     Incomplete,
     #[error("the snapshot's header is invalid: {0}")]
     Invalid(Invalid),
-    #[error("the snapshot file is {file} bytes, its header describes {needed}: it was cut short")]
+    #[error(
+        "the snapshot file is {file} bytes, its header describes {needed}: it was cut short; restore a whole copy or take a new snapshot"
+    )]
     Truncated { file: u64, needed: u64 },
 }
 
