@@ -507,8 +507,7 @@ fn restore(
     hot_first: bool,
 ) -> anyhow::Result<Vm> {
     use ferry_migrate::snapshot::Loading;
-    let what = ferry_vmm::snapshot::describe(file)
-        .context("cannot restore the snapshot")?;
+    let what = ferry_vmm::snapshot::describe(file).context("cannot restore the snapshot")?;
     let config = VmConfig {
         memory_bytes: what.memory_bytes,
         vcpus: what.vcpus,
