@@ -46,6 +46,7 @@ mod bandwidth;
 mod hint_rounds;
 mod hints;
 mod limiter;
+mod live;
 mod observe;
 mod params;
 mod pool;
@@ -60,15 +61,15 @@ mod switchover;
 
 use std::time::{Duration, Instant};
 
-use self::ack_state::{AckUse, Acks};
+use self::ack_state::AckUse;
 use self::agreement::Agreement;
 use self::bandwidth::BandwidthWindow;
 use self::hint_rounds::Hints;
 use self::limiter::{Limiter, Pacing};
+use self::live::Live;
 pub use self::params::{
     DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, SourceParams, TestHooks,
 };
-use self::pool::ChannelPool;
 use self::reader::{Granted, Inbound, InboundReader};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
@@ -169,33 +170,24 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
 
 /// One outgoing migration.
 struct Session<'a> {
+    /// The destination: the connections and what was agreed on them.
+    peer: Live,
     ram: Ram,
     bitmap: DirtyBitmap,
-    conn: Conn,
     params: SourceParams,
     hooks: TestHooks,
     control: &'a Control,
-    pool: ChannelPool,
     /// `None` without a bandwidth limit.
     limiter: Option<Limiter>,
     bandwidth: BandwidthWindow,
-    /// The reader of the main connection and what the destination acknowledged.
-    acks: Acks,
     guest: GuestState,
     /// Complete was sent: from here the guest may run on the destination, so the source must
     /// never run it again.
     handed_over: bool,
-    /// What the destination granted (the handshake sets it).
-    agreed: Agreement,
     /// Passes in a row that dirtied more than half of what they sent (`policy::stall_count`).
     stalled_passes: u32,
     /// The auto-converge throttle in force, percent; lifted when the session concludes.
     throttle: u8,
-    /// Bytes written on main connections that a postcopy recovery replaced (the data
-    /// channels' count spans recoveries).
-    earlier_bytes: u64,
-    /// Postcopy's readahead after a vCPU's requests (`readahead.rs`).
-    readahead: readahead::Readahead,
     start: Instant,
     /// When precopy's loop last looked at cancellation (`check_control`), for `max_step_ms`.
     last_check: Option<Instant>,
@@ -213,8 +205,6 @@ struct Session<'a> {
     phase: Phase,
     /// Free page hints: rounds, and pass 1's pages to skip.
     hints: Hints,
-    /// The VM's configuration went with the hello (so CONFIG is asked for).
-    config_sent: bool,
 }
 
 impl<'a> Session<'a> {
@@ -226,23 +216,18 @@ impl<'a> Session<'a> {
         control: &'a Control,
     ) -> Session<'a> {
         Session {
+            peer: Live::new(conn),
             bitmap: DirtyBitmap::new(ram.regions()),
             ram,
-            conn,
             params: params.clone(),
             hooks,
             control,
-            pool: ChannelPool::default(),
             limiter: params.max_bandwidth.map(Limiter::new),
             bandwidth: BandwidthWindow::default(),
-            acks: Acks::default(),
             guest: GuestState::Running,
             handed_over: false,
-            agreed: Agreement::NONE,
             stalled_passes: 0,
             throttle: 0,
-            earlier_bytes: 0,
-            readahead: readahead::Readahead::default(),
             start: Instant::now(),
             last_check: None,
             cpu_start: stats::thread_cpu_ns(),
@@ -253,7 +238,6 @@ impl<'a> Session<'a> {
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,
-            config_sent: false,
             hints: if params.free_page_hints {
                 Hints::default()
             } else {
@@ -274,12 +258,12 @@ impl<'a> Session<'a> {
             Err(e) => return Err(e.into()),
         };
         self.handshake(config.as_deref())?;
-        self.pool.open(
+        self.peer.pool.open(
             connect,
             &self.params,
             &self.ram,
             self.hooks,
-            self.agreed.preempt,
+            self.peer.agreed.preempt,
         )?;
         // The control loop's first step is the VMM starting its dirty log (one call, whose
         // cost follows populated memory), so `max_step_ms` counts it.
@@ -299,7 +283,7 @@ impl<'a> Session<'a> {
     fn requested(&self) -> Capabilities {
         let p = &self.params;
         let mut c = REQUESTED;
-        if self.config_sent {
+        if self.peer.config_sent {
             c = c.with(Capabilities::CONFIG);
         }
         if p.checksum_pages {
@@ -340,8 +324,8 @@ impl<'a> Session<'a> {
     /// Greets the destination on the main connection, with the VM's configuration when the
     /// VMM describes it; a refusal names the cause and the fix.
     fn handshake(&mut self, config: Option<&[u8]>) -> Result<(), MigrateError> {
-        self.config_sent = config.is_some();
-        self.conn.write_hello(&self.main_hello(Role::Main))?;
+        self.peer.config_sent = config.is_some();
+        self.peer.conn.write_hello(&self.main_hello(Role::Main))?;
         if let Some(config) = config {
             if config.len() as u64 > wire::MAX_CONFIG_BYTES {
                 return Err(ConfigError::VmConfigTooLarge {
@@ -351,14 +335,14 @@ impl<'a> Session<'a> {
                 .into());
             }
             let h = Header::new(Kind::VmConfig, 0, config.len() as u64);
-            self.conn.write_record(&h, config)?;
-            self.conn.flush("sending the VM's configuration")?;
+            self.peer.conn.write_record(&h, config)?;
+            self.peer.conn.flush("sending the VM's configuration")?;
         }
         let within = self
             .params
             .peer_timeout
             .map_or(HELLO_WAIT, |t| t.min(HELLO_WAIT));
-        let reply = self.conn.read_hello(Some(within)).map_err(|e| match e {
+        let reply = self.peer.conn.read_hello(Some(within)).map_err(|e| match e {
             MigrateError::Stalled { .. } => MigrateError::Stalled {
                 during: "waiting for the answer to the hello (a ferry destination answers at once: is --to its --incoming address, and not, say, its API socket?)",
             },
@@ -375,6 +359,7 @@ impl<'a> Session<'a> {
                 Ok(wire::Refusal::MemorySize) => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
                 Ok(wire::Refusal::Busy) => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
                 Ok(wire::Refusal::Config) => self
+                    .peer
                     .conn
                     .peer_error()
                     .unwrap_or_else(|| "the destination VM is configured differently".into()),
@@ -388,7 +373,7 @@ impl<'a> Session<'a> {
             resumed: false,
         };
         if granted.progress {
-            self.acks.use_ = AckUse::Live;
+            self.peer.acks.use_ = AckUse::Live;
         }
         if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
         {
@@ -401,15 +386,15 @@ impl<'a> Session<'a> {
                 "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
             ));
         }
-        self.agreed = agreed;
-        self.conn.error_codes = agreed.error_codes;
+        self.peer.agreed = agreed;
+        self.peer.conn.error_codes = agreed.error_codes;
         self.control.update(|p| p.postcopy_recover = agreed.recover);
         if self.params.preempt && !agreed.preempt {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
             ));
         }
-        self.acks.reader = Some(InboundReader::start(&mut self.conn, granted)?);
+        self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
         Ok(())
     }
 
@@ -420,7 +405,7 @@ impl<'a> Session<'a> {
         vm: &mut dyn SourceVm,
         result: Result<(), MigrateError>,
     ) -> Result<MigrationStats, MigrateError> {
-        self.pool.abandon();
+        self.peer.pool.abandon();
         if !self.handed_over {
             self.finish_hints(vm);
         }
@@ -447,7 +432,7 @@ impl<'a> Session<'a> {
                 if !self.handed_over {
                     // The destination's own error is not echoed back to it.
                     if !e.from_the_peer() {
-                        self.conn.send_ending(&e);
+                        self.peer.conn.send_ending(&e);
                     }
                     if self.guest == GuestState::Paused {
                         vm.resume()?;
@@ -476,12 +461,12 @@ impl<'a> Session<'a> {
             MigrateError::Io { .. }
             | MigrateError::Truncated { .. }
             | MigrateError::Stalled { .. } => {
-                let message = match &self.acks.reader {
+                let message = match &self.peer.acks.reader {
                     Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
                         Some(Ok(Inbound::Error(message))) => Some(message),
                         _ => None,
                     },
-                    None => self.conn.peer_error(),
+                    None => self.peer.conn.peer_error(),
                 };
                 message.map_or(e, |m| {
                     MigrateError::Remote(crate::error::Side::Destination, m)
@@ -493,7 +478,7 @@ impl<'a> Session<'a> {
 
     /// Bytes written on all connections.
     fn bytes_written(&self) -> u64 {
-        self.conn.bytes_written + self.pool.bytes_written() + self.earlier_bytes
+        self.peer.conn.bytes_written + self.peer.pool.bytes_written() + self.peer.earlier_bytes
     }
 }
 

@@ -68,7 +68,7 @@ impl Session<'_> {
     /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
     /// count), and how; the policy's own reasons come after.
     pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
-        if !self.agreed.postcopy {
+        if !self.peer.agreed.postcopy {
             None
         } else if self.control.postcopy_requested() {
             Some(PostcopyTrigger::Asked)
@@ -96,7 +96,7 @@ impl Session<'_> {
         // destination drops them while the guest still runs here (punching a GiB out of its
         // memory takes it ~0.2 s), and again those dirtied meanwhile, so that the pause only
         // covers the last few.
-        let unit = self.agreed.postcopy_unit;
+        let unit = self.peer.agreed.postcopy_unit;
         self.bitmap.round_out(unit);
         let mut early = DirtyBitmap::new(self.ram.regions());
         for round in 1..=EARLY_DISCARD_ROUNDS {
@@ -113,7 +113,7 @@ impl Session<'_> {
                 }
             }
             self.send_discards(&runs)?;
-            self.conn.flush("discarding stale pages")?;
+            self.peer.conn.flush("discarding stale pages")?;
             pc.early_discard_rounds = round;
             // Applied before anything else, the last round too: what it lists would otherwise
             // be punched out within the pause.
@@ -141,7 +141,7 @@ impl Session<'_> {
         pc.discarded_pages = self.bitmap.count();
         self.send_discards(&late)?;
         drop(early);
-        self.pool.postcopy()?;
+        self.peer.pool.postcopy()?;
         self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t3 = Instant::now();
@@ -151,7 +151,8 @@ impl Session<'_> {
         // page when its MSR is set); they are served at once.
         let listed = self.bitmap.clone();
         let mut cursor = Cursor::default();
-        self.acks
+        self.peer
+            .acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -183,9 +184,13 @@ impl Session<'_> {
             let from = cursor.take().unwrap_or_default();
             let sent = self
                 .push_rest(&mut pc, &listed, from, quiet_until.take())
-                .and_then(|()| self.pool.close(&mut self.stats))
-                .and_then(|()| self.conn.write_header(&Header::new(Kind::Complete, 0, 0)))
-                .and_then(|()| self.conn.flush("completing postcopy"))
+                .and_then(|()| self.peer.pool.close(&mut self.stats))
+                .and_then(|()| {
+                    self.peer
+                        .conn
+                        .write_header(&Header::new(Kind::Complete, 0, 0))
+                })
+                .and_then(|()| self.peer.conn.flush("completing postcopy"))
                 .and_then(|()| self.await_done(&mut pc));
             match sent {
                 Ok(latencies) => break latencies,
@@ -243,7 +248,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.acks.use_ != super::ack_state::AckUse::Live {
+            if self.peer.acks.use_ != super::ack_state::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {
@@ -259,7 +264,7 @@ impl Session<'_> {
     /// Writes Discard records for `runs`.
     fn send_discards(&mut self, runs: &[(u64, u64)]) -> Result<(), MigrateError> {
         for chunk in runs.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
-            self.conn.write_record(
+            self.peer.conn.write_record(
                 &Header::runs(Kind::Discard, chunk.len() as u32),
                 &wire::encode_runs(chunk),
             )?;
@@ -307,7 +312,7 @@ impl Session<'_> {
                 // A take that stopped at its scan bound inside a unit goes on to the unit's end.
                 while !held
                     .len()
-                    .is_multiple_of(self.agreed.postcopy_unit as usize)
+                    .is_multiple_of(self.peer.agreed.postcopy_unit as usize)
                     && !cursor.at_end(&self.bitmap)
                 {
                     self.bitmap
@@ -326,7 +331,7 @@ impl Session<'_> {
                 continue;
             }
             let n = held.len() as u64;
-            match self.pool.try_queue_pages(std::mem::take(&mut held))? {
+            match self.peer.pool.try_queue_pages(std::mem::take(&mut held))? {
                 None => {
                     pc.pages_background += n;
                     held.reserve(packet);
@@ -344,8 +349,8 @@ impl Session<'_> {
     /// bigger, so that a huge page travels whole in one batch on one connection (the
     /// destination assembles it there; see `destination/assemble.rs`).
     fn batch_pages(&self) -> usize {
-        if self.agreed.postcopy_unit > 1 {
-            self.agreed.postcopy_unit as usize
+        if self.peer.agreed.postcopy_unit > 1 {
+            self.peer.agreed.postcopy_unit as usize
         } else {
             self.params.packet_pages as usize
         }
@@ -353,7 +358,8 @@ impl Session<'_> {
 
     /// Waits up to `timeout` for a page request (or less, if one is queued already).
     fn wait_requests(&self, timeout: Duration) {
-        self.acks
+        self.peer
+            .acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -380,12 +386,12 @@ impl Session<'_> {
         held: &mut Vec<u64>,
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
-        let unit = self.agreed.postcopy_unit * PAGE_SIZE;
+        let unit = self.peer.agreed.postcopy_unit * PAGE_SIZE;
         let mut runs = self.take_requests(pc)?;
         for run in &mut runs {
             run.1 = clamp_request(run.1);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
-            let window = self.readahead.request(run.0, run.1);
+            let window = self.peer.readahead.request(run.0, run.1);
             let end = self
                 .ram
                 .region_end(run.0)
@@ -408,8 +414,8 @@ impl Session<'_> {
         // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
         // requested pages on it wait behind no background stream. Before, the destination's
         // session is loading the state and reads only the data channels.
-        let on_main = self.agreed.main_pages && self.phase == Phase::Postcopy;
-        let resend = (self.agreed.preempt || on_main).then_some(listed);
+        let on_main = self.peer.agreed.main_pages && self.phase == Phase::Postcopy;
+        let resend = (self.peer.agreed.preempt || on_main).then_some(listed);
         // Picked a bounded number of pages at a time, so that however many requests are
         // queued, the pages looked at once stay few.
         let mut last = None;
@@ -425,7 +431,7 @@ impl Session<'_> {
                 self.send_urgent(chunk, on_main, pc)?;
             }
             if on_main && !(urgent.is_empty() && again.is_empty()) {
-                self.conn.flush("sending requested pages")?;
+                self.peer.conn.flush("sending requested pages")?;
             }
             last = urgent.last().copied().or(last);
         }
@@ -446,9 +452,14 @@ impl Session<'_> {
         pc: &mut PostcopyStats,
     ) -> Result<(), MigrateError> {
         if !on_main {
-            return self.pool.queue_urgent(gpas.to_vec());
+            return self.peer.pool.queue_urgent(gpas.to_vec());
         }
-        sender::write_pages(&mut self.conn, &self.ram, gpas, self.params.checksum_pages)?;
+        sender::write_pages(
+            &mut self.peer.conn,
+            &self.ram,
+            gpas,
+            self.params.checksum_pages,
+        )?;
         self.stats.pages_normal += gpas.len() as u64;
         pc.pages_on_main += gpas.len() as u64;
         Ok(())
@@ -458,6 +469,7 @@ impl Session<'_> {
     /// RAM ends the migration.
     fn take_requests(&self, pc: &mut PostcopyStats) -> Result<Vec<(u64, u64)>, MigrateError> {
         let runs = self
+            .peer
             .acks
             .reader
             .as_ref()
@@ -477,7 +489,7 @@ impl Session<'_> {
     /// asked for.
     fn check_ended(&mut self) -> Result<(), MigrateError> {
         self.check_pause()?;
-        let reader = self.acks.reader.as_ref().expect("the reader runs");
+        let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
         match reader.poll() {
             None => Ok(()),
             Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
@@ -501,7 +513,7 @@ impl Session<'_> {
         loop {
             self.check_pause()?;
             self.take_requests(pc)?;
-            let reader = self.acks.reader.as_ref().expect("the reader runs");
+            let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {
                 Some(Ok(Inbound::Done(l))) => return Ok(*l),
                 Some(Ok(Inbound::Error(message))) => {

@@ -240,10 +240,11 @@ impl Session<'_> {
         started: Instant,
     ) -> Result<(), MigrateError> {
         self.link_busy();
-        self.pool.end_pass(pass)?;
-        self.conn
+        self.peer.pool.end_pass(pass)?;
+        self.peer
+            .conn
             .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
-        self.conn.flush("ending a pass")?;
+        self.peer.conn.flush("ending a pass")?;
         self.stats.passes.push(PassStats {
             pass,
             paused: guest == GuestState::Paused,
@@ -267,7 +268,7 @@ impl Session<'_> {
             if pacing == Pacing::Limited {
                 self.pace(batch.len() as u64 * BYTES_PER_PAGE)?;
             }
-            self.pool.queue_pages(batch.to_vec())?;
+            self.peer.pool.queue_pages(batch.to_vec())?;
         }
         self.after_batch();
         Ok(gpas.len() as u64)

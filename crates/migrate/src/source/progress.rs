@@ -122,7 +122,7 @@ impl Session<'_> {
         s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
         s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
-        s.acked_bytes = self.acks.acked();
+        s.acked_bytes = self.peer.acks.acked();
         s
     }
 }

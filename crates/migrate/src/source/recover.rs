@@ -38,7 +38,7 @@ impl Session<'_> {
     /// Whether `e` is a broken connection that recovery can mend (not a refusal or a protocol
     /// violation, which a reconnect would only repeat).
     pub(super) fn recoverable(&self, e: &MigrateError) -> bool {
-        self.agreed.recover && e.is_broken_connection()
+        self.peer.agreed.recover && e.is_broken_connection()
     }
 
     /// Fails with a broken connection when a pause was asked for (after severing them all):
@@ -46,12 +46,12 @@ impl Session<'_> {
     /// closed: a page written into it just before may be lost without any write failing, and
     /// the recovery's Missing list is what brings it back.
     pub(super) fn check_pause(&mut self) -> Result<(), MigrateError> {
-        if !self.agreed.recover {
+        if !self.peer.agreed.recover {
             return Ok(());
         }
         let during = if self.control.take_pause() {
             "postcopy, paused on request"
-        } else if self.pool.hung_up() {
+        } else if self.peer.pool.hung_up() {
             "postcopy: the destination's end of a data or preempt connection closed"
         } else {
             return Ok(());
@@ -65,9 +65,9 @@ impl Session<'_> {
 
     /// Shuts every connection down and stops the threads that use them.
     fn sever(&mut self) {
-        self.pool.sever();
-        let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
-        self.acks.reader = None;
+        self.peer.pool.sever();
+        let _ = self.peer.conn.stream().shutdown(std::net::Shutdown::Both);
+        self.peer.acks.reader = None;
     }
 
     /// Postcopy-paused until a recovery succeeds: waits for a resume request, reconnects,
@@ -125,9 +125,9 @@ impl Session<'_> {
         let stream =
             connect().map_err(|e| MigrateError::io("reconnecting to the destination", e))?;
         let conn = Conn::new(stream).map_err(|e| MigrateError::io("reconnecting", e))?;
-        self.earlier_bytes += std::mem::replace(&mut self.conn, conn).bytes_written;
-        self.conn.write_hello(&self.main_hello(Role::Resume))?;
-        let reply = self.conn.read_hello(self.params.peer_timeout)?;
+        self.peer.earlier_bytes += std::mem::replace(&mut self.peer.conn, conn).bytes_written;
+        self.peer.conn.write_hello(&self.main_hello(Role::Resume))?;
+        let reply = self.peer.conn.read_hello(self.params.peer_timeout)?;
         if reply.status != wire::Refusal::Accepted as u32 {
             return Err(MigrateError::Refused(match wire::Refusal::try_from(reply.status) {
                 Ok(wire::Refusal::UnknownMigration | wire::Refusal::NotPaused) => "the destination has no paused postcopy migration of this uuid (was it given `ferry migrate-recover`?)".into(),
@@ -136,12 +136,14 @@ impl Session<'_> {
         }
         // The Missing list comes within the peer timeout: a peer that answered the hello and
         // then says nothing must not hold the recovery (and later resume requests) for ever.
-        self.conn
+        self.peer
+            .conn
             .stream()
             .set_read_timeout(Some(self.params.peer_timeout.unwrap_or(MISSING_TIMEOUT)))
             .map_err(|e| MigrateError::io("reconnecting", e))?;
         self.read_missing(listed)?;
-        self.conn
+        self.peer
+            .conn
             .stream()
             .set_read_timeout(None)
             .map_err(|e| MigrateError::io("reconnecting", e))?;
@@ -151,15 +153,15 @@ impl Session<'_> {
             resumed: true,
         };
         // A resumed connection's reader takes page requests from its first byte.
-        self.acks.reader = Some(InboundReader::start(&mut self.conn, granted)?);
-        self.pool.open(
+        self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        self.peer.pool.open(
             &connect,
             &self.params,
             &self.ram,
             self.hooks,
-            self.agreed.preempt,
+            self.peer.agreed.preempt,
         )?;
-        self.pool.postcopy()
+        self.peer.pool.postcopy()
     }
 
     /// Reads the destination's Missing runs up to Resume into the bitmap (which it replaces):
@@ -168,9 +170,13 @@ impl Session<'_> {
         let mut missing = DirtyBitmap::new(self.ram.regions());
         loop {
             let h = self
+                .peer
                 .conn
                 .read_header("reading what the destination lacks")?;
-            let payload = self.conn.read_payload(&h, "reading the Missing list")?;
+            let payload = self
+                .peer
+                .conn
+                .read_payload(&h, "reading the Missing list")?;
             match h.kind {
                 Kind::Missing => {
                     let words: Vec<u64> = wire::decode_addresses(&payload).collect();
@@ -198,7 +204,7 @@ impl Session<'_> {
                 }
             }
         }
-        missing.round_out(self.agreed.postcopy_unit);
+        missing.round_out(self.peer.agreed.postcopy_unit);
         self.bitmap = missing;
         Ok(())
     }

@@ -53,7 +53,7 @@ impl<'a> Session<'a> {
         self.sync_dirty(vm)?;
         let t2 = Instant::now();
         self.dirty_pass(vm, pass, GuestState::Paused, t2)?;
-        self.pool.close(&mut self.stats)?;
+        self.peer.pool.close(&mut self.stats)?;
         let t3 = Instant::now();
         self.finish_hints(vm);
         let sections = vm.save_state()?;
@@ -91,8 +91,8 @@ impl<'a> Session<'a> {
     ) -> Result<(), MigrateError> {
         let [t0, t1, t2, t3, t4] = steps;
         self.send_device_state(sections)?;
-        self.conn.write_header(&Header::new(last, 0, 0))?;
-        self.conn.flush("handing the guest over")?;
+        self.peer.conn.write_header(&Header::new(last, 0, 0))?;
+        self.peer.conn.flush("handing the guest over")?;
         self.handed_over = true;
         self.control.update(|p| p.handed_over = true);
         let resumed = match self.await_resumed(serve) {
@@ -134,7 +134,8 @@ impl<'a> Session<'a> {
     /// after Complete sends them.
     pub(super) fn send_device_state(&mut self, sections: &[Section]) -> Result<(), MigrateError> {
         for s in sections {
-            self.conn
+            self.peer
+                .conn
                 .write_section(s.header(), &s.data, "sending device state")?;
         }
         Ok(())
@@ -152,6 +153,7 @@ impl<'a> Session<'a> {
         let tick = if serve.is_some() { LOAD_TICK } else { timeout };
         let ending = loop {
             let reader = self
+                .peer
                 .acks
                 .reader
                 .as_ref()
