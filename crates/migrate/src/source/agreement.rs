@@ -9,7 +9,7 @@ use crate::error::ProtocolError;
 use crate::wire::{self, Capabilities, Hello};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Agreement {
+pub(crate) struct Agreement {
     /// Received records: the source sees what the destination took in.
     pub progress: bool,
     /// Postcopy (discard lists, page requests, Done).

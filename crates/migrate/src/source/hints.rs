@@ -29,12 +29,13 @@
 use std::time::Instant;
 
 use super::hint_rounds::State;
+use super::target::Target;
 use super::{Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::error::MigrateError;
 use crate::vm::{SourceVm, VmError};
 
-impl Session<'_> {
+impl<P: Target> Session<'_, P> {
     /// Starts a round of hints before a pass with the guest running (the first round finds
     /// out whether the VMM can hint at all; if not, hinting stays off, quietly: a VMM without
     /// a balloon simply has none).

@@ -1,21 +1,23 @@
-//! The live destination a migration talks to: the main connection, the data channels, what
-//! comes back on the main connection (`ack_state.rs`, `reader.rs`), and what the handshake
-//! agreed. The session's phases reach it as `self.peer`.
+//! The live destination a migration talks to: the main connection, the data channels and
+//! what the handshake agreed. The session's phases reach it as `self.peer`; what comes back on
+//! the main connection (`reader.rs`) the session keeps in its `Acks`, which a target that
+//! says nothing (a file) leaves empty.
 
 #![forbid(unsafe_code)]
 
-use super::ack_state::Acks;
 use super::agreement::Agreement;
 use super::pool::ChannelPool;
 use super::readahead::Readahead;
+use super::target::Target;
 use crate::conn::Conn;
+use crate::error::MigrateError;
+use crate::stats::MigrationStats;
+use crate::wire::{Header, Kind};
 
 /// A live destination's side of a session.
 pub(super) struct Live {
     pub(super) conn: Conn,
     pub(super) pool: ChannelPool,
-    /// The reader of the main connection and what the destination acknowledged.
-    pub(super) acks: Acks,
     /// What the destination granted (the handshake sets it).
     pub(super) agreed: Agreement,
     /// Bytes written on main connections that a postcopy recovery replaced (the data
@@ -32,11 +34,53 @@ impl Live {
         Live {
             conn,
             pool: ChannelPool::default(),
-            acks: Acks::default(),
             agreed: Agreement::NONE,
             earlier_bytes: 0,
             readahead: Readahead::default(),
             config_sent: false,
         }
+    }
+}
+
+impl Target for Live {
+    fn agreement(&self) -> Agreement {
+        self.agreed
+    }
+
+    fn queue_pages(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
+        self.pool.queue_pages(gpas)
+    }
+
+    /// On every data channel, then on the main connection (the destination's barrier counts
+    /// on both).
+    fn end_pass(&mut self, pass: u32) -> Result<(), MigrateError> {
+        self.pool.end_pass(pass)?;
+        self.conn
+            .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
+        self.conn.flush("ending a pass")
+    }
+
+    fn pending_pages(&self) -> u64 {
+        self.pool.pending_pages()
+    }
+
+    fn bytes_written(&self) -> u64 {
+        self.conn.bytes_written + self.pool.bytes_written() + self.earlier_bytes
+    }
+
+    fn close_pages(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError> {
+        self.pool.close(stats)
+    }
+
+    fn abandon(&mut self) {
+        self.pool.abandon();
+    }
+
+    fn send_ending(&mut self, e: &MigrateError) {
+        self.conn.send_ending(e);
+    }
+
+    fn peer_error(&mut self) -> Option<String> {
+        self.conn.peer_error()
     }
 }

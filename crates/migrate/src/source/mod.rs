@@ -41,7 +41,7 @@
 #![forbid(unsafe_code)]
 
 mod ack_state;
-mod agreement;
+pub(crate) mod agreement;
 mod bandwidth;
 mod hint_rounds;
 mod hints;
@@ -58,10 +58,11 @@ mod reader;
 mod recover;
 mod sender;
 mod switchover;
+mod target;
 
 use std::time::{Duration, Instant};
 
-use self::ack_state::AckUse;
+use self::ack_state::{AckUse, Acks};
 use self::agreement::Agreement;
 use self::bandwidth::BandwidthWindow;
 use self::hint_rounds::Hints;
@@ -71,6 +72,7 @@ pub use self::params::{
     DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, SourceParams, TestHooks,
 };
 use self::reader::{Granted, Inbound, InboundReader};
+pub(crate) use self::target::Target;
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
@@ -153,7 +155,7 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     let conn = Conn::new(Box::new(stream))
         .map_err(|e| MigrateError::io("setting up the connection", e))?;
     let ram = Ram::new(vm.ram())?;
-    let mut session = Session::new(ram, conn, params, *hooks, control);
+    let mut session = Session::new(ram, Live::new(conn), params, *hooks, control);
     control.update(|p| {
         p.phase = Phase::Setup;
         p.settings = params.settings();
@@ -168,10 +170,13 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     session.conclude(vm, result)
 }
 
-/// One outgoing migration.
-struct Session<'a> {
-    /// The destination: the connections and what was agreed on them.
-    peer: Live,
+/// One outgoing migration, to a live destination (`Live`, the default) or to another
+/// [`Target`].
+struct Session<'a, P = Live> {
+    /// Where the pages go: the connections and what was agreed on them, or a file.
+    peer: P,
+    /// The reader of the main connection and what the destination acknowledged.
+    acks: Acks,
     ram: Ram,
     bitmap: DirtyBitmap,
     params: SourceParams,
@@ -207,16 +212,17 @@ struct Session<'a> {
     hints: Hints,
 }
 
-impl<'a> Session<'a> {
+impl<'a, P: Target> Session<'a, P> {
     fn new(
         ram: Ram,
-        conn: Conn,
+        peer: P,
         params: &SourceParams,
         hooks: TestHooks,
         control: &'a Control,
-    ) -> Session<'a> {
+    ) -> Session<'a, P> {
         Session {
-            peer: Live::new(conn),
+            peer,
+            acks: Acks::default(),
             bitmap: DirtyBitmap::new(ram.regions()),
             ram,
             params: params.clone(),
@@ -246,6 +252,91 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Ends the session: stops the senders and dirty logging, and on failure tells the
+    /// destination why and resumes the guest unless it was handed over.
+    fn conclude(
+        mut self,
+        vm: &mut dyn SourceVm,
+        result: Result<(), MigrateError>,
+    ) -> Result<MigrationStats, MigrateError> {
+        self.peer.abandon();
+        if !self.handed_over {
+            self.finish_hints(vm);
+        }
+        vm.stop_dirty_log();
+        if self.throttle > 0 {
+            if let Err(e) = vm.set_throttle(0) {
+                tracing::warn!("could not lift the guest's throttle: {e}");
+            }
+            self.throttle = 0;
+            self.control.update(|p| p.throttle_percent = 0);
+        }
+        match result {
+            Ok(()) => {
+                self.mark(Phase::Completed);
+                let s = self.finish_stats();
+                self.control.update(|p| {
+                    p.phase = Phase::Completed;
+                    p.stats = Some(s.clone());
+                });
+                Ok(s)
+            }
+            Err(e) => {
+                let e = self.explain(e);
+                if !self.handed_over {
+                    // The destination's own error is not echoed back to it.
+                    if !e.from_the_peer() {
+                        self.peer.send_ending(&e);
+                    }
+                    if self.guest == GuestState::Paused {
+                        vm.resume()?;
+                    }
+                }
+                let phase = match e {
+                    MigrateError::Cancelled => Phase::Cancelled,
+                    _ => Phase::Failed,
+                };
+                self.mark(phase);
+                let s = self.finish_stats();
+                self.control.update(|p| {
+                    p.phase = phase;
+                    p.error = Some(e.to_string());
+                    p.stats = Some(s);
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// A failed write may hide the destination's own explanation: look for it (on the reader
+    /// thread once it runs; before that, on the connection).
+    fn explain(&mut self, e: MigrateError) -> MigrateError {
+        match e {
+            MigrateError::Io { .. }
+            | MigrateError::Truncated { .. }
+            | MigrateError::Stalled { .. } => {
+                let message = match &self.acks.reader {
+                    Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
+                        Some(Ok(Inbound::Error(message))) => Some(message),
+                        _ => None,
+                    },
+                    None => self.peer.peer_error(),
+                };
+                message.map_or(e, |m| {
+                    MigrateError::Remote(crate::error::Side::Destination, m)
+                })
+            }
+            e => e,
+        }
+    }
+
+    /// Bytes written on all connections.
+    fn bytes_written(&self) -> u64 {
+        self.peer.bytes_written()
+    }
+}
+
+impl Session<'_, Live> {
     /// Every phase in order; the first failure ends the run.
     fn run(
         &mut self,
@@ -373,7 +464,7 @@ impl<'a> Session<'a> {
             resumed: false,
         };
         if granted.progress {
-            self.peer.acks.use_ = AckUse::Live;
+            self.acks.use_ = AckUse::Live;
         }
         if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
         {
@@ -394,91 +485,8 @@ impl<'a> Session<'a> {
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
             ));
         }
-        self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
         Ok(())
-    }
-
-    /// Ends the session: stops the senders and dirty logging, and on failure tells the
-    /// destination why and resumes the guest unless it was handed over.
-    fn conclude(
-        mut self,
-        vm: &mut dyn SourceVm,
-        result: Result<(), MigrateError>,
-    ) -> Result<MigrationStats, MigrateError> {
-        self.peer.pool.abandon();
-        if !self.handed_over {
-            self.finish_hints(vm);
-        }
-        vm.stop_dirty_log();
-        if self.throttle > 0 {
-            if let Err(e) = vm.set_throttle(0) {
-                tracing::warn!("could not lift the guest's throttle: {e}");
-            }
-            self.throttle = 0;
-            self.control.update(|p| p.throttle_percent = 0);
-        }
-        match result {
-            Ok(()) => {
-                self.mark(Phase::Completed);
-                let s = self.finish_stats();
-                self.control.update(|p| {
-                    p.phase = Phase::Completed;
-                    p.stats = Some(s.clone());
-                });
-                Ok(s)
-            }
-            Err(e) => {
-                let e = self.explain(e);
-                if !self.handed_over {
-                    // The destination's own error is not echoed back to it.
-                    if !e.from_the_peer() {
-                        self.peer.conn.send_ending(&e);
-                    }
-                    if self.guest == GuestState::Paused {
-                        vm.resume()?;
-                    }
-                }
-                let phase = match e {
-                    MigrateError::Cancelled => Phase::Cancelled,
-                    _ => Phase::Failed,
-                };
-                self.mark(phase);
-                let s = self.finish_stats();
-                self.control.update(|p| {
-                    p.phase = phase;
-                    p.error = Some(e.to_string());
-                    p.stats = Some(s);
-                });
-                Err(e)
-            }
-        }
-    }
-
-    /// A failed write may hide the destination's own explanation: look for it (on the reader
-    /// thread once it runs; before that, on the connection).
-    fn explain(&mut self, e: MigrateError) -> MigrateError {
-        match e {
-            MigrateError::Io { .. }
-            | MigrateError::Truncated { .. }
-            | MigrateError::Stalled { .. } => {
-                let message = match &self.peer.acks.reader {
-                    Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
-                        Some(Ok(Inbound::Error(message))) => Some(message),
-                        _ => None,
-                    },
-                    None => self.peer.conn.peer_error(),
-                };
-                message.map_or(e, |m| {
-                    MigrateError::Remote(crate::error::Side::Destination, m)
-                })
-            }
-            e => e,
-        }
-    }
-
-    /// Bytes written on all connections.
-    fn bytes_written(&self) -> u64 {
-        self.peer.conn.bytes_written + self.peer.pool.bytes_written() + self.peer.earlier_bytes
     }
 }
 

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::ack_state::AckUse;
 use super::reader::{Inbound, InboundReader};
+use super::target::Target;
 use super::{Session, ms};
 use crate::control::Phase;
 use crate::error::{MigrateError, Rule};
@@ -28,16 +29,16 @@ const DRAIN_POLL: Duration = Duration::from_millis(1);
 /// costs less; counting it in full only makes the source wait a little longer).
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
-impl Session<'_> {
+impl<P: Target> Session<'_, P> {
     /// Folds a new acknowledgement, if one came, into the absorption window.
     pub(super) fn note_acks(&mut self) {
-        let Some(reader) = &self.peer.acks.reader else {
+        let Some(reader) = &self.acks.reader else {
             return;
         };
         let acked = reader.acked().bytes;
-        if acked != self.peer.acks.acked {
-            self.peer.acks.acked = acked;
-            self.peer.acks.absorbed.record(Instant::now(), acked);
+        if acked != self.acks.acked {
+            self.acks.acked = acked;
+            self.acks.absorbed.record(Instant::now(), acked);
         }
     }
 
@@ -45,14 +46,14 @@ impl Session<'_> {
     /// the pages still queued on the senders, at their full cost.
     fn bytes_committed(&self) -> u64 {
         self.bytes_written().saturating_sub(HELLO_SIZE as u64)
-            + self.peer.pool.pending_pages() * BYTES_PER_PAGE
+            + self.peer.pending_pages() * BYTES_PER_PAGE
     }
 
     /// Bytes sent or queued that the destination has not acknowledged; 0 without
     /// acknowledgements.
     pub(super) fn in_flight(&self) -> u64 {
-        match self.peer.acks.use_ {
-            AckUse::Live => self.bytes_committed().saturating_sub(self.peer.acks.acked),
+        match self.acks.use_ {
+            AckUse::Live => self.bytes_committed().saturating_sub(self.acks.acked),
             AckUse::Unavailable | AckUse::Stalled => 0,
         }
     }
@@ -60,8 +61,8 @@ impl Session<'_> {
     /// The rate the policy divides by: what the destination absorbs, once acknowledgements
     /// have measured it, else the send rate.
     pub(super) fn rate(&self) -> f64 {
-        let absorbed = self.peer.acks.absorbed.rate();
-        match self.peer.acks.use_ {
+        let absorbed = self.acks.absorbed.rate();
+        match self.acks.use_ {
             AckUse::Live if absorbed > 0.0 => absorbed,
             _ => self.bandwidth.rate(),
         }
@@ -72,18 +73,18 @@ impl Session<'_> {
     pub(super) fn link_busy(&mut self) {
         let now = Instant::now();
         self.bandwidth.busy(now, self.bytes_written());
-        self.peer.acks.absorbed.busy(now, self.peer.acks.acked);
+        self.acks.absorbed.busy(now, self.acks.acked);
     }
 
     /// Stops a rate clock whose pipeline is empty: the senders wrote every page queued on
     /// them (the send rate), the destination acknowledged everything written (its rate).
     fn note_idle(&mut self) {
         let now = Instant::now();
-        if self.peer.pool.pending_pages() == 0 {
+        if self.peer.pending_pages() == 0 {
             self.bandwidth.idle(now, self.bytes_written());
         }
-        if self.peer.acks.use_ == AckUse::Live && self.in_flight() == 0 {
-            self.peer.acks.absorbed.idle(now, self.peer.acks.acked);
+        if self.acks.use_ == AckUse::Live && self.in_flight() == 0 {
+            self.acks.absorbed.idle(now, self.acks.acked);
         }
     }
 
@@ -98,7 +99,7 @@ impl Session<'_> {
             elapsed: self.start.elapsed(),
             stalled_passes: self.stalled_passes,
             throttle: self.throttle,
-            postcopy_granted: self.peer.agreed.postcopy,
+            postcopy_granted: self.peer.agreement().postcopy,
         }
     }
 
@@ -108,7 +109,7 @@ impl Session<'_> {
     pub(super) fn drain(&mut self, now: &Observation) -> Result<(), MigrateError> {
         let started = Instant::now();
         let deadline = started + policy::drain_bound(now);
-        let acked_before = self.peer.acks.acked;
+        let acked_before = self.acks.acked;
         loop {
             self.check_control()?;
             let o = self.observe();
@@ -118,12 +119,12 @@ impl Session<'_> {
             }
             if Instant::now() >= deadline {
                 self.stats.drain_timeouts += 1;
-                if self.peer.acks.acked == acked_before {
+                if self.acks.acked == acked_before {
                     tracing::warn!(
                         "the destination acknowledged nothing for {:?}; deciding on the send rate from now on",
                         policy::drain_bound(now)
                     );
-                    self.peer.acks.use_ = AckUse::Stalled;
+                    self.acks.use_ = AckUse::Stalled;
                 }
                 break;
             }
@@ -155,7 +156,7 @@ impl Session<'_> {
         }) {
             return Err(MigrateError::Timeout(t));
         }
-        match self.peer.acks.reader.as_ref().and_then(InboundReader::poll) {
+        match self.acks.reader.as_ref().and_then(InboundReader::poll) {
             None => Ok(()),
             Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
                 crate::error::Side::Destination,

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use super::readahead;
 use super::reader::Inbound;
 use super::sender;
+use super::target::Target;
 use super::{Session, ms};
 use crate::bitmap::{Cursor, DirtyBitmap};
 use crate::control::Phase;
@@ -64,11 +65,12 @@ const MAX_PICK_BYTES: u64 = 2 * MAX_REQUEST_PAGES * PAGE_SIZE;
 /// sockets open (its kernel even answers keepalives), so only silence tells it is gone.
 const DONE_TIMEOUT: Duration = Duration::from_secs(60);
 
-impl Session<'_> {
+impl<P: Target> Session<'_, P> {
     /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
-    /// count), and how; the policy's own reasons come after.
+    /// count), and how; the policy's own reasons come after. Never for a target that did not
+    /// agree to postcopy.
     pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
-        if !self.peer.agreed.postcopy {
+        if !self.peer.agreement().postcopy {
             None
         } else if self.control.postcopy_requested() {
             Some(PostcopyTrigger::Asked)
@@ -78,7 +80,9 @@ impl Session<'_> {
             None
         }
     }
+}
 
+impl Session<'_> {
     /// Switches to postcopy after precopy pass `pass` and sends the rest.
     pub(super) fn postcopy(
         &mut self,
@@ -151,8 +155,7 @@ impl Session<'_> {
         // page when its MSR is set); they are served at once.
         let listed = self.bitmap.clone();
         let mut cursor = Cursor::default();
-        self.peer
-            .acks
+        self.acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -248,7 +251,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.peer.acks.use_ != super::ack_state::AckUse::Live {
+            if self.acks.use_ != super::ack_state::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {
@@ -358,8 +361,7 @@ impl Session<'_> {
 
     /// Waits up to `timeout` for a page request (or less, if one is queued already).
     fn wait_requests(&self, timeout: Duration) {
-        self.peer
-            .acks
+        self.acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -469,7 +471,6 @@ impl Session<'_> {
     /// RAM ends the migration.
     fn take_requests(&self, pc: &mut PostcopyStats) -> Result<Vec<(u64, u64)>, MigrateError> {
         let runs = self
-            .peer
             .acks
             .reader
             .as_ref()
@@ -489,7 +490,7 @@ impl Session<'_> {
     /// asked for.
     fn check_ended(&mut self) -> Result<(), MigrateError> {
         self.check_pause()?;
-        let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
+        let reader = self.acks.reader.as_ref().expect("the reader runs");
         match reader.poll() {
             None => Ok(()),
             Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
@@ -513,7 +514,7 @@ impl Session<'_> {
         loop {
             self.check_pause()?;
             self.take_requests(pc)?;
-            let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
+            let reader = self.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {
                 Some(Ok(Inbound::Done(l))) => return Ok(*l),
                 Some(Ok(Inbound::Error(message))) => {

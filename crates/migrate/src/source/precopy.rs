@@ -10,18 +10,19 @@
 use std::time::Instant;
 
 use super::limiter::{Limiter, MAX_SLEEP, Pacing};
+use super::target::Target;
 use super::{Ending, GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
 use crate::policy::{self, Decision};
 use crate::stats::{PassStats, PostcopyTrigger, SampleKind};
 use crate::vm::{SourceVm, VmError};
-use crate::wire::{self, Header, Kind, PAGE_SIZE};
+use crate::wire::{self, PAGE_SIZE};
 
 /// What a record costs the link per page: its 8-byte address and the page.
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
-impl Session<'_> {
+impl<P: Target> Session<'_, P> {
     /// Runs pass 1 and dirty passes until the policy decides or postcopy is asked for (looked
     /// at after each pass, before the policy); says which, with the last pass sent. Between
     /// passes it throttles the guest when the policy says so.
@@ -240,11 +241,7 @@ impl Session<'_> {
         started: Instant,
     ) -> Result<(), MigrateError> {
         self.link_busy();
-        self.peer.pool.end_pass(pass)?;
-        self.peer
-            .conn
-            .write_header(&Header::new(Kind::EndOfPass, pass, 0))?;
-        self.peer.conn.flush("ending a pass")?;
+        self.peer.end_pass(pass)?;
         self.stats.passes.push(PassStats {
             pass,
             paused: guest == GuestState::Paused,
@@ -268,7 +265,7 @@ impl Session<'_> {
             if pacing == Pacing::Limited {
                 self.pace(batch.len() as u64 * BYTES_PER_PAGE)?;
             }
-            self.peer.pool.queue_pages(batch.to_vec())?;
+            self.peer.queue_pages(batch.to_vec())?;
         }
         self.after_batch();
         Ok(gpas.len() as u64)

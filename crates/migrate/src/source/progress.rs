@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::target::Target;
 use super::{Session, ms};
 use crate::control::Phase;
 use crate::policy::Observation;
@@ -21,7 +22,7 @@ use crate::wire::PAGE_SIZE;
 /// batches.
 const PUBLISH_INTERVAL: Duration = Duration::from_millis(50);
 
-impl Session<'_> {
+impl<P: Target> Session<'_, P> {
     /// After a batch went to the channels: samples the send rate, the destination's
     /// acknowledgements and the timeline, and now and then publishes progress.
     pub(super) fn after_batch(&mut self) {
@@ -122,7 +123,7 @@ impl Session<'_> {
         s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
         s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
-        s.acked_bytes = self.peer.acks.acked();
+        s.acked_bytes = self.acks.acked();
         s
     }
 }

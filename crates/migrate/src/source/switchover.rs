@@ -14,6 +14,7 @@
 use std::time::{Duration, Instant};
 
 use super::reader::{Awaiting, Inbound};
+use super::target::Target;
 use super::{GuestState, Session, ms};
 use crate::control::Phase;
 use crate::error::{MigrateError, Rule};
@@ -40,26 +41,30 @@ const AWAITING_RESUMED: Awaiting = Awaiting {
 pub(super) type ServeWhileLoading<'f, 'a> =
     &'f mut dyn FnMut(&mut Session<'a>) -> Result<(), MigrateError>;
 
-impl<'a> Session<'a> {
-    /// Stops the guest here and hands it over; `pass` is the final pass's number.
-    pub(super) fn switchover(
+impl<P: Target> Session<'_, P> {
+    /// Stops the guest here, sends the final pass and closes the target's page path, then
+    /// saves the device state; `pass` is the final pass's number. Returns the state and when
+    /// the pause was asked for, the guest paused, the final sync, the final pages and the
+    /// state save ended.
+    pub(super) fn final_pass(
         &mut self,
         vm: &mut dyn SourceVm,
         pass: u32,
-    ) -> Result<(), MigrateError> {
+    ) -> Result<(Vec<Section>, [Instant; 5]), MigrateError> {
         self.note_acks();
         self.stats.in_flight_at_pause_bytes = self.in_flight();
+        self.peer.before_pause(self.bitmap.count());
         let (t0, t1) = self.pause_guest(vm)?;
         self.sync_dirty(vm)?;
         let t2 = Instant::now();
         self.dirty_pass(vm, pass, GuestState::Paused, t2)?;
-        self.peer.pool.close(&mut self.stats)?;
+        self.peer.close_pages(&mut self.stats)?;
         let t3 = Instant::now();
         self.finish_hints(vm);
         let sections = vm.save_state()?;
         let t4 = Instant::now();
         self.note_state(vm, &sections);
-        self.hand_over(&sections, Kind::Complete, [t0, t1, t2, t3, t4], None)
+        Ok((sections, [t0, t1, t2, t3, t4]))
     }
 
     /// Pauses the guest here for the switchover (precopy's, or postcopy's): the phase, the end
@@ -74,6 +79,25 @@ impl<'a> Session<'a> {
         vm.pause()?;
         self.guest = GuestState::Paused;
         Ok((asked, Instant::now()))
+    }
+
+    /// Records the saved state's size and where its save went, for the downtime breakdown.
+    pub(super) fn note_state(&mut self, vm: &dyn SourceVm, sections: &[Section]) {
+        let d = &mut self.stats.downtime;
+        d.state_bytes = sections.iter().map(|s| s.data.len() as u64).sum();
+        d.save_parts = vm.state_parts();
+    }
+}
+
+impl<'a> Session<'a> {
+    /// Stops the guest here and hands it over; `pass` is the final pass's number.
+    pub(super) fn switchover(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pass: u32,
+    ) -> Result<(), MigrateError> {
+        let (sections, steps) = self.final_pass(vm, pass)?;
+        self.hand_over(&sections, Kind::Complete, steps, None)
     }
 
     /// Sends the saved state and `last` (Complete, or Postcopy), hands the guest over, waits
@@ -123,13 +147,6 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Records the saved state's size and where its save went, for the downtime breakdown.
-    pub(super) fn note_state(&mut self, vm: &dyn SourceVm, sections: &[Section]) {
-        let d = &mut self.stats.downtime;
-        d.state_bytes = sections.iter().map(|s| s.data.len() as u64).sum();
-        d.save_parts = vm.state_parts();
-    }
-
     /// Writes the device-state sections on the main connection, one record each; the flush
     /// after Complete sends them.
     pub(super) fn send_device_state(&mut self, sections: &[Section]) -> Result<(), MigrateError> {
@@ -153,7 +170,6 @@ impl<'a> Session<'a> {
         let tick = if serve.is_some() { LOAD_TICK } else { timeout };
         let ending = loop {
             let reader = self
-                .peer
                 .acks
                 .reader
                 .as_ref()

@@ -1,0 +1,52 @@
+//! The seam between a migration's transfer core and where its pages go: a [`Target`]. The core
+//! (the session's passes, dirty bitmap, policy, limiter, hints, throttle and statistics) hands
+//! a target batches of page addresses and ends passes on it; the target says what it agreed
+//! to, how much it has written and what is still queued, and closes its page path after the
+//! final pass. What completes a migration differs: a live destination (`live.rs`: TCP, TLS or
+//! Unix) takes the device state and Complete and answers Resumed; a snapshot file
+//! (`snapshot::target`) takes the state into its file and answers nothing.
+
+#![forbid(unsafe_code)]
+
+use super::agreement::Agreement;
+use crate::error::MigrateError;
+use crate::stats::MigrationStats;
+
+/// Where a session's pages go.
+pub(crate) trait Target {
+    /// What the target agreed to (capabilities, postcopy's unit): a file agrees to precopy
+    /// alone.
+    fn agreement(&self) -> Agreement;
+
+    /// Queues a batch of page addresses; the target copies the pages out of guest memory when
+    /// it writes them (a page the guest changes meanwhile is dirty again, and sent again).
+    fn queue_pages(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError>;
+
+    /// Ends pass `pass` after every batch queued before it.
+    fn end_pass(&mut self, pass: u32) -> Result<(), MigrateError>;
+
+    /// Pages queued and not written yet.
+    fn pending_pages(&self) -> u64;
+
+    /// Bytes written so far, for the send rate.
+    fn bytes_written(&self) -> u64;
+
+    /// The guest is about to pause for the final pass, with `dirty_pages` dirty pages as the
+    /// last sync counted them.
+    fn before_pause(&mut self, _dirty_pages: u64) {}
+
+    /// The final pass was queued: writes what is queued and closes the page path, adding what
+    /// it did to `stats`.
+    fn close_pages(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError>;
+
+    /// Stops everything that writes, at once (the session failed, or ended).
+    fn abandon(&mut self);
+
+    /// Tells the target why the migration failed, if it can hear it (best effort).
+    fn send_ending(&mut self, _e: &MigrateError) {}
+
+    /// The target's own account of why a write failed, if it gave one.
+    fn peer_error(&mut self) -> Option<String> {
+        None
+    }
+}
