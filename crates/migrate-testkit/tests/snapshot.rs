@@ -172,6 +172,24 @@ fn a_cancelled_save_leaves_the_guest_running_and_no_file() {
     );
 }
 
+#[test]
+fn a_save_that_cannot_create_its_file_fails_at_once_and_says_so() {
+    let dir = Dir::new("nowhere");
+    let mut src = FakeVm::new(8 * MIB, 1);
+    let control = Control::default();
+    let path = dir.0.join("missing/vm.snap");
+    let e = snapshot::save(&mut src, &path, &save_params(false), &control).unwrap_err();
+    assert!(e.to_string().contains("creating"), "{e}");
+    assert!(!src.is_paused() && !src.is_logging());
+    let p = control.progress();
+    assert_eq!(
+        p.phase,
+        Phase::Failed,
+        "a follower of the progress sees the end"
+    );
+    assert_eq!(p.error, Some(e.to_string()));
+}
+
 /// Restores `path` into a fresh fake VM of `size`; the error's text.
 fn refusal(path: &Path, size: u64, vcpus: u32) -> String {
     let mut dst = FakeVm::new(size, 1);

@@ -46,6 +46,8 @@ pub enum SnapshotError {
         path.display()
     )]
     PageChecksum { path: PathBuf, gpa: u64 },
+    #[error("a snapshot writer thread panicked (a bug in ferry)")]
+    WriterPanicked,
     #[error("{gpa:#x} is not guest RAM in this snapshot")]
     OutsideRam { gpa: u64 },
     #[error("{what} of {len} bytes is more than the {reserved} bytes the snapshot reserved for it")]

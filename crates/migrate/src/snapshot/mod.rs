@@ -14,6 +14,7 @@ pub mod hot;
 pub mod restore;
 pub mod save;
 pub mod state;
+mod target;
 
 pub use file::{Reader, SnapshotError, Writer};
 pub use restore::{LazyLoad, LazyStats, Loading, RestoreParams, RestoreStats, Restored, restore};

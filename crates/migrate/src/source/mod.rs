@@ -45,6 +45,7 @@ pub(crate) mod agreement;
 mod bandwidth;
 mod hint_rounds;
 mod hints;
+pub(crate) mod keep;
 mod limiter;
 mod live;
 mod observe;
@@ -58,7 +59,7 @@ mod reader;
 mod recover;
 mod sender;
 mod switchover;
-mod target;
+pub(crate) mod target;
 
 use std::time::{Duration, Instant};
 
@@ -334,6 +335,19 @@ impl<'a, P: Target> Session<'a, P> {
     fn bytes_written(&self) -> u64 {
         self.peer.bytes_written()
     }
+
+    /// Starts the dirty log and precopy. The control loop's first step is the VMM starting
+    /// its dirty log (one call, whose cost follows populated memory), so `max_step_ms`
+    /// counts it.
+    fn start_tracking(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let t = Instant::now();
+        self.last_check = Some(t);
+        vm.start_dirty_log()?;
+        self.stats.dirty_start_ms = ms(t.elapsed());
+        self.stats.setup_ms = ms(self.start.elapsed());
+        self.set_phase(Phase::Precopy);
+        Ok(())
+    }
 }
 
 impl Session<'_, Live> {
@@ -356,14 +370,7 @@ impl Session<'_, Live> {
             self.hooks,
             self.peer.agreed.preempt,
         )?;
-        // The control loop's first step is the VMM starting its dirty log (one call, whose
-        // cost follows populated memory), so `max_step_ms` counts it.
-        let t = Instant::now();
-        self.last_check = Some(t);
-        vm.start_dirty_log()?;
-        self.stats.dirty_start_ms = ms(t.elapsed());
-        self.stats.setup_ms = ms(self.start.elapsed());
-        self.set_phase(Phase::Precopy);
+        self.start_tracking(vm)?;
         match self.precopy(vm)? {
             Ending::Switchover(last) => self.switchover(vm, last + 1),
             Ending::Postcopy(last, trigger) => self.postcopy(vm, last, trigger),

@@ -11,6 +11,7 @@
 use super::agreement::Agreement;
 use crate::error::MigrateError;
 use crate::stats::MigrationStats;
+use crate::vm::Section;
 
 /// Where a session's pages go.
 pub(crate) trait Target {
@@ -49,4 +50,15 @@ pub(crate) trait Target {
     fn peer_error(&mut self) -> Option<String> {
         None
     }
+}
+
+/// A target that keeps what it is given and answers nothing: a snapshot file. A session to it
+/// runs precopy and the final pass, resumes the guest unless [`Keeper::stops`], and ends it
+/// with the device state ([`super::keep`]).
+pub(crate) trait Keeper: Target {
+    /// Whether the guest stays paused once its state is saved.
+    fn stops(&self) -> bool;
+
+    /// Takes the device state once the final pass was closed, and ends the target.
+    fn keep(&mut self, sections: &[Section]) -> Result<(), MigrateError>;
 }
