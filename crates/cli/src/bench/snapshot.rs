@@ -1,8 +1,8 @@
 //! `ferry bench snapshot`: saves and restores of an 8 GiB guest holding 4 GiB of random data,
 //! each set against references measured in the same run:
 //!
-//! - the file system's sequential write rate (2 GiB in 2 MiB writes, then `fdatasync`), which
-//!   bounds a save;
+//! - the file system's sequential write rate (as much data as the guest holds, in 2 MiB writes,
+//!   then `fdatasync`), which bounds a save;
 //! - the fresh-memory write rate (`pwrite` of 1 GiB into a fresh memfd, on 1 thread and on as
 //!   many threads as an eager restore reads with), which bounds an eager restore.
 //!
@@ -61,23 +61,27 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
     let readers = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
     let mut rows = Vec::new();
     println!("references (same run):");
-    let fs = fs_write_rate(&args.dir, 2 * GIB)?;
+    // As much as the snapshot holds: the page cache absorbs the first gigabytes of any write
+    // and the disk's rate bounds the rest, so a shorter reference flatters the disk.
+    let fs = fs_write_rate(&args.dir, data)?;
     println!(
         "  file system, sequential write + fdatasync: {:>8.0} MB/s",
         fs / 1e6
     );
     let fresh1 = fresh_pwrite_rate(GIB, 1)?;
-    let fresh = fresh_pwrite_rate(GIB, readers)?;
+    let fresh_n = fresh_pwrite_rate(GIB, readers)?;
+    // The better of the two is what the eager restore is held to.
+    let fresh = fresh1.max(fresh_n);
     println!(
         "  pwrite into fresh memory, 1 thread:         {:>8.0} MB/s",
         fresh1 / 1e6
     );
     println!(
         "  pwrite into fresh memory, {readers} threads:        {:>8.0} MB/s",
-        fresh / 1e6
+        fresh_n / 1e6
     );
     rows.push(json!({"bench": "snapshot_ref", "fs_write_mb_s": fs / 1e6,
-        "fresh_pwrite_1_mb_s": fresh1 / 1e6, "fresh_pwrite_mb_s": fresh / 1e6, "threads": readers}));
+        "fresh_pwrite_1_mb_s": fresh1 / 1e6, "fresh_pwrite_mb_s": fresh_n / 1e6, "threads": readers}));
 
     let file = args
         .dir
@@ -85,7 +89,7 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
     let _cleanup = Remove(file.clone());
     let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
     if args.only.as_deref() != Some("live") {
-        idle_rows(&config, &file, data, fs, fresh, readers, &mut rows)?;
+        idle_rows(&config, &file, data, fs, fresh, &mut rows)?;
     }
     if args.only.as_deref() != Some("idle") {
         live_rows(&config, &file, &ws, data, &mut rows)?;
@@ -104,7 +108,6 @@ fn idle_rows(
     data: u64,
     fs: f64,
     fresh: f64,
-    readers: usize,
     rows: &mut Vec<serde_json::Value>,
 ) -> anyhow::Result<()> {
     println!(
@@ -116,9 +119,12 @@ fn idle_rows(
     let allocated = std::fs::metadata(file)?.blocks() * 512;
     let save_ms = stats.total_ms;
     let mb_s = data as f64 / 1e3 / save_ms;
+    let passes_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
     println!(
-        "  save --stop        {save_ms:>8.0} ms  {mb_s:>6.0} MB/s = {:.2} of the file system's  file {:.1} MiB allocated for {} MiB of data ({:+.2}%)  pause {:.1} ms",
+        "  save --stop        {save_ms:>8.0} ms  {mb_s:>6.0} MB/s = {:.2} of the file system's  (passes {:.0} ms, the file's end and sync {:.0} ms)  file {:.1} MiB allocated for {} MiB of data ({:+.2}%)  pause {:.1} ms",
         mb_s * 1e6 / fs,
+        passes_ms,
+        save_ms - passes_ms - stats.setup_ms,
         allocated as f64 / (1 << 20) as f64,
         data >> 20,
         (allocated as f64 / data as f64 - 1.0) * 100.0,
@@ -133,7 +139,7 @@ fn idle_rows(
     let r = restore(config, file, Loading::Eager, true)?;
     let rate = r.bytes as f64 / (r.ram_ms / 1e3);
     println!(
-        "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory ({readers} threads)  RAM {:.0} ms, state {:.1} ms; verify clean",
+        "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory (the better reference)  RAM {:.0} ms, state {:.1} ms; verify clean",
         r.to_running_ms,
         rate / 1e6,
         rate / fresh,
