@@ -1,10 +1,13 @@
-//! Snapshots to a file (docs/snapshot.md): the file's format and its reading and writing
-//! today; the migration target that is a file (`ferry snapshot`) and the restores come next.
+//! Snapshots to a file (docs/snapshot.md), and restores from one.
 //!
-//! - [`format`]: the header, the layout of the areas and guest RAM in the file, and the checks a
+//! - [`format`](mod@format): the header, the layout of the areas and guest RAM in the file, and the checks a
 //!   reader makes before it uses anything. Pure: no I/O, no `unsafe`.
-//! - [`file`]: the [`Writer`](file::Writer) that fills a file in parallel and makes it complete
-//!   only at the end, and the [`Reader`](file::Reader) that checks what it hands out.
+//! - [`file`](mod@file): the [`Writer`] that fills a file in parallel and makes it complete only at the
+//!   end, and the [`Reader`] that checks what it hands out.
+//! - [`state`] and [`hot`]: the device state area and the hot set.
+//! - `target.rs`: the file as a migration session's target (writer threads); [`save()`] runs a
+//!   live snapshot through it ([`mod@save`]).
+//! - [`restore()`]: eager and lazy restores into any [`DestinationVm`](crate::DestinationVm).
 
 #![forbid(unsafe_code)]
 

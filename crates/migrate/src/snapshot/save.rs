@@ -1,4 +1,4 @@
-//! A live snapshot: a migration session whose target is a file ([`FileTarget`]). The transfer
+//! A live snapshot: a migration session whose target is a file (`FileTarget`, `target.rs`). The transfer
 //! core is the migration's (pass 1 over populated memory, dirty passes decided by the same
 //! policy, auto-converge, free page hints, the pause and the final pass, the statistics and
 //! [`Control`]); the file agrees to precopy alone, takes pages through its writer threads, and

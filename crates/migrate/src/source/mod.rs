@@ -2,9 +2,13 @@
 //! switch over, then pause, send the rest and the device state, and wait for the destination
 //! to resume the guest.
 //!
-//! One migration is a `Session` value that owns its connection, channel pool, bitmap,
-//! limiter and statistics, and is consumed by `Session::conclude`. Its phases live one to a
-//! file:
+//! One migration is a `Session` value that owns its target (`target.rs`: where the pages go;
+//! `Live`, a live destination's connections and channel pool, by default), bitmap, limiter and
+//! statistics, and is consumed by `Session::conclude`. The transfer core (the passes, the
+//! final pass, what the policy observes, progress, hints, the ending) is written over any
+//! target; the handshake, postcopy, recovery and the handover with its Resumed are `Live`'s;
+//! `keep.rs` runs a session to a target that keeps what it is given (a snapshot file). Its
+//! phases live one to a file:
 //!
 //! - here: the entry point, the handshake on the main connection, and the ending (success,
 //!   or failure with the guest resumed unless it was handed over);
@@ -70,7 +74,8 @@ use self::hint_rounds::Hints;
 use self::limiter::{Limiter, Pacing};
 use self::live::Live;
 pub use self::params::{
-    DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, SourceParams, TestHooks,
+    DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, DEFAULT_POSTCOPY_QUIET_START,
+    SourceParams, TestHooks,
 };
 use self::reader::{Granted, Inbound, InboundReader};
 pub(crate) use self::target::Target;

@@ -1,6 +1,7 @@
-//! Switchover: pause the guest, sync and send the last dirty pages, close the data channels,
-//! save and send the device state, send Complete, and wait for the destination to say it
-//! resumed the guest. Measures where the downtime went.
+//! Switchover: pause the guest, sync and send the last dirty pages, close the target's page
+//! path and save the device state (`final_pass`, any target's); then, to a live destination,
+//! send the state and Complete and wait for it to say it resumed the guest. Measures where the
+//! downtime went.
 //!
 //! Invariant: `handed_over` is set right after Complete is flushed. Before that, a failure
 //! resumes the guest here; after it, the guest may run on the destination, so a failure
