@@ -42,19 +42,14 @@ impl<K: Keeper> Session<'_, K> {
         let last = match self.precopy(vm)? {
             Ending::Switchover(last) | Ending::Postcopy(last, _) => last,
         };
-        let (sections, [t0, t1, t2, t3, t4]) = self.final_pass(vm, last + 1)?;
+        let (sections, steps) = self.final_pass(vm, last + 1)?;
         if !self.peer.stops() {
             vm.resume()?;
             self.guest = GuestState::Running;
         }
-        let t5 = Instant::now();
-        let d = &mut self.stats.downtime;
-        d.total_ms = ms(t5 - t0);
-        d.pause_ms = ms(t1 - t0);
-        d.final_sync_ms = ms(t2 - t1);
-        d.final_pages_ms = ms(t3 - t2);
-        d.state_save_ms = ms(t4 - t3);
-        d.resume_ms = ms(t5 - t4);
+        let resumed = Instant::now();
+        self.note_downtime(steps, resumed);
+        self.stats.downtime.resume_ms = ms(resumed - steps[4]);
         self.peer.keep(&sections)
     }
 }

@@ -82,6 +82,18 @@ impl<P: Target> Session<'_, P> {
         Ok((asked, Instant::now()))
     }
 
+    /// Records where the downtime went on this side: `steps` as [`Session::final_pass`]
+    /// returns them, and `end`, when the guest runs again (here, or on the destination).
+    pub(super) fn note_downtime(&mut self, steps: [Instant; 5], end: Instant) {
+        let [t0, t1, t2, t3, t4] = steps;
+        let d = &mut self.stats.downtime;
+        d.total_ms = ms(end - t0);
+        d.pause_ms = ms(t1 - t0);
+        d.final_sync_ms = ms(t2 - t1);
+        d.final_pages_ms = ms(t3 - t2);
+        d.state_save_ms = ms(t4 - t3);
+    }
+
     /// Records the saved state's size and where its save went, for the downtime breakdown.
     pub(super) fn note_state(&mut self, vm: &dyn SourceVm, sections: &[Section]) {
         let d = &mut self.stats.downtime;
@@ -134,12 +146,8 @@ impl<'a> Session<'a> {
             Err(e) => return Err(MigrateError::Unacknowledged(Box::new(e))),
         };
         let t6 = Instant::now();
+        self.note_downtime([t0, t1, t2, t3, t4], t6);
         let d = &mut self.stats.downtime;
-        d.total_ms = ms(t6 - t0);
-        d.pause_ms = ms(t1 - t0);
-        d.final_sync_ms = ms(t2 - t1);
-        d.final_pages_ms = ms(t3 - t2);
-        d.state_save_ms = ms(t4 - t3);
         d.load_ms = resumed.load_ns as f64 / 1e6;
         d.resume_ms = resumed.resume_ns as f64 / 1e6;
         d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
