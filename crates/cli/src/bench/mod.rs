@@ -11,6 +11,7 @@ mod link;
 mod postcopy;
 mod precopy;
 mod process;
+mod qemu;
 mod scale;
 mod snapshot;
 mod soak;

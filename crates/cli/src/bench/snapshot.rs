@@ -11,7 +11,8 @@
 //! rate RAM comes in at); a live save while the guest dirties a hot 1 GiB of its working set
 //! at 400 MB/s (the pause the guest saw), and that file's lazy restore with and without its
 //! hot set (the guest's demand faults). Every restored guest must then finish a verify pass
-//! of its whole working set, clean.
+//! of its whole working set, clean. The same idle guest is also saved and restored by the
+//! QEMU installed here (`qemu.rs`), on the same file system: the peer a user would compare.
 //!
 //! The restores read a file the save just wrote: its pages are in the page cache (warm), as
 //! in the QEMU figures the issue quotes. The guest's RAM on either side is fresh memory.
@@ -43,6 +44,10 @@ pub struct SnapshotBenchArgs {
     /// Only the idle guest's rows (`idle`) or the writing guest's (`live`).
     #[arg(long, value_parser = ["idle", "live"])]
     only: Option<String>,
+    /// Leave QEMU out (by default the idle guest is also saved and restored by the QEMU
+    /// installed here, the same guest on the same file system).
+    #[arg(long)]
+    no_qemu: bool,
     /// Guest RAM (the data is half of it).
     #[arg(long, default_value = "8G", value_parser = crate::sizes::parse_size)]
     memory: u64,
@@ -89,7 +94,7 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
     let _cleanup = Remove(file.clone());
     let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
     if args.only.as_deref() != Some("live") {
-        idle_rows(&config, &file, data, fs, fresh, &mut rows)?;
+        idle_rows(&config, &file, data, fs, fresh, !args.no_qemu, &mut rows)?;
     }
     if args.only.as_deref() != Some("idle") {
         live_rows(&config, &file, &ws, data, &mut rows)?;
@@ -108,6 +113,7 @@ fn idle_rows(
     data: u64,
     fs: f64,
     fresh: f64,
+    qemu: bool,
     rows: &mut Vec<serde_json::Value>,
 ) -> anyhow::Result<()> {
     println!(
@@ -137,6 +143,7 @@ fn idle_rows(
     );
     // Eager restore.
     let r = restore(config, file, Loading::Eager, true)?;
+    let eager_ms = r.to_running_ms;
     let rate = r.bytes as f64 / (r.ram_ms / 1e3);
     println!(
         "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory (the better reference)  RAM {:.0} ms, state {:.1} ms; verify clean",
@@ -167,6 +174,35 @@ fn idle_rows(
         "state_load_ms": r.state_ms, "resume_ms": r.resume_ms, "load_ms": r.load_ms,
         "gb_s": r.bytes as f64 / 1e6 / r.load_ms, "demand_faults": r.faults}),
     );
+    if !qemu {
+        return Ok(());
+    }
+    let dir = file.parent().unwrap_or(Path::new("."));
+    match super::qemu::save_and_restore(config.memory_bytes, &config.cmdline, dir)? {
+        None => println!("  QEMU: qemu-system-x86_64 is not installed; --no-qemu skips it"),
+        Some(q) => {
+            println!(
+                "  {} ({}): save --stop {:.0} ms (ferry {:.2} of it), restore {:.0} ms (ferry's eager {:.2} of it), file {:.1} MiB allocated",
+                q.version,
+                if q.mapped_ram {
+                    "file: with mapped-ram, 2 multifd channels"
+                } else {
+                    "no mapped-ram: exec:cat"
+                },
+                q.save_ms,
+                save_ms / q.save_ms,
+                q.restore_ms,
+                eager_ms / q.restore_ms,
+                q.allocated as f64 / (1 << 20) as f64
+            );
+            rows.push(
+                json!({"bench": "snapshot", "row": "qemu", "version": q.version,
+                "mapped_ram": q.mapped_ram, "save_ms": q.save_ms, "restore_ms": q.restore_ms,
+                "allocated_bytes": q.allocated, "ferry_save_ratio": save_ms / q.save_ms,
+                "ferry_restore_ratio": eager_ms / q.restore_ms}),
+            );
+        }
+    }
     Ok(())
 }
 
