@@ -41,6 +41,10 @@ pub struct SnapshotArgs {
     /// Stop iterating after this long and pause the guest to write the rest.
     #[arg(long, value_parser = humantime::parse_duration)]
     timeout: Option<Duration>,
+    /// Write the pages with direct I/O (O_DIRECT), past the page cache, so that a snapshot of a
+    /// large guest does not fill it (the file system must allow it).
+    #[arg(long)]
+    direct_io: bool,
     /// Write the statistics as JSON here (for `ferry report`).
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
@@ -57,6 +61,7 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
         downtime_limit_ms: args.downtime_limit.as_millis() as u64,
         auto_converge: args.auto_converge == OnOff::On,
         timeout_ms: args.timeout.map(|t| t.as_millis() as u64),
+        direct_io: args.direct_io,
     };
     let body = serde_json::to_string(&body).context("encoding the snapshot request")?;
     client::request_with_body(&args.api_socket, "PUT", "/snapshot", &body)

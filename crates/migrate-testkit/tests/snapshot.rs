@@ -23,6 +23,7 @@ fn save_params(stop: bool) -> SaveParams {
         vcpus: 2,
         uuid: [7; 16],
         stop,
+        direct_io: false,
     }
 }
 
@@ -93,6 +94,21 @@ fn an_eager_restore_holds_what_the_source_held_when_it_paused() {
     assert_eq!(dst.state, src.state);
     assert!(src.contents() == dst.contents(), "memory differs");
     assert!(restored.stats.bytes_read > 0);
+}
+
+#[test]
+fn a_save_with_direct_io_restores_the_same() {
+    let dir = Dir::new("direct");
+    let mut src = FakeVm::new(16 * MIB, 2);
+    src.fill(3);
+    let params = SaveParams {
+        direct_io: true,
+        ..save_params(true)
+    };
+    snapshot::save(&mut src, &dir.file(), &params, &Control::default()).unwrap();
+    let mut dst = FakeVm::new(16 * MIB, 2);
+    snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Eager)).unwrap();
+    assert!(src.contents() == dst.contents(), "memory differs");
 }
 
 #[test]

@@ -38,6 +38,8 @@ pub struct SnapshotRequest {
     pub auto_converge: bool,
     /// Give up converging this long after the start, and pause anyway; `None`: never.
     pub timeout_ms: Option<u64>,
+    /// Write the pages with direct I/O (`O_DIRECT`), past the page cache.
+    pub direct_io: bool,
 }
 
 impl Default for SnapshotRequest {
@@ -49,6 +51,7 @@ impl Default for SnapshotRequest {
             downtime_limit_ms: 20,
             auto_converge: true,
             timeout_ms: None,
+            direct_io: false,
         }
     }
 }
@@ -77,6 +80,7 @@ impl SnapshotRequest {
             vcpus,
             uuid: crate::migration::migration_uuid(),
             stop: self.stop,
+            direct_io: self.direct_io,
         })
     }
 }

@@ -46,6 +46,15 @@ pub enum SnapshotError {
         path.display()
     )]
     PageChecksum { path: PathBuf, gpa: u64 },
+    #[error(
+        "the file system of {} does not take direct I/O (O_DIRECT: {source}); snapshot without --direct-io",
+        path.display()
+    )]
+    NoDirectIo {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("a snapshot writer thread panicked (a bug in ferry)")]
     WriterPanicked,
     #[error("{gpa:#x} is not guest RAM in this snapshot")]
@@ -58,6 +67,39 @@ pub enum SnapshotError {
     },
 }
 
+/// A page of memory aligned to its size, as direct I/O (`O_DIRECT`) needs its buffers.
+#[derive(
+    Clone, zerocopy::FromBytes, zerocopy::IntoBytes, zerocopy::Immutable, zerocopy::KnownLayout,
+)]
+#[repr(C, align(4096))]
+pub(crate) struct AlignedPage([u8; PAGE_SIZE as usize]);
+
+/// A buffer of whole pages at a page-aligned address: what the snapshot's writers fill and
+/// write, with or without direct I/O.
+pub(crate) struct PageBuf(Vec<AlignedPage>);
+
+impl PageBuf {
+    /// `pages` zeroed pages (the memory is touched: see [`PageBuf::touch`] for why it matters).
+    pub(crate) fn new(pages: usize) -> PageBuf {
+        PageBuf(vec![AlignedPage([0; PAGE_SIZE as usize]); pages])
+    }
+
+    /// Writes a byte of every page, so that none is still to be faulted in when it is used.
+    pub(crate) fn touch(&mut self) {
+        for p in &mut self.0 {
+            p.0[0] = 1;
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        zerocopy::IntoBytes::as_bytes(&self.0[..])
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        zerocopy::IntoBytes::as_mut_bytes(&mut self.0[..])
+    }
+}
+
 /// The CRC32C of a page of zeros: what a hole holds.
 fn zero_page_crc() -> u32 {
     crc(&[0u8; PAGE_SIZE as usize])
@@ -67,6 +109,9 @@ fn zero_page_crc() -> u32 {
 #[derive(Debug)]
 pub struct Writer {
     file: File,
+    /// With direct I/O, a second descriptor of the file opened `O_DIRECT`, for the pages (the
+    /// metadata areas are not whole pages, so they go through `file`).
+    direct: Option<File>,
     partial: PathBuf,
     path: PathBuf,
     header: Header,
@@ -97,6 +142,7 @@ impl Writer {
         uuid: [u8; 16],
         regions: &[(u64, u64)],
         config: &[u8],
+        direct_io: bool,
     ) -> Result<Writer, SnapshotError> {
         let pages: u64 = regions.iter().map(|r| r.1 / PAGE_SIZE).sum();
         let mut header = Header::layout(
@@ -126,10 +172,31 @@ impl Writer {
         header.config_crc = crc(config);
         file.write_all_at(&header.encode(), 0)
             .map_err(io("writing the header of"))?;
+        let direct = match direct_io {
+            false => None,
+            true => {
+                use std::os::unix::fs::OpenOptionsExt;
+                let opened = std::fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&partial);
+                match opened {
+                    Ok(f) => Some(f),
+                    Err(source) => {
+                        let _ = std::fs::remove_file(&partial);
+                        return Err(SnapshotError::NoDirectIo {
+                            path: path.to_owned(),
+                            source,
+                        });
+                    }
+                }
+            }
+        };
         let zero = zero_page_crc();
         let crcs = (0..pages).map(|_| AtomicU32::new(zero)).collect();
         Ok(Writer {
             file,
+            direct,
             partial,
             path: path.to_owned(),
             header,
@@ -209,7 +276,11 @@ impl Writer {
         if zero {
             return self.punch(at, pages as u64 * PAGE_SIZE);
         }
-        self.file
+        // With direct I/O the offsets and lengths are whole pages, and the callers' buffers
+        // page-aligned (`PageBuf`).
+        self.direct
+            .as_ref()
+            .unwrap_or(&self.file)
             .write_all_at(&data[first * page..(first + pages) * page], at)
             .map_err(self.io("writing pages to"))
     }
@@ -490,7 +561,7 @@ mod tests {
     fn a_snapshot_written_in_passes_reads_back_its_last_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("vm.snap");
-        let w = Writer::create(&path, 2, [3; 16], &REGIONS, b"config").unwrap();
+        let w = Writer::create(&path, 2, [3; 16], &REGIONS, b"config", false).unwrap();
         let partial = dir.path().join("vm.snap.partial");
         assert!(!path.exists() && partial.exists());
         let err = Reader::open(&partial).unwrap_err();
@@ -540,7 +611,7 @@ mod tests {
     fn a_damaged_byte_is_refused_naming_what_it_damaged() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("vm.snap");
-        let w = Writer::create(&path, 1, [4; 16], &REGIONS, b"c").unwrap();
+        let w = Writer::create(&path, 1, [4; 16], &REGIONS, b"c", false).unwrap();
         w.write_page(0x2000, &page(5)).unwrap();
         let header = w.finish(b"state", &[]).unwrap();
         let flip = |at: u64| {

@@ -38,6 +38,9 @@ pub struct SaveParams {
     pub uuid: [u8; 16],
     /// Leave the guest paused once the snapshot is complete (a save before shutdown).
     pub stop: bool,
+    /// Write the pages with direct I/O (`O_DIRECT`), past the page cache: the file system
+    /// must allow it.
+    pub direct_io: bool,
 }
 
 impl SaveParams {
@@ -89,6 +92,13 @@ fn open(
         Err(e) => return Err(e.into()),
     };
     let ram = Ram::new(vm.ram())?;
-    let writer = Writer::create(path, params.vcpus, params.uuid, &ram.layout(), &config)?;
+    let writer = Writer::create(
+        path,
+        params.vcpus,
+        params.uuid,
+        &ram.layout(),
+        &config,
+        params.direct_io,
+    )?;
     FileTarget::start(ram, writer, params.writers, params.stop)
 }

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::file::{SnapshotError, Writer};
+use super::file::{PageBuf, SnapshotError, Writer};
 use super::{hot, state};
 use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
@@ -64,9 +64,9 @@ struct Shared {
     /// Pages handed over and not written (or staged) yet.
     pending: AtomicU64,
     /// Buffers for the final pass, touched ahead; taken while staging.
-    pool: Mutex<Vec<Vec<u8>>>,
+    pool: Mutex<Vec<PageBuf>>,
     /// The final pass's batches, copied and not written yet.
-    staged: Mutex<Vec<(Vec<u64>, Vec<u8>)>>,
+    staged: Mutex<Vec<(Vec<u64>, PageBuf)>>,
     staging: AtomicBool,
     /// A writer failed; its error is in `error`.
     failed: AtomicBool,
@@ -156,7 +156,7 @@ impl Keeper for FileTarget {
         );
         let writer = self.writer.take().expect("kept once");
         for (gpas, data) in staged {
-            writer.write_pages(&gpas, &data[..gpas.len() * PAGE_SIZE as usize])?;
+            writer.write_pages(&gpas, &data.bytes()[..gpas.len() * PAGE_SIZE as usize])?;
         }
         let mut history = std::mem::take(&mut self.history);
         history.reverse();
@@ -241,7 +241,7 @@ impl Shared {
     /// A writer thread: each batch copied out of guest memory and written (or staged). After
     /// a failure it only counts what it is handed, so that pass ends see it.
     fn write_batches(&self, writer: &Writer, batches: Receiver<Vec<u64>>) {
-        let mut buf = Vec::with_capacity(BATCH_PAGES * PAGE_SIZE as usize);
+        let mut buf = PageBuf::new(BATCH_PAGES);
         for batch in batches {
             if !self.failed.load(Ordering::Acquire)
                 && let Err(e) = self.write_batch(writer, &batch, &mut buf)
@@ -256,7 +256,7 @@ impl Shared {
         &self,
         writer: &Writer,
         batch: &[u64],
-        buf: &mut Vec<u8>,
+        buf: &mut PageBuf,
     ) -> Result<(), SnapshotError> {
         // A copy, so that the CRC recorded is the CRC of what was written even while the
         // guest writes the page (it is dirty then, and a later pass writes it again).
@@ -264,19 +264,24 @@ impl Shared {
             .ram
             .page_slices(batch)
             .map_err(|_| SnapshotError::OutsideRam { gpa: batch[0] })?;
-        if self.staging.load(Ordering::Acquire) {
-            let mut copy = self
+        let staging = self.staging.load(Ordering::Acquire);
+        let mut copy = match staging {
+            true => self
                 .pool
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .pop()
-                .unwrap_or_else(|| vec![0; BATCH_PAGES * PAGE_SIZE as usize]);
-            let mut at = 0;
-            for s in &slices {
-                copy[at..at + s.len()].copy_from_slice(s);
-                at += s.len();
-            }
-            let zeros = copy[..at]
+                .unwrap_or_else(|| PageBuf::new(BATCH_PAGES)),
+            false => std::mem::replace(buf, PageBuf::new(0)),
+        };
+        let mut at = 0;
+        let bytes = copy.bytes_mut();
+        for s in &slices {
+            bytes[at..at + s.len()].copy_from_slice(s);
+            at += s.len();
+        }
+        if staging {
+            let zeros = copy.bytes()[..at]
                 .chunks_exact(PAGE_SIZE as usize)
                 .filter(|p| crate::zero::is_zero(p))
                 .count() as u64;
@@ -287,12 +292,9 @@ impl Shared {
                 .push((batch.to_vec(), copy));
             return Ok(());
         }
-        buf.clear();
-        for s in &slices {
-            buf.extend_from_slice(s);
-        }
-        let zeros = writer.write_pages(batch, buf)?;
-        self.count(batch.len() as u64, zeros);
+        let written = writer.write_pages(batch, &copy.bytes()[..at]);
+        *buf = copy;
+        self.count(batch.len() as u64, written?);
         Ok(())
     }
 
@@ -307,11 +309,9 @@ impl Shared {
         let buffers = pages.div_ceil(BATCH_PAGES as u64) as usize;
         let mut pool = Vec::with_capacity(buffers);
         for _ in 0..buffers {
-            let mut b = vec![0u8; BATCH_PAGES * PAGE_SIZE as usize];
+            let mut b = PageBuf::new(BATCH_PAGES);
             // Fault every page in (a zeroed allocation may be mapped lazily).
-            for page in b.chunks_exact_mut(PAGE_SIZE as usize) {
-                page[0] = 1;
-            }
+            b.touch();
             pool.push(b);
         }
         *self.pool.lock().unwrap_or_else(PoisonError::into_inner) = pool;

@@ -15,7 +15,7 @@
 //! | `PUT /migration/pause` | 200 on a source or destination in postcopy with recovery: its connections are broken, both sides go to `postcopy_paused`; 409 otherwise |
 //! | `PUT /migration/recover` | on a destination in `postcopy_paused`, body `{"listen": "tcp:HOST:PORT"}`: 200 `{"listening_on": ...}`, it waits there for the source; 409 otherwise |
 //! | `PUT /migration/resume` | on a source in `postcopy_paused`, body `{"to": "tcp:HOST:PORT"}`: 200, it reconnects there; 409 otherwise |
-//! | `PUT /snapshot` | 202; body `{"to": "/path/to/file", "stop": false, "writers": 2, "downtime_limit_ms": 20, "auto_converge": true, "timeout_ms": MS}` (all but `to` optional; [`crate::snapshot::SnapshotRequest`]): a live snapshot into that file of this host, followed (and cancelled) like a migration with `GET /migration` and `PUT /migration/cancel`; the guest runs on after it, or stays paused with `stop`; 409 if a migration or snapshot runs |
+//! | `PUT /snapshot` | 202; body `{"to": "/path/to/file", "stop": false, "writers": 2, "downtime_limit_ms": 20, "auto_converge": true, "timeout_ms": MS, "direct_io": false}` (all but `to` optional; [`crate::snapshot::SnapshotRequest`]): a live snapshot into that file of this host, followed (and cancelled) like a migration with `GET /migration` and `PUT /migration/cancel`; the guest runs on after it, or stays paused with `stop`; 409 if a migration or snapshot runs |
 //!
 //! Errors are `{"error": "..."}` with 400 (a bad body), 404 (no such path), 405 (wrong method)
 //! or 409.
