@@ -115,6 +115,12 @@ impl LazyLoad {
         self.loader.is_finished()
     }
 
+    /// Stops the loading of a guest that will not run (its resume failed).
+    fn cancel(self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = (join(self.loader), join(self.faults));
+    }
+
     /// Waits until all of RAM is in place, then closes the userfaultfd. On an error the
     /// guest's memory is incomplete: `abandon` is called with it while the userfaultfd is
     /// still open, and must stop the guest (a vCPU waiting on a page is then interrupted,
@@ -176,7 +182,7 @@ pub fn restore(
         memory_bytes: ram.size(),
         ..RestoreStats::default()
     };
-    let lazy = match params.loading {
+    let mut lazy = match params.loading {
         Loading::Eager => {
             let t = Instant::now();
             stats.bytes_read = load_eagerly(&reader, &ram, &runs, params.readers)?;
@@ -189,14 +195,9 @@ pub fn restore(
     let loaded = vm.load_state(&sections);
     let t2 = Instant::now();
     let resumed = loaded.and_then(|()| vm.resume());
-    let (lazy_shared, threads) = match lazy {
-        Some((shared, threads)) => (Some(shared), Some(threads)),
-        None => (None, None),
-    };
     if let Err(e) = resumed {
-        if let (Some(shared), Some((loader, faults))) = (lazy_shared, threads) {
-            shared.stop.store(true, Ordering::Release);
-            let _ = (join(loader), join(faults));
+        if let Some(lazy) = lazy {
+            lazy.cancel();
         }
         return Err(e.into());
     }
@@ -204,15 +205,9 @@ pub fn restore(
     stats.state_load_ms = ms(t2 - t);
     stats.resume_ms = ms(now - t2);
     stats.to_running_ms = ms(now - started);
-    let lazy = match (lazy_shared, threads) {
-        (Some(shared), Some((loader, faults))) => Some(LazyLoad {
-            shared,
-            loader,
-            faults,
-            resumed: now,
-        }),
-        _ => None,
-    };
+    if let Some(lazy) = &mut lazy {
+        lazy.resumed = now;
+    }
     Ok(Restored { stats, lazy })
 }
 
@@ -247,51 +242,66 @@ fn load_eagerly(
     runs: &[(u64, u64)],
     readers: u16,
 ) -> Result<u64, MigrateError> {
+    let never = AtomicBool::new(false);
+    let state = || {
+        (
+            vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize],
+            Vec::with_capacity(RUN_PAGES as usize),
+        )
+    };
+    on_threads(
+        readers.max(1).into(),
+        runs,
+        &never,
+        state,
+        |(buf, gpas), (gpa, pages)| {
+            let data = &mut buf[..(pages * PAGE_SIZE) as usize];
+            reader.read_pages(gpa, data)?;
+            gpas.clear();
+            gpas.extend((0..pages).map(|k| gpa + k * PAGE_SIZE));
+            ram.write_pages(gpas, data)
+                .map_err(|e| MigrateError::io("writing the snapshot's pages into guest RAM", e))
+        },
+    )?;
+    Ok(runs.iter().map(|r| r.1 * PAGE_SIZE).sum())
+}
+
+/// Runs `work` over `runs` on `threads` threads, each taking the next run with a `state` of its
+/// own (its buffers), until the runs are done, one failed (the others finish the run in hand),
+/// or `stop` is set; returns the first failure.
+fn on_threads<S>(
+    threads: usize,
+    runs: &[(u64, u64)],
+    stop: &AtomicBool,
+    state: impl Fn() -> S + Sync,
+    work: impl Fn(&mut S, (u64, u64)) -> Result<(), MigrateError> + Sync,
+) -> Result<(), MigrateError> {
     let next = AtomicU64::new(0);
     let failed = AtomicBool::new(false);
-    let read = |_| -> Result<(), MigrateError> {
-        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
-        let mut gpas = Vec::with_capacity(RUN_PAGES as usize);
+    let worker = || -> Result<(), MigrateError> {
+        let mut own = state();
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-            if i >= runs.len() || failed.load(Ordering::Relaxed) {
+            if i >= runs.len() || failed.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let (gpa, pages) = runs[i];
-            let data = &mut buf[..(pages * PAGE_SIZE) as usize];
-            let placed = reader
-                .read_pages(gpa, data)
-                .map_err(MigrateError::from)
-                .and_then(|()| {
-                    gpas.clear();
-                    gpas.extend((0..pages).map(|k| gpa + k * PAGE_SIZE));
-                    ram.write_pages(&gpas, data).map_err(|e| {
-                        MigrateError::io("writing the snapshot's pages into guest RAM", e)
-                    })
-                });
-            if placed.is_err() {
+            if let Err(e) = work(&mut own, runs[i]) {
                 failed.store(true, Ordering::Relaxed);
-                return placed;
+                return Err(e);
             }
         }
     };
     std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..readers.max(1))
-            .map(|i| scope.spawn(move || read(i)))
-            .collect();
-        threads
-            .into_iter()
-            .map(|t| {
-                t.join().unwrap_or_else(|_| {
-                    Err(Internal::Panicked {
-                        thread: "a snapshot reader",
-                    }
-                    .into())
-                })
+        let workers: Vec<_> = (0..threads).map(|_| scope.spawn(worker)).collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join().unwrap_or_else(|_| {
+                Err(Internal::Panicked {
+                    thread: "a snapshot reader",
+                }
+                .into())
             })
-            .collect::<Result<Vec<()>, _>>()
-    })?;
-    Ok(runs.iter().map(|r| r.1 * PAGE_SIZE).sum())
+        })
+    })
 }
 
 /// What a lazy restore's threads share.
@@ -313,11 +323,6 @@ struct Lazy {
     loaders: usize,
 }
 
-type Threads = (
-    JoinHandle<Result<(), MigrateError>>,
-    JoinHandle<Result<(), MigrateError>>,
-);
-
 impl Lazy {
     /// Registers `ram` with a userfaultfd and starts the fault thread and the loader (which
     /// loads the hot set first when `hot_first`, then every data run).
@@ -326,7 +331,7 @@ impl Lazy {
         ram: Ram,
         runs: Vec<(u64, u64)>,
         hot_first: bool,
-    ) -> Result<(Arc<Lazy>, Threads), MigrateError> {
+    ) -> Result<LazyLoad, MigrateError> {
         if ram.host_page_size() != Some(PAGE_SIZE) {
             return Err(ConfigError::LazyHugePages.into());
         }
@@ -365,36 +370,20 @@ impl Lazy {
             .name("restore-loader".into())
             .spawn(move || s.load(&hot.into_iter().chain(runs).collect::<Vec<_>>()))
             .map_err(|e| MigrateError::io("starting the restore's loader", e))?;
-        Ok((shared, (loader, faults)))
+        Ok(LazyLoad {
+            shared,
+            loader,
+            faults,
+            resumed: Instant::now(),
+        })
     }
 
     /// Places every run of `runs` that is not placed yet, roughly in order, on
     /// [`Lazy::loaders`] threads.
     fn load(&self, runs: &[(u64, u64)]) -> Result<(), MigrateError> {
-        let next = AtomicU64::new(0);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..self.loaders)
-                .map(|_| {
-                    scope.spawn(|| -> Result<(), MigrateError> {
-                        let mut buf = vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                            if i >= runs.len() || self.stop.load(Ordering::Relaxed) {
-                                return Ok(());
-                            }
-                            self.place_missing(runs[i].0, runs[i].1, &mut buf)?;
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join().unwrap_or_else(|_| {
-                    Err(Internal::Panicked {
-                        thread: "a snapshot loader",
-                    }
-                    .into())
-                })
-            })
+        let buf = || vec![0u8; (RUN_PAGES * PAGE_SIZE) as usize];
+        on_threads(self.loaders, runs, &self.stop, buf, |buf, (gpa, pages)| {
+            self.place_missing(gpa, pages, buf)
         })
     }
 
