@@ -205,6 +205,64 @@ impl Conn {
     }
 
     /// Reads and validates the next header.
+    /// Writes what is pending, then `h` and `payload` with `fds` attached to their bytes
+    /// (`SCM_RIGHTS`: a Unix socket only), flushed.
+    pub fn write_record_with_fds(
+        &mut self,
+        h: &Header,
+        payload: &[u8],
+        fds: &[std::os::fd::BorrowedFd<'_>],
+        during: &'static str,
+    ) -> Result<(), MigrateError> {
+        self.flush(during)?;
+        let mut bytes = h.encode().to_vec();
+        bytes.extend_from_slice(payload);
+        let stream = &mut self.writer.stream;
+        let sent = stream
+            .send_with_fds(&bytes, fds)
+            .and_then(|n| stream.write_all(&bytes[n..]))
+            .and_then(|()| stream.flush());
+        sent.map_err(|e| MigrateError::io(during, e))?;
+        self.bytes_written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Reads a record header unbuffered, with the descriptors that came on its bytes. Nothing
+    /// may be buffered before it: descriptors ride on a message, and a buffered read would
+    /// have dropped them.
+    pub fn read_header_with_fds(
+        &mut self,
+        during: &'static str,
+    ) -> Result<(Header, Vec<std::os::fd::OwnedFd>), MigrateError> {
+        if !self.reader.buffer().is_empty() {
+            return Err(MigrateError::io(
+                during,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "bytes came before the record that carries the descriptors",
+                ),
+            ));
+        }
+        let mut raw = [0u8; HEADER_SIZE];
+        let mut fds = Vec::new();
+        let mut got = 0;
+        while got < HEADER_SIZE {
+            match self
+                .reader
+                .get_ref()
+                .recv_with_fds(&mut raw[got..], &mut fds)
+            {
+                Ok(0) => {
+                    return Err(MigrateError::Truncated { during });
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(MigrateError::io(during, e)),
+            }
+        }
+        Ok((Header::decode(&raw)?, fds))
+    }
+
     pub fn read_header(&mut self, during: &'static str) -> Result<Header, MigrateError> {
         let mut b = [0u8; HEADER_SIZE];
         self.read_exact(&mut b, during)?;

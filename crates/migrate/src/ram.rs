@@ -27,9 +27,9 @@
 //! pass before it is written), so the two are crate-internal rather than `unsafe`: marking them
 //! `unsafe` would move `unsafe` blocks into `receiver.rs`, which keeps `forbid(unsafe_code)`.
 
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 
-use crate::wire::PAGE_SIZE;
+use crate::wire::{LocalRegion, PAGE_SIZE};
 
 /// A byte count as a person writes it and `--memory` takes it: `64K`, `10M`, `64G`, or
 /// bytes when not a whole KiB.
@@ -113,7 +113,7 @@ impl Ram {
     /// if the `Ram` is written through: `Ram::read_pages`, `Ram::zero_run`) for as long as the
     /// returned `Ram` or any clone of it is used to reach guest memory (the source's zero scan
     /// and page slices, and the writers); `fd` must be the file backing the mapping at
-    /// `file_offset`, open for writing if the `Ram` is written through the file
+    /// `file_offset`, open as long as the mappings are, and open for writing if the `Ram` is written through the file
     /// (`Ram::write_pages`). A wrong fd gives wrong answers from [`Ram::next_data`] and,
     /// written through, puts guest pages into a file that is not guest RAM.
     pub unsafe fn from_regions(mut regions: Vec<RamRegion>) -> Result<Ram, RamError> {
@@ -154,6 +154,36 @@ impl Ram {
     /// The regions as `(gpa, size)`: the layout a snapshot records and a restore checks.
     pub fn layout(&self) -> Vec<(u64, u64)> {
         self.regions.iter().map(|r| (r.gpa, r.size)).collect()
+    }
+
+    /// The regions as a LocalRam record lays them out, each naming one of the descriptors
+    /// returned with them (a file that backs several regions is named once): what a local
+    /// handover passes to the destination.
+    pub(crate) fn local_layout(&self) -> (Vec<LocalRegion>, Vec<BorrowedFd<'_>>) {
+        let mut files: Vec<RawFd> = Vec::new();
+        let regions = self
+            .regions
+            .iter()
+            .map(|r| {
+                let fd = files.iter().position(|&f| f == r.fd).unwrap_or_else(|| {
+                    files.push(r.fd);
+                    files.len() - 1
+                });
+                LocalRegion {
+                    gpa: r.gpa,
+                    size: r.size,
+                    file_offset: r.file_offset,
+                    fd: fd as u32,
+                }
+            })
+            .collect();
+        let fds = files
+            .into_iter()
+            // SAFETY: every region's `fd` is open for as long as this `Ram` lives
+            // (`Ram::from_regions`' contract), and the borrow is tied to `&self`.
+            .map(|fd| unsafe { BorrowedFd::borrow_raw(fd) })
+            .collect();
+        (regions, fds)
     }
 
     /// Total bytes of RAM.
@@ -582,104 +612,4 @@ impl Ram {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A `Ram` over regions with no mapping, for checking layouts only.
-    fn layout_only(regions: Vec<RamRegion>) -> Result<Ram, RamError> {
-        // SAFETY: the callers only check the layout and address arithmetic (`page`, `size`,
-        // `regions`); nothing reads or writes guest memory through this `Ram`.
-        unsafe { Ram::from_regions(regions) }
-    }
-
-    #[test]
-    fn regions_are_checked() {
-        let ok = layout_only(vec![
-            RamRegion::for_test(1 << 32, 8192),
-            RamRegion::for_test(0, 4096),
-        ])
-        .unwrap();
-        assert_eq!(ok.regions()[0].gpa, 0, "sorted");
-        assert_eq!(ok.size(), 12288);
-        assert!(
-            layout_only(vec![
-                RamRegion::for_test(0, 8192),
-                RamRegion::for_test(4096, 4096)
-            ])
-            .is_err()
-        );
-        assert!(layout_only(vec![RamRegion::for_test(100, 4096)]).is_err());
-        assert_eq!(ok.page(4097), Err(RamError::Unaligned { gpa: 4097 }));
-        assert_eq!(ok.page(8192), Err(RamError::OutOfRange { gpa: 8192 }));
-    }
-
-    #[test]
-    fn sizes_read_as_the_flags_take_them() {
-        for (bytes, said) in [
-            (1u64 << 40, "1T"),
-            (3 << 30, "3G"),
-            (1536 << 20, "1536M"),
-            (64 << 10, "64K"),
-            (100, "100 bytes"),
-            (0, "0 bytes"),
-        ] {
-            assert_eq!(Size(bytes).to_string(), said);
-        }
-    }
-
-    #[test]
-    fn populated_bytes_counts_what_the_backing_file_holds_once_per_file() {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        use std::os::unix::fs::FileExt;
-        // SAFETY: memfd_create with a valid name; the result is checked and owned below.
-        let fd = unsafe { libc::memfd_create(c"ferry-populated-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: `fd` was just created and nothing else owns it.
-        let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        file.set_len(1 << 20).unwrap();
-        for page in [0u64, 5, 200] {
-            file.write_all_at(&[1; 4096], page * PAGE_SIZE).unwrap();
-        }
-        let region = |gpa: u64, offset: u64, size: u64| RamRegion {
-            fd: file.as_raw_fd(),
-            file_offset: offset,
-            ..RamRegion::for_test(gpa, size)
-        };
-        let whole = layout_only(vec![region(0, 0, 1 << 20)]).unwrap();
-        assert_eq!(whole.populated_bytes(), 3 * PAGE_SIZE);
-        // Two regions over one file: the file is counted once, capped at what they cover.
-        let split = layout_only(vec![
-            region(0, 0, 1 << 19),
-            region(1 << 32, 1 << 19, 1 << 19),
-        ])
-        .unwrap();
-        assert_eq!(split.populated_bytes(), 3 * PAGE_SIZE);
-        let small = layout_only(vec![region(0, 0, 2 * PAGE_SIZE)]).unwrap();
-        assert_eq!(
-            small.populated_bytes(),
-            2 * PAGE_SIZE,
-            "capped at the regions' size"
-        );
-    }
-
-    /// Found by the `incoming` fuzz target: a zero run's page count was multiplied before it
-    /// was bounded, which overflows (a panic in a debug build's receiver thread).
-    #[test]
-    fn a_zero_run_of_u64_max_pages_is_refused_not_overflowed() {
-        let ram = layout_only(vec![RamRegion::for_test(0, 1 << 20)]).unwrap();
-        for pages in [u64::MAX, u64::MAX / PAGE_SIZE + 2, 0] {
-            assert_eq!(
-                ram.check_run(4096, pages),
-                Err(RamError::BadRun { gpa: 4096, pages })
-            );
-        }
-        assert_eq!(ram.check_run(4096, 255), Ok(()));
-        assert_eq!(
-            ram.check_run(4096, 256),
-            Err(RamError::BadRun {
-                gpa: 4096,
-                pages: 256
-            })
-        );
-    }
-}
+mod tests;

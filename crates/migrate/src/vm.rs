@@ -5,12 +5,13 @@
 //! Methods a VMM cannot support return [`VmError::Unsupported`]; the engine never assumes a
 //! silent success.
 
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use crate::bitmap::DirtyBitmap;
 use crate::ram::RamRegion;
 use crate::state_part::StatePart;
-use crate::wire::{SectionHeader, SectionId};
+use crate::wire::{LocalRegion, SectionHeader, SectionId};
 
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
 /// version and encodes the data; the engine carries it, bounded, and never looks inside.
@@ -228,6 +229,26 @@ pub unsafe trait DestinationVm: Send {
     fn check_config(&self, config: &[u8]) -> Result<(), VmError> {
         let _ = config;
         Ok(())
+    }
+
+    /// A local handover ([`crate::wire::Capabilities::LOCAL`], a source on this host): maps
+    /// the source's guest RAM, laid out as `regions`, from the files in `fds` (a region's `fd`
+    /// indexes it) in place of this VM's own RAM, while the source's guest still runs there;
+    /// afterwards [`DestinationVm::ram`] describes the adopted memory. Refuse (with the flag
+    /// that fixes it) a layout this VM's configuration does not match, and a file that does
+    /// not hold every region (mapping past its end would fault when the guest touches it).
+    ///
+    /// Until the engine resumes the guest here, the memory is the source's: nothing may write
+    /// it (a state load that wrote guest RAM would change a guest the source may resume). If
+    /// the session fails, the source runs its guest on in that memory: the VMM must never
+    /// receive another migration into this VM, or run it; the engine does neither. A VMM that
+    /// cannot adopt memory keeps this default, and a local handover to it is refused before the
+    /// source pauses.
+    fn adopt_ram(&mut self, regions: &[LocalRegion], fds: Vec<OwnedFd>) -> Result<(), VmError> {
+        let _ = (regions, fds);
+        Err(VmError::Unsupported {
+            operation: "adopting the source's guest RAM (a local handover)",
+        })
     }
 
     /// Loads all non-RAM state; refuses a section it does not know or cannot validate.

@@ -93,6 +93,54 @@ pub(crate) fn next(
     }
 }
 
+/// Where a local handover's main channel is: no page and no pass, guest RAM's descriptors
+/// first, then the device state and Complete, then (after this side answered Loaded) Go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Local {
+    /// Before the LocalRam record.
+    Ram,
+    /// Guest RAM is adopted: the device state comes, up to Complete.
+    State,
+    /// The state is loaded: Go, or nothing (the guest is the source's again).
+    Go,
+}
+
+/// What the session does with a record of a local handover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LocalStep {
+    /// Map guest RAM from the descriptors that came with the record.
+    Adopt,
+    /// Read a device-state section.
+    Section,
+    /// Load the state and answer Loaded.
+    Load,
+    /// Resume the guest.
+    Resume,
+    /// The source's Error record: read it and end with it.
+    PeerError,
+}
+
+/// The record of kind `kind` in a local handover at `at`: the state after it and what to do,
+/// or the rule it broke.
+pub(crate) fn next_local(at: Local, kind: Kind) -> Result<(Local, LocalStep), ProtocolError> {
+    use Local as L;
+    match (kind, at) {
+        (Kind::Error, _) => Ok((at, LocalStep::PeerError)),
+        (Kind::LocalRam, L::Ram) => Ok((L::State, LocalStep::Adopt)),
+        (k, L::Ram) => Err(ProtocolError::Misplaced {
+            got: k,
+            rule: Rule::LocalRamFirst,
+        }),
+        (Kind::DeviceState, L::State) => Ok((L::State, LocalStep::Section)),
+        (Kind::Complete, L::State) => Ok((L::Go, LocalStep::Load)),
+        (Kind::Go, L::Go) => Ok((L::Go, LocalStep::Resume)),
+        (k, _) => Err(ProtocolError::Misplaced {
+            got: k,
+            rule: Rule::LocalChannel,
+        }),
+    }
+}
+
 /// Where a data channel's (or the preempt connection's) stream is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Data {
@@ -299,6 +347,46 @@ mod tests {
             e.to_string(),
             "end of pass 3 after pass 1 on a data channel"
         );
+    }
+
+    /// A local handover's main channel: guest RAM first, then the state, Complete, and Go
+    /// only after it; nothing of precopy or postcopy.
+    #[test]
+    fn a_local_handover_takes_records_in_the_protocol_s_order() {
+        use Kind as K;
+        use Local as L;
+        use LocalStep as St;
+        let ok = |l: Local, s: LocalStep| Ok::<_, Rule>((l, s));
+        let no = Err::<(Local, LocalStep), Rule>;
+        type Row = (Local, Kind, Result<(Local, LocalStep), Rule>);
+        let table: &[Row] = &[
+            (L::Ram, K::LocalRam, ok(L::State, St::Adopt)),
+            (L::Ram, K::Error, ok(L::Ram, St::PeerError)),
+            (L::Ram, K::DeviceState, no(Rule::LocalRamFirst)),
+            (L::Ram, K::Go, no(Rule::LocalRamFirst)),
+            (L::Ram, K::Pages, no(Rule::LocalRamFirst)),
+            (L::State, K::DeviceState, ok(L::State, St::Section)),
+            (L::State, K::Complete, ok(L::Go, St::Load)),
+            (L::State, K::Go, no(Rule::LocalChannel)),
+            (L::State, K::LocalRam, no(Rule::LocalChannel)),
+            (L::State, K::EndOfPass, no(Rule::LocalChannel)),
+            (L::State, K::Postcopy, no(Rule::LocalChannel)),
+            (L::State, K::Error, ok(L::State, St::PeerError)),
+            (L::Go, K::Go, ok(L::Go, St::Resume)),
+            (L::Go, K::DeviceState, no(Rule::LocalChannel)),
+            (L::Go, K::Complete, no(Rule::LocalChannel)),
+            (L::Go, K::Error, ok(L::Go, St::PeerError)),
+        ];
+        for &(at, kind, want) in table {
+            let got = next_local(at, kind).map_err(|e| match e {
+                ProtocolError::Misplaced { got, rule } => {
+                    assert_eq!(got, kind);
+                    rule
+                }
+                e => panic!("{at:?} {kind:?}: {e}"),
+            });
+            assert_eq!(got, want, "{at:?} {kind:?}");
+        }
     }
 
     #[test]

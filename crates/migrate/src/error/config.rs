@@ -55,6 +55,22 @@ pub enum ConfigError {
         "this kernel's userfaultfd cannot serve shared memory (no UFFD_FEATURE_MISSING_SHMEM); restore without --lazy"
     )]
     LazyUnsupported,
+    #[error(
+        "a local handover moves no pages, so it has no postcopy; migrate with --local or with --postcopy, not both"
+    )]
+    LocalWithPostcopy,
+    #[error(
+        "a local handover hands guest RAM's descriptors over a Unix socket, and {to} is not one; give --to unix:PATH (the destination's --incoming), or migrate without --local"
+    )]
+    LocalNeedsUnix { to: String },
+    #[error(
+        "the destination did not agree to a local handover (it listens on TCP or TLS, or it is an older ferry); migrate without --local"
+    )]
+    LocalNotGranted,
+    #[error(
+        "guest RAM's descriptors did not arrive with the LocalRam record: the source is not on this host (a Unix socket forwarded between hosts carries bytes only); migrate without --local"
+    )]
+    LocalNoDescriptors,
     /// The VMM's configuration record is larger than the protocol carries.
     #[error("the VMM's configuration of {bytes} bytes exceeds the protocol's {max}")]
     VmConfigTooLarge { bytes: u64, max: u64 },

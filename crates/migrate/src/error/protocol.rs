@@ -102,6 +102,10 @@ pub enum Rule {
     MainChannel,
     /// What the main channel carries in postcopy.
     MainChannelInPostcopy,
+    /// A local handover starts with the LocalRam record.
+    LocalRamFirst,
+    /// What the main channel carries in a local handover.
+    LocalChannel,
     // The destination's data channels.
     /// The preempt connection starts with Postcopy.
     PreemptStartsWithPostcopy,
@@ -161,6 +165,10 @@ impl Rule {
             R::MainChannelInPostcopy => {
                 format!("{got:?} record on the main channel during postcopy")
             }
+            R::LocalRamFirst => {
+                format!("expected LocalRam first in a local handover, got {got:?}")
+            }
+            R::LocalChannel => format!("{got:?} record in a local handover"),
             R::PreemptStartsWithPostcopy => {
                 format!("{got:?} on the preempt connection before Postcopy")
             }

@@ -26,6 +26,8 @@ pub(crate) struct Agreement {
     /// Wire pages per host page of the destination's postcopy (1, or 512 for 2 MiB pages):
     /// postcopy discards, sends and serves whole units.
     pub postcopy_unit: u64,
+    /// A local handover: guest RAM's descriptors instead of its pages.
+    pub local: bool,
 }
 
 impl Agreement {
@@ -38,6 +40,7 @@ impl Agreement {
         error_codes: false,
         main_pages: false,
         postcopy_unit: 1,
+        local: false,
     };
 
     /// The destination's accepting answer `reply`: what it granted, or why the grant cannot be
@@ -60,6 +63,7 @@ impl Agreement {
             error_codes: granted(Capabilities::ERROR_CODES),
             main_pages: granted(Capabilities::MAIN_PAGES) && !preempt && postcopy_unit == 1,
             postcopy_unit,
+            local: granted(Capabilities::LOCAL),
         })
     }
 }

@@ -52,6 +52,7 @@ mod hints;
 pub(crate) mod keep;
 mod limiter;
 mod live;
+mod local;
 mod observe;
 mod params;
 mod pool;
@@ -368,6 +369,9 @@ impl Session<'_, Live> {
             Err(e) => return Err(e.into()),
         };
         self.handshake(config.as_deref())?;
+        if self.peer.agreed.local {
+            return self.hand_over_locally(vm);
+        }
         self.peer.pool.open(
             connect,
             &self.params,
@@ -391,6 +395,9 @@ impl Session<'_, Live> {
         }
         if p.checksum_pages {
             c = c.with(Capabilities::CHECKSUM_PAGES);
+        }
+        if p.local {
+            c = c.with(Capabilities::LOCAL);
         }
         if p.postcopy {
             c = c.with(Capabilities::POSTCOPY);
@@ -497,7 +504,13 @@ impl Session<'_, Live> {
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
             ));
         }
-        self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        if self.params.local && !agreed.local {
+            return Err(ConfigError::LocalNotGranted.into());
+        }
+        // A local handover reads its few answers in turn on this thread (`local.rs`).
+        if !agreed.local {
+            self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        }
         Ok(())
     }
 }

@@ -69,6 +69,11 @@ pub struct SourceParams {
     /// the migration like a broken connection (before the handover the guest runs on here;
     /// in postcopy with recovery both sides pause). `None`: writes wait for ever.
     pub peer_timeout: Option<Duration>,
+    /// Hand the guest over to a destination on this host instead of sending it
+    /// ([`Capabilities::LOCAL`](wire::Capabilities::LOCAL)): guest RAM's descriptors go over
+    /// the Unix socket, no page is sent and no dirty page tracked; only the device state
+    /// follows, with the guest paused. The connection must be a Unix socket.
+    pub local: bool,
 }
 
 /// Default [`SourceParams::peer_timeout`]: far above any one write of a live link (a 2 MiB
@@ -113,6 +118,7 @@ impl SourceParams {
             free_page_hints: true,
             checksum_pages: false,
             peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
+            local: false,
         }
     }
 
@@ -167,6 +173,9 @@ impl SourceParams {
             .find(|(set, _)| *set && !self.postcopy)
         {
             return Err(ConfigError::NeedsPostcopy(setting).into());
+        }
+        if self.local && self.postcopy {
+            return Err(ConfigError::LocalWithPostcopy.into());
         }
         if self.postcopy_after_passes == Some(0) {
             return Err(ConfigError::PostcopyAfterZeroPasses.into());

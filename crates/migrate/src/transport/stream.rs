@@ -4,8 +4,10 @@
 
 #![forbid(unsafe_code)]
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
@@ -41,6 +43,79 @@ pub trait Stream: Read + Write + Send + std::fmt::Debug {
     fn hung_up(&self) -> bool {
         false
     }
+    /// Whether [`Stream::send_with_fds`] and [`Stream::recv_with_fds`] work here.
+    fn carries_fds(&self) -> bool {
+        false
+    }
+    /// Sends some of `bytes` (returns how many) with `fds` attached (`SCM_RIGHTS`), at most
+    /// [`MAX_LOCAL_FDS`]: a Unix socket can, and no other stream.
+    fn send_with_fds(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+        let _ = (bytes, fds);
+        Err(no_descriptors())
+    }
+    /// Receives into `buf` (returns how many bytes) and adds the descriptors that came with
+    /// those bytes to `fds`, unbuffered.
+    fn recv_with_fds(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+        let _ = (buf, fds);
+        Err(no_descriptors())
+    }
+}
+
+/// What a stream that cannot carry descriptors says.
+fn no_descriptors() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "only a Unix socket carries file descriptors (--local needs a unix: address)",
+    )
+}
+
+/// Descriptors one message may carry: a LocalRam record's.
+const MAX_LOCAL_FDS: usize = crate::wire::MAX_LOCAL_FDS;
+
+/// `sendmsg` with `fds` as `SCM_RIGHTS` on a Unix socket.
+fn send_fds(socket: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_LOCAL_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} descriptors in one message; at most {MAX_LOCAL_FDS}",
+                fds.len()
+            ),
+        ));
+    }
+    Ok(sendmsg(
+        socket,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?)
+}
+
+/// `recvmsg` on a Unix socket, the descriptors that came owned (close-on-exec).
+fn recv_fds(socket: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_LOCAL_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = recvmsg(
+        socket,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = m {
+            fds.extend(received);
+        }
+    }
+    if msg.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(io::Error::other(format!(
+            "the peer sent more than {MAX_LOCAL_FDS} descriptors with one message"
+        )));
+    }
+    Ok(msg.bytes)
 }
 
 /// A socket's end of file or error, seen by peeking one byte without waiting.
@@ -138,6 +213,15 @@ impl Stream for UnixStream {
     fn peer(&self) -> String {
         "unix:(local peer)".into()
     }
+    fn carries_fds(&self) -> bool {
+        true
+    }
+    fn send_with_fds(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+        send_fds(self, bytes, fds)
+    }
+    fn recv_with_fds(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+        recv_fds(self, buf, fds)
+    }
     fn set_low_latency(&self) -> io::Result<()> {
         Ok(()) // a Unix socket delivers every write at once
     }
@@ -176,6 +260,15 @@ impl Stream for Box<dyn Stream> {
     }
     fn hung_up(&self) -> bool {
         (**self).hung_up()
+    }
+    fn carries_fds(&self) -> bool {
+        (**self).carries_fds()
+    }
+    fn send_with_fds(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+        (**self).send_with_fds(bytes, fds)
+    }
+    fn recv_with_fds(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+        (**self).recv_with_fds(buf, fds)
     }
 }
 

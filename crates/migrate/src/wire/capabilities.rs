@@ -39,6 +39,12 @@ impl Capabilities {
     /// [`ERROR_FAILED`](super::ERROR_FAILED) (0), or [`ERROR_CANCELLED`](super::ERROR_CANCELLED)
     /// (1, the sayer's operator cancelled it). Without it, every Error has count 0.
     pub const ERROR_CODES: Capabilities = Capabilities(1 << 8);
+    /// Bit 9: the source and the destination share a host, and guest RAM is handed over
+    /// instead of sent: the source passes its RAM's file descriptors over the Unix socket
+    /// (a [`Kind::LocalRam`](super::Kind::LocalRam) record carrying them as `SCM_RIGHTS`), the
+    /// destination maps them, and no page moves; only the device state follows, and the
+    /// destination resumes the guest only when the source says Go. No data channel connects.
+    pub const LOCAL: Capabilities = Capabilities(1 << 9);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -48,7 +54,8 @@ impl Capabilities {
             | Capabilities::RECOVER.0
             | Capabilities::CONFIG.0
             | Capabilities::MAIN_PAGES.0
-            | Capabilities::ERROR_CODES.0,
+            | Capabilities::ERROR_CODES.0
+            | Capabilities::LOCAL.0,
     );
 
     /// Both sets' bits.

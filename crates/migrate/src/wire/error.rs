@@ -2,7 +2,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::format::VERSION;
+use super::format::{OLDEST_VERSION, VERSION};
 use super::kind::Kind;
 
 /// Why bytes do not form a valid hello or header.
@@ -11,9 +11,11 @@ pub enum WireError {
     #[error("bad magic {0:02x?}: the peer is not a ferry migration endpoint")]
     BadMagic([u8; 8]),
     #[error(
-        "protocol version {0} is not supported (this side speaks version {VERSION}); use matching ferry versions"
+        "protocol version {0} is not supported (this side speaks versions {OLDEST_VERSION} to {VERSION}); use ferry releases whose versions overlap"
     )]
     Version(u32),
+    #[error("local region {index} is invalid: {why}")]
+    LocalRegion { index: usize, why: &'static str },
     #[error("unknown channel role {0}")]
     Role(u16),
     #[error("page size {0} is not the 4096 this side uses")]

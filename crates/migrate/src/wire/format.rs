@@ -8,8 +8,13 @@
 pub const MAGIC: [u8; 8] = *b"FERRYMIG";
 /// Version 2 added opaque device-state sections (VMM-chosen id, instance, version) and
 /// capability bits in the hello; version 3, the state parts in the Resumed record; version 4,
-/// checksums on hellos, headers and payloads.
-pub const VERSION: u32 = 4;
+/// checksums on hellos, headers and payloads; version 5, the local handover (the LOCAL
+/// capability and its four records), which a peer uses only when both granted it.
+pub const VERSION: u32 = 5;
+/// The oldest version this side still speaks: version 5 only adds what a capability gates, so
+/// a version 4 peer, which never asks for it, meets the version 4 protocol here. A hello in
+/// `OLDEST_VERSION..=VERSION` is read; any other is refused with the range.
+pub const OLDEST_VERSION: u32 = 4;
 pub const HELLO_SIZE: usize = 64;
 /// `kind:u16 reserved:u16 count:u32 len:u64 payload_crc:u32 header_crc:u32`.
 pub const HEADER_SIZE: usize = 24;
@@ -65,6 +70,15 @@ pub const LATENCY_BUCKETS: usize = 32;
 /// The Done payload: a [`Latencies`](super::Latencies), `requests:u64 sum_us:u64 max_us:u64` and
 /// the buckets.
 pub const DONE_SIZE: u64 = 8 * (3 + LATENCY_BUCKETS as u64);
+
+/// A LocalRam record's region: `gpa:u64 size:u64 file_offset:u64 fd:u32 reserved:u32`.
+pub const LOCAL_REGION_SIZE: u64 = 32;
+/// Regions in a LocalRam record: ferry's VMM has two (below and above the 32-bit MMIO hole);
+/// 64 leaves room for a VMM with memory hotplug slots, and bounds what a peer makes this side map.
+pub const MAX_LOCAL_REGIONS: u32 = 64;
+/// File descriptors a LocalRam record carries: one memfd per RAM backend (ferry's VMM has
+/// one); 16 is far below the kernel's 253 per message.
+pub const MAX_LOCAL_FDS: usize = 16;
 
 /// CRC32C (Castagnoli) of `bytes`, with the CPU's instruction where it has one.
 pub fn crc(bytes: &[u8]) -> u32 {

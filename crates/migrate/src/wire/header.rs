@@ -5,8 +5,8 @@
 
 use super::error::WireError;
 use super::format::{
-    DONE_SIZE, ERROR_CANCELLED, HEADER_SIZE, MAX_CONFIG_BYTES, MAX_ERROR_BYTES,
-    MAX_PAGES_PER_RECORD, MAX_PART_NAME, MAX_SECTION_BYTES, MAX_STATE_PARTS,
+    DONE_SIZE, ERROR_CANCELLED, HEADER_SIZE, LOCAL_REGION_SIZE, MAX_CONFIG_BYTES, MAX_ERROR_BYTES,
+    MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD, MAX_PART_NAME, MAX_SECTION_BYTES, MAX_STATE_PARTS,
     MAX_ZERO_RUNS_PER_RECORD, PAGE_SIZE, PART_HEAD, RECEIVED_SIZE, RESUMED_SIZE,
     SECTION_HEADER_SIZE, crc,
 };
@@ -163,6 +163,9 @@ impl Header {
                 | Kind::Done
                 | Kind::Resume
                 | Kind::VmConfig
+                | Kind::RamAdopted
+                | Kind::Loaded
+                | Kind::Go
         );
         if (countless && count != 0) || (kind == Kind::Error && count > ERROR_CANCELLED) {
             return Err(WireError::Reserved("record count"));
@@ -206,7 +209,14 @@ impl Header {
                 expected: DONE_SIZE,
             }),
             Kind::Done => Ok(()),
-            Kind::EndOfPass | Kind::Complete | Kind::Postcopy | Kind::Resume => match len {
+            Kind::LocalRam => batch(MAX_LOCAL_REGIONS, LOCAL_REGION_SIZE),
+            Kind::EndOfPass
+            | Kind::Complete
+            | Kind::Postcopy
+            | Kind::Resume
+            | Kind::RamAdopted
+            | Kind::Loaded
+            | Kind::Go => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },

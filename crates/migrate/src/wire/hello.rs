@@ -6,7 +6,7 @@
 
 use super::capabilities::Capabilities;
 use super::error::WireError;
-use super::format::{HELLO_SIZE, MAGIC, PAGE_SIZE, VERSION, crc};
+use super::format::{HELLO_SIZE, MAGIC, OLDEST_VERSION, PAGE_SIZE, VERSION, crc};
 use super::kind::Role;
 use super::wire_enum::wire_enum;
 
@@ -98,7 +98,7 @@ impl Hello {
             return Err(WireError::BadMagic(magic));
         }
         let version = u32::from_le_bytes(b[8..12].try_into().unwrap());
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(WireError::Version(version));
         }
         if crc(&b[..HELLO_CRC_AT]).to_le_bytes() != b[HELLO_CRC_AT..] {

@@ -79,6 +79,23 @@ wire_enum! {
         /// its own before it answers the hello, so a VM that cannot take this guest is refused
         /// before anything is sent, let alone the guest paused.
         VmConfig = 15,
+        /// Source → destination, main, first after the hello when
+        /// [`Capabilities::LOCAL`](super::Capabilities::LOCAL) was granted: guest RAM's layout
+        /// as `count` [`LocalRegion`](super::LocalRegion)s, each naming one of the file
+        /// descriptors that ride on this record's bytes (`SCM_RIGHTS`), at most
+        /// [`MAX_LOCAL_REGIONS`](super::MAX_LOCAL_REGIONS) and
+        /// [`MAX_LOCAL_FDS`](super::MAX_LOCAL_FDS).
+        LocalRam = 16,
+        /// Destination → source, local only: guest RAM is mapped here from the descriptors
+        /// received; the source may pause its guest. No payload.
+        RamAdopted = 17,
+        /// Destination → source, local only, after Complete: the device state is loaded and
+        /// the vCPUs wait; the guest resumes here on Go and nowhere if Go never comes. No
+        /// payload.
+        Loaded = 18,
+        /// Source → destination, local only, after Loaded: resume the guest. From the moment
+        /// the source sends it, it never runs the guest again. No payload.
+        Go = 19,
     }
 }
 

@@ -27,16 +27,16 @@ mod wire_enum;
 pub use capabilities::Capabilities;
 pub use error::WireError;
 pub use format::{
-    DONE_SIZE, ERROR_CANCELLED, ERROR_FAILED, HEADER_SIZE, HELLO_SIZE, LATENCY_BUCKETS, MAGIC,
-    MAX_CHANNELS, MAX_CONFIG_BYTES, MAX_ERROR_BYTES, MAX_PAGES_PER_RECORD, MAX_PART_NAME,
-    MAX_SECTION_BYTES, MAX_SECTIONS, MAX_STATE_BYTES, MAX_STATE_PARTS, MAX_ZERO_RUN_PAGES,
-    MAX_ZERO_RUNS_PER_RECORD, PAGE_SIZE, RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE, VERSION,
-    crc, crc_append,
+    DONE_SIZE, ERROR_CANCELLED, ERROR_FAILED, HEADER_SIZE, HELLO_SIZE, LATENCY_BUCKETS,
+    LOCAL_REGION_SIZE, MAGIC, MAX_CHANNELS, MAX_CONFIG_BYTES, MAX_ERROR_BYTES, MAX_LOCAL_FDS,
+    MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD, MAX_PART_NAME, MAX_SECTION_BYTES, MAX_SECTIONS,
+    MAX_STATE_BYTES, MAX_STATE_PARTS, MAX_ZERO_RUN_PAGES, MAX_ZERO_RUNS_PER_RECORD, OLDEST_VERSION,
+    PAGE_SIZE, RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE, VERSION, crc, crc_append,
 };
 pub use header::{Header, decode_addresses, encode_runs, reseal_header};
 pub use hello::{HUGE_PAGE_SHIFT, Hello, Refusal, SMALL_PAGE_SHIFT, reseal_hello};
 pub use kind::{Kind, Role};
-pub use records::{Latencies, Received, ResumedRecord, SectionHeader, SectionId};
+pub use records::{Latencies, LocalRegion, Received, ResumedRecord, SectionHeader, SectionId};
 
 #[cfg(test)]
 mod tests;

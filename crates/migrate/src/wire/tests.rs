@@ -27,6 +27,30 @@ fn hello_round_trips_and_checks_everything() {
     b[8] = 1;
     reseal_hello(&mut b);
     assert_eq!(Hello::decode(&b), Err(WireError::Version(1)));
+    // The range: the oldest version still spoken is read, one past either end is refused.
+    for (version, read) in [
+        (OLDEST_VERSION - 1, false),
+        (OLDEST_VERSION, true),
+        (VERSION, true),
+        (VERSION + 1, false),
+    ] {
+        let mut b = h.encode();
+        b[8..12].copy_from_slice(&version.to_le_bytes());
+        reseal_hello(&mut b);
+        match Hello::decode(&b) {
+            Ok(got) => assert!(read && got == h, "version {version}"),
+            Err(e) => {
+                assert!(
+                    !read && e == WireError::Version(version),
+                    "version {version}"
+                );
+                assert!(
+                    e.to_string()
+                        .contains(&format!("speaks versions {OLDEST_VERSION} to {VERSION}"))
+                );
+            }
+        }
+    }
     let mut b = h.encode();
     b[12] = 0;
     reseal_hello(&mut b);
@@ -277,13 +301,15 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 15 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 19 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
     assert_eq!(Kind::from_u16(13), Kind::Missing);
     assert_eq!(Kind::from_u16(14), Kind::Resume);
     assert_eq!(Kind::from_u16(15), Kind::VmConfig);
-    assert_eq!(Kind::from_u16(16), Kind::Invalid);
+    assert_eq!(Kind::from_u16(16), Kind::LocalRam);
+    assert_eq!(Kind::from_u16(19), Kind::Go);
+    assert_eq!(Kind::from_u16(20), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 
@@ -468,4 +494,69 @@ fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
         ResumedRecord::decode(0, &[0; 23]).is_err(),
         "short, undecoded header"
     );
+}
+
+#[test]
+fn local_regions_round_trip_and_refuse_what_cannot_be_mapped() {
+    let regions = [
+        LocalRegion {
+            gpa: 0,
+            size: 3 << 30,
+            file_offset: 0,
+            fd: 0,
+        },
+        LocalRegion {
+            gpa: 4 << 30,
+            size: 1 << 30,
+            file_offset: 3 << 30,
+            fd: 0,
+        },
+    ];
+    let (h, payload) = LocalRegion::encode_all(&regions);
+    let mut raw = h.encode();
+    assert_eq!(Header::decode(&raw), Ok(h));
+    assert_eq!(LocalRegion::decode_all(&payload, 1), Ok(regions.to_vec()));
+    // The descriptor it names must have come with it.
+    assert!(matches!(
+        LocalRegion::decode_all(&payload, 0),
+        Err(WireError::LocalRegion { index: 0, .. })
+    ));
+    let bad = |r: LocalRegion| LocalRegion::decode_all(&LocalRegion::encode_all(&[r]).1, 1);
+    for r in [
+        LocalRegion {
+            size: 0,
+            ..regions[0]
+        },
+        LocalRegion {
+            gpa: 100,
+            ..regions[0]
+        },
+        LocalRegion {
+            file_offset: 1,
+            ..regions[0]
+        },
+        LocalRegion {
+            gpa: u64::MAX - 4095,
+            ..regions[0]
+        },
+    ] {
+        assert!(
+            matches!(bad(r), Err(WireError::LocalRegion { .. })),
+            "{r:?}"
+        );
+    }
+    // Counted and bounded like any batch, and its answers carry nothing.
+    raw[4..8].copy_from_slice(&(MAX_LOCAL_REGIONS + 1).to_le_bytes());
+    reseal_header(&mut raw);
+    assert!(matches!(
+        Header::decode(&raw),
+        Err(WireError::TooMany { .. })
+    ));
+    for kind in [Kind::RamAdopted, Kind::Loaded, Kind::Go] {
+        let h = Header::new(kind, 0, 8);
+        assert!(matches!(
+            Header::decode(&h.encode()),
+            Err(WireError::NotEmpty { .. })
+        ));
+    }
 }

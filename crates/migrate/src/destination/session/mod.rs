@@ -38,6 +38,7 @@ use crate::vm::{DestinationVm, Section, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
 mod channels;
+mod local;
 mod postcopy;
 mod recover;
 
@@ -199,7 +200,11 @@ impl<'a> Session<'a> {
         before_refusal: impl FnOnce(),
     ) -> Result<Session<'a>, MigrateError> {
         let hello = self.hello;
-        let (offered, page_shift) = supported(&self.ram);
+        let (mut offered, page_shift) = supported(&self.ram);
+        // Descriptors ride only on a Unix socket (not on TLS over one).
+        if !self.conn.stream().carries_fds() {
+            offered = Capabilities(offered.0 & !Capabilities::LOCAL.0);
+        }
         let mut reply = Hello {
             role: Role::Main,
             channel: 0,
@@ -267,15 +272,11 @@ impl<'a> Session<'a> {
     /// Phases 2 to 5: channels, precopy, state, resume. On success the guest runs; on error
     /// nothing runs, the source is told why, and every receiver has stopped.
     pub fn run(mut self, arrivals: &mut dyn Arrivals) -> Result<ReceiveStats, MigrateError> {
-        let result = self
-            .connect_channels(arrivals)
-            .and_then(|()| self.start_acks())
-            .and_then(|()| self.precopy())
-            .and_then(|ending| self.stop_acks().map(|()| ending))
-            .and_then(|ending| match ending {
-                PrecopyEnd::Complete(sections) => self.load_and_resume(&sections),
-                PrecopyEnd::Postcopy(sections) => self.postcopy(&sections),
-            });
+        let result = if self.granted.contains(Capabilities::LOCAL) {
+            self.receive_locally()
+        } else {
+            self.receive(arrivals)
+        };
         let result = result.map_err(|e| self.fail(e));
         self.control.unregister_all();
         self.control.update(|p| match &result {
@@ -291,6 +292,18 @@ impl<'a> Session<'a> {
             }
         });
         result
+    }
+
+    /// Phases 2 to 5 of a migration that sends pages.
+    fn receive(&mut self, arrivals: &mut dyn Arrivals) -> Result<ReceiveStats, MigrateError> {
+        self.connect_channels(arrivals)
+            .and_then(|()| self.start_acks())
+            .and_then(|()| self.precopy())
+            .and_then(|ending| self.stop_acks().map(|()| ending))
+            .and_then(|ending| match ending {
+                PrecopyEnd::Complete(sections) => self.load_and_resume(&sections),
+                PrecopyEnd::Postcopy(sections) => self.postcopy(&sections),
+            })
     }
 
     /// Ends a failed session: names the cause, tells the source, stops the receivers.

@@ -1,0 +1,98 @@
+//! A local handover received (`Capabilities::LOCAL`, a source on this host): guest RAM's
+//! descriptors come on the LocalRam record and the VMM maps them in place of its own RAM
+//! (`DestinationVm::adopt_ram`) while the guest still runs at the source; then the device
+//! state up to Complete, loaded with the vCPUs waiting; Loaded; and the guest resumes here only
+//! on the source's Go (`order::next_local` is the order). No data channel, no page.
+//!
+//! Invariant: the guest never runs here unless Go came, and the source never runs it once it
+//! sent Go, so it runs in one process at a time. A failure before Go leaves the adopted memory
+//! to the source, which resumes its guest in it; this side writes none of it and returns the
+//! error, and the VMM drops this VM (`DestinationVm::adopt_ram`'s contract).
+
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use super::super::order::{self, LocalStep};
+use super::super::progress::IncomingPhase;
+use super::super::sections::Sections;
+use super::{ReceiveStats, Session};
+use crate::error::{ConfigError, MigrateError, Side};
+use crate::ram::Ram;
+use crate::stats;
+use crate::wire::{self, Header, Kind, LocalRegion};
+
+impl Session<'_> {
+    /// Receives a local handover, as the module says.
+    pub(super) fn receive_locally(&mut self) -> Result<ReceiveStats, MigrateError> {
+        let mut at = order::Local::Ram;
+        let mut state = Sections::default();
+        loop {
+            let (h, fds) = match at {
+                order::Local::Ram => self.conn.read_header_with_fds("receiving guest RAM")?,
+                _ => (
+                    self.conn.read_header("receiving the device state")?,
+                    Vec::new(),
+                ),
+            };
+            let c = &self.control;
+            c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
+            let (then, step) = order::next_local(at, h.kind)?;
+            at = then;
+            match step {
+                LocalStep::Adopt => {
+                    let payload = self.conn.read_payload(&h, "receiving guest RAM's layout")?;
+                    if fds.is_empty() {
+                        return Err(ConfigError::LocalNoDescriptors.into());
+                    }
+                    let regions = LocalRegion::decode_all(&payload, fds.len())?;
+                    self.vm.adopt_ram(&regions, fds)?;
+                    self.ram = Ram::new(self.vm.ram())?;
+                    self.answer(Kind::RamAdopted, "answering that guest RAM is mapped")?;
+                }
+                LocalStep::Section => {
+                    let payload = self.conn.read_payload(&h, "receiving device state")?;
+                    state.add(&payload)?;
+                }
+                LocalStep::Load => {
+                    if self.control.cancelled() {
+                        return Err(MigrateError::CancelledHere);
+                    }
+                    self.control.update(|p| p.phase = IncomingPhase::Loading);
+                    let t = Instant::now();
+                    self.vm.load_state(&std::mem::take(&mut state).into_vec())?;
+                    self.stats.load = t.elapsed();
+                    self.answer(Kind::Loaded, "answering that the state is loaded")?;
+                }
+                LocalStep::Resume => return self.resume_locally(),
+                LocalStep::PeerError => {
+                    let p = self.conn.read_payload(&h, "reading the source's error")?;
+                    return Err(MigrateError::from_peer(Side::Source, &h, &p));
+                }
+            }
+        }
+    }
+
+    /// Go came: the guest is this side's. Resumes it and says Resumed with the times.
+    fn resume_locally(&mut self) -> Result<ReceiveStats, MigrateError> {
+        self.stats.resume = self.vm.resume()?;
+        let cpu = stats::thread_cpu_ns() - self.cpu_start;
+        let (header, payload) = self.resumed_record(cpu);
+        // The guest runs here: a lost acknowledgement changes nothing (the source sent Go, so
+        // it never runs the guest again).
+        let ack = self
+            .conn
+            .write_record(&header, &payload)
+            .and_then(|()| self.conn.flush("acknowledging the resume"));
+        if let Err(e) = ack {
+            tracing::warn!("the guest runs here, but the source did not get Resumed: {e}");
+        }
+        Ok(self.stats.clone())
+    }
+
+    /// Writes an empty answer of `kind` on the main connection.
+    fn answer(&mut self, kind: Kind, during: &'static str) -> Result<(), MigrateError> {
+        self.conn.write_header(&Header::new(kind, 0, 0))?;
+        self.conn.flush(during)
+    }
+}

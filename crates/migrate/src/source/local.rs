@@ -1,0 +1,104 @@
+//! The local handover: the destination shares this host, so guest RAM is handed over instead of
+//! sent. Guest RAM's descriptors go first, on the LocalRam record's bytes (`SCM_RIGHTS`), and
+//! the destination maps them while the guest still runs here (RamAdopted); then the guest
+//! pauses, its state goes with Complete, and the destination loads it and says Loaded; only then
+//! does Go hand the guest over, and the destination resumes it and says Resumed. No page is
+//! sent, no dirty page tracked, no data channel opened.
+//!
+//! Invariant: the guest runs in one process at a time. Until Go is sent, the destination has
+//! not run it (it waits for Go with the state loaded), so any failure (its Error, a crash, a
+//! silence past the peer timeout) resumes it here with nothing lost; once Go left, this side
+//! never runs it again, whatever follows (`handed_over`).
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::reader::Awaiting;
+use super::{Session, ms};
+use crate::error::{MigrateError, Rule, Side};
+use crate::vm::SourceVm;
+use crate::wire::{Header, Kind, LocalRegion, ResumedRecord};
+
+/// How long the source waits for each of the destination's answers without a peer timeout:
+/// mapping RAM and loading the state take milliseconds, so this only bounds a hung destination.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+const MAPPED: Awaiting = Awaiting {
+    during: "waiting for the destination to map guest RAM",
+    expected: "RamAdopted",
+};
+const LOADED: Awaiting = Awaiting {
+    during: "waiting for the destination to load the state",
+    expected: "Loaded",
+};
+const RESUMED: Awaiting = Awaiting {
+    during: "waiting for the destination to resume the guest",
+    expected: "Resumed",
+};
+
+impl Session<'_> {
+    /// Hands the guest over to a destination on this host, as the module says.
+    pub(super) fn hand_over_locally(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let (regions, fds) = self.ram.local_layout();
+        let (h, payload) = LocalRegion::encode_all(&regions);
+        self.peer
+            .conn
+            .write_record_with_fds(&h, &payload, &fds, "handing guest RAM over")?;
+        drop(fds);
+        self.await_answer(Kind::RamAdopted, MAPPED)?;
+        self.stats.setup_ms = ms(self.start.elapsed());
+        let (t0, t1) = self.pause_guest(vm)?;
+        let sections = vm.save_state()?;
+        let t4 = Instant::now();
+        self.note_state(vm, &sections);
+        self.send_device_state(&sections)?;
+        self.peer
+            .conn
+            .write_header(&Header::new(Kind::Complete, 0, 0))?;
+        self.peer.conn.flush("sending the device state")?;
+        self.await_answer(Kind::Loaded, LOADED)?;
+        self.peer.conn.write_header(&Header::new(Kind::Go, 0, 0))?;
+        self.peer.conn.flush("handing the guest over")?;
+        self.handed_over = true;
+        self.control.update(|p| p.handed_over = true);
+        let resumed = self
+            .await_answer(Kind::Resumed, RESUMED)
+            .and_then(|(h, payload)| Ok(ResumedRecord::decode(h.count, &payload)?))
+            .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
+        let t6 = Instant::now();
+        self.note_downtime([t0, t1, t1, t1, t4], t6);
+        let d = &mut self.stats.downtime;
+        d.load_ms = resumed.load_ns as f64 / 1e6;
+        d.resume_ms = resumed.resume_ns as f64 / 1e6;
+        d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
+        d.load_parts = resumed.parts;
+        self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
+        Ok(())
+    }
+
+    /// Reads the destination's next record, which must be `want` (its header and payload), or
+    /// its Error; within the peer timeout.
+    fn await_answer(
+        &mut self,
+        want: Kind,
+        awaiting: Awaiting,
+    ) -> Result<(Header, Vec<u8>), MigrateError> {
+        let during = awaiting.during;
+        let within = self.params.peer_timeout.unwrap_or(ANSWER_TIMEOUT);
+        let conn = &mut self.peer.conn;
+        conn.stream()
+            .set_read_timeout(Some(within))
+            .map_err(|e| MigrateError::io(during, e))?;
+        let h = conn.read_header(during)?;
+        let payload = conn.read_payload(&h, during)?;
+        match h.kind {
+            k if k == want => Ok((h, payload)),
+            Kind::Error => Err(MigrateError::from_peer(Side::Destination, &h, &payload)),
+            k => Err(MigrateError::misplaced(
+                k,
+                Rule::Awaiting(awaiting.expected),
+            )),
+        }
+    }
+}
