@@ -189,6 +189,11 @@ pub struct MigrateArgs {
     /// `0s` tries once.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     connect_timeout: Duration,
+    /// Hand the guest over to a destination on this host (--to unix:PATH) instead of copying
+    /// it: guest RAM's memfd goes over the socket, no page is sent, and the guest pauses only
+    /// for its device state (a live update of the VMM under a running guest).
+    #[arg(long)]
+    local: bool,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -227,6 +232,17 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
     let to = args.to.as_str();
     to.parse::<ferry_migrate::transport::Address>()
         .map_err(|e| UsageError(format!("--to {e}")))?;
+    if args.local && !to.starts_with("unix:") {
+        return Err(UsageError(format!(
+            "--local hands guest RAM's descriptors over a Unix socket, and --to {to} is not one; give --to unix:PATH (the destination's --incoming), or migrate without --local"
+        )));
+    }
+    if args.local && args.postcopy {
+        return Err(UsageError(
+            "--local moves no pages, so it has no postcopy; give one of --local and --postcopy"
+                .into(),
+        ));
+    }
     if matches!(args.timeout_action, TimeoutActionArg::Postcopy) && !args.postcopy {
         return Err(UsageError(
             "--timeout-action postcopy needs --postcopy".into(),
@@ -288,6 +304,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
             ChecksumArg::Pages => Checksum::Pages,
         },
         tls: tls_request(args)?,
+        local: args.local,
         ..MigrationRequest::default()
     };
     let body = serde_json::to_string(&body).context("encoding the migration request")?;
@@ -433,6 +450,9 @@ pub(crate) fn print_stats(
     Ok(())
 }
 
+/// Looks at `GET /migration` that fail in a row before the source counts as gone.
+const UNANSWERED: u32 = 10;
+
 /// Polls `GET /migration` until the migration ends, showing progress; says too whether the
 /// VMM went on to wait for another migration (`ferry run --then-incoming`). `None` once
 /// `detach` is set.
@@ -442,6 +462,7 @@ pub(crate) fn follow(
 ) -> anyhow::Result<Option<(Progress, bool)>> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     let mut last: Option<Phase> = None;
+    let mut unanswered = 0;
     loop {
         if detach.load(Ordering::Acquire) {
             live.finish();
@@ -450,16 +471,24 @@ pub(crate) fn follow(
         let mut value = match (client::request(socket, "GET", "/migration"), last) {
             (Ok(v), _) => v,
             (Err(e), None) => return Err(e.into()),
+            // A VMM that hands its guest over and waits for the next migration
+            // (--then-incoming) answers for its next VM a moment later: look again.
+            (Err(_), Some(_)) if unanswered < UNANSWERED => {
+                unanswered += 1;
+                std::thread::sleep(POLL);
+                continue;
+            }
             // The VMM went away under us: say what was last seen, not only that the socket
             // is missing.
-            (Err(_), Some(phase)) => {
+            (Err(e), Some(phase)) => {
                 live.finish();
                 anyhow::bail!(
-                    "the source VMM stopped while the migration was in phase {} (its API socket is gone); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output",
+                    "the source VMM stopped while the migration was in phase {} (its API answers no more: {e}); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output",
                     report::phase_name(phase)
                 );
             }
         };
+        unanswered = 0;
         // A VMM started with --then-incoming went on to wait for the guest's return once
         // this migration completed; it tells how that ended.
         let moved_on = value["role"] == "destination" || value["then_incoming"].is_string();

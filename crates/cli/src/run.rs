@@ -460,7 +460,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             interrupt.interrupted();
         }
         let reason = match &args.then_incoming {
-            Some(next) => match wait_unless_migrated(vm) {
+            Some(next) => match wait_unless_migrated(vm, Away::Any) {
                 Ended::Stopped(reason) => reason,
                 Ended::MigratedAway(progress) => {
                     // Every reference to the VM goes (the API's when it answers for the
@@ -475,7 +475,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
             },
-            None => vm.wait(),
+            // A local handover's old process has nothing left: the guest's memory is the new
+            // one's, and so is the guest.
+            None => match wait_unless_migrated(vm, Away::Locally) {
+                Ended::Stopped(reason) => reason,
+                Ended::MigratedAway(_) => {
+                    handle.wait_ending_read(ENDING_READ);
+                    drop(api);
+                    eprintln!(
+                        "ferry: the guest was handed over to the process on this host that received it (--local); this one exits"
+                    );
+                    return Ok(ExitCode::SUCCESS);
+                }
+            },
         };
         drop(api);
         let t = handle.telemetry();
@@ -574,12 +586,25 @@ enum Ended {
     MigratedAway(Box<Progress>),
 }
 
+/// Longest a process that handed its guest over locally waits for its `ferry migrate` to read
+/// the end (it looks every 200 ms) before it exits; a detached one never asks.
+const ENDING_READ: Duration = Duration::from_secs(2);
+
 /// How often a VM that may migrate away is looked at.
 const HANDOVER_POLL: Duration = Duration::from_millis(20);
 
-/// Waits until `vm` stops or a migration of it completes (the guest then runs elsewhere, and
-/// this paused copy is stopped).
-fn wait_unless_migrated(vm: Vm) -> Ended {
+/// Which migrations away end a VM's wait.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Away {
+    /// Any that handed the guest over.
+    Any,
+    /// Only a local handover (other sources stay paused, as QEMU's do, for the operator).
+    Locally,
+}
+
+/// Waits until `vm` stops or a migration of it that `away` names completes (the guest then
+/// runs elsewhere, and this paused copy is stopped).
+fn wait_unless_migrated(vm: Vm, away: Away) -> Ended {
     let handle = vm.handle();
     loop {
         if handle.wait_stopped(Some(HANDOVER_POLL)).is_some() {
@@ -589,6 +614,7 @@ fn wait_unless_migrated(vm: Vm) -> Ended {
         if let Some(done) = handle
             .migration()
             .filter(|p| p.phase == Phase::Completed && p.handed_over)
+            .filter(|p| away == Away::Any || p.local)
         {
             handle.stop(StopReason::Requested("migrated away".into()));
             vm.wait();

@@ -61,6 +61,10 @@ pub struct Progress {
     /// The settings in force, which [`Control::tune`] can change while the migration runs.
     #[serde(default)]
     pub settings: Settings,
+    /// A local handover ([`crate::source::SourceParams::local`]): guest RAM was handed to a
+    /// process on this host, not sent.
+    #[serde(default)]
+    pub local: bool,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,

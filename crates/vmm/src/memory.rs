@@ -46,6 +46,8 @@ use ferry_migrate::pagebits::TakenWords;
 
 use crate::writes::WriteBitmap;
 
+pub mod adopt;
+
 /// Guest memory as vm-memory sees it, every region with its write bitmap.
 pub type TrackedMemory = GuestMemoryMmap<WriteBitmap>;
 

@@ -115,6 +115,10 @@ impl VmHandle {
         *self.0.migration_tls.lock().unwrap() = tls;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
+        // Whoever read how an earlier migration ended has not read this one's.
+        self.0
+            .ending_read
+            .store(false, std::sync::atomic::Ordering::Release);
         let mut adapter = SourceAdapter {
             shared: self.0.clone(),
             handle: self.clone(),
@@ -183,6 +187,30 @@ impl VmHandle {
             .unwrap()
             .as_ref()
             .map(|c| c.progress())
+    }
+
+    /// Records that the API answered with the migration's end (`progress` is what it sent).
+    pub fn note_read(&self, progress: &Progress) {
+        if !progress.phase.is_active() {
+            self.0
+                .ending_read
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Waits until the API told someone how the migration ended (`ferry migrate` follows it,
+    /// looking every 200 ms), at most `within`: a process that exits once it handed its guest
+    /// over would otherwise leave its follower with no answer.
+    pub fn wait_ending_read(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self
+            .0
+            .ending_read
+            .load(std::sync::atomic::Ordering::Acquire)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// On a migration destination: the incoming migration's progress.
@@ -535,6 +563,20 @@ unsafe impl DestinationVm for IncomingVm {
 
     fn ram(&self) -> Vec<RamRegion> {
         ram_regions(&self.shared.ram)
+    }
+
+    /// The source's memfd mapped over this VM's RAM (`GuestRam::adopt`): KVM's slots and the
+    /// devices keep their addresses, and the vCPUs, created when this VM was, wait for the
+    /// state.
+    fn adopt_ram(
+        &mut self,
+        regions: &[ferry_migrate::wire::LocalRegion],
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(), VmError> {
+        self.shared
+            .ram
+            .adopt(regions, fds)
+            .map_err(|e| VmError::failed("adopting the source's guest RAM", e))
     }
 
     /// Preallocated RAM, or several channels, take a copy into the mapping; one channel into

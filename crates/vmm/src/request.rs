@@ -65,6 +65,9 @@ pub struct MigrationRequest {
     pub tls: Option<TlsRequest>,
     /// Longest a write to the destination may wait.
     pub peer_timeout_ms: u64,
+    /// Hand the guest over to a destination on this host (`to` a `unix:` address) instead of
+    /// copying it: guest RAM's memfd goes over the socket and only the device state is sent.
+    pub local: bool,
     /// An in-process caller's loaded TLS configuration, used instead of `tls`' files.
     #[serde(skip)]
     pub tls_config: Option<Arc<SourceTls>>,
@@ -122,6 +125,7 @@ impl Default for MigrationRequest {
                 .peer_timeout
                 .unwrap_or(source::DEFAULT_PEER_TIMEOUT)
                 .as_millis() as u64,
+            local: engine.local,
             tls_config: None,
         }
     }
@@ -177,7 +181,21 @@ impl MigrationRequest {
                     .into(),
             );
         }
+        if self.local {
+            let unix = matches!(
+                self.to.parse::<ferry_migrate::transport::Address>(),
+                Ok(ferry_migrate::transport::Address::Unix(_))
+            );
+            if !unix || self.tls.is_some() || self.tls_config.is_some() {
+                let to = match unix {
+                    true => format!("{} with TLS", self.to),
+                    false => self.to.clone(),
+                };
+                return Err(ferry_migrate::error::ConfigError::LocalNeedsUnix { to }.to_string());
+            }
+        }
         Ok(SourceParams {
+            local: self.local,
             max_bandwidth: self.max_bandwidth,
             channels: self.channels,
             packet_pages: (self.packet_size / page) as u32,
@@ -258,6 +276,10 @@ mod tests {
             (
                 r#"{"to": "a:1", "peer_timeout_ms": 0}"#,
                 "peer_timeout_ms 0",
+            ),
+            (
+                r#"{"to": "tcp:a:1", "local": true}"#,
+                "tcp:a:1 is not one; give --to unix:PATH",
             ),
         ] {
             let r: MigrationRequest = serde_json::from_str(body).unwrap();

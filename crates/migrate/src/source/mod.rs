@@ -166,6 +166,7 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     control.update(|p| {
         p.phase = Phase::Setup;
         p.settings = params.settings();
+        p.local = params.local;
     });
     let connect = || {
         let s = connect()?;

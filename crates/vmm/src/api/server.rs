@@ -232,6 +232,7 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
         }
         (Method::Get, "/migration") => match (vm.migration(), vm.incoming()) {
             (Some(p), _) => {
+                vm.note_read(&p);
                 let mut v = serde_json::to_value(p).unwrap_or_default();
                 if let Some(at) = vm.then_incoming() {
                     v["then_incoming"] = json!(at);

@@ -249,6 +249,7 @@ fn build(
         migration_tls: Mutex::new(None),
         incoming_tls: Mutex::new(None),
         previous_migration: Mutex::new(None),
+        ending_read: Default::default(),
         then_incoming: Mutex::new(None),
         throttle: Throttle::default(),
         started: Instant::now(),

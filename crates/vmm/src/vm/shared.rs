@@ -102,6 +102,9 @@ pub(crate) struct Shared {
     /// How the last migration away from the VMM that made this VM ended, when the VMM went on
     /// to receive the guest again (`ferry run --then-incoming`): what its follower reads.
     pub(crate) previous_migration: Mutex<Option<ferry_migrate::Progress>>,
+    /// A `GET /migration` answered with the migration's end (the process that handed its
+    /// guest over locally exits once its operator's command heard how it ended).
+    pub(crate) ending_read: std::sync::atomic::AtomicBool,
     /// Where this VMM waits for the guest's return once a migration took it away
     /// (`ferry run --then-incoming`), if it does.
     pub(crate) then_incoming: Mutex<Option<String>>,

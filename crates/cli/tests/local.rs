@@ -1,0 +1,157 @@
+//! The local handover end to end on real KVM: `ferry migrate --local` hands a running guest to a
+//! `ferry run --incoming unix:PATH` on the same host without copying its memory, back and forth
+//! between two processes (`--then-incoming`), and every way it can fail before Go leaves the
+//! guest running at the source, which then hands it over to a fresh destination.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{RunningVm, ferry, stderr};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+const GUEST: &str = "ws=128M pattern=random rate=40 verify-ms=200 log-ms=0";
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// A `ferry run --incoming unix:...` (with `extra`), its API up; and where it listens.
+fn destination(extra: &[&str]) -> (RunningVm, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("unix:{}", dir.path().join("in.sock").display());
+    let mut args = vec!["--incoming", spec.as_str()];
+    args.extend_from_slice(extra);
+    let vm = RunningVm::start_with("512M", "", &args);
+    vm.wait_until("the destination's API", LIMIT, |vm| vm.socket.exists());
+    // The socket's directory must outlive the destination: keep it beside the VM's.
+    std::mem::forget(dir);
+    (vm, spec)
+}
+
+fn migrate_local(src: &RunningVm, to: &str, extra: &[&str]) -> std::process::Output {
+    ferry()
+        .args(["migrate", "--local", "--to", to, "--output", "json"])
+        .args(extra)
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap()
+}
+
+fn exits(vm: RunningVm) -> (Option<i32>, String) {
+    let out = vm.finish(LIMIT);
+    (out.status.code(), stderr(&out))
+}
+
+fn stats(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("the statistics as JSON")
+}
+
+#[test]
+fn a_guest_is_handed_back_and_forth_between_two_processes_without_a_page_copied() {
+    // A first process that becomes a destination again once the guest left it.
+    let dir = tempfile::tempdir().unwrap();
+    let back = format!("unix:{}", dir.path().join("back.sock").display());
+    let a = RunningVm::start_with("512M", GUEST, &["--then-incoming", back.as_str()]);
+    a.wait_until("the API socket", LIMIT, |vm| vm.socket.exists());
+    a.wait_until("a verify pass", LIMIT, |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (b, to_b) = destination(&[]);
+    let s = stats(&migrate_local(&a, &to_b, &[]));
+    assert_eq!(s["pages_normal"], 0, "{s}");
+    assert_eq!(s["pages_zero"], 0, "{s}");
+    assert!(s["bytes_sent"].as_u64() < Some(64 << 10), "{s}");
+    b.assert_verifies_clean();
+    // And back into the first process, which waited on its --then-incoming address; the
+    // second has no --then-incoming, so it exits once the guest runs in the first again.
+    a.wait_until("the first process waiting again", LIMIT, |_| {
+        Path::new(back.trim_start_matches("unix:")).exists()
+    });
+    let s = stats(&migrate_local(&b, &back, &[]));
+    assert_eq!(s["pages_normal"], 0, "{s}");
+    let (code, err) = exits(b);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("this one exits"), "{err}");
+    a.assert_verifies_clean();
+}
+
+#[test]
+fn local_is_refused_for_a_tcp_destination_before_anything_is_asked() {
+    let out = common::ferry_output(&[
+        "migrate",
+        "--local",
+        "--to",
+        "tcp:127.0.0.1:1",
+        "--api-socket",
+        "/nonexistent",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("give --to unix:PATH"), "{err}");
+}
+
+/// The failure matrix's local rows: each fails before Go, so the source's guest runs on and a
+/// second handover, to a fresh destination, verifies clean.
+#[test]
+fn a_local_handover_that_fails_before_go_leaves_the_guest_running_at_the_source() {
+    let src = RunningVm::start("512M", GUEST);
+    src.wait_until("a verify pass", LIMIT, |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    // Configured differently: refused at the hello, before the pause.
+    let (dst, to) = destination(&["--vcpus", "2"]);
+    let out = migrate_local(&src, &to, &[]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--vcpus 1"), "{}", stderr(&out));
+    assert_eq!(src.status()["state"], "running");
+    drop(dst);
+    // Killed before it answered: the source hears the connection end, well before its peer
+    // timeout. (A destination gone after it mapped the memory is the engine test's.)
+    let (dst, to) = destination(&["--peer-timeout", "30s"]);
+    let pid = Pid::from_raw(dst.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let migrate = ferry()
+        .args(["migrate", "--local", "--to", &to, "--peer-timeout", "20s"])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        kill(pid, Signal::SIGKILL).unwrap();
+    });
+    let struck = Instant::now();
+    let out = migrate.unwrap();
+    killer.join().unwrap();
+    assert!(!out.status.success(), "the handover failed");
+    assert!(
+        struck.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        struck.elapsed()
+    );
+    drop(dst);
+    assert_eq!(src.status()["state"], "running");
+    // Stopped past the source's peer timeout: the same.
+    let (dst, to) = destination(&[]);
+    let pid = Pid::from_raw(dst.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let out = migrate_local(&src, &to, &["--peer-timeout", "2s"]);
+    assert!(!out.status.success(), "the handover failed");
+    kill(pid, Signal::SIGCONT).unwrap();
+    // It wakes to a source that gave up, and waits for the next one, with no guest.
+    assert_ne!(
+        dst.status()["state"],
+        "running",
+        "no guest ran at the destination"
+    );
+    drop(dst);
+    assert_eq!(src.status()["state"], "running");
+    // Nothing lost: a handover to a fresh destination verifies clean.
+    src.assert_verifies_clean();
+    let (dst, to) = destination(&[]);
+    stats(&migrate_local(&src, &to, &[]));
+    dst.assert_verifies_clean();
+    let (code, _) = exits(src);
+    assert_eq!(code, Some(0));
+}
