@@ -141,6 +141,7 @@ pub fn run(args: &HostileBenchArgs) -> anyhow::Result<ExitCode> {
         second: mut b,
         port_a,
         port_b,
+        ..
     } = HopPair::start(dir.path(), args.memory, &args.cmdline)?;
     let body = |port: u16| MigrationRequest {
         timeout_ms: Some(STEP_LIMIT.as_millis() as u64),

@@ -8,6 +8,7 @@ mod hinting;
 mod hostile;
 mod ingest;
 mod link;
+mod local;
 mod postcopy;
 mod precopy;
 mod process;
@@ -53,6 +54,9 @@ pub enum BenchCommand {
     /// Saves and restores (eager, lazy, with and without the hot set) of an 8 GiB guest
     /// holding 4 GiB of random data, against the file system's write rate and fresh memory's.
     Snapshot(snapshot::SnapshotBenchArgs),
+    /// The local handover (`ferry migrate --local`) between two processes at 1 and 64 vCPUs
+    /// and 8 and 511 GiB, against the same guest copied over the same Unix socket.
+    Local(local::LocalBenchArgs),
     /// An idle guest that touched 256 MiB migrated at 8, 64, 256 and 511 GiB of RAM: what
     /// grows with configured memory (time, setup, steps, CPU, each process's peak memory).
     Scale(scale::ScaleBenchArgs),
@@ -72,5 +76,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Scale(args) => scale::run(&args),
         BenchCommand::Snapshot(args) => snapshot::run(&args),
         BenchCommand::Hostile(args) => hostile::run(&args),
+        BenchCommand::Local(args) => local::run(&args),
     }
 }

@@ -15,7 +15,9 @@ use serde_json::Value;
 /// Longest any one step of a hop may take before the soak calls the run failed: a hop of the
 /// default guest takes well under a second, so this only catches a hang.
 pub const STEP_LIMIT: Duration = Duration::from_secs(60);
-const POLL: Duration = Duration::from_millis(5);
+/// How often a step is looked at: a local handover completes in milliseconds, and a look is
+/// one request on the API socket (a fraction of a millisecond).
+const POLL: Duration = Duration::from_millis(1);
 
 /// A `ferry run` child; killed on drop.
 pub struct Vmm {
@@ -129,42 +131,81 @@ impl Drop for Vmm {
 }
 
 /// Two `ferry run --then-incoming` processes a guest can hop between: `first` boots it (and
-/// has verified its memory once), `second` waits; each listens on its own port (`port_a`,
-/// `port_b`) whenever it is without the guest.
+/// has verified its memory once), `second` waits; each listens at its own address (`at_a`,
+/// `at_b`: loopback ports `port_a` and `port_b`, or Unix sockets) whenever it is without the
+/// guest.
 pub struct HopPair {
     pub first: Vmm,
     pub second: Vmm,
     pub port_a: u16,
     pub port_b: u16,
+    pub at_a: String,
+    pub at_b: String,
+    /// Where the guest is: `first` (as it starts), or `second`.
+    pub first_has_guest: bool,
+}
+
+/// The guest a [`HopPair`] runs, and where its processes wait.
+pub struct PairSpec<'a> {
+    pub memory: u64,
+    pub vcpus: u8,
+    pub cmdline: &'a str,
+    /// Unix sockets in the bench's directory (what a local handover needs), not TCP.
+    pub unix: bool,
 }
 
 impl HopPair {
     pub fn start(dir: &Path, memory: u64, cmdline: &str) -> anyhow::Result<HopPair> {
-        let (port_a, port_b) = (free_port()?, free_port()?);
-        let memory = memory.to_string();
+        let spec = PairSpec {
+            memory,
+            vcpus: 1,
+            cmdline,
+            unix: false,
+        };
+        HopPair::start_as(dir, &spec)
+    }
+
+    pub fn start_as(dir: &Path, spec: &PairSpec<'_>) -> anyhow::Result<HopPair> {
+        let (port_a, port_b, at_a, at_b) = if spec.unix {
+            let at = |name| format!("unix:{}", dir.join(name).display());
+            (0, 0, at("first.in"), at("second.in"))
+        } else {
+            let (a, b) = (free_port()?, free_port()?);
+            (a, b, at(a), at(b))
+        };
+        let machine = [
+            "--memory".to_string(),
+            spec.memory.to_string(),
+            "--vcpus".into(),
+            spec.vcpus.to_string(),
+        ];
         let mut first = Vmm::spawn(
             "first",
             dir,
             &[
-                "--memory".into(),
-                memory.clone(),
-                "--cmdline".into(),
-                cmdline.into(),
-                "--then-incoming".into(),
-                at(port_a),
-            ],
+                &machine[..],
+                &[
+                    "--cmdline".into(),
+                    spec.cmdline.into(),
+                    "--then-incoming".into(),
+                    at_a.clone(),
+                ],
+            ]
+            .concat(),
         )?;
         let mut second = Vmm::spawn(
             "second",
             dir,
             &[
-                "--memory".into(),
-                memory,
-                "--incoming".into(),
-                at(port_b),
-                "--then-incoming".into(),
-                at(port_b),
-            ],
+                &machine[..],
+                &[
+                    "--incoming".into(),
+                    at_b.clone(),
+                    "--then-incoming".into(),
+                    at_b.clone(),
+                ],
+            ]
+            .concat(),
         )?;
         first.wait_for("a first verify pass", "/vm", |s| {
             s["guest"]["verify_passes"].as_u64() >= Some(1)
@@ -175,6 +216,9 @@ impl HopPair {
             second,
             port_a,
             port_b,
+            at_a,
+            at_b,
+            first_has_guest: true,
         })
     }
 }
@@ -194,6 +238,8 @@ pub fn free_port() -> anyhow::Result<u16> {
 pub struct Migrated {
     pub stats: MigrationStats,
     pub guest: Value,
+    /// From the request to the source's API telling the migration's end (within [`POLL`]).
+    pub took: Duration,
 }
 
 /// Starts a migration on `src` with `body` (PUT /migration), follows it to its end, and waits
@@ -205,6 +251,7 @@ pub fn migrate_and_verify(
     request: &MigrationRequest,
 ) -> anyhow::Result<Migrated> {
     let body = serde_json::to_string(request).context("encoding the migration request")?;
+    let asked = Instant::now();
     client::request_with_body(&src.socket, "PUT", "/migration", &body)
         .context("could not start the migration")?;
     // Once it completes, `src` goes on to wait for the guest's return and tells how the
@@ -216,6 +263,7 @@ pub fn migrate_and_verify(
                 Some("completed" | "failed" | "cancelled")
             )
     })?;
+    let took = asked.elapsed();
     let ended = match ended["role"] == "destination" {
         true => ended["previous"].clone(),
         false => ended,
@@ -240,5 +288,5 @@ pub fn migrate_and_verify(
     if guest["verify_failures"] != 0 || guest["bad_reads"] != 0 {
         bail!("the guest found bad pages after the migration: {guest:#}");
     }
-    Ok(Migrated { stats, guest })
+    Ok(Migrated { stats, guest, took })
 }

@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
-use super::process::{HopPair, Migrated, STEP_LIMIT, Vmm, at, migrate_and_verify};
+use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify};
 
 #[derive(Debug, Args)]
 pub struct SoakBenchArgs {
@@ -36,6 +36,10 @@ pub struct SoakBenchArgs {
     /// A line per hop (otherwise one per twentieth of the run).
     #[arg(long)]
     every_hop: bool,
+    /// Local handovers (`ferry migrate --local`) between the two processes over Unix sockets:
+    /// guest RAM's memfd goes back and forth, no page is copied (with --mode precopy only).
+    #[arg(long)]
+    local: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -58,19 +62,30 @@ struct Hop {
 }
 
 pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
+    if args.local && args.mode != SoakMode::Precopy {
+        anyhow::bail!("a local handover has no postcopy; give --mode precopy with --local");
+    }
     let dir = tempfile::tempdir()?;
+    let spec = PairSpec {
+        memory: args.memory,
+        vcpus: 1,
+        cmdline: &args.cmdline,
+        unix: args.local,
+    };
     let HopPair {
         first: mut a,
         second: mut b,
-        port_a,
-        port_b,
-    } = HopPair::start(dir.path(), args.memory, &args.cmdline)?;
+        at_a,
+        at_b,
+        ..
+    } = HopPair::start_as(dir.path(), &spec)?;
     println!(
-        "soak: {} round trips of a {} MiB guest ({}), {:?}",
+        "soak: {} round trips of a {} MiB guest ({}), {:?}{}",
         args.round_trips,
         args.memory >> 20,
         args.cmdline,
-        args.mode
+        args.mode,
+        if args.local { ", local handovers" } else { "" }
     );
     let mut hops = Vec::new();
     let mut samples: Vec<[(usize, u64); 2]> = Vec::new();
@@ -83,12 +98,12 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
             SoakMode::Both => trip % 2 == 1,
         };
         for leg in 0..2 {
-            let (src, dst, port) = if leg == 0 {
-                (&mut a, &mut b, port_b)
+            let (src, dst, to) = if leg == 0 {
+                (&mut a, &mut b, &at_b)
             } else {
-                (&mut b, &mut a, port_a)
+                (&mut b, &mut a, &at_a)
             };
-            let hop = hop(src, dst, &at(port), postcopy).with_context(|| {
+            let hop = hop(src, dst, to, postcopy, args.local).with_context(|| {
                 format!("round trip {}, {} to {}", trip + 1, src.name, dst.name)
             })?;
             if args.every_hop {
@@ -114,21 +129,22 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    report(&hops, &samples, started.elapsed());
+    report(&hops, &samples, started.elapsed(), args.local);
     Ok(ExitCode::SUCCESS)
 }
 
 /// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
 /// there, and waits for `src` to listen again.
-fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool) -> anyhow::Result<Hop> {
+fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool, local: bool) -> anyhow::Result<Hop> {
     let body = MigrationRequest {
         timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
         postcopy,
         postcopy_after_passes: postcopy.then_some(1),
         postcopy_preempt: postcopy,
+        local,
         ..MigrationRequest::to(to)
     };
-    let Migrated { stats, guest } = migrate_and_verify(src, dst, &body)?;
+    let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;
     src.waiting()?;
     Ok(Hop {
         postcopy,
@@ -149,7 +165,7 @@ fn quantile(values: &mut [f64], q: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration) {
+fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration, local: bool) {
     println!(
         "{:<9} {:>5} {:>28} {:>28} {:>28}",
         "hops",
@@ -158,7 +174,8 @@ fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration) {
         "downtime ms p50/p99/max",
         "guest pause ms p50/p99/max"
     );
-    for (name, postcopy) in [("precopy", false), ("postcopy", true)] {
+    let first = if local { "local" } else { "precopy" };
+    for (name, postcopy) in [(first, false), ("postcopy", true)] {
         let of = |f: fn(&Hop) -> f64| -> Vec<f64> {
             hops.iter()
                 .filter(|h| h.postcopy == postcopy)
