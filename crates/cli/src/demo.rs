@@ -127,6 +127,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         serial: SerialOutput::Discard,
         balloon: true,
         host_pages: Default::default(),
+        next_layout: false,
     };
     println!(
         "ferry demo: source VM, {} MiB RAM, guest `{cmdline}`",

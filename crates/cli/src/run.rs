@@ -100,6 +100,11 @@ pub struct RunArgs {
     /// reporting. On by default; a destination must match its source.
     #[arg(long, value_enum, default_value = "on", value_name = "on|off")]
     pub balloon: crate::migrate::OnOff,
+    /// Stand for a newer ferry in the version-range tests: the telemetry port writes its next
+    /// section layout and loads today's too, so this VM takes a guest from an ordinary ferry
+    /// and an ordinary ferry refuses its guest before the pause.
+    #[arg(long, hide = true)]
+    next_section_layout: bool,
 }
 
 /// How this process waits for each incoming migration.
@@ -377,6 +382,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         } else {
             HostPages::Small
         },
+        next_layout: args.next_section_layout,
     };
     if args.incoming_retry && args.incoming.is_none() && args.then_incoming.is_none() {
         return Err(UsageError(

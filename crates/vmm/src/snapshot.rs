@@ -1,5 +1,5 @@
 //! Snapshots of this VMM's VMs: a live save to a file through the engine's
-//! [`ferry_migrate::snapshot::save`] (`PUT /snapshot`, `ferry snapshot`), and a restore into a
+//! [`ferry_migrate::snapshot::save()`] (`PUT /snapshot`, `ferry snapshot`), and a restore into a
 //! VM made from what the file describes (`ferry run --restore`).
 //!
 //! A snapshot runs in the migration's slot: `GET /migration` follows it, `ferry cancel`

@@ -1,14 +1,18 @@
 //! What a destination VM must share with its source to take its guest, checked before the
 //! migration's hello is answered (the engine's `SourceVm::config` / `DestinationVm::
-//! check_config`): the vCPU count, whether there is a balloon, and the CPU features the vCPUs
-//! were given. A mismatch is refused before anything is sent, and before the source pauses,
-//! with the flag that fixes it; the state load would refuse it too, but only after the pause.
+//! check_config`): the vCPU count, whether there is a balloon, the CPU features the vCPUs
+//! were given, and the state sections the source writes with their layout versions. A
+//! mismatch is refused before anything is sent, and before the source pauses, with the flag
+//! or update that fixes it; the state load would refuse it too, but only after the pause.
 //!
-//! The bytes are JSON: small, readable in a packet capture, and extensible by adding fields.
+//! The bytes are JSON: small, readable in a packet capture, and extensible by adding fields
+//! (a field an older ferry does not send takes its default, and is then not checked).
 
 #![forbid(unsafe_code)]
 
 use serde::{Deserialize, Serialize};
+
+use crate::devices::{DeviceStateError, SectionKind};
 
 /// The parts of a VM's configuration a guest depends on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -18,6 +22,33 @@ pub struct VmDescription {
     /// A digest of the CPU identity and features the vCPUs get (`kvm::vcpu::cpuid_digest`), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
+    /// Every kind of state section the VM writes, once each, with the layouts it writes and
+    /// loads (`sections::versions`). Empty from a ferry older than the list: its sections are
+    /// then checked only by the state load, after the pause.
+    #[serde(default)]
+    pub sections: Vec<SectionVersion>,
+}
+
+/// A kind of state section a VM writes: its id, the name a refusal gives it, the layout
+/// version it writes, and the oldest it loads. A destination takes a source's section when the
+/// source's `version` is within its own `oldest..=version`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SectionVersion {
+    pub id: u32,
+    pub name: String,
+    pub version: u32,
+    pub oldest: u32,
+}
+
+impl SectionVersion {
+    pub fn new(name: &str, kind: SectionKind) -> SectionVersion {
+        SectionVersion {
+            id: kind.id.0,
+            name: name.into(),
+            version: kind.version,
+            oldest: kind.oldest,
+        }
+    }
 }
 
 impl VmDescription {
@@ -52,7 +83,37 @@ impl VmDescription {
                 source.cpuid, self.cpuid
             ));
         }
-        Ok(())
+        self.loads(&source.sections)
+    }
+
+    /// Whether this VM loads every section `source` lists, at the version it is written in,
+    /// and finds there every section it needs. An empty list (an older ferry's) is not
+    /// checked here.
+    fn loads(&self, source: &[SectionVersion]) -> Result<(), String> {
+        if source.is_empty() {
+            return Ok(());
+        }
+        for s in source {
+            let Some(own) = self.sections.iter().find(|o| o.id == s.id) else {
+                return Err(format!(
+                    "the source writes a {} section (id {}) this ferry does not know; a newer ferry takes an older one's guest, not the reverse: update the destination's ferry",
+                    s.name, s.id
+                ));
+            };
+            DeviceStateError::check_version(own.name.clone(), s.version, own.oldest..=own.version)
+                .map_err(|e| e.to_string())?;
+        }
+        match self
+            .sections
+            .iter()
+            .find(|o| !source.iter().any(|s| s.id == o.id))
+        {
+            Some(own) => Err(format!(
+                "the source writes no {} section (id {}) and this VM needs one; start the destination with the source's devices and ferry version",
+                own.name, own.id
+            )),
+            None => Ok(()),
+        }
     }
 }
 
@@ -65,6 +126,24 @@ mod tests {
             vcpus,
             balloon,
             cpuid: cpuid.into(),
+            sections: vec![section(1, "vCPU", 1, 1), section(4, "telemetry port", 2, 2)],
+        }
+    }
+
+    fn section(id: u32, name: &str, oldest: u32, version: u32) -> SectionVersion {
+        SectionVersion {
+            id,
+            name: name.into(),
+            version,
+            oldest,
+        }
+    }
+
+    /// `vm(4, true, "ab")` whose telemetry port section is `telemetry`.
+    fn with_telemetry(telemetry: SectionVersion) -> VmDescription {
+        VmDescription {
+            sections: vec![section(1, "vCPU", 1, 1), telemetry],
+            ..vm(4, true, "ab")
         }
     }
 
@@ -82,6 +161,32 @@ mod tests {
                 "has no balloon and this one has; start the destination with --balloon off",
             ),
             (vm(4, true, "cd"), "CPUID digest cd on the source, ab here"),
+            (
+                with_telemetry(section(4, "telemetry port", 2, 3)),
+                "telemetry port state version 3 is outside the versions 2 to 2 this ferry loads; a newer ferry takes an older one's guest, not the reverse: update the destination's ferry",
+            ),
+            (
+                with_telemetry(section(4, "telemetry port", 1, 1)),
+                "telemetry port state version 1 is outside the versions 2 to 2 this ferry loads; the source's ferry is older",
+            ),
+            (
+                VmDescription {
+                    sections: vec![
+                        section(1, "vCPU", 1, 1),
+                        section(4, "telemetry port", 2, 2),
+                        section(9, "sound card", 1, 1),
+                    ],
+                    ..vm(4, true, "ab")
+                },
+                "writes a sound card section (id 9) this ferry does not know; a newer ferry takes an older one's guest, not the reverse: update the destination's ferry",
+            ),
+            (
+                VmDescription {
+                    sections: vec![section(1, "vCPU", 1, 1)],
+                    ..vm(4, true, "ab")
+                },
+                "writes no telemetry port section (id 4) and this VM needs one",
+            ),
         ];
         for (source, want) in table {
             let e = here.accepts(&source.encode()).unwrap_err();
@@ -89,5 +194,16 @@ mod tests {
         }
         let e = here.accepts(b"{not json").unwrap_err();
         assert!(e.contains("unreadable"), "{e}");
+    }
+
+    #[test]
+    fn a_destination_takes_the_layouts_it_loads_and_an_older_ferrys_description() {
+        // A newer ferry: writes 3, loads 2 to 3, so it takes today's 2 (and its own 3).
+        let newer = with_telemetry(section(4, "telemetry port", 2, 3));
+        assert_eq!(newer.accepts(&vm(4, true, "ab").encode()), Ok(()));
+        assert_eq!(newer.accepts(&newer.encode()), Ok(()));
+        // A description from before the list decodes, and its sections are left to the load.
+        let older = br#"{"vcpus":4,"balloon":true,"cpuid":"ab"}"#;
+        assert_eq!(newer.accepts(older), Ok(()));
     }
 }

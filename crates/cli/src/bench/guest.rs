@@ -96,6 +96,7 @@ fn vcpu_share(rate: Option<u32>, window: Duration) -> anyhow::Result<(f64, f64)>
         serial: SerialOutput::Discard,
         balloon: true,
         host_pages: Default::default(),
+        next_layout: false,
     })?;
     let h = vm.handle();
     let started = Instant::now();
@@ -126,6 +127,7 @@ fn guest_rate(pattern: Pattern, ws: u64, window: Duration) -> anyhow::Result<f64
         serial: SerialOutput::Discard,
         balloon: true,
         host_pages: Default::default(),
+        next_layout: false,
     })?;
     let h = vm.handle();
     let started = Instant::now();

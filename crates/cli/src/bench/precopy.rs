@@ -462,6 +462,7 @@ pub(super) fn migrate_over(
         serial: SerialOutput::Discard,
         balloon: true,
         host_pages: s.host_pages,
+        next_layout: false,
     };
     let source = Vm::boot(config.clone())?;
     let src = source.handle();

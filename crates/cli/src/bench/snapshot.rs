@@ -274,6 +274,7 @@ fn config(memory: u64, cmdline: &str) -> VmConfig {
         serial: SerialOutput::Discard,
         balloon: true,
         host_pages: HostPages::Small,
+        next_layout: false,
     }
 }
 

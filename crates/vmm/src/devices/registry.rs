@@ -124,6 +124,19 @@ impl Devices {
             .collect()
     }
 
+    /// Each kind of device section this VM writes, once (COM1 and COM2 are one kind), under
+    /// the name of its first instance, in registration order: what the VM's description
+    /// announces so that a destination checks the layouts before the source pauses.
+    pub fn kinds(&self) -> Vec<(&'static str, SectionKind)> {
+        let mut kinds: Vec<(&'static str, SectionKind)> = Vec::new();
+        for e in &self.entries {
+            if !kinds.iter().any(|(_, k)| k.id == e.kind.id) {
+                kinds.push((e.name, e.kind));
+            }
+        }
+        kinds
+    }
+
     /// Whether `id` is a device section of this VM (the others are the VM's own).
     pub fn owns(&self, id: SectionId) -> bool {
         self.entries.iter().any(|e| e.kind.id == id)
@@ -205,6 +218,14 @@ mod tests {
         );
         assert_eq!(sections[0].id, sections[1].id);
         assert_ne!(sections[0].instance, sections[1].instance);
+        assert_eq!(
+            source.kinds(),
+            [(
+                "uart",
+                SectionKind::single(serial::SECTION, serial::VERSION)
+            )],
+            "one kind for both instances"
+        );
 
         let (destination, _) = pair();
         destination

@@ -80,10 +80,7 @@ impl Device for SerialDevice {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind {
-            id: SECTION,
-            version: VERSION,
-        }
+        SectionKind::single(SECTION, VERSION)
     }
 
     fn save(&self) -> Vec<u8> {
@@ -91,7 +88,7 @@ impl Device for SerialDevice {
     }
 
     fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError> {
-        DeviceStateError::check_version(NAME, version, VERSION)?;
+        DeviceStateError::check_version(NAME, version, self.kind().loads())?;
         let state = decode(data)?;
         // Rebuild around the same output and interrupt line: vm-superio restores only into a
         // new Serial, so take this one apart (a placeholder fills the slot meanwhile).
@@ -179,9 +176,10 @@ mod tests {
         assert_eq!(
             b.restore(2, &saved),
             Err(DeviceStateError::Version {
-                device: NAME,
+                device: NAME.into(),
                 got: 2,
-                want: 1
+                oldest: 1,
+                newest: 1
             })
         );
         for len in [REGISTERS - 1, REGISTERS + MAX_FIFO + 1] {

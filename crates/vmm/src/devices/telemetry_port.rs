@@ -2,6 +2,13 @@
 //! a report in its memory; the device reads it and records it, stamped with the host's clock,
 //! in the [`GuestTelemetry`] that the VM's status shows. Its state is the telemetry itself, so
 //! counters and heartbeats continue across a migration.
+//!
+//! It is also the device the version-range tests bump: [`Layout::Next`] stands for the layout a
+//! newer ferry would write, [`NEXT_VERSION`], which is [`VERSION`]'s bytes followed by one
+//! counter the device keeps anyway (its bad writes, 8 bytes little-endian). A port of the next
+//! layout writes it and loads both; one of today's loads [`VERSION`] only, and so refuses a
+//! guest coming from the "newer" ferry, which is what the tests check is refused before the
+//! source pauses.
 
 #![forbid(unsafe_code)]
 
@@ -16,20 +23,58 @@ use crate::memory::GuestRam;
 
 /// The section id of the telemetry state.
 pub const SECTION: SectionId = SectionId(4);
-/// Version of the telemetry section layout (2: counters per vCPU).
+/// Version of the telemetry section layout (2: counters per vCPU), the one this ferry writes
+/// and the oldest it loads.
 pub const VERSION: u32 = 2;
+/// The next layout ([`Layout::Next`]): [`VERSION`]'s bytes, then the port's bad writes.
+pub const NEXT_VERSION: u32 = VERSION + 1;
 /// The port takes one 32-bit write.
 pub const LEN: u64 = 4;
+/// Bytes the next layout appends: the bad-write count as one little-endian u64.
+const NEXT_TAIL: usize = 8;
+const NAME: &str = "telemetry port";
+
+/// Which section layout the port writes, and so which it loads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// [`VERSION`], written and loaded: today's ferry.
+    #[default]
+    Current,
+    /// [`NEXT_VERSION`] written, [`VERSION`] to [`NEXT_VERSION`] loaded: a newer ferry, as
+    /// the version-range tests make one (`VmConfig::next_layout`).
+    Next,
+}
 
 #[derive(Debug)]
 pub struct TelemetryPort {
     telemetry: Arc<Mutex<GuestTelemetry>>,
     ram: Arc<GuestRam>,
+    layout: Layout,
+    /// Writes that named no report: not one 32-bit word, or an address outside guest RAM (a
+    /// report that is there but invalid counts in the telemetry's `invalid_reports`). Kept by
+    /// every port; only the next layout carries it across a migration, and a port that loads
+    /// an older layout starts it at 0, the older ferry having passed none on.
+    bad_writes: u64,
 }
 
 impl TelemetryPort {
-    pub fn new(telemetry: Arc<Mutex<GuestTelemetry>>, ram: Arc<GuestRam>) -> TelemetryPort {
-        TelemetryPort { telemetry, ram }
+    pub fn new(
+        telemetry: Arc<Mutex<GuestTelemetry>>,
+        ram: Arc<GuestRam>,
+        layout: Layout,
+    ) -> TelemetryPort {
+        TelemetryPort {
+            telemetry,
+            ram,
+            layout,
+            bad_writes: 0,
+        }
+    }
+
+    /// Writes that named no report since the guest booted, as far as the layouts it migrated
+    /// in carried them.
+    pub fn bad_writes(&self) -> u64 {
+        self.bad_writes
     }
 }
 
@@ -40,6 +85,7 @@ impl Device for TelemetryPort {
 
     fn write(&mut self, _: u64, data: &[u8]) {
         let Ok(word) = <[u8; 4]>::try_from(data) else {
+            self.bad_writes += 1;
             tracing::warn!("telemetry port written with {} bytes, not 4", data.len());
             return;
         };
@@ -54,7 +100,10 @@ impl Device for TelemetryPort {
                 .record_bytes(&bytes, host_ns)
                 .map(|_| ())
                 .map_err(|e| format!("{e:?}")),
-            Err(e) => Err(e.to_string()),
+            Err(e) => {
+                self.bad_writes += 1;
+                Err(e.to_string())
+            }
         };
         if let Err(e) = result {
             tracing::warn!("invalid telemetry report at {gpa:#x}: {e}");
@@ -62,19 +111,124 @@ impl Device for TelemetryPort {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind {
-            id: SECTION,
-            version: VERSION,
+        match self.layout {
+            Layout::Current => SectionKind::single(SECTION, VERSION),
+            Layout::Next => SectionKind {
+                id: SECTION,
+                version: NEXT_VERSION,
+                oldest: VERSION,
+            },
         }
     }
 
     fn save(&self) -> Vec<u8> {
-        self.telemetry.lock().unwrap().encode_state()
+        let mut state = self.telemetry.lock().unwrap().encode_state();
+        if self.layout == Layout::Next {
+            state.extend_from_slice(&self.bad_writes.to_le_bytes());
+        }
+        state
     }
 
     fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError> {
-        DeviceStateError::check_version("telemetry port", version, VERSION)?;
-        *self.telemetry.lock().unwrap() = GuestTelemetry::decode_state(data)?;
+        DeviceStateError::check_version(NAME, version, self.kind().loads())?;
+        let (telemetry, bad_writes) = match version {
+            NEXT_VERSION => {
+                let at = data.len().checked_sub(NEXT_TAIL).ok_or_else(|| {
+                    DeviceStateError::Malformed {
+                        device: NAME,
+                        reason: format!(
+                            "{} bytes, fewer than the {NEXT_TAIL} of the bad-write count",
+                            data.len()
+                        ),
+                    }
+                })?;
+                let (head, tail) = data.split_at(at);
+                (head, u64::from_le_bytes(tail.try_into().unwrap()))
+            }
+            _ => (data, 0),
+        };
+        *self.telemetry.lock().unwrap() = GuestTelemetry::decode_state(telemetry)?;
+        self.bad_writes = bad_writes;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_guest_abi::report::{Kind, Report};
+
+    use super::*;
+
+    /// Where the tests put a report in guest RAM.
+    const REPORT_GPA: u32 = 0x1000;
+
+    fn port(layout: Layout) -> TelemetryPort {
+        let ram = Arc::new(GuestRam::new(crate::memory::MIN_MEMORY).unwrap());
+        TelemetryPort::new(Default::default(), ram, layout)
+    }
+
+    /// A heartbeat of `pages` pages written, reported through the port, and one write of the
+    /// wrong width.
+    fn report(port: &mut TelemetryPort, pages: u64) {
+        let heartbeat = Report {
+            kind: Kind::Heartbeat as u16,
+            pages_written: pages,
+            ..Report::default()
+        };
+        port.ram
+            .write(u64::from(REPORT_GPA), &heartbeat.to_bytes())
+            .unwrap();
+        port.write(0, &REPORT_GPA.to_le_bytes());
+        port.write(0, &[1, 2]);
+    }
+
+    fn pages(port: &TelemetryPort) -> u64 {
+        port.telemetry.lock().unwrap().pages_written
+    }
+
+    #[test]
+    fn the_next_layout_loads_todays_and_today_refuses_the_next() {
+        let mut old = port(Layout::Current);
+        report(&mut old, 100);
+        assert_eq!((pages(&old), old.bad_writes()), (100, 1));
+        assert_eq!(old.kind().version, VERSION);
+
+        // Today's layout into a newer ferry: the counter it did not carry starts at 0.
+        let mut new = port(Layout::Next);
+        new.restore(VERSION, &old.save()).unwrap();
+        assert_eq!((pages(&new), new.bad_writes()), (100, 0));
+        report(&mut new, 200);
+        let saved = new.save();
+        assert_eq!(new.kind().version, NEXT_VERSION);
+        assert_eq!(saved.len(), old.save().len() + NEXT_TAIL);
+
+        // The next layout into a newer ferry again carries the counter.
+        let mut next = port(Layout::Next);
+        next.restore(NEXT_VERSION, &saved).unwrap();
+        assert_eq!((pages(&next), next.bad_writes()), (200, 1));
+        assert_eq!(next.save(), saved);
+
+        // And into today's ferry: refused by version, the state left as it was.
+        let mut today = port(Layout::Current);
+        let e = today.restore(NEXT_VERSION, &saved).unwrap_err();
+        assert_eq!(
+            e,
+            DeviceStateError::Version {
+                device: NAME.into(),
+                got: NEXT_VERSION,
+                oldest: VERSION,
+                newest: VERSION
+            }
+        );
+        assert!(
+            e.to_string().contains("update the destination's ferry"),
+            "{e}"
+        );
+        assert_eq!(pages(&today), 0);
+
+        assert!(matches!(
+            next.restore(NEXT_VERSION, &[0; NEXT_TAIL - 1]),
+            Err(DeviceStateError::Malformed { .. })
+        ));
     }
 }

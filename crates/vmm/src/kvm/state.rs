@@ -13,9 +13,15 @@ use kvm_bindings::{
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use zerocopy::{FromBytes, IntoBytes};
 
-/// Version of the vCPU section layout.
+/// Version of the vCPU section layout this VMM writes.
 pub const VCPU_STATE_VERSION: u32 = 1;
+/// The oldest vCPU layout it loads: the one it writes, no layout having changed since the
+/// first (a change raises the version and keeps a loader for this one).
+pub const VCPU_STATE_OLDEST: u32 = VCPU_STATE_VERSION;
+/// Version of the VM clock section layout this VMM writes, and the oldest it loads (the same,
+/// as for the vCPU's).
 pub const CLOCK_STATE_VERSION: u32 = 1;
+pub const CLOCK_STATE_OLDEST: u32 = CLOCK_STATE_VERSION;
 /// Most MSRs a section may carry (the host's save list has ~40).
 const MAX_MSRS: u32 = 256;
 

@@ -34,6 +34,12 @@ pub struct VmConfig {
     /// A virtio-balloon on virtio-mmio (announced on the command line): free page hinting
     /// for migrations, inflate/deflate, statistics and free page reporting.
     pub balloon: bool,
+    /// Stands for a newer ferry in the version-range tests: the telemetry port writes its
+    /// next section layout and loads today's too (`devices::telemetry_port::Layout::Next`),
+    /// so a migration from this VM to an ordinary one is refused before the pause. Off
+    /// everywhere else (`ferry run --next-section-layout`, hidden).
+    #[doc(hidden)]
+    pub next_layout: bool,
 }
 
 impl VmConfig {

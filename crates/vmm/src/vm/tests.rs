@@ -31,6 +31,7 @@ fn regression_a_pause_that_a_vcpu_cannot_answer_gives_up_and_the_vm_runs_on() {
         serial: SerialOutput::Discard,
         balloon: false,
         host_pages: Default::default(),
+        next_layout: false,
     })
     .unwrap();
     let h = vm.handle();
@@ -79,6 +80,7 @@ fn a_start_asked_just_before_a_pause_is_made_by_the_pause() {
         serial: SerialOutput::Discard,
         balloon: false,
         host_pages: Default::default(),
+        next_layout: false,
     })
     .unwrap();
     let h = vm.handle();

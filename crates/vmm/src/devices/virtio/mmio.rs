@@ -517,10 +517,7 @@ impl<D: VirtioDevice> Device for MmioTransport<D> {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind {
-            id: SECTION,
-            version: VERSION,
-        }
+        SectionKind::single(SECTION, VERSION)
     }
 
     fn save(&self) -> Vec<u8> {
@@ -528,7 +525,7 @@ impl<D: VirtioDevice> Device for MmioTransport<D> {
     }
 
     fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError> {
-        DeviceStateError::check_version(self.device.name(), version, VERSION)?;
+        DeviceStateError::check_version(self.device.name(), version, self.kind().loads())?;
         self.load(data)
     }
 }

@@ -79,7 +79,7 @@ impl BalloonState {
     pub fn decode(b: &[u8], n: &Negotiated<'_>) -> Result<BalloonState, DeviceStateError> {
         let mut r = Reader::new(NAME, b);
         let version = r.u32("balloon state version")?;
-        DeviceStateError::check_version(NAME, version, STATE_VERSION)?;
+        DeviceStateError::check_version(NAME, version, STATE_VERSION..=STATE_VERSION)?;
         let num_pages = r.u32("num_pages")?;
         let actual = r.u32("actual")?;
         let poison_val = r.u32("poison_val")?;

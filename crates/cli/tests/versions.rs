@@ -1,0 +1,73 @@
+//! Section layout versions end to end on real KVM: a newer ferry takes a guest from an older
+//! one, and an older ferry refuses the newer one's guest before the source pauses. A `ferry run
+//! --next-section-layout` stands for the newer ferry: its telemetry port writes the next
+//! section layout and loads today's too; an ordinary `ferry run` is the older one.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RunningVm, ferry, stderr};
+
+const GUEST: &str = "ws=64M pattern=random rate=40 verify-ms=200 log-ms=0";
+const LIMIT: Duration = Duration::from_secs(60);
+/// The telemetry port's layouts (`devices::telemetry_port`): today's, and the next one.
+const TODAY: u32 = ferry_vmm::devices::telemetry_port::VERSION;
+const NEXT: u32 = ferry_vmm::devices::telemetry_port::NEXT_VERSION;
+
+/// A `ferry run --incoming unix:...` (with `extra`), its API up; and where it listens.
+fn destination(extra: &[&str]) -> (RunningVm, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("unix:{}", dir.path().join("in.sock").display());
+    let mut args = vec!["--incoming", spec.as_str()];
+    args.extend_from_slice(extra);
+    let vm = RunningVm::start_with("512M", "", &args);
+    vm.wait_until("the destination's API", LIMIT, |vm| vm.socket.exists());
+    // The socket's directory must outlive the destination: keep it beside the VM's.
+    std::mem::forget(dir);
+    (vm, spec)
+}
+
+fn migrate_local(src: &RunningVm, to: &str) -> std::process::Output {
+    ferry()
+        .args(["migrate", "--local", "--to", to])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_newer_ferry_takes_an_older_ones_guest_and_an_older_one_refuses_it_before_the_pause() {
+    let old = RunningVm::start("512M", GUEST);
+    old.wait_until("a verify pass", LIMIT, |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+
+    // Older to newer: the newer ferry loads today's layout.
+    let (new, to_new) = destination(&["--next-section-layout"]);
+    let out = migrate_local(&old, &to_new);
+    assert!(out.status.success(), "{}", stderr(&out));
+    new.assert_verifies_clean();
+    drop(old);
+
+    // Newer to older: refused at the hello, before the guest paused, naming the section, both
+    // versions and the fix; the guest runs on in the newer ferry.
+    let (older, to_older) = destination(&[]);
+    let out = migrate_local(&new, &to_older);
+    assert!(!out.status.success(), "the older ferry took the guest");
+    let err = stderr(&out);
+    let want = format!(
+        "telemetry port state version {NEXT} is outside the versions {TODAY} to {TODAY} this ferry loads"
+    );
+    assert!(err.contains(&want), "{err}");
+    // The refusal answers the hello (`MigrateError::Refused`), which comes before the pause.
+    assert!(
+        err.contains("the destination refused the migration"),
+        "{err}"
+    );
+    assert!(err.contains("update the destination's ferry"), "{err}");
+    assert_eq!(new.status()["state"], "running");
+    drop(older);
+    new.assert_verifies_clean();
+}
