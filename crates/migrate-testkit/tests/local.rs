@@ -186,3 +186,42 @@ unsafe impl ferry_migrate::SourceVm for SlowSave {
         self.0.save_state()
     }
 }
+
+/// A Unix socket forwarded between hosts (socat, ssh) carries the bytes of a LocalRam record
+/// but not its descriptors: the destination says so, and maps nothing.
+#[test]
+fn a_local_ram_record_without_its_descriptors_is_refused_as_from_another_host() {
+    use ferry_migrate::wire::{Capabilities, HELLO_SIZE, Hello, LocalRegion};
+    use ferry_migrate_testkit::craft;
+    use std::io::{Read, Write};
+    let (mut a, b) = UnixStream::pair().unwrap();
+    let mut dst = FakeVm::new(8 * MIB, 1);
+    std::thread::scope(|s| {
+        let receiver = s.spawn(|| destination::receive(&mut dst, b, &mut no_channels));
+        a.write_all(&craft::main_hello_asking(Capabilities::LOCAL))
+            .unwrap();
+        let mut reply = [0u8; HELLO_SIZE];
+        a.read_exact(&mut reply).unwrap();
+        let reply = Hello::decode(&reply).unwrap();
+        assert!(
+            reply.capabilities.contains(Capabilities::LOCAL),
+            "{reply:?}"
+        );
+        let (h, payload) = LocalRegion::encode_all(&[LocalRegion {
+            gpa: 0,
+            size: 8 * MIB,
+            file_offset: 0,
+            fd: 0,
+        }]);
+        a.write_all(&craft::record(h, &payload)).unwrap();
+        let e = receiver.join().unwrap().expect_err("refused");
+        assert!(e.to_string().contains("not on this host"), "{e}");
+        let mut said = Vec::new();
+        let _ = a.read_to_end(&mut said);
+        assert!(
+            String::from_utf8_lossy(&said).contains("migrate without --local"),
+            "the source is told why"
+        );
+    });
+    assert!(!dst.resumed);
+}

@@ -573,10 +573,22 @@ unsafe impl DestinationVm for IncomingVm {
         regions: &[ferry_migrate::wire::LocalRegion],
         fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(), VmError> {
-        self.shared
+        let shared = &self.shared;
+        let t = Instant::now();
+        // Most of the time is KVM's: its MMU notifier walks the slots' reverse maps as the old
+        // mapping goes, about 0.38 ms per GiB here (195 ms at 508 GiB, where the same
+        // replacement without KVM takes 0.01 ms), before the source pauses. Taking the slots
+        // out and back in instead measured 752 ms at 511 GiB (their metadata made anew).
+        shared
             .ram
             .adopt(regions, fds)
-            .map_err(|e| VmError::failed("adopting the source's guest RAM", e))
+            .map_err(|e| VmError::failed("adopting the source's guest RAM", e))?;
+        tracing::debug!(
+            "adopted {} of guest RAM in {:.2} ms",
+            crate::memory::Size(shared.ram.size()),
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
     }
 
     /// Preallocated RAM, or several channels, take a copy into the mapping; one channel into

@@ -48,7 +48,7 @@ pub trait Stream: Read + Write + Send + std::fmt::Debug {
         false
     }
     /// Sends some of `bytes` (returns how many) with `fds` attached (`SCM_RIGHTS`), at most
-    /// [`MAX_LOCAL_FDS`]: a Unix socket can, and no other stream.
+    /// [`crate::wire::MAX_LOCAL_FDS`]: a Unix socket can, and no other stream.
     fn send_with_fds(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
         let _ = (bytes, fds);
         Err(no_descriptors())
