@@ -155,3 +155,63 @@ fn a_local_handover_that_fails_before_go_leaves_the_guest_running_at_the_source(
     let (code, _) = exits(src);
     assert_eq!(code, Some(0));
 }
+
+/// `ferry bench soak --local` and `ferry bench local` at small counts: every hop a local
+/// handover that verifies clean, no page sent, and no descriptor kept per hop.
+#[test]
+fn local_handovers_back_and_forth_verify_and_keep_no_descriptor() {
+    common::require_kvm();
+    let rows = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = ferry().args(args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{}\n{text}", stderr(&out));
+        text.lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let soak = rows(&[
+        "bench",
+        "soak",
+        "--local",
+        "--mode",
+        "precopy",
+        "--round-trips",
+        "10",
+    ]);
+    let of = |rows: &[serde_json::Value], bench: &str| -> Vec<serde_json::Value> {
+        rows.iter()
+            .filter(|r| r["bench"] == bench)
+            .cloned()
+            .collect()
+    };
+    let all = of(&soak, "soak");
+    assert_eq!(all[0]["hops"], 20, "{soak:?}");
+    assert_eq!(all[0]["verify_failures"], 0, "{soak:?}");
+    assert_eq!(of(&soak, "soak_hops")[0]["mode"], "local", "{soak:?}");
+    for p in of(&soak, "soak_process") {
+        assert_eq!(p["fd_growth"], 0, "{soak:?}");
+    }
+    let bench = rows(&[
+        "bench",
+        "local",
+        "--cases",
+        "1x1G",
+        "--hops",
+        "2",
+        "--cmdline",
+        "ws=64M pattern=random rate=50 heartbeat-ms=1 verify-ms=100 log-ms=0",
+    ]);
+    let cases = of(&bench, "local");
+    assert_eq!(cases.len(), 2, "local and copied: {bench:?}");
+    let local = &cases[0];
+    assert_eq!(local["handover"], "local", "{bench:?}");
+    assert_eq!(local["pages_sent_max"], 0, "{bench:?}");
+    assert!(
+        local["bytes_sent_max"].as_u64() < Some(64 << 10),
+        "{bench:?}"
+    );
+    assert!(
+        cases[1]["pages_sent_max"].as_u64() > Some(0),
+        "the copy copies: {bench:?}"
+    );
+}
