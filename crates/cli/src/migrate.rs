@@ -232,17 +232,6 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
     let to = args.to.as_str();
     to.parse::<ferry_migrate::transport::Address>()
         .map_err(|e| UsageError(format!("--to {e}")))?;
-    if args.local && !to.starts_with("unix:") {
-        return Err(UsageError(format!(
-            "--local hands guest RAM's descriptors over a Unix socket, and --to {to} is not one; give --to unix:PATH (the destination's --incoming), or migrate without --local"
-        )));
-    }
-    if args.local && args.postcopy {
-        return Err(UsageError(
-            "--local moves no pages, so it has no postcopy; give one of --local and --postcopy"
-                .into(),
-        ));
-    }
     if matches!(args.timeout_action, TimeoutActionArg::Postcopy) && !args.postcopy {
         return Err(UsageError(
             "--timeout-action postcopy needs --postcopy".into(),
@@ -307,6 +296,9 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         local: args.local,
         ..MigrationRequest::default()
     };
+    // What the VMM would refuse, refused before it is asked (the request's own checks and the
+    // engine's, once).
+    body.source_params([0; 16]).map_err(UsageError)?;
     let body = serde_json::to_string(&body).context("encoding the migration request")?;
     start(args, to, &body)?;
     follow_unless_detached(args, to)
@@ -450,7 +442,10 @@ pub(crate) fn print_stats(
     Ok(())
 }
 
-/// Looks at `GET /migration` that fail in a row before the source counts as gone.
+/// Looks at `GET /migration` that fail in a row before the source counts as gone: a VMM that
+/// goes on to its next VM (`--then-incoming`) answers again within milliseconds, and one that
+/// hands its guest over locally stays until the end was read; ten looks, two seconds at
+/// [`POLL`], only keep a follower from calling a blink the source's end.
 const UNANSWERED: u32 = 10;
 
 /// Polls `GET /migration` until the migration ends, showing progress; says too whether the

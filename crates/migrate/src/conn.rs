@@ -204,7 +204,6 @@ impl Conn {
         self.write_all(data, during)
     }
 
-    /// Reads and validates the next header.
     /// Writes what is pending, then `h` and `payload` with `fds` attached to their bytes
     /// (`SCM_RIGHTS`: a Unix socket only), flushed.
     pub fn write_record_with_fds(
@@ -263,6 +262,7 @@ impl Conn {
         Ok((Header::decode(&raw)?, fds))
     }
 
+    /// Reads and validates the next header.
     pub fn read_header(&mut self, during: &'static str) -> Result<Header, MigrateError> {
         let mut b = [0u8; HEADER_SIZE];
         self.read_exact(&mut b, during)?;

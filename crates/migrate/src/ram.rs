@@ -94,6 +94,10 @@ pub enum RamError {
     NotInOneRegion { gpa: u64, pages: u64 },
     #[error("RAM region at {gpa:#x} of {size} bytes is not page aligned or overlaps another")]
     BadRegion { gpa: u64, size: u64 },
+    #[error(
+        "RAM region at {gpa:#x} is backed by no file, so it cannot be handed over; migrate without --local"
+    )]
+    NoFile { gpa: u64 },
 }
 
 /// A VM's RAM regions, sorted and checked, each mapped for as long as this value and its
@@ -159,7 +163,10 @@ impl Ram {
     /// The regions as a LocalRam record lays them out, each naming one of the descriptors
     /// returned with them (a file that backs several regions is named once): what a local
     /// handover passes to the destination.
-    pub(crate) fn local_layout(&self) -> (Vec<LocalRegion>, Vec<BorrowedFd<'_>>) {
+    pub(crate) fn local_layout(&self) -> Result<(Vec<LocalRegion>, Vec<BorrowedFd<'_>>), RamError> {
+        if let Some(r) = self.regions.iter().find(|r| r.fd < 0) {
+            return Err(RamError::NoFile { gpa: r.gpa });
+        }
         let mut files: Vec<RawFd> = Vec::new();
         let regions = self
             .regions
@@ -180,10 +187,11 @@ impl Ram {
         let fds = files
             .into_iter()
             // SAFETY: every region's `fd` is open for as long as this `Ram` lives
-            // (`Ram::from_regions`' contract), and the borrow is tied to `&self`.
+            // (`Ram::from_regions`' contract), not -1 (refused above), and the borrow is tied
+            // to `&self`.
             .map(|fd| unsafe { BorrowedFd::borrow_raw(fd) })
             .collect();
-        (regions, fds)
+        Ok((regions, fds))
     }
 
     /// Total bytes of RAM.

@@ -66,8 +66,9 @@ impl VmError {
 /// # Safety
 ///
 /// [`SourceVm::ram`] must describe mappings that are readable for as long as the value
-/// lives, each backed by `fd` at `file_offset`, so that the engine may read guest memory through
-/// them while the guest runs.
+/// lives, each backed by `fd` at `file_offset` (open for as long, or -1 for a region with no
+/// file, which a local handover refuses), so that the engine may read guest memory through
+/// them while the guest runs, and hand the files to a local destination.
 pub unsafe trait SourceVm: Send {
     /// Guest RAM.
     fn ram(&self) -> Vec<RamRegion>;

@@ -235,6 +235,7 @@ impl GuestRam {
         memfd
             .set_len(size)
             .map_err(|source| MemoryError::Resize { size, source })?;
+        seal_size(&memfd).map_err(|source| MemoryError::Resize { size, source })?;
         let flags = match pages {
             HostPages::Small => libc::MAP_SHARED | libc::MAP_NORESERVE,
             HostPages::Huge2M => libc::MAP_SHARED,
@@ -519,10 +520,32 @@ fn bitmap(region: &GuestRegionMmap<WriteBitmap>) -> &WriteBitmap {
     map.bitmap()
 }
 
+/// Seals guest RAM's memfd against shrinking (`F_SEAL_SHRINK`; punching holes stays
+/// allowed): a process that maps it, as a local handover's destination does, can then trust its
+/// size, and no one holding it can make the mapping fault (SIGBUS) by truncating it.
+fn seal_size(memfd: &File) -> std::io::Result<()> {
+    // SAFETY: fcntl on a descriptor this function borrows; F_ADD_SEALS takes an int.
+    let r = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether `file` is sealed against shrinking.
+pub(crate) fn size_sealed(file: &File) -> bool {
+    // SAFETY: fcntl on a descriptor this function borrows; F_GET_SEALS takes no argument.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+}
+
 fn create_memfd(pages: HostPages) -> std::io::Result<File> {
+    // Sealable, so that guest RAM can be sealed against shrinking once sized (`seal_size`).
     let flags = match pages {
-        HostPages::Small => libc::MFD_CLOEXEC,
-        HostPages::Huge2M => libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+        HostPages::Small => libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        HostPages::Huge2M => {
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB
+        }
     };
     // SAFETY: memfd_create takes a NUL-terminated name and flags and returns a new fd or -1.
     let fd = unsafe { libc::memfd_create(c"ferry-guest-ram".as_ptr(), flags) };

@@ -689,7 +689,7 @@ mod landing_tests {
 #[derive(Debug, thiserror::Error)]
 pub enum ResumeError {
     #[error(
-        "the migration handed this guest over to the destination, where it may be running: resuming it here too could run it twice and corrupt what it writes outside its RAM; if you know the destination does not run it, ferry resume --risk-running-twice (PUT /vm/resume {{\"force\": true}})"
+        "the migration handed this guest over to the destination, where it may be running: resuming it here too could run it twice and corrupt what it writes outside its RAM (after a local handover, its RAM itself, which both processes map); if you know the destination does not run it, ferry resume --risk-running-twice (PUT /vm/resume {{\"force\": true}})"
     )]
     HandedOver,
     #[error(transparent)]

@@ -186,15 +186,16 @@ impl MigrationRequest {
                 self.to.parse::<ferry_migrate::transport::Address>(),
                 Ok(ferry_migrate::transport::Address::Unix(_))
             );
-            if !unix || self.tls.is_some() || self.tls_config.is_some() {
-                let to = match unix {
-                    true => format!("{} with TLS", self.to),
-                    false => self.to.clone(),
-                };
-                return Err(ferry_migrate::error::ConfigError::LocalNeedsUnix { to }.to_string());
+            use ferry_migrate::error::ConfigError;
+            if !unix {
+                let to = self.to.clone();
+                return Err(ConfigError::LocalNeedsUnix { to }.to_string());
+            }
+            if self.tls.is_some() || self.tls_config.is_some() {
+                return Err(ConfigError::LocalWithTls.to_string());
             }
         }
-        Ok(SourceParams {
+        let params = SourceParams {
             local: self.local,
             max_bandwidth: self.max_bandwidth,
             channels: self.channels,
@@ -210,7 +211,9 @@ impl MigrationRequest {
             checksum_pages: self.checksum == Checksum::Pages,
             peer_timeout: Some(Duration::from_millis(self.peer_timeout_ms)),
             ..SourceParams::new(self.policy(), uuid)
-        })
+        };
+        params.check().map_err(|e| e.to_string())?;
+        Ok(params)
     }
 
     /// The TLS to run every connection through: the in-process configuration, or one loaded

@@ -64,6 +64,10 @@ pub enum ConfigError {
     )]
     LocalNeedsUnix { to: String },
     #[error(
+        "a local handover passes descriptors over the Unix socket itself, which TLS cannot carry (and on one host TLS protects nothing the socket's permissions do not); migrate --local without TLS"
+    )]
+    LocalWithTls,
+    #[error(
         "the destination did not agree to a local handover (it listens on TCP or TLS, or it is an older ferry); migrate without --local"
     )]
     LocalNotGranted,

@@ -7,8 +7,11 @@
 //!
 //! Invariant: the guest runs in one process at a time. Until Go is sent, the destination has
 //! not run it (it waits for Go with the state loaded), so any failure (its Error, a crash, a
-//! silence past the peer timeout) resumes it here with nothing lost; once Go left, this side
-//! never runs it again, whatever follows (`handed_over`).
+//! silence past the peer timeout, a cancel) resumes it here with nothing lost; once Go left,
+//! this side never runs it again, whatever follows (`handed_over`), even the destination's
+//! Error: its VMM's resume may have woken a vCPU before it failed, and the memory is one.
+//! A guest then paused in both processes is the operator's to resume, by force, where it
+//! should run.
 
 #![forbid(unsafe_code)]
 
@@ -40,7 +43,7 @@ const RESUMED: Awaiting = Awaiting {
 impl Session<'_> {
     /// Hands the guest over to a destination on this host, as the module says.
     pub(super) fn hand_over_locally(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
-        let (regions, fds) = self.ram.local_layout();
+        let (regions, fds) = self.ram.local_layout()?;
         let (h, payload) = LocalRegion::encode_all(&regions);
         self.peer
             .conn
@@ -48,6 +51,7 @@ impl Session<'_> {
         drop(fds);
         self.await_answer(Kind::RamAdopted, MAPPED)?;
         self.stats.setup_ms = ms(self.start.elapsed());
+        self.refuse_if_cancelled()?;
         let (t0, t1) = self.pause_guest(vm)?;
         let sections = vm.save_state()?;
         let t4 = Instant::now();
@@ -58,6 +62,8 @@ impl Session<'_> {
             .write_header(&Header::new(Kind::Complete, 0, 0))?;
         self.peer.conn.flush("sending the device state")?;
         self.await_answer(Kind::Loaded, LOADED)?;
+        // The last moment a cancel can take effect: after Go the guest is the destination's.
+        self.refuse_if_cancelled()?;
         self.peer.conn.write_header(&Header::new(Kind::Go, 0, 0))?;
         self.peer.conn.flush("handing the guest over")?;
         self.handed_over = true;
@@ -75,6 +81,15 @@ impl Session<'_> {
         d.load_parts = resumed.parts;
         self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
         Ok(())
+    }
+
+    /// A cancel asked for (`ferry cancel`) ends the handover here, the guest resumed by the
+    /// ending.
+    fn refuse_if_cancelled(&self) -> Result<(), MigrateError> {
+        match self.control.cancelled() {
+            true => Err(MigrateError::Cancelled),
+            false => Ok(()),
+        }
     }
 
     /// Reads the destination's next record, which must be `want` (its header and payload), or

@@ -143,7 +143,7 @@ impl SourceParams {
     }
 
     /// Refuses channel counts and packet sizes the protocol cannot carry.
-    pub(crate) fn check(&self) -> Result<(), MigrateError> {
+    pub fn check(&self) -> Result<(), MigrateError> {
         if self.channels == 0 || self.channels > wire::MAX_CHANNELS {
             return Err(ConfigError::Channels {
                 asked: self.channels,

@@ -86,12 +86,17 @@ fn send_fds(socket: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Re
             ),
         ));
     }
-    Ok(sendmsg(
-        socket,
-        &[IoSlice::new(bytes)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?)
+    loop {
+        match sendmsg(
+            socket,
+            &[IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Err(rustix::io::Errno::INTR) => continue,
+            sent => return Ok(sent?),
+        }
+    }
 }
 
 /// `recvmsg` on a Unix socket, the descriptors that came owned (close-on-exec).

@@ -58,6 +58,16 @@ impl Capabilities {
             | Capabilities::LOCAL.0,
     );
 
+    /// The protocol version a hello asking for (or granting) these needs: 5 with
+    /// [`Capabilities::LOCAL`], 4 without. A hello carries this, not the newest version its
+    /// sender speaks, so that a version 4 peer meets version 4 wherever it could take part.
+    pub fn version(self) -> u32 {
+        match self.contains(Capabilities::LOCAL) {
+            true => 5,
+            false => super::format::OLDEST_VERSION,
+        }
+    }
+
     /// Both sets' bits.
     pub fn with(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)

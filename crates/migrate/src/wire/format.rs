@@ -13,7 +13,9 @@ pub const MAGIC: [u8; 8] = *b"FERRYMIG";
 pub const VERSION: u32 = 5;
 /// The oldest version this side still speaks: version 5 only adds what a capability gates, so
 /// a version 4 peer, which never asks for it, meets the version 4 protocol here. A hello in
-/// `OLDEST_VERSION..=VERSION` is read; any other is refused with the range.
+/// `OLDEST_VERSION..=VERSION` is read; any other is refused with the range. A hello carries
+/// the version of what it asks for or grants (`Capabilities::version`), so a version 4 peer
+/// reads this side's hellos too.
 pub const OLDEST_VERSION: u32 = 4;
 pub const HELLO_SIZE: usize = 64;
 /// `kind:u16 reserved:u16 count:u32 len:u64 payload_crc:u32 header_crc:u32`.

@@ -78,7 +78,7 @@ impl Hello {
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
         let mut b = [0u8; HELLO_SIZE];
         b[0..8].copy_from_slice(&MAGIC);
-        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.capabilities.version().to_le_bytes());
         b[12..14].copy_from_slice(&(self.role as u16).to_le_bytes());
         b[14..16].copy_from_slice(&self.channel.to_le_bytes());
         b[16..32].copy_from_slice(&self.uuid);
@@ -123,6 +123,9 @@ impl Hello {
             return Err(WireError::PostcopyPage(postcopy_page_shift));
         }
         let capabilities = Capabilities(u64::from_le_bytes(b[50..58].try_into().unwrap()));
+        if capabilities.version() > version {
+            return Err(WireError::Reserved("capabilities of the hello's version"));
+        }
         if !matches!(role, Role::Main | Role::Resume) && capabilities != Capabilities::NONE {
             return Err(WireError::DataCapabilities(capabilities.0));
         }

@@ -287,8 +287,11 @@ impl LocalRegion {
         let mut out = Vec::new();
         for (index, c) in payload.chunks(LOCAL_REGION_SIZE as usize).enumerate() {
             let bad = |why| WireError::LocalRegion { index, why };
-            if c.len() != LOCAL_REGION_SIZE as usize || out.len() >= MAX_LOCAL_REGIONS as usize {
+            if c.len() != LOCAL_REGION_SIZE as usize {
                 return Err(bad("the record's length is not a whole number of regions"));
+            }
+            if out.len() >= MAX_LOCAL_REGIONS as usize {
+                return Err(bad("more regions than a LocalRam record may carry"));
             }
             let u64_at = |at: usize| u64::from_le_bytes(c[at..at + 8].try_into().unwrap());
             let r = LocalRegion {

@@ -560,3 +560,23 @@ fn local_regions_round_trip_and_refuse_what_cannot_be_mapped() {
         ));
     }
 }
+
+/// A hello carries the version of what it asks for: 4 unless it asks for (or grants) the local
+/// handover, so that a version 4 peer reads every hello it could take part in, and a version 4
+/// hello cannot ask for what version 5 added.
+#[test]
+fn a_hello_carries_the_version_its_capabilities_need() {
+    let version_of = |h: &Hello| u32::from_le_bytes(h.encode()[8..12].try_into().unwrap());
+    let plain = hello();
+    assert_eq!(version_of(&plain), OLDEST_VERSION);
+    let local = Hello {
+        capabilities: plain.capabilities.with(Capabilities::LOCAL),
+        ..plain
+    };
+    assert_eq!(version_of(&local), VERSION);
+    assert_eq!(Hello::decode(&local.encode()), Ok(local));
+    let mut b = local.encode();
+    b[8..12].copy_from_slice(&OLDEST_VERSION.to_le_bytes());
+    reseal_hello(&mut b);
+    assert!(matches!(Hello::decode(&b), Err(WireError::Reserved(_))));
+}

@@ -27,8 +27,14 @@ pub enum AdoptError {
         "the source's guest RAM is laid out as {theirs}, this VM's as {ours}; start the destination with the source's --memory"
     )]
     Layout { theirs: String, ours: String },
-    #[error("the source passed {0} files for guest RAM; this VM keeps it in one memfd")]
+    #[error(
+        "the source passed {0} files for guest RAM, and this VM keeps it in one memfd: the source is not a ferry VMM like this one; hand over between ferry releases"
+    )]
     Files(usize),
+    #[error(
+        "the source's guest RAM file is not sealed against shrinking, so its size cannot be trusted (it could be cut under the guest); hand over from a ferry that seals it (this release and later), or migrate without --local"
+    )]
+    NotSealed,
     #[error("the source's guest RAM file holds {} and its layout needs {}", Size(*len), Size(*needs))]
     Short { len: u64, needs: u64 },
     #[error("the source's guest RAM is {theirs} and this VM's {ours}: start the destination {fix}")]
@@ -37,7 +43,7 @@ pub enum AdoptError {
         ours: &'static str,
         fix: &'static str,
     },
-    #[error("cannot {what} the source's guest RAM: {source}")]
+    #[error("cannot {what} the source's guest RAM: {source}; migrate without --local")]
     Io {
         what: &'static str,
         #[source]
@@ -67,6 +73,9 @@ impl GuestRam {
         let [fd] = <[OwnedFd; 1]>::try_from(fds).map_err(|fds| AdoptError::Files(fds.len()))?;
         let file = File::from(fd);
         let io = |what| move |source| AdoptError::Io { what, source };
+        if !super::size_sealed(&file) {
+            return Err(AdoptError::NotSealed);
+        }
         let meta = file.metadata().map_err(io("inspect"))?;
         let len = meta.len();
         let needs = regions
@@ -99,9 +108,11 @@ impl GuestRam {
         for r in &self.regions {
             // SAFETY: replaces exactly this VM's own mapping of the region (`host_addr`,
             // `size`, made by `GuestRam::with_pages` and unmapped only when this value drops)
-            // with a shared mapping of the same length, of a file checked above to hold it, so
-            // every pointer into the region stays valid. Nothing touches guest RAM meanwhile:
-            // only a destination that never ran adopts (the module's rule).
+            // with a shared mapping of the same length, of a file checked above to hold it and
+            // sealed so that it cannot shrink, so every pointer into the region stays valid.
+            // Nothing touches guest RAM meanwhile: only a destination that never ran adopts (the
+            // module's rule). A failed MAP_FIXED may leave the range unmapped on older kernels;
+            // the error then drops this VM before anything reads it (`adopt_ram`'s contract).
             let at = unsafe {
                 libc::mmap(
                     r.host_addr as *mut libc::c_void,
