@@ -200,6 +200,20 @@ pub fn destination_with(memory: &str, extra: &[&str]) -> (RunningVm, u16) {
     (vm, port)
 }
 
+/// A `ferry run --incoming unix:PATH` (with `extra`) of `memory`, its API up; and `unix:PATH`,
+/// in a directory of its own that outlives it.
+pub fn unix_destination(memory: &str, extra: &[&str]) -> (RunningVm, String) {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let spec = format!("unix:{}", dir.join("in.sock").display());
+    let mut args = vec!["--incoming", spec.as_str()];
+    args.extend_from_slice(extra);
+    let vm = RunningVm::start_with(memory, "", &args);
+    vm.wait_until("the destination's API", Duration::from_secs(60), |vm| {
+        vm.socket.exists()
+    });
+    (vm, spec)
+}
+
 /// `ferry migrate` from `src` to the destination on `port`, in the background.
 pub fn start_migrate(src: &RunningVm, port: u16, extra: &[&str]) -> std::process::Child {
     ferry()

@@ -15,17 +15,9 @@ const LIMIT: Duration = Duration::from_secs(60);
 const TODAY: u32 = ferry_vmm::devices::telemetry_port::VERSION;
 const NEXT: u32 = ferry_vmm::devices::telemetry_port::NEXT_VERSION;
 
-/// A `ferry run --incoming unix:...` (with `extra`), its API up; and where it listens.
+/// A 512 MiB `ferry run --incoming unix:...` destination (with `extra`).
 fn destination(extra: &[&str]) -> (RunningVm, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = format!("unix:{}", dir.path().join("in.sock").display());
-    let mut args = vec!["--incoming", spec.as_str()];
-    args.extend_from_slice(extra);
-    let vm = RunningVm::start_with("512M", "", &args);
-    vm.wait_until("the destination's API", LIMIT, |vm| vm.socket.exists());
-    // The socket's directory must outlive the destination: keep it beside the VM's.
-    std::mem::forget(dir);
-    (vm, spec)
+    common::unix_destination("512M", extra)
 }
 
 fn migrate_local(src: &RunningVm, to: &str) -> std::process::Output {

@@ -145,15 +145,21 @@ impl<'a> Session<'a> {
             Err(e) if last == Kind::Postcopy && self.recoverable(&e) => return Err(e),
             Err(e) => return Err(MigrateError::Unacknowledged(Box::new(e))),
         };
+        self.note_resumed([t0, t1, t2, t3, t4], resumed);
+        Ok(())
+    }
+
+    /// Records where the downtime went, on both sides, once the destination's Resumed came
+    /// (now): `steps` as [`Session::final_pass`] returns them.
+    pub(super) fn note_resumed(&mut self, steps: [Instant; 5], resumed: ResumedRecord) {
         let t6 = Instant::now();
-        self.note_downtime([t0, t1, t2, t3, t4], t6);
+        self.note_downtime(steps, t6);
         let d = &mut self.stats.downtime;
         d.load_ms = resumed.load_ns as f64 / 1e6;
         d.resume_ms = resumed.resume_ns as f64 / 1e6;
-        d.transfer_ms = (ms(t6 - t4) - d.load_ms - d.resume_ms).max(0.0);
+        d.transfer_ms = (ms(t6 - steps[4]) - d.load_ms - d.resume_ms).max(0.0);
         d.load_parts = resumed.parts;
         self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
-        Ok(())
     }
 
     /// Writes the device-state sections on the main connection, one record each; the flush

@@ -19,7 +19,6 @@ use super::super::sections::Sections;
 use super::{ReceiveStats, Session};
 use crate::error::{ConfigError, MigrateError, Side};
 use crate::ram::Ram;
-use crate::stats;
 use crate::wire::{self, Header, Kind, LocalRegion};
 
 impl Session<'_> {
@@ -64,30 +63,14 @@ impl Session<'_> {
                     self.stats.load = t.elapsed();
                     self.answer(Kind::Loaded, "answering that the state is loaded")?;
                 }
-                LocalStep::Resume => return self.resume_locally(),
+                // Go came: the guest is this side's.
+                LocalStep::Resume => return self.resume_and_acknowledge(),
                 LocalStep::PeerError => {
                     let p = self.conn.read_payload(&h, "reading the source's error")?;
                     return Err(MigrateError::from_peer(Side::Source, &h, &p));
                 }
             }
         }
-    }
-
-    /// Go came: the guest is this side's. Resumes it and says Resumed with the times.
-    fn resume_locally(&mut self) -> Result<ReceiveStats, MigrateError> {
-        self.stats.resume = self.vm.resume()?;
-        let cpu = stats::thread_cpu_ns() - self.cpu_start;
-        let (header, payload) = self.resumed_record(cpu);
-        // The guest runs here: a lost acknowledgement changes nothing (the source sent Go, so
-        // it never runs the guest again).
-        let ack = self
-            .conn
-            .write_record(&header, &payload)
-            .and_then(|()| self.conn.flush("acknowledging the resume"));
-        if let Err(e) = ack {
-            tracing::warn!("the guest runs here, but the source did not get Resumed: {e}");
-        }
-        Ok(self.stats.clone())
     }
 
     /// Writes an empty answer of `kind` on the main connection.

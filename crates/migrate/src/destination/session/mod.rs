@@ -455,11 +455,15 @@ impl<'a> Session<'a> {
         let t = Instant::now();
         self.vm.load_state(sections)?;
         self.stats.load = t.elapsed();
+        self.resume_and_acknowledge()
+    }
+
+    /// Resumes the guest and sends Resumed with the times. From the resume on nothing may fail
+    /// the session: a lost acknowledgement leaves the source paused, which is what it must do.
+    fn resume_and_acknowledge(&mut self) -> Result<ReceiveStats, MigrateError> {
         self.stats.resume = self.vm.resume()?;
         let cpu = stats::thread_cpu_ns() - self.cpu_start + self.stats.receiver_cpu_ns;
         let (header, payload) = self.resumed_record(cpu);
-        // The guest runs: from here nothing may fail the session (a lost acknowledgement
-        // leaves the source paused, which is what it must do).
         let ack = self
             .conn
             .write_record(&header, &payload)
