@@ -207,3 +207,35 @@ fn local_handovers_back_and_forth_verify_and_keep_no_descriptor() {
         "the copy copies: {bench:?}"
     );
 }
+
+/// Guest RAM on 2 MiB huge pages goes over as a hugetlbfs memfd: the destination, on huge
+/// pages too, maps it and gives its own reservation back, and the guest verifies there.
+#[test]
+fn a_guest_on_huge_pages_is_handed_over_on_huge_pages() {
+    common::require_kvm();
+    // Both processes reserve their 512 MiB until the handover, and a margin.
+    let _pool = ferry_vmm::memory::HugePagePool::reserve_more(2 * 256 + 16)
+        .unwrap_or_else(|e| panic!("cannot reserve huge pages (root is needed): {e}"));
+    let src = RunningVm::start_with("512M", GUEST, &["--hugepages"]);
+    src.wait_until("the API socket", LIMIT, |vm| vm.socket.exists());
+    src.wait_until("a verify pass", LIMIT, |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, to) = common::unix_destination("512M", &["--hugepages"]);
+    let s = stats(&migrate_local(&src, &to, &[]));
+    assert_eq!(s["pages_normal"], 0, "{s}");
+    dst.assert_verifies_clean();
+    // A destination on 4 KiB pages is refused before the pause, and says how to start it.
+    let (small, to) = destination(&[]);
+    let out = migrate_local(&dst, &to, &[]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("with --hugepages"),
+        "{}",
+        stderr(&out)
+    );
+    drop(small);
+    assert_eq!(dst.status()["state"], "running");
+    let (code, _) = exits(src);
+    assert_eq!(code, Some(0));
+}
