@@ -5,6 +5,31 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::phase::Phase;
+use crate::wire::Latencies;
+
+/// One stage of the way a postcopy page request goes (`ferry bench postcopy` prints them):
+/// how many passed it, the mean, and the median, 99th percentile and longest in µs (the
+/// percentiles are bounds of power-of-two buckets, within a factor of two).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stage {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+impl From<&Latencies> for Stage {
+    fn from(l: &Latencies) -> Stage {
+        Stage {
+            count: l.requests,
+            mean_us: l.mean_us(),
+            p50_us: l.quantile_us(0.5),
+            p99_us: l.quantile_us(0.99),
+            max_us: l.max_us,
+        }
+    }
+}
 pub use crate::state_part::StatePart;
 
 /// One precopy pass (pass 1 walks populated memory; later passes walk the dirty bitmap; the
@@ -175,6 +200,10 @@ pub struct PostcopyStats {
     pub latency_max_us: u64,
     /// Bucket k counts requests that took [2^k, 2^(k+1)) µs.
     pub latency_buckets: Vec<u64>,
+    /// The source's part of a request's way: from the request read on the main connection to
+    /// its pages written on their connection (the oldest request of those served together).
+    #[serde(default)]
+    pub source_turnaround: Stage,
     /// Times a broken connection paused postcopy and a recovery resumed it.
     #[serde(default)]
     pub recoveries: u32,

@@ -334,14 +334,41 @@ fn migrate_row(
     if s.vcpus > 1 {
         print_histogram(&pc.latency_buckets);
     }
+    let stages = m.received.postcopy.clone().unwrap_or_default();
+    print_stages(&pc, &stages);
     Ok(
         json!({"bench": "postcopy", "migration": s.name, "link": link_name,
         "pages": if s.host_pages == HostPages::Huge2M { "2M" } else { "4K" },
         "vcpus": s.vcpus, "preempt": s.postcopy, "marked": s.preempt_priority, "total_ms": st.total_ms,
         "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
         "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
-        "guest_slow_batches": m.guest.slow_batches, "postcopy": pc}),
+        "guest_slow_batches": m.guest.slow_batches, "postcopy": pc,
+        "stages": {"ask": stages.ask, "source_turnaround": pc.source_turnaround,
+            "install": stages.install, "wake": stages.wake}}),
     )
+}
+
+/// Where a request's time went, stage by stage (mean and p50/p99 bounds in µs): the
+/// destination's fault thread (fault to request written), the source's turnaround (request
+/// read to its pages written), the destination's install of the record and its wakes; the
+/// rest of the whole latency's mean is the wire and the queues between.
+fn print_stages(
+    pc: &ferry_migrate::stats::PostcopyStats,
+    d: &ferry_migrate::destination::PostcopyReceived,
+) {
+    let stage = |name: &str, s: &ferry_migrate::stats::Stage| {
+        format!("{name} {:.0} ({}/{})", s.mean_us, s.p50_us, s.p99_us)
+    };
+    let parts = d.ask.mean_us + pc.source_turnaround.mean_us + d.install.mean_us + d.wake.mean_us;
+    println!(
+        "    stages, mean (p50/p99) µs: {}, {}, {}, {}; wire and queues {:.0} of the {:.0} mean",
+        stage("ask", &d.ask),
+        stage("source", &pc.source_turnaround),
+        stage("install", &d.install),
+        stage("wake", &d.wake),
+        (pc.latency_mean_us - parts).max(0.0),
+        pc.latency_mean_us
+    );
 }
 
 /// Round-trip times in µs.

@@ -412,6 +412,8 @@ pub(super) struct Migrated {
     /// The source guest's telemetry when the migration started and when it ended: what the
     /// guest got done meanwhile.
     pub source_guest: [GuestTelemetry; 2],
+    /// What the destination measured.
+    pub received: ferry_migrate::destination::ReceiveStats,
 }
 
 /// Both sides' TLS from a CA made for this run (its files live only while they are read).
@@ -529,7 +531,7 @@ pub(super) fn migrate_over(
         (started, r.join().expect("receiver"))
     });
     received.0?;
-    received.1.context("destination")?;
+    let received = received.1.context("destination")?;
     wait(&src, Duration::from_secs(120), |h| {
         h.migration().is_some_and(|p| !p.phase.is_active())
     })?;
@@ -559,6 +561,7 @@ pub(super) fn migrate_over(
         prealloc,
         guest,
         source_guest: [source_before, source_after],
+        received,
     })
 }
 

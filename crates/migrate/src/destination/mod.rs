@@ -43,7 +43,7 @@ use std::time::Instant;
 pub use arrival::{Arrival, Arrivals, CHANNEL_TIMEOUT, HELLO_TIMEOUT, RECORD_TIMEOUT, read_hello};
 pub use listen::listen;
 pub use progress::{IncomingControl, IncomingPhase, IncomingProgress, Preparing};
-pub use session::{ReceiveStats, Session};
+pub use session::{PostcopyReceived, ReceiveStats, Session};
 
 use crate::error::MigrateError;
 use crate::transport::Stream;

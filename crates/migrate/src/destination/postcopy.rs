@@ -49,6 +49,18 @@ use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 /// How long the fault thread waits for faults before it looks at its stop flag.
 const FAULT_POLL: Duration = Duration::from_millis(20);
 
+/// Where a page request's time goes on the destination, beside its whole latency (fault to page
+/// in place): the fault thread's part (fault read to request written), and for a record that
+/// brings a page a vCPU waits for, its install (the copies, after the record was read) and the
+/// wakes. The rest is the source's turnaround (`PostcopyStats::source_turnaround`) and the
+/// wire and queues between.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Stages {
+    pub ask: Latencies,
+    pub install: Latencies,
+    pub wake: Latencies,
+}
+
 /// The destination's postcopy state, shared by the session, the receivers and the fault thread.
 #[derive(Debug)]
 pub(crate) struct Postcopy {
@@ -72,6 +84,8 @@ pub(crate) struct Postcopy {
     /// When the first fault on each requested page came (by page index), for the latencies.
     first_fault: Mutex<HashMap<u64, Instant>>,
     latencies: Mutex<Latencies>,
+    /// The stages of a request's way on this side (`Stages`).
+    stages: Mutex<Stages>,
     /// Signalled when `remaining` reaches zero or the fault thread fails.
     all_in: (Mutex<()>, Condvar),
     failure: Mutex<Option<Arc<MigrateError>>>,
@@ -109,6 +123,7 @@ impl Postcopy {
             out: Outbox(Mutex::new(out)),
             first_fault: Mutex::new(HashMap::new()),
             latencies: Mutex::new(Latencies::default()),
+            stages: Mutex::default(),
             all_in: (Mutex::new(()), Condvar::new()),
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
@@ -286,6 +301,12 @@ impl Postcopy {
         stream
             .read_exact(&mut buffer[..len])
             .map_err(|e| MigrateError::io("receiving postcopy pages", e))?;
+        // A record that brings a page a vCPU waits for times its install and its wakes.
+        let read = indices
+            .iter()
+            .any(|&i| self.requested.get(i) && !self.installed.get(i))
+            .then(Instant::now);
+        let mut copied = None;
         // Each page without waking, then one wake per run of adjacent pages.
         let mut run: Option<(usize, usize)> = None;
         for (k, &gpa) in gpas.iter().enumerate() {
@@ -295,14 +316,21 @@ impl Postcopy {
             run = match run {
                 Some((start, n)) if start + n * PAGE_SIZE as usize == host => Some((start, n + 1)),
                 Some((start, n)) => {
+                    copied.get_or_insert_with(Instant::now);
                     self.wake(start, n)?;
                     Some((host, 1))
                 }
                 None => Some((host, 1)),
             };
         }
+        let copied = *copied.get_or_insert_with(Instant::now);
         if let Some((start, n)) = run {
             self.wake(start, n)?;
+        }
+        if let Some(read) = read {
+            let mut s = self.stages.lock().unwrap();
+            s.install.add((copied - read).as_micros() as u64);
+            s.wake.add(copied.elapsed().as_micros() as u64);
         }
         for i in indices {
             self.installed(i);
@@ -395,6 +423,11 @@ impl Postcopy {
         *self.latencies.lock().unwrap()
     }
 
+    /// The stages of the requests so far, on this side.
+    pub(crate) fn stages(&self) -> Stages {
+        *self.stages.lock().unwrap()
+    }
+
     pub(crate) fn zero_fills(&self) -> u64 {
         self.zero_fills.load(Ordering::Relaxed)
     }
@@ -414,7 +447,7 @@ impl Postcopy {
 
     /// Handles one fault by the state of its host page (see the module doc); returns the
     /// start of a unit to ask for.
-    fn on_fault(&self, f: &Fault) -> Result<Option<u64>, MigrateError> {
+    fn on_fault(&self, f: &Fault) -> Result<Option<(u64, Instant)>, MigrateError> {
         // Units are aligned in guest and host address alike (regions start on one).
         let host = f.addr & !(self.unit as usize - 1);
         let Some(gpa) = self.ram.gpa_of_host(host) else {
@@ -433,10 +466,11 @@ impl Postcopy {
         if self.requested.set(i) {
             return Ok(None);
         }
-        self.first_fault.lock().unwrap().insert(i, Instant::now());
+        let now = Instant::now();
+        self.first_fault.lock().unwrap().insert(i, now);
         // Installed between the two looks: the copy woke the waiter already, and the source
         // ignores a request for a page it sent.
-        Ok(Some(gpa))
+        Ok(Some((gpa, now)))
     }
 
     /// The fault thread's loop: read faults, answer or ask, until stopped.
@@ -448,9 +482,11 @@ impl Postcopy {
             self.faults
                 .fetch_add(faults.len() as u64, Ordering::Relaxed);
             let mut ask: Vec<(u64, u64)> = Vec::new();
+            let mut since = Vec::new();
             for f in &faults {
-                if let Some(gpa) = self.on_fault(f)? {
+                if let Some((gpa, at)) = self.on_fault(f)? {
                     ask.push((gpa, self.unit_pages()));
+                    since.push(at);
                 }
             }
             for chunk in ask.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
@@ -465,6 +501,12 @@ impl Postcopy {
                         break;
                     }
                     r => r?,
+                }
+            }
+            if !ask.is_empty() {
+                let mut s = self.stages.lock().unwrap();
+                for at in since {
+                    s.ask.add(at.elapsed().as_micros() as u64);
                 }
             }
         }

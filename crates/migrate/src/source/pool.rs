@@ -15,8 +15,9 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use super::params::{SourceParams, TestHooks};
 use super::sender::{ChannelMsg, Sender, SenderConfig};
@@ -25,7 +26,7 @@ use crate::error::{Connection, MigrateError, ProtocolError};
 use crate::ram::Ram;
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
-use crate::wire::{self, Hello, Role};
+use crate::wire::{self, Hello, Latencies, Role};
 
 /// The data channels' senders.
 #[derive(Debug, Default)]
@@ -43,6 +44,9 @@ pub struct ChannelPool {
     written_pages: Arc<AtomicU64>,
     /// A handle on every connection, to shut them all down at once ([`ChannelPool::sever`]).
     streams: Vec<Box<dyn Stream>>,
+    /// Postcopy's requests, from read to their pages written (the senders', and the
+    /// session's on the main connection).
+    turnaround: Arc<Mutex<Latencies>>,
 }
 
 impl ChannelPool {
@@ -101,6 +105,7 @@ impl ChannelPool {
                 bytes: self.bytes.clone(),
                 pages: self.written_pages.clone(),
                 checksum_pages: params.checksum_pages,
+                turnaround: self.turnaround.clone(),
             };
             let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
             match role {
@@ -113,12 +118,15 @@ impl ChannelPool {
 
     /// Queues pages a vCPU waits for: on the preempt connection if there is one, else on the
     /// next data channel like any batch.
-    pub fn queue_urgent(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
-        let Some(preempt) = &mut self.preempt else {
-            return self.queue_pages(gpas);
-        };
+    /// `asked` is when the oldest request among them was read, for the turnaround.
+    pub fn queue_urgent(&mut self, gpas: Vec<u64>, asked: Instant) -> Result<(), MigrateError> {
         self.queued_pages += gpas.len() as u64;
-        if preempt.send(ChannelMsg::Pages(gpas)) {
+        let Some(preempt) = &mut self.preempt else {
+            self.queue_for(self.next, ChannelMsg::Urgent(gpas, asked))?;
+            self.next = (self.next + 1) % self.senders.len();
+            return Ok(());
+        };
+        if preempt.send(ChannelMsg::Urgent(gpas, asked)) {
             return Ok(());
         }
         Err(match preempt.finish() {
@@ -128,6 +136,17 @@ impl ChannelPool {
             }
             .into(),
         })
+    }
+
+    /// Counts a request served by its pages written elsewhere (on the main connection).
+    pub fn note_turnaround(&self, asked: Instant) {
+        let us = asked.elapsed().as_micros() as u64;
+        self.turnaround.lock().unwrap().add(us);
+    }
+
+    /// Postcopy's requests so far, from read to their pages written.
+    pub fn turnaround(&self) -> Latencies {
+        *self.turnaround.lock().unwrap()
     }
 
     /// Queues a batch of page addresses on the next data channel, round-robin.

@@ -208,6 +208,7 @@ impl Session<'_> {
         pc.latency_p99_us = latencies.quantile_us(0.99);
         pc.latency_max_us = latencies.max_us;
         pc.latency_buckets = latencies.buckets.to_vec();
+        pc.source_turnaround = (&self.peer.pool.turnaround()).into();
         pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
         self.stats.postcopy = Some(pc);
         Ok(())
@@ -389,7 +390,7 @@ impl Session<'_> {
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         let unit = self.peer.agreed.postcopy_unit * PAGE_SIZE;
-        let mut runs = self.take_requests(pc)?;
+        let (mut runs, asked) = self.take_requests(pc)?;
         for run in &mut runs {
             run.1 = clamp_request(run.1);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
@@ -427,13 +428,14 @@ impl Session<'_> {
             pc.pages_resent += again.len() as u64;
             pc.pages_requested += urgent.len() as u64;
             for chunk in again.chunks(self.batch_pages()) {
-                self.send_urgent(chunk, on_main, pc)?;
+                self.send_urgent(chunk, on_main, pc, asked)?;
             }
             for chunk in urgent.chunks(self.batch_pages()) {
-                self.send_urgent(chunk, on_main, pc)?;
+                self.send_urgent(chunk, on_main, pc, asked)?;
             }
             if on_main && !(urgent.is_empty() && again.is_empty()) {
                 self.peer.conn.flush("sending requested pages")?;
+                self.peer.pool.note_turnaround(asked);
             }
             last = urgent.last().copied().or(last);
         }
@@ -452,9 +454,10 @@ impl Session<'_> {
         gpas: &[u64],
         on_main: bool,
         pc: &mut PostcopyStats,
+        asked: Instant,
     ) -> Result<(), MigrateError> {
         if !on_main {
-            return self.peer.pool.queue_urgent(gpas.to_vec());
+            return self.peer.pool.queue_urgent(gpas.to_vec(), asked);
         }
         sender::write_pages(
             &mut self.peer.conn,
@@ -469,8 +472,11 @@ impl Session<'_> {
 
     /// The page requests queued since the last call, counted and checked: a request outside
     /// RAM ends the migration.
-    fn take_requests(&self, pc: &mut PostcopyStats) -> Result<Vec<(u64, u64)>, MigrateError> {
-        let runs = self
+    fn take_requests(
+        &self,
+        pc: &mut PostcopyStats,
+    ) -> Result<(Vec<(u64, u64)>, Instant), MigrateError> {
+        let (runs, since) = self
             .acks
             .reader
             .as_ref()
@@ -482,7 +488,7 @@ impl Session<'_> {
                 .check_run(gpa, pages)
                 .map_err(ProtocolError::RequestOutsideRam)?;
         }
-        Ok(runs)
+        Ok((runs, since.unwrap_or_else(Instant::now)))
     }
 
     /// Fails if the reader ended: the destination's Error, or a broken main connection (the

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::conn::Conn;
 use crate::error::{Bound, MigrateError, ProtocolError, Rule};
@@ -182,9 +182,11 @@ impl InboundReader {
         }
     }
 
-    /// Takes the page requests that arrived since the last call, oldest first.
-    pub fn take_requests(&self) -> Vec<(u64, u64)> {
-        self.requests.queue.lock().unwrap().drain(..).collect()
+    /// Takes the page requests that arrived since the last call, oldest first, and when the
+    /// oldest of them was read.
+    pub fn take_requests(&self) -> (Vec<(u64, u64)>, Option<Instant>) {
+        let mut q = self.requests.queue.lock().unwrap();
+        (q.0.drain(..).collect(), q.1.take())
     }
 
     /// From now on page requests are in order: the source sent Postcopy, and the destination
@@ -196,7 +198,7 @@ impl InboundReader {
     /// Waits up to `timeout` for a page request to be queued (returns at once if one is).
     pub fn wait_requests(&self, timeout: Duration) {
         let q = self.requests.queue.lock().unwrap();
-        if q.is_empty() {
+        if q.0.is_empty() {
             let _ = self.requests.arrived.wait_timeout(q, timeout);
         }
     }
@@ -226,10 +228,13 @@ impl Drop for InboundReader {
     }
 }
 
+/// Requested runs not taken yet, and when the oldest of them was read.
+type Queued = (VecDeque<(u64, u64)>, Option<Instant>);
+
 /// Page requests the reader queued for the session, and a condvar it signals on each.
 #[derive(Debug, Default)]
 struct Requests {
-    queue: Mutex<VecDeque<(u64, u64)>>,
+    queue: Mutex<Queued>,
     arrived: Condvar,
     /// Set by the session when it switched to postcopy; a request before is refused.
     allowed: std::sync::atomic::AtomicBool,
@@ -271,14 +276,15 @@ fn read_until_end(
             }
             Inbound::PageRequest(runs) => {
                 let mut q = into.requests.queue.lock().unwrap();
-                if q.len() + runs.len() > MAX_QUEUED_REQUESTS {
+                if q.0.len() + runs.len() > MAX_QUEUED_REQUESTS {
                     return Err(ProtocolError::OverBound {
                         bound: Bound::QueuedRequests,
                         max: MAX_QUEUED_REQUESTS as u64,
                     }
                     .into());
                 }
-                q.extend(runs);
+                q.0.extend(runs);
+                q.1.get_or_insert_with(Instant::now);
                 into.requests.arrived.notify_all();
             }
             Inbound::Resumed(_) if seen_resumed => {
@@ -485,7 +491,7 @@ mod tests {
         let (switched, mut theirs) = start(true);
         theirs.write_all(&request).unwrap();
         switched.wait_requests(Duration::from_secs(5));
-        assert_eq!(switched.take_requests(), vec![(0x2000, 1)]);
+        assert_eq!(switched.take_requests().0, vec![(0x2000, 1)]);
         assert!(switched.poll().is_none(), "nothing ended the reading");
     }
 
@@ -509,7 +515,7 @@ mod tests {
         };
         let reader = InboundReader::start(&mut conn, resumed).unwrap();
         reader.wait_requests(Duration::from_secs(5));
-        assert_eq!(reader.take_requests(), vec![(0x3000, 1)]);
+        assert_eq!(reader.take_requests().0, vec![(0x3000, 1)]);
         assert!(reader.poll().is_none(), "nothing ended the reading");
     }
 

@@ -23,10 +23,11 @@
 #![forbid(unsafe_code)]
 
 use std::io::IoSlice;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use super::params::TestHooks;
 use crate::conn::Conn;
@@ -35,7 +36,7 @@ use crate::ram::Ram;
 use crate::scan::{Batch, Completion, FailEvery, ZeroDetector, ZeroDetectorFactory};
 use crate::stats;
 use crate::transport::Stream;
-use crate::wire::{self, Header, Kind, PAGE_SIZE};
+use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 
 /// Batches queued per sender: enough to keep it busy while the migration thread walks the
 /// bitmap, few enough that a cancel takes effect within a few batches.
@@ -48,6 +49,9 @@ const PIPELINE: usize = 1;
 #[derive(Debug)]
 pub enum ChannelMsg {
     Pages(Vec<u64>),
+    /// Postcopy pages a vCPU waits for, asked for at the instant given: written, flushed, and
+    /// the time since counted in the pool's turnaround.
+    Urgent(Vec<u64>, Instant),
     EndOfPass(u32),
     /// The pages that follow are postcopy pages: write the marker and flush.
     Postcopy,
@@ -85,6 +89,8 @@ pub struct SenderConfig {
     /// Pages records' checksums cover their page data ([`wire::Capabilities::CHECKSUM_PAGES`]
     /// granted).
     pub checksum_pages: bool,
+    /// Request to pages written, for every [`ChannelMsg::Urgent`] (shared by the senders).
+    pub turnaround: Arc<Mutex<Latencies>>,
 }
 
 impl Sender {
@@ -179,6 +185,13 @@ fn run(
     let mut postcopy = false;
     for msg in rx {
         match msg {
+            ChannelMsg::Urgent(gpas, asked) => {
+                detector.submit(Batch::new(gpas));
+                drain(&mut detector, &mut out)?;
+                out.conn.flush("sending requested pages")?;
+                let us = asked.elapsed().as_micros() as u64;
+                config.turnaround.lock().unwrap().add(us);
+            }
             ChannelMsg::Pages(gpas) => {
                 detector.submit(Batch::new(gpas));
                 while detector.outstanding > PIPELINE {

@@ -60,6 +60,11 @@ pub struct ReceiveStats {
 /// The destination's postcopy figures.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PostcopyReceived {
+    /// A request's stages on this side: fault read to request written, the install of a record
+    /// that brings a waited-for page, and its wakes.
+    pub ask: crate::stats::Stage,
+    pub install: crate::stats::Stage,
+    pub wake: crate::stats::Stage,
     /// Pages on the discard list, fetched from the source after the switch.
     pub pages: u64,
     /// Faults on pages that were not needed (holes), filled with zeros here.

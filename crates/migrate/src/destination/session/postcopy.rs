@@ -96,7 +96,11 @@ impl Session<'_> {
             return Err(e);
         }
         let latencies = pc.latencies();
+        let stages = pc.stages();
         self.stats.postcopy = Some(PostcopyReceived {
+            ask: (&stages.ask).into(),
+            install: (&stages.install).into(),
+            wake: (&stages.wake).into(),
             pages: discarded,
             zero_fills: pc.zero_fills(),
             faults: pc.faults(),
