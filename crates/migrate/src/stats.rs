@@ -204,6 +204,10 @@ pub struct PostcopyStats {
     /// its pages written on their connection (the oldest request of those served together).
     #[serde(default)]
     pub source_turnaround: Stage,
+    /// The first part of it: from the request read to the migration thread taking it (the
+    /// reader's hand-off, and however long the migration thread was busy elsewhere).
+    #[serde(default)]
+    pub source_handoff: Stage,
     /// Times a broken connection paused postcopy and a recovery resumed it.
     #[serde(default)]
     pub recoveries: u32,

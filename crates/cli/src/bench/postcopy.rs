@@ -344,6 +344,7 @@ fn migrate_row(
         "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
         "guest_slow_batches": m.guest.slow_batches, "postcopy": pc,
         "stages": {"ask": stages.ask, "source_turnaround": pc.source_turnaround,
+            "source_handoff": pc.source_handoff,
             "install": stages.install, "wake": stages.wake}}),
     )
 }
@@ -361,9 +362,10 @@ fn print_stages(
     };
     let parts = d.ask.mean_us + pc.source_turnaround.mean_us + d.install.mean_us + d.wake.mean_us;
     println!(
-        "    stages, mean (p50/p99) µs: {}, {}, {}, {}; wire and queues {:.0} of the {:.0} mean",
+        "    stages, mean (p50/p99) µs: {}, {} of which {}, {}, {}; wire and queues {:.0} of the {:.0} mean",
         stage("ask", &d.ask),
         stage("source", &pc.source_turnaround),
+        stage("hand-off", &pc.source_handoff),
         stage("install", &d.install),
         stage("wake", &d.wake),
         (pc.latency_mean_us - parts).max(0.0),

@@ -218,6 +218,8 @@ struct Session<'a, P = Live> {
     phase: Phase,
     /// Free page hints: rounds, and pass 1's pages to skip.
     hints: Hints,
+    /// Postcopy's requests, from read to taken by this thread (`PostcopyStats::source_handoff`).
+    handoff: crate::wire::Latencies,
 }
 
 impl<'a, P: Target> Session<'a, P> {
@@ -257,6 +259,7 @@ impl<'a, P: Target> Session<'a, P> {
             } else {
                 Hints::off()
             },
+            handoff: crate::wire::Latencies::default(),
         }
     }
 

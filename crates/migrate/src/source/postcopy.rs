@@ -209,6 +209,7 @@ impl Session<'_> {
         pc.latency_max_us = latencies.max_us;
         pc.latency_buckets = latencies.buckets.to_vec();
         pc.source_turnaround = (&self.peer.pool.turnaround()).into();
+        pc.source_handoff = (&self.handoff).into();
         pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
         self.stats.postcopy = Some(pc);
         Ok(())
@@ -391,6 +392,9 @@ impl Session<'_> {
     ) -> Result<(), MigrateError> {
         let unit = self.peer.agreed.postcopy_unit * PAGE_SIZE;
         let (mut runs, asked) = self.take_requests(pc)?;
+        if !runs.is_empty() {
+            self.handoff.add(asked.elapsed().as_micros() as u64);
+        }
         for run in &mut runs {
             run.1 = clamp_request(run.1);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
