@@ -47,6 +47,7 @@
 mod ack_state;
 pub(crate) mod agreement;
 mod bandwidth;
+mod forward;
 mod hint_rounds;
 mod hints;
 pub(crate) mod keep;
@@ -361,6 +362,17 @@ impl<'a, P: Target> Session<'a, P> {
 }
 
 impl Session<'_, Live> {
+    /// With the preempt connection, lets the main connection's reader queue requested pages
+    /// on it itself (`forward.rs`); taken back when the pool finishes its sender.
+    fn lend_lane(&self) {
+        let unit = self.peer.agreed.postcopy_unit;
+        if let (Some(reader), Some(lane)) =
+            (&self.acks.reader, self.peer.pool.lane(&self.ram, unit))
+        {
+            reader.set_lane(lane);
+        }
+    }
+
     /// Every phase in order; the first failure ends the run.
     fn run(
         &mut self,
@@ -383,6 +395,7 @@ impl Session<'_, Live> {
             self.hooks,
             self.peer.agreed.preempt,
         )?;
+        self.lend_lane();
         self.start_tracking(vm)?;
         match self.precopy(vm)? {
             Ending::Switchover(last) => self.switchover(vm, last + 1),

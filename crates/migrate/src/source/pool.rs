@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::forward::Lane;
 use super::params::{SourceParams, TestHooks};
 use super::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::conn::Conn;
@@ -47,6 +48,9 @@ pub struct ChannelPool {
     /// Postcopy's requests, from read to their pages written (the senders', and the
     /// session's on the main connection).
     turnaround: Arc<Mutex<Latencies>>,
+    /// Pages the main connection's reader queued on the preempt connection itself
+    /// (`forward.rs`), counted with the queued ones.
+    forwarded: Arc<AtomicU64>,
 }
 
 impl ChannelPool {
@@ -259,8 +263,19 @@ impl ChannelPool {
     /// Pages queued on the senders that they have not written yet (at most their queues'
     /// depth in batches each).
     pub fn pending_pages(&self) -> u64 {
-        self.queued_pages
+        (self.queued_pages + self.forwarded.load(Ordering::Relaxed))
             .saturating_sub(self.written_pages.load(Ordering::Relaxed))
+    }
+
+    /// With the preempt connection, where the main connection's reader may queue requested
+    /// pages itself (`forward.rs`): its sender's queue, for as long as it runs.
+    pub(crate) fn lane(&self, ram: &Ram, unit_pages: u64) -> Option<Lane> {
+        self.preempt.as_ref().map(|p| Lane {
+            queue: p.queue(),
+            ram: ram.clone(),
+            unit_pages,
+            forwarded: self.forwarded.clone(),
+        })
     }
 
     /// Queues `msg` for sender `i`; if that sender has stopped, returns why.

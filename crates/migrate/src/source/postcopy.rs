@@ -20,6 +20,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::forward::Requested;
 use super::readahead;
 use super::reader::Inbound;
 use super::sender;
@@ -391,33 +392,48 @@ impl Session<'_> {
         listed: &DirtyBitmap,
     ) -> Result<(), MigrateError> {
         let unit = self.peer.agreed.postcopy_unit * PAGE_SIZE;
-        let (mut runs, asked) = self.take_requests(pc)?;
-        if !runs.is_empty() {
+        let (requested, asked) = self.take_requests(pc)?;
+        if requested.iter().any(|r| !r.forwarded) {
             self.handoff.add(asked.elapsed().as_micros() as u64);
         }
-        for run in &mut runs {
-            run.1 = clamp_request(run.1);
+        // Whole host pages of the destination, whatever it asked: `(gpa, bytes)`.
+        let whole = |gpa: u64, pages: u64| {
+            let start = gpa - gpa % unit;
+            (
+                start,
+                (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
+            )
+        };
+        let (mut runs, mut forwarded) = (Vec::new(), Vec::new());
+        for r in requested {
+            let pages = clamp_request(r.pages);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
-            let window = self.peer.readahead.request(run.0, run.1);
+            let window = self.peer.readahead.request(r.gpa, pages);
             let end = self
                 .ram
-                .region_end(run.0)
-                .unwrap_or(run.0 + run.1 * PAGE_SIZE);
-            let ahead = window.min((end - run.0) / PAGE_SIZE - run.1);
+                .region_end(r.gpa)
+                .unwrap_or(r.gpa + pages * PAGE_SIZE);
+            let ahead = window.min((end - r.gpa) / PAGE_SIZE - pages);
             pc.pages_readahead += ahead;
-            run.1 += ahead;
+            if r.forwarded {
+                // Its pages are queued already (forward.rs): the window is what is left.
+                forwarded.push(whole(r.gpa, pages));
+                if ahead > 0 {
+                    runs.push(whole(r.gpa + pages * PAGE_SIZE, ahead));
+                }
+            } else {
+                runs.push(whole(r.gpa, pages + ahead));
+            }
         }
-        let runs: Vec<(u64, u64)> = runs
-            .into_iter()
-            .map(|(gpa, pages)| {
-                // Whole host pages of the destination, whatever it asked.
-                let start = gpa - gpa % unit;
-                (
-                    start,
-                    (gpa + pages * PAGE_SIZE).next_multiple_of(unit) - start,
-                )
-            })
-            .collect();
+        // The forwarded pages leave what is still to send, counted as any requested page.
+        let mut last = None;
+        for batch in pick_batches(&forwarded) {
+            let (taken, again) =
+                readahead::pick(batch.iter().copied(), &mut self.bitmap, held, Some(listed));
+            pc.pages_requested += taken.len() as u64;
+            pc.pages_resent += again.len() as u64;
+            last = taken.last().copied().or(last);
+        }
         // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
         // requested pages on it wait behind no background stream. Before, the destination's
         // session is loading the state and reads only the data channels.
@@ -425,7 +441,6 @@ impl Session<'_> {
         let resend = (self.peer.agreed.preempt || on_main).then_some(listed);
         // Picked a bounded number of pages at a time, so that however many requests are
         // queued, the pages looked at once stay few.
-        let mut last = None;
         for batch in pick_batches(&runs) {
             let (urgent, again) =
                 readahead::pick(batch.iter().copied(), &mut self.bitmap, held, resend);
@@ -479,17 +494,17 @@ impl Session<'_> {
     fn take_requests(
         &self,
         pc: &mut PostcopyStats,
-    ) -> Result<(Vec<(u64, u64)>, Instant), MigrateError> {
+    ) -> Result<(Vec<Requested>, Instant), MigrateError> {
         let (runs, since) = self
             .acks
             .reader
             .as_ref()
             .expect("the reader runs")
             .take_requests();
-        for &(gpa, pages) in &runs {
+        for r in &runs {
             pc.requests += 1;
             self.ram
-                .check_run(gpa, pages)
+                .check_run(r.gpa, r.pages)
                 .map_err(ProtocolError::RequestOutsideRam)?;
         }
         Ok((runs, since.unwrap_or_else(Instant::now)))

@@ -29,6 +29,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::forward::{Lane, Requested};
 use crate::conn::Conn;
 use crate::error::{Bound, MigrateError, ProtocolError, Rule};
 use crate::transport::Stream;
@@ -184,9 +185,14 @@ impl InboundReader {
 
     /// Takes the page requests that arrived since the last call, oldest first, and when the
     /// oldest of them was read.
-    pub fn take_requests(&self) -> (Vec<(u64, u64)>, Option<Instant>) {
+    pub(crate) fn take_requests(&self) -> (Vec<Requested>, Option<Instant>) {
         let mut q = self.requests.queue.lock().unwrap();
         (q.0.drain(..).collect(), q.1.take())
+    }
+
+    /// From now on the reader queues requested pages on `lane` itself (`forward.rs`).
+    pub(crate) fn set_lane(&self, lane: Lane) {
+        *self.requests.lane.lock().unwrap() = Some(lane);
     }
 
     /// From now on page requests are in order: the source sent Postcopy, and the destination
@@ -229,7 +235,7 @@ impl Drop for InboundReader {
 }
 
 /// Requested runs not taken yet, and when the oldest of them was read.
-type Queued = (VecDeque<(u64, u64)>, Option<Instant>);
+type Queued = (VecDeque<Requested>, Option<Instant>);
 
 /// Page requests the reader queued for the session, and a condvar it signals on each.
 #[derive(Debug, Default)]
@@ -238,6 +244,9 @@ struct Requests {
     arrived: Condvar,
     /// Set by the session when it switched to postcopy; a request before is refused.
     allowed: std::sync::atomic::AtomicBool,
+    /// Where the reader queues requested pages itself (`forward.rs`), with the preempt
+    /// connection.
+    lane: Mutex<Option<Lane>>,
 }
 
 /// Where the reader puts what it folds and queues.
@@ -283,8 +292,15 @@ fn read_until_end(
                     }
                     .into());
                 }
-                q.0.extend(runs);
-                q.1.get_or_insert_with(Instant::now);
+                let now = Instant::now();
+                let lane = into.requests.lane.lock().unwrap();
+                q.0.extend(runs.into_iter().map(|(gpa, pages)| Requested {
+                    gpa,
+                    pages,
+                    forwarded: lane.as_ref().is_some_and(|l| l.forward(gpa, pages, now)),
+                }));
+                drop(lane);
+                q.1.get_or_insert(now);
                 into.requests.arrived.notify_all();
             }
             Inbound::Resumed(_) if seen_resumed => {
@@ -491,7 +507,13 @@ mod tests {
         let (switched, mut theirs) = start(true);
         theirs.write_all(&request).unwrap();
         switched.wait_requests(Duration::from_secs(5));
-        assert_eq!(switched.take_requests().0, vec![(0x2000, 1)]);
+        let taken: Vec<(u64, u64)> = switched
+            .take_requests()
+            .0
+            .iter()
+            .map(|r| (r.gpa, r.pages))
+            .collect();
+        assert_eq!(taken, vec![(0x2000, 1)]);
         assert!(switched.poll().is_none(), "nothing ended the reading");
     }
 
@@ -515,7 +537,13 @@ mod tests {
         };
         let reader = InboundReader::start(&mut conn, resumed).unwrap();
         reader.wait_requests(Duration::from_secs(5));
-        assert_eq!(reader.take_requests().0, vec![(0x3000, 1)]);
+        let taken: Vec<(u64, u64)> = reader
+            .take_requests()
+            .0
+            .iter()
+            .map(|r| (r.gpa, r.pages))
+            .collect();
+        assert_eq!(taken, vec![(0x3000, 1)]);
         assert!(reader.poll().is_none(), "nothing ended the reading");
     }
 

@@ -161,7 +161,9 @@ impl Session<'_> {
             self.hooks,
             self.peer.agreed.preempt,
         )?;
-        self.peer.pool.postcopy()
+        self.peer.pool.postcopy()?;
+        self.lend_lane();
+        Ok(())
     }
 
     /// Reads the destination's Missing runs up to Resume into the bitmap (which it replaces):

@@ -72,8 +72,26 @@ pub struct SenderStats {
 /// The migration thread's end of a sender.
 #[derive(Debug)]
 pub struct Sender {
-    tx: Option<SyncSender<ChannelMsg>>,
+    /// The queue, in a slot that [`Sender::finish`] empties: another thread may hold the slot
+    /// and queue through it ([`Sender::queue`]), never keeping the queue open past the finish.
+    tx: Queue,
     thread: Option<JoinHandle<Result<SenderStats, MigrateError>>>,
+}
+
+/// A sender's queue in a slot its owner empties when it finishes it.
+pub type Queue = Arc<Mutex<Option<SyncSender<ChannelMsg>>>>;
+
+/// Queues `msg` through `queue` if it has room: `Ok(None)` when queued, `Ok(Some(msg))` back
+/// when full, `Err(msg)` when the sender finished or stopped.
+pub fn try_queue(queue: &Queue, msg: ChannelMsg) -> Result<Option<ChannelMsg>, ChannelMsg> {
+    match queue.lock().unwrap().as_ref() {
+        None => Err(msg),
+        Some(tx) => match tx.try_send(msg) {
+            Ok(()) => Ok(None),
+            Err(TrySendError::Full(msg)) => Ok(Some(msg)),
+            Err(TrySendError::Disconnected(msg)) => Err(msg),
+        },
+    }
 }
 
 /// How senders scan and where they count bytes.
@@ -111,34 +129,35 @@ impl Sender {
             .spawn(move || run(conn, ram, rx, config, hooks))
             .map_err(|e| MigrateError::io("starting a sender thread", e))?;
         Ok(Sender {
-            tx: Some(tx),
+            tx: Arc::new(Mutex::new(Some(tx))),
             thread: Some(thread),
         })
     }
 
     /// Queues a message; on failure the sender has stopped, and [`Sender::finish`] says why.
     pub fn send(&self, msg: ChannelMsg) -> bool {
-        self.tx.as_ref().is_some_and(|tx| tx.send(msg).is_ok())
+        // Cloned out of the slot, so that a send that waits for room holds no lock.
+        let tx = self.tx.lock().unwrap().clone();
+        tx.is_some_and(|tx| tx.send(msg).is_ok())
+    }
+
+    /// The slot of this sender's queue, for a thread that queues without waiting
+    /// (`try_queue`); empty once the sender finishes.
+    pub fn queue(&self) -> Queue {
+        self.tx.clone()
     }
 
     /// Queues a message if the queue has room: `Ok(None)` when queued, `Ok(Some(msg))` back
     /// when the queue is full, `Err(msg)` when the sender has stopped ([`Sender::finish`]
     /// says why).
     pub fn try_send(&self, msg: ChannelMsg) -> Result<Option<ChannelMsg>, ChannelMsg> {
-        match self.tx.as_ref() {
-            None => Err(msg),
-            Some(tx) => match tx.try_send(msg) {
-                Ok(()) => Ok(None),
-                Err(TrySendError::Full(msg)) => Ok(Some(msg)),
-                Err(TrySendError::Disconnected(msg)) => Err(msg),
-            },
-        }
+        try_queue(&self.tx, msg)
     }
 
     /// Closes the queue (the sender finishes what it has, or stops if it failed) and returns
     /// its result.
     pub fn finish(&mut self) -> Result<SenderStats, MigrateError> {
-        drop(self.tx.take());
+        drop(self.tx.lock().unwrap().take());
         match self.thread.take().map(|t| t.join()) {
             Some(Ok(r)) => r,
             Some(Err(_)) => Err(Internal::Panicked {
