@@ -15,7 +15,7 @@ use clap::Args;
 use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
-use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify};
+use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
 
 #[derive(Debug, Args)]
 pub struct LocalBenchArgs {
@@ -86,13 +86,7 @@ impl Hop {
 /// The median, the 90th percentile and the largest of `f` over `hops`.
 fn spread(hops: &[Hop], f: fn(&Hop) -> f64) -> [f64; 3] {
     let mut v: Vec<f64> = hops.iter().map(f).collect();
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| {
-        v.get(((v.len().saturating_sub(1)) as f64 * q).round() as usize)
-            .copied()
-            .unwrap_or(0.0)
-    };
-    [at(0.5), at(0.9), at(1.0)]
+    [0.5, 0.9, 1.0].map(|q| quantile(&mut v, q))
 }
 
 /// `[p50, p90, max]` as the table shows it.

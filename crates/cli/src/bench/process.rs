@@ -223,6 +223,15 @@ impl HopPair {
     }
 }
 
+/// `values`' value at `q` (0..=1), sorting them.
+pub fn quantile(values: &mut [f64], q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values
+        .get(((values.len().saturating_sub(1)) as f64 * q).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
 /// The address a destination on loopback `port` is given as.
 pub fn at(port: u16) -> String {
     format!("tcp:127.0.0.1:{port}")

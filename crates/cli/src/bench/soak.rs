@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use ferry_vmm::request::MigrationRequest;
 use serde_json::json;
 
-use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify};
+use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
 
 #[derive(Debug, Args)]
 pub struct SoakBenchArgs {
@@ -154,15 +154,6 @@ fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool, local: bool) -> a
         verify_passes: guest["verify_passes"].as_u64().unwrap_or(0),
         verify_failures: guest["verify_failures"].as_u64().unwrap_or(0),
     })
-}
-
-/// Sorted copy's value at `q` (0..=1).
-fn quantile(values: &mut [f64], q: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values
-        .get(((values.len().saturating_sub(1)) as f64 * q).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
 }
 
 fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration, local: bool) {

@@ -5,8 +5,10 @@
 //! Invariants:
 //! - The set of pages still to send is the dirty bitmap after the final sync, and every page
 //!   leaves it exactly once, by the background walk or by a request (`test_and_clear`), so the
-//!   destination receives each missing page once, in the only version there is: the guest
-//!   no longer runs here.
+//!   destination receives each missing page at least once, in the only version there is: the
+//!   guest no longer runs here. A page goes twice only by a request: resent ahead of a queued
+//!   copy, or forwarded by the reader (`forward.rs`) while the walk had it; the destination
+//!   installs the first copy and drops the second.
 //! - `handed_over` is set once the Postcopy record is flushed: from then on the destination may
 //!   run the guest, so a failure leaves it paused here, and the migration cannot be cancelled.
 //! - A request is served before the next background batch is queued, and the walk goes on

@@ -341,6 +341,12 @@ mod tests {
     use super::*;
     use crate::wire::{Header, RECEIVED_SIZE, RESUMED_SIZE};
 
+    /// The runs `reader` queued, as `(gpa, pages)`.
+    fn taken(reader: &InboundReader) -> Vec<(u64, u64)> {
+        let (runs, _) = reader.take_requests();
+        runs.iter().map(|r| (r.gpa, r.pages)).collect()
+    }
+
     const AWAITING: Awaiting = Awaiting {
         during: "waiting in a test",
         expected: "Resumed",
@@ -507,13 +513,7 @@ mod tests {
         let (switched, mut theirs) = start(true);
         theirs.write_all(&request).unwrap();
         switched.wait_requests(Duration::from_secs(5));
-        let taken: Vec<(u64, u64)> = switched
-            .take_requests()
-            .0
-            .iter()
-            .map(|r| (r.gpa, r.pages))
-            .collect();
-        assert_eq!(taken, vec![(0x2000, 1)]);
+        assert_eq!(taken(&switched), vec![(0x2000, 1)]);
         assert!(switched.poll().is_none(), "nothing ended the reading");
     }
 
@@ -537,13 +537,7 @@ mod tests {
         };
         let reader = InboundReader::start(&mut conn, resumed).unwrap();
         reader.wait_requests(Duration::from_secs(5));
-        let taken: Vec<(u64, u64)> = reader
-            .take_requests()
-            .0
-            .iter()
-            .map(|r| (r.gpa, r.pages))
-            .collect();
-        assert_eq!(taken, vec![(0x3000, 1)]);
+        assert_eq!(taken(&reader), vec![(0x3000, 1)]);
         assert!(reader.poll().is_none(), "nothing ended the reading");
     }
 
