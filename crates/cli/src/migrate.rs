@@ -42,6 +42,15 @@ pub enum ChecksumArg {
     Pages,
 }
 
+/// `--postcopy-order`: the background push's order after the switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PostcopyOrderArg {
+    /// The 2 MiB the guest dirtied most recently and most often first.
+    Hot,
+    /// Lowest address first, each request moving the push to just after it.
+    Address,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum ZeroDetectionArg {
     Inline,
@@ -163,6 +172,23 @@ pub struct MigrateArgs {
     /// first faults (0s: start at once).
     #[arg(long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(defaults().postcopy_quiet_start_ms))]
     postcopy_quiet_start: humantime::Duration,
+    /// With --postcopy: the background push's order after the switch: `hot` sends the memory
+    /// the guest dirtied most recently and most often first (from the dirty syncs' history,
+    /// per 2 MiB) and follows a vCPU that faults in order; `address` goes from the lowest
+    /// address, each request moving it to just after the page asked for.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "hot",
+        value_name = "hot|address",
+        requires = "postcopy"
+    )]
+    postcopy_order: PostcopyOrderArg,
+    /// With --postcopy: the most pages (4 KiB) a vCPU faulting in order pulls forward after
+    /// the page it asked for; the window starts at 16 and doubles with each fault in order.
+    /// 0 sends only the pages asked for.
+    #[arg(long, value_name = "PAGES", requires = "postcopy", default_value_t = defaults().postcopy_prefetch_pages)]
+    postcopy_prefetch: u64,
     /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
     /// failing (the guest keeps running on the destination and waits for missing pages)
     /// until `ferry migrate-recover` on the destination and `ferry migrate --resume` here
@@ -285,6 +311,11 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         postcopy_after_passes: args.postcopy_after_passes,
         postcopy_preempt: args.postcopy_preempt,
         postcopy_quiet_start_ms: args.postcopy_quiet_start.as_millis() as u64,
+        postcopy_order: match args.postcopy_order {
+            PostcopyOrderArg::Hot => ferry_migrate::source::PostcopyOrder::Hot,
+            PostcopyOrderArg::Address => ferry_migrate::source::PostcopyOrder::Address,
+        },
+        postcopy_prefetch_pages: args.postcopy_prefetch,
         postcopy_recover: args.postcopy_recover == OnOff::On,
         free_page_hints: args.free_page_hints == OnOff::On,
         peer_timeout_ms: args.peer_timeout.as_millis() as u64,

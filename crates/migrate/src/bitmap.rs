@@ -21,6 +21,15 @@ use crate::zeroed::Zeroed;
 /// clock and cancellation checks often.
 pub const MAX_WORDS_PER_TAKE: usize = 64 * 1024;
 
+/// Pages in a chunk: the unit the bitmap tracks how recently pages were dirtied in
+/// ([`DirtyBitmap::touched`]), 2 MiB of guest memory, which is also the largest postcopy unit
+/// (a 2 MiB host page), so a chunk holds whole units.
+pub const CHUNK_PAGES: u64 = 512;
+const CHUNK_WORDS: usize = (CHUNK_PAGES / 64) as usize;
+
+/// A chunk: region index and chunk index in the region.
+pub type Chunk = (usize, usize);
+
 /// Where a walk through the summary stopped.
 enum Next {
     /// At a word the summary names.
@@ -39,6 +48,9 @@ struct RegionBits {
     words: Zeroed<u64>,
     /// Bit `j` of `summary[s]`: `words[64 * s + j]` may have bits set.
     summary: Zeroed<u64>,
+    /// Bit `c` of `touched[c / 64]`: a dirty log merged a page of chunk `c` (of
+    /// [`CHUNK_PAGES`]) since the last [`DirtyBitmap::forget_touched`].
+    touched: Zeroed<u64>,
 }
 
 impl RegionBits {
@@ -49,7 +61,18 @@ impl RegionBits {
             pages,
             words: Zeroed::new(words),
             summary: Zeroed::new(words.div_ceil(64)),
+            touched: Zeroed::new(words.div_ceil(CHUNK_WORDS).div_ceil(64)),
         }
+    }
+
+    /// Chunks of [`CHUNK_PAGES`] (the last one may be shorter).
+    fn chunks(&self) -> usize {
+        self.words.len().div_ceil(CHUNK_WORDS)
+    }
+
+    /// The words of chunk `c`.
+    fn chunk_words(&self, c: usize) -> std::ops::Range<usize> {
+        c * CHUNK_WORDS..((c + 1) * CHUNK_WORDS).min(self.words.len())
     }
 
     /// ORs `bits` into word `w`; returns how many were new.
@@ -102,6 +125,7 @@ impl Clone for RegionBits {
             copy.words[w] = self.words[w];
         }
         copy.summary.copy_from_slice(&self.summary);
+        copy.touched.copy_from_slice(&self.touched);
         copy
     }
 }
@@ -196,6 +220,8 @@ impl DirtyBitmap {
             let at = (first / 64) as usize + i;
             for (idx, bits) in [(at, w << shift), (at + 1, (w >> 1) >> (63 - shift))] {
                 if bits != 0 {
+                    let c = idx / CHUNK_WORDS;
+                    r.touched[c / 64] |= 1 << (c % 64);
                     added += r.or(idx, bits);
                 }
             }
@@ -421,231 +447,86 @@ impl DirtyBitmap {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn bitmap() -> DirtyBitmap {
-        DirtyBitmap::new(&[
-            RamRegion::for_test(0, 100 * PAGE_SIZE),
-            RamRegion::for_test(1 << 32, 64 * PAGE_SIZE),
-        ])
+/// Chunks: which ones a dirty log touched, which ones hold pages, and a walk by chunk (the
+/// postcopy push's order, `source/heat.rs`).
+impl DirtyBitmap {
+    /// Forgets which chunks dirty logs touched.
+    pub fn forget_touched(&mut self) {
+        for r in &mut self.regions {
+            r.touched.fill(0);
+        }
     }
 
-    fn drain(b: &mut DirtyBitmap, max: usize) -> Vec<u64> {
-        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
-        while !cursor.at_end(b) {
-            b.take(&mut cursor, max, &mut out);
+    /// The chunks a dirty log touched ([`DirtyBitmap::merge_at`], with any page, marked before
+    /// or not) since [`DirtyBitmap::forget_touched`], in order. The engine's own marks do not
+    /// count: they say what to send, not what the guest wrote.
+    pub fn touched(&self) -> Vec<Chunk> {
+        let mut out = Vec::new();
+        for (k, r) in self.regions.iter().enumerate() {
+            for (t, &bits) in r.touched.iter().enumerate() {
+                out.extend(set_bits(bits).map(|j| (k, t * 64 + j as usize)));
+            }
         }
         out
     }
 
-    #[test]
-    fn ranges_set_and_clear_whole_pages_inside_ram_and_count_them() {
-        let mut b = bitmap();
-        // Pages 1..=98 of the first region: partial pages at both ends do not count.
-        assert_eq!(b.set_range(PAGE_SIZE - 1, 99 * PAGE_SIZE), 98);
-        assert!(!b.contains(0) && b.contains(PAGE_SIZE) && b.contains(98 * PAGE_SIZE));
-        assert!(!b.contains(99 * PAGE_SIZE));
-        assert_eq!(b.count(), 98);
-        // Across the gap between regions only RAM is touched; set twice adds nothing new.
-        assert_eq!(b.set_range(90 * PAGE_SIZE, 1 << 33), 1 + 64);
-        assert_eq!(b.set_range(0, 1 << 40), 1);
-        assert_eq!(b.count(), 164);
-        assert_eq!(b.clear_range(63 * PAGE_SIZE, 2 * PAGE_SIZE), 2);
-        assert_eq!(b.clear_range(u64::MAX - PAGE_SIZE, PAGE_SIZE * 4), 0);
-        assert_eq!(b.count(), 162);
-        let left = drain(&mut b, usize::MAX);
-        assert_eq!(left.len(), 162);
-        assert!(!left.contains(&(63 * PAGE_SIZE)) && !left.contains(&(64 * PAGE_SIZE)));
+    /// Chunks per region.
+    pub fn chunk_counts(&self) -> Vec<usize> {
+        self.regions.iter().map(RegionBits::chunks).collect()
     }
 
-    #[test]
-    fn round_out_marks_whole_units_and_counts_them() {
-        let mut b = DirtyBitmap::new(&[
-            RamRegion::for_test(0, 2048 * PAGE_SIZE),
-            RamRegion::for_test(1 << 32, 1100 * PAGE_SIZE),
-        ]);
-        b.set(513 * PAGE_SIZE);
-        b.set(1023 * PAGE_SIZE);
-        b.set((1 << 32) + 1030 * PAGE_SIZE);
-        b.round_out(512);
-        assert_eq!(b.count(), 512 + (1100 - 1024));
-        assert_eq!(
-            b.runs_except(None, 1 << 20),
-            vec![(512 * PAGE_SIZE, 512), ((1 << 32) + 1024 * PAGE_SIZE, 76)]
-        );
-        b.round_out(512);
-        assert_eq!(b.count(), 588, "rounding twice adds nothing");
-        let mut one = bitmap();
-        one.set(5 * PAGE_SIZE);
-        one.round_out(1);
-        assert_eq!(one.count(), 1);
-    }
-
-    #[test]
-    fn runs_split_at_gaps_regions_and_the_cap_and_leave_the_bits() {
-        let mut b = bitmap();
-        for p in [0, 1, 2, 63, 64, 65, 99] {
-            b.set(p * PAGE_SIZE);
+    /// The chunks with a page marked, in order. Walks the words the summary names.
+    pub fn marked_chunks(&self) -> Vec<Chunk> {
+        let mut out: Vec<Chunk> = Vec::new();
+        for (k, r) in self.regions.iter().enumerate() {
+            for w in r.named().filter(|&w| r.words[w] != 0) {
+                let c = (k, w / CHUNK_WORDS);
+                if out.last() != Some(&c) {
+                    out.push(c);
+                }
+            }
         }
-        b.set(1 << 32);
-        b.set((1 << 32) + PAGE_SIZE);
-        assert_eq!(
-            b.runs_except(None, 2),
-            vec![
-                (0, 2),
-                (2 * PAGE_SIZE, 1),
-                (63 * PAGE_SIZE, 2),
-                (65 * PAGE_SIZE, 1),
-                (99 * PAGE_SIZE, 1),
-                (1 << 32, 2),
-            ]
-        );
-        assert_eq!(b.runs_except(None, 1000)[0], (0, 3));
-        let mut earlier = bitmap();
-        earlier.set(PAGE_SIZE);
-        earlier.set(64 * PAGE_SIZE);
-        assert_eq!(
-            b.runs_except(Some(&earlier), 1000)[..3],
-            [(0, 1), (2 * PAGE_SIZE, 1), (63 * PAGE_SIZE, 1)]
-        );
-        assert_eq!(b.count(), 9, "runs_except() only looks");
-        assert!(b.test_and_clear(64 * PAGE_SIZE));
-        assert!(!b.test_and_clear(64 * PAGE_SIZE));
-        assert!(!b.test_and_clear(5000 * PAGE_SIZE), "not RAM");
-        assert_eq!(b.count(), 8);
-        // A walk from after page 63 goes on at page 65 and then the next region.
-        let mut cursor = b.cursor_after(63 * PAGE_SIZE);
-        let mut out = Vec::new();
-        b.take(&mut cursor, 3, &mut out);
-        assert_eq!(out, vec![65 * PAGE_SIZE, 99 * PAGE_SIZE, 1 << 32]);
+        out
     }
 
-    #[test]
-    fn count_follows_sets_merges_and_takes() {
-        let mut b = bitmap();
-        assert!(b.set(5 * PAGE_SIZE));
-        assert!(!b.set(5 * PAGE_SIZE));
-        assert!(!b.set(200 * PAGE_SIZE), "not RAM");
-        b.merge_at(0, 100, &[0b1110_0000, u64::MAX]).unwrap();
-        assert_eq!(
-            b.count(),
-            3 + 36,
-            "page 5 counted once; bits past page 100 ignored"
-        );
-        b.merge_at(1 << 32, 64, &[1 << 63]).unwrap();
-        assert_eq!(b.count(), 40);
-        let pages = drain(&mut b, 7);
-        assert_eq!(pages.len(), 40);
-        assert_eq!(b.count(), 0);
-        assert_eq!(&pages[..3], &[5 * PAGE_SIZE, 6 * PAGE_SIZE, 7 * PAGE_SIZE]);
-        assert_eq!(*pages.last().unwrap(), (1 << 32) + 63 * PAGE_SIZE);
-        assert!(pages.windows(2).all(|w| w[0] < w[1]), "address order");
+    /// Whether chunk `c` (which may be past its region's end) has a page marked.
+    pub fn chunk_marked(&self, (k, c): Chunk) -> bool {
+        self.regions
+            .get(k)
+            .is_some_and(|r| c < r.chunks() && r.chunk_words(c).any(|w| r.words[w] != 0))
     }
 
-    #[test]
-    fn take_respects_its_page_budget() {
-        let mut b = bitmap();
-        b.merge_at(0, 100, &[u64::MAX, u64::MAX]).unwrap();
-        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
-        b.take(&mut cursor, 10, &mut out);
-        assert_eq!(out.len(), 10);
-        assert_eq!(b.count(), 90);
-        b.take(&mut cursor, 1000, &mut out);
-        assert_eq!(out.len(), 100);
+    /// The chunk that holds `gpa`, if it is RAM.
+    pub fn chunk_of(&self, gpa: u64) -> Option<Chunk> {
+        self.regions.iter().enumerate().find_map(|(k, r)| {
+            (gpa >= r.gpa && gpa < r.gpa + r.pages * PAGE_SIZE)
+                .then(|| (k, ((gpa - r.gpa) / PAGE_SIZE / CHUNK_PAGES) as usize))
+        })
     }
 
-    #[test]
-    fn take_bounds_its_scan_on_a_sparse_bitmap() {
-        // Twice as many summary words as one call may look at (8 Mi words of bits).
-        let summary_words = MAX_WORDS_PER_TAKE as u64 * 2;
-        let mut b =
-            DirtyBitmap::new(&[RamRegion::for_test(0, 64 * 64 * summary_words * PAGE_SIZE)]);
-        let far = 64 * 64 * (MAX_WORDS_PER_TAKE as u64 + 5) * PAGE_SIZE;
-        b.set(far);
-        let (mut cursor, mut out) = (Cursor::default(), Vec::new());
-        b.take(&mut cursor, 100, &mut out);
-        assert!(
-            out.is_empty() && !cursor.at_end(&b),
-            "first call stops after its scan budget"
-        );
-        b.take(&mut cursor, 100, &mut out);
-        assert_eq!(out, vec![far]);
-        b.take(&mut cursor, 100, &mut out);
-        assert!(cursor.at_end(&b) && b.count() == 0);
-    }
-
-    #[test]
-    fn walks_skip_unnamed_words_and_runs_split_across_them() {
-        let mut b = DirtyBitmap::new(&[RamRegion::for_test(0, 1 << 30)]);
-        // The last page of word 5 and the first of word 7: not one run (word 6 is empty);
-        // the last page of word 99 and the first of word 100: one run.
-        for p in [5 * 64 + 63, 7 * 64, 99 * 64 + 63, 100 * 64, 200_000] {
-            b.set(p * PAGE_SIZE);
+    /// Takes up to `max_pages` marked pages of chunk `c`, in address order, clearing their bits
+    /// and pushing their guest addresses to `out`; whether the chunk has pages left.
+    pub fn take_chunk(&mut self, (k, c): Chunk, max_pages: usize, out: &mut Vec<u64>) -> bool {
+        let Some(r) = self.regions.get_mut(k).filter(|r| c < r.chunks()) else {
+            return false;
+        };
+        let mut taken = 0;
+        let mut left = false;
+        for at in r.chunk_words(c) {
+            let mut w = r.words[at];
+            while w != 0 && taken < max_pages {
+                let bit = w.trailing_zeros() as u64;
+                w &= w - 1;
+                out.push(r.gpa + (at as u64 * 64 + bit) * PAGE_SIZE);
+                taken += 1;
+            }
+            r.words[at] = w;
+            left |= w != 0;
         }
-        assert_eq!(
-            b.runs_except(None, 1000),
-            vec![
-                ((5 * 64 + 63) * PAGE_SIZE, 1),
-                (7 * 64 * PAGE_SIZE, 1),
-                ((99 * 64 + 63) * PAGE_SIZE, 2),
-                (200_000 * PAGE_SIZE, 1),
-            ]
-        );
-        let mut other = b.clone();
-        assert!(other.test_and_clear(7 * 64 * PAGE_SIZE));
-        other.round_out(512);
-        assert_eq!(
-            other.runs_except(None, 1 << 20),
-            vec![
-                (0, 512),
-                (12 * 512 * PAGE_SIZE, 512),
-                (390 * 512 * PAGE_SIZE, 512)
-            ],
-            "whole units around what is left, a word emptied by a clear included in none"
-        );
-        assert_eq!(drain(&mut b, usize::MAX).len(), 5);
-        assert_eq!(b.runs_except(None, 1000), vec![], "the walk emptied it");
-    }
-
-    #[test]
-    fn merge_is_placed_by_guest_address_at_any_page_offset() {
-        let mut b = bitmap();
-        // 70 pages from page 30 of the first region: words 0 and 1 of the region, shifted.
-        b.merge_at(30 * PAGE_SIZE, 70, &[u64::MAX, u64::MAX])
-            .unwrap();
-        assert_eq!(b.count(), 70, "bits past the 70 pages are ignored");
-        let pages = drain(&mut b, 1000);
-        assert_eq!(pages.first(), Some(&(30 * PAGE_SIZE)));
-        assert_eq!(pages.last(), Some(&(99 * PAGE_SIZE)));
-        b.merge_at((1 << 32) + PAGE_SIZE, 1, &[1]).unwrap();
-        assert_eq!(drain(&mut b, 10), vec![(1 << 32) + PAGE_SIZE]);
-    }
-
-    #[test]
-    fn merge_refuses_a_log_outside_one_region() {
-        let mut b = bitmap();
-        assert_eq!(
-            b.merge_at(200 * PAGE_SIZE, 1, &[1]),
-            Err(RamError::OutOfRange {
-                gpa: 200 * PAGE_SIZE
-            }),
-            "in the hole between the regions"
-        );
-        assert_eq!(
-            b.merge_at(64 * PAGE_SIZE, 64, &[1]),
-            Err(RamError::NotInOneRegion {
-                gpa: 64 * PAGE_SIZE,
-                pages: 64
-            }),
-            "runs past the region's end (page 100)"
-        );
-        assert_eq!(
-            b.merge_at(0, 65, &[1]),
-            Err(RamError::NotInOneRegion { gpa: 0, pages: 65 }),
-            "more pages than bits"
-        );
-        assert_eq!(b.count(), 0, "a refused log changes nothing");
+        self.count -= taken as u64;
+        left
     }
 }
+
+#[cfg(test)]
+mod tests;

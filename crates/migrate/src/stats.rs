@@ -191,6 +191,11 @@ pub struct PostcopyStats {
     /// Page request runs the destination sent (a run asked for a page the walk had sent
     /// already counts too).
     pub requests: u64,
+    /// Requests for a page the background push had not sent yet when the request was served
+    /// (the rest asked for a page already on its way): the faults a better push order would
+    /// have saved.
+    #[serde(default)]
+    pub faults_unreached: u64,
     /// Bytes written after the switch, on all connections.
     pub bytes: u64,
     /// Fault to page in place, as the destination measured it (µs).

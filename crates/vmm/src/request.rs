@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_migrate::scan::ZeroDetection;
-use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::source::{self, PostcopyOrder, SourceParams};
 use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
 use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
@@ -53,6 +53,12 @@ pub struct MigrationRequest {
     /// With postcopy: how long after the guest resumed on the destination only the pages it
     /// asks for go, before the background stream starts.
     pub postcopy_quiet_start_ms: u64,
+    /// With postcopy: the background push's order, `hot` (the most recently and most often
+    /// dirtied 2 MiB first) or `address`.
+    pub postcopy_order: PostcopyOrder,
+    /// With postcopy: the largest readahead window a vCPU faulting in order pulls forward,
+    /// in 4 KiB pages (0: only the pages asked for).
+    pub postcopy_prefetch_pages: u64,
     /// With postcopy: a connection that breaks in postcopy pauses both sides until a recovery
     /// instead of failing and losing the guest. On by default in this VMM, which can be told
     /// to recover on both sides.
@@ -117,6 +123,8 @@ impl Default for MigrationRequest {
             postcopy_preempt: engine.preempt,
             postcopy_preempt_priority: engine.preempt_priority,
             postcopy_quiet_start_ms: engine.postcopy_quiet_start.as_millis() as u64,
+            postcopy_order: engine.postcopy_order,
+            postcopy_prefetch_pages: engine.postcopy_prefetch_pages,
             postcopy_recover: true,
             free_page_hints: engine.free_page_hints,
             checksum: Checksum::State,
@@ -206,6 +214,8 @@ impl MigrationRequest {
             preempt: self.postcopy_preempt,
             preempt_priority: self.postcopy_preempt_priority,
             postcopy_quiet_start: Duration::from_millis(self.postcopy_quiet_start_ms),
+            postcopy_order: self.postcopy_order,
+            postcopy_prefetch_pages: self.postcopy_prefetch_pages,
             recover: self.postcopy && self.postcopy_recover,
             free_page_hints: self.free_page_hints,
             checksum_pages: self.checksum == Checksum::Pages,

@@ -2,6 +2,7 @@
 //! set against a reference measured in the same run, because absolute numbers on shared,
 //! nested machines drift.
 
+mod blocktime;
 mod channels;
 mod guest;
 mod hinting;

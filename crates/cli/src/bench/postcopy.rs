@@ -44,6 +44,11 @@ pub struct PostcopyBenchArgs {
     /// medians.
     #[arg(long)]
     pause_only: bool,
+    /// Only the blocktime section: the flat-out scenario of the pause section, three runs each
+    /// without and with the preempt connection, its blocktime, demand faults and postcopy phase
+    /// against the raw loopback rate.
+    #[arg(long)]
+    blocktime: bool,
 }
 
 const GIB: u64 = 1 << 30;
@@ -53,6 +58,12 @@ const ROUND_TRIPS: usize = 2000;
 pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
     if args.pause_only {
         for r in pause_rows()? {
+            println!("{r}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if args.blocktime {
+        for r in super::blocktime::rows(args.scenario.as_deref())? {
             println!("{r}");
         }
         return Ok(ExitCode::SUCCESS);
@@ -177,6 +188,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     rows.extend(pause_rows()?);
+    rows.extend(super::blocktime::rows(args.scenario.as_deref())?);
     for r in rows {
         println!("{r}");
     }

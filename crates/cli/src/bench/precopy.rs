@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+use ferry_migrate::source::PostcopyOrder;
 use ferry_migrate::transport::Listener;
 use ferry_migrate::transport::tls::pki::Ca;
 use ferry_migrate::transport::tls::{DestinationTls, Side, SourceTls, TlsFiles};
@@ -78,6 +79,8 @@ pub(super) struct Scenario {
     pub tls: bool,
     /// Page data checksummed too (`--checksum pages`).
     pub checksum_pages: bool,
+    /// With postcopy: the background push's order.
+    pub postcopy_order: PostcopyOrder,
 }
 
 /// How a bench migration's precopy ends.
@@ -110,6 +113,7 @@ impl Scenario {
             vcpus: 1,
             tls: false,
             checksum_pages: false,
+            postcopy_order: PostcopyOrder::default(),
         }
     }
 }
@@ -516,6 +520,7 @@ pub(super) fn migrate_over(
         }
         request.postcopy_preempt = preempt;
         request.postcopy_preempt_priority = s.preempt_priority;
+        request.postcopy_order = s.postcopy_order;
     }
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, listener.as_ref());

@@ -306,26 +306,28 @@ impl Postcopy {
             .iter()
             .any(|&i| self.requested.get(i) && !self.installed.get(i))
             .then(Instant::now);
-        let mut copied = None;
-        // Each page without waking, then one wake per run of adjacent pages.
-        let mut run: Option<(usize, usize)> = None;
+        // One copy per run of adjacent pages (they are adjacent in the record too), each
+        // without waking; then one wake per run.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
         for (k, &gpa) in gpas.iter().enumerate() {
             let host = self.ram.page(gpa)?;
-            let data = &buffer[k * PAGE_SIZE as usize..(k + 1) * PAGE_SIZE as usize];
-            placed(self.uffd.copy(host, data, Wake::Later))?;
-            run = match run {
-                Some((start, n)) if start + n * PAGE_SIZE as usize == host => Some((start, n + 1)),
-                Some((start, n)) => {
-                    copied.get_or_insert_with(Instant::now);
-                    self.wake(start, n)?;
-                    Some((host, 1))
+            match runs.last_mut() {
+                Some((start, first, n))
+                    if *start + *n * PAGE_SIZE as usize == host && *first + *n == k =>
+                {
+                    *n += 1
                 }
-                None => Some((host, 1)),
-            };
+                _ => runs.push((host, k, 1)),
+            }
         }
-        let copied = *copied.get_or_insert_with(Instant::now);
-        if let Some((start, n)) = run {
-            self.wake(start, n)?;
+        let page = PAGE_SIZE as usize;
+        for &(host, first, n) in &runs {
+            let data = &buffer[first * page..(first + n) * page];
+            placed(self.uffd.copy(host, data, Wake::Later))?;
+        }
+        let copied = Instant::now();
+        for &(host, _, n) in &runs {
+            self.wake(host, n)?;
         }
         if let Some(read) = read {
             let mut s = self.stages.lock().unwrap();

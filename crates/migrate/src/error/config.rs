@@ -19,6 +19,10 @@ pub enum ConfigError {
     NeedsPostcopy(PostcopySetting),
     #[error("postcopy after 0 passes: the switch comes after a pass ends; give 1 or more")]
     PostcopyAfterZeroPasses,
+    #[error(
+        "a postcopy prefetch window of {pages} pages is over the largest, {max} (16 MiB); give 0 to {max}"
+    )]
+    Prefetch { pages: u64, max: u64 },
     #[error("packet size of {pages} pages is outside 1..={max} (4 KiB to 2 MiB)")]
     PacketSize { pages: u32, max: u32 },
     #[error(

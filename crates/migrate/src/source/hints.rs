@@ -100,7 +100,14 @@ impl<P: Target> Session<'_, P> {
             }
         }
         let t = Instant::now();
+        let heat = self.params.postcopy;
+        if heat {
+            self.bitmap.forget_touched();
+        }
         vm.fetch_dirty(&mut self.bitmap)?;
+        if heat {
+            self.heat.note_sync(&self.bitmap);
+        }
         self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
         Ok(())
     }

@@ -48,6 +48,7 @@ mod ack_state;
 pub(crate) mod agreement;
 mod bandwidth;
 mod forward;
+mod heat;
 mod hint_rounds;
 mod hints;
 pub(crate) mod keep;
@@ -77,7 +78,7 @@ use self::limiter::{Limiter, Pacing};
 use self::live::Live;
 pub use self::params::{
     DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, DEFAULT_POSTCOPY_QUIET_START,
-    SourceParams, TestHooks,
+    PostcopyOrder, SourceParams, TestHooks,
 };
 use self::reader::{Granted, Inbound, InboundReader};
 pub(crate) use self::target::Target;
@@ -221,6 +222,8 @@ struct Session<'a, P = Live> {
     hints: Hints,
     /// Postcopy's requests, from read to taken by this thread (`PostcopyStats::source_handoff`).
     handoff: crate::wire::Latencies,
+    /// How recently each 2 MiB was dirtied, for postcopy's push order (`heat.rs`).
+    heat: heat::Heat,
 }
 
 impl<'a, P: Target> Session<'a, P> {
@@ -243,6 +246,7 @@ impl<'a, P: Target> Session<'a, P> {
             bandwidth: BandwidthWindow::default(),
             guest: GuestState::Running,
             handed_over: false,
+            heat: heat::Heat::default(),
             stalled_passes: 0,
             throttle: 0,
             start: Instant::now(),

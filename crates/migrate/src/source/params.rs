@@ -47,6 +47,14 @@ pub struct SourceParams {
     /// (with their readahead) go, before the background stream starts (see
     /// [`DEFAULT_POSTCOPY_QUIET_START`]); zero starts it at once.
     pub postcopy_quiet_start: Duration,
+    /// With postcopy: the order of the background push (`source/heat.rs`): by default the
+    /// chunks the guest dirtied most recently and most often first, following a vCPU that
+    /// faults in order.
+    pub postcopy_order: PostcopyOrder,
+    /// With postcopy: the largest readahead window, in pages, that a vCPU faulting in order
+    /// pulls forward after its page (the window starts at 16 and doubles per request in
+    /// order); 0 sends only the pages asked for.
+    pub postcopy_prefetch_pages: u64,
     /// With postcopy: ask for recovery, so that a connection that breaks in postcopy pauses
     /// both sides until [`Control::resume_postcopy`](crate::Control::resume_postcopy) instead
     /// of failing. Off by default in the engine: ask for it only when both VMMs can be told to
@@ -74,6 +82,19 @@ pub struct SourceParams {
     /// the Unix socket, no page is sent and no dirty page tracked; only the device state
     /// follows, with the guest paused. The connection must be a Unix socket.
     pub local: bool,
+}
+
+/// How the postcopy push orders the pages it sends ([`SourceParams::postcopy_order`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PostcopyOrder {
+    /// The hottest 2 MiB first, by the dirty syncs' history; a vCPU faulting in order is
+    /// followed, a random fault does not move the push.
+    #[default]
+    Hot,
+    /// Address order from the lowest, each request moving the push to just after it (the
+    /// design before the heat, kept as the reference).
+    Address,
 }
 
 /// Default [`SourceParams::peer_timeout`]: far above any one write of a live link (a 2 MiB
@@ -114,6 +135,8 @@ impl SourceParams {
             preempt: false,
             preempt_priority: true,
             postcopy_quiet_start: DEFAULT_POSTCOPY_QUIET_START,
+            postcopy_order: PostcopyOrder::default(),
+            postcopy_prefetch_pages: super::readahead::MAX_WINDOW,
             recover: false,
             free_page_hints: true,
             checksum_pages: false,
@@ -187,9 +210,21 @@ impl SourceParams {
             }
             .into());
         }
+        if self.postcopy_prefetch_pages > MAX_PREFETCH_PAGES {
+            return Err(ConfigError::Prefetch {
+                pages: self.postcopy_prefetch_pages,
+                max: MAX_PREFETCH_PAGES,
+            }
+            .into());
+        }
         Ok(())
     }
 }
+
+/// The largest [`SourceParams::postcopy_prefetch_pages`]: 16 MiB, the most a request brings
+/// (`MAX_REQUEST_PAGES` in `postcopy.rs`); a window holds the faults behind it on their
+/// connection for as long as it takes to send.
+pub const MAX_PREFETCH_PAGES: u64 = 4096;
 
 /// Faults a test injects into a migration; [`TestHooks::default`] injects none.
 ///

@@ -11,10 +11,10 @@
 //!   installs the first copy and drops the second.
 //! - `handed_over` is set once the Postcopy record is flushed: from then on the destination may
 //!   run the guest, so a failure leaves it paused here, and the migration cannot be cancelled.
-//! - A request is served before the next background batch is queued, and the walk goes on
-//!   right after the requested page (a vCPU that faulted on one page is likely to touch the
-//!   next); a request where the last one's readahead window ended brings a window of the
-//!   pages after it along (`readahead.rs`).
+//! - A request is served before the next background batch is queued; a request where the
+//!   last one's readahead window ended brings a window of the pages after it along
+//!   (`readahead.rs`), and the walk then follows that vCPU from there. Otherwise the walk goes
+//!   hottest chunk first (`heat.rs`).
 //! - For the first `postcopy_quiet_start` after the guest resumed there, only requested pages (and
 //!   their readahead) are sent: the guest's first faults do not share the cores with the bulk.
 
@@ -23,12 +23,13 @@
 use std::time::{Duration, Instant};
 
 use super::forward::Requested;
+use super::heat::Walk;
 use super::readahead;
 use super::reader::Inbound;
 use super::sender;
 use super::target::Target;
 use super::{Session, ms};
-use crate::bitmap::{Cursor, DirtyBitmap};
+use crate::bitmap::DirtyBitmap;
 use crate::control::Phase;
 use crate::error::{MigrateError, ProtocolError, Rule};
 use crate::stats::{PostcopyStats, PostcopyTrigger};
@@ -157,7 +158,8 @@ impl Session<'_> {
         // it loads the state (a VMM's load can touch guest memory: KVM reads a vCPU's clock
         // page when its MSR is set); they are served at once.
         let listed = self.bitmap.clone();
-        let mut cursor = Cursor::default();
+        let mut walk = Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order);
+        self.peer.readahead = readahead::Readahead::new(self.params.postcopy_prefetch_pages);
         self.acks
             .reader
             .as_ref()
@@ -168,12 +170,12 @@ impl Session<'_> {
             Kind::Postcopy,
             [t0, t1, t2, t2, t3],
             Some(&mut |s: &mut Self| {
-                s.serve_requests(&mut cursor, &mut pc, &mut Vec::new(), &listed)
+                s.serve_requests(&mut walk, &mut pc, &mut Vec::new(), &listed)
             }),
         );
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
-        let mut cursor = Some(cursor);
+        let mut walk = Some(walk);
         let mut quiet_until = Some(Instant::now() + self.params.postcopy_quiet_start);
         match handed {
             Ok(()) => {}
@@ -181,13 +183,15 @@ impl Session<'_> {
             // the guest, so both sides pause, and a recovery goes on from its Missing list.
             Err(e) if self.handed_over && self.recoverable(&e) => {
                 self.recover(&mut pc, &listed, e)?;
-                (cursor, quiet_until) = (None, None);
+                (walk, quiet_until) = (None, None);
             }
             Err(e) => return Err(e),
         }
         let latencies = loop {
             // After a recovery the walk starts over the destination's list.
-            let from = cursor.take().unwrap_or_default();
+            let from = walk
+                .take()
+                .unwrap_or_else(|| Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order));
             let sent = self
                 .push_rest(&mut pc, &listed, from, quiet_until.take())
                 .and_then(|()| self.peer.pool.close(&mut self.stats))
@@ -281,8 +285,8 @@ impl Session<'_> {
     }
 
     /// Sends every page left in the bitmap: requested pages as soon as they are asked for,
-    /// the rest by a walk that resumes after the last requested page. Until `quiet_until` only
-    /// requests are served (see `SourceParams::postcopy_quiet_start`).
+    /// the rest in the walk's order (`heat.rs`). Until `quiet_until` only requests are served
+    /// (see `SourceParams::postcopy_quiet_start`).
     ///
     /// The session never blocks where a request could wait: a background batch waits for the
     /// bandwidth limit or for room in a data channel's queue by waiting for requests (at most
@@ -291,7 +295,7 @@ impl Session<'_> {
         &mut self,
         pc: &mut PostcopyStats,
         listed: &DirtyBitmap,
-        mut cursor: Cursor,
+        mut walk: Walk,
         quiet_until: Option<Instant>,
     ) -> Result<(), MigrateError> {
         let packet = self.batch_pages();
@@ -300,7 +304,7 @@ impl Session<'_> {
         loop {
             self.check_ended()?;
             self.retune();
-            self.serve_requests(&mut cursor, pc, &mut held, listed)?;
+            self.serve_requests(&mut walk, pc, &mut held, listed)?;
             self.publish_running(Instant::now(), Some(pc));
             if held.is_empty() {
                 if self.bitmap.count() == 0 {
@@ -313,19 +317,13 @@ impl Session<'_> {
                     self.wait_requests(quiet.min(REQUEST_POLL));
                     continue;
                 }
-                if cursor.at_end(&self.bitmap) {
-                    cursor = Cursor::default();
+                if walk.at_end() {
+                    // Pages listed again after the walk began (a recovery's).
+                    walk = Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order);
                 }
-                self.bitmap.take(&mut cursor, packet, &mut held);
-                // A take that stopped at its scan bound inside a unit goes on to the unit's end.
-                while !held
-                    .len()
-                    .is_multiple_of(self.peer.agreed.postcopy_unit as usize)
-                    && !cursor.at_end(&self.bitmap)
-                {
-                    self.bitmap
-                        .take(&mut cursor, packet - held.len(), &mut held);
-                }
+                // Whole units: a chunk holds whole units, and a batch is one unit or more.
+                walk.take(&mut self.bitmap, packet, &mut held);
+
                 if let Some(l) = &mut self.limiter {
                     l.add(held.len() as u64 * (8 + PAGE_SIZE));
                 }
@@ -388,7 +386,7 @@ impl Session<'_> {
     /// waits for Resumed (which ends nothing) during a load that faults.
     fn serve_requests(
         &mut self,
-        cursor: &mut Cursor,
+        walk: &mut Walk,
         pc: &mut PostcopyStats,
         held: &mut Vec<u64>,
         listed: &DirtyBitmap,
@@ -407,10 +405,15 @@ impl Session<'_> {
             )
         };
         let (mut runs, mut forwarded) = (Vec::new(), Vec::new());
+        let mut sequential = false;
         for r in requested {
+            if self.bitmap.contains(r.gpa) || held.contains(&r.gpa) {
+                pc.faults_unreached += 1;
+            }
             let pages = clamp_request(r.pages);
             // The pages after a sequential vCPU's fault, in the same run (readahead.rs).
             let window = self.peer.readahead.request(r.gpa, pages);
+            sequential |= self.peer.readahead.sequential();
             let end = self
                 .ram
                 .region_end(r.gpa)
@@ -463,7 +466,7 @@ impl Session<'_> {
         let Some(last) = last else {
             return Ok(());
         };
-        *cursor = self.bitmap.cursor_after(last);
+        walk.after_request(&self.bitmap, last, sequential);
         self.after_batch();
         Ok(())
     }

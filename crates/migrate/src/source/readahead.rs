@@ -18,8 +18,11 @@ use crate::wire::PAGE_SIZE;
 /// The first window, in pages: 64 KiB, ~50 us on this project's loopback, well under the
 /// ~200 us round trip it saves per page.
 pub const FIRST_WINDOW: u64 = 16;
-/// The largest window: 1 MiB, so that a window never holds a random fault on the preempt
-/// connection for more than ~1 ms behind it.
+/// The largest window by default ([`SourceParams::postcopy_prefetch_pages`]): 1 MiB, so that
+/// a window never holds a random fault on the preempt connection for more than ~1 ms behind
+/// it.
+///
+/// [`SourceParams::postcopy_prefetch_pages`]: super::SourceParams::postcopy_prefetch_pages
 pub const MAX_WINDOW: u64 = 256;
 /// A request this many pages past where the last window ended still counts as sequential:
 /// the pages of a window arrive in order, so a vCPU faults just after it, or within it when
@@ -27,7 +30,7 @@ pub const MAX_WINDOW: u64 = 256;
 const SLACK: u64 = 16;
 
 /// Where the last request and its window ended, and that window.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Readahead {
     /// The first byte of the last request.
     start: u64,
@@ -35,20 +38,48 @@ pub struct Readahead {
     end: u64,
     /// Pages in the last window (0: none yet, or the last request was not sequential).
     window: u64,
+    /// Whether the last request followed the one before it.
+    sequential: bool,
+    /// The largest window (0: no readahead, sequential requests are still told apart).
+    max: u64,
+}
+
+impl Default for Readahead {
+    fn default() -> Readahead {
+        Readahead::new(MAX_WINDOW)
+    }
 }
 
 impl Readahead {
+    /// Readahead whose window grows to `max` pages at most.
+    pub fn new(max: u64) -> Readahead {
+        Readahead {
+            start: 0,
+            end: 0,
+            window: 0,
+            sequential: false,
+            max,
+        }
+    }
+
     /// A request for `pages` pages at `gpa`: returns how many pages after it to send too.
     pub fn request(&mut self, gpa: u64, pages: u64) -> u64 {
         let sequential = self.end != 0 && gpa >= self.start && gpa <= self.end + SLACK * PAGE_SIZE;
+        self.sequential = sequential;
         self.window = match (sequential, self.window) {
             (false, _) => 0,
-            (true, 0) => FIRST_WINDOW,
-            (true, w) => (w * 2).min(MAX_WINDOW),
+            (true, 0) => FIRST_WINDOW.min(self.max),
+            (true, w) => (w * 2).min(self.max),
         };
         self.start = gpa;
         self.end = gpa + (pages + self.window) * PAGE_SIZE;
         self.window
+    }
+
+    /// Whether the last request followed the one before it (a vCPU going through memory in
+    /// order), whatever its window.
+    pub fn sequential(&self) -> bool {
+        self.sequential
     }
 }
 
