@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use ferry_migrate::source::SourceParams;
-use ferry_migrate::{Control, Phase, Policy, Progress, TimeoutAction};
+use ferry_migrate::{Control, PageLanding, Phase, Policy, Progress, TimeoutAction};
 use ferry_migrate_testkit::loopback::migrate;
 use ferry_migrate_testkit::watching;
 use ferry_migrate_testkit::{FakeVm, Writers};
@@ -36,12 +36,15 @@ fn postcopy_params(channels: u16, max_bandwidth: Option<u64>, preempt: bool) -> 
 /// Migrates a guest of `mib` MiB that writes flat out into a destination whose own writers
 /// start at the resume; checks every page the destination's guest did not write against the
 /// paused source, and returns (source stats, destination stats) for further checks.
+/// Precopy's pages land in the destination as `landing` says: through the guest's mapping,
+/// postcopy runs over the memory the destination holds (minor faults).
 fn postcopy_run(
     mib: u64,
     channels: u16,
     max_bandwidth: Option<u64>,
     preempt: bool,
     control: &Control,
+    landing: PageLanding,
 ) -> (
     ferry_migrate::MigrationStats,
     ferry_migrate::destination::ReceiveStats,
@@ -56,6 +59,7 @@ fn postcopy_run(
         interval: Duration::ZERO,
     });
     let mut dst = FakeVm::new(size, 2);
+    dst.landing = landing;
     // Slow enough that most pages are still the source's when the test compares them.
     dst.start_writers_on_resume(Writers {
         threads: 1,
@@ -86,8 +90,15 @@ fn postcopy_run(
 
 #[test]
 fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
-    for (channels, preempt) in [(1, false), (4, false), (1, true), (4, true)] {
-        let (sent, received) = postcopy_run(8, channels, None, preempt, &Control::default());
+    let runs = [
+        (1, false, PageLanding::File),
+        (4, false, PageLanding::Mapping),
+        (1, true, PageLanding::Mapping),
+        (4, true, PageLanding::File),
+    ];
+    for (channels, preempt, landing) in runs {
+        let (sent, received) =
+            postcopy_run(8, channels, None, preempt, &Control::default(), landing);
         let pc = sent.postcopy.expect("the source switched to postcopy");
         assert_eq!(pc.after_passes, 1);
         assert!(
@@ -101,6 +112,11 @@ fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
         );
         let here = received.postcopy.expect("the destination ran postcopy");
         assert_eq!(here.pages, pc.discarded_pages);
+        assert_eq!(
+            here.over_held,
+            landing == PageLanding::Mapping,
+            "over the memory held here when precopy landed through the mapping"
+        );
         assert_eq!(sent.passes.len(), 1, "no final pass: postcopy replaces it");
     }
 }
@@ -109,15 +125,20 @@ fn postcopy_after_one_pass_leaves_every_page_in_its_last_version() {
 /// before the walk reaches them: they come by request, and the latencies are measured.
 #[test]
 fn a_destination_guest_gets_the_pages_it_waits_for_by_request() {
-    for preempt in [false, true] {
-        requested_pages_arrive(preempt);
+    for (preempt, landing) in [
+        (false, PageLanding::File),
+        (true, PageLanding::File),
+        (false, PageLanding::Mapping),
+        (true, PageLanding::Mapping),
+    ] {
+        requested_pages_arrive(preempt, landing);
     }
 }
 
-fn requested_pages_arrive(preempt: bool) {
+fn requested_pages_arrive(preempt: bool, landing: PageLanding) {
     let control = Control::default();
     let (seen, (sent, received)) = watching(&control, || {
-        postcopy_run(4, 2, Some(4 * MIB), preempt, &control)
+        postcopy_run(4, 2, Some(4 * MIB), preempt, &control, landing)
     });
     let pc = sent.postcopy.expect("postcopy");
     // Progress in postcopy is postcopy's own: what is left, the requests, no predicted pause.
@@ -162,7 +183,7 @@ fn requested_pages_arrive(preempt: bool) {
     }
     let here = received.postcopy.expect("postcopy here");
     println!(
-        "preempt {preempt}: requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
+        "preempt {preempt}, {landing:?}: requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",
         pc.pages_requested,
         pc.discarded_pages,
         pc.requests,

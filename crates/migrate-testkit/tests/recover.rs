@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ferry_migrate::destination::{self, IncomingControl, IncomingPhase};
 use ferry_migrate::source::{self, SourceParams};
 use ferry_migrate::transport::Address;
-use ferry_migrate::{Control, Phase, Policy};
+use ferry_migrate::{Control, PageLanding, Phase, Policy};
 use ferry_migrate_testkit::loopback::acceptor;
 use ferry_migrate_testkit::{FakeVm, Writers};
 
@@ -85,6 +85,12 @@ fn regression_strangers_on_a_recovery_listener_and_a_mute_recovery_peer_leave_bo
 
 fn recover_run(preempt: bool, hostile: bool) {
     let size = 2 * 16 * MIB;
+    // With the preempt connection, precopy lands through the guest's mapping: postcopy then
+    // runs over the memory the destination holds (minor faults) across the recovery.
+    let landing = match preempt {
+        true => PageLanding::Mapping,
+        false => PageLanding::File,
+    };
     let mut src = FakeVm::new(size, 2);
     src.fill(1);
     src.start_writers(Writers {
@@ -94,6 +100,7 @@ fn recover_run(preempt: bool, hostile: bool) {
         interval: Duration::ZERO,
     });
     let mut dst = FakeVm::new(size, 2);
+    dst.landing = landing;
     dst.start_writers_on_resume(Writers {
         threads: 1,
         seed: 0xd57,

@@ -31,6 +31,8 @@ use std::os::fd::{BorrowedFd, RawFd};
 
 use crate::wire::{LocalRegion, PAGE_SIZE};
 
+pub(crate) mod alias;
+
 /// A byte count as a person writes it and `--memory` takes it: `64K`, `10M`, `64G`, or
 /// bytes when not a whole KiB.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -468,16 +470,40 @@ impl Ram {
 
     /// Registers every region with `uffd` for missing pages (postcopy's destination): from
     /// then on a touch of a page that is not in the backing file waits for the fault thread.
-    pub(crate) fn register_missing(
+    pub(crate) fn register_uffd(
         &self,
         uffd: &crate::uffd::Uffd,
+        minor: bool,
     ) -> Result<(), crate::uffd::UffdError> {
         for r in &self.regions {
             // SAFETY: the region is mapped for as long as this `Ram` lives (the module's
             // invariant), and guest memory is reached only through raw pointers (the engine's
             // copies, the VMM's volatile accesses, the kernel's for KVM), never through Rust
             // references that a page filled behind them would invalidate.
-            unsafe { uffd.register_missing(r.host_addr, r.size as usize) }?;
+            unsafe { uffd.register(r.host_addr, r.size as usize, minor) }?;
+        }
+        Ok(())
+    }
+
+    /// Removes the mapping's page table entries for `pages` pages at `gpa`
+    /// (`MADV_DONTNEED`), keeping the file's pages: with the range registered for minor
+    /// faults, the next touch waits for `UFFDIO_CONTINUE` (postcopy over memory the
+    /// destination holds, `ram/alias.rs`).
+    pub(crate) fn unmap_pages(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
+        self.check_run(gpa, pages).map_err(std::io::Error::other)?;
+        let host = self.page(gpa).map_err(std::io::Error::other)?;
+        // SAFETY: madvise over pages of one region (checked above), which stay mapped; on a
+        // shared file mapping MADV_DONTNEED drops only page table entries, never the file's
+        // bytes, so no byte changes for any holder.
+        let ret = unsafe {
+            libc::madvise(
+                host as *mut libc::c_void,
+                (pages * PAGE_SIZE) as usize,
+                libc::MADV_DONTNEED,
+            )
+        };
+        if ret != 0 {
+            return Err(std::io::Error::last_os_error());
         }
         Ok(())
     }

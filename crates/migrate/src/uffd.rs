@@ -7,12 +7,12 @@
 //! bindgen (libclang) and a C compiler at build time, which a fresh build machine cannot be
 //! assumed to have, and its `copy` reports EEXIST and partial copies as errors for the caller to
 //! untangle, while this module's whole job is to turn them into [`CopyOutcome`]s. `libc` gives
-//! the syscall number only, so the ABI (seven ioctls, five structs) is written out from
+//! the syscall number only, so the ABI (eight ioctls, six structs) is written out from
 //! `linux/userfaultfd.h` in `abi.rs`, each struct with its size asserted.
 //!
 //! Invariants and behaviour the rest of postcopy relies on:
 //!
-//! - **Registration is the `unsafe` step.** [`Uffd::register_missing`] promises that the range
+//! - **Registration is the `unsafe` step.** [`Uffd::register`] promises that the range
 //!   is memory Rust code reaches only through raw pointers (guest RAM). After that, placing a
 //!   page is safe: the kernel accepts [`Uffd::copy`] and [`Uffd::zeropage`] only inside ranges
 //!   registered with this fd (`ENOENT` elsewhere) and only into missing pages (`EEXIST`
@@ -29,6 +29,12 @@
 //! - **Pages are 4 KiB** ([`PAGE_SIZE`]), the page of shmem (memfd) and anonymous memory,
 //!   except for [`Uffd::copy_pages`]: on hugetlbfs the kernel places only whole huge pages
 //!   (and has no zeropage), and registration, wake and unregister must cover whole huge pages.
+//! - **Minor faults** ([`Uffd::register`] with `minor`, shmem only): a page that is in the
+//!   file but not mapped in the registered range faults too (`Fault::minor`), and
+//!   [`Uffd::continue_range`] maps what the file holds. The file's bytes are written elsewhere
+//!   (another mapping of it) before; continuing only maps them, so it places nothing a thread
+//!   could see half-written, and never over a page already mapped (`EEXIST`, skipped as a
+//!   copy's).
 //! - **Balloon removals vs userfaultfd.** `MADV_DONTNEED`/`MADV_REMOVE` on a registered range
 //!   makes its pages missing again, so the next touch faults as if the page had never arrived,
 //!   and this module does not ask for `UFFD_FEATURE_EVENT_REMOVE`, which would tell it. Postcopy
@@ -64,6 +70,8 @@ pub struct Features {
     pub missing_shmem: bool,
     /// Missing-page faults can be registered on hugetlbfs.
     pub missing_hugetlbfs: bool,
+    /// Minor faults can be registered on shmem ([`Uffd::register`] with `minor`).
+    pub minor_shmem: bool,
     /// Every feature bit the kernel reported (`uffdio_api.features`), for diagnostics.
     pub available: u64,
 }
@@ -73,6 +81,8 @@ pub struct Features {
 pub struct RangeIoctls {
     /// `UFFDIO_ZEROPAGE` (shmem and anonymous memory; not hugetlbfs).
     pub zeropage: bool,
+    /// `UFFDIO_CONTINUE` (a range registered for minor faults).
+    pub continue_: bool,
 }
 
 /// A thread touched a page that is not there yet, and waits for it.
@@ -82,6 +92,9 @@ pub struct Fault {
     pub addr: usize,
     /// Whether the touch was a write.
     pub write: bool,
+    /// A minor fault: the page is in the file, not mapped here ([`Uffd::continue_range`]
+    /// maps it); else it is missing from the file too.
+    pub minor: bool,
     /// The faulting thread's id (`gettid`), e.g. to tell which vCPU waits.
     pub thread_id: u32,
 }
@@ -127,6 +140,7 @@ const _: () = {
 enum Fill<'a> {
     Copy(&'a [u8]),
     Zero,
+    Continue,
 }
 
 impl<'a> Fill<'a> {
@@ -135,6 +149,7 @@ impl<'a> Fill<'a> {
         match self {
             Fill::Copy(src) => Fill::Copy(&src[offset..]),
             Fill::Zero => Fill::Zero,
+            Fill::Continue => Fill::Continue,
         }
     }
 
@@ -142,6 +157,7 @@ impl<'a> Fill<'a> {
         match self {
             Fill::Copy(_) => "UFFDIO_COPY",
             Fill::Zero => "UFFDIO_ZEROPAGE",
+            Fill::Continue => "UFFDIO_CONTINUE",
         }
     }
 }
@@ -183,6 +199,7 @@ impl Uffd {
         let features = Features {
             missing_shmem: api.features & UFFD_FEATURE_MISSING_SHMEM != 0,
             missing_hugetlbfs: api.features & UFFD_FEATURE_MISSING_HUGETLBFS != 0,
+            minor_shmem: api.features & UFFD_FEATURE_MINOR_SHMEM != 0,
             available: api.features,
         };
         Ok(Uffd { fd, features })
@@ -199,6 +216,10 @@ impl Uffd {
     /// Fails if the kernel cannot place pages in the range (`UFFDIO_COPY` and `UFFDIO_WAKE`);
     /// the answer says whether `UFFDIO_ZEROPAGE` works there too.
     ///
+    /// With `minor` (shmem, when [`Features::minor_shmem`]), minor faults too: a page in the
+    /// file but not mapped in the range faults as well, and [`Uffd::continue_range`] maps it
+    /// (bytes then also appear when it maps what another mapping of the file wrote).
+    ///
     /// # Safety
     ///
     /// `addr..addr + len` must be mapped, and for as long as it stays registered with this
@@ -207,10 +228,11 @@ impl Uffd {
     /// pages are filled by [`Uffd::copy`] and [`Uffd::zeropage`], which are safe to call, so
     /// bytes appear there without a write the compiler can see (freshly `calloc`ed heap
     /// memory, say, would change under a reference that assumes it zero).
-    pub unsafe fn register_missing(
+    pub unsafe fn register(
         &self,
         addr: usize,
         len: usize,
+        minor: bool,
     ) -> Result<RangeIoctls, UffdError> {
         check_pages("UFFDIO_REGISTER", addr, len)?;
         let mut reg = UffdioRegister {
@@ -218,7 +240,7 @@ impl Uffd {
                 start: addr as u64,
                 len: len as u64,
             },
-            mode: UFFDIO_REGISTER_MODE_MISSING,
+            mode: UFFDIO_REGISTER_MODE_MISSING | if minor { UFFDIO_REGISTER_MODE_MINOR } else { 0 },
             ioctls: 0,
         };
         // SAFETY: UFFDIO_REGISTER reads and writes one `uffdio_register`, which `reg` is, live
@@ -230,7 +252,7 @@ impl Uffd {
                 source: io::Error::last_os_error(),
             });
         }
-        let needed = (1 << NR_COPY) | (1 << NR_WAKE);
+        let needed = (1 << NR_COPY) | (1 << NR_WAKE) | if minor { 1 << NR_CONTINUE } else { 0 };
         if reg.ioctls & needed != needed {
             // Best effort: the error below is the one to report.
             let _ = self.unregister(addr, len);
@@ -242,6 +264,7 @@ impl Uffd {
         }
         Ok(RangeIoctls {
             zeropage: reg.ioctls & (1 << NR_ZEROPAGE) != 0,
+            continue_: reg.ioctls & (1 << NR_CONTINUE) != 0,
         })
     }
 
@@ -279,6 +302,18 @@ impl Uffd {
     /// (shmem and anonymous memory only: hugetlbfs has no `UFFDIO_ZEROPAGE`).
     pub fn zeropage(&self, dst: usize, len: usize, wake: Wake) -> Result<CopyOutcome, UffdError> {
         self.fill(dst, len, PAGE, Fill::Zero, wake)
+    }
+
+    /// Maps the file's pages at `dst` (a range registered for minor faults), like
+    /// [`Uffd::copy`] without the bytes: they were written into the file through another
+    /// mapping. A page already mapped is left as it is ([`CopyOutcome`]).
+    pub fn continue_range(
+        &self,
+        dst: usize,
+        len: usize,
+        wake: Wake,
+    ) -> Result<CopyOutcome, UffdError> {
+        self.fill(dst, len, PAGE, Fill::Continue, wake)
     }
 
     /// Releases the threads waiting on pages in `len` bytes at `addr` (after [`Wake::Later`]).
@@ -392,6 +427,7 @@ impl Uffd {
                 out.push(Fault {
                     addr: (msg.pagefault_address & !(PAGE_SIZE - 1)) as usize,
                     write: msg.pagefault_flags & UFFD_PAGEFAULT_FLAG_WRITE != 0,
+                    minor: msg.pagefault_flags & UFFD_PAGEFAULT_FLAG_MINOR != 0,
                     thread_id: msg.pagefault_ptid,
                 });
             }
@@ -506,6 +542,21 @@ impl Uffd {
                 // (whose registration vouched that no Rust reference reaches them).
                 let ret = unsafe { libc::ioctl(fd, UFFDIO_ZEROPAGE, &mut arg) };
                 (ret, arg.zeropage)
+            }
+            Fill::Continue => {
+                let mut arg = UffdioContinue {
+                    range: UffdioRange {
+                        start: dst as u64,
+                        len: len as u64,
+                    },
+                    mode,
+                    mapped: 0,
+                };
+                // SAFETY: UFFDIO_CONTINUE reads and writes one `uffdio_continue`, live across
+                // the call, and maps only pages of ranges registered with this fd for minor
+                // faults (whose registration vouched that no Rust reference reaches them).
+                let ret = unsafe { libc::ioctl(fd, UFFDIO_CONTINUE, &mut arg) };
+                (ret, arg.mapped)
             }
         };
         if ret == 0 {

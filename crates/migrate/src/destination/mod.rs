@@ -29,8 +29,10 @@
 mod acker;
 mod arrival;
 pub(crate) mod assemble;
+pub(crate) mod gate;
 mod listen;
 mod order;
+mod outbox;
 pub(crate) mod postcopy;
 mod progress;
 mod receiver;

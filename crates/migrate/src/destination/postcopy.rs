@@ -24,6 +24,19 @@
 //! closing it would let the kernel fill every missing page with zeros behind the guest's back.
 //! The vCPUs that wait stay waiting, and the VMM is told to stop the VM.
 //!
+//! **Over the memory held here** (minor faults; 4 KiB shmem pages, when precopy's pages landed
+//! through the guest's mapping): a needed page is not punched out of the file but only out of
+//! the guest's mapping (`Ram::unmap_pages`), its file page kept allocated and mapped a second
+//! time (`ram/alias.rs`), and the range is registered for minor faults as well. A receiver
+//! writes a page's bytes into the file through that alias and `UFFDIO_CONTINUE` maps them for
+//! the guest: a copy into allocated memory, where a fill after a punch allocates every page
+//! again. Since the file's page exists before it is placed, "atomic and never overwrites" is
+//! the engine's to keep here: a page is written by the one copy that claims it (`claimed`),
+//! marked `written` once its bytes are in, and mapped by whoever comes next (its receiver, a
+//! second copy, or the fault thread for a vCPU that faults on it), never written again. A
+//! page not needed that precopy wrote through the file faults as a minor fault and is mapped as
+//! it is; a hole faults as before.
+//!
 //! **The unit is the host page.** Over hugetlbfs, userfaultfd places only whole 2 MiB pages,
 //! so everything above happens per huge page of 512 wire pages: the source discards, sends and
 //! serves whole huge pages (the destination told it the size in its hello), a fault asks for
@@ -39,12 +52,17 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::outbox::Outbox;
 use crate::error::{Internal, MigrateError, ProtocolError, Twice};
 use crate::pagebits::PageBits;
 use crate::ram::Ram;
+use crate::ram::alias::Alias;
 use crate::transport::Stream;
 use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
+
+/// Runs of pages: `(host address, pages)`.
+type Runs = Vec<(usize, usize)>;
 
 /// How long the fault thread waits for faults before it looks at its stop flag.
 const FAULT_POLL: Duration = Duration::from_millis(20);
@@ -74,6 +92,15 @@ pub(crate) struct Postcopy {
     /// Pages on the discard list: each must arrive once.
     needed: PageBits,
     installed: PageBits,
+    /// Over memory this side holds (minor faults): the file's second mapping that received
+    /// pages are written through before `UFFDIO_CONTINUE` maps them; `None`: missing faults
+    /// and `UFFDIO_COPY`, the pages punched out of the file at the discard.
+    alias: Option<Alias>,
+    /// With the alias, pages a receiver took to write (once: a second copy of a page must
+    /// never be written into the file after the first was mapped for the guest), and those
+    /// whose bytes are in the file (which anyone may then map).
+    claimed: PageBits,
+    written: PageBits,
     /// Pages asked for (a page is asked for once).
     requested: PageBits,
     /// Needed pages not installed yet.
@@ -106,11 +133,18 @@ impl Postcopy {
         ram: Ram,
         out: Box<dyn Stream>,
         recoverable: bool,
+        over_held: bool,
     ) -> Result<Postcopy, MigrateError> {
         let uffd = Uffd::new()?;
-        ram.register_missing(&uffd)?;
         let pages = ram.size() / PAGE_SIZE;
         let unit = ram.host_page_size().ok_or(Internal::MixedHostPages)?;
+        let alias = (over_held && unit == PAGE_SIZE && uffd.features().minor_shmem)
+            .then(|| Alias::new(&ram))
+            .and_then(|a| {
+                a.inspect_err(|e| tracing::debug!("postcopy falls back to missing faults: {e}"))
+                    .ok()
+            });
+        ram.register_uffd(&uffd, alias.is_some())?;
         Ok(Postcopy {
             ram,
             uffd,
@@ -118,6 +152,9 @@ impl Postcopy {
             zeros: std::sync::OnceLock::new(),
             needed: PageBits::new(pages),
             installed: PageBits::new(pages),
+            alias,
+            claimed: PageBits::new(pages),
+            written: PageBits::new(pages),
             requested: PageBits::new(pages),
             remaining: AtomicU64::new(0),
             out: Outbox(Mutex::new(out)),
@@ -157,9 +194,16 @@ impl Postcopy {
         }
         self.remaining.fetch_add(pages, Ordering::AcqRel);
         // The guest does not run and no receiver writes (they wait at the postcopy gate).
-        self.ram
-            .punch(gpa, pages)
-            .map_err(|e| MigrateError::io("discarding stale pages", e))
+        let io = |e| MigrateError::io("discarding stale pages", e);
+        match &self.alias {
+            // The file keeps its pages, allocated: only the guest's view of them goes, and the
+            // alias maps them for the copies to come.
+            Some(alias) => {
+                self.ram.unmap_pages(gpa, pages).map_err(io)?;
+                alias.populate(gpa, pages).map_err(io)
+            }
+            None => self.ram.punch(gpa, pages).map_err(io),
+        }
     }
 
     /// Wire pages per host page (1, or 512 on 2 MiB hugetlbfs pages).
@@ -306,27 +350,38 @@ impl Postcopy {
             .iter()
             .any(|&i| self.requested.get(i) && !self.installed.get(i))
             .then(Instant::now);
-        // One copy per run of adjacent pages (they are adjacent in the record too), each
-        // without waking; then one wake per run.
-        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-        for (k, &gpa) in gpas.iter().enumerate() {
-            let host = self.ram.page(gpa)?;
-            match runs.last_mut() {
-                Some((start, first, n))
-                    if *start + *n * PAGE_SIZE as usize == host && *first + *n == k =>
-                {
-                    *n += 1
-                }
-                _ => runs.push((host, k, 1)),
-            }
-        }
         let page = PAGE_SIZE as usize;
-        for &(host, first, n) in &runs {
-            let data = &buffer[first * page..(first + n) * page];
-            placed(self.uffd.copy(host, data, Wake::Later))?;
-        }
+        let (runs, mine) = match &self.alias {
+            Some(alias) => self.write_into(alias, gpas, &indices, Some(&buffer[..len]))?,
+            None => {
+                // One copy per run of adjacent pages (adjacent in the record too), each
+                // without waking.
+                let mut runs: Vec<(usize, usize)> = Vec::new();
+                let mut first = 0;
+                for (k, &gpa) in gpas.iter().enumerate() {
+                    let host = self.ram.page(gpa)?;
+                    match runs.last_mut() {
+                        Some((start, n)) if *start + *n * page == host => *n += 1,
+                        _ => {
+                            if let Some(&(start, n)) = runs.last() {
+                                let data = &buffer[first * page..(first + n) * page];
+                                placed(self.uffd.copy(start, data, Wake::Later))?;
+                            }
+                            first = k;
+                            runs.push((host, 1));
+                        }
+                    }
+                }
+                if let Some(&(start, n)) = runs.last() {
+                    let data = &buffer[first * page..(first + n) * page];
+                    placed(self.uffd.copy(start, data, Wake::Later))?;
+                }
+                (runs, indices)
+            }
+        };
         let copied = Instant::now();
-        for &(host, _, n) in &runs {
+        // One wake per run.
+        for &(host, n) in &runs {
             self.wake(host, n)?;
         }
         if let Some(read) = read {
@@ -334,10 +389,52 @@ impl Postcopy {
             s.install.add((copied - read).as_micros() as u64);
             s.wake.add(copied.elapsed().as_micros() as u64);
         }
-        for i in indices {
+        for i in mine {
             self.installed(i);
         }
         Ok(())
+    }
+
+    /// Over held memory: writes each page of `gpas` (`data`, a page each; zeros if `None`)
+    /// that this copy claims into the file, and maps every run of pages that are written,
+    /// those another copy wrote included (mapping twice is harmless), without waking. Returns
+    /// the runs `(host, pages)` and the indices of the pages now mapped.
+    ///
+    /// A page is written by the one copy that claims it, and marked written once its bytes are
+    /// in: a second copy never writes into a page the guest may already see, and does not
+    /// wait for the first copy's mapping either (nor does a fault, `on_fault`).
+    fn write_into(
+        &self,
+        alias: &Alias,
+        gpas: &[u64],
+        indices: &[u64],
+        data: Option<&[u8]>,
+    ) -> Result<(Runs, Vec<u64>), MigrateError> {
+        let page = PAGE_SIZE as usize;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut mapped = Vec::with_capacity(indices.len());
+        for (k, (&gpa, &i)) in gpas.iter().zip(indices).enumerate() {
+            if !self.claimed.set(i) {
+                match data {
+                    Some(d) => alias.write(gpa, &d[k * page..(k + 1) * page])?,
+                    None => alias.zero(gpa, 1)?,
+                }
+                self.written.set(i);
+            } else if !self.written.get(i) {
+                // The other copy is writing it, and maps it right after.
+                continue;
+            }
+            mapped.push(i);
+            let host = self.ram.page(gpa)?;
+            match runs.last_mut() {
+                Some((start, n)) if *start + *n * page == host => *n += 1,
+                _ => runs.push((host, 1)),
+            }
+        }
+        for &(host, n) in &runs {
+            placed(self.uffd.continue_range(host, n * page, Wake::Later))?;
+        }
+        Ok((runs, mapped))
     }
 
     /// Installs a zero run (checked to be one RAM region by the receiver): every page must be
@@ -346,12 +443,23 @@ impl Postcopy {
         let indices = (0..pages)
             .map(|k| self.needed_index(gpa + k * PAGE_SIZE))
             .collect::<Result<Vec<u64>, MigrateError>>()?;
-        let host = self.ram.page(gpa)?;
-        placed(
-            self.uffd
-                .zeropage(host, (pages * PAGE_SIZE) as usize, Wake::Now),
-        )?;
-        for i in indices {
+        let Some(alias) = &self.alias else {
+            let host = self.ram.page(gpa)?;
+            placed(
+                self.uffd
+                    .zeropage(host, (pages * PAGE_SIZE) as usize, Wake::Now),
+            )?;
+            for i in indices {
+                self.installed(i);
+            }
+            return Ok(());
+        };
+        let gpas: Vec<u64> = (0..pages).map(|k| gpa + k * PAGE_SIZE).collect();
+        let (runs, mapped) = self.write_into(alias, &gpas, &indices, None)?;
+        for &(host, n) in &runs {
+            self.wake(host, n)?;
+        }
+        for i in mapped {
             self.installed(i);
         }
         Ok(())
@@ -434,6 +542,11 @@ impl Postcopy {
         self.zero_fills.load(Ordering::Relaxed)
     }
 
+    /// Whether postcopy runs over the memory this side holds (minor faults).
+    pub(crate) fn over_held(&self) -> bool {
+        self.alias.is_some()
+    }
+
     pub(crate) fn faults(&self) -> u64 {
         self.faults.load(Ordering::Relaxed)
     }
@@ -457,12 +570,29 @@ impl Postcopy {
         };
         let i = self.ram.page_index(gpa)?;
         if !self.needed.get(i) {
+            if f.minor {
+                // Held here and final, only not mapped (written through the file).
+                placed(
+                    self.uffd
+                        .continue_range(host, self.unit as usize, Wake::Now),
+                )?;
+                return Ok(None);
+            }
             self.zero_fills.fetch_add(1, Ordering::Relaxed);
             self.zero_fill(host)?;
             return Ok(None);
         }
         if self.installed.get(i) {
             self.wake_bytes(host, self.unit as usize)?;
+            return Ok(None);
+        }
+        if self.written.get(i) {
+            // In the file, its copy not mapped yet (its receiver busy or descheduled): mapped
+            // here, the vCPU waits for nobody.
+            placed(
+                self.uffd
+                    .continue_range(host, self.unit as usize, Wake::Now),
+            )?;
             return Ok(None);
         }
         if self.requested.set(i) {
@@ -553,145 +683,6 @@ impl FaultThread {
         self.pc.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-        }
-    }
-}
-
-/// Where receivers wait for postcopy to begin: they read the postcopy marker on their channel
-/// before the session has registered guest RAM, and install nothing until it has.
-#[derive(Debug, Default)]
-pub(crate) struct PostcopyGate {
-    open: Mutex<Option<Arc<Postcopy>>>,
-    cv: Condvar,
-}
-
-impl PostcopyGate {
-    pub(crate) fn open(&self, pc: Arc<Postcopy>) {
-        *self.open.lock().unwrap() = Some(pc);
-        self.cv.notify_all();
-    }
-
-    /// The postcopy state once the session opened the gate; `None` after `timeout`.
-    pub(crate) fn wait(&self, timeout: Duration) -> Option<Arc<Postcopy>> {
-        let deadline = Instant::now() + timeout;
-        let mut open = self.open.lock().unwrap();
-        loop {
-            if let Some(pc) = open.as_ref() {
-                return Some(pc.clone());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            open = self.cv.wait_timeout(open, deadline - now).unwrap().0;
-        }
-    }
-}
-
-/// The main connection's write side, shared by the fault thread (page requests) and the
-/// session (Done, a recovery's first records). One lock orders every write, and a recovery
-/// swaps the connection under it only after its first records are written, so no page request
-/// can overtake them on the new connection.
-#[derive(Debug)]
-struct Outbox(Mutex<Box<dyn Stream>>);
-
-impl Outbox {
-    fn write(&self, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
-        write_sealed(self.0.lock().unwrap().as_mut(), header, payload)
-    }
-
-    fn replace_after(
-        &self,
-        mut out: Box<dyn Stream>,
-        first: &[(Header, Vec<u8>)],
-    ) -> Result<(), MigrateError> {
-        let mut current = self.0.lock().unwrap();
-        for (header, payload) in first {
-            write_sealed(out.as_mut(), header, payload)?;
-        }
-        *current = out;
-        Ok(())
-    }
-}
-
-/// Writes one record, its header sealed over its payload, and flushes.
-fn write_sealed(out: &mut dyn Stream, header: &Header, payload: &[u8]) -> Result<(), MigrateError> {
-    out.write_all(&header.seal(payload).encode())
-        .and_then(|()| out.write_all(payload))
-        .and_then(|()| out.flush())
-        .map_err(|e| MigrateError::io("writing to the source", e))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io::Read;
-    use std::os::unix::net::UnixStream;
-    use std::sync::Arc;
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    use super::Outbox;
-    use crate::wire::{self, HEADER_SIZE, Header, Kind};
-
-    /// Reads records (header kinds) off `s` until it ends.
-    fn kinds(mut s: UnixStream) -> Vec<Kind> {
-        let mut out = Vec::new();
-        let mut h = [0u8; HEADER_SIZE];
-        while s.read_exact(&mut h).is_ok() {
-            let header = Header::decode(&h).expect("a valid header");
-            let mut payload = vec![0u8; header.len as usize];
-            s.read_exact(&mut payload).unwrap();
-            out.push(header.kind);
-        }
-        out
-    }
-
-    #[test]
-    fn a_request_written_while_a_recovery_swaps_connections_comes_after_its_first_records() {
-        for _ in 0..50 {
-            let (old, mut old_peer) = UnixStream::pair().unwrap();
-            // The broken connection's other end keeps reading, so no write blocks on it.
-            std::thread::spawn(move || {
-                let mut b = [0u8; 4096];
-                while matches!(old_peer.read(&mut b), Ok(n) if n > 0) {}
-            });
-            let outbox = Arc::new(Outbox(Mutex::new(Box::new(old))));
-            let stop = Arc::new(AtomicBool::new(false));
-            // A fault thread that writes requests as fast as it can, through the swap.
-            let writer = {
-                let (outbox, stop) = (outbox.clone(), stop.clone());
-                std::thread::spawn(move || {
-                    let run = wire::encode_runs(&[(0x1000, 1)]);
-                    while !stop.load(Ordering::Relaxed) {
-                        let _ = outbox.write(&Header::runs(Kind::PageRequest, 1), &run);
-                    }
-                })
-            };
-            let (new, new_peer) = UnixStream::pair().unwrap();
-            let reading = std::thread::spawn(move || kinds(new_peer));
-            let missing = wire::encode_runs(&[(0x2000, 4)]);
-            outbox
-                .replace_after(
-                    Box::new(new),
-                    &[
-                        (Header::runs(Kind::Missing, 1), missing),
-                        (Header::new(Kind::Resume, 0, 0), Vec::new()),
-                    ],
-                )
-                .unwrap();
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            stop.store(true, Ordering::Relaxed);
-            writer.join().unwrap();
-            // Dropping the outbox closes the new connection's write side.
-            drop(outbox);
-            let seen = reading.join().unwrap();
-            assert_eq!(
-                seen[..2],
-                [Kind::Missing, Kind::Resume],
-                "{:?}",
-                &seen[..4.min(seen.len())]
-            );
-            assert!(seen[2..].iter().all(|k| *k == Kind::PageRequest));
         }
     }
 }

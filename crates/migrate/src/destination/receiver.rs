@@ -18,8 +18,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::assemble::Assembler;
+use super::gate::PostcopyGate;
 use super::order::{self, DataStep};
-use super::postcopy::{Postcopy, PostcopyGate};
+use super::postcopy::Postcopy;
 use super::progress::IncomingControl;
 use super::sink::PageSink;
 use crate::error::{Connection, Internal, MigrateError, ProtocolError, Twice};

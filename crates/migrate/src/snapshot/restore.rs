@@ -339,7 +339,7 @@ impl Lazy {
         if !uffd.features().missing_shmem {
             return Err(ConfigError::LazyUnsupported.into());
         }
-        ram.register_missing(&uffd)?;
+        ram.register_uffd(&uffd, false)?;
         let hot: Vec<(u64, u64)> = if hot_first {
             reader.hot().to_vec()
         } else {

@@ -14,10 +14,14 @@ pub(super) const UFFD_API: u64 = 0xAA;
 pub(super) const UFFD_FEATURE_MISSING_HUGETLBFS: u64 = 1 << 4;
 pub(super) const UFFD_FEATURE_MISSING_SHMEM: u64 = 1 << 5;
 pub(super) const UFFD_FEATURE_THREAD_ID: u64 = 1 << 8;
+pub(super) const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
 pub(super) const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
+pub(super) const UFFD_PAGEFAULT_FLAG_MINOR: u64 = 1 << 2;
 pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
-/// `UFFDIO_COPY_MODE_DONTWAKE` and `UFFDIO_ZEROPAGE_MODE_DONTWAKE` (both bit 0).
+pub(super) const UFFDIO_REGISTER_MODE_MINOR: u64 = 1 << 2;
+/// `UFFDIO_COPY_MODE_DONTWAKE`, `UFFDIO_ZEROPAGE_MODE_DONTWAKE` and
+/// `UFFDIO_CONTINUE_MODE_DONTWAKE` (all bit 0).
 pub(super) const MODE_DONTWAKE: u64 = 1 << 0;
 
 /// The `_UFFDIO_*` command numbers: the bits of `uffdio_api.ioctls` and
@@ -27,6 +31,7 @@ pub(super) const NR_UNREGISTER: u64 = 0x01;
 pub(super) const NR_WAKE: u64 = 0x02;
 pub(super) const NR_COPY: u64 = 0x03;
 pub(super) const NR_ZEROPAGE: u64 = 0x04;
+pub(super) const NR_CONTINUE: u64 = 0x07;
 pub(super) const NR_API: u64 = 0x3F;
 
 /// `_IOC(dir, 0xAA, nr, size)` of asm-generic/ioctl.h: dir in bits 30..32, size in 16..30.
@@ -47,6 +52,8 @@ pub(super) const UFFDIO_COPY: libc::c_ulong =
 pub(super) const UFFDIO_ZEROPAGE: libc::c_ulong =
     uffdio(IOC_READ_WRITE, NR_ZEROPAGE, size_of::<UffdioZeropage>());
 /// `USERFAULTFD_IOC_NEW`, `_IO(0xAA, 0)`: asks /dev/userfaultfd (Linux 6.1+) for a new fd.
+pub(super) const UFFDIO_CONTINUE: libc::c_ulong =
+    uffdio(IOC_READ_WRITE, NR_CONTINUE, size_of::<UffdioContinue>());
 pub(super) const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
 const _: () = assert!(UFFDIO_API == 0xc018_aa3f);
 const _: () = assert!(UFFDIO_REGISTER == 0xc020_aa00);
@@ -54,6 +61,7 @@ const _: () = assert!(UFFDIO_UNREGISTER == 0x8010_aa01);
 const _: () = assert!(UFFDIO_WAKE == 0x8010_aa02);
 const _: () = assert!(UFFDIO_COPY == 0xc028_aa03);
 const _: () = assert!(UFFDIO_ZEROPAGE == 0xc020_aa04);
+const _: () = assert!(UFFDIO_CONTINUE == 0xc020_aa07);
 
 /// `struct uffdio_api`.
 #[repr(C)]
@@ -100,6 +108,15 @@ pub(super) struct UffdioZeropage {
     pub(super) zeropage: i64,
 }
 const _: () = assert!(size_of::<UffdioZeropage>() == 32);
+
+/// `struct uffdio_continue`; `mapped` is the answer, as `uffdio_copy.copy`.
+#[repr(C)]
+pub(super) struct UffdioContinue {
+    pub(super) range: UffdioRange,
+    pub(super) mode: u64,
+    pub(super) mapped: i64,
+}
+const _: () = assert!(size_of::<UffdioContinue>() == 32);
 
 /// `struct uffd_msg` seen through its `pagefault` arm, the only one this module reads (the
 /// other arms overlay the same 24 bytes after the header). The C struct is `packed`, but every

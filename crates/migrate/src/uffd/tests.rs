@@ -31,6 +31,11 @@ struct Guest {
 
 impl Guest {
     fn new(pages: usize) -> Guest {
+        Guest::registered(pages, false)
+    }
+
+    /// With `minor`, registered for minor faults too.
+    fn registered(pages: usize, minor: bool) -> Guest {
         let uffd = open_uffd();
         let len = pages * PAGE;
         // SAFETY: a NUL-terminated name and flags; returns a new fd or -1.
@@ -62,9 +67,10 @@ impl Guest {
         let addr = ptr as usize;
         // SAFETY: the mapping is ours, lives until `Guest` drops (after the reader threads are
         // joined), and the tests reach it only through raw pointers (`read_pages`).
-        let ranges = unsafe { uffd.register_missing(addr, len) }
+        let ranges = unsafe { uffd.register(addr, len, minor) }
             .unwrap_or_else(|e| panic!("registering a memfd mapping: {e}"));
         assert!(ranges.zeropage, "shmem offers UFFDIO_ZEROPAGE");
+        assert_eq!(ranges.continue_, minor, "UFFDIO_CONTINUE with minor faults");
         Guest {
             uffd,
             addr,
@@ -183,6 +189,7 @@ fn fault_carries_page_and_thread_and_copy_releases_it() {
         Fault {
             addr: page,
             write: false,
+            minor: false,
             thread_id: reader.tid,
         }
     );
@@ -211,6 +218,7 @@ fn write_fault_is_marked_write() {
         Fault {
             addr: page,
             write: true,
+            minor: false,
             thread_id: tid,
         }
     );
@@ -353,4 +361,72 @@ fn copy_outside_a_registered_range_fails() {
         panic!("expected a Fill error, got {err}");
     };
     assert_eq!(source.raw_os_error(), Some(libc::ENOENT), "{err}");
+}
+
+/// Writes `data` into the guest's memfd at page `i` (not through the mapping).
+fn write_file(guest: &Guest, i: usize, data: &[u8]) {
+    let fd = guest._memfd.as_raw_fd();
+    // SAFETY: pwrite from a live buffer of `data.len()` bytes into our own memfd.
+    let n = unsafe {
+        libc::pwrite(
+            fd,
+            data.as_ptr().cast(),
+            data.len(),
+            (i * PAGE) as libc::off_t,
+        )
+    };
+    assert_eq!(
+        n,
+        data.len() as isize,
+        "pwrite: {}",
+        io::Error::last_os_error()
+    );
+}
+
+#[test]
+fn a_page_in_the_file_but_not_mapped_faults_minor_and_continue_maps_what_the_file_holds() {
+    let guest = Guest::registered(4, true);
+    assert!(
+        guest.uffd.features().minor_shmem,
+        "this kernel has minor faults on shmem"
+    );
+    let page = guest.page(1);
+    write_file(&guest, 1, &pattern(0x11));
+    let reader = Reader::spawn(vec![page + 7]);
+    let fault = one_fault(&guest.uffd);
+    assert_eq!((fault.addr, fault.minor), (page, true), "{fault:?}");
+    // The bytes a receiver writes before mapping are what the reader gets.
+    write_file(&guest, 1, &pattern(0x22));
+    assert_eq!(
+        guest.uffd.continue_range(page, PAGE, Wake::Now).unwrap(),
+        CopyOutcome::Copied
+    );
+    assert_eq!(reader.finish(), vec![pattern(0x22)]);
+    // Mapped once: a second continue changes nothing.
+    assert_eq!(
+        guest.uffd.continue_range(page, PAGE, Wake::Now).unwrap(),
+        CopyOutcome::AlreadyThere
+    );
+    // A hole of the file has nothing to map: that is a copy's to fill.
+    assert!(
+        guest
+            .uffd
+            .continue_range(guest.page(2), PAGE, Wake::Now)
+            .is_err()
+    );
+}
+
+#[test]
+fn a_hole_still_faults_missing_under_minor_registration() {
+    let guest = Guest::registered(2, true);
+    let page = guest.page(0);
+    let reader = Reader::spawn(vec![page]);
+    let fault = one_fault(&guest.uffd);
+    assert_eq!((fault.addr, fault.minor), (page, false), "{fault:?}");
+    let data = pattern(0x33);
+    assert_eq!(
+        guest.uffd.copy(page, &data, Wake::Now).unwrap(),
+        CopyOutcome::Copied
+    );
+    assert_eq!(reader.finish(), vec![data]);
 }

@@ -57,7 +57,7 @@ pub(super) fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error)
 const WALL_CLOCK_MSRS: [u32; 2] = [0x11, 0x4b56_4d00];
 
 /// MSRs worth saving: every MSR the host's KVM lists that this vCPU can read, but the wall
-/// clock's ([`WALL_CLOCK_MSRS`]).
+/// clock's (`WALL_CLOCK_MSRS`: 0x11 and 0x4b564d00).
 pub fn readable_msrs(kvm_fd: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
     let list = kvm_fd.get_msr_index_list().map_err(kvm("list the MSRs"))?;
     Ok(list

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use super::acker::Acker;
 use super::arrival::{Arrival, Arrivals, HELLO_TIMEOUT, RECORD_TIMEOUT};
+use super::gate::PostcopyGate;
 use super::order::{self, Step};
-use super::postcopy::{Postcopy, PostcopyGate};
+use super::postcopy::Postcopy;
 use super::progress::Watchdog;
 use super::progress::{IncomingControl, IncomingPhase};
 use super::receiver::{self, ReceiverStats};
@@ -79,6 +80,10 @@ pub struct PostcopyReceived {
     pub recoveries: u32,
     /// Time spent in postcopy-paused.
     pub paused: Duration,
+    /// Postcopy ran over the memory this side held (minor faults: pages written into the
+    /// file and mapped, none freed and allocated again); else over holes punched at the
+    /// discard (missing faults).
+    pub over_held: bool,
 }
 
 /// A receiver thread and a handle to shut its socket down.

@@ -33,7 +33,17 @@ impl Session<'_> {
             .try_clone_stream()
             .map_err(|e| MigrateError::io("starting postcopy", e))?;
         let recoverable = self.granted.contains(Capabilities::RECOVER);
-        let pc = Arc::new(Postcopy::new(self.ram.clone(), out, recoverable)?);
+        // Over memory this side holds (minor faults) when precopy's pages landed through the
+        // guest's mapping: the pages not needed are mapped there already, so only the needed
+        // ones fault. Pages written through the file are not, and each would fault once.
+        let over_held =
+            self.vm.page_landing(self.stats.channels.max(1)) == crate::vm::PageLanding::Mapping;
+        let pc = Arc::new(Postcopy::new(
+            self.ram.clone(),
+            out,
+            recoverable,
+            over_held,
+        )?);
         self.postcopy = Some(pc.clone());
         Ok(pc)
     }
@@ -108,6 +118,7 @@ impl Session<'_> {
             duration: resumed_at.elapsed(),
             recoveries: self.recoveries,
             paused: self.paused,
+            over_held: pc.over_held(),
         });
         // Every page is here; a lost Done leaves the source waiting, then failing, with the
         // guest safe here.
