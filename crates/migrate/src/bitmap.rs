@@ -75,6 +75,21 @@ impl RegionBits {
         c * CHUNK_WORDS..((c + 1) * CHUNK_WORDS).min(self.words.len())
     }
 
+    /// Takes up to `max` marked pages of word `at`, lowest first, clearing their bits and
+    /// pushing their guest addresses to `out`; returns how many (the count is the caller's).
+    fn take_word(&mut self, at: usize, max: usize, out: &mut Vec<u64>) -> usize {
+        let mut w = self.words[at];
+        let mut taken = 0;
+        while w != 0 && taken < max {
+            let bit = w.trailing_zeros() as u64;
+            w &= w - 1;
+            out.push(self.gpa + (at as u64 * 64 + bit) * PAGE_SIZE);
+            taken += 1;
+        }
+        self.words[at] = w;
+        taken
+    }
+
     /// ORs `bits` into word `w`; returns how many were new.
     fn or(&mut self, w: usize, bits: u64) -> u64 {
         let new = bits & !self.words[w];
@@ -255,15 +270,8 @@ impl DirtyBitmap {
                 }
             };
             cursor.word = at;
-            let mut w = r.words[at];
-            while w != 0 && taken < max_pages {
-                let bit = w.trailing_zeros() as u64;
-                w &= w - 1;
-                out.push(r.gpa + (at as u64 * 64 + bit) * PAGE_SIZE);
-                taken += 1;
-            }
-            r.words[at] = w;
-            if w == 0 {
+            taken += r.take_word(at, max_pages - taken, out);
+            if r.words[at] == 0 {
                 r.summary[at / 64] &= !(1 << (at % 64));
                 cursor.word += 1;
             }
@@ -513,15 +521,8 @@ impl DirtyBitmap {
         let mut taken = 0;
         let mut left = false;
         for at in r.chunk_words(c) {
-            let mut w = r.words[at];
-            while w != 0 && taken < max_pages {
-                let bit = w.trailing_zeros() as u64;
-                w &= w - 1;
-                out.push(r.gpa + (at as u64 * 64 + bit) * PAGE_SIZE);
-                taken += 1;
-            }
-            r.words[at] = w;
-            left |= w != 0;
+            taken += r.take_word(at, max_pages - taken, out);
+            left |= r.words[at] != 0;
         }
         self.count -= taken as u64;
         left

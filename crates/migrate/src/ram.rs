@@ -33,6 +33,27 @@ use crate::wire::{LocalRegion, PAGE_SIZE};
 
 pub(crate) mod alias;
 
+/// `madvise(advice)` over `pages` pages at `addr`.
+///
+/// # Safety
+///
+/// The pages must be mapped, and what `advice` does to them must change no byte that a Rust
+/// reference or another holder relies on.
+unsafe fn madvise(addr: usize, pages: u64, advice: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: the caller's promise.
+    let ret = unsafe {
+        libc::madvise(
+            addr as *mut libc::c_void,
+            (pages * PAGE_SIZE) as usize,
+            advice,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A byte count as a person writes it and `--memory` takes it: `64K`, `10M`, `64G`, or
 /// bytes when not a whole KiB.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -492,20 +513,10 @@ impl Ram {
     pub(crate) fn unmap_pages(&self, gpa: u64, pages: u64) -> std::io::Result<()> {
         self.check_run(gpa, pages).map_err(std::io::Error::other)?;
         let host = self.page(gpa).map_err(std::io::Error::other)?;
-        // SAFETY: madvise over pages of one region (checked above), which stay mapped; on a
-        // shared file mapping MADV_DONTNEED drops only page table entries, never the file's
-        // bytes, so no byte changes for any holder.
-        let ret = unsafe {
-            libc::madvise(
-                host as *mut libc::c_void,
-                (pages * PAGE_SIZE) as usize,
-                libc::MADV_DONTNEED,
-            )
-        };
-        if ret != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        // SAFETY: pages of one region (checked above), which stay mapped; on a shared file
+        // mapping MADV_DONTNEED drops only page table entries, never the file's bytes, so no
+        // byte changes for any holder.
+        unsafe { madvise(host, pages, libc::MADV_DONTNEED) }
     }
 
     /// The size of the host pages behind guest RAM: 4 KiB for shmem and anonymous memory, the

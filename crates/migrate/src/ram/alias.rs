@@ -66,19 +66,10 @@ impl Alias {
     /// them here (`MADV_POPULATE_WRITE`), so that a copy into them later faults on nothing.
     pub(crate) fn populate(&self, gpa: u64, pages: u64) -> io::Result<()> {
         let addr = self.at(gpa, pages).map_err(io::Error::other)?;
-        // SAFETY: madvise over pages of the alias (checked above); populating changes no byte
-        // a holder can see (a hole reads as zeros, and so does the page allocated for it).
-        let ret = unsafe {
-            libc::madvise(
-                addr as *mut libc::c_void,
-                (pages * PAGE_SIZE) as usize,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-        if ret != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        // SAFETY: pages of the alias (checked above), mapped while `self` lives; populating
+        // changes no byte a holder can see (a hole reads as zeros, and so does the page
+        // allocated for it).
+        unsafe { super::madvise(addr, pages, libc::MADV_POPULATE_WRITE) }
     }
 
     /// Writes `data` (whole pages) into the file at `gpa`: pages the caller claimed, which no
