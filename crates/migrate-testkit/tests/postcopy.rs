@@ -181,6 +181,8 @@ fn requested_pages_arrive(preempt: bool, landing: PageLanding) {
         false => assert!(pc.pages_on_main > 0, "{pc:?}"),
         true => assert_eq!(pc.pages_on_main, 0, "{pc:?}"),
     }
+    // Either way the reader sent requested pages itself, with no hand-off.
+    assert!(pc.pages_forwarded > 0, "{pc:?}");
     let here = received.postcopy.expect("postcopy here");
     println!(
         "preempt {preempt}, {landing:?}: requested {} of {} pages in {} requests; fault to page: mean {:.0} µs, p50 {} µs, p99 {} µs, max {} µs",

@@ -184,6 +184,10 @@ pub struct PostcopyStats {
     /// counted in the run they were sent with, as requested or resent pages.
     #[serde(default)]
     pub pages_readahead: u64,
+    /// Requested pages the source's reader sent itself, without handing the request to the
+    /// migration thread (on the preempt connection, or on the main connection without one).
+    #[serde(default)]
+    pub pages_forwarded: u64,
     /// Requested pages sent on the main connection ([`crate::wire::Capabilities::MAIN_PAGES`],
     /// without a preempt connection, once the guest resumed there).
     #[serde(default)]

@@ -2,9 +2,13 @@
 //! connection, the main connection's reader queues a request's whole host pages straight on
 //! the preempt connection's sender ([`Lane::forward`]), where it used to hand the request to
 //! the migration thread, which may be waiting for a core: `ferry bench postcopy` measured that
-//! hand-off as most of the source's part of a request's latency. The migration thread still
-//! takes every request: it takes the forwarded pages out of what is still to send (so that the
-//! background walk does not send them again), counts them, and sends the readahead window.
+//! hand-off as most of the source's part of a request's latency. Without it, once the guest
+//! runs on the destination the requested pages go on the main connection itself
+//! (`MAIN_PAGES`), and the reader writes them there ([`Way::Main`]), through the one writer the
+//! migration thread writes that connection with meanwhile, each record whole and flushed
+//! under its lock. The migration thread still takes every request: it takes the forwarded
+//! pages out of what is still to send (so that the background walk does not send them again),
+//! counts them, and sends the readahead window.
 //!
 //! A page may then go twice (the walk had queued it, or took it meanwhile); the destination
 //! installs the first copy and drops the second, as it does for any resent page, and the
@@ -16,9 +20,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use super::sender::{ChannelMsg, Queue, try_queue};
+use std::sync::Mutex;
+
+use super::sender::{self, ChannelMsg, Queue, try_queue};
+use crate::conn::Conn;
 use crate::ram::Ram;
-use crate::wire::{MAX_PAGES_PER_RECORD, PAGE_SIZE};
+use crate::wire::{Latencies, MAX_PAGES_PER_RECORD, PAGE_SIZE};
 
 /// A requested run as the reader queues it for the migration thread: whether it forwarded
 /// the run's pages already.
@@ -29,12 +36,12 @@ pub(crate) struct Requested {
     pub(crate) forwarded: bool,
 }
 
-/// Where the reader queues requested pages itself: the preempt connection's sender queue
-/// (empty once the sender finishes), guest RAM to check a run against, the destination's host
-/// page in wire pages, and the pool's count of pages queued this way.
+/// Where the reader sends requested pages itself: the preempt connection's sender queue or the
+/// main connection's shared writer, guest RAM to check a run against, the destination's host
+/// page in wire pages, and the pool's count of pages queued on a sender this way.
 #[derive(Debug)]
 pub(crate) struct Lane {
-    pub(crate) queue: Queue,
+    pub(crate) way: Way,
     pub(crate) ram: Ram,
     pub(crate) unit_pages: u64,
     pub(crate) forwarded: Arc<AtomicU64>,
@@ -62,19 +69,83 @@ impl Lane {
             return false;
         }
         let gpas: Vec<u64> = (start..end).step_by(PAGE_SIZE as usize).collect();
-        match try_queue(&self.queue, ChannelMsg::Urgent(gpas, asked)) {
-            Ok(None) => {
-                self.forwarded.fetch_add(count, Ordering::Relaxed);
-                true
-            }
-            Ok(Some(_)) | Err(_) => false,
+        match &self.way {
+            Way::Preempt(queue) => match try_queue(queue, ChannelMsg::Urgent(gpas, asked)) {
+                Ok(None) => {
+                    self.forwarded.fetch_add(count, Ordering::Relaxed);
+                    true
+                }
+                Ok(Some(_)) | Err(_) => false,
+            },
+            Way::Main(main) => main.write(&self.ram, &gpas, asked),
         }
+    }
+}
+
+/// Where a lane sends.
+#[derive(Debug)]
+pub(crate) enum Way {
+    /// Onto the preempt connection's sender queue (empty once the sender finishes).
+    Preempt(Queue),
+    /// Onto the main connection, through the writer the migration thread shares.
+    Main(Arc<MainOut>),
+}
+
+/// The main connection's writer in postcopy without the preempt connection, shared by the
+/// migration thread and the reader: each writes a record whole and flushes it under the lock,
+/// so records never interleave. Empty once the migration thread took it back (it then writes
+/// Complete on its own connection, after everything written here).
+#[derive(Debug, Default)]
+pub(crate) struct MainOut(Mutex<Option<MainWriter>>);
+
+/// A writer on the main connection and what went through it.
+#[derive(Debug)]
+pub(crate) struct MainWriter {
+    pub(crate) conn: Conn,
+    pub(crate) checksum_pages: bool,
+    /// Pages written by the reader (the migration thread counts its own).
+    pub(crate) forwarded_pages: u64,
+    /// Request to pages written, for the reader's (the pool's turnaround).
+    pub(crate) turnaround: Arc<Mutex<Latencies>>,
+}
+
+impl MainOut {
+    pub(crate) fn new(writer: MainWriter) -> MainOut {
+        MainOut(Mutex::new(Some(writer)))
+    }
+
+    /// Writes the pages `gpas` and flushes, asked for at `asked`; whether it did. A failed write
+    /// empties the writer (the connection is broken: its next user learns it on its own).
+    fn write(&self, ram: &Ram, gpas: &[u64], asked: Instant) -> bool {
+        let mut slot = self.0.lock().unwrap();
+        let Some(w) = slot.as_mut() else {
+            return false;
+        };
+        let written = sender::write_pages(&mut w.conn, ram, gpas, w.checksum_pages)
+            .and_then(|()| w.conn.flush("sending requested pages"));
+        if written.is_err() {
+            *slot = None;
+            return false;
+        }
+        w.forwarded_pages += gpas.len() as u64;
+        let us = asked.elapsed().as_micros() as u64;
+        w.turnaround.lock().unwrap().add(us);
+        true
+    }
+
+    /// Runs `f` on the writer, if it is still there.
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut MainWriter) -> T) -> Option<T> {
+        self.0.lock().unwrap().as_mut().map(f)
+    }
+
+    /// Takes the writer back: nothing is written through it after this returns.
+    pub(crate) fn take(&self) -> Option<MainWriter> {
+        self.0.lock().unwrap().take()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
     use std::sync::mpsc::sync_channel;
 
     use super::*;
@@ -84,7 +155,7 @@ mod tests {
     fn lane(unit_pages: u64, depth: usize) -> (Lane, std::sync::mpsc::Receiver<ChannelMsg>) {
         let (tx, rx) = sync_channel(depth);
         let lane = Lane {
-            queue: Arc::new(Mutex::new(Some(tx))),
+            way: Way::Preempt(Arc::new(Mutex::new(Some(tx)))),
             ram: Ram::leaked_for_test(vec![0; (1024 * P) as usize]),
             unit_pages,
             forwarded: Arc::default(),
@@ -127,7 +198,10 @@ mod tests {
         assert!(!l.forward(P, 1, now));
         drop(rx);
         assert!(!l.forward(2 * P, 1, now));
-        *l.queue.lock().unwrap() = None;
+        let Way::Preempt(queue) = &l.way else {
+            unreachable!()
+        };
+        *queue.lock().unwrap() = None;
         assert!(!l.forward(3 * P, 1, now));
         assert_eq!(l.forwarded.load(Ordering::Relaxed), 1);
     }

@@ -5,7 +5,10 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::Arc;
+
 use super::agreement::Agreement;
+use super::forward::MainOut;
 use super::pool::ChannelPool;
 use super::readahead::Readahead;
 use super::target::Target;
@@ -27,6 +30,9 @@ pub(super) struct Live {
     pub(super) readahead: Readahead,
     /// The VM's configuration went with the hello (so CONFIG is asked for).
     pub(super) config_sent: bool,
+    /// In postcopy without the preempt connection, the main connection's writer the reader
+    /// shares (`forward.rs`).
+    pub(super) main_out: Option<Arc<MainOut>>,
 }
 
 impl Live {
@@ -38,6 +44,7 @@ impl Live {
             earlier_bytes: 0,
             readahead: Readahead::default(),
             config_sent: false,
+            main_out: None,
         }
     }
 }

@@ -65,6 +65,7 @@ mod readahead;
 mod reader;
 mod recover;
 mod sender;
+mod shared_main;
 mod switchover;
 pub(crate) mod target;
 

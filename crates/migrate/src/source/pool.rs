@@ -153,6 +153,16 @@ impl ChannelPool {
         *self.turnaround.lock().unwrap()
     }
 
+    /// Pages the main connection's reader queued on the preempt connection itself.
+    pub(crate) fn forwarded_pages(&self) -> u64 {
+        self.forwarded.load(Ordering::Relaxed)
+    }
+
+    /// Where requests' turnarounds are counted, for a writer outside the pool.
+    pub(crate) fn turnaround_counter(&self) -> Arc<Mutex<Latencies>> {
+        self.turnaround.clone()
+    }
+
     /// Queues a batch of page addresses on the next data channel, round-robin.
     pub fn queue_pages(&mut self, gpas: Vec<u64>) -> Result<(), MigrateError> {
         self.queued_pages += gpas.len() as u64;
@@ -271,7 +281,7 @@ impl ChannelPool {
     /// pages itself (`forward.rs`): its sender's queue, for as long as it runs.
     pub(crate) fn lane(&self, ram: &Ram, unit_pages: u64) -> Option<Lane> {
         self.preempt.as_ref().map(|p| Lane {
-            queue: p.queue(),
+            way: super::forward::Way::Preempt(p.queue()),
             ram: ram.clone(),
             unit_pages,
             forwarded: self.forwarded.clone(),

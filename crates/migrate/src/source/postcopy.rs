@@ -26,7 +26,6 @@ use super::forward::Requested;
 use super::heat::Walk;
 use super::readahead;
 use super::reader::Inbound;
-use super::sender;
 use super::target::Target;
 use super::{Session, ms};
 use crate::bitmap::DirtyBitmap;
@@ -193,7 +192,12 @@ impl Session<'_> {
                 .take()
                 .unwrap_or_else(|| Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order));
             let sent = self
-                .push_rest(&mut pc, &listed, from, quiet_until.take())
+                .share_main()
+                .and_then(|()| {
+                    let pushed = self.push_rest(&mut pc, &listed, from, quiet_until.take());
+                    self.unshare_main(&mut pc);
+                    pushed
+                })
                 .and_then(|()| self.peer.pool.close(&mut self.stats))
                 .and_then(|()| {
                     self.peer
@@ -216,6 +220,7 @@ impl Session<'_> {
         pc.latency_max_us = latencies.max_us;
         pc.latency_buckets = latencies.buckets.to_vec();
         pc.source_turnaround = (&self.peer.pool.turnaround()).into();
+        pc.pages_forwarded += self.peer.pool.forwarded_pages();
         pc.source_handoff = (&self.handoff).into();
         pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
         self.stats.postcopy = Some(pc);
@@ -471,8 +476,8 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Sends pages a vCPU waits for: on the main connection (not flushed) or, as
-    /// `pool.queue_urgent` decides, on the preempt connection or the next data channel.
+    /// Sends pages a vCPU waits for: on the main connection or, as `pool.queue_urgent`
+    /// decides, on the preempt connection or the next data channel.
     fn send_urgent(
         &mut self,
         gpas: &[u64],
@@ -483,12 +488,7 @@ impl Session<'_> {
         if !on_main {
             return self.peer.pool.queue_urgent(gpas.to_vec(), asked);
         }
-        sender::write_pages(
-            &mut self.peer.conn,
-            &self.ram,
-            gpas,
-            self.params.checksum_pages,
-        )?;
+        self.write_main(gpas)?;
         self.stats.pages_normal += gpas.len() as u64;
         pc.pages_on_main += gpas.len() as u64;
         Ok(())

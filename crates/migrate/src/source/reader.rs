@@ -195,6 +195,11 @@ impl InboundReader {
         *self.requests.lane.lock().unwrap() = Some(lane);
     }
 
+    /// From now on the reader leaves every request to the migration thread.
+    pub(crate) fn clear_lane(&self) {
+        *self.requests.lane.lock().unwrap() = None;
+    }
+
     /// From now on page requests are in order: the source sent Postcopy, and the destination
     /// may fault (while it loads the device state, too) before it resumes the guest.
     pub fn allow_requests(&self) {
@@ -284,7 +289,7 @@ fn read_until_end(
                 return Err(MigrateError::misplaced(Kind::Done, Rule::DoneAfterResumed));
             }
             Inbound::PageRequest(runs) => {
-                let mut q = into.requests.queue.lock().unwrap();
+                let q = into.requests.queue.lock().unwrap();
                 if q.0.len() + runs.len() > MAX_QUEUED_REQUESTS {
                     return Err(ProtocolError::OverBound {
                         bound: Bound::QueuedRequests,
@@ -292,14 +297,22 @@ fn read_until_end(
                     }
                     .into());
                 }
+                // Forwarded before the queue is locked again: on the main connection that
+                // is a write, and the migration thread must not wait for it to take requests.
+                drop(q);
                 let now = Instant::now();
                 let lane = into.requests.lane.lock().unwrap();
-                q.0.extend(runs.into_iter().map(|(gpa, pages)| Requested {
-                    gpa,
-                    pages,
-                    forwarded: lane.as_ref().is_some_and(|l| l.forward(gpa, pages, now)),
-                }));
+                let requested: Vec<Requested> = runs
+                    .into_iter()
+                    .map(|(gpa, pages)| Requested {
+                        gpa,
+                        pages,
+                        forwarded: lane.as_ref().is_some_and(|l| l.forward(gpa, pages, now)),
+                    })
+                    .collect();
                 drop(lane);
+                let mut q = into.requests.queue.lock().unwrap();
+                q.0.extend(requested);
                 q.1.get_or_insert(now);
                 into.requests.arrived.notify_all();
             }
