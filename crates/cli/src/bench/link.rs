@@ -9,6 +9,8 @@ use anyhow::{Context, bail};
 
 /// The capped link's usual rate: 1 GB/s.
 pub(super) const LINK_RATE: &str = "8gbit";
+/// [`LINK_RATE`] in bytes per second.
+pub(super) const LINK_BYTES_PER_S: f64 = 1e9;
 
 /// A veth pair into a network namespace of its own, both ends shaped to a rate (usually
 /// [`LINK_RATE`]) with `tc tbf`. Removed on drop.

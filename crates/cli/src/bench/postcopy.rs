@@ -27,7 +27,7 @@ use serde_json::json;
 
 use ferry_vmm::memory::{HostPages, HugePagePool};
 
-use super::link::CappedLink;
+use super::link::{CappedLink, LINK_BYTES_PER_S};
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
 
 #[derive(Debug, Args)]
@@ -348,6 +348,17 @@ fn migrate_row(
     }
     let stages = m.received.postcopy.clone().unwrap_or_default();
     print_stages(&pc, &stages);
+    // On the capped link the link, not the cores, bounds the push: its phase against the time
+    // its bytes take at the cap's rate.
+    let vs_cap = link.map(|_| pc.duration_ms / (pc.bytes as f64 / LINK_BYTES_PER_S * 1e3));
+    if let Some(x) = vs_cap {
+        println!(
+            "    postcopy phase {:.0} ms for {:.0} MB: {x:.2}x their time at the cap's {:.0} MB/s",
+            pc.duration_ms,
+            pc.bytes as f64 / 1e6,
+            LINK_BYTES_PER_S / 1e6
+        );
+    }
     Ok(
         json!({"bench": "postcopy", "migration": s.name, "link": link_name,
         "pages": if s.host_pages == HostPages::Huge2M { "2M" } else { "4K" },
@@ -355,7 +366,7 @@ fn migrate_row(
         "downtime_ms": st.downtime.total_ms, "guest_pause_ms": m.pause_ms,
         "guest_stall_ms": stall_ms, "guest_slow_batch_ms": slow_ms,
         "guest_slow_batches": m.guest.slow_batches, "postcopy": pc,
-        "stages": {"ask": stages.ask, "source_turnaround": pc.source_turnaround,
+        "postcopy_vs_cap": vs_cap, "stages": {"ask": stages.ask, "source_turnaround": pc.source_turnaround,
             "source_handoff": pc.source_handoff,
             "install": stages.install, "wake": stages.wake}}),
     )
