@@ -354,27 +354,17 @@ impl Postcopy {
         let (runs, mine) = match &self.alias {
             Some(alias) => self.write_into(alias, gpas, &indices, Some(&buffer[..len]))?,
             None => {
-                // One copy per run of adjacent pages (adjacent in the record too), each
-                // without waking.
-                let mut runs: Vec<(usize, usize)> = Vec::new();
-                let mut first = 0;
-                for (k, &gpa) in gpas.iter().enumerate() {
-                    let host = self.ram.page(gpa)?;
-                    match runs.last_mut() {
-                        Some((start, n)) if *start + *n * page == host => *n += 1,
-                        _ => {
-                            if let Some(&(start, n)) = runs.last() {
-                                let data = &buffer[first * page..(first + n) * page];
-                                placed(self.uffd.copy(start, data, Wake::Later))?;
-                            }
-                            first = k;
-                            runs.push((host, 1));
-                        }
-                    }
+                // One copy per run of adjacent pages (adjacent in the record too, whose
+                // addresses increase), each without waking.
+                let mut runs = Runs::new();
+                for &gpa in gpas {
+                    extend_runs(&mut runs, self.ram.page(gpa)?);
                 }
-                if let Some(&(start, n)) = runs.last() {
+                let mut first = 0;
+                for &(host, n) in &runs {
                     let data = &buffer[first * page..(first + n) * page];
-                    placed(self.uffd.copy(start, data, Wake::Later))?;
+                    placed(self.uffd.copy(host, data, Wake::Later))?;
+                    first += n;
                 }
                 (runs, indices)
             }
@@ -411,7 +401,7 @@ impl Postcopy {
         data: Option<&[u8]>,
     ) -> Result<(Runs, Vec<u64>), MigrateError> {
         let page = PAGE_SIZE as usize;
-        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut runs = Runs::new();
         let mut mapped = Vec::with_capacity(indices.len());
         for (k, (&gpa, &i)) in gpas.iter().zip(indices).enumerate() {
             if !self.claimed.set(i) {
@@ -425,11 +415,7 @@ impl Postcopy {
                 continue;
             }
             mapped.push(i);
-            let host = self.ram.page(gpa)?;
-            match runs.last_mut() {
-                Some((start, n)) if *start + *n * page == host => *n += 1,
-                _ => runs.push((host, 1)),
-            }
+            extend_runs(&mut runs, self.ram.page(gpa)?);
         }
         for &(host, n) in &runs {
             placed(self.uffd.continue_range(host, n * page, Wake::Later))?;
@@ -643,6 +629,14 @@ impl Postcopy {
             }
         }
         Ok(())
+    }
+}
+
+/// Adds the page at `host` to `runs`: to the last run if it follows it, else as a new one.
+fn extend_runs(runs: &mut Runs, host: usize) {
+    match runs.last_mut() {
+        Some((start, n)) if *start + *n * PAGE_SIZE as usize == host => *n += 1,
+        _ => runs.push((host, 1)),
     }
 }
 

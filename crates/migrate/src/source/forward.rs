@@ -16,11 +16,9 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-use std::sync::Mutex;
 
 use super::sender::{self, ChannelMsg, Queue, try_queue};
 use crate::conn::Conn;
@@ -36,15 +34,13 @@ pub(crate) struct Requested {
     pub(crate) forwarded: bool,
 }
 
-/// Where the reader sends requested pages itself: the preempt connection's sender queue or the
-/// main connection's shared writer, guest RAM to check a run against, the destination's host
-/// page in wire pages, and the pool's count of pages queued on a sender this way.
+/// Where the reader sends requested pages itself, guest RAM to check a run against, and the
+/// destination's host page in wire pages.
 #[derive(Debug)]
 pub(crate) struct Lane {
     pub(crate) way: Way,
     pub(crate) ram: Ram,
     pub(crate) unit_pages: u64,
-    pub(crate) forwarded: Arc<AtomicU64>,
 }
 
 impl Lane {
@@ -70,13 +66,15 @@ impl Lane {
         }
         let gpas: Vec<u64> = (start..end).step_by(PAGE_SIZE as usize).collect();
         match &self.way {
-            Way::Preempt(queue) => match try_queue(queue, ChannelMsg::Urgent(gpas, asked)) {
-                Ok(None) => {
-                    self.forwarded.fetch_add(count, Ordering::Relaxed);
-                    true
+            Way::Preempt { queue, forwarded } => {
+                match try_queue(queue, ChannelMsg::Urgent(gpas, asked)) {
+                    Ok(None) => {
+                        forwarded.fetch_add(count, Ordering::Relaxed);
+                        true
+                    }
+                    Ok(Some(_)) | Err(_) => false,
                 }
-                Ok(Some(_)) | Err(_) => false,
-            },
+            }
             Way::Main(main) => main.write(&self.ram, &gpas, asked),
         }
     }
@@ -85,8 +83,12 @@ impl Lane {
 /// Where a lane sends.
 #[derive(Debug)]
 pub(crate) enum Way {
-    /// Onto the preempt connection's sender queue (empty once the sender finishes).
-    Preempt(Queue),
+    /// Onto the preempt connection's sender queue (empty once the sender finishes), counting
+    /// the pages in the pool's count of those queued this way.
+    Preempt {
+        queue: Queue,
+        forwarded: Arc<AtomicU64>,
+    },
     /// Onto the main connection, through the writer the migration thread shares.
     Main(Arc<MainOut>),
 }
@@ -95,7 +97,7 @@ pub(crate) enum Way {
 /// migration thread and the reader: each writes a record whole and flushes it under the lock,
 /// so records never interleave. Empty once the migration thread took it back (it then writes
 /// Complete on its own connection, after everything written here).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct MainOut(Mutex<Option<MainWriter>>);
 
 /// A writer on the main connection and what went through it.
@@ -155,10 +157,12 @@ mod tests {
     fn lane(unit_pages: u64, depth: usize) -> (Lane, std::sync::mpsc::Receiver<ChannelMsg>) {
         let (tx, rx) = sync_channel(depth);
         let lane = Lane {
-            way: Way::Preempt(Arc::new(Mutex::new(Some(tx)))),
+            way: Way::Preempt {
+                queue: Arc::new(Mutex::new(Some(tx))),
+                forwarded: Arc::default(),
+            },
             ram: Ram::leaked_for_test(vec![0; (1024 * P) as usize]),
             unit_pages,
-            forwarded: Arc::default(),
         };
         (lane, rx)
     }
@@ -176,7 +180,10 @@ mod tests {
         let (small, rx) = lane(1, 4);
         assert!(small.forward(3 * P, 2, now));
         assert_eq!(pages(rx.try_recv().unwrap()), vec![3 * P, 4 * P]);
-        assert_eq!(small.forwarded.load(Ordering::Relaxed), 2);
+        let Way::Preempt { forwarded, .. } = &small.way else {
+            unreachable!()
+        };
+        assert_eq!(forwarded.load(Ordering::Relaxed), 2);
         // On 2 MiB host pages, the whole unit around the faulted page.
         let (huge, rx) = lane(512, 4);
         assert!(huge.forward(600 * P, 1, now));
@@ -198,11 +205,11 @@ mod tests {
         assert!(!l.forward(P, 1, now));
         drop(rx);
         assert!(!l.forward(2 * P, 1, now));
-        let Way::Preempt(queue) = &l.way else {
+        let Way::Preempt { queue, forwarded } = &l.way else {
             unreachable!()
         };
         *queue.lock().unwrap() = None;
         assert!(!l.forward(3 * P, 1, now));
-        assert_eq!(l.forwarded.load(Ordering::Relaxed), 1);
+        assert_eq!(forwarded.load(Ordering::Relaxed), 1);
     }
 }

@@ -1,18 +1,20 @@
 //! How recently and how often the guest dirtied each 2 MiB of its memory, and the postcopy
 //! push's order by it: hottest first.
 //!
-//! [`Heat`] keeps a byte per chunk ([`CHUNK_PAGES`](crate::bitmap::CHUNK_PAGES)): at every dirty sync each byte shifts right
-//! and a chunk the sync found dirtied gets the top bit. Read as a number, a byte sorts by the
-//! latest sync that dirtied the chunk, then by the ones before it: the order of an LRU clock,
-//! at one byte per 2 MiB (256 KiB for a 512 GiB guest) and a pass over the bytes per sync.
+//! [`Heat`] keeps a byte per chunk ([`CHUNK_PAGES`](crate::bitmap::CHUNK_PAGES)): at every
+//! dirty sync each byte shifts right and a chunk the sync found dirtied gets the top bit. Read
+//! as a number, a byte sorts by the latest sync that dirtied the chunk, then by the ones before
+//! it: the order of an LRU clock, at one byte per 2 MiB (256 KiB for a 512 GiB guest) and a
+//! pass over the bytes per sync.
 //!
 //! [`Walk`] is the push's order: the chunks that still hold pages by heat, hottest first and in
 //! address order among equals. A vCPU that faults its way through memory in order (the
 //! readahead window of its request is open, `readahead.rs`) is followed instead: the walk goes
 //! on chunk after chunk from its fault for as long as they hold pages, then back to the heat
 //! order. A random fault does not move the walk: the pages after it are no likelier than any.
-//! In address order ([`PostcopyOrder::Address`](super::PostcopyOrder::Address), the design before this one, kept as a reference) the
-//! walk follows every request and starts over from the lowest address.
+//! In address order ([`PostcopyOrder::Address`](super::PostcopyOrder::Address), the design
+//! before this one, kept as a reference) the walk follows every request and starts over from
+//! the lowest address.
 //!
 //! Invariant: the walk only takes pages out of the bitmap, in whole chunks' worth of units
 //! (a chunk holds whole postcopy units), so every page still leaves the bitmap exactly once.

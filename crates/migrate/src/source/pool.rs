@@ -281,10 +281,12 @@ impl ChannelPool {
     /// pages itself (`forward.rs`): its sender's queue, for as long as it runs.
     pub(crate) fn lane(&self, ram: &Ram, unit_pages: u64) -> Option<Lane> {
         self.preempt.as_ref().map(|p| Lane {
-            way: super::forward::Way::Preempt(p.queue()),
+            way: super::forward::Way::Preempt {
+                queue: p.queue(),
+                forwarded: self.forwarded.clone(),
+            },
             ram: ram.clone(),
             unit_pages,
-            forwarded: self.forwarded.clone(),
         })
     }
 

@@ -328,7 +328,6 @@ impl Session<'_> {
                 }
                 // Whole units: a chunk holds whole units, and a batch is one unit or more.
                 walk.take(&mut self.bitmap, packet, &mut held);
-
                 if let Some(l) = &mut self.limiter {
                     l.add(held.len() as u64 * (8 + PAGE_SIZE));
                 }

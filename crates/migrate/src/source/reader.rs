@@ -249,8 +249,8 @@ struct Requests {
     arrived: Condvar,
     /// Set by the session when it switched to postcopy; a request before is refused.
     allowed: std::sync::atomic::AtomicBool,
-    /// Where the reader queues requested pages itself (`forward.rs`), with the preempt
-    /// connection.
+    /// Where the reader sends requested pages itself (`forward.rs`): the preempt connection,
+    /// or the main connection during the push without one.
     lane: Mutex<Option<Lane>>,
 }
 

@@ -41,7 +41,6 @@ impl Session<'_> {
                 way: Way::Main(main.clone()),
                 ram: self.ram.clone(),
                 unit_pages: agreed.postcopy_unit,
-                forwarded: Arc::default(),
             });
         self.peer.main_out = Some(main);
         Ok(())
