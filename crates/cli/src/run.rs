@@ -306,6 +306,13 @@ fn receive(
         stats.load.as_secs_f64() * 1e3,
         stats.resume.as_secs_f64() * 1e3
     );
+    if stats.compressed_records > 0 {
+        eprintln!(
+            "ferry: {} compressed records decoded in {:.3} CPU seconds",
+            stats.compressed_records,
+            stats.decompress_cpu_ns as f64 / 1e9
+        );
+    }
     let vm = incoming.into_running().ok_or_else(|| {
         NoGuest::Failed(anyhow::anyhow!(
             "the migration ended without resuming the guest"

@@ -14,7 +14,7 @@
 //! | `run-ms` | ms, 0 = forever | 0 | halt the guest after this long |
 //! | `fault-after-ms` | ms, 0 = never | 0 | raise #UD at CPL3 after this long (tests the exception path) |
 //! | `seed` | integer | 1 | seed of the random and hot/cold patterns |
-//! | `fill` | `stamp`, `random` | `stamp` | page content: a stamp word and zeros, or every word derived from the stamp |
+//! | `fill` | `stamp`, `random`, `mixed` | `stamp` | page content: a stamp word and zeros, every word derived from the stamp, or text-like, code-like and random pages in known shares ([`crate::stamp::mixed_word`]) |
 //! | `prefill` | `0`, `1` | `0` | write every working-set page once before the workload starts |
 //! | `free` | size | 0 | fill this much RAM beyond the working set with data, then free it (2 MiB blocks), as a guest that used memory once leaves it: stale, free, hintable |
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
@@ -111,9 +111,9 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
     ),
     (
         "fill",
-        "stamp | random",
+        "stamp | random | mixed",
         "stamp",
-        "page content: stamp word + zeros, or all words derived from the stamp",
+        "page content: stamp word + zeros, all words derived from the stamp, or 50% text-like, 30% code-like and 20% random pages",
     ),
     (
         "prefill",
@@ -149,7 +149,7 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "shared",
         "0 | 1",
         "0",
-        "every vCPU writes the whole working set, each its own word of a page (not with fill=random)",
+        "every vCPU writes the whole working set, each its own word of a page (not with fill=random or mixed)",
     ),
     (
         "fault-vcpu",
@@ -225,6 +225,9 @@ pub enum Fill {
     Stamp,
     /// Every word derived from the stamp ([`crate::stamp::fill_word`]): incompressible data.
     Random,
+    /// Every word derived from the stamp as text-like, code-like or random data, by the page's
+    /// frame ([`crate::stamp::mixed_word`]): what compression meets in a real guest.
+    Mixed,
 }
 
 /// A parsed command line.
@@ -395,7 +398,8 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                 p.fill = match value {
                     "stamp" => Fill::Stamp,
                     "random" => Fill::Random,
-                    _ => return Err(bad("stamp or random")),
+                    "mixed" => Fill::Mixed,
+                    _ => return Err(bad("stamp, random or mixed")),
                 }
             }
             "prefill" => {
@@ -446,11 +450,11 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             expected: "the index of one of the guest's vCPUs, below vcpus=",
         });
     }
-    if p.shared && p.fill == Fill::Random {
+    if p.shared && p.fill != Fill::Stamp {
         return Err(ParamError::BadValue {
             key: "shared",
             value: "1",
-            expected: "0 with fill=random (a shared page holds one word per vCPU)",
+            expected: "0 with fill=random or mixed (a shared page holds one word per vCPU)",
         });
     }
     Ok(p)
@@ -619,11 +623,12 @@ mod tests {
             ("heartbeat-ms=0", "at least 1"),
             ("verify-ms=-1", "milliseconds"),
             ("run-ms=99999999999", "milliseconds"),
-            ("fill=lots", "stamp or random"),
+            ("fill=lots", "stamp, random or mixed"),
             ("prefill=yes", "0 or 1"),
             ("vcpus=65", "a vCPU count from 1 to 64"),
             ("shared=2", "0 or 1"),
             ("shared=1 fill=random", "0 with fill=random"),
+            ("shared=1 fill=mixed", "0 with fill=random or mixed"),
             ("fault-vcpu=2 vcpus=2", "below vcpus="),
             (
                 "frobnicate=1",

@@ -253,3 +253,41 @@ fn over_loopback<S: Stream + 'static>(
         (sent, receiver.join().unwrap())
     })
 }
+
+/// A crafted migration fed to a destination of 8 MiB in one region landing pages `landing`:
+/// the main connection's bytes, then each data connection's (each connection opened in order
+/// and written whole). The destination's error, which it must end with.
+pub fn feed(main: &[u8], data: &[Vec<u8>], landing: ferry_migrate::PageLanding) -> String {
+    feed_vm(main, data, landing).0
+}
+
+/// [`feed`], also returning the destination VM.
+pub fn feed_vm(
+    main: &[u8],
+    data: &[Vec<u8>],
+    landing: ferry_migrate::PageLanding,
+) -> (String, FakeVm) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut dst = FakeVm::new(8 << 20, 1);
+    dst.landing = landing;
+    let error = std::thread::scope(|s| {
+        let receiver = s.spawn(|| {
+            let main = listener.accept().unwrap().0;
+            destination::receive(&mut dst, main, &mut acceptor(&listener))
+        });
+        let mut conns = vec![TcpStream::connect(addr).unwrap()];
+        let _ = conns[0].write_all(main);
+        for d in data {
+            let mut c = TcpStream::connect(addr).unwrap();
+            let _ = c.write_all(d);
+            conns.push(c);
+        }
+        for c in &conns {
+            let _ = c.shutdown(Shutdown::Write);
+        }
+        let r = receiver.join().unwrap();
+        r.expect_err("a bad stream must be refused").to_string()
+    });
+    (error, dst)
+}

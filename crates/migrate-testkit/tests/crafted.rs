@@ -13,44 +13,11 @@ use ferry_migrate_testkit::craft::{
     cat, data_hello, end, hello, main_hello, main_hello_asking, pages, pages_checked,
     preempt_hello, record, runs, section, zero_runs,
 };
-use ferry_migrate_testkit::loopback::acceptor;
+use ferry_migrate_testkit::loopback::{acceptor, feed, feed_vm};
 
 const MIB: u64 = 1 << 20;
 /// Both ways a destination lands pages: every crafted stream is fed to each.
 const LANDINGS: [PageLanding; 2] = [PageLanding::Mapping, PageLanding::File];
-
-/// A crafted migration: the main connection's bytes, then each data connection's bytes
-/// (each connection is opened in order and written whole).
-fn feed(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> String {
-    feed_vm(main, data, landing).0
-}
-
-/// [`feed`], also returning the destination VM.
-fn feed_vm(main: &[u8], data: &[Vec<u8>], landing: PageLanding) -> (String, FakeVm) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut dst = FakeVm::new(8 * MIB, 1);
-    dst.landing = landing;
-    let error = std::thread::scope(|s| {
-        let receiver = s.spawn(|| {
-            let main = listener.accept().unwrap().0;
-            destination::receive(&mut dst, main, &mut acceptor(&listener))
-        });
-        let mut conns = vec![TcpStream::connect(addr).unwrap()];
-        let _ = conns[0].write_all(main);
-        for d in data {
-            let mut c = TcpStream::connect(addr).unwrap();
-            let _ = c.write_all(d);
-            conns.push(c);
-        }
-        for c in &conns {
-            let _ = c.shutdown(std::net::Shutdown::Write);
-        }
-        let r = receiver.join().unwrap();
-        r.expect_err("a bad stream must be refused").to_string()
-    });
-    (error, dst)
-}
 
 /// `bytes` with byte `at` changed, as a faulty link would.
 fn flipped(mut bytes: Vec<u8>, at: usize) -> Vec<u8> {

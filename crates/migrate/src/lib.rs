@@ -20,6 +20,7 @@
 #![deny(unsafe_code)]
 
 pub mod bitmap;
+pub mod compress;
 mod conn;
 pub mod control;
 pub mod destination;
@@ -47,6 +48,7 @@ pub mod zero;
 #[allow(unsafe_code)] // mmap and munmap of the bitmaps' zeroed memory
 pub mod zeroed;
 
+pub use compress::Compression;
 pub use control::{Control, Phase, Progress, Settings, Tuning};
 pub use error::MigrateError;
 pub use policy::{AutoConverge, Policy, TimeoutAction};

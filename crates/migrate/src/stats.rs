@@ -110,6 +110,9 @@ pub struct MigrationStats {
     pub converged: bool,
     /// Batches an offload zero-scan engine failed and the sender scanned itself.
     pub zero_scan_fallbacks: u64,
+    /// What the senders' compression did and cost (`--compression`); `None` when off or not
+    /// granted. Its CPU is part of `cpu_seconds_source` too.
+    pub compression: Option<CompressionStats>,
     /// Time the VMM took to start dirty tracking (`SourceVm::start_dirty_log`, part of
     /// setup): with the reference VMM it follows populated memory, not configured RAM.
     #[serde(default)]
@@ -352,6 +355,32 @@ fn cpu_ns(clock: libc::clockid_t) -> u64 {
         libc::clock_gettime(clock, &mut ts)
     };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// What compression did and cost on one side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompressionStats {
+    /// Batches sent compressed.
+    pub records_compressed: u64,
+    /// Batches compressed but sent raw (too little saved), or not compressed by `auto`.
+    pub records_raw: u64,
+    /// Page bytes that went into the sent compressed records.
+    pub bytes_in: u64,
+    /// The compressed records' frame bytes.
+    pub bytes_out: u64,
+    /// CPU seconds spent compressing (source) or decompressing (destination).
+    pub cpu_seconds: f64,
+}
+
+impl CompressionStats {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &CompressionStats) {
+        self.records_compressed += other.records_compressed;
+        self.records_raw += other.records_raw;
+        self.bytes_in += other.bytes_in;
+        self.bytes_out += other.bytes_out;
+        self.cpu_seconds += other.cpu_seconds;
+    }
 }
 
 #[cfg(test)]

@@ -67,6 +67,9 @@ pub struct MigrationRequest {
     pub free_page_hints: bool,
     /// What the checksums cover beyond state, control records and page addresses.
     pub checksum: Checksum,
+    /// Compress precopy's pages: `off`, `zstd[:LEVEL]` or `auto[:LEVEL]` (compress only
+    /// while the link is slower than what compression frees).
+    pub compression: ferry_migrate::Compression,
     /// Run every connection over TLS with these files (paths on this host); `None`: plain.
     pub tls: Option<TlsRequest>,
     /// Longest a write to the destination may wait.
@@ -128,6 +131,7 @@ impl Default for MigrationRequest {
             postcopy_recover: true,
             free_page_hints: engine.free_page_hints,
             checksum: Checksum::State,
+            compression: engine.compression,
             tls: None,
             peer_timeout_ms: engine
                 .peer_timeout
@@ -219,6 +223,7 @@ impl MigrationRequest {
             recover: self.postcopy && self.postcopy_recover,
             free_page_hints: self.free_page_hints,
             checksum_pages: self.checksum == Checksum::Pages,
+            compression: self.compression,
             peer_timeout: Some(Duration::from_millis(self.peer_timeout_ms)),
             ..SourceParams::new(self.policy(), uuid)
         };

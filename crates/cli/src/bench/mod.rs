@@ -4,6 +4,7 @@
 
 mod blocktime;
 mod channels;
+mod compression;
 mod guest;
 mod hinting;
 mod hostile;
@@ -35,6 +36,9 @@ pub enum BenchCommand {
     /// Destination ingest: migrations into sparse and preallocated RAM, against raw TCP and
     /// the cost of landing pages in fresh and populated memory.
     Ingest(ingest::IngestBenchArgs),
+    /// Compression off, zstd and auto on a guest of mixed content, at a 1 Gbit/s bandwidth
+    /// limit and unlimited on loopback, against compression off in the same run.
+    Compression(compression::CompressionBenchArgs),
     /// Postcopy with and without the preempt connection, on loopback and a link capped at
     /// 1 GB/s, against the raw 4 KiB request/response round trip on the same link.
     Postcopy(postcopy::PostcopyBenchArgs),
@@ -69,6 +73,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Precopy(args) => precopy::run(&args),
         BenchCommand::Channels(args) => channels::run(&args),
         BenchCommand::Ingest(args) => ingest::run(&args),
+        BenchCommand::Compression(args) => compression::run(&args),
         BenchCommand::Postcopy(args) => postcopy::run(&args),
         BenchCommand::Hinting(args) => hinting::run(&args),
         BenchCommand::State(args) => state::run(&args),

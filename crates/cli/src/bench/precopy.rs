@@ -81,6 +81,10 @@ pub(super) struct Scenario {
     pub checksum_pages: bool,
     /// With postcopy: the background push's order.
     pub postcopy_order: PostcopyOrder,
+    /// How precopy's pages are compressed (`--compression`).
+    pub compression: ferry_migrate::Compression,
+    /// The bandwidth limit, bytes per second (`--max-bandwidth`).
+    pub max_bandwidth: Option<u64>,
 }
 
 /// How a bench migration's precopy ends.
@@ -114,6 +118,8 @@ impl Scenario {
             tls: false,
             checksum_pages: false,
             postcopy_order: PostcopyOrder::default(),
+            compression: ferry_migrate::Compression::Off,
+            max_bandwidth: None,
         }
     }
 }
@@ -510,6 +516,8 @@ pub(super) fn migrate_over(
     };
     request.channels = s.channels;
     request.free_page_hints = s.free_page_hints;
+    request.compression = s.compression;
+    request.max_bandwidth = s.max_bandwidth;
     if s.checksum_pages {
         request.checksum = Checksum::Pages;
     }

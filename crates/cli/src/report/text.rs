@@ -221,6 +221,17 @@ pub fn print_table(s: &MigrationStats) {
         "CPU              {:>10.3} s source, {:.3} s destination; longest dirty sync {:.2} ms, longest step {:.2} ms",
         s.cpu_seconds_source, s.cpu_seconds_destination, s.max_sync_ms, s.max_step_ms
     );
+    if let Some(c) = &s.compression {
+        println!(
+            "compression      {} records compressed ({:.1} MB of pages to {:.1} MB, {:.2}x), {} sent raw; {:.3} CPU s on the source",
+            c.records_compressed,
+            c.bytes_in as f64 / 1e6,
+            c.bytes_out as f64 / 1e6,
+            c.bytes_in as f64 / (c.bytes_out as f64).max(1.0),
+            c.records_raw,
+            c.cpu_seconds
+        );
+    }
     if s.throttle_max_percent > 0 {
         println!(
             "auto-converge    throttled the guest up to {}% while precopy stalled",

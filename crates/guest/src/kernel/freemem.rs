@@ -12,7 +12,7 @@ use ferry_guest::pool::{self, BLOCK_PAGES, Pool, State};
 use ferry_guest_abi::layout::MAX_EXTENTS;
 use ferry_guest_abi::params::{FREE_BLOCK, Params};
 use ferry_guest_abi::report;
-use ferry_guest_abi::stamp::{expected_word, next_generation};
+use ferry_guest_abi::stamp::{expected_word, fill_word, next_generation};
 
 use super::balloon::Balloon;
 use super::memory;
@@ -121,7 +121,11 @@ impl FreeMemory {
             self.generation = next_generation(self.generation);
             let first = self.pool.pfn(block);
             for k in 0..BLOCK_PAGES {
-                memory::write_filled(first + k, expected_word(first + k, self.generation, 0));
+                memory::write_filled(
+                    first + k,
+                    expected_word(first + k, self.generation, 0),
+                    fill_word,
+                );
             }
             self.live[(self.live_first + self.live_count) % LIVE] = (block, self.generation);
             self.live_count += 1;
@@ -139,8 +143,11 @@ impl FreeMemory {
             let (block, generation) = self.live[(self.live_first + i) % LIVE];
             let first = self.pool.pfn(block);
             for k in 0..BLOCK_PAGES {
-                if !memory::page_matches_filled(first + k, expected_word(first + k, generation, 0))
-                {
+                if !memory::page_matches_filled(
+                    first + k,
+                    expected_word(first + k, generation, 0),
+                    fill_word,
+                ) {
                     listed(first + k);
                     bad += 1;
                 }
@@ -153,7 +160,11 @@ impl FreeMemory {
         let first = self.pool.pfn(block);
         (0..BLOCK_PAGES)
             .filter(|k| {
-                !memory::page_matches_filled(first + k, expected_word(first + k, generation, 0))
+                !memory::page_matches_filled(
+                    first + k,
+                    expected_word(first + k, generation, 0),
+                    fill_word,
+                )
             })
             .count() as u64
     }

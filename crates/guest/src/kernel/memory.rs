@@ -14,15 +14,16 @@ pub fn write_stamp(pfn: u64, word: u64) {
     unsafe { ((pfn * PAGE_SIZE) as *mut u64).write_volatile(word) }
 }
 
-/// Writes a whole page for `fill=random`: the stamp in word 0, derived words after it (or all
-/// zeros when the write is a zero write, `stamp == 0`).
-pub fn write_filled(pfn: u64, stamp: u64) {
+/// Writes a whole page for `fill=random` or `fill=mixed`: the stamp in word 0, the words
+/// `word` derives from it after (or all zeros when the write is a zero write, `stamp == 0`).
+#[inline(always)]
+pub fn write_filled(pfn: u64, stamp: u64, word: fn(u64, u64) -> u64) {
     let p = (pfn * PAGE_SIZE) as *mut u64;
     for i in 0..WORDS_PER_PAGE {
         let w = if stamp == 0 || i == 0 {
             stamp
         } else {
-            ferry_guest_abi::stamp::fill_word(stamp, i as u64)
+            word(stamp, i as u64)
         };
         // SAFETY: as for `write_stamp`; `i` stays inside the page.
         unsafe { p.add(i).write_volatile(w) };
@@ -40,8 +41,8 @@ pub fn scribble(pfn: u64) {
     }
 }
 
-/// Whether frame `pfn` holds the `fill=random` content for `stamp`.
-pub fn page_matches_filled(pfn: u64, stamp: u64) -> bool {
+/// Whether frame `pfn` holds the content `write_filled` writes for `stamp` and `word`.
+pub fn page_matches_filled(pfn: u64, stamp: u64, word: fn(u64, u64) -> u64) -> bool {
     // SAFETY: as for `page_matches`.
     let words =
         unsafe { core::slice::from_raw_parts((pfn * PAGE_SIZE) as *const u64, WORDS_PER_PAGE) };
@@ -52,7 +53,7 @@ pub fn page_matches_filled(pfn: u64, stamp: u64) -> bool {
         && words[1..]
             .iter()
             .enumerate()
-            .all(|(i, &w)| w == ferry_guest_abi::stamp::fill_word(stamp, i as u64 + 1))
+            .all(|(i, &w)| w == word(stamp, i as u64 + 1))
 }
 
 /// Writes word `lane` of frame `pfn` (`shared=1`: each vCPU writes its own word of a page).

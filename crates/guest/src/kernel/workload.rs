@@ -8,7 +8,7 @@ use ferry_guest::rate::WriteRate;
 use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
 use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
 use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
-use ferry_guest_abi::stamp::{expected_word, next_generation};
+use ferry_guest_abi::stamp::{self, expected_word, next_generation};
 use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
 
 use super::boot_info::BootInfo;
@@ -337,7 +337,8 @@ impl Workload {
         match (self.lane, self.p.fill) {
             (Some(lane), _) => memory::write_lane(pfn, lane, word),
             (None, Fill::Stamp) => memory::write_stamp(pfn, word),
-            (None, Fill::Random) => memory::write_filled(pfn, word),
+            (None, Fill::Random) => memory::write_filled(pfn, word, stamp::fill_word),
+            (None, Fill::Mixed) => memory::write_filled(pfn, word, stamp::mixed_word),
         }
     }
 
@@ -346,7 +347,8 @@ impl Workload {
         match (self.lane, self.p.fill) {
             (Some(lane), _) => memory::lane_matches(pfn, lane, want),
             (None, Fill::Stamp) => memory::page_matches(pfn, want),
-            (None, Fill::Random) => memory::page_matches_filled(pfn, want),
+            (None, Fill::Random) => memory::page_matches_filled(pfn, want, stamp::fill_word),
+            (None, Fill::Mixed) => memory::page_matches_filled(pfn, want, stamp::mixed_word),
         }
     }
 

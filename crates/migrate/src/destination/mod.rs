@@ -29,7 +29,9 @@
 mod acker;
 mod arrival;
 pub(crate) mod assemble;
+mod barrier;
 pub(crate) mod gate;
+mod inflate;
 mod listen;
 mod order;
 mod outbox;

@@ -167,6 +167,8 @@ impl Data {
 pub(crate) enum DataStep {
     /// Read and land a Pages record.
     Pages,
+    /// Read, decompress and place a CompressedPages record's pages.
+    CompressedPages,
     /// Read and apply a ZeroRuns record.
     ZeroRuns,
     /// Pass `n` ended on this channel: wait until every channel ended it.
@@ -190,6 +192,8 @@ pub(crate) fn next_data(
         (Kind::Postcopy, D::Preempt | D::Passes { .. }) => Ok((D::Postcopy, DataStep::Postcopy)),
         (_, D::Preempt) => refuse(Rule::PreemptStartsWithPostcopy),
         (Kind::Pages, _) => Ok((at, DataStep::Pages)),
+        (Kind::CompressedPages, D::Passes { .. }) => Ok((at, DataStep::CompressedPages)),
+        (Kind::CompressedPages, _) => refuse(Rule::CompressedInPasses),
         (Kind::ZeroRuns, _) => Ok((at, DataStep::ZeroRuns)),
         (Kind::EndOfPass, D::Passes { passes }) if count == passes + 1 => {
             Ok((D::Passes { passes: count }, DataStep::EndPass(count)))

@@ -1,5 +1,5 @@
-//! A data channel's receiver thread on the destination, and the barrier that orders passes
-//! across channels.
+//! A data channel's receiver thread on the destination (the barrier that orders passes across
+//! channels is `barrier.rs`).
 //!
 //! Invariant (docs/protocol.md, "Passes and channels"): no page of pass n+1 is written before
 //! every page of pass n has been, on every channel. Each channel's stream is in order, and a
@@ -11,19 +11,19 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
 use std::io::Read;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::assemble::Assembler;
 use super::gate::PostcopyGate;
+use super::inflate::Inflater;
 use super::order::{self, DataStep};
 use super::postcopy::Postcopy;
 use super::progress::IncomingControl;
 use super::sink::PageSink;
-use crate::error::{Connection, Internal, MigrateError, ProtocolError, Twice};
+use crate::error::{Connection, MigrateError, ProtocolError, Rule, Twice};
 use crate::ram::Ram;
 use crate::transport::Stream;
 use crate::wire::{self, HEADER_SIZE, Header, PAGE_SIZE};
@@ -33,139 +33,8 @@ use crate::wire::{self, HEADER_SIZE, Header, PAGE_SIZE};
 /// the marker's pages).
 const POSTCOPY_GATE_TIMEOUT: Duration = Duration::from_secs(60);
 
+pub use super::barrier::PassBarrier;
 pub use crate::pagebits::PageBits;
-
-/// Makes every party wait at the end of pass n until all parties reached it, or until a party
-/// fails or leaves too early (then everyone stops). Every wait is bounded: a party that never
-/// arrives and never leaves is given up on after [`PassBarrier::new`]'s `timeout`.
-#[derive(Debug)]
-pub struct PassBarrier {
-    parties: usize,
-    timeout: Duration,
-    state: Mutex<BarrierState>,
-    cv: Condvar,
-    /// Pages claimed in the current pass; cleared by the last party to arrive.
-    claimed: Arc<PageBits>,
-}
-
-#[derive(Debug, Default)]
-struct BarrierState {
-    arrived: BTreeMap<u32, usize>,
-    /// Data channels whose stream ended, with the last pass each finished.
-    departed: Vec<(u16, u32)>,
-    /// The first failure.
-    failure: Option<Failure>,
-}
-
-/// Why the parties of a pass stop: a connection's error, as its siblings are told it (the
-/// failing connection's thread returns the error itself), or a receiver that panicked.
-#[derive(Debug)]
-enum Failure {
-    Channel(String),
-    Panicked(Connection),
-}
-
-fn failure_error(failure: &Failure) -> MigrateError {
-    match failure {
-        Failure::Channel(why) => MigrateError::Channel(why.clone()),
-        Failure::Panicked(connection) => Internal::ReceiverUnwound {
-            connection: *connection,
-        }
-        .into(),
-    }
-}
-
-impl PassBarrier {
-    pub fn new(parties: usize, claimed: Arc<PageBits>, timeout: Duration) -> PassBarrier {
-        PassBarrier {
-            parties,
-            timeout,
-            state: Mutex::new(BarrierState::default()),
-            cv: Condvar::new(),
-            claimed,
-        }
-    }
-
-    /// Waits until every party has ended pass `pass`.
-    pub fn wait(&self, pass: u32) -> Result<(), MigrateError> {
-        let deadline = Instant::now() + self.timeout;
-        let mut s = self.state.lock().unwrap();
-        let n = {
-            let n = s.arrived.entry(pass).or_insert(0);
-            *n += 1;
-            *n
-        };
-        if n == self.parties {
-            self.claimed.clear_all();
-            s.arrived.retain(|&p, _| p >= pass);
-            self.cv.notify_all();
-        }
-        loop {
-            if let Some(f) = &s.failure {
-                return Err(failure_error(f));
-            }
-            if s.arrived.get(&pass).copied().unwrap_or(self.parties) >= self.parties {
-                return Ok(());
-            }
-            if let Some(&(channel, after_pass)) = s.departed.iter().find(|d| d.1 < pass) {
-                return Err(MigrateError::ChannelEnded {
-                    channel,
-                    after_pass,
-                    pass,
-                });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(MigrateError::PassTimeout {
-                    pass,
-                    timeout: self.timeout,
-                });
-            }
-            s = self.cv.wait_timeout(s, deadline - now).unwrap().0;
-        }
-    }
-
-    /// A data channel's stream ended cleanly after it finished `after_pass`: a party waiting
-    /// for a later pass will never see it arrive, so it is released with an error naming it.
-    pub fn leave(&self, channel: u16, after_pass: u32) {
-        let mut s = self.state.lock().unwrap();
-        s.departed.push((channel, after_pass));
-        self.cv.notify_all();
-    }
-
-    /// The channels that ended before finishing `pass` (what a waiter's error names).
-    #[cfg(test)]
-    fn departed_before(&self, pass: u32) -> Option<(u16, u32)> {
-        let s = self.state.lock().unwrap();
-        s.departed.iter().copied().find(|d| d.1 < pass)
-    }
-
-    /// Records the first failure and releases every waiter.
-    pub fn fail(&self, why: &str) {
-        self.record(Failure::Channel(why.to_string()));
-    }
-
-    /// Records a bug (a party that panicked) as the failure, unless one came first.
-    fn fail_with_bug(&self, connection: Connection) {
-        self.record(Failure::Panicked(connection));
-    }
-
-    fn record(&self, failure: Failure) {
-        let mut s = self.state.lock().unwrap();
-        s.failure.get_or_insert(failure);
-        self.cv.notify_all();
-    }
-
-    /// The first failure a party reported, as the error it ends the migration with.
-    pub fn failure(&self) -> Option<MigrateError> {
-        self.state
-            .lock()
-            .unwrap()
-            .failure
-            .as_ref()
-            .map(failure_error)
-    }
-}
 
 /// What one receiver did.
 #[derive(Clone, Copy, Debug, Default)]
@@ -174,6 +43,9 @@ pub struct ReceiverStats {
     pub zero_pages: u64,
     pub passes: u32,
     pub cpu_ns: u64,
+    /// CPU spent decoding CompressedPages frames, and the records decoded.
+    pub decompress_cpu_ns: u64,
+    pub compressed_records: u64,
 }
 
 /// Shared by all receivers of a migration.
@@ -194,6 +66,28 @@ pub struct Shared {
     /// [`wire::Capabilities::CHECKSUM_PAGES`] was granted: a Pages record's checksum covers
     /// its page data too.
     pub checksum_pages: bool,
+    /// [`wire::Capabilities::COMPRESS`] was granted: CompressedPages records may come.
+    pub compress: bool,
+}
+
+impl Shared {
+    /// Claims a page for this pass; a page carried twice in one pass is refused.
+    fn claim(&self, gpa: u64) -> Result<u64, MigrateError> {
+        let i = self.ram.page_index(gpa)?;
+        if self.claimed.set(i) {
+            return Err(ProtocolError::PageTwice {
+                gpa,
+                twice: Twice::InPass,
+            }
+            .into());
+        }
+        Ok(i)
+    }
+
+    /// Claims each of `gpas` for this pass ([`Shared::claim`]), in order.
+    fn claim_all(&self, gpas: &[u64]) -> Result<Vec<u64>, MigrateError> {
+        gpas.iter().map(|&gpa| self.claim(gpa)).collect()
+    }
 }
 
 /// Starts the receiver of data channel `channel` (0: the preempt connection, which carries
@@ -223,6 +117,7 @@ pub fn start(
                 buffer: Vec::new(),
                 postcopy: None,
                 assembler: None,
+                inflater: None,
                 at: order::Data::start(channel),
             }
             .run();
@@ -378,6 +273,8 @@ struct Receiver {
     postcopy: Option<Arc<Postcopy>>,
     /// Postcopy's huge pages in progress, when the host pages are huge.
     assembler: Option<Assembler>,
+    /// Its decompression, from the first CompressedPages record on.
+    inflater: Option<Inflater>,
     /// Where its record stream is (`order.rs`).
     at: order::Data,
 }
@@ -404,6 +301,10 @@ impl Receiver {
                     self.shared.barrier.leave(self.channel, self.stats.passes);
                 }
                 self.stats.cpu_ns = crate::stats::thread_cpu_ns() - cpu_start;
+                if let Some(i) = &self.inflater {
+                    self.stats.decompress_cpu_ns = i.cpu_ns;
+                    self.stats.compressed_records = i.records;
+                }
                 return Ok(self.stats);
             };
             let c = &self.shared.control;
@@ -412,6 +313,7 @@ impl Receiver {
             self.at = then;
             match step {
                 DataStep::Pages => self.pages(&h)?,
+                DataStep::CompressedPages => self.compressed_pages(&h)?,
                 DataStep::ZeroRuns => self.zero_runs(&h)?,
                 DataStep::Postcopy => {
                     // Every page of the last pass is in (the barrier); wait for the session to
@@ -466,19 +368,6 @@ impl Receiver {
         Ok(v)
     }
 
-    /// Claims a page for this pass; a page carried twice in one pass is refused.
-    fn claim(&self, gpa: u64) -> Result<u64, MigrateError> {
-        let i = self.shared.ram.page_index(gpa)?;
-        if self.shared.claimed.set(i) {
-            return Err(ProtocolError::PageTwice {
-                gpa,
-                twice: Twice::InPass,
-            }
-            .into());
-        }
-        Ok(i)
-    }
-
     fn pages(&mut self, h: &Header) -> Result<(), MigrateError> {
         let count = h.count;
         let checking = self.shared.checksum_pages;
@@ -498,10 +387,7 @@ impl Receiver {
             c.add(&c.pages, u64::from(count));
             return Ok(());
         }
-        let mut indices = Vec::with_capacity(gpas.len());
-        for &gpa in &gpas {
-            indices.push(self.claim(gpa)?);
-        }
+        let indices = self.shared.claim_all(&gpas)?;
         let mut data = Checked::new(
             &mut self.stream,
             h,
@@ -514,14 +400,40 @@ impl Receiver {
             .receive_pages(&mut data, &gpas, &mut self.buffer)
             .map_err(|e| MigrateError::io("receiving pages", e));
         data.verdict(received)?;
-        // The claim is released (the page counts as written) only for data that checked.
+        self.landed(indices);
+        Ok(())
+    }
+
+    /// A CompressedPages record: checked and decoded whole (`inflate.rs`), then placed by the
+    /// sink like a Pages record's data.
+    fn compressed_pages(&mut self, h: &Header) -> Result<(), MigrateError> {
+        if !self.shared.compress {
+            return Err(MigrateError::misplaced(h.kind, Rule::CompressedInPasses));
+        }
+        if self.inflater.is_none() {
+            self.inflater = Some(Inflater::new()?);
+        }
+        let inflater = self.inflater.as_mut().expect("made above");
+        let (gpas, mut data) = inflater.read(&mut self.stream, h)?;
+        let indices = self.shared.claim_all(&gpas)?;
+        self.shared
+            .sink
+            .receive_pages(&mut data, &gpas, &mut self.buffer)
+            .map_err(|e| MigrateError::io("receiving pages", e))?;
+        self.landed(indices);
+        Ok(())
+    }
+
+    /// Counts the pages at page indices `indices` as written, once their data checked and
+    /// landed (the claim is released only then).
+    fn landed(&mut self, indices: Vec<u64>) {
+        let count = indices.len() as u64;
         for i in indices {
             self.shared.written.set(i);
         }
-        self.stats.pages += u64::from(count);
+        self.stats.pages += count;
         let c = &self.shared.control;
-        c.add(&c.pages, u64::from(count));
-        Ok(())
+        c.add(&c.pages, count);
     }
 
     /// Zero runs: only pages that hold data from an earlier pass need zeroing; the rest are
@@ -546,7 +458,7 @@ impl Receiver {
             let mut stale: Option<(u64, u64)> = None;
             for k in 0..pages {
                 let page = gpa + k * PAGE_SIZE;
-                let i = self.claim(page)?;
+                let i = self.shared.claim(page)?;
                 if self.shared.written.clear(i) {
                     stale = match stale {
                         Some((s, n)) if s + n * PAGE_SIZE == page => Some((s, n + 1)),
@@ -581,52 +493,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn barrier_releases_when_all_parties_arrive_and_fails_everyone() {
-        let b = Arc::new(PassBarrier::new(
-            3,
-            Arc::new(PageBits::new(64)),
-            Duration::from_secs(60),
-        ));
-        let waiters: Vec<_> = (0..2)
-            .map(|_| {
-                let b = b.clone();
-                std::thread::spawn(move || b.wait(1))
-            })
-            .collect();
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert!(
-            waiters.iter().all(|w| !w.is_finished()),
-            "nobody passes early"
-        );
-        b.wait(1).unwrap();
-        for w in waiters {
-            w.join().unwrap().unwrap();
-        }
-        let late = {
-            let b = b.clone();
-            std::thread::spawn(move || b.wait(2))
-        };
-        b.fail("channel 3 broke");
-        assert!(
-            late.join()
-                .unwrap()
-                .unwrap_err()
-                .to_string()
-                .contains("channel 3 broke")
-        );
-    }
-
-    #[test]
-    fn regression_a_channel_that_leaves_early_releases_the_barrier() {
-        let b = PassBarrier::new(2, Arc::new(PageBits::new(64)), Duration::from_secs(60));
-        b.leave(1, 0);
-        let e = b.wait(1).unwrap_err().to_string();
-        assert!(e.contains("data channel 1 ended after pass 0"), "{e}");
-        assert_eq!(b.departed_before(1), Some((1, 0)));
-        assert_eq!(b.departed_before(0), None);
-    }
-
-    #[test]
     fn a_receiver_that_panics_releases_the_barrier_with_an_internal_error() {
         let b = Arc::new(PassBarrier::new(
             2,
@@ -659,13 +525,6 @@ mod tests {
             channel: 1,
         });
         assert!(quiet.failure().is_none());
-    }
-
-    #[test]
-    fn a_barrier_wait_is_bounded() {
-        let b = PassBarrier::new(2, Arc::new(PageBits::new(64)), Duration::from_millis(50));
-        let e = b.wait(1).unwrap_err().to_string();
-        assert!(e.contains("pass 1 did not end on every connection"), "{e}");
     }
 
     #[test]

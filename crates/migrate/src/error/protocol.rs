@@ -23,6 +23,9 @@ pub enum ProtocolError {
     /// came again.
     #[error("{}", twice.describe(*gpa))]
     PageTwice { gpa: u64, twice: Twice },
+    /// A CompressedPages record whose frame is not its pages.
+    #[error("a compressed record of {pages} pages is malformed: {why}")]
+    Compressed { pages: u32, why: String },
     #[error(
         "postcopy page {gpa:#x} is not on the discard list: the destination holds its last version"
     )]
@@ -113,6 +116,8 @@ pub enum Rule {
     NoPassInPostcopy,
     /// One Postcopy per data channel.
     OnePostcopy,
+    /// CompressedPages only in precopy's passes, and only with the capability granted.
+    CompressedInPasses,
     /// What a data channel carries.
     DataChannel,
     // What the source hears from the destination.
@@ -174,6 +179,9 @@ impl Rule {
             }
             R::NoPassInPostcopy => "EndOfPass on a data channel after postcopy started".into(),
             R::OnePostcopy => "a second Postcopy on a data channel".into(),
+            R::CompressedInPasses => {
+                "CompressedPages outside precopy's passes or without the compress capability".into()
+            }
             R::DataChannel => format!("{got:?} record on a data channel"),
             R::Awaiting(what) => format!("expected {what} from the destination, got {got:?}"),
             R::PostcopyRecordsNeedPostcopy => {

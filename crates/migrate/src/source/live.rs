@@ -75,6 +75,10 @@ impl Target for Live {
         self.conn.bytes_written + self.pool.bytes_written() + self.earlier_bytes
     }
 
+    fn wire_share(&self) -> f64 {
+        self.pool.wire_share()
+    }
+
     fn close_pages(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError> {
         self.pool.close(stats)
     }

@@ -418,6 +418,9 @@ impl Session<'_, Live> {
         if p.checksum_pages {
             c = c.with(Capabilities::CHECKSUM_PAGES);
         }
+        if p.compression.is_on() {
+            c = c.with(Capabilities::COMPRESS);
+        }
         if p.local {
             c = c.with(Capabilities::LOCAL);
         }
@@ -512,6 +515,15 @@ impl Session<'_, Live> {
             return Err(MigrateError::Refused(
                 "the destination does not check page checksums (an older ferry); migrate without --checksum pages".into(),
             ));
+        }
+        if self.params.compression.is_on() && !reply.capabilities.contains(Capabilities::COMPRESS) {
+            if let crate::Compression::Zstd { .. } = self.params.compression {
+                return Err(MigrateError::Refused(
+                    "the destination does not decompress pages (an older ferry); migrate without --compression, or with --compression auto".into(),
+                ));
+            }
+            // `auto` is a wish, not a need: without the destination's grant, pages go raw.
+            self.params.compression = crate::Compression::Off;
         }
         if self.params.postcopy && !granted.postcopy {
             return Err(MigrateError::Refused(

@@ -72,6 +72,11 @@ pub struct SourceParams {
     /// the page counts as received. Device state, control records, headers and page addresses
     /// are always checksummed.
     pub checksum_pages: bool,
+    /// Compress precopy's page data ([`Compression`](crate::Compression), `compress.rs`;
+    /// [`Capabilities::COMPRESS`](wire::Capabilities::COMPRESS)). Off by default: on a link
+    /// as fast as loopback it only costs CPU. With it on, the bandwidth limit counts the bytes
+    /// that go on the wire, not the pages' bytes.
+    pub compression: crate::Compression,
     /// Longest a write to the destination may block, on every connection: a destination that
     /// takes nothing for this long (stopped, overloaded, its host gone without a reset) fails
     /// the migration like a broken connection (before the handover the guest runs on here;
@@ -140,6 +145,7 @@ impl SourceParams {
             recover: false,
             free_page_hints: true,
             checksum_pages: false,
+            compression: crate::Compression::Off,
             peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
             local: false,
         }

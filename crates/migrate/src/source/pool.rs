@@ -109,6 +109,10 @@ impl ChannelPool {
                 bytes: self.bytes.clone(),
                 pages: self.written_pages.clone(),
                 checksum_pages: params.checksum_pages,
+                compression: params.compression,
+                link_cap: params
+                    .max_bandwidth
+                    .map(|b| b as f64 / f64::from(params.channels.max(1))),
                 turnaround: self.turnaround.clone(),
             };
             let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
@@ -235,6 +239,12 @@ impl ChannelPool {
             stats.pages_zero += s.pages_zero;
             stats.zero_scan_fallbacks += s.fallbacks;
             stats.cpu_seconds_source += s.cpu_ns as f64 / 1e9;
+            if let Some(c) = &s.compression {
+                stats
+                    .compression
+                    .get_or_insert_with(Default::default)
+                    .add(c);
+            }
         }
         // Closed for good: their ends closing on the destination is no longer news.
         self.streams.clear();
@@ -268,6 +278,17 @@ impl ChannelPool {
     /// Bytes written on all data channels so far.
     pub fn bytes_written(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The data channels' bytes per page written so far, over a page's 4 KiB (zero pages and
+    /// compressed ones cost less); 1 before any page went, and never below 1/64.
+    pub fn wire_share(&self) -> f64 {
+        let pages = self.written_pages.load(Ordering::Relaxed);
+        if pages == 0 {
+            return 1.0;
+        }
+        let share = self.bytes_written() as f64 / (pages * crate::wire::PAGE_SIZE) as f64;
+        share.clamp(1.0 / 64.0, 1.0)
     }
 
     /// Pages queued on the senders that they have not written yet (at most their queues'

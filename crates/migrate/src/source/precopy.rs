@@ -261,9 +261,14 @@ impl<P: Target> Session<'_, P> {
         if !gpas.is_empty() {
             self.link_busy();
         }
+        // Compressed, a page costs the link what the pages so far cost on average.
+        let share = match self.params.compression.is_on() {
+            true => self.peer.wire_share(),
+            false => 1.0,
+        };
         for batch in gpas.chunks(self.params.packet_pages as usize) {
             if pacing == Pacing::Limited {
-                self.pace(batch.len() as u64 * BYTES_PER_PAGE)?;
+                self.pace((batch.len() as f64 * BYTES_PER_PAGE as f64 * share) as u64)?;
             }
             self.peer.queue_pages(batch.to_vec())?;
         }

@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::params::TestHooks;
+use crate::compress::{Compression, CompressionStats, PageCompressor};
 use crate::conn::Conn;
 use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
@@ -67,6 +68,8 @@ pub struct SenderStats {
     /// Batches an offload engine failed, which the sender then scanned itself.
     pub fallbacks: u64,
     pub cpu_ns: u64,
+    /// What compression did, when on.
+    pub compression: Option<CompressionStats>,
 }
 
 /// The migration thread's end of a sender.
@@ -107,6 +110,10 @@ pub struct SenderConfig {
     /// Pages records' checksums cover their page data ([`wire::Capabilities::CHECKSUM_PAGES`]
     /// granted).
     pub checksum_pages: bool,
+    /// How precopy's pages are compressed (`compress.rs`), as granted.
+    pub compression: Compression,
+    /// This channel's share of the bandwidth limit, bytes per second, if one is set.
+    pub link_cap: Option<f64>,
     /// Request to pages written, for every [`ChannelMsg::Urgent`] (shared by the senders).
     pub turnaround: Arc<Mutex<Latencies>>,
 }
@@ -199,6 +206,14 @@ fn run(
         pages: &config.pages,
         stats: &mut s,
         copy: config.checksum_pages.then(Vec::new),
+        compressor: match config.compression {
+            Compression::Off => None,
+            mode => Some(
+                PageCompressor::new(mode, config.link_cap)
+                    .map_err(|e| MigrateError::io("setting up compression", e))?,
+            ),
+        },
+        gathered: Vec::new(),
     };
     // After the postcopy marker every batch goes out whole at once, not pipelined.
     let mut postcopy = false;
@@ -228,6 +243,8 @@ fn run(
             }
             ChannelMsg::Postcopy => {
                 postcopy = true;
+                // A vCPU may wait for any page from here on: none waits for a compressor.
+                out.stats.compression = out.compressor.take().map(|c| c.stats);
                 drain(&mut detector, &mut out)?;
                 out.marker(Header::new(Kind::Postcopy, 0, 0), "starting postcopy")?;
             }
@@ -238,6 +255,9 @@ fn run(
                 break;
             }
         }
+    }
+    if let Some(c) = out.compressor.take() {
+        out.stats.compression = Some(c.stats);
     }
     s.cpu_ns = stats::thread_cpu_ns() - cpu_start;
     Ok(s)
@@ -320,9 +340,44 @@ struct Output<'a> {
     /// With page checksums: the pages of a record, copied before they are checksummed, so
     /// that what is sent is what was checksummed while the guest writes on.
     copy: Option<Vec<u8>>,
+    /// Precopy's compression, when on (taken at the postcopy marker).
+    compressor: Option<PageCompressor>,
+    /// The pages of a batch to compress, copied out of guest memory first: the frame then
+    /// decodes to bytes the guest really held at one time.
+    gathered: Vec<u8>,
 }
 
 impl Output<'_> {
+    /// Sends `gpas` as one CompressedPages record if compression is on, wanted for this batch
+    /// and saves enough (`compress.rs`); whether it did.
+    fn compressed(&mut self, gpas: &[u64]) -> Result<bool, MigrateError> {
+        let Some(c) = &mut self.compressor else {
+            return Ok(false);
+        };
+        if !c.wants() {
+            return Ok(false);
+        }
+        self.gathered.clear();
+        for p in self.ram.page_slices(gpas)? {
+            self.gathered.extend_from_slice(&p);
+        }
+        let frame = c
+            .compress(&self.gathered)
+            .map_err(|e| MigrateError::io("compressing pages", e))?;
+        let Some(frame) = frame else {
+            return Ok(false);
+        };
+        let mut payload: Vec<u8> = gpas.iter().flat_map(|a| a.to_le_bytes()).collect();
+        payload.extend_from_slice(frame);
+        let header = Header::new(
+            Kind::CompressedPages,
+            gpas.len() as u32,
+            payload.len() as u64,
+        );
+        self.conn.write_record(&header, &payload)?;
+        Ok(true)
+    }
+
     /// Writes and flushes a record without payload (a pass end, the postcopy marker), counted
     /// with the channel's bytes like any record: the destination acknowledges it, and a byte
     /// acknowledged but never counted here would hide as much in flight (a 40-byte discard
@@ -367,8 +422,12 @@ impl Output<'_> {
             self.conn
                 .write_record(&Header::zero_runs(chunk.len() as u32), &words)?;
         }
-        if !normal.is_empty() {
+        if !normal.is_empty() && !self.compressed(&normal)? {
+            let (before, started) = (self.conn.bytes_written, Instant::now());
             write_record(self.conn, self.ram, &normal, self.copy.as_mut())?;
+            if let Some(c) = &mut self.compressor {
+                c.wrote(self.conn.bytes_written - before, started.elapsed());
+            }
         }
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;

@@ -32,6 +32,12 @@ pub(crate) trait Target {
     /// Bytes written so far, for the send rate.
     fn bytes_written(&self) -> u64;
 
+    /// The bytes a page has cost on the wire so far, as a share of its 4 KiB: what the
+    /// bandwidth limit counts per page when pages are compressed.
+    fn wire_share(&self) -> f64 {
+        1.0
+    }
+
     /// The guest is about to pause for the final pass, with `dirty_pages` dirty pages as the
     /// last sync counted them.
     fn before_pause(&mut self, _dirty_pages: u64) {}

@@ -45,6 +45,9 @@ impl Capabilities {
     /// destination maps them, and no page moves; only the device state follows, and the
     /// destination resumes the guest only when the source says Go. No data channel connects.
     pub const LOCAL: Capabilities = Capabilities(1 << 9);
+    /// Bit 10: the source may send a precopy batch's pages as a
+    /// [`Kind::CompressedPages`](super::Kind::CompressedPages) record (one zstd frame).
+    pub const COMPRESS: Capabilities = Capabilities(1 << 10);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -55,7 +58,8 @@ impl Capabilities {
             | Capabilities::CONFIG.0
             | Capabilities::MAIN_PAGES.0
             | Capabilities::ERROR_CODES.0
-            | Capabilities::LOCAL.0,
+            | Capabilities::LOCAL.0
+            | Capabilities::COMPRESS.0,
     );
 
     /// The protocol version a hello asking for (or granting) these needs: 5 with

@@ -33,6 +33,10 @@ pub enum WireError {
         len: u64,
         expected: u64,
     },
+    #[error(
+        "CompressedPages record of {count} pages is {len} bytes: no room for a frame after its addresses"
+    )]
+    NoFrame { count: u32, len: u64 },
     #[error("{kind:?} record length {len} exceeds the limit of {max}")]
     TooLong { kind: Kind, len: u64, max: u64 },
     #[error("{kind:?} record must be empty but carries {len} bytes")]

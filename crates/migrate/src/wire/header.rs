@@ -172,6 +172,16 @@ impl Header {
         }
         match kind {
             Kind::Pages => batch(MAX_PAGES_PER_RECORD, 8 + PAGE_SIZE),
+            Kind::CompressedPages if count == 0 => Err(WireError::Empty { kind }),
+            Kind::CompressedPages if count > MAX_PAGES_PER_RECORD => Err(WireError::TooMany {
+                kind,
+                count,
+                max: MAX_PAGES_PER_RECORD,
+            }),
+            Kind::CompressedPages if len <= u64::from(count) * 8 => {
+                Err(WireError::NoFrame { count, len })
+            }
+            Kind::CompressedPages => bounded(u64::from(count) * (8 + PAGE_SIZE)),
             Kind::ZeroRuns | Kind::Discard | Kind::PageRequest | Kind::Missing => {
                 batch(MAX_ZERO_RUNS_PER_RECORD, 16)
             }

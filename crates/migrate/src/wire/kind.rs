@@ -96,6 +96,12 @@ wire_enum! {
         /// Source → destination, local only, after Loaded: resume the guest. From the moment
         /// the source sends it, it never runs the guest again. No payload.
         Go = 19,
+        /// Source → destination, data channel, precopy passes only, when
+        /// [`Capabilities::COMPRESS`](super::Capabilities::COMPRESS) was granted: `count` pages
+        /// as `count` guest addresses (u64), then one zstd frame that decodes to exactly
+        /// `count` × 4096 bytes of page data. The payload is never longer than the Pages
+        /// record it replaces, and its checksum covers all of it.
+        CompressedPages = 20,
     }
 }
 

@@ -43,6 +43,7 @@ impl Session<'_> {
                     control: self.control.clone(),
                     postcopy: self.gate.clone(),
                     checksum_pages: self.granted.contains(Capabilities::CHECKSUM_PAGES),
+                    compress: self.granted.contains(Capabilities::COMPRESS),
                 };
                 self.shared = Some(shared.clone());
                 shared
@@ -137,6 +138,8 @@ impl Session<'_> {
             self.stats.pages += s.pages;
             self.stats.zero_pages += s.zero_pages;
             self.stats.receiver_cpu_ns += s.cpu_ns;
+            self.stats.decompress_cpu_ns += s.decompress_cpu_ns;
+            self.stats.compressed_records += s.compressed_records;
         }
         Ok(())
     }

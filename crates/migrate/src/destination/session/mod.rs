@@ -54,6 +54,9 @@ pub struct ReceiveStats {
     pub resume: Duration,
     /// CPU time of the data channels' receiver threads.
     pub receiver_cpu_ns: u64,
+    /// Of it, the CPU time spent decoding compressed records, and how many there were.
+    pub decompress_cpu_ns: u64,
+    pub compressed_records: u64,
     /// What postcopy did here, if the source switched to it.
     pub postcopy: Option<PostcopyReceived>,
 }

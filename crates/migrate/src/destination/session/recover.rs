@@ -131,6 +131,8 @@ impl Session<'_> {
                 self.stats.pages += s.pages;
                 self.stats.zero_pages += s.zero_pages;
                 self.stats.receiver_cpu_ns += s.cpu_ns;
+                self.stats.decompress_cpu_ns += s.decompress_cpu_ns;
+                self.stats.compressed_records += s.compressed_records;
             }
         }
     }
