@@ -209,7 +209,8 @@ pub struct MigrateArgs {
     /// batch, after the zero scan; a batch that compresses poorly goes raw. `auto` compresses
     /// only while the link is slower than what compression frees (measured per channel as it
     /// goes, the --max-bandwidth share included). Off by default: on a fast link it only
-    /// costs CPU. With it on, --max-bandwidth counts the bytes on the wire.
+    /// costs CPU. With it on, --max-bandwidth counts a page at what data pages lately cost on
+    /// the wire.
     #[arg(
         long,
         default_value = "off",

@@ -75,8 +75,12 @@ impl Target for Live {
         self.conn.bytes_written + self.pool.bytes_written() + self.earlier_bytes
     }
 
-    fn wire_share(&self) -> f64 {
-        self.pool.wire_share()
+    fn data_totals(&self) -> (u64, u64) {
+        self.pool.data_totals()
+    }
+
+    fn max_bandwidth_changed(&mut self, max: Option<u64>) {
+        self.pool.max_bandwidth_changed(max);
     }
 
     fn close_pages(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError> {

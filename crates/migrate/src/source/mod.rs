@@ -225,6 +225,8 @@ struct Session<'a, P = Live> {
     handoff: crate::wire::Latencies,
     /// How recently each 2 MiB was dirtied, for postcopy's push order (`heat.rs`).
     heat: heat::Heat,
+    /// What a data page costs on the wire lately, with compression (`compress.rs`).
+    wire: crate::compress::WireShare,
 }
 
 impl<'a, P: Target> Session<'a, P> {
@@ -248,6 +250,7 @@ impl<'a, P: Target> Session<'a, P> {
             guest: GuestState::Running,
             handed_over: false,
             heat: heat::Heat::default(),
+            wire: crate::compress::WireShare::default(),
             stalled_passes: 0,
             throttle: 0,
             start: Instant::now(),

@@ -93,7 +93,8 @@ impl<P: Target> Session<'_, P> {
         self.note_acks();
         self.note_idle();
         Observation {
-            remaining_bytes: self.bitmap.count() * PAGE_SIZE,
+            // Compressed, what is left costs the link what data pages lately did.
+            remaining_bytes: ((self.bitmap.count() * PAGE_SIZE) as f64 * self.wire_share()) as u64,
             in_flight_bytes: self.in_flight(),
             bandwidth: self.rate(),
             elapsed: self.start.elapsed(),

@@ -74,8 +74,9 @@ pub struct SourceParams {
     pub checksum_pages: bool,
     /// Compress precopy's page data ([`Compression`](crate::Compression), `compress.rs`;
     /// [`Capabilities::COMPRESS`](wire::Capabilities::COMPRESS)). Off by default: on a link
-    /// as fast as loopback it only costs CPU. With it on, the bandwidth limit counts the bytes
-    /// that go on the wire, not the pages' bytes.
+    /// as fast as loopback it only costs CPU. With it on, the bandwidth limit (and the downtime
+    /// estimate) count a page at what data pages lately cost on the wire
+    /// (`compress::WireShare`), not at 4 KiB.
     pub compression: crate::Compression,
     /// Longest a write to the destination may block, on every connection: a destination that
     /// takes nothing for this long (stopped, overloaded, its host gone without a reset) fails

@@ -51,6 +51,12 @@ pub struct ChannelPool {
     /// Pages the main connection's reader queued on the preempt connection itself
     /// (`forward.rs`), counted with the queued ones.
     forwarded: Arc<AtomicU64>,
+    /// Each channel's share of the bandwidth limit (0: none), and the data records' page and
+    /// wire bytes (`SenderConfig`).
+    link_cap: Arc<AtomicU64>,
+    data_pages: Arc<AtomicU64>,
+    data_wire: Arc<AtomicU64>,
+    channels: u16,
 }
 
 impl ChannelPool {
@@ -66,6 +72,8 @@ impl ChannelPool {
         preempt: bool,
     ) -> Result<(), MigrateError> {
         let io = |e| MigrateError::io("connecting a data channel", e);
+        self.channels = params.channels;
+        self.max_bandwidth_changed(params.max_bandwidth);
         let lanes = (1..=params.channels)
             .map(|c| (Role::Data, c))
             .chain(preempt.then_some((Role::Preempt, 0)));
@@ -110,9 +118,9 @@ impl ChannelPool {
                 pages: self.written_pages.clone(),
                 checksum_pages: params.checksum_pages,
                 compression: params.compression,
-                link_cap: params
-                    .max_bandwidth
-                    .map(|b| b as f64 / f64::from(params.channels.max(1))),
+                link_cap: self.link_cap.clone(),
+                data_pages: self.data_pages.clone(),
+                data_wire: self.data_wire.clone(),
                 turnaround: self.turnaround.clone(),
             };
             let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
@@ -280,15 +288,19 @@ impl ChannelPool {
         self.bytes.load(Ordering::Relaxed)
     }
 
-    /// The data channels' bytes per page written so far, over a page's 4 KiB (zero pages and
-    /// compressed ones cost less); 1 before any page went, and never below 1/64.
-    pub fn wire_share(&self) -> f64 {
-        let pages = self.written_pages.load(Ordering::Relaxed);
-        if pages == 0 {
-            return 1.0;
-        }
-        let share = self.bytes_written() as f64 / (pages * crate::wire::PAGE_SIZE) as f64;
-        share.clamp(1.0 / 64.0, 1.0)
+    /// The data records' page bytes and the bytes written for them, so far.
+    pub fn data_totals(&self) -> (u64, u64) {
+        (
+            self.data_pages.load(Ordering::Relaxed),
+            self.data_wire.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The bandwidth limit is now `max` (bytes per second): each channel's share of it is what
+    /// `auto` compression takes as the link's rate at most.
+    pub fn max_bandwidth_changed(&self, max: Option<u64>) {
+        let share = max.map_or(0, |m| (m / u64::from(self.channels.max(1))).max(1));
+        self.link_cap.store(share, Ordering::Relaxed);
     }
 
     /// Pages queued on the senders that they have not written yet (at most their queues'

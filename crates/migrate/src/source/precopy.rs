@@ -110,6 +110,7 @@ impl<P: Target> Session<'_, P> {
         }
         if let Some(rate) = t.max_bandwidth {
             self.params.max_bandwidth = rate;
+            self.peer.max_bandwidth_changed(rate);
             let now = self.start.elapsed();
             self.limiter = rate.map(|r| Limiter::from(r, now));
         }
@@ -261,11 +262,7 @@ impl<P: Target> Session<'_, P> {
         if !gpas.is_empty() {
             self.link_busy();
         }
-        // Compressed, a page costs the link what the pages so far cost on average.
-        let share = match self.params.compression.is_on() {
-            true => self.peer.wire_share(),
-            false => 1.0,
-        };
+        let share = self.wire_share();
         for batch in gpas.chunks(self.params.packet_pages as usize) {
             if pacing == Pacing::Limited {
                 self.pace((batch.len() as f64 * BYTES_PER_PAGE as f64 * share) as u64)?;
@@ -274,6 +271,16 @@ impl<P: Target> Session<'_, P> {
         }
         self.after_batch();
         Ok(gpas.len() as u64)
+    }
+
+    /// What a page costs the link, as a share of its 4 KiB: 1 without compression; with it,
+    /// what data pages cost on the wire lately ([`crate::compress::WireShare`]).
+    pub(super) fn wire_share(&mut self) -> f64 {
+        if !self.params.compression.is_on() {
+            return 1.0;
+        }
+        let (pages, wire) = self.peer.data_totals();
+        self.wire.update(pages, wire)
     }
 
     /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the

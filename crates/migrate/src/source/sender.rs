@@ -112,8 +112,13 @@ pub struct SenderConfig {
     pub checksum_pages: bool,
     /// How precopy's pages are compressed (`compress.rs`), as granted.
     pub compression: Compression,
-    /// This channel's share of the bandwidth limit, bytes per second, if one is set.
-    pub link_cap: Option<f64>,
+    /// Each channel's share of the bandwidth limit in force, bytes per second (0: none); the
+    /// session changes it with the limit.
+    pub link_cap: Arc<AtomicU64>,
+    /// Page bytes of the data records (Pages and CompressedPages) all senders wrote, and the
+    /// bytes written for them, for the session's [`crate::compress::WireShare`].
+    pub data_pages: Arc<AtomicU64>,
+    pub data_wire: Arc<AtomicU64>,
     /// Request to pages written, for every [`ChannelMsg::Urgent`] (shared by the senders).
     pub turnaround: Arc<Mutex<Latencies>>,
 }
@@ -209,11 +214,12 @@ fn run(
         compressor: match config.compression {
             Compression::Off => None,
             mode => Some(
-                PageCompressor::new(mode, config.link_cap)
+                PageCompressor::new(mode)
                     .map_err(|e| MigrateError::io("setting up compression", e))?,
             ),
         },
         gathered: Vec::new(),
+        config: &config,
     };
     // After the postcopy marker every batch goes out whole at once, not pipelined.
     let mut postcopy = false;
@@ -345,6 +351,7 @@ struct Output<'a> {
     /// The pages of a batch to compress, copied out of guest memory first: the frame then
     /// decodes to bytes the guest really held at one time.
     gathered: Vec<u8>,
+    config: &'a SenderConfig,
 }
 
 impl Output<'_> {
@@ -354,7 +361,11 @@ impl Output<'_> {
         let Some(c) = &mut self.compressor else {
             return Ok(false);
         };
-        if !c.wants() {
+        let cap = match self.config.link_cap.load(Ordering::Relaxed) {
+            0 => None,
+            rate => Some(rate as f64),
+        };
+        if !c.wants(cap) {
             return Ok(false);
         }
         self.gathered.clear();
@@ -422,6 +433,7 @@ impl Output<'_> {
             self.conn
                 .write_record(&Header::zero_runs(chunk.len() as u32), &words)?;
         }
+        let data_before = self.conn.bytes_written;
         if !normal.is_empty() && !self.compressed(&normal)? {
             let (before, started) = (self.conn.bytes_written, Instant::now());
             write_record(self.conn, self.ram, &normal, self.copy.as_mut())?;
@@ -429,6 +441,11 @@ impl Output<'_> {
                 c.wrote(self.conn.bytes_written - before, started.elapsed());
             }
         }
+        let c = self.config;
+        c.data_pages
+            .fetch_add(normal.len() as u64 * PAGE_SIZE, Ordering::Relaxed);
+        c.data_wire
+            .fetch_add(self.conn.bytes_written - data_before, Ordering::Relaxed);
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;
         self.bytes

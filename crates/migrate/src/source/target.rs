@@ -32,11 +32,14 @@ pub(crate) trait Target {
     /// Bytes written so far, for the send rate.
     fn bytes_written(&self) -> u64;
 
-    /// The bytes a page has cost on the wire so far, as a share of its 4 KiB: what the
-    /// bandwidth limit counts per page when pages are compressed.
-    fn wire_share(&self) -> f64 {
-        1.0
+    /// The data records' page bytes and the bytes written for them so far (what
+    /// [`crate::compress::WireShare`] follows); `(0, 0)` where pages are not compressed.
+    fn data_totals(&self) -> (u64, u64) {
+        (0, 0)
     }
+
+    /// The bandwidth limit changed to `max` while the migration runs.
+    fn max_bandwidth_changed(&mut self, _max: Option<u64>) {}
 
     /// The guest is about to pause for the final pass, with `dirty_pages` dirty pages as the
     /// last sync counted them.
