@@ -11,7 +11,8 @@
 //! buffer is full, so over many batches this is the rate the link drains; the bandwidth
 //! limit's share per channel caps it), and the compression rate and ratio from the batches it
 //! compresses. Now and then a batch goes the way not chosen (a probe, ever rarer while the
-//! choice stands), so that both estimates stay current.
+//! choice stands), so that both estimates stay current; while the link is faster than
+//! compression itself, no ratio could make it pay, and compression is not probed at all.
 
 #![forbid(unsafe_code)]
 
@@ -176,9 +177,9 @@ impl PageCompressor {
                     (Some(l), Some(c)) => Some(l.min(c)),
                     (l, c) => l.or(c),
                 };
-                let pays = match (link, self.speed.per_second()) {
-                    (Some(link), Some(speed)) => link < speed * (1.0 - self.ratio),
-                    _ => false,
+                let (pays, could_pay) = match (link, self.speed.per_second()) {
+                    (Some(link), Some(speed)) => (link < speed * (1.0 - self.ratio), link < speed),
+                    _ => (false, true),
                 };
                 // A probe goes the other way, to keep that way's estimate current: the
                 // link's is measured on raw batches only (a small compressed write's time is
@@ -186,12 +187,16 @@ impl PageCompressor {
                 if pays != self.paid {
                     (self.paid, self.interval, self.until_probe) = (pays, FIRST_PROBE, FIRST_PROBE);
                 }
+                // A link faster than compression itself leaves nothing to probe for: no ratio
+                // could make compressing pay. (With 9 probes a channel, a 1 GiB loopback
+                // migration took 0.81-1.28 of its time without compression in five runs.)
                 self.until_probe -= 1;
-                let probe = self.until_probe == 0;
-                if probe {
+                let due = self.until_probe == 0;
+                if due {
                     self.interval = (self.interval * 2).min(MAX_PROBE_INTERVAL);
                     self.until_probe = self.interval;
                 }
+                let probe = due && (pays || could_pay);
                 let compress = pays != probe;
                 if !compress {
                     self.stats.records_raw += 1;
@@ -447,7 +452,8 @@ mod tests {
                     c.wrote(bytes, Duration::from_secs_f64(bytes as f64 / link));
                 }
             }
-            // Probes are at batches 4, 12, 28 and 60 either way.
+            // Probes are at batches 4, 12, 28 and 60 at most, either way; on the fast link
+            // only the first, which measures compression's rate.
             assert_eq!(
                 compressed > 32,
                 expect,
