@@ -149,8 +149,8 @@ impl PageCompressor {
     /// A compressor for `mode` (on).
     pub(crate) fn new(mode: Compression) -> std::io::Result<PageCompressor> {
         let mut ctx = zstd::bulk::Compressor::new(mode.level())?;
-        // The frame carries its own checksum, so a frame that decodes to other bytes is caught
-        // even where the record's checksum covers only what was sent.
+        // The frame carries its own checksum: a frame changed in a way that still decodes is
+        // caught by the decoder as well as by the record's checksum.
         ctx.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true))?;
         Ok(PageCompressor {
             mode,

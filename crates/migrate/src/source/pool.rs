@@ -56,7 +56,6 @@ pub struct ChannelPool {
     link_cap: Arc<AtomicU64>,
     data_pages: Arc<AtomicU64>,
     data_wire: Arc<AtomicU64>,
-    channels: u16,
 }
 
 impl ChannelPool {
@@ -72,8 +71,6 @@ impl ChannelPool {
         preempt: bool,
     ) -> Result<(), MigrateError> {
         let io = |e| MigrateError::io("connecting a data channel", e);
-        self.channels = params.channels;
-        self.max_bandwidth_changed(params.max_bandwidth);
         let lanes = (1..=params.channels)
             .map(|c| (Role::Data, c))
             .chain(preempt.then_some((Role::Preempt, 0)));
@@ -129,6 +126,8 @@ impl ChannelPool {
                 _ => self.senders.push(sender),
             }
         }
+        // Before the first batch is queued, so every sender reads the share it starts with.
+        self.max_bandwidth_changed(params.max_bandwidth);
         Ok(())
     }
 
@@ -299,7 +298,7 @@ impl ChannelPool {
     /// The bandwidth limit is now `max` (bytes per second): each channel's share of it is what
     /// `auto` compression takes as the link's rate at most.
     pub fn max_bandwidth_changed(&self, max: Option<u64>) {
-        let share = max.map_or(0, |m| (m / u64::from(self.channels.max(1))).max(1));
+        let share = max.map_or(0, |m| (m / self.senders.len().max(1) as u64).max(1));
         self.link_cap.store(share, Ordering::Relaxed);
     }
 

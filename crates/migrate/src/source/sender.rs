@@ -207,8 +207,6 @@ fn run(
     let mut out = Output {
         conn: &mut conn,
         ram: &ram,
-        bytes: &config.bytes,
-        pages: &config.pages,
         stats: &mut s,
         copy: config.checksum_pages.then(Vec::new),
         compressor: match config.compression {
@@ -340,8 +338,6 @@ pub fn write_pages(
 struct Output<'a> {
     conn: &'a mut Conn,
     ram: &'a Ram,
-    bytes: &'a AtomicU64,
-    pages: &'a AtomicU64,
     stats: &'a mut SenderStats,
     /// With page checksums: the pages of a record, copied before they are checksummed, so
     /// that what is sent is what was checksummed while the guest writes on.
@@ -378,14 +374,15 @@ impl Output<'_> {
         let Some(frame) = frame else {
             return Ok(false);
         };
-        let mut payload: Vec<u8> = gpas.iter().flat_map(|a| a.to_le_bytes()).collect();
-        payload.extend_from_slice(frame);
-        let header = Header::new(
-            Kind::CompressedPages,
-            gpas.len() as u32,
-            payload.len() as u64,
-        );
-        self.conn.write_record(&header, &payload)?;
+        // The addresses and the frame go as they are, under one checksum over both.
+        let addresses: Vec<u8> = gpas.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let len = (addresses.len() + frame.len()) as u64;
+        let header = Header::new(Kind::CompressedPages, gpas.len() as u32, len)
+            .with_crc(wire::crc_append(wire::crc(&addresses), frame));
+        self.conn.write_header(&header)?;
+        self.conn
+            .write_all(&addresses, "sending compressed pages")?;
+        self.conn.write_all(frame, "sending compressed pages")?;
         Ok(true)
     }
 
@@ -396,7 +393,8 @@ impl Output<'_> {
     fn marker(&mut self, header: Header, during: &'static str) -> Result<(), MigrateError> {
         self.conn.write_header(&header)?;
         self.conn.flush(during)?;
-        self.bytes
+        self.config
+            .bytes
             .fetch_add(wire::HEADER_SIZE as u64, Ordering::Relaxed);
         Ok(())
     }
@@ -448,9 +446,11 @@ impl Output<'_> {
             .fetch_add(self.conn.bytes_written - data_before, Ordering::Relaxed);
         self.stats.pages_zero += (batch.gpas.len() - normal.len()) as u64;
         self.stats.pages_normal += normal.len() as u64;
-        self.bytes
+        self.config
+            .bytes
             .fetch_add(self.conn.bytes_written - before, Ordering::Relaxed);
-        self.pages
+        self.config
+            .pages
             .fetch_add(batch.gpas.len() as u64, Ordering::Relaxed);
         Ok(())
     }
