@@ -35,6 +35,14 @@ pub enum OnOff {
     Off,
 }
 
+/// `--auto-converge`: off, on (the throttle), or by per-vCPU dirty limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum AutoConvergeArg {
+    On,
+    Off,
+    DirtyLimit,
+}
+
 /// `--checksum`: what the checksums cover beyond what they always do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ChecksumArg {
@@ -110,6 +118,11 @@ pub struct MigrateArgs {
     /// Cap on the send rate in bytes per second, e.g. 1G (QEMU: max-bandwidth). Default: none.
     #[arg(long, value_parser = crate::sizes::parse_size)]
     max_bandwidth: Option<u64>,
+    /// Cap each vCPU's dirty rate at this many bytes per second for the whole migration,
+    /// e.g. 50M: a vCPU that dirties faster sleeps in proportion, the others run freely
+    /// (QEMU: set-vcpu-dirty-limit). Needs the VM's dirty ring (`ferry run --dirty-ring`).
+    #[arg(long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S")]
+    dirty_limit: Option<u64>,
     /// Give up converging after this long, e.g. 60s. Default: no timeout.
     #[arg(long, value_parser = humantime::parse_duration)]
     timeout: Option<Duration>,
@@ -121,8 +134,12 @@ pub struct MigrateArgs {
     /// what each pass sends, two passes in a row): 20% of their time asleep, 10 points more
     /// per further stalled pass, up to --max-throttle (QEMU: auto-converge). On by default:
     /// it needs nothing from the destination and cannot lose the VM.
-    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
-    auto_converge: OnOff,
+    /// `dirty-limit` slows only the vCPUs that dirty memory fast: each vCPU may dirty at most
+    /// half of what the link carries, halved per further stalled pass down to 1 MB/s, and
+    /// vCPUs that only compute run freely (QEMU: dirty-limit). It needs the VM's dirty ring
+    /// (`ferry run --dirty-ring`); without it auto-converge throttles.
+    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off|dirty-limit")]
+    auto_converge: AutoConvergeArg,
     /// Auto-converge's highest throttle, percent of vCPU time asleep (1 to 99).
     #[arg(long, default_value_t = defaults().max_throttle, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
     max_throttle: u8,
@@ -313,8 +330,13 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         max_bandwidth: args.max_bandwidth,
         timeout_ms: args.timeout.map(|t| t.as_millis() as u64),
         timeout_action: args.timeout_action.into(),
-        auto_converge: args.auto_converge == OnOff::On,
+        auto_converge: args.auto_converge != AutoConvergeArg::Off,
         max_throttle: args.max_throttle,
+        auto_converge_by: match args.auto_converge {
+            AutoConvergeArg::DirtyLimit => ferry_migrate::ConvergeBy::DirtyLimit,
+            _ => ferry_migrate::ConvergeBy::Throttle,
+        },
+        dirty_limit: args.dirty_limit,
         postcopy_on_stall: args.postcopy_on_stall,
         channels: args.channels,
         packet_size: args.packet_size,

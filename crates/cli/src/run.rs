@@ -100,11 +100,26 @@ pub struct RunArgs {
     /// reporting. On by default; a destination must match its source.
     #[arg(long, value_enum, default_value = "on", value_name = "on|off")]
     pub balloon: crate::migrate::OnOff,
+    /// Track the pages a migration must send again with KVM's dirty ring, N entries per vCPU
+    /// (a power of two, 256 to 65536), instead of the memory slots' dirty bitmaps: a sync
+    /// reads what was dirtied rather than every logged slot's bitmap, and it knows which vCPU
+    /// dirtied a page, which `ferry migrate --dirty-limit` needs. Off by default (the bitmap).
+    #[arg(long, value_name = "N", value_parser = dirty_ring_entries)]
+    pub dirty_ring: Option<u32>,
     /// Stand for a newer ferry in the version-range tests: the telemetry port writes its next
     /// section layout and loads today's too, so this VM takes a guest from an ordinary ferry
     /// and an ordinary ferry refuses its guest before the pause.
     #[arg(long, hide = true)]
     next_section_layout: bool,
+}
+
+/// `--dirty-ring`'s value: a ring size KVM takes.
+fn dirty_ring_entries(s: &str) -> Result<u32, String> {
+    let n: u32 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of entries"))?;
+    ferry_vmm::kvm::ring::check_entries(n)?;
+    Ok(n)
 }
 
 /// How this process waits for each incoming migration.
@@ -384,6 +399,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         guest,
         serial,
         balloon: args.balloon == crate::migrate::OnOff::On,
+        dirty_ring: args.dirty_ring,
         host_pages: if args.hugepages {
             HostPages::Huge2M
         } else {

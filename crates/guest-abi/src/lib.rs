@@ -8,6 +8,7 @@
 #![no_std]
 #![forbid(unsafe_code)]
 
+pub mod help;
 pub mod layout;
 pub mod params;
 pub mod report;

@@ -19,6 +19,7 @@
 //! | `free` | size | 0 | fill this much RAM beyond the working set with data, then free it (2 MiB blocks), as a guest that used memory once leaves it: stale, free, hintable |
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
 //! | `hint-batch` | blocks, 0 = all | 0 | hint at most this many free blocks per heartbeat, so a round of hints spans many (a slow driver) |
+//! | `compute` | vCPU count | 0 | the last N vCPUs compute instead of writing and report work units in their heartbeats (what a vCPU that does not write loses to a migration) |
 //! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the guest drives a balloon found there |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
@@ -34,136 +35,7 @@ pub const HOT_WRITE_PERCENT: u64 = 90;
 /// that `ferry run` on the minimum 64 MiB guest still fits (see [`crate::layout`]).
 pub const DEFAULT_WORKING_SET: u64 = 256 << 20;
 
-/// Every key the guest understands with its value, default and meaning, in the order the
-/// table above lists them (what `ferry guest --params` prints).
-pub const HELP: &[(&str, &str, &str, &str)] = &[
-    (
-        "ws",
-        "size (64M, 1G, ...)",
-        "256M or half the free RAM",
-        "working-set size",
-    ),
-    (
-        "rate",
-        "max | idle | MB/s",
-        "max",
-        "how fast each vCPU dirties the working set, verify passes included (idle: not at all, after prefill=)",
-    ),
-    (
-        "pattern",
-        "seq | random | hotcold",
-        "seq",
-        "which page each write goes to",
-    ),
-    (
-        "hot",
-        "percent 1-100",
-        "10",
-        "hot share of the working set for hotcold (90% of writes)",
-    ),
-    (
-        "zero",
-        "percent 0-100",
-        "0",
-        "share of writes that leave the page all zeros",
-    ),
-    (
-        "read",
-        "percent 0-100",
-        "0",
-        "share of accesses that read and check a page instead of writing it",
-    ),
-    (
-        "verify-ms",
-        "ms, 0 = never",
-        "1000",
-        "interval between verify passes",
-    ),
-    (
-        "heartbeat-ms",
-        "ms, >= 1",
-        "10",
-        "interval between telemetry heartbeats",
-    ),
-    (
-        "log-ms",
-        "ms, 0 = never",
-        "1000",
-        "interval between human lines on the serial port",
-    ),
-    (
-        "run-ms",
-        "ms, 0 = forever",
-        "0",
-        "halt the guest after this long",
-    ),
-    (
-        "fault-after-ms",
-        "ms, 0 = never",
-        "0",
-        "raise #UD after this long (tests the exception path)",
-    ),
-    (
-        "seed",
-        "integer",
-        "1",
-        "seed of the random and hotcold patterns",
-    ),
-    (
-        "fill",
-        "stamp | random | mixed",
-        "stamp",
-        "page content: stamp word + zeros, all words derived from the stamp, or 50% text-like, 30% code-like and 20% random pages",
-    ),
-    (
-        "prefill",
-        "0 | 1",
-        "0",
-        "write every working-set page once before the workload starts",
-    ),
-    (
-        "free",
-        "size (6G, ...)",
-        "0",
-        "fill this much more RAM with data, then free it (stale, free, hintable)",
-    ),
-    (
-        "churn",
-        "MB/s, 0 = none",
-        "0",
-        "allocate, write, verify and free blocks of the free memory at this rate",
-    ),
-    (
-        "hint-batch",
-        "blocks, 0 = all",
-        "0",
-        "hint at most this many free blocks per heartbeat (a slow driver)",
-    ),
-    (
-        "vcpus",
-        "1-64",
-        "1",
-        "vCPUs to start, each dirtying its own share of the working set (the VMM sets it)",
-    ),
-    (
-        "shared",
-        "0 | 1",
-        "0",
-        "every vCPU writes the whole working set, each its own word of a page (not with fill=random or mixed)",
-    ),
-    (
-        "fault-vcpu",
-        "vCPU index",
-        "0",
-        "the vCPU that raises #UD for fault-after-ms",
-    ),
-    (
-        "virtio_mmio.device",
-        "<size>@<addr>:<irq>",
-        "none",
-        "a virtio-mmio device (the VMM sets it); the guest drives the balloon there",
-    ),
-];
+pub use crate::help::HELP;
 
 /// Granule of the guest's free memory: blocks of 2 MiB, the large page it maps RAM with (and
 /// what it hints, as Linux hints its largest free blocks).
@@ -263,6 +135,9 @@ pub struct Params {
     pub shared: bool,
     /// The vCPU that raises #UD after `fault_after_ms`.
     pub fault_vcpu: u8,
+    /// The last this many vCPUs compute instead of writing (`compute=`); the working set is
+    /// shared among the others.
+    pub compute: u8,
 }
 
 impl Default for Params {
@@ -289,6 +164,7 @@ impl Default for Params {
             vcpus: 1,
             shared: false,
             fault_vcpu: 0,
+            compute: 0,
         }
     }
 }
@@ -429,6 +305,11 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                     _ => return Err(bad("0 or 1")),
                 }
             }
+            "compute" => {
+                p.compute = parse_u32(value)
+                    .filter(|v| *v < crate::smp::MAX_VCPUS as u32)
+                    .ok_or(bad("a vCPU count from 0 to 63"))? as u8
+            }
             "fault-vcpu" => {
                 p.fault_vcpu = parse_u32(value)
                     .filter(|v| *v < crate::smp::MAX_VCPUS as u32)
@@ -450,6 +331,20 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             expected: "the index of one of the guest's vCPUs, below vcpus=",
         });
     }
+    if p.compute >= p.vcpus {
+        return Err(ParamError::BadValue {
+            key: "compute",
+            value: "(vcpus or more)",
+            expected: "fewer than vcpus= (vCPU 0 always writes)",
+        });
+    }
+    if p.shared && p.compute > 0 {
+        return Err(ParamError::BadValue {
+            key: "compute",
+            value: "(with shared=1)",
+            expected: "0 with shared=1 (every vCPU writes every page)",
+        });
+    }
     if p.shared && p.fill != Fill::Stamp {
         return Err(ParamError::BadValue {
             key: "shared",
@@ -461,6 +356,11 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
 }
 
 impl Params {
+    /// vCPUs that write (the rest compute).
+    pub fn writers(&self) -> u8 {
+        self.vcpus - self.compute
+    }
+
     /// Generation records the guest keeps: one per vCPU when they share pages, else one.
     pub fn records(&self) -> u64 {
         match self.shared {

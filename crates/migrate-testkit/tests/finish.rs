@@ -109,6 +109,7 @@ fn without_auto_converge_the_same_guest_runs_into_the_timeout_and_keeps_running(
         timeout: Some(Duration::from_secs(2)),
         timeout_action: TimeoutAction::Cancel,
         auto_converge: None,
+        converge_by: Default::default(),
         postcopy_on_stall: false,
     };
     let (sent, received) = migrate(

@@ -78,6 +78,36 @@ impl AutoConverge {
     }
 }
 
+/// How auto-converge slows a stalled guest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConvergeBy {
+    /// Every vCPU sleeps a share of its time ([`AutoConverge`]'s steps).
+    #[default]
+    Throttle,
+    /// Each vCPU may dirty at most a rate, and only those that dirty faster sleep
+    /// ([`next_dirty_limit`]'s steps): vCPUs that only compute run freely. Needs a VMM that
+    /// knows which vCPU dirtied a page (the reference VMM with its dirty ring).
+    DirtyLimit,
+}
+
+/// The lowest per-vCPU dirty limit auto-converge sets: 1 MB/s (QEMU's vcpu-dirty-limit
+/// default).
+pub const DIRTY_LIMIT_FLOOR: u64 = 1_000_000;
+
+/// The per-vCPU dirty limit after `current` (bytes per second; `None`: none yet) when precopy
+/// is still stalled at `bandwidth`: half of what the link carries at first, so that one
+/// writing vCPU dirties at most half of what a pass sends (the stall test's line), then half
+/// the limit at each further stall, down to [`DIRTY_LIMIT_FLOOR`]; `None` at the floor.
+pub fn next_dirty_limit(current: Option<u64>, bandwidth: f64) -> Option<u64> {
+    let next = match current {
+        None => (bandwidth / 2.0) as u64,
+        Some(c) => c / 2,
+    }
+    .max(DIRTY_LIMIT_FLOOR);
+    current.is_none_or(|c| next < c).then_some(next)
+}
+
 /// The knobs, named as QEMU names them.
 ///
 /// The default is what a careful operator wants: a migration that finishes and can lose
@@ -92,6 +122,8 @@ pub struct Policy {
     pub timeout_action: TimeoutAction,
     /// Throttle the guest when precopy stalls; `None`: never.
     pub auto_converge: Option<AutoConverge>,
+    /// How auto-converge slows the guest (the throttle's steps, or a per-vCPU dirty limit).
+    pub converge_by: ConvergeBy,
     /// Switch to postcopy when precopy stalls (and postcopy was granted), before throttling.
     pub postcopy_on_stall: bool,
 }
@@ -103,6 +135,7 @@ impl Default for Policy {
             timeout: None,
             timeout_action: TimeoutAction::Cancel,
             auto_converge: Some(AutoConverge::default()),
+            converge_by: ConvergeBy::Throttle,
             postcopy_on_stall: false,
         }
     }
@@ -135,6 +168,8 @@ pub struct Observation {
     pub stalled_passes: u32,
     /// The throttle in force, percent.
     pub throttle: u8,
+    /// The per-vCPU dirty limit in force, bytes per second.
+    pub dirty_limit: Option<u64>,
     /// Whether the destination granted postcopy.
     pub postcopy_granted: bool,
 }
@@ -153,6 +188,8 @@ pub enum Decision {
     Postcopy,
     /// Set the guest's throttle to this percent, then run another pass.
     Throttle(u8),
+    /// Limit each vCPU's dirty rate to this many bytes per second, then run another pass.
+    LimitDirty(u64),
     /// Stop trying; the source keeps running.
     Cancel,
 }
@@ -224,10 +261,16 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
     if policy.postcopy_on_stall && now.postcopy_granted {
         return Decision::Postcopy;
     }
-    match policy.auto_converge.and_then(|a| a.next(now.throttle)) {
-        Some(throttle) => Decision::Throttle(throttle),
-        None => Decision::Iterate,
+    let Some(a) = policy.auto_converge else {
+        return Decision::Iterate;
+    };
+    match policy.converge_by {
+        ConvergeBy::Throttle => a.next(now.throttle).map(Decision::Throttle),
+        ConvergeBy::DirtyLimit => {
+            next_dirty_limit(now.dirty_limit, now.bandwidth).map(Decision::LimitDirty)
+        }
     }
+    .unwrap_or(Decision::Iterate)
 }
 
 /// Whether what is left, with what is in flight, can be taken in within the downtime limit at
@@ -262,6 +305,7 @@ mod tests {
             elapsed: Duration::from_secs(elapsed_s),
             stalled_passes: 0,
             throttle: 0,
+            dirty_limit: None,
             postcopy_granted: false,
         }
     }
@@ -371,6 +415,7 @@ mod tests {
         Observation {
             stalled_passes: passes,
             throttle,
+            dirty_limit: None,
             postcopy_granted,
             ..obs(1000, 1000.0, 5)
         }

@@ -145,6 +145,23 @@ pub struct MigrationStats {
     /// The policy wanted to throttle but the VMM cannot: auto-converge was off.
     #[serde(default)]
     pub throttle_unsupported: bool,
+    /// The lowest per-vCPU dirty limit in force, bytes per second (`None`: never limited).
+    #[serde(default)]
+    pub dirty_limit_min: Option<u64>,
+    /// What each vCPU dirtied and how long the dirty limit made it sleep, where the VMM can
+    /// tell (the reference VMM with its dirty ring); empty elsewhere.
+    #[serde(default)]
+    pub vcpus: Vec<VcpuDirty>,
+}
+
+/// One vCPU's dirtying over a migration's precopy, as its VMM counted it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct VcpuDirty {
+    pub vcpu: u32,
+    /// Pages it dirtied while dirty tracking was on.
+    pub dirtied_pages: u64,
+    /// Time it slept for the dirty limit.
+    pub limited_ms: f64,
 }
 
 /// Why a migration switched to postcopy.

@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::bitmap::DirtyBitmap;
 use crate::ram::RamRegion;
 use crate::state_part::StatePart;
+use crate::stats::VcpuDirty;
 use crate::wire::{LocalRegion, SectionHeader, SectionId};
 
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
@@ -127,6 +128,28 @@ pub unsafe trait SourceVm: Send {
         Err(VmError::Unsupported {
             operation: "throttling the vCPUs",
         })
+    }
+
+    /// Caps each vCPU's dirty rate at `bytes_per_s` (`None` lifts the cap): a vCPU that
+    /// dirties memory faster sleeps in proportion, and the others run freely. The engine sets
+    /// it when asked to (`SourceParams::dirty_limit`) or when auto-converge slows the guest
+    /// by dirty limit ([`crate::ConvergeBy::DirtyLimit`]), and lifts it when the migration
+    /// ends, however it ends.
+    ///
+    /// A VMM that cannot tell which vCPU dirtied a page keeps this default; a migration asked
+    /// for a dirty limit then fails before it starts, and auto-converge falls back to its
+    /// throttle.
+    fn set_dirty_limit(&mut self, bytes_per_s: Option<u64>) -> Result<(), VmError> {
+        let _ = bytes_per_s;
+        Err(VmError::Unsupported {
+            operation: "a per-vCPU dirty limit",
+        })
+    }
+
+    /// What each vCPU dirtied since dirty tracking started, and how long a dirty limit made
+    /// it sleep, where the VMM can tell (empty where it cannot).
+    fn vcpu_dirty(&self) -> Vec<VcpuDirty> {
+        Vec::new()
     }
 
     /// Free page hinting (virtio-balloon's `FREE_PAGE_HINT`): asks the guest for a new round

@@ -13,11 +13,13 @@
 //! - [`vm`]: a VM: its configuration, building it, its vCPU threads, its
 //!   pause/resume/stop control ([`VmHandle`]), and its balloon as the API shows it: a target
 //!   and what was given.
-//! - [`throttle`]: auto-converge's throttle of the vCPUs.
+//! - [`throttle`]: auto-converge's throttle of the vCPUs; [`dirty_limit`]: the per-vCPU dirty
+//!   limit, which slows only the vCPUs that dirty memory faster than it.
 //! - [`sections`]: this VMM's state as migration sections; [`part_timer`]: the timer that
 //!   names each part of a save or load.
 //! - [`vmconfig`]: what a migration's destination must match, checked at the hello.
-//! - [`migration`]: the engine's `SourceVm` and `DestinationVm` on this VMM's VMs.
+//! - [`migration`]: the engine's `SourceVm` and `DestinationVm` on this VMM's VMs; [`landing`]:
+//!   where received pages land by default.
 //! - [`request`]: [`MigrationRequest`], the one migration request type (`PUT /migration`).
 //! - [`api`]: the JSON-over-HTTP control API on a Unix socket, server and client.
 //! - [`error`]: the VMM's top-level error.
@@ -31,10 +33,12 @@
 pub mod api;
 pub mod boot;
 pub mod devices;
+pub mod dirty_limit;
 pub mod error;
 pub mod hugepages;
 #[allow(unsafe_code)] // KVM's ioctls on guest memory, the kick signal, XSAVE
 pub mod kvm;
+pub mod landing;
 pub mod limit;
 #[allow(unsafe_code)] // the memfd, its hole punching, and populating its mappings
 pub mod memory;

@@ -430,6 +430,7 @@ unsafe impl SourceVm for SourceAdapter {
             b.lock().unwrap().set_discard(Discard::Forbidden);
         }
         self.shared.ram.track_writes(true);
+        self.shared.dirty_limit.reset_slept();
         let logged = self
             .shared
             .kvm
@@ -444,10 +445,12 @@ unsafe impl SourceVm for SourceAdapter {
 
     /// KVM's log (the guest's writes) ∪ the VMM's own writes, both placed by guest address.
     fn fetch_dirty(&mut self, into: &mut DirtyBitmap) -> Result<(), VmError> {
-        self.shared
+        let per_vcpu = self
+            .shared
             .kvm
             .fetch_dirty_log(self.shared.ram.memfd(), into)
             .map_err(|e| VmError::failed("fetch_dirty", e))?;
+        self.shared.charge_dirty(&per_vcpu);
         for log in self.shared.ram.take_writes() {
             for (gpa, pages, bits) in log.runs() {
                 into.merge_at(gpa, pages, &[bits]).map_err(|e| {
@@ -486,6 +489,14 @@ unsafe impl SourceVm for SourceAdapter {
         self.handle
             .set_throttle(percent)
             .map_err(|e| VmError::failed("throttle", e))
+    }
+
+    fn set_dirty_limit(&mut self, bytes_per_s: Option<u64>) -> Result<(), VmError> {
+        self.shared.set_dirty_limit(bytes_per_s)
+    }
+
+    fn vcpu_dirty(&self) -> Vec<ferry_migrate::VcpuDirty> {
+        self.shared.vcpu_dirty()
     }
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
@@ -599,7 +610,7 @@ unsafe impl DestinationVm for IncomingVm {
                 // hugetlbfs has no write(): huge pages land through the mapping.
                 crate::memory::HostPages::Huge2M => PageLanding::Mapping,
                 crate::memory::HostPages::Small => {
-                    landing_for(self.shared.ram.is_populated(), channels)
+                    crate::landing::landing_for(self.shared.ram.is_populated(), channels)
                 }
             })
     }
@@ -659,30 +670,6 @@ pub fn receive(
     let received = destination::listen(vm, listener, &control, keep_waiting);
     discard(Discard::Allowed);
     received
-}
-
-/// How pages land by default (`PageLanding` has the measurements): through the mapping into
-/// populated RAM, or when several channels write at once (their `pwrite`s into one shmem file
-/// would take turns on its inode lock); through the file for one channel into sparse RAM.
-fn landing_for(populated: bool, channels: u16) -> PageLanding {
-    if populated || channels > 1 {
-        PageLanding::Mapping
-    } else {
-        PageLanding::File
-    }
-}
-
-#[cfg(test)]
-mod landing_tests {
-    use super::*;
-
-    #[test]
-    fn one_channel_into_sparse_ram_writes_the_file_and_everything_else_the_mapping() {
-        assert_eq!(landing_for(false, 1), PageLanding::File);
-        assert_eq!(landing_for(false, 2), PageLanding::Mapping);
-        assert_eq!(landing_for(true, 1), PageLanding::Mapping);
-        assert_eq!(landing_for(true, 4), PageLanding::Mapping);
-    }
 }
 
 /// Why `PUT /vm/resume` refused.

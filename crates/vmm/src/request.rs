@@ -11,7 +11,7 @@ use std::time::Duration;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, PostcopyOrder, SourceParams};
 use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
-use ferry_migrate::{AutoConverge, Policy, TimeoutAction};
+use ferry_migrate::{AutoConverge, ConvergeBy, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
 
 /// A migration request: the body of `PUT /migration`, every field but `to` optional.
@@ -33,6 +33,12 @@ pub struct MigrationRequest {
     pub auto_converge: bool,
     /// Auto-converge's highest throttle, percent (1 to 99).
     pub max_throttle: u8,
+    /// How auto-converge slows the guest: `throttle` (every vCPU) or `dirty_limit` (only the
+    /// vCPUs that dirty memory fast; needs the VM's dirty ring, else it throttles).
+    pub auto_converge_by: ConvergeBy,
+    /// Cap each vCPU's dirty rate at this many bytes per second for the whole migration
+    /// (needs the VM's dirty ring, `ferry run --dirty-ring`); `None`: no cap.
+    pub dirty_limit: Option<u64>,
     /// With postcopy: switch to it when precopy stalls, before throttling.
     pub postcopy_on_stall: bool,
     /// Data channels.
@@ -117,6 +123,8 @@ impl Default for MigrationRequest {
             timeout_action: policy.timeout_action,
             auto_converge: policy.auto_converge.is_some(),
             max_throttle: AutoConverge::default().max,
+            auto_converge_by: policy.converge_by,
+            dirty_limit: engine.dirty_limit,
             postcopy_on_stall: policy.postcopy_on_stall,
             channels: engine.channels,
             packet_size: u64::from(engine.packet_pages) * ferry_migrate::wire::PAGE_SIZE,
@@ -162,6 +170,7 @@ impl MigrationRequest {
             timeout: self.timeout_ms.map(Duration::from_millis),
             timeout_action: self.timeout_action,
             auto_converge,
+            converge_by: self.auto_converge_by,
             postcopy_on_stall: self.postcopy_on_stall,
         }
     }
@@ -210,6 +219,7 @@ impl MigrationRequest {
         let params = SourceParams {
             local: self.local,
             max_bandwidth: self.max_bandwidth,
+            dirty_limit: self.dirty_limit,
             channels: self.channels,
             packet_pages: (self.packet_size / page) as u32,
             zero: self.zero_detection.into(),

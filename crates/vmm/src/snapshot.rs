@@ -75,6 +75,7 @@ impl SnapshotRequest {
                 auto_converge: self
                     .auto_converge
                     .then(ferry_migrate::AutoConverge::default),
+                converge_by: Default::default(),
                 postcopy_on_stall: false,
             },
             vcpus,

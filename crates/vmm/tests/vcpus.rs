@@ -219,6 +219,7 @@ fn a_destination_configured_differently_is_refused_before_the_source_pauses() {
         (
             VmConfig {
                 balloon: false,
+                dirty_ring: None,
                 ..with_vcpus(4, "", &dir.path().join("d2"))
             },
             "start the destination with --balloon on",

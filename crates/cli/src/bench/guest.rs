@@ -95,6 +95,7 @@ fn vcpu_share(rate: Option<u32>, window: Duration) -> anyhow::Result<(f64, f64)>
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
     })?;
@@ -126,6 +127,7 @@ fn guest_rate(pattern: Pattern, ws: u64, window: Duration) -> anyhow::Result<f64
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
     })?;

@@ -473,6 +473,7 @@ pub(super) fn migrate_over(
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        dirty_ring: None,
         host_pages: s.host_pages,
         next_layout: false,
     };

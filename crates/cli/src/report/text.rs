@@ -241,6 +241,22 @@ pub fn print_table(s: &MigrationStats) {
     if s.throttle_unsupported {
         println!("auto-converge    off: the VMM cannot throttle its vCPUs");
     }
+    if let Some(limit) = s.dirty_limit_min {
+        println!(
+            "dirty limit      each vCPU held to {:.1} MB/s at the lowest",
+            limit as f64 / 1e6
+        );
+    }
+    let precopy_s = (s.total_ms - s.downtime.total_ms).max(1.0) / 1e3;
+    for v in &s.vcpus {
+        println!(
+            "vCPU {:<3}         dirtied {} pages ({:.1} MB/s over precopy), slept {:.0} ms for the dirty limit",
+            v.vcpu,
+            v.dirtied_pages,
+            v.dirtied_pages as f64 * 4096.0 / 1e6 / precopy_s,
+            v.limited_ms
+        );
+    }
     println!(
         "{:>6} {:>7} {:>10} {:>11} {:>12} {:>16} {:>9}",
         "pass", "paused", "pages", "MB", "ms", "dirty pages/s", "throttle"

@@ -1,5 +1,5 @@
 //! The guest kernel: CPL0 setup in assembly (`entry`), then at CPL3 the boot (`boot`), the
-//! workload (`workload`) and exception reporting (`exception`), with
+//! workload (`workload`, or `compute` on a computing vCPU) and exception reporting (`exception`), with
 //! their leaf modules for instructions, memory, the clock, the UART and telemetry.
 
 pub mod arch;
@@ -7,6 +7,7 @@ pub mod balloon;
 pub mod boot;
 pub mod boot_info;
 pub mod clock;
+pub mod compute;
 pub mod entry;
 pub mod exception;
 pub mod freemem;

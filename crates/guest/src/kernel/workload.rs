@@ -126,12 +126,12 @@ extern "C" fn user_main(start_info: u64) -> ! {
     Workload::new(params, vcpu_plan(&params, &plan, 0), clock, free).run()
 }
 
-/// What vCPU `k` writes: its share of the pages, or with `shared=1` every page (its own word of
-/// each) with a record of its own.
+/// What vCPU `k` writes: its share of the pages (among the vCPUs that write), or with
+/// `shared=1` every page (its own word of each) with a record of its own.
 fn vcpu_plan(p: &Params, plan: &Plan, k: u64) -> Plan {
     match p.shared {
         true => plan.lane(k),
-        false => plan.share(k, u64::from(p.vcpus)),
+        false => plan.share(k, u64::from(p.writers())),
     }
 }
 
@@ -140,8 +140,11 @@ fn vcpu_plan(p: &Params, plan: &Plan, k: u64) -> Plan {
 #[unsafe(no_mangle)]
 extern "C" fn ap_main(vcpu: u64) -> ! {
     let setup = smp::setup();
-    let plan = vcpu_plan(&setup.params, &setup.plan, vcpu);
     let clock = setup.clock.on_vcpu(vcpu as usize);
+    if vcpu >= u64::from(setup.params.writers()) {
+        super::compute::run(&setup.params, clock);
+    }
+    let plan = vcpu_plan(&setup.params, &setup.plan, vcpu);
     Workload::new(setup.params, plan, clock, None).run()
 }
 

@@ -29,6 +29,10 @@ pub enum ConfigError {
         "a bandwidth limit of 0 bytes/s would never send a page; give a positive limit, or none for an unlimited link"
     )]
     ZeroBandwidth,
+    #[error(
+        "a dirty limit of 0 bytes/s would stop every vCPU that writes; give a positive limit, or none"
+    )]
+    ZeroDirtyLimit,
     #[error("a timeout of 0 would end the migration at once; give a positive timeout, or none")]
     ZeroTimeout,
     #[error(

@@ -204,6 +204,9 @@ struct Session<'a, P = Live> {
     stalled_passes: u32,
     /// The auto-converge throttle in force, percent; lifted when the session concludes.
     throttle: u8,
+    /// The per-vCPU dirty limit in force, bytes per second; lifted when the session
+    /// concludes.
+    dirty_limit: Option<u64>,
     start: Instant,
     /// When precopy's loop last looked at cancellation (`check_control`), for `max_step_ms`.
     last_check: Option<Instant>,
@@ -253,6 +256,7 @@ impl<'a, P: Target> Session<'a, P> {
             wire: crate::compress::WireShare::default(),
             stalled_passes: 0,
             throttle: 0,
+            dirty_limit: None,
             start: Instant::now(),
             last_check: None,
             cpu_start: stats::thread_cpu_ns(),
@@ -283,7 +287,13 @@ impl<'a, P: Target> Session<'a, P> {
         if !self.handed_over {
             self.finish_hints(vm);
         }
+        self.stats.vcpus = vm.vcpu_dirty();
         vm.stop_dirty_log();
+        if self.dirty_limit.take().is_some()
+            && let Err(e) = vm.set_dirty_limit(None)
+        {
+            tracing::warn!("could not lift the guest's dirty limit: {e}");
+        }
         if self.throttle > 0 {
             if let Err(e) = vm.set_throttle(0) {
                 tracing::warn!("could not lift the guest's throttle: {e}");
@@ -362,6 +372,9 @@ impl<'a, P: Target> Session<'a, P> {
         let t = Instant::now();
         self.last_check = Some(t);
         vm.start_dirty_log()?;
+        if let Some(rate) = self.params.dirty_limit {
+            self.set_dirty_limit(vm, rate)?;
+        }
         self.stats.dirty_start_ms = ms(t.elapsed());
         self.stats.setup_ms = ms(self.start.elapsed());
         self.set_phase(Phase::Precopy);

@@ -100,6 +100,7 @@ impl<P: Target> Session<'_, P> {
             elapsed: self.start.elapsed(),
             stalled_passes: self.stalled_passes,
             throttle: self.throttle,
+            dirty_limit: self.dirty_limit,
             postcopy_granted: self.peer.agreement().postcopy,
         }
     }

@@ -19,6 +19,10 @@ pub struct SourceParams {
     pub policy: Policy,
     /// Bytes per second, `None` = unlimited.
     pub max_bandwidth: Option<u64>,
+    /// Caps each vCPU's dirty rate at this many bytes per second from the start of precopy
+    /// ([`SourceVm::set_dirty_limit`](crate::SourceVm::set_dirty_limit)); `None`: no cap
+    /// (auto-converge may still set one, [`crate::ConvergeBy::DirtyLimit`]).
+    pub dirty_limit: Option<u64>,
     pub uuid: [u8; 16],
     /// Data channels (QEMU: multifd-channels), 1..=[`wire::MAX_CHANNELS`].
     pub channels: u16,
@@ -132,6 +136,7 @@ impl SourceParams {
         SourceParams {
             policy,
             max_bandwidth: None,
+            dirty_limit: None,
             uuid,
             channels: DEFAULT_CHANNELS,
             packet_pages: DEFAULT_PACKET_PAGES,
@@ -180,6 +185,9 @@ impl SourceParams {
                 max: wire::MAX_CHANNELS,
             }
             .into());
+        }
+        if self.dirty_limit == Some(0) {
+            return Err(ConfigError::ZeroDirtyLimit.into());
         }
         if self.peer_timeout == Some(Duration::ZERO) {
             return Err(ConfigError::ZeroPeerTimeout.into());

@@ -80,6 +80,7 @@ impl<P: Target> Session<'_, P> {
                     ));
                 }
                 Decision::Throttle(percent) => self.throttle(vm, percent)?,
+                Decision::LimitDirty(rate) => self.limit_dirty(vm, rate)?,
                 Decision::Iterate => {}
             }
             pass += 1;
@@ -151,6 +152,35 @@ impl<P: Target> Session<'_, P> {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Auto-converge by dirty limit: caps each vCPU's dirty rate for the passes to come. A
+    /// VMM that cannot falls back to the throttle for the rest of this migration (said in the
+    /// log).
+    fn limit_dirty(&mut self, vm: &mut dyn SourceVm, rate: u64) -> Result<(), MigrateError> {
+        match self.set_dirty_limit(vm, rate) {
+            Err(MigrateError::Vm(VmError::Unsupported { operation })) => {
+                tracing::warn!(
+                    "{operation} is not supported by this VMM: auto-converge throttles the whole guest instead"
+                );
+                self.params.policy.converge_by = crate::ConvergeBy::Throttle;
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Sets the per-vCPU dirty limit and records it.
+    pub(super) fn set_dirty_limit(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        rate: u64,
+    ) -> Result<(), MigrateError> {
+        vm.set_dirty_limit(Some(rate))?;
+        tracing::info!("each vCPU may now dirty at most {} MB/s", rate / 1_000_000);
+        self.dirty_limit = Some(rate);
+        self.stats.dirty_limit_min = Some(self.stats.dirty_limit_min.map_or(rate, |m| m.min(rate)));
+        Ok(())
     }
 
     /// Pass 1: send what the backing file holds, walking populated ranges with

@@ -138,6 +138,8 @@ pub struct VcpuTelemetry {
     pub max_batch_ns: u64,
     pub slow_batches: u64,
     pub slow_batch_ns: u64,
+    /// A computing vCPU's (`compute=`) work units so far (0 on a writing vCPU).
+    pub work_units: u64,
     #[serde(skip)]
     next_seq: u64,
 }
@@ -342,6 +344,7 @@ impl GuestTelemetry {
                 v.slow_batch_ns = v.slow_batch_ns.max(d[SLOW_BATCH_TIME_NS]);
                 v.pages_read = v.pages_read.max(d[PAGES_READ]);
                 v.bad_reads = v.bad_reads.max(d[BAD_READS]);
+                v.work_units = v.work_units.max(d[WORK_UNITS]);
                 let free = GuestFreeMemory::from_heartbeat(d);
                 if free != GuestFreeMemory::default() {
                     self.free_memory = Some(free);

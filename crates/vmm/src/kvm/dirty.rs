@@ -19,6 +19,9 @@
 //! later fetch). Reporting a page that was only read (a read populates shmem too) costs one
 //! zero page on the wire, never a wrong one.
 //!
+//! **With the dirty ring** (`ring.rs`), slots turn logging on and off the same way, but a
+//! fetch harvests the vCPUs' rings instead of each logging slot's bitmap.
+//!
 //! Slots are found by guest address in the VM's [`super::SlotTable`], and a slot's log is
 //! merged into the engine's bitmap at the slot's guest address: nothing here assumes that slot
 //! `i` is the `i`-th RAM region of anyone's list.
@@ -70,6 +73,8 @@ pub enum DirtyLogError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Ring(String),
     #[error("the dirty log of slot {slot} does not fit the migration's RAM: {source}")]
     Merge {
         slot: u32,
@@ -108,6 +113,12 @@ impl KvmVm {
     /// (guest RAM's); the others are looked at again by each fetch. Returns the slots logged.
     pub fn start_dirty_log(&self, memfd: &File) -> Result<usize, DirtyLogError> {
         let mut logging = self.logging.lock().unwrap();
+        if let Some(rings) = self.dirty_rings() {
+            // Whatever an earlier log left in the rings is not this one's.
+            rings.discard_all();
+            self.reset_dirty_rings()?;
+            rings.set_logging(true);
+        }
         let mut skip = Populated::default();
         for (i, s) in self.slots.slots().iter().enumerate() {
             if skip.has_data(memfd, s)? {
@@ -127,23 +138,36 @@ impl KvmVm {
                 logging[i] = false;
             }
         }
+        if let Some(rings) = self.dirty_rings() {
+            rings.set_logging(false);
+            rings.discard_all();
+            self.reset_dirty_rings()?;
+        }
         Ok(())
     }
 
     /// Fetch-and-clear of KVM's log: ORs every logging slot's dirty bits into `into` at the
     /// slot's guest address and re-protects the pages it reported. A slot that did not log
     /// and now holds populated memory starts logging, and all its populated pages are
-    /// reported (see the module doc).
+    /// reported (see the module doc). With the dirty ring, returns the pages each vCPU
+    /// dirtied since the last fetch, by vCPU id (empty with the bitmap).
     pub fn fetch_dirty_log(
         &self,
         memfd: &File,
         into: &mut DirtyBitmap,
-    ) -> Result<(), DirtyLogError> {
+    ) -> Result<Vec<u64>, DirtyLogError> {
         let mut logging = self.logging.lock().unwrap();
+        let rings = self.dirty_rings();
+        let per_vcpu = match rings {
+            Some(rings) => self.harvest_rings(rings, into)?,
+            None => Vec::new(),
+        };
         let mut skip = Populated::default();
         for (i, s) in self.slots.slots().iter().enumerate() {
             if logging[i] {
-                self.fetch_slot(s, into)?;
+                if rings.is_none() {
+                    self.fetch_slot(s, into)?;
+                }
             } else if skip.has_data(memfd, s)? {
                 self.set_slot_logging(s, true)?;
                 // Marked as logging only once its pages are reported: a fetch that failed
@@ -152,7 +176,7 @@ impl KvmVm {
                 logging[i] = true;
             }
         }
-        Ok(())
+        Ok(per_vcpu)
     }
 
     /// Re-registers `slot` with dirty logging on or off. On, it write-protects what the slot

@@ -6,7 +6,8 @@
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
-//! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log.
+//! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log;
+//!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled.
 //!
 //! Invariant: a slot is found by guest address in the table built where the slots were
 //! registered, never by a position in some other list (RAM regions, the engine's sorted
@@ -16,6 +17,7 @@ pub mod dirty;
 pub mod host;
 pub mod irqchip;
 pub mod kick;
+pub mod ring;
 pub mod state;
 pub mod vcpu;
 
@@ -213,6 +215,15 @@ impl SlotTable {
         &self.slots
     }
 
+    /// The slot KVM knows as number `slot`.
+    pub fn by_number(&self, slot: u32) -> Option<&MemorySlot> {
+        // Slots are numbered in table order; the search is for a table that is not.
+        match self.slots.get(slot as usize) {
+            Some(s) if s.slot == slot => Some(s),
+            _ => self.slots.iter().find(|s| s.slot == slot),
+        }
+    }
+
     /// The slot holding the `pages` pages from `gpa` (page aligned), and the first page's
     /// index within it. A range that leaves its slot is an error, never cut short.
     pub fn lookup(&self, gpa: u64, pages: u64) -> Result<(&MemorySlot, u64), SlotError> {
@@ -247,6 +258,10 @@ pub struct KvmVm {
     slots: SlotTable,
     /// Which slots log dirty pages now (`dirty.rs`), by index in `slots`.
     logging: std::sync::Mutex<Vec<bool>>,
+    /// Entries per vCPU of the dirty ring, when it is enabled (`ring.rs`).
+    ring_entries: Option<u32>,
+    /// The vCPUs' rings, mapped once the vCPUs exist.
+    rings: std::sync::OnceLock<ring::DirtyRings>,
 }
 
 impl KvmVm {
@@ -284,6 +299,8 @@ impl KvmVm {
             vm,
             slots,
             logging,
+            ring_entries: None,
+            rings: std::sync::OnceLock::new(),
         })
     }
 

@@ -177,6 +177,8 @@ pub enum Exit<'a> {
     MmioWrite(u64, &'a [u8]),
     /// A kick, or a signal: check the control state and run again.
     Interrupted,
+    /// The vCPU's dirty ring is full: harvest and reset it before running again.
+    DirtyRingFull,
     /// The VM cannot go on; the text says why.
     Fatal(String),
 }
@@ -189,6 +191,7 @@ pub fn run(vcpu: &mut VcpuFd) -> Exit<'_> {
         Ok(VcpuExit::MmioRead(addr, data)) => Exit::MmioRead(addr, data),
         Ok(VcpuExit::MmioWrite(addr, data)) => Exit::MmioWrite(addr, data),
         Ok(VcpuExit::Intr) => Exit::Interrupted,
+        Ok(VcpuExit::Unsupported(kvm_bindings::KVM_EXIT_DIRTY_RING_FULL)) => Exit::DirtyRingFull,
         Ok(VcpuExit::Shutdown) => Exit::Fatal("the guest shut down the CPU (triple fault)".into()),
         Ok(VcpuExit::FailEntry(reason, cpu)) => Exit::Fatal(format!(
             "KVM could not enter the guest (hardware entry failure reason {reason:#x} on host CPU {cpu})"

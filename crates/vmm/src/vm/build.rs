@@ -212,8 +212,11 @@ fn build(
     ram: Arc<GuestRam>,
     incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
 ) -> Result<Arc<Shared>, VmmError> {
-    let kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
+    let mut kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
     kvm_vm.enable_manual_dirty_protect()?;
+    if let Some(entries) = config.dirty_ring {
+        kvm_vm.enable_dirty_ring(entries)?;
+    }
     irqchip::create(&kvm_vm.vm)?;
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
@@ -254,6 +257,7 @@ fn build(
         ending_read: Default::default(),
         then_incoming: Mutex::new(None),
         throttle: Throttle::default(),
+        dirty_limit: crate::dirty_limit::DirtyLimit::new(usize::from(config.vcpus)),
         started: Instant::now(),
     }))
 }
@@ -396,6 +400,7 @@ mod tests {
             guest: GuestKind::Foreign,
             serial: SerialOutput::Discard,
             balloon: true,
+            dirty_ring: None,
             host_pages: Default::default(),
             next_layout,
         };

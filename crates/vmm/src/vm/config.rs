@@ -34,6 +34,9 @@ pub struct VmConfig {
     /// A virtio-balloon on virtio-mmio (announced on the command line): free page hinting
     /// for migrations, inflate/deflate, statistics and free page reporting.
     pub balloon: bool,
+    /// Track dirty pages with KVM's dirty ring of this many entries per vCPU instead of the
+    /// slots' bitmaps (`ferry run --dirty-ring N`); `None`: the bitmap.
+    pub dirty_ring: Option<u32>,
     /// Stands for a newer ferry in the version-range tests: the telemetry port writes its
     /// next section layout and loads today's too (`devices::telemetry_port::Layout::Next`),
     /// so a migration from this VM to an ordinary one is refused before the pause. Off

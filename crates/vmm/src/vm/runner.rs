@@ -44,6 +44,8 @@ impl VcpuRunner {
         // When the vCPU last started running after a wait, and until when it sleeps now.
         let mut running_since = Instant::now();
         let mut asleep_until = None;
+        // Whether the sleep being taken is the dirty limit's (else the throttle's).
+        let mut limited = false;
         loop {
             // Before parking: a vCPU started just before a pause must be saved started.
             if let Some(reason) = start_port::start_if_asked(&self.shared, self.index, vcpu) {
@@ -55,7 +57,18 @@ impl VcpuRunner {
                 return reason;
             }
             if asleep.is_some() {
-                self.shared.throttle.add_slept(parked_at.elapsed());
+                let slept = parked_at.elapsed();
+                match limited {
+                    true => self.shared.dirty_limit.add_slept(self.index, slept),
+                    false => self.shared.throttle.add_slept(slept),
+                }
+            }
+            // A vCPU that dirtied past its limit sleeps what it owes first.
+            let owed = self.shared.dirty_limit.owed(self.index);
+            limited = !owed.is_zero();
+            if limited {
+                asleep_until = Some(Instant::now() + owed);
+                continue;
             }
             if self.shared.throttle.percent() == 0 {
                 // Unthrottled time is not owed: a throttle set later counts from its first
@@ -80,6 +93,11 @@ impl VcpuRunner {
                 vcpu::Exit::MmioRead(addr, data) => devices.mmio_read(addr, data),
                 vcpu::Exit::MmioWrite(addr, data) => devices.mmio_write(addr, data),
                 vcpu::Exit::Interrupted => vcpu::clear_immediate_exit(&mut vcpu),
+                vcpu::Exit::DirtyRingFull => {
+                    if let Err(why) = self.shared.harvest_own_ring(self.index) {
+                        return StopReason::Failed(format!("vCPU {}: {why}", self.index));
+                    }
+                }
                 vcpu::Exit::Fatal(why) => {
                     let regs = vcpu::describe_registers(&vcpu);
                     return StopReason::Failed(format!("vCPU {}: {why}\n{regs}", self.index));

@@ -15,6 +15,7 @@ use crate::devices::Devices;
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
+use crate::dirty_limit::DirtyLimit;
 use crate::error::VmmError;
 use crate::kvm::vcpu::{self, VcpuFd};
 use crate::kvm::{KvmVm, kick};
@@ -110,6 +111,8 @@ pub(crate) struct Shared {
     pub(crate) then_incoming: Mutex<Option<String>>,
     /// Auto-converge's throttle (see `throttle.rs`).
     pub(super) throttle: Throttle,
+    /// The per-vCPU dirty limit (see `dirty_limit.rs`).
+    pub(crate) dirty_limit: DirtyLimit,
     pub(super) started: Instant,
 }
 
@@ -133,10 +136,74 @@ impl Shared {
         let fds = (0..self.description.vcpus)
             .map(|id| vcpu::create(&self.kvm, id).map(|fd| Arc::new(Mutex::new(fd))))
             .collect::<Result<Vec<_>, _>>()?;
+        let raw: Vec<_> = fds
+            .iter()
+            .map(|fd| std::os::fd::AsRawFd::as_raw_fd(&*fd.lock().unwrap()))
+            .collect();
+        self.kvm.map_dirty_rings(&raw)?;
         let msrs = crate::kvm::state::readable_msrs(&self.kvm.kvm, &fds[0].lock().unwrap())?;
         // Only the state load or a boot creates them, on one thread, before any vCPU runs.
         let _ = self.msrs.set(msrs);
         let _ = self.vcpu_fds.set(fds);
         Ok(true)
+    }
+
+    /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
+    /// ring's pending list (the next sync takes them) and the rings reset, so it can run.
+    pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), String> {
+        let Some(rings) = self.kvm.dirty_rings() else {
+            return Err("a dirty-ring exit on a VM without the ring".into());
+        };
+        let pages = rings.harvest_pending(&self.kvm, vcpu);
+        self.dirty_limit.charge(vcpu, pages);
+        self.kvm.reset_dirty_rings().map_err(|e| e.to_string())
+    }
+
+    /// Charges each vCPU for the pages a sync found it dirtied (by vCPU id), and kicks those
+    /// that now owe a sleep, so that they take it before running on.
+    pub(crate) fn charge_dirty(&self, per_vcpu: &[u64]) {
+        let owing: Vec<usize> = (0..per_vcpu.len())
+            .filter(|&v| self.dirty_limit.charge(v, per_vcpu[v]))
+            .collect();
+        if !owing.is_empty() {
+            let c = self.control.lock().unwrap();
+            if c.vcpus_alive > 0 {
+                owing.iter().for_each(|&v| c.kick(v));
+            }
+        }
+    }
+
+    /// Sets each vCPU's dirty limit; without the dirty ring the VMM cannot tell which vCPU
+    /// dirtied a page, so it cannot.
+    pub(crate) fn set_dirty_limit(
+        &self,
+        bytes_per_s: Option<u64>,
+    ) -> Result<(), ferry_migrate::VmError> {
+        if bytes_per_s.is_some() && self.kvm.dirty_rings().is_none() {
+            return Err(ferry_migrate::VmError::Unsupported {
+                operation: "a per-vCPU dirty limit on a VM without the dirty ring (start the VM with ferry run --dirty-ring 4096)",
+            });
+        }
+        self.dirty_limit.set(bytes_per_s);
+        Ok(())
+    }
+
+    /// What each vCPU dirtied since the log started, and slept for the dirty limit; empty
+    /// without the dirty ring.
+    pub(crate) fn vcpu_dirty(&self) -> Vec<ferry_migrate::VcpuDirty> {
+        let Some(rings) = self.kvm.dirty_rings() else {
+            return Vec::new();
+        };
+        let slept = self.dirty_limit.slept();
+        rings
+            .dirtied()
+            .into_iter()
+            .enumerate()
+            .map(|(v, pages)| ferry_migrate::VcpuDirty {
+                vcpu: v as u32,
+                dirtied_pages: pages,
+                limited_ms: slept.get(v).map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            })
+            .collect()
     }
 }

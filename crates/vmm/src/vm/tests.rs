@@ -30,6 +30,7 @@ fn regression_a_pause_that_a_vcpu_cannot_answer_gives_up_and_the_vm_runs_on() {
         guest: GuestKind::Foreign,
         serial: SerialOutput::Discard,
         balloon: false,
+        dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
     })
@@ -79,6 +80,7 @@ fn a_start_asked_just_before_a_pause_is_made_by_the_pause() {
         guest: GuestKind::Foreign,
         serial: SerialOutput::Discard,
         balloon: false,
+        dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
     })

@@ -1,0 +1,167 @@
+//! The per-vCPU dirty limit: each vCPU may dirty at most a rate, and one that dirties faster
+//! sleeps until its pages are paid for; the others run freely. It needs to know which vCPU
+//! dirtied a page, which only the dirty ring tells (`kvm/ring.rs`).
+//!
+//! Each vCPU has a clock of what its dirtying has paid for: a page costs `1 / limit` seconds,
+//! charged when its ring entry is harvested (by the vCPU's own thread when its ring fills, by
+//! the migration thread at a sync). A vCPU whose paid-for time runs ahead of now owes the
+//! difference and sleeps it before it runs again; a vCPU that dirtied nothing for a while has
+//! at most [`BURST`] of credit. So over any stretch longer than a ring's worth of pages, a
+//! vCPU dirties at most `limit`, whatever its neighbours do.
+//!
+//! Invariant: with no limit set, nothing is owed and nothing is charged.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Credit a vCPU that was quiet may spend at once: enough that a vCPU under the limit never
+/// sleeps for the harvest's lumps, short enough that a burst cannot outrun the limit by much.
+pub const BURST: Duration = Duration::from_millis(10);
+
+/// A debt shorter than this is not slept (a wakeup costs more than it would slow).
+const MIN_SLEEP: Duration = Duration::from_micros(500);
+
+/// The VM's dirty limit and each vCPU's account.
+#[derive(Debug)]
+pub struct DirtyLimit {
+    /// Pages per second each vCPU may dirty; 0: no limit.
+    pages_per_s: AtomicU64,
+    epoch: Instant,
+    vcpus: Vec<Account>,
+}
+
+#[derive(Debug, Default)]
+struct Account {
+    /// Until when (ns after `epoch`) the pages charged so far are paid for.
+    paid_until_ns: AtomicU64,
+    /// Time the vCPU slept for the limit.
+    slept_ns: AtomicU64,
+}
+
+impl DirtyLimit {
+    pub fn new(vcpus: usize) -> DirtyLimit {
+        DirtyLimit {
+            pages_per_s: AtomicU64::new(0),
+            // A burst's credit from the start: a fresh vCPU is as quiet as one that was.
+            epoch: Instant::now()
+                .checked_sub(BURST)
+                .unwrap_or_else(Instant::now),
+            vcpus: (0..vcpus).map(|_| Account::default()).collect(),
+        }
+    }
+
+    /// Sets the limit in bytes per second (`None` lifts it, and forgives what is owed).
+    pub fn set(&self, bytes_per_s: Option<u64>) {
+        let pages = bytes_per_s.map_or(0, |b| (b / ferry_guest_abi::PAGE_SIZE).max(1));
+        self.pages_per_s.store(pages, Ordering::Relaxed);
+        if pages == 0 {
+            for a in &self.vcpus {
+                a.paid_until_ns.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Charges vCPU `vcpu` for `pages` it dirtied; true when it owes a sleep now.
+    pub fn charge(&self, vcpu: usize, pages: u64) -> bool {
+        let rate = self.pages_per_s.load(Ordering::Relaxed);
+        let Some(a) = self.vcpus.get(vcpu).filter(|_| rate > 0 && pages > 0) else {
+            return false;
+        };
+        let now = self.now_ns();
+        let cost = (u128::from(pages) * 1_000_000_000 / u128::from(rate)) as u64;
+        let floor = now.saturating_sub(BURST.as_nanos() as u64);
+        let before = a
+            .paid_until_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |paid| {
+                Some(paid.max(floor) + cost)
+            })
+            .unwrap_or_default();
+        before.max(floor) + cost > now
+    }
+
+    /// How long vCPU `vcpu` sleeps now for what it dirtied beyond the limit.
+    pub fn owed(&self, vcpu: usize) -> Duration {
+        if self.pages_per_s.load(Ordering::Relaxed) == 0 {
+            return Duration::ZERO;
+        }
+        let Some(a) = self.vcpus.get(vcpu) else {
+            return Duration::ZERO;
+        };
+        let owed = Duration::from_nanos(
+            a.paid_until_ns
+                .load(Ordering::Relaxed)
+                .saturating_sub(self.now_ns()),
+        );
+        if owed < MIN_SLEEP {
+            Duration::ZERO
+        } else {
+            owed
+        }
+    }
+
+    pub fn add_slept(&self, vcpu: usize, slept: Duration) {
+        if let Some(a) = self.vcpus.get(vcpu) {
+            a.slept_ns
+                .fetch_add(slept.as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Time each vCPU slept for the limit since [`DirtyLimit::reset_slept`], by vCPU id.
+    pub fn slept(&self) -> Vec<Duration> {
+        self.vcpus
+            .iter()
+            .map(|a| Duration::from_nanos(a.slept_ns.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    pub fn reset_slept(&self) {
+        for a in &self.vcpus {
+            a.slept_ns.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vcpu_over_the_limit_owes_its_excess_and_one_under_it_owes_nothing() {
+        let l = DirtyLimit::new(2);
+        assert!(!l.charge(0, 1_000_000), "no limit, no charge");
+        assert_eq!(l.owed(0), Duration::ZERO);
+        // 4096 pages a second.
+        l.set(Some(4096 * ferry_guest_abi::PAGE_SIZE));
+        // 2048 pages cost half a second, less the burst's credit.
+        assert!(l.charge(0, 2048));
+        let owed = l.owed(0);
+        assert!(
+            owed > Duration::from_millis(480) && owed <= Duration::from_millis(500),
+            "{owed:?}"
+        );
+        // A second lump adds its cost after the first.
+        l.charge(0, 4096);
+        assert!(l.owed(0) > Duration::from_millis(1400), "{:?}", l.owed(0));
+        // A few pages within the burst owe nothing, and vCPU 1 is not charged for vCPU 0.
+        assert!(!l.charge(1, 8));
+        assert_eq!(l.owed(1), Duration::ZERO);
+        // Lifting the limit forgives the debt.
+        l.set(None);
+        assert_eq!(l.owed(0), Duration::ZERO);
+    }
+
+    #[test]
+    fn sleeps_are_counted_per_vcpu_until_reset() {
+        let l = DirtyLimit::new(2);
+        l.add_slept(1, Duration::from_millis(30));
+        l.add_slept(1, Duration::from_millis(20));
+        l.add_slept(7, Duration::from_millis(20));
+        assert_eq!(l.slept(), [Duration::ZERO, Duration::from_millis(50)]);
+        l.reset_slept();
+        assert_eq!(l.slept(), [Duration::ZERO; 2]);
+    }
+}
