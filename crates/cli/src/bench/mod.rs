@@ -5,6 +5,7 @@
 mod blocktime;
 mod channels;
 mod compression;
+mod dirty_limit;
 mod guest;
 mod hinting;
 mod hostile;
@@ -39,6 +40,11 @@ pub enum BenchCommand {
     /// Compression off, zstd and auto on a guest of mixed content, at a 1 Gbit/s bandwidth
     /// limit and unlimited on loopback, against compression off in the same run.
     Compression(compression::CompressionBenchArgs),
+    /// The dirty ring and the per-vCPU dirty limit: a guest with one writing and three
+    /// computing vCPUs converged by throttle and by dirty limit over a 1 GB/s limit (what the
+    /// computing vCPUs keep of their work), and the ring's sync and total time against the
+    /// slot bitmaps'.
+    DirtyLimit(dirty_limit::DirtyLimitBenchArgs),
     /// Postcopy with and without the preempt connection, on loopback and a link capped at
     /// 1 GB/s, against the raw 4 KiB request/response round trip on the same link.
     Postcopy(postcopy::PostcopyBenchArgs),
@@ -74,6 +80,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Channels(args) => channels::run(&args),
         BenchCommand::Ingest(args) => ingest::run(&args),
         BenchCommand::Compression(args) => compression::run(&args),
+        BenchCommand::DirtyLimit(args) => dirty_limit::run(&args),
         BenchCommand::Postcopy(args) => postcopy::run(&args),
         BenchCommand::Hinting(args) => hinting::run(&args),
         BenchCommand::State(args) => state::run(&args),

@@ -85,6 +85,13 @@ pub(super) struct Scenario {
     pub compression: ferry_migrate::Compression,
     /// The bandwidth limit, bytes per second (`--max-bandwidth`).
     pub max_bandwidth: Option<u64>,
+    /// Both VMs track dirty pages with a dirty ring of this many entries (`--dirty-ring`).
+    pub dirty_ring: Option<u32>,
+    /// How auto-converge slows the guest (with [`Finish::Careful`]).
+    pub converge_by: ferry_migrate::ConvergeBy,
+    /// How long the guest runs after its prefill before the migration starts, measured
+    /// ([`Migrated::settled`]).
+    pub settle: Duration,
 }
 
 /// How a bench migration's precopy ends.
@@ -120,6 +127,9 @@ impl Scenario {
             postcopy_order: PostcopyOrder::default(),
             compression: ferry_migrate::Compression::Off,
             max_bandwidth: None,
+            dirty_ring: None,
+            converge_by: ferry_migrate::ConvergeBy::Throttle,
+            settle: Duration::ZERO,
         }
     }
 }
@@ -424,6 +434,9 @@ pub(super) struct Migrated {
     pub source_guest: [GuestTelemetry; 2],
     /// What the destination measured.
     pub received: ferry_migrate::destination::ReceiveStats,
+    /// The source guest's telemetry at the start and end of [`Scenario::settle`]: what it
+    /// got done before the migration.
+    pub settled: [GuestTelemetry; 2],
 }
 
 /// Both sides' TLS from a CA made for this run (its files live only while they are read).
@@ -473,7 +486,7 @@ pub(super) fn migrate_over(
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
-        dirty_ring: None,
+        dirty_ring: s.dirty_ring,
         host_pages: s.host_pages,
         next_layout: false,
     };
@@ -487,6 +500,9 @@ pub(super) fn migrate_over(
             && t.heartbeats > 100
     })
     .context("the guest did not finish its prefill")?;
+    let settle_start = src.telemetry();
+    std::thread::sleep(s.settle);
+    let settled = [settle_start, src.telemetry()];
     let preparation = match setup.unprepared {
         false => Preparation::Prepared,
         true => Preparation::Unprepared,
@@ -519,6 +535,7 @@ pub(super) fn migrate_over(
     request.free_page_hints = s.free_page_hints;
     request.compression = s.compression;
     request.max_bandwidth = s.max_bandwidth;
+    request.auto_converge_by = s.converge_by;
     if s.checksum_pages {
         request.checksum = Checksum::Pages;
     }
@@ -576,6 +593,7 @@ pub(super) fn migrate_over(
         guest,
         source_guest: [source_before, source_after],
         received,
+        settled,
     })
 }
 

@@ -18,6 +18,7 @@ pub mod host;
 pub mod irqchip;
 pub mod kick;
 pub mod ring;
+pub mod rings;
 pub mod state;
 pub mod vcpu;
 
@@ -261,7 +262,7 @@ pub struct KvmVm {
     /// Entries per vCPU of the dirty ring, when it is enabled (`ring.rs`).
     ring_entries: Option<u32>,
     /// The vCPUs' rings, mapped once the vCPUs exist.
-    rings: std::sync::OnceLock<ring::DirtyRings>,
+    rings: std::sync::OnceLock<rings::DirtyRings>,
 }
 
 impl KvmVm {

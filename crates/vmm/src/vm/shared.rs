@@ -151,12 +151,9 @@ impl Shared {
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
     /// ring's pending list (the next sync takes them) and the rings reset, so it can run.
     pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), String> {
-        let Some(rings) = self.kvm.dirty_rings() else {
-            return Err("a dirty-ring exit on a VM without the ring".into());
-        };
-        let pages = rings.harvest_pending(&self.kvm, vcpu);
+        let pages = self.kvm.harvest_own_ring(vcpu).map_err(|e| e.to_string())?;
         self.dirty_limit.charge(vcpu, pages);
-        self.kvm.reset_dirty_rings().map_err(|e| e.to_string())
+        Ok(())
     }
 
     /// Charges each vCPU for the pages a sync found it dirtied (by vCPU id), and kicks those
