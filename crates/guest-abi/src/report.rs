@@ -9,13 +9,12 @@
 /// "FRRY", little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FRRY");
 /// Layout version; bumped when a field changes meaning. Version 2 gave one byte of version 1's
-/// 16-bit version field to the sending vCPU's index; version 3 added an eleventh detail word
-/// (a computing vCPU's work units).
-pub const VERSION: u8 = 3;
+/// 16-bit version field to the sending vCPU's index.
+pub const VERSION: u8 = 2;
 /// Encoded size of a report.
-pub const REPORT_SIZE: usize = 136;
+pub const REPORT_SIZE: usize = 128;
 /// Words of kind-specific detail.
-pub const DETAIL_WORDS: usize = 11;
+pub const DETAIL_WORDS: usize = 10;
 /// Bad frame numbers a verify report lists (the first ones found in the pass).
 pub const LISTED_BAD_PAGES: usize = 6;
 
@@ -68,6 +67,11 @@ report_enum! {
         Halt = 5,
         /// Once, after Boot: where the working set is. Detail: [`layout`] words.
         Layout = 6,
+        /// A computing vCPU's (`compute=`) heartbeat, every `heartbeat-ms`, instead of
+        /// [`Kind::Heartbeat`]. Detail: [`work`] words. A kind of its own rather than a word
+        /// of the heartbeat's, so that the report's layout (and a VMM or a migration stream
+        /// that holds reports of it) stays as it was.
+        Work = 7,
     }
 }
 
@@ -157,11 +161,14 @@ pub mod heartbeat {
     pub const FREE_USED: usize = 8;
     /// Blocks the churn workload wrote, verified and freed so far.
     pub const CHURNED: usize = 9;
-    /// A computing vCPU's (`compute=`) work units so far: each is the same fixed run of
-    /// arithmetic in registers, so units per second are what the vCPU got of a CPU.
-    pub const WORK_UNITS: usize = 10;
     /// What makes a batch slow: a batch of writes takes ~0.1–0.3 ms when memory is there.
     pub const SLOW_BATCH_NS: u64 = 1_000_000;
+}
+
+pub mod work {
+    /// Work units so far: each is the same fixed run of arithmetic in registers, so units per
+    /// second are what the vCPU got of a CPU.
+    pub const UNITS: usize = 0;
 }
 
 pub mod verify {
@@ -219,7 +226,7 @@ pub enum DecodeError {
 
 impl Report {
     /// Encodes as `magic:u32 version:u8 vcpu:u8 kind:u16 seq guest_ns pages_written
-    /// verify_passes verify_failures detail[11]`, all little-endian, 136 bytes.
+    /// verify_passes verify_failures detail[10]`, all little-endian, 128 bytes.
     pub fn to_bytes(&self) -> [u8; REPORT_SIZE] {
         let mut b = [0u8; REPORT_SIZE];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -289,7 +296,7 @@ mod tests {
             pages_written: u64::MAX,
             verify_passes: 3,
             verify_failures: 1,
-            detail: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+            detail: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
         };
         assert_eq!(Report::from_bytes(&r.to_bytes()), Ok(r));
     }
@@ -304,7 +311,7 @@ mod tests {
         };
         let b = r.to_bytes();
         assert_eq!(&b[0..4], b"FRRY");
-        assert_eq!(&b[4..8], &[3, 3, 2, 0]);
+        assert_eq!(&b[4..8], &[2, 3, 2, 0]);
         assert_eq!(&b[8..10], &[2, 1]);
         assert_eq!(b.len(), 8 + 8 * (5 + DETAIL_WORDS));
     }

@@ -74,6 +74,59 @@ fn the_default_policy_throttles_a_stalled_guest_until_precopy_converges() {
     assert!(src.contents() == dst.contents(), "memory differs");
 }
 
+/// The fake VMM cannot tell which writer dirtied a page, like a VMM without a dirty ring:
+/// auto-converge asked to limit each vCPU throttles instead, from the first stall, and says so.
+#[test]
+fn auto_converge_by_dirty_limit_throttles_where_the_vmm_cannot_limit_each_vcpu() {
+    let (mut src, mut dst) = hot_guest();
+    let policy = Policy {
+        downtime_limit: DOWNTIME,
+        converge_by: ferry_migrate::ConvergeBy::DirtyLimit,
+        ..Policy::default()
+    };
+    let (sent, received) = migrate(
+        &mut src,
+        &mut dst,
+        &params(policy, false),
+        &Control::default(),
+    );
+    let stats = sent.expect("the throttle finishes it");
+    received.expect("the destination's side");
+    assert!(stats.converged, "{stats:?}");
+    assert!(stats.dirty_limit_unsupported, "{stats:?}");
+    assert_eq!(stats.dirty_limit_min, None);
+    // The first stalled pass throttled already: the fallback took the step at once.
+    assert_eq!(
+        stats
+            .passes
+            .iter()
+            .map(|p| p.throttle_percent)
+            .find(|&t| t > 0),
+        Some(20),
+        "{:?}",
+        stats.passes
+    );
+    assert_eq!(src.throttle(), 0, "the throttle is lifted at the end");
+    assert!(src.contents() == dst.contents(), "memory differs");
+}
+
+/// A migration asked for a dirty limit the VMM cannot enforce fails before it sends a page,
+/// with the VMM's reason, and the guest runs on.
+#[test]
+fn a_dirty_limit_the_vmm_cannot_enforce_fails_the_migration_and_the_guest_runs_on() {
+    let (mut src, mut dst) = hot_guest();
+    let p = SourceParams {
+        dirty_limit: Some(10_000_000),
+        ..params(Policy::default(), false)
+    };
+    let (sent, _) = migrate(&mut src, &mut dst, &p, &Control::default());
+    let e = sent.expect_err("refused");
+    assert!(e.to_string().contains("dirty limit"), "{e}");
+    let before = src.writes();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(src.writes() > before, "the guest writes on");
+}
+
 #[test]
 fn postcopy_on_stall_moves_the_guest_instead_of_throttling_it() {
     let (mut src, mut dst) = hot_guest();

@@ -403,6 +403,49 @@ mod tests {
     }
 
     #[test]
+    fn a_stalled_precopy_limits_each_vcpu_from_half_the_link_down_to_the_floor() {
+        let by_limit = Policy {
+            converge_by: ConvergeBy::DirtyLimit,
+            ..Policy::default()
+        };
+        // (stalled passes, limit in force, measured bandwidth B/s, decision)
+        let table = [
+            (1, None, 100e6, Decision::Iterate),
+            (2, None, 100e6, Decision::LimitDirty(50_000_000)),
+            (3, Some(50_000_000), 100e6, Decision::LimitDirty(25_000_000)),
+            (
+                2,
+                Some(1_500_000),
+                100e6,
+                Decision::LimitDirty(DIRTY_LIMIT_FLOOR),
+            ),
+            // At the floor there is no further step.
+            (2, Some(DIRTY_LIMIT_FLOOR), 100e6, Decision::Iterate),
+            // A link slower than twice the floor starts at the floor.
+            (2, None, 1e6, Decision::LimitDirty(DIRTY_LIMIT_FLOOR)),
+        ];
+        for (passes, limit, bandwidth, want) in table {
+            let o = Observation {
+                dirty_limit: limit,
+                bandwidth,
+                ..stalled(passes, 0, false)
+            };
+            assert_eq!(decide(&by_limit, &o), want, "{o:?}");
+        }
+        // Without auto-converge, no limit; a stalled guest that fits is switched over.
+        let off = Policy {
+            auto_converge: None,
+            ..by_limit
+        };
+        assert_eq!(decide(&off, &stalled(3, 0, false)), Decision::Iterate);
+        let fits = Observation {
+            remaining_bytes: 1_000_000,
+            ..stalled(3, 0, false)
+        };
+        assert_eq!(decide(&by_limit, &fits), Decision::Switchover);
+    }
+
+    #[test]
     fn expected_downtime_includes_what_is_in_flight() {
         let o = in_flight(100, 50.0, 1000.0);
         assert_eq!(o.expected_downtime(), Some(Duration::from_millis(150)));

@@ -148,6 +148,10 @@ pub struct MigrationStats {
     /// The lowest per-vCPU dirty limit in force, bytes per second (`None`: never limited).
     #[serde(default)]
     pub dirty_limit_min: Option<u64>,
+    /// Auto-converge was asked to limit each vCPU's dirty rate but the VMM cannot: it throttled
+    /// the whole guest instead.
+    #[serde(default)]
+    pub dirty_limit_unsupported: bool,
     /// What each vCPU dirtied and how long the dirty limit made it sleep, where the VMM can
     /// tell (the reference VMM with its dirty ring); empty elsewhere.
     #[serde(default)]

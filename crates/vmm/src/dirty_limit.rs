@@ -4,22 +4,25 @@
 //!
 //! Each vCPU has a clock of what its dirtying has paid for: a page costs `1 / limit` seconds,
 //! charged when its ring entry is harvested (by the vCPU's own thread when its ring fills, by
-//! the migration thread at a sync). A vCPU whose paid-for time runs ahead of now owes the
-//! difference and sleeps it before it runs again; a vCPU that dirtied nothing for a while has
-//! at most [`BURST`] of credit. So over any stretch longer than a ring's worth of pages, a
-//! vCPU dirties at most `limit`, whatever its neighbours do.
+//! the migration thread at a sync, which harvests every vCPU). The pages a harvest finds were
+//! dirtied since the vCPU's previous harvest, so their cost is paid from then on: a vCPU whose
+//! paid-for time runs ahead of now dirtied faster than the limit over that stretch, owes the
+//! difference, and sleeps it, in slices of at most [`SLICE`], before it runs again. A vCPU
+//! under the limit owes nothing however its pages come in lumps (a sync's harvest). So over
+//! any two harvests, a vCPU dirties at most `limit`, whatever its neighbours do.
 //!
 //! Invariant: with no limit set, nothing is owed and nothing is charged.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Credit a vCPU that was quiet may spend at once: enough that a vCPU under the limit never
-/// sleeps for the harvest's lumps, short enough that a burst cannot outrun the limit by much.
-pub const BURST: Duration = Duration::from_millis(10);
-
 /// A debt shorter than this is not slept (a wakeup costs more than it would slow).
 const MIN_SLEEP: Duration = Duration::from_micros(500);
+
+/// The longest single sleep: a vCPU sleeps a larger debt in slices, looking again between
+/// them, so that a limit lifted (or a pause) lets it run within a slice. One full ring at a low
+/// limit is a debt of seconds (4096 pages at 1 MB/s: 16 s).
+pub const SLICE: Duration = Duration::from_millis(50);
 
 /// The VM's dirty limit and each vCPU's account.
 #[derive(Debug)]
@@ -34,6 +37,9 @@ pub struct DirtyLimit {
 struct Account {
     /// Until when (ns after `epoch`) the pages charged so far are paid for.
     paid_until_ns: AtomicU64,
+    /// When (ns after `epoch`) the vCPU's ring was last harvested: the pages the next harvest
+    /// finds were dirtied after it.
+    harvested_ns: AtomicU64,
     /// Time the vCPU slept for the limit.
     slept_ns: AtomicU64,
 }
@@ -42,10 +48,7 @@ impl DirtyLimit {
     pub fn new(vcpus: usize) -> DirtyLimit {
         DirtyLimit {
             pages_per_s: AtomicU64::new(0),
-            // A burst's credit from the start: a fresh vCPU is as quiet as one that was.
-            epoch: Instant::now()
-                .checked_sub(BURST)
-                .unwrap_or_else(Instant::now),
+            epoch: Instant::now(),
             vcpus: (0..vcpus).map(|_| Account::default()).collect(),
         }
     }
@@ -53,34 +56,45 @@ impl DirtyLimit {
     /// Sets the limit in bytes per second (`None` lifts it, and forgives what is owed).
     pub fn set(&self, bytes_per_s: Option<u64>) {
         let pages = bytes_per_s.map_or(0, |b| (b / ferry_guest_abi::PAGE_SIZE).max(1));
-        self.pages_per_s.store(pages, Ordering::Relaxed);
-        if pages == 0 {
-            for a in &self.vcpus {
-                a.paid_until_ns.store(0, Ordering::Relaxed);
-            }
+        let now = self.now_ns();
+        // A limit counts from when it is set: earlier pages are not charged to it.
+        for a in &self.vcpus {
+            a.paid_until_ns.store(0, Ordering::Relaxed);
+            a.harvested_ns.store(now, Ordering::Relaxed);
         }
+        self.pages_per_s.store(pages, Ordering::Relaxed);
     }
 
-    /// Charges vCPU `vcpu` for `pages` it dirtied; true when it owes a sleep now.
+    /// Charges vCPU `vcpu` for the `pages` a harvest of its ring found (0 counts too: it
+    /// moves the start of the next harvest's stretch); true when it owes a sleep now.
     pub fn charge(&self, vcpu: usize, pages: u64) -> bool {
-        let rate = self.pages_per_s.load(Ordering::Relaxed);
-        let Some(a) = self.vcpus.get(vcpu).filter(|_| rate > 0 && pages > 0) else {
+        let Some(a) = self.vcpus.get(vcpu) else {
             return false;
         };
         let now = self.now_ns();
+        let since = a.harvested_ns.swap(now, Ordering::Relaxed);
+        let rate = self.pages_per_s.load(Ordering::Relaxed);
+        if rate == 0 || pages == 0 {
+            return false;
+        }
         let cost = (u128::from(pages) * 1_000_000_000 / u128::from(rate)) as u64;
-        let floor = now.saturating_sub(BURST.as_nanos() as u64);
         let before = a
             .paid_until_ns
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |paid| {
-                Some(paid.max(floor) + cost)
+                Some(paid.max(since) + cost)
             })
             .unwrap_or_default();
-        before.max(floor) + cost > now
+        before.max(since) + cost > now
     }
 
-    /// How long vCPU `vcpu` sleeps now for what it dirtied beyond the limit.
+    /// How long vCPU `vcpu` sleeps now for what it dirtied beyond the limit: its debt, in
+    /// slices of at most [`SLICE`].
     pub fn owed(&self, vcpu: usize) -> Duration {
+        self.debt(vcpu).min(SLICE)
+    }
+
+    /// What vCPU `vcpu` owes in all: how far its paid-for clock runs ahead of now.
+    pub fn debt(&self, vcpu: usize) -> Duration {
         if self.pages_per_s.load(Ordering::Relaxed) == 0 {
             return Duration::ZERO;
         }
@@ -136,21 +150,27 @@ mod tests {
         assert_eq!(l.owed(0), Duration::ZERO);
         // 4096 pages a second.
         l.set(Some(4096 * ferry_guest_abi::PAGE_SIZE));
-        // 2048 pages cost half a second, less the burst's credit.
+        // 2048 pages at once cost half a second from the last harvest (the limit's start),
+        // slept in slices.
         assert!(l.charge(0, 2048));
-        let owed = l.owed(0);
+        let debt = l.debt(0);
         assert!(
-            owed > Duration::from_millis(480) && owed <= Duration::from_millis(500),
-            "{owed:?}"
+            debt > Duration::from_millis(450) && debt <= Duration::from_millis(500),
+            "{debt:?}"
         );
+        assert_eq!(l.owed(0), SLICE);
         // A second lump adds its cost after the first.
         l.charge(0, 4096);
-        assert!(l.owed(0) > Duration::from_millis(1400), "{:?}", l.owed(0));
-        // A few pages within the burst owe nothing, and vCPU 1 is not charged for vCPU 0.
-        assert!(!l.charge(1, 8));
+        assert!(l.debt(0) > Duration::from_millis(1400), "{:?}", l.debt(0));
+        // vCPU 1 is not charged for vCPU 0; its 40 pages 20 ms after its last harvest cost
+        // 10 ms of those 20: under the limit, however late the harvest.
+        l.charge(1, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!l.charge(1, 40));
         assert_eq!(l.owed(1), Duration::ZERO);
         // Lifting the limit forgives the debt.
         l.set(None);
+        assert_eq!(l.debt(0), Duration::ZERO);
         assert_eq!(l.owed(0), Duration::ZERO);
     }
 

@@ -8,8 +8,9 @@
 //! - **stall 50M**: the same guest on a 256 MiB working set over a 50 MB/s limit, which its
 //!   writer outruns here (dirty tracking holds it near 100 MB/s on this host, under the 1 GB/s
 //!   of the first group): the case where auto-converge acts.
-//! - **sync**: a 16 GiB guest dirtying 64 MB at random flat out, tracked by the slot bitmaps
-//!   and by the ring: the longest dirty sync of each.
+//! - **sync**: a 16 GiB guest writing 64 MiB in order flat out over a 50 MB/s limit, so that
+//!   each sync finds all of it dirty, tracked by the slot bitmaps and by the ring: the longest
+//!   dirty sync of each, and the most a sync found dirty.
 //! - **1 GB/s**: a 2 GiB guest dirtying 1 GB/s at random, bitmap and ring: total time of the
 //!   ring's run against the bitmap's.
 
@@ -40,7 +41,9 @@ const CONVERGE: &str =
 /// precopy on this host (where dirty tracking holds a flat-out writer to ~100 MB/s).
 const CONVERGE_SLOW: &str =
     "ws=256M pattern=seq rate=max compute=3 prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=10";
-const SYNC: &str = "ws=64M pattern=random rate=max prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=10";
+/// 64 MiB written in order flat out: over a 50 MB/s link a pass takes longer than the writer
+/// needs to dirty every page of it again, so each sync finds the whole 64 MiB dirty.
+const SYNC: &str = "ws=64M pattern=seq rate=max prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=10";
 const GBS: &str = "ws=1G pattern=random rate=1000 prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=10";
 
 /// One row: (group, name, memory, vCPUs, guest, ring, auto-converge by, bandwidth limit).
@@ -105,7 +108,7 @@ pub fn run(args: &DirtyLimitBenchArgs) -> anyhow::Result<ExitCode> {
             SYNC,
             None,
             ConvergeBy::Throttle,
-            None,
+            Some(50_000_000),
         ),
         (
             "sync 16G",
@@ -115,7 +118,7 @@ pub fn run(args: &DirtyLimitBenchArgs) -> anyhow::Result<ExitCode> {
             SYNC,
             Some(RING),
             ConvergeBy::Throttle,
-            None,
+            Some(50_000_000),
         ),
         (
             "1 GB/s",
@@ -142,13 +145,15 @@ pub fn run(args: &DirtyLimitBenchArgs) -> anyhow::Result<ExitCode> {
         "each group's first row is its reference (x ref); compute: the computing vCPUs' work during the migration against the 2 s before it"
     );
     println!(
-        "{:<10} {:<12} {:>9} {:>6} {:>9} {:>9} {:>6} {:>9} {:>10} {:>10} {:>9}",
+        "{:<10} {:<12} {:>9} {:>6} {:>9} {:>9} {:>9} {:>10} {:>6} {:>9} {:>10} {:>10} {:>9}",
         "group",
         "row",
         "total ms",
         "x ref",
         "downtime",
         "max sync",
+        "dirty MB",
+        "guest MB/s",
         "passes",
         "compute",
         "writer MB/s",
@@ -181,18 +186,27 @@ pub fn run(args: &DirtyLimitBenchArgs) -> anyhow::Result<ExitCode> {
                 1.0
             }
         };
-        let compute = compute_kept(&m);
         let precopy_s = ((st.total_ms - st.downtime.total_ms) / 1e3).max(1e-3);
+        let compute = compute_kept(&m);
+        // What the guest wrote while it migrated, rewrites of a page included.
+        let [before, after] = &m.source_guest;
+        let guest_mb_s =
+            (after.pages_written - before.pages_written) as f64 * 4096.0 / 1e6 / precopy_s;
+        // The most a sync found dirty: what the pass after it sent.
+        let dirty_mb =
+            st.passes.iter().skip(1).map(|p| p.pages).max().unwrap_or(0) as f64 * 4096.0 / 1e6;
         let writer = st.vcpus.first().copied().unwrap_or_default();
         let writer_mb_s = writer.dirtied_pages as f64 * 4096.0 / 1e6 / precopy_s;
         println!(
-            "{:<10} {:<12} {:>9.0} {:>6.2} {:>9.1} {:>9.2} {:>6} {:>9} {:>10} {:>10} {:>8}%",
+            "{:<10} {:<12} {:>9.0} {:>6.2} {:>9.1} {:>9.2} {:>9.1} {:>10.0} {:>6} {:>9} {:>10} {:>10} {:>8}%",
             group,
             name,
             st.total_ms,
             x_ref,
             st.downtime.total_ms,
             st.max_sync_ms,
+            dirty_mb,
+            guest_mb_s,
             st.passes.len(),
             compute.map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
             match ring {
@@ -207,7 +221,7 @@ pub fn run(args: &DirtyLimitBenchArgs) -> anyhow::Result<ExitCode> {
         );
         json_rows.push(json!({
             "bench": "dirty-limit", "group": group, "row": name, "total_ms": st.total_ms,
-            "x_ref": x_ref, "downtime_ms": st.downtime.total_ms, "max_sync_ms": st.max_sync_ms,
+            "x_ref": x_ref, "downtime_ms": st.downtime.total_ms, "max_sync_ms": st.max_sync_ms, "max_dirty_mb": dirty_mb, "guest_mb_s": guest_mb_s,
             "passes": st.passes.len(), "compute_kept": compute, "vcpus": st.vcpus,
             "dirty_limit_min": st.dirty_limit_min, "throttle_max": st.throttle_max_percent,
             "converged": st.converged, "guest_pause_ms": m.pause_ms,

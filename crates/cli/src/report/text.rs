@@ -241,6 +241,11 @@ pub fn print_table(s: &MigrationStats) {
     if s.throttle_unsupported {
         println!("auto-converge    off: the VMM cannot throttle its vCPUs");
     }
+    if s.dirty_limit_unsupported {
+        println!(
+            "auto-converge    throttled instead of limiting each vCPU: the VMM cannot tell which vCPU dirtied a page (start the VM with --dirty-ring)"
+        );
+    }
     if let Some(limit) = s.dirty_limit_min {
         println!(
             "dirty limit      each vCPU held to {:.1} MB/s at the lowest",

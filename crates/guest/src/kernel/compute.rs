@@ -1,5 +1,5 @@
 //! A computing vCPU (`compute=`): arithmetic in registers, counted in work units and reported
-//! in its heartbeats, so that a benchmark sees what a vCPU that writes no memory loses while
+//! in its heartbeats (`Kind::Work` reports), so that a benchmark sees what a vCPU that writes no memory loses while
 //! its guest migrates (a throttle that sleeps every vCPU costs it; a per-vCPU dirty limit
 //! should not). It touches no memory but its stack and its report buffer.
 
@@ -29,9 +29,9 @@ pub fn run(p: &Params, clock: Clock) -> ! {
         let now = clock.now_ns();
         if now >= next_heartbeat {
             let mut detail = [0u64; report::DETAIL_WORDS];
-            detail[report::heartbeat::WORK_UNITS] = units;
+            detail[report::work::UNITS] = units;
             telemetry::send(&Report {
-                kind: Kind::Heartbeat as u16,
+                kind: Kind::Work as u16,
                 vcpu: clock.vcpu(),
                 guest_ns: now,
                 detail,

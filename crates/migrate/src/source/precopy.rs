@@ -127,6 +127,17 @@ impl<P: Target> Session<'_, P> {
         if self.throttle > cap {
             self.throttle(vm, cap)?;
         }
+        // A dirty limit auto-converge set goes with it; one asked for from the start stays.
+        if self.params.policy.auto_converge.is_none() && self.dirty_limit != self.params.dirty_limit
+        {
+            match self.params.dirty_limit {
+                Some(rate) => self.set_dirty_limit(vm, rate)?,
+                None => {
+                    vm.set_dirty_limit(None)?;
+                    self.dirty_limit = None;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -155,8 +166,8 @@ impl<P: Target> Session<'_, P> {
     }
 
     /// Auto-converge by dirty limit: caps each vCPU's dirty rate for the passes to come. A
-    /// VMM that cannot falls back to the throttle for the rest of this migration (said in the
-    /// log).
+    /// VMM that cannot falls back to the throttle, from this step on, for the rest of this
+    /// migration (said in the log and the statistics).
     fn limit_dirty(&mut self, vm: &mut dyn SourceVm, rate: u64) -> Result<(), MigrateError> {
         match self.set_dirty_limit(vm, rate) {
             Err(MigrateError::Vm(VmError::Unsupported { operation })) => {
@@ -164,7 +175,17 @@ impl<P: Target> Session<'_, P> {
                     "{operation} is not supported by this VMM: auto-converge throttles the whole guest instead"
                 );
                 self.params.policy.converge_by = crate::ConvergeBy::Throttle;
-                Ok(())
+                self.stats.dirty_limit_unsupported = true;
+                // This stall's step, taken now rather than a stalled pass later.
+                match self
+                    .params
+                    .policy
+                    .auto_converge
+                    .and_then(|a| a.next(self.throttle))
+                {
+                    Some(percent) => self.throttle(vm, percent),
+                    None => Ok(()),
+                }
             }
             other => other,
         }

@@ -344,11 +344,14 @@ impl GuestTelemetry {
                 v.slow_batch_ns = v.slow_batch_ns.max(d[SLOW_BATCH_TIME_NS]);
                 v.pages_read = v.pages_read.max(d[PAGES_READ]);
                 v.bad_reads = v.bad_reads.max(d[BAD_READS]);
-                v.work_units = v.work_units.max(d[WORK_UNITS]);
                 let free = GuestFreeMemory::from_heartbeat(d);
                 if free != GuestFreeMemory::default() {
                     self.free_memory = Some(free);
                 }
+            }
+            Kind::Work => {
+                v.heartbeats += 1;
+                v.work_units = v.work_units.max(d[report::work::UNITS]);
             }
             Kind::Verify => {
                 let listed = (d[report::verify::LISTED] as usize).min(report::LISTED_BAD_PAGES);

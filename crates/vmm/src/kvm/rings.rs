@@ -43,6 +43,8 @@ pub struct DirtyRings {
     rings: Vec<Ring>,
     /// Whether a migration's log is on (entries harvested are kept).
     logging: AtomicBool,
+    /// Whether the rings are KVM's mappings (unmapped on drop); not in unit tests.
+    mapped: bool,
 }
 
 impl DirtyRings {
@@ -90,8 +92,9 @@ impl DirtyRings {
     }
 
     /// Every ring's new entries and pending pages to `mark` (guest addresses, through
-    /// `to_gpa`); returns the pages each vCPU dirtied since the last sync (by vCPU id). The
-    /// caller resets the rings afterwards.
+    /// `to_gpa`); returns the entries this sync read from each vCPU's ring (by vCPU id), not
+    /// counting the pending pages its own thread read (and counted) before. The caller resets
+    /// the rings afterwards.
     pub(super) fn harvest_all(
         &self,
         to_gpa: impl Fn(u32, u64) -> Option<u64>,
@@ -102,7 +105,6 @@ impl DirtyRings {
         for ring in &self.rings {
             let mut cursor = ring.cursor.lock().unwrap();
             let Cursor { next, pending } = &mut *cursor;
-            let from_vcpu = pending.len() as u64;
             if keep {
                 pending.drain(..).for_each(&mut mark);
             } else {
@@ -116,7 +118,8 @@ impl DirtyRings {
             if keep {
                 ring.dirtied.fetch_add(n, Ordering::Relaxed);
             }
-            per_vcpu.push(n + from_vcpu);
+            // Pending pages were counted and charged when the vCPU's thread read them.
+            per_vcpu.push(n);
         }
         per_vcpu
     }
@@ -136,18 +139,27 @@ impl DirtyRings {
     fn read(&self, ring: &Ring, next: &mut u32, mut page: impl FnMut(u32, u64)) -> u64 {
         let mut n = 0;
         loop {
-            // SAFETY: the ring maps `size` entries for the VM's life, and the index is taken
-            // modulo `size` (a power of two).
-            let entry = unsafe { &*ring.entries.add((*next & (self.size - 1)) as usize) };
-            // SAFETY: the flags word is a u32 of the shared mapping that KVM reads and writes
-            // too; it is only ever touched through an atomic of the same size and alignment
-            // (acquire to read, release to write, as the ring's ABI asks).
-            let flags = unsafe { &*(&raw const entry.flags).cast::<AtomicU32>() };
+            // The entry is memory KVM writes too: it is reached through raw pointers only,
+            // never a reference. SAFETY: the ring maps `size` entries for the VM's life, and the
+            // index is taken modulo `size` (a power of two).
+            let entry = unsafe { ring.entries.add((*next & (self.size - 1)) as usize) };
+            // SAFETY: the flags word is a u32 of that mapping, only ever touched through an
+            // atomic of the same size and alignment (acquire to read, release to write, as the
+            // ring's ABI asks).
+            let flags = unsafe { AtomicU32::from_ptr(&raw mut (*entry).flags) };
             if flags.load(Ordering::Acquire) & F_DIRTY == 0 {
                 return n;
             }
+            // SAFETY: KVM filled the entry before it set F_DIRTY (seen above with acquire), and
+            // does not touch it again until the VMM sets F_RESET and resets the ring.
+            let (slot, offset) = unsafe {
+                (
+                    (&raw const (*entry).slot).read_volatile(),
+                    (&raw const (*entry).offset).read_volatile(),
+                )
+            };
             // Slot id: address space in the high 16 bits (always 0 here), slot in the low.
-            page(entry.slot & 0xffff, entry.offset);
+            page(slot & 0xffff, offset);
             flags.store(F_RESET, Ordering::Release);
             *next = next.wrapping_add(1);
             n += 1;
@@ -163,8 +175,8 @@ impl DirtyRings {
         let mut rings = Vec::with_capacity(vcpus.len());
         for &fd in vcpus {
             // SAFETY: maps the ring KVM keeps for the vCPU `fd` names, at the offset KVM
-            // documents, shared; the mapping is never unmapped while the VM lives (the rings
-            // live in the KvmVm, which the VM's threads share until the process ends).
+            // documents, shared; it is unmapped only when the rings drop, with the KvmVm that
+            // every reader goes through.
             let entries = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -188,6 +200,102 @@ impl DirtyRings {
             size,
             rings,
             logging: AtomicBool::new(false),
+            mapped: true,
         })
+    }
+}
+
+impl Drop for DirtyRings {
+    fn drop(&mut self) {
+        if !self.mapped {
+            return;
+        }
+        let bytes = self.size as usize * std::mem::size_of::<kvm_dirty_gfn>();
+        for ring in &self.rings {
+            // SAFETY: each ring was mapped with this length in `map` and is unmapped once,
+            // here, when nothing can read it any more (the rings are dropped with the KvmVm).
+            // The mapping holds the vCPU's file, so without this the kernel's VM would live on.
+            unsafe { libc::munmap(ring.entries.cast(), bytes) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rings over `buffers` (each `size` entries) instead of KVM's mappings.
+    fn rings_over(buffers: &mut [Vec<kvm_dirty_gfn>], size: u32) -> DirtyRings {
+        DirtyRings {
+            size,
+            rings: buffers
+                .iter_mut()
+                .map(|b| Ring {
+                    entries: b.as_mut_ptr(),
+                    cursor: Mutex::new(Cursor::default()),
+                    dirtied: AtomicU64::new(0),
+                })
+                .collect(),
+            logging: AtomicBool::new(true),
+            mapped: false,
+        }
+    }
+
+    /// KVM's part: fills entry `i` of `ring` with `page` of slot 0.
+    fn push(ring: &mut [kvm_dirty_gfn], i: usize, page: u64) {
+        ring[i].slot = 0;
+        ring[i].offset = page;
+        ring[i].flags = F_DIRTY;
+    }
+
+    #[test]
+    fn each_entry_is_read_once_marked_for_reset_and_charged_to_its_vcpu_once() {
+        let mut buffers = vec![vec![kvm_dirty_gfn::default(); 8]; 2];
+        for (i, page) in [3, 9, 4].into_iter().enumerate() {
+            push(&mut buffers[0], i, page);
+        }
+        push(&mut buffers[1], 0, 7);
+        let rings = rings_over(&mut buffers, 8);
+        let gpa = |_slot: u32, page: u64| Some(page * 4096);
+        // vCPU 0's ring filled: its thread reads its 3 entries into the pending list.
+        assert_eq!(rings.harvest_pending(0, gpa), 3);
+        // A sync takes them and vCPU 1's entry, but charges vCPU 0 for none of them again.
+        let mut marked = Vec::new();
+        let per_vcpu = rings.harvest_all(gpa, |g| marked.push(g / 4096));
+        assert_eq!(per_vcpu, [0, 1]);
+        marked.sort();
+        assert_eq!(marked, [3, 4, 7, 9]);
+        assert_eq!(rings.dirtied(), [3, 1]);
+        // Every entry read is marked for KVM's reset; nothing is read twice.
+        let flags: Vec<u32> = buffers[0][..4].iter().map(|e| e.flags).collect();
+        assert_eq!(flags, [F_RESET, F_RESET, F_RESET, 0]);
+        assert_eq!(rings.harvest_all(gpa, |_| panic!("read twice")), [0, 0]);
+    }
+
+    #[test]
+    fn the_cursor_wraps_and_entries_read_while_no_log_is_on_are_dropped() {
+        let mut buffers = vec![vec![kvm_dirty_gfn::default(); 4]];
+        let rings = rings_over(&mut buffers, 4);
+        let gpa = |_slot: u32, page: u64| Some(page * 4096);
+        // Six pages through a ring of four: KVM reuses entries after a reset clears them.
+        for round in 0..3u64 {
+            for i in 0..2 {
+                let at = ((round * 2 + i) % 4) as usize;
+                buffers[0][at].flags = 0;
+                push(&mut buffers[0], at, round * 2 + i);
+            }
+            let mut marked = Vec::new();
+            rings.harvest_all(gpa, |g| marked.push(g / 4096));
+            assert_eq!(marked, [round * 2, round * 2 + 1], "round {round}");
+        }
+        rings.set_logging(false);
+        push(&mut buffers[0], 2, 50);
+        assert_eq!(
+            rings.harvest_pending(0, gpa),
+            1,
+            "read, so KVM can reset it"
+        );
+        rings.harvest_all(gpa, |g| panic!("kept {g:#x} with no log on"));
+        assert_eq!(rings.dirtied(), [6]);
     }
 }
