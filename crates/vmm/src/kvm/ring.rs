@@ -12,8 +12,8 @@
 //!
 //! **Two harvesters.** The migration thread harvests every ring at a sync. A vCPU whose ring
 //! fills exits to the VMM (`KVM_EXIT_DIRTY_RING_FULL`) and may not run again until entries are
-//! reset, so its own thread harvests its ring then, into the ring's pending list, which the
-//! next sync takes. A ring's fetch index is behind a lock, so the two never read one entry
+//! reset, so its own thread harvests its ring then, into a pending bitmap per slot, which the
+//! next sync takes (a page dirtied again after each reset is kept once). A ring's fetch index is behind a lock, so the two never read one entry
 //! twice; entries are marked for reset only once read, and the reset stops at the first
 //! entry not marked, so a reset from either thread is safe while the other harvests.
 //!
@@ -25,9 +25,9 @@ use kvm_bindings::{
     KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL, kvm_dirty_gfn, kvm_enable_cap,
 };
 
+use super::KvmVm;
 use super::dirty::DirtyLogError;
 use super::rings::DirtyRings;
-use super::{KvmVm, SlotTable};
 /// `KVM_RESET_DIRTY_RINGS`: `_IO(KVMIO, 0xc7)` (kvm-ioctls lacks it).
 const KVM_RESET_DIRTY_RINGS: libc::c_ulong = 0xAEC7;
 
@@ -44,12 +44,6 @@ pub fn check_entries(entries: u32) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// The guest address of page `page` of slot number `slot`, if that slot is RAM.
-fn gpa_of(slots: &SlotTable, slot: u32, page: u64) -> Option<u64> {
-    let s = slots.by_number(slot)?;
-    (page < s.pages()).then(|| s.gpa + page * ferry_guest_abi::PAGE_SIZE)
 }
 
 impl KvmVm {
@@ -95,7 +89,11 @@ impl KvmVm {
         let Some(size) = self.ring_entries else {
             return Ok(());
         };
-        let rings = DirtyRings::map(vcpus, size)
+        // Pending bitmaps by slot number: the table numbers its slots in order.
+        let slot_pages: Vec<u64> = (0..self.slots.slots().len() as u32)
+            .map(|n| self.slots.by_number(n).map_or(0, |s| s.pages()))
+            .collect();
+        let rings = DirtyRings::map(vcpus, size, &slot_pages)
             .map_err(|e| DirtyLogError::Ring(format!("cannot map a vCPU's dirty ring: {e}")))?;
         let _ = self.rings.set(rings);
         Ok(())
@@ -128,14 +126,16 @@ impl KvmVm {
         into: &mut DirtyBitmap,
     ) -> Result<Vec<u64>, DirtyLogError> {
         let mut bad = None;
-        let per_vcpu = rings.harvest_all(
-            |slot, page| gpa_of(&self.slots, slot, page),
-            |gpa| {
-                if let Err(e) = into.merge_at(gpa, 1, &[1]) {
-                    bad.get_or_insert(e);
-                }
-            },
-        );
+        let per_vcpu = rings.harvest_all(|slot, first, bits| {
+            let Some(s) = self.slots.by_number(slot).filter(|s| first < s.pages()) else {
+                return;
+            };
+            let pages = (s.pages() - first).min(64);
+            let gpa = s.gpa + first * ferry_guest_abi::PAGE_SIZE;
+            if let Err(e) = into.merge_at(gpa, pages, &[bits]) {
+                bad.get_or_insert(e);
+            }
+        });
         self.reset_dirty_rings()?;
         match bad {
             Some(source) => Err(DirtyLogError::Merge { slot: 0, source }),
@@ -144,7 +144,7 @@ impl KvmVm {
     }
 
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
-    /// ring's pending list (the next sync takes them) and the rings reset, so it can run.
+    /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
     /// Returns the pages read.
     pub fn harvest_own_ring(&self, vcpu: usize) -> Result<u64, DirtyLogError> {
         let Some(rings) = self.dirty_rings() else {
@@ -152,7 +152,7 @@ impl KvmVm {
                 "a dirty-ring exit on a VM without the ring".into(),
             ));
         };
-        let pages = rings.harvest_pending(vcpu, |slot, page| gpa_of(&self.slots, slot, page));
+        let pages = rings.harvest_pending(vcpu);
         self.reset_dirty_rings()?;
         Ok(pages)
     }

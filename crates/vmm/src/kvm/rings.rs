@@ -1,5 +1,6 @@
 //! The vCPUs' dirty rings as mapped memory: reading a ring's new entries, marking them for
-//! reset, and each vCPU's count of what it dirtied (`ring.rs` is KVM's side: enabling,
+//! reset, the pages vCPU threads read from full rings until a sync takes them, and each vCPU's
+//! count of what it dirtied (`ring.rs` is KVM's side: enabling,
 //! mapping, resetting, and what a sync does with them; its module doc has the two harvesters
 //! and the invariant).
 
@@ -7,6 +8,7 @@ use std::os::fd::RawFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use ferry_migrate::pagebits::PageBits;
 use kvm_bindings::{KVM_DIRTY_LOG_PAGE_OFFSET, kvm_dirty_gfn};
 
 /// `KVM_DIRTY_GFN_F_DIRTY`: KVM filled the entry.
@@ -18,20 +20,15 @@ const F_RESET: u32 = 2;
 #[derive(Debug)]
 pub struct Ring {
     entries: *mut kvm_dirty_gfn,
-    /// The next entry to read, and the pages a vCPU-side harvest read (guest addresses).
-    cursor: Mutex<Cursor>,
-    /// Pages harvested from this ring while a slot logged: what this vCPU dirtied.
+    /// The next entry to read.
+    next: Mutex<u32>,
+    /// Pages harvested from this ring while a slot logged: what this vCPU dirtied (a page
+    /// dirtied again after a reset re-protected it counts again).
     dirtied: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Cursor {
-    next: u32,
-    pending: Vec<u64>,
-}
-
 // SAFETY: the mapping is the vCPU's ring, shared with KVM for the VM's life; entries are read
-// under `cursor`'s lock and their flags only through atomics (see `harvest_into`).
+// under `next`'s lock and their flags only through atomics (see `read`).
 unsafe impl Send for Ring {}
 // SAFETY: as above.
 unsafe impl Sync for Ring {}
@@ -41,6 +38,10 @@ unsafe impl Sync for Ring {}
 pub struct DirtyRings {
     size: u32,
     rings: Vec<Ring>,
+    /// The pages vCPU threads read from their full rings since the last sync, a bitmap per
+    /// memory slot (by slot number): a page a writer dirties again after each reset is kept
+    /// once, and a sync takes them at the cost of what is set.
+    pending: Vec<PageBits>,
     /// Whether a migration's log is on (entries harvested are kept).
     logging: AtomicBool,
     /// Whether the rings are KVM's mappings (unmapped on drop); not in unit tests.
@@ -70,19 +71,21 @@ impl DirtyRings {
         self.logging.store(on, Ordering::Release);
     }
 
-    /// Reads the new entries of vCPU `vcpu`'s ring into its pending list (guest addresses,
-    /// through `to_gpa`) and counts them; its thread calls this on `KVM_EXIT_DIRTY_RING_FULL`,
-    /// then resets the rings. Returns the pages read.
-    pub fn harvest_pending(&self, vcpu: usize, to_gpa: impl Fn(u32, u64) -> Option<u64>) -> u64 {
+    /// Reads the new entries of vCPU `vcpu`'s ring into the pending bitmaps and counts them;
+    /// its thread calls this on `KVM_EXIT_DIRTY_RING_FULL`, then resets the rings. Returns the
+    /// pages read.
+    pub fn harvest_pending(&self, vcpu: usize) -> u64 {
         let Some(ring) = self.rings.get(vcpu) else {
             return 0;
         };
         let keep = self.logging.load(Ordering::Acquire);
-        let mut cursor = ring.cursor.lock().unwrap();
-        let Cursor { next, pending } = &mut *cursor;
-        let n = self.read(ring, next, |slot, page| {
-            if keep && let Some(gpa) = to_gpa(slot, page) {
-                pending.push(gpa);
+        let mut next = ring.next.lock().unwrap();
+        let n = self.read(ring, &mut next, |slot, page| {
+            if keep
+                && let Some(bits) = self.pending.get(slot as usize)
+                && page < bits.len()
+            {
+                bits.set(page);
             }
         });
         if keep {
@@ -91,35 +94,32 @@ impl DirtyRings {
         n
     }
 
-    /// Every ring's new entries and pending pages to `mark` (guest addresses, through
-    /// `to_gpa`); returns the entries this sync read from each vCPU's ring (by vCPU id), not
-    /// counting the pending pages its own thread read (and counted) before. The caller resets
-    /// the rings afterwards.
-    pub(super) fn harvest_all(
-        &self,
-        to_gpa: impl Fn(u32, u64) -> Option<u64>,
-        mut mark: impl FnMut(u64),
-    ) -> Vec<u64> {
+    /// Every ring's new entries, then the pending pages, to `mark` as `(slot, first page,
+    /// bits)`: bit `i` of `bits` is page `first + i` of the slot (an entry is one bit, a
+    /// pending word up to 64). Returns the entries this sync read from each vCPU's ring (by
+    /// vCPU id), not counting the pending pages its own thread read (and counted) before. The
+    /// caller resets the rings afterwards.
+    pub(super) fn harvest_all(&self, mut mark: impl FnMut(u32, u64, u64)) -> Vec<u64> {
         let keep = self.logging.load(Ordering::Acquire);
         let mut per_vcpu = Vec::with_capacity(self.rings.len());
         for ring in &self.rings {
-            let mut cursor = ring.cursor.lock().unwrap();
-            let Cursor { next, pending } = &mut *cursor;
-            if keep {
-                pending.drain(..).for_each(&mut mark);
-            } else {
-                pending.clear();
-            }
-            let n = self.read(ring, next, |slot, page| {
-                if keep && let Some(gpa) = to_gpa(slot, page) {
-                    mark(gpa);
+            let mut next = ring.next.lock().unwrap();
+            let n = self.read(ring, &mut next, |slot, page| {
+                if keep {
+                    mark(slot, page, 1);
                 }
             });
             if keep {
                 ring.dirtied.fetch_add(n, Ordering::Relaxed);
             }
-            // Pending pages were counted and charged when the vCPU's thread read them.
             per_vcpu.push(n);
+        }
+        for (slot, bits) in self.pending.iter().enumerate() {
+            for (w, word) in bits.take() {
+                if keep {
+                    mark(slot as u32, w as u64 * 64, word);
+                }
+            }
         }
         per_vcpu
     }
@@ -127,11 +127,10 @@ impl DirtyRings {
     /// Drops every ring's new entries and pending pages (the caller resets the rings).
     pub(super) fn discard_all(&self) {
         for ring in &self.rings {
-            let mut cursor = ring.cursor.lock().unwrap();
-            let Cursor { next, pending } = &mut *cursor;
-            pending.clear();
-            self.read(ring, next, |_, _| {});
+            let mut next = ring.next.lock().unwrap();
+            self.read(ring, &mut next, |_, _| {});
         }
+        self.pending.iter().for_each(PageBits::clear_all);
     }
 
     /// Reads the dirty entries of `ring` from `*next` on, marking each for reset, and calls
@@ -168,8 +167,9 @@ impl DirtyRings {
 }
 
 impl DirtyRings {
-    /// Maps the rings of `size` entries KVM keeps for the vCPUs `vcpus` (their fds, by id).
-    pub fn map(vcpus: &[RawFd], size: u32) -> std::io::Result<DirtyRings> {
+    /// Maps the rings of `size` entries KVM keeps for the vCPUs `vcpus` (their fds, by id),
+    /// with a pending bitmap for each memory slot of `slot_pages` pages (by slot number).
+    pub fn map(vcpus: &[RawFd], size: u32, slot_pages: &[u64]) -> std::io::Result<DirtyRings> {
         let bytes = size as usize * std::mem::size_of::<kvm_dirty_gfn>();
         let page = 4096 as libc::off_t;
         let mut rings = Vec::with_capacity(vcpus.len());
@@ -192,13 +192,14 @@ impl DirtyRings {
             }
             rings.push(Ring {
                 entries: entries.cast(),
-                cursor: Mutex::new(Cursor::default()),
+                next: Mutex::new(0),
                 dirtied: AtomicU64::new(0),
             });
         }
         Ok(DirtyRings {
             size,
             rings,
+            pending: slot_pages.iter().map(|&p| PageBits::new(p)).collect(),
             logging: AtomicBool::new(false),
             mapped: true,
         })
@@ -224,7 +225,8 @@ impl Drop for DirtyRings {
 mod tests {
     use super::*;
 
-    /// Rings over `buffers` (each `size` entries) instead of KVM's mappings.
+    /// Rings over `buffers` (each `size` entries) instead of KVM's mappings, one slot of 1024
+    /// pages.
     fn rings_over(buffers: &mut [Vec<kvm_dirty_gfn>], size: u32) -> DirtyRings {
         DirtyRings {
             size,
@@ -232,10 +234,11 @@ mod tests {
                 .iter_mut()
                 .map(|b| Ring {
                     entries: b.as_mut_ptr(),
-                    cursor: Mutex::new(Cursor::default()),
+                    next: Mutex::new(0),
                     dirtied: AtomicU64::new(0),
                 })
                 .collect(),
+            pending: vec![PageBits::new(1024)],
             logging: AtomicBool::new(true),
             mapped: false,
         }
@@ -248,35 +251,42 @@ mod tests {
         ring[i].flags = F_DIRTY;
     }
 
+    /// The pages `harvest_all` marks, in order.
+    fn harvest(rings: &DirtyRings) -> (Vec<u64>, Vec<u64>) {
+        let mut marked = Vec::new();
+        let per_vcpu = rings.harvest_all(|slot, first, bits| {
+            assert_eq!(slot, 0);
+            marked.extend((0..64).filter(|i| bits >> i & 1 == 1).map(|i| first + i));
+        });
+        marked.sort();
+        (per_vcpu, marked)
+    }
+
     #[test]
     fn each_entry_is_read_once_marked_for_reset_and_charged_to_its_vcpu_once() {
         let mut buffers = vec![vec![kvm_dirty_gfn::default(); 8]; 2];
-        for (i, page) in [3, 9, 4].into_iter().enumerate() {
+        for (i, page) in [3, 9, 4, 9].into_iter().enumerate() {
             push(&mut buffers[0], i, page);
         }
-        push(&mut buffers[1], 0, 7);
+        push(&mut buffers[1], 0, 700);
         let rings = rings_over(&mut buffers, 8);
-        let gpa = |_slot: u32, page: u64| Some(page * 4096);
-        // vCPU 0's ring filled: its thread reads its 3 entries into the pending list.
-        assert_eq!(rings.harvest_pending(0, gpa), 3);
-        // A sync takes them and vCPU 1's entry, but charges vCPU 0 for none of them again.
-        let mut marked = Vec::new();
-        let per_vcpu = rings.harvest_all(gpa, |g| marked.push(g / 4096));
-        assert_eq!(per_vcpu, [0, 1]);
-        marked.sort();
-        assert_eq!(marked, [3, 4, 7, 9]);
-        assert_eq!(rings.dirtied(), [3, 1]);
+        // vCPU 0's ring filled: its thread reads its 4 entries (page 9 twice, dirtied again
+        // after a reset) into the pending bitmap.
+        assert_eq!(rings.harvest_pending(0), 4);
+        // A sync takes them, once each, and vCPU 1's entry, but charges vCPU 0 for none of
+        // them again.
+        assert_eq!(harvest(&rings), (vec![0, 1], vec![3, 4, 9, 700]));
+        assert_eq!(rings.dirtied(), [4, 1]);
         // Every entry read is marked for KVM's reset; nothing is read twice.
-        let flags: Vec<u32> = buffers[0][..4].iter().map(|e| e.flags).collect();
-        assert_eq!(flags, [F_RESET, F_RESET, F_RESET, 0]);
-        assert_eq!(rings.harvest_all(gpa, |_| panic!("read twice")), [0, 0]);
+        let flags: Vec<u32> = buffers[0][..5].iter().map(|e| e.flags).collect();
+        assert_eq!(flags, [F_RESET, F_RESET, F_RESET, F_RESET, 0]);
+        assert_eq!(harvest(&rings), (vec![0, 0], vec![]));
     }
 
     #[test]
     fn the_cursor_wraps_and_entries_read_while_no_log_is_on_are_dropped() {
         let mut buffers = vec![vec![kvm_dirty_gfn::default(); 4]];
         let rings = rings_over(&mut buffers, 4);
-        let gpa = |_slot: u32, page: u64| Some(page * 4096);
         // Six pages through a ring of four: KVM reuses entries after a reset clears them.
         for round in 0..3u64 {
             for i in 0..2 {
@@ -284,18 +294,19 @@ mod tests {
                 buffers[0][at].flags = 0;
                 push(&mut buffers[0], at, round * 2 + i);
             }
-            let mut marked = Vec::new();
-            rings.harvest_all(gpa, |g| marked.push(g / 4096));
+            let (_, marked) = harvest(&rings);
             assert_eq!(marked, [round * 2, round * 2 + 1], "round {round}");
         }
+        // A page past the slot's end is dropped, not kept.
+        buffers[0][2].flags = 0;
+        push(&mut buffers[0], 2, 5000);
+        assert_eq!(rings.harvest_pending(0), 1);
+        assert_eq!(harvest(&rings).1, Vec::<u64>::new());
         rings.set_logging(false);
-        push(&mut buffers[0], 2, 50);
-        assert_eq!(
-            rings.harvest_pending(0, gpa),
-            1,
-            "read, so KVM can reset it"
-        );
-        rings.harvest_all(gpa, |g| panic!("kept {g:#x} with no log on"));
-        assert_eq!(rings.dirtied(), [6]);
+        buffers[0][3].flags = 0;
+        push(&mut buffers[0], 3, 50);
+        assert_eq!(rings.harvest_pending(0), 1, "read, so KVM can reset it");
+        assert_eq!(harvest(&rings).1, Vec::<u64>::new(), "kept with no log on");
+        assert_eq!(rings.dirtied(), [7]);
     }
 }

@@ -149,7 +149,7 @@ impl Shared {
     }
 
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
-    /// ring's pending list (the next sync takes them) and the rings reset, so it can run.
+    /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
     pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), String> {
         let pages = self.kvm.harvest_own_ring(vcpu).map_err(|e| e.to_string())?;
         self.dirty_limit.charge(vcpu, pages);
