@@ -29,6 +29,8 @@ pub const SLICE: Duration = Duration::from_millis(50);
 pub struct DirtyLimit {
     /// Pages per second each vCPU may dirty; 0: no limit.
     pages_per_s: AtomicU64,
+    /// When (ns after `epoch`) the limit was set: pages are paid for from then at the earliest.
+    set_ns: AtomicU64,
     epoch: Instant,
     vcpus: Vec<Account>,
 }
@@ -37,9 +39,6 @@ pub struct DirtyLimit {
 struct Account {
     /// Until when (ns after `epoch`) the pages charged so far are paid for.
     paid_until_ns: AtomicU64,
-    /// When (ns after `epoch`) the vCPU's ring was last harvested: the pages the next harvest
-    /// finds were dirtied after it.
-    harvested_ns: AtomicU64,
     /// Time the vCPU slept for the limit.
     slept_ns: AtomicU64,
 }
@@ -48,6 +47,7 @@ impl DirtyLimit {
     pub fn new(vcpus: usize) -> DirtyLimit {
         DirtyLimit {
             pages_per_s: AtomicU64::new(0),
+            set_ns: AtomicU64::new(0),
             epoch: Instant::now(),
             vcpus: (0..vcpus).map(|_| Account::default()).collect(),
         }
@@ -56,27 +56,25 @@ impl DirtyLimit {
     /// Sets the limit in bytes per second (`None` lifts it, and forgives what is owed).
     pub fn set(&self, bytes_per_s: Option<u64>) {
         let pages = bytes_per_s.map_or(0, |b| (b / ferry_guest_abi::PAGE_SIZE).max(1));
-        let now = self.now_ns();
-        // A limit counts from when it is set: earlier pages are not charged to it.
+        // A limit's payments start when it is set (pages dirtied before and harvested after
+        // are paid for from then on).
+        self.set_ns.store(self.now_ns(), Ordering::Relaxed);
         for a in &self.vcpus {
             a.paid_until_ns.store(0, Ordering::Relaxed);
-            a.harvested_ns.store(now, Ordering::Relaxed);
         }
         self.pages_per_s.store(pages, Ordering::Relaxed);
     }
 
-    /// Charges vCPU `vcpu` for the `pages` a harvest of its ring found (0 counts too: it
-    /// moves the start of the next harvest's stretch); true when it owes a sleep now.
-    pub fn charge(&self, vcpu: usize, pages: u64) -> bool {
-        let Some(a) = self.vcpus.get(vcpu) else {
+    /// Charges vCPU `vcpu` for the `pages` a harvest of its ring read, dirtied since the ring's
+    /// harvest before (`since`; `None`: none since the log started), and not before the limit
+    /// was set; true when it owes a sleep now.
+    pub fn charge(&self, vcpu: usize, pages: u64, since: Option<Instant>) -> bool {
+        let rate = self.pages_per_s.load(Ordering::Relaxed);
+        let Some(a) = self.vcpus.get(vcpu).filter(|_| rate > 0 && pages > 0) else {
             return false;
         };
-        let now = self.now_ns();
-        let since = a.harvested_ns.swap(now, Ordering::Relaxed);
-        let rate = self.pages_per_s.load(Ordering::Relaxed);
-        if rate == 0 || pages == 0 {
-            return false;
-        }
+        let set = self.set_ns.load(Ordering::Relaxed);
+        let since = since.map_or(set, |t| self.ns(t).max(set));
         let cost = (u128::from(pages) * 1_000_000_000 / u128::from(rate)) as u64;
         let before = a
             .paid_until_ns
@@ -84,7 +82,7 @@ impl DirtyLimit {
                 Some(paid.max(since) + cost)
             })
             .unwrap_or_default();
-        before.max(since) + cost > now
+        before.max(since) + cost > self.now_ns()
     }
 
     /// How long vCPU `vcpu` sleeps now for what it dirtied beyond the limit: its debt, in
@@ -135,7 +133,11 @@ impl DirtyLimit {
     }
 
     fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        self.ns(Instant::now())
+    }
+
+    fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 }
 
@@ -146,13 +148,13 @@ mod tests {
     #[test]
     fn a_vcpu_over_the_limit_owes_its_excess_and_one_under_it_owes_nothing() {
         let l = DirtyLimit::new(2);
-        assert!(!l.charge(0, 1_000_000), "no limit, no charge");
+        assert!(!l.charge(0, 1_000_000, None), "no limit, no charge");
         assert_eq!(l.owed(0), Duration::ZERO);
         // 4096 pages a second.
         l.set(Some(4096 * ferry_guest_abi::PAGE_SIZE));
         // 2048 pages at once cost half a second from the last harvest (the limit's start),
         // slept in slices.
-        assert!(l.charge(0, 2048));
+        assert!(l.charge(0, 2048, None));
         let debt = l.debt(0);
         assert!(
             debt > Duration::from_millis(450) && debt <= Duration::from_millis(500),
@@ -160,14 +162,16 @@ mod tests {
         );
         assert_eq!(l.owed(0), SLICE);
         // A second lump adds its cost after the first.
-        l.charge(0, 4096);
+        l.charge(0, 4096, Some(Instant::now()));
         assert!(l.debt(0) > Duration::from_millis(1400), "{:?}", l.debt(0));
-        // vCPU 1 is not charged for vCPU 0; its 40 pages 20 ms after its last harvest cost
-        // 10 ms of those 20: under the limit, however late the harvest.
-        l.charge(1, 0);
+        // vCPU 1 is not charged for vCPU 0; its 40 pages dirtied since a harvest 20 ms ago
+        // cost 10 ms of those 20: under the limit, however late the harvest.
         std::thread::sleep(Duration::from_millis(20));
-        assert!(!l.charge(1, 40));
+        let ago = Instant::now() - Duration::from_millis(20);
+        assert!(!l.charge(1, 40, Some(ago)));
         assert_eq!(l.owed(1), Duration::ZERO);
+        // The same pages since a harvest just now are over it.
+        assert!(l.charge(1, 40, Some(Instant::now())));
         // Lifting the limit forgives the debt.
         l.set(None);
         assert_eq!(l.debt(0), Duration::ZERO);

@@ -149,13 +149,13 @@ impl KvmVm {
     /// Fetch-and-clear of KVM's log: ORs every logging slot's dirty bits into `into` at the
     /// slot's guest address and re-protects the pages it reported. A slot that did not log
     /// and now holds populated memory starts logging, and all its populated pages are
-    /// reported (see the module doc). With the dirty ring, returns the pages each vCPU
-    /// dirtied since the last fetch, by vCPU id (empty with the bitmap).
+    /// reported (see the module doc). With the dirty ring, returns what this fetch read from
+    /// each vCPU's ring, by vCPU id (empty with the bitmap).
     pub fn fetch_dirty_log(
         &self,
         memfd: &File,
         into: &mut DirtyBitmap,
-    ) -> Result<Vec<u64>, DirtyLogError> {
+    ) -> Result<Vec<super::rings::Harvest>, DirtyLogError> {
         let mut logging = self.logging.lock().unwrap();
         let rings = self.dirty_rings();
         let per_vcpu = match rings {

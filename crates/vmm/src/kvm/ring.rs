@@ -27,7 +27,7 @@ use kvm_bindings::{
 
 use super::KvmVm;
 use super::dirty::DirtyLogError;
-use super::rings::DirtyRings;
+use super::rings::{DirtyRings, Harvest};
 /// `KVM_RESET_DIRTY_RINGS`: `_IO(KVMIO, 0xc7)` (kvm-ioctls lacks it).
 const KVM_RESET_DIRTY_RINGS: libc::c_ulong = 0xAEC7;
 
@@ -124,7 +124,7 @@ impl KvmVm {
         &self,
         rings: &DirtyRings,
         into: &mut DirtyBitmap,
-    ) -> Result<Vec<u64>, DirtyLogError> {
+    ) -> Result<Vec<Harvest>, DirtyLogError> {
         let mut bad = None;
         let per_vcpu = rings.harvest_all(|slot, first, bits| {
             let Some(s) = self.slots.by_number(slot).filter(|s| first < s.pages()) else {
@@ -146,7 +146,7 @@ impl KvmVm {
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
     /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
     /// Returns the pages read.
-    pub fn harvest_own_ring(&self, vcpu: usize) -> Result<u64, DirtyLogError> {
+    pub fn harvest_own_ring(&self, vcpu: usize) -> Result<Harvest, DirtyLogError> {
         let Some(rings) = self.dirty_rings() else {
             return Err(DirtyLogError::Ring(
                 "a dirty-ring exit on a VM without the ring".into(),

@@ -7,6 +7,7 @@
 use std::os::fd::RawFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
 
 use ferry_migrate::pagebits::PageBits;
 use kvm_bindings::{KVM_DIRTY_LOG_PAGE_OFFSET, kvm_dirty_gfn};
@@ -20,15 +21,33 @@ const F_RESET: u32 = 2;
 #[derive(Debug)]
 pub struct Ring {
     entries: *mut kvm_dirty_gfn,
-    /// The next entry to read.
-    next: Mutex<u32>,
+    /// The next entry to read, and when the ring was last harvested.
+    cursor: Mutex<Cursor>,
     /// Pages harvested from this ring while a slot logged: what this vCPU dirtied (a page
     /// dirtied again after a reset re-protected it counts again).
     dirtied: AtomicU64,
 }
 
+/// Where a ring's reading stands.
+#[derive(Debug, Default)]
+struct Cursor {
+    next: u32,
+    /// When the ring was last harvested (`None`: not since the log started).
+    harvested: Option<Instant>,
+}
+
+/// What one harvest of a vCPU's ring read: its entries, and when the ring was harvested
+/// before (`None`: not since the log started), so that the pages are known to have been
+/// dirtied between the two. Both are taken under the ring's lock, so harvests of one ring
+/// (by its vCPU's thread and by a sync) follow each other in this order too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Harvest {
+    pub pages: u64,
+    pub since: Option<Instant>,
+}
+
 // SAFETY: the mapping is the vCPU's ring, shared with KVM for the VM's life; entries are read
-// under `next`'s lock and their flags only through atomics (see `read`).
+// under `cursor`'s lock and their flags only through atomics (see `read`).
 unsafe impl Send for Ring {}
 // SAFETY: as above.
 unsafe impl Sync for Ring {}
@@ -64,9 +83,10 @@ impl DirtyRings {
     /// Keeps entries from now on, or drops them; turned on, the per-vCPU counts restart.
     pub(super) fn set_logging(&self, on: bool) {
         if on {
-            self.rings
-                .iter()
-                .for_each(|r| r.dirtied.store(0, Ordering::Relaxed));
+            for r in &self.rings {
+                r.dirtied.store(0, Ordering::Relaxed);
+                r.cursor.lock().unwrap().harvested = None;
+            }
         }
         self.logging.store(on, Ordering::Release);
     }
@@ -74,13 +94,13 @@ impl DirtyRings {
     /// Reads the new entries of vCPU `vcpu`'s ring into the pending bitmaps and counts them;
     /// its thread calls this on `KVM_EXIT_DIRTY_RING_FULL`, then resets the rings. Returns the
     /// pages read.
-    pub fn harvest_pending(&self, vcpu: usize) -> u64 {
+    pub fn harvest_pending(&self, vcpu: usize) -> Harvest {
         let Some(ring) = self.rings.get(vcpu) else {
-            return 0;
+            return Harvest::default();
         };
         let keep = self.logging.load(Ordering::Acquire);
-        let mut next = ring.next.lock().unwrap();
-        let n = self.read(ring, &mut next, |slot, page| {
+        let mut cursor = ring.cursor.lock().unwrap();
+        let h = self.read(ring, &mut cursor, |slot, page| {
             if keep
                 && let Some(bits) = self.pending.get(slot as usize)
                 && page < bits.len()
@@ -89,9 +109,9 @@ impl DirtyRings {
             }
         });
         if keep {
-            ring.dirtied.fetch_add(n, Ordering::Relaxed);
+            ring.dirtied.fetch_add(h.pages, Ordering::Relaxed);
         }
-        n
+        h
     }
 
     /// Every ring's new entries, then the pending pages, to `mark` as `(slot, first page,
@@ -99,20 +119,20 @@ impl DirtyRings {
     /// pending word up to 64). Returns the entries this sync read from each vCPU's ring (by
     /// vCPU id), not counting the pending pages its own thread read (and counted) before. The
     /// caller resets the rings afterwards.
-    pub(super) fn harvest_all(&self, mut mark: impl FnMut(u32, u64, u64)) -> Vec<u64> {
+    pub(super) fn harvest_all(&self, mut mark: impl FnMut(u32, u64, u64)) -> Vec<Harvest> {
         let keep = self.logging.load(Ordering::Acquire);
         let mut per_vcpu = Vec::with_capacity(self.rings.len());
         for ring in &self.rings {
-            let mut next = ring.next.lock().unwrap();
-            let n = self.read(ring, &mut next, |slot, page| {
+            let mut cursor = ring.cursor.lock().unwrap();
+            let h = self.read(ring, &mut cursor, |slot, page| {
                 if keep {
                     mark(slot, page, 1);
                 }
             });
             if keep {
-                ring.dirtied.fetch_add(n, Ordering::Relaxed);
+                ring.dirtied.fetch_add(h.pages, Ordering::Relaxed);
             }
-            per_vcpu.push(n);
+            per_vcpu.push(h);
         }
         for (slot, bits) in self.pending.iter().enumerate() {
             for (w, word) in bits.take() {
@@ -127,15 +147,16 @@ impl DirtyRings {
     /// Drops every ring's new entries and pending pages (the caller resets the rings).
     pub(super) fn discard_all(&self) {
         for ring in &self.rings {
-            let mut next = ring.next.lock().unwrap();
-            self.read(ring, &mut next, |_, _| {});
+            let mut cursor = ring.cursor.lock().unwrap();
+            self.read(ring, &mut cursor, |_, _| {});
         }
         self.pending.iter().for_each(PageBits::clear_all);
     }
 
-    /// Reads the dirty entries of `ring` from `*next` on, marking each for reset, and calls
-    /// `page` with each entry's slot id and page; returns how many it read.
-    fn read(&self, ring: &Ring, next: &mut u32, mut page: impl FnMut(u32, u64)) -> u64 {
+    /// Reads the dirty entries of `ring` from the cursor on, marking each for reset, and calls
+    /// `page` with each entry's slot id and page; returns how many it read and since when.
+    fn read(&self, ring: &Ring, cursor: &mut Cursor, mut page: impl FnMut(u32, u64)) -> Harvest {
+        let next = &mut cursor.next;
         let mut n = 0;
         loop {
             // The entry is memory KVM writes too: it is reached through raw pointers only,
@@ -147,7 +168,8 @@ impl DirtyRings {
             // ring's ABI asks).
             let flags = unsafe { AtomicU32::from_ptr(&raw mut (*entry).flags) };
             if flags.load(Ordering::Acquire) & F_DIRTY == 0 {
-                return n;
+                let since = cursor.harvested.replace(Instant::now());
+                return Harvest { pages: n, since };
             }
             // SAFETY: KVM filled the entry before it set F_DIRTY (seen above with acquire), and
             // does not touch it again until the VMM sets F_RESET and resets the ring.
@@ -157,9 +179,12 @@ impl DirtyRings {
                     (&raw const (*entry).offset).read_volatile(),
                 )
             };
+            // Marked for reset before `page` publishes it (a vCPU thread's pending bit): a sync
+            // that takes the page then also sees the mark, so its reset re-protects the page
+            // before the sync sends it, and a write after the send is a new entry.
+            flags.store(F_RESET, Ordering::Release);
             // Slot id: address space in the high 16 bits (always 0 here), slot in the low.
             page(slot & 0xffff, offset);
-            flags.store(F_RESET, Ordering::Release);
             *next = next.wrapping_add(1);
             n += 1;
         }
@@ -192,7 +217,7 @@ impl DirtyRings {
             }
             rings.push(Ring {
                 entries: entries.cast(),
-                next: Mutex::new(0),
+                cursor: Mutex::new(Cursor::default()),
                 dirtied: AtomicU64::new(0),
             });
         }
@@ -234,7 +259,7 @@ mod tests {
                 .iter_mut()
                 .map(|b| Ring {
                     entries: b.as_mut_ptr(),
-                    next: Mutex::new(0),
+                    cursor: Mutex::new(Cursor::default()),
                     dirtied: AtomicU64::new(0),
                 })
                 .collect(),
@@ -259,7 +284,7 @@ mod tests {
             marked.extend((0..64).filter(|i| bits >> i & 1 == 1).map(|i| first + i));
         });
         marked.sort();
-        (per_vcpu, marked)
+        (per_vcpu.iter().map(|h| h.pages).collect(), marked)
     }
 
     #[test]
@@ -272,10 +297,29 @@ mod tests {
         let rings = rings_over(&mut buffers, 8);
         // vCPU 0's ring filled: its thread reads its 4 entries (page 9 twice, dirtied again
         // after a reset) into the pending bitmap.
-        assert_eq!(rings.harvest_pending(0), 4);
+        let own = rings.harvest_pending(0);
+        assert_eq!(own.pages, 4);
+        assert_eq!(
+            own.since, None,
+            "the ring's first harvest since the log started"
+        );
         // A sync takes them, once each, and vCPU 1's entry, but charges vCPU 0 for none of
-        // them again.
-        assert_eq!(harvest(&rings), (vec![0, 1], vec![3, 4, 9, 700]));
+        // them again; its harvest of vCPU 0's ring counts from the vCPU's own.
+        let mut marked = Vec::new();
+        let per_vcpu = rings.harvest_all(|_, first, bits| {
+            marked.extend((0..64).filter(|i| bits >> i & 1 == 1).map(|i| first + i));
+        });
+        marked.sort();
+        assert_eq!(marked, [3, 4, 9, 700]);
+        assert_eq!(per_vcpu[0].pages, 0);
+        assert!(per_vcpu[0].since.is_some());
+        assert_eq!(
+            per_vcpu[1],
+            Harvest {
+                pages: 1,
+                since: None
+            }
+        );
         assert_eq!(rings.dirtied(), [4, 1]);
         // Every entry read is marked for KVM's reset; nothing is read twice.
         let flags: Vec<u32> = buffers[0][..5].iter().map(|e| e.flags).collect();
@@ -300,12 +344,16 @@ mod tests {
         // A page past the slot's end is dropped, not kept.
         buffers[0][2].flags = 0;
         push(&mut buffers[0], 2, 5000);
-        assert_eq!(rings.harvest_pending(0), 1);
+        assert_eq!(rings.harvest_pending(0).pages, 1);
         assert_eq!(harvest(&rings).1, Vec::<u64>::new());
         rings.set_logging(false);
         buffers[0][3].flags = 0;
         push(&mut buffers[0], 3, 50);
-        assert_eq!(rings.harvest_pending(0), 1, "read, so KVM can reset it");
+        assert_eq!(
+            rings.harvest_pending(0).pages,
+            1,
+            "read, so KVM can reset it"
+        );
         assert_eq!(harvest(&rings).1, Vec::<u64>::new(), "kept with no log on");
         assert_eq!(rings.dirtied(), [7]);
     }

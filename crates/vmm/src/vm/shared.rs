@@ -151,16 +151,19 @@ impl Shared {
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
     /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
     pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), String> {
-        let pages = self.kvm.harvest_own_ring(vcpu).map_err(|e| e.to_string())?;
-        self.dirty_limit.charge(vcpu, pages);
+        let h = self.kvm.harvest_own_ring(vcpu).map_err(|e| e.to_string())?;
+        self.dirty_limit.charge(vcpu, h.pages, h.since);
         Ok(())
     }
 
-    /// Charges each vCPU for the pages a sync found it dirtied (by vCPU id), and kicks those
+    /// Charges each vCPU for the pages a sync read from its ring (by vCPU id), and kicks those
     /// that now owe a sleep, so that they take it before running on.
-    pub(crate) fn charge_dirty(&self, per_vcpu: &[u64]) {
+    pub(crate) fn charge_dirty(&self, per_vcpu: &[crate::kvm::rings::Harvest]) {
         let owing: Vec<usize> = (0..per_vcpu.len())
-            .filter(|&v| self.dirty_limit.charge(v, per_vcpu[v]))
+            .filter(|&v| {
+                self.dirty_limit
+                    .charge(v, per_vcpu[v].pages, per_vcpu[v].since)
+            })
             .collect();
         if !owing.is_empty() {
             let c = self.control.lock().unwrap();
