@@ -377,6 +377,8 @@ impl<'a, P: Target> Session<'a, P> {
         }
         self.stats.dirty_start_ms = ms(t.elapsed());
         self.stats.setup_ms = ms(self.start.elapsed());
+        // What pass 1 will send, shown from the phase's start (pass 1 counts it down).
+        self.first_pass_left = self.ram.populated_bytes();
         self.set_phase(Phase::Precopy);
         Ok(())
     }

@@ -82,9 +82,13 @@ impl<P: Target> Session<'_, P> {
     /// Publishes a new phase and marks it on the timeline. Past precopy, the pause a dirty
     /// sync predicted no longer applies, and is cleared.
     pub(super) fn set_phase(&mut self, phase: Phase) {
+        // Precopy is shown with what it has left from its first look on, never a stale 0.
+        let remaining = self.first_pass_left + self.bitmap.count() * PAGE_SIZE;
         self.control.update(|p| {
             p.phase = phase;
-            if phase != Phase::Precopy {
+            if phase == Phase::Precopy {
+                p.remaining_bytes = remaining;
+            } else {
                 p.expected_downtime_ms = None;
             }
         });
