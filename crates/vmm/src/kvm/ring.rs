@@ -13,9 +13,10 @@
 //! **Two harvesters.** The migration thread harvests every ring at a sync. A vCPU whose ring
 //! fills exits to the VMM (`KVM_EXIT_DIRTY_RING_FULL`) and may not run again until entries are
 //! reset, so its own thread harvests its ring then, into a pending bitmap per slot, which the
-//! next sync takes (a page dirtied again after each reset is kept once). A ring's fetch index is behind a lock, so the two never read one entry
-//! twice; entries are marked for reset only once read, and the reset stops at the first
-//! entry not marked, so a reset from either thread is safe while the other harvests.
+//! next sync takes (a page dirtied again after each reset is kept once). A ring's fetch index
+//! is behind a lock, so the two never read one entry twice; an entry is marked for reset once
+//! read and before its page is published, and the reset stops at the first entry not marked,
+//! so a reset from either thread is safe while the other harvests.
 //!
 //! Invariant: entries harvested while no slot logs (a sync's leftovers after the log was
 //! stopped) are dropped, so that a VM that is not migrating keeps nothing.
@@ -28,6 +29,7 @@ use kvm_bindings::{
 use super::KvmVm;
 use super::dirty::DirtyLogError;
 use super::rings::{DirtyRings, Harvest};
+
 /// `KVM_RESET_DIRTY_RINGS`: `_IO(KVMIO, 0xc7)` (kvm-ioctls lacks it).
 const KVM_RESET_DIRTY_RINGS: libc::c_ulong = 0xAEC7;
 
@@ -118,8 +120,8 @@ impl KvmVm {
         Ok(())
     }
 
-    /// A sync's harvest of every ring into `into`, then the reset; the pages each vCPU
-    /// dirtied since the last one, by vCPU id.
+    /// A sync's harvest of every ring and the pending pages into `into`, then the reset; what
+    /// it read from each vCPU's ring, by vCPU id.
     pub(super) fn harvest_rings(
         &self,
         rings: &DirtyRings,
@@ -133,27 +135,27 @@ impl KvmVm {
             let pages = (s.pages() - first).min(64);
             let gpa = s.gpa + first * ferry_guest_abi::PAGE_SIZE;
             if let Err(e) = into.merge_at(gpa, pages, &[bits]) {
-                bad.get_or_insert(e);
+                bad.get_or_insert((slot, e));
             }
         });
         self.reset_dirty_rings()?;
         match bad {
-            Some(source) => Err(DirtyLogError::Merge { slot: 0, source }),
+            Some((slot, source)) => Err(DirtyLogError::Merge { slot, source }),
             None => Ok(per_vcpu),
         }
     }
 
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
     /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
-    /// Returns the pages read.
+    /// Returns what it read.
     pub fn harvest_own_ring(&self, vcpu: usize) -> Result<Harvest, DirtyLogError> {
         let Some(rings) = self.dirty_rings() else {
             return Err(DirtyLogError::Ring(
                 "a dirty-ring exit on a VM without the ring".into(),
             ));
         };
-        let pages = rings.harvest_pending(vcpu);
+        let read = rings.harvest_pending(vcpu);
         self.reset_dirty_rings()?;
-        Ok(pages)
+        Ok(read)
     }
 }

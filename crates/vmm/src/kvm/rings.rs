@@ -1,8 +1,7 @@
 //! The vCPUs' dirty rings as mapped memory: reading a ring's new entries, marking them for
 //! reset, the pages vCPU threads read from full rings until a sync takes them, and each vCPU's
-//! count of what it dirtied (`ring.rs` is KVM's side: enabling,
-//! mapping, resetting, and what a sync does with them; its module doc has the two harvesters
-//! and the invariant).
+//! count of what it dirtied. `ring.rs` is KVM's side (enabling, mapping, resetting, and what a
+//! sync does with them); its module doc has the two harvesters and the invariant.
 
 use std::os::fd::RawFd;
 use std::sync::Mutex;
@@ -19,7 +18,7 @@ const F_RESET: u32 = 2;
 
 /// One vCPU's ring.
 #[derive(Debug)]
-pub struct Ring {
+struct Ring {
     entries: *mut kvm_dirty_gfn,
     /// The next entry to read, and when the ring was last harvested.
     cursor: Mutex<Cursor>,
@@ -68,10 +67,6 @@ pub struct DirtyRings {
 }
 
 impl DirtyRings {
-    pub fn entries(&self) -> u32 {
-        self.size
-    }
-
     /// Pages each vCPU dirtied while a log was on, by vCPU id.
     pub fn dirtied(&self) -> Vec<u64> {
         self.rings

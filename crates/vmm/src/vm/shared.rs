@@ -159,11 +159,11 @@ impl Shared {
     /// Charges each vCPU for the pages a sync read from its ring (by vCPU id), and kicks those
     /// that now owe a sleep, so that they take it before running on.
     pub(crate) fn charge_dirty(&self, per_vcpu: &[crate::kvm::rings::Harvest]) {
-        let owing: Vec<usize> = (0..per_vcpu.len())
-            .filter(|&v| {
-                self.dirty_limit
-                    .charge(v, per_vcpu[v].pages, per_vcpu[v].since)
-            })
+        let owing: Vec<usize> = per_vcpu
+            .iter()
+            .enumerate()
+            .filter(|(v, h)| self.dirty_limit.charge(*v, h.pages, h.since))
+            .map(|(v, _)| v)
             .collect();
         if !owing.is_empty() {
             let c = self.control.lock().unwrap();
