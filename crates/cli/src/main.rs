@@ -10,6 +10,7 @@ mod demo;
 pub mod exit;
 mod guest;
 mod migrate;
+mod peers;
 mod report;
 mod run;
 mod sizes;

@@ -249,6 +249,8 @@ pub struct MigrateArgs {
     /// for its device state (a live update of the VMM under a running guest).
     #[arg(long)]
     local: bool,
+    #[command(flatten)]
+    allow: crate::peers::AllowUidArgs,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
@@ -287,6 +289,11 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
     let to = args.to.as_str();
     to.parse::<ferry_migrate::transport::Address>()
         .map_err(|e| UsageError(format!("--to {e}")))?;
+    if !args.allow.allow_uid.is_empty() && !args.local {
+        return Err(UsageError(
+            "--allow-uid names who may take guest RAM in a local handover; give --local too".into(),
+        ));
+    }
     if matches!(args.timeout_action, TimeoutActionArg::Postcopy) && !args.postcopy {
         return Err(UsageError(
             "--timeout-action postcopy needs --postcopy".into(),
@@ -313,6 +320,11 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
 pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let to = check(args)?;
     if args.resume {
+        // The attempts that failed so far: a follower of this one ends when it fails too.
+        let failed_before = client::request(&args.api_socket, "GET", "/migration")
+            .ok()
+            .and_then(|m| m["recovery_failures"].as_u64())
+            .unwrap_or(0) as u32;
         let body = json!({ "to": to });
         client::request_with_body(
             &args.api_socket,
@@ -322,7 +334,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         )
         .context("could not resume the migration")?;
         eprintln!("ferry: reconnecting to {to}");
-        return follow_unless_detached(args, to);
+        return follow_unless_detached(args, to, Until::EndOrFailedResume(failed_before));
     }
     let body = MigrationRequest {
         to: to.to_string(),
@@ -360,6 +372,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         },
         tls: tls_request(args)?,
         local: args.local,
+        allow_uids: args.allow.allow_uid.clone(),
         ..MigrationRequest::default()
     };
     // What the VMM would refuse, refused before it is asked (the request's own checks and the
@@ -367,11 +380,21 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     body.source_params([0; 16]).map_err(UsageError)?;
     let body = serde_json::to_string(&body).context("encoding the migration request")?;
     start(args, to, &body)?;
-    follow_unless_detached(args, to)
+    follow_unless_detached(args, to, Until::End)
+}
+
+/// How long a follower follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Until {
+    /// The migration's end.
+    End,
+    /// Its end, or the failure of a resume (`ferry migrate --resume`): more recovery attempts
+    /// failed than the given count, and the migration is postcopy-paused again.
+    EndOrFailedResume(u32),
 }
 
 /// Follows the migration to its end, or with --detach says where to watch it and returns.
-fn follow_unless_detached(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
+fn follow_unless_detached(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Result<ExitCode> {
     if args.detach {
         eprintln!(
             "ferry: migrating to {to} in the background; watch it with GET /migration on {}, cancel it with ferry cancel",
@@ -379,7 +402,7 @@ fn follow_unless_detached(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCo
         );
         return Ok(ExitCode::SUCCESS);
     }
-    follow_to_the_end(args, to)
+    follow_to_the_end(args, to, until)
 }
 
 /// How often a refused connection is tried again: a destination that starts listening is
@@ -443,7 +466,7 @@ fn tls_request(args: &MigrateArgs) -> Result<Option<TlsRequest>, UsageError> {
 
 /// Follows the migration until it ends (Ctrl-C cancels it while it can be), prints its
 /// statistics and says how it ended.
-fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
+fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Result<ExitCode> {
     let socket = args.api_socket.clone();
     let detach = Arc::new(AtomicBool::new(false));
     let detaching = detach.clone();
@@ -454,7 +477,7 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
         }
     })
     .context("cannot install the Ctrl-C handler")?;
-    let Some((progress, moved_on)) = follow(&args.api_socket, &detach)? else {
+    let Some((progress, moved_on)) = follow(&args.api_socket, &detach, until)? else {
         eprintln!(
             "ferry: stopped following; the migration cannot be cancelled any more (the guest may run on the destination) and goes on in the VMM: watch it with ferry status --api-socket {} or GET /migration",
             args.api_socket.display()
@@ -482,6 +505,9 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str) -> anyhow::Result<ExitCode> {
             eprintln!("ferry: {error}");
             Ok(ExitCode::from(exit::CANCELLED))
         }
+        Phase::PostcopyPaused => anyhow::bail!(
+            "the resume failed: {error}; the migration is postcopy-paused again (the guest runs on the destination and waits for its pages): run ferry migrate-recover on the destination again, then ferry migrate --resume here"
+        ),
         phase => anyhow::bail!("migration {}: {error}", report::phase_name(phase)),
     }
 }
@@ -520,6 +546,7 @@ const UNANSWERED: u32 = 10;
 pub(crate) fn follow(
     socket: &Path,
     detach: &AtomicBool,
+    until: Until,
 ) -> anyhow::Result<Option<(Progress, bool)>> {
     let mut live = Live::new(PlainLines::EveryUpdateToStderr);
     let mut last: Option<Phase> = None;
@@ -559,7 +586,13 @@ pub(crate) fn follow(
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
         live.update(&p);
         last = Some(p.phase);
-        if matches!(p.phase, Phase::Completed | Phase::Failed | Phase::Cancelled) {
+        let resume_failed = match until {
+            Until::End => false,
+            Until::EndOrFailedResume(before) => {
+                p.phase == Phase::PostcopyPaused && p.recovery_failures > before
+            }
+        };
+        if !p.phase.is_active() || resume_failed {
             live.finish();
             return Ok(Some((p, moved_on)));
         }

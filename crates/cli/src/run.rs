@@ -42,7 +42,7 @@ pub struct RunArgs {
     api_socket: Option<PathBuf>,
     /// The API socket's permission bits, in octal, whatever the umask: 600 lets only this
     /// user connect; 660 lets the socket's group too (for a management daemon in it).
-    #[arg(long, default_value = "600", value_parser = parse_mode)]
+    #[arg(long, default_value = "600", value_parser = crate::peers::parse_mode)]
     api_socket_mode: u32,
     /// Boot nothing: wait for a migration on `tcp:HOST:PORT` or `unix:PATH`, then run the
     /// guest it brings. The API socket answers while it waits.
@@ -82,6 +82,8 @@ pub struct RunArgs {
     /// guest runs here; in postcopy the migration pauses for a recovery.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     peer_timeout: std::time::Duration,
+    #[command(flatten)]
+    incoming_socket: crate::peers::IncomingSocketArgs,
     /// With --incoming: TLS on every connection (see --tls-dir).
     #[command(flatten)]
     tls: crate::tls::TlsArgs,
@@ -127,6 +129,10 @@ struct Wait {
     ready: Ready,
     tls: Option<Arc<DestinationTls>>,
     peer_timeout: std::time::Duration,
+    /// The incoming Unix socket's mode (--incoming-socket-mode).
+    socket_mode: u32,
+    /// Uids besides this VMM's own that may hand a guest over locally (--allow-uid).
+    allow_uids: Vec<u32>,
 }
 
 /// How an incoming VM's RAM is readied before the migration.
@@ -224,6 +230,8 @@ fn receive(
         ready,
         ref tls,
         peer_timeout,
+        socket_mode,
+        ref allow_uids,
     } = *wait;
     let address: Address = spec
         .parse()
@@ -231,6 +239,7 @@ fn receive(
     let secured = tls.is_some();
     let mut incoming = Vm::incoming(config).map_err(|e| NoGuest::Failed(e.into()))?;
     incoming.control().set_peer_timeout(Some(peer_timeout));
+    incoming.control().set_allow_uids(allow_uids.clone());
     let handle = incoming.handle();
     if let Some(previous) = previous {
         handle.set_previous_migration(previous);
@@ -265,7 +274,7 @@ fn receive(
         );
     }
     let listener = handle
-        .listen_incoming(&address, tls.clone())
+        .listen_incoming(&address, tls.clone(), socket_mode)
         .map_err(|e| NoGuest::Failed(anyhow::Error::new(e)))?;
     eprintln!(
         "ferry: waiting for a migration on {}{}",
@@ -344,16 +353,6 @@ struct Api {
     server: Option<ApiServer>,
 }
 
-/// An octal permission mode such as `600` or `0660`.
-fn parse_mode(s: &str) -> Result<u32, String> {
-    match u32::from_str_radix(s, 8) {
-        Ok(m) if m <= 0o777 => Ok(m),
-        _ => Err(format!(
-            "{s:?} is not a permission mode: give octal digits, such as 600 or 660"
-        )),
-    }
-}
-
 impl Api {
     /// Answers for `handle` from now on, starting the server on first use.
     fn serve(&mut self, handle: &VmHandle) -> anyhow::Result<()> {
@@ -414,6 +413,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         )
         .into());
     }
+    args.incoming_socket.check(
+        match args.incoming.is_some() || args.then_incoming.is_some() {
+            true => crate::peers::Waits::ForAMigration,
+            false => crate::peers::Waits::Never,
+        },
+    )?;
     let interrupt = Interrupt::install()?;
     if args.peer_timeout.is_zero() {
         anyhow::bail!(
@@ -428,6 +433,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         tls,
         peer_timeout: args.peer_timeout,
+        socket_mode: args.incoming_socket.socket_mode(),
+        allow_uids: args.incoming_socket.allow.allow_uid.clone(),
     };
     let mut wait_on = args.incoming.clone();
     let mut restore_from = args.restore.clone();
@@ -549,13 +556,7 @@ fn restore(
 ) -> anyhow::Result<Vm> {
     use ferry_migrate::snapshot::Loading;
     let what = ferry_vmm::snapshot::describe(file).context("cannot restore the snapshot")?;
-    let config = VmConfig {
-        memory_bytes: what.memory_bytes,
-        vcpus: what.vcpus,
-        balloon: what.balloon,
-        host_pages: HostPages::Small,
-        ..config.clone()
-    };
+    let config = what.config(config);
     let loading = if lazy { Loading::Lazy } else { Loading::Eager };
     let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, hot_first)
         .context("cannot restore the snapshot")?;

@@ -10,10 +10,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use ferry_migrate::Phase;
+use ferry_migrate::snapshot::Replace;
 use ferry_vmm::api::client;
 use ferry_vmm::snapshot::SnapshotRequest;
 
-use crate::migrate::{OnOff, follow, ms, print_stats};
+use crate::migrate::{OnOff, Until, follow, ms, print_stats};
 use crate::{exit, report};
 
 #[derive(Debug, Args)]
@@ -45,6 +46,19 @@ pub struct SnapshotArgs {
     /// large guest does not fill it (the file system must allow it).
     #[arg(long)]
     direct_io: bool,
+    /// The file's permission bits, in octal: by default only the VMM's user may read the
+    /// guest's RAM in it.
+    #[arg(long, value_name = "OCTAL", default_value_t = SnapshotRequest::default().mode)]
+    mode: String,
+    /// Replace whatever file is at FILE (by default only an earlier ferry snapshot is
+    /// replaced, and anything else refused and kept).
+    #[arg(long)]
+    replace: bool,
+    /// Most memory the final pass is staged in before it is written (it is written during
+    /// the pause past that): what a snapshot adds to the VMM's memory.
+    #[arg(long, value_name = "SIZE", value_parser = crate::sizes::parse_size,
+          default_value_t = SnapshotRequest::default().staging_limit)]
+    staging_limit: u64,
     /// Write the statistics as JSON here (for `ferry report`).
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
@@ -62,6 +76,12 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
         auto_converge: args.auto_converge == OnOff::On,
         timeout_ms: args.timeout.map(|t| t.as_millis() as u64),
         direct_io: args.direct_io,
+        mode: args.mode.clone(),
+        staging_limit: args.staging_limit,
+        replace: match args.replace {
+            true => Replace::Any,
+            false => Replace::Snapshot,
+        },
     };
     let body = serde_json::to_string(&body).context("encoding the snapshot request")?;
     client::request_with_body(&args.api_socket, "PUT", "/snapshot", &body)
@@ -71,7 +91,12 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
         let _ = client::request(&socket, "PUT", "/migration/cancel");
     })
     .context("cannot install the Ctrl-C handler")?;
-    let Some((progress, _)) = follow(&args.api_socket, &Arc::new(AtomicBool::new(false)))? else {
+    let Some((progress, _)) = follow(
+        &args.api_socket,
+        &Arc::new(AtomicBool::new(false)),
+        Until::End,
+    )?
+    else {
         unreachable!("nothing detaches a snapshot's follower")
     };
     print_stats(&progress, false, args.stats_out.as_deref())?;

@@ -109,6 +109,26 @@ impl RunningVm {
         ferry_vmm::api::client::request(&self.socket, "GET", path).expect("API answers")
     }
 
+    /// The phase `GET /migration` shows (null when the API does not answer).
+    pub fn phase(&self) -> serde_json::Value {
+        ferry_vmm::api::client::request(&self.socket, "GET", "/migration")
+            .map(|m| m["phase"].clone())
+            .unwrap_or_default()
+    }
+
+    /// `ferry snapshot` of this VM into `file` with `extra` flags, to its end.
+    pub fn snapshot(&self, file: &Path, extra: &[&str]) -> Output {
+        ferry()
+            .arg("snapshot")
+            .arg("--api-socket")
+            .arg(&self.socket)
+            .arg("--to")
+            .arg(file)
+            .args(extra)
+            .output()
+            .unwrap()
+    }
+
     pub fn control(&self, verb: &str) -> Output {
         ferry()
             .arg(verb)
@@ -212,6 +232,46 @@ pub fn unix_destination(memory: &str, extra: &[&str]) -> (RunningVm, String) {
         vm.socket.exists()
     });
     (vm, spec)
+}
+
+/// How many `.partial` files (a snapshot's, until it is complete) `dir` holds.
+pub fn partials(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".partial")
+        })
+        .count()
+}
+
+/// A 256 MiB guest running `guest` migrated to a new destination with postcopy after one pass
+/// at 10 MB/s (so that postcopy lasts seconds), with `extra` flags, once the destination runs
+/// the guest in postcopy: the source, the destination, and the `ferry migrate` that follows it.
+pub fn postcopy_migration(guest: &str, extra: &[&str]) -> (RunningVm, RunningVm, Child) {
+    let src = RunningVm::start("256M", guest);
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = destination("256M");
+    let mut args = vec![
+        "--postcopy",
+        "--postcopy-after-passes",
+        "1",
+        "--max-bandwidth",
+        "10M",
+    ];
+    args.extend_from_slice(extra);
+    let following = start_migrate(&src, port, &args);
+    for vm in [&src, &dst] {
+        vm.wait_until("postcopy", Duration::from_secs(60), |vm| {
+            vm.phase() == "postcopy"
+        });
+    }
+    (src, dst, following)
 }
 
 /// `ferry migrate` from `src` to the destination on `port`, in the background.

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RunningVm, destination, ferry, recover, start_migrate, stderr};
+use common::{RunningVm, destination, ferry, postcopy_migration, recover, start_migrate, stderr};
 
 #[test]
 fn ferry_migrate_moves_a_running_guest_between_two_ferry_processes() {
@@ -176,11 +176,11 @@ fn a_destination_with_incoming_retry_takes_the_next_migration_after_a_cancel() {
         stderr(&first)
     );
     src.wait_until("precopy", Duration::from_secs(60), |vm| {
-        phase(vm) == "precopy"
+        vm.phase() == "precopy"
     });
     assert!(src.control("cancel").status.success());
     src.wait_until("cancelled", Duration::from_secs(30), |vm| {
-        phase(vm) == "cancelled"
+        vm.phase() == "cancelled"
     });
     dst.wait_until("waiting again", Duration::from_secs(30), |vm| {
         vm.status_of("/migration")["phase"] == "waiting"
@@ -213,41 +213,16 @@ fn ferry_demo_migrates_and_the_guest_verifies_clean() {
     assert!(text.contains("downtime"), "{text}");
 }
 
-/// A migration's phase as its VMM's API tells it.
-fn phase(vm: &RunningVm) -> serde_json::Value {
-    ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
-        .map(|m| m["phase"].clone())
-        .unwrap_or_default()
-}
-
 /// A 256 MiB guest running `guest`, migrated with postcopy after one pass at 10 MB/s (so that
 /// postcopy lasts seconds) and paused there with `ferry migrate-pause`: the source, the
 /// destination, and the `ferry migrate` that follows it.
 fn paused_postcopy_migration(guest: &str) -> (RunningVm, RunningVm, std::process::Child) {
-    let src = RunningVm::start("256M", guest);
-    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
-        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
-    });
-    let (dst, port) = destination("256M");
-    let following = start_migrate(
-        &src,
-        port,
-        &[
-            "--postcopy",
-            "--postcopy-after-passes",
-            "1",
-            "--max-bandwidth",
-            "10M",
-        ],
-    );
-    src.wait_until("postcopy", Duration::from_secs(60), |vm| {
-        phase(vm) == "postcopy"
-    });
+    let (src, dst, following) = postcopy_migration(guest, &[]);
     let out = src.control("migrate-pause");
     assert!(out.status.success(), "{}", stderr(&out));
     for vm in [&src, &dst] {
         vm.wait_until("postcopy_paused", Duration::from_secs(30), |vm| {
-            phase(vm) == "postcopy_paused"
+            vm.phase() == "postcopy_paused"
         });
     }
     (src, dst, following)
@@ -281,6 +256,37 @@ fn ferry_migrate_pause_recover_and_resume_finish_a_postcopy_migration_with_the_g
     dst.assert_verifies_clean();
 }
 
+/// Issue 48: `ferry migrate --resume` whose attempt failed kept following the migration,
+/// paused again, instead of saying so and exiting non-zero. Now it ends with status 1 and the
+/// next step; a recovery after it completes the migration with the guest clean.
+#[test]
+fn regression_a_resume_that_fails_exits_non_zero_and_the_migration_can_still_recover() {
+    let (src, dst, first) =
+        paused_postcopy_migration("ws=64M pattern=random rate=max verify-ms=200 log-ms=0");
+    // Nothing listens there: the attempt fails at its connect.
+    let nowhere = format!("tcp:127.0.0.1:{}", common::free_port());
+    let started = std::time::Instant::now();
+    let failed = ferry()
+        .args(["migrate", "--resume", "--to", &nowhere])
+        .arg("--api-socket")
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    assert_eq!(failed.status.code(), Some(1), "{}", stderr(&failed));
+    assert!(
+        stderr(&failed).contains("the resume failed")
+            && stderr(&failed).contains("postcopy-paused again"),
+        "{}",
+        stderr(&failed)
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(src.phase(), "postcopy_paused");
+    recover(&src, &dst);
+    let first = first.wait_with_output().unwrap();
+    assert!(first.status.success(), "{}", stderr(&first));
+    dst.assert_verifies_clean();
+}
+
 /// `ferry migrate` following a postcopy-paused migration ignored Ctrl-C and SIGTERM (a cancel
 /// is refused there): it now stops following, says the migration goes on in the VMM, and exits
 /// 4; the migration is unharmed and a recovery completes it.
@@ -306,7 +312,7 @@ fn regression_ferry_migrate_following_a_paused_postcopy_stops_on_sigterm_with_st
         "{}",
         stderr(&out)
     );
-    assert_eq!(phase(&src), "postcopy_paused", "the migration goes on");
+    assert_eq!(src.phase(), "postcopy_paused", "the migration goes on");
     recover(&src, &dst);
     dst.assert_verifies_clean();
 }
@@ -419,7 +425,7 @@ fn ferry_migrate_set_lifts_the_bandwidth_cap_of_a_running_migration() {
     let cap = 10_000_000.0;
     let migrate = start_migrate(&src, port, &["--max-bandwidth", "10M", "--output", "json"]);
     src.wait_until("precopy", Duration::from_secs(60), |vm| {
-        phase(vm) == "precopy"
+        vm.phase() == "precopy"
     });
     let out = set(&["--max-bandwidth", "unlimited", "--downtime-limit", "1s"]);
     let said = String::from_utf8_lossy(&out.stdout).to_string();

@@ -1,6 +1,12 @@
 //! What ferry's host side and its built-in test guest agree on: I/O ports, the guest's
 //! command-line parameters, the page stamp that makes every written page checkable, the
-//! telemetry report layout, and the arithmetic that sizes the guest's memory footprint.
+//! telemetry report layout, the VM generation ID (`vmgenid`), and the arithmetic that sizes
+//! the guest's memory footprint.
+//!
+//! The ports: COM1 at 0x3f8, the telemetry port at 0x0fe4, the exit port at 0x0fe8, the start
+//! port at 0x0fec (`smp`), and the VM generation ID at 0x0ff0..0x1000 (`vmgenid`), read-only;
+//! all but COM1 unassigned on a PC, so that under QEMU a write is dropped and a read answers
+//! all-ones.
 //!
 //! The crate is `no_std`, allocation-free and pure, so the guest links it at CPL3 and the
 //! host uses the very same code to validate a command line before it boots anything.
@@ -15,6 +21,7 @@ pub mod report;
 pub mod smp;
 pub mod stamp;
 pub mod virtio;
+pub mod vmgenid;
 
 /// Size of the pages the guest writes, stamps and verifies (x86 base page).
 pub const PAGE_SIZE: u64 = 4096;

@@ -72,6 +72,10 @@ report_enum! {
         /// of the heartbeat's, so that the report's layout (and a VMM or a migration stream
         /// that holds reports of it) stays as it was.
         Work = 7,
+        /// The VM generation ID the boot vCPU read (`crate::vmgenid`): once after Layout, then
+        /// whenever a look (at every heartbeat) found it changed. Detail: [`vm_generation`]
+        /// words. A kind of its own, as `Work`, so that the report's layout stays as it was.
+        VmGeneration = 8,
     }
 }
 
@@ -169,6 +173,16 @@ pub mod work {
     /// Work units so far: each is the same fixed run of arithmetic in registers, so units per
     /// second are what the vCPU got of a CPU.
     pub const UNITS: usize = 0;
+}
+
+pub mod vm_generation {
+    /// The ID's bytes 0..8 and 8..16, each little-endian (`GenerationId::to_detail`); all
+    /// ones when the VM has no such device.
+    pub const ID_LOW: usize = 0;
+    pub const ID_HIGH: usize = 1;
+    /// Changes the guest has seen since it booted: 0 in the first report, one more in each
+    /// that follows (a look that found the ID different from the look before).
+    pub const CHANGES: usize = 2;
 }
 
 pub mod verify {
@@ -314,6 +328,36 @@ mod tests {
         assert_eq!(&b[4..8], &[2, 3, 2, 0]);
         assert_eq!(&b[8..10], &[2, 1]);
         assert_eq!(b.len(), 8 + 8 * (5 + DETAIL_WORDS));
+    }
+
+    #[test]
+    fn a_vm_generation_report_round_trips_and_its_kind_is_its_own() {
+        let id = crate::vmgenid::GenerationId([7; crate::vmgenid::SIZE]);
+        let mut detail = [0; DETAIL_WORDS];
+        [
+            detail[vm_generation::ID_LOW],
+            detail[vm_generation::ID_HIGH],
+        ] = id.to_detail();
+        detail[vm_generation::CHANGES] = 2;
+        let r = Report {
+            kind: Kind::VmGeneration as u16,
+            detail,
+            ..Report::default()
+        };
+        let b = r.to_bytes();
+        assert_eq!(&b[6..8], &[8, 0], "kind 8");
+        let back = Report::from_bytes(&b).unwrap();
+        assert_eq!(back.kind(), Kind::VmGeneration);
+        let d = back.detail;
+        assert_eq!(
+            crate::vmgenid::GenerationId::from_detail([
+                d[vm_generation::ID_LOW],
+                d[vm_generation::ID_HIGH]
+            ]),
+            id
+        );
+        assert_eq!(d[vm_generation::CHANGES], 2);
+        assert_eq!(Kind::from_u16(9), Kind::Invalid, "no kind past it");
     }
 
     #[test]

@@ -7,6 +7,11 @@
 //!   pass that sent it, zero where nothing was sent) and whose state is the sections sent.
 //! - [`wire()`]: arbitrary bytes through every decoder of the wire module; each must return an
 //!   error or a value that encodes back to the same bytes where the format has one encoding.
+//! - [`snapshot()`]: arbitrary bytes as a snapshot file ([`SnapshotInput`]) opened by the
+//!   [`Reader`](ferry_migrate::snapshot::Reader), its data runs found and every page they hold
+//!   read, and each hot run's ends: refused, or read whole where the input's checksums were
+//!   resealed. Under libFuzzer's memory limit an input that makes the reader allocate for what
+//!   the file does not hold is a crash.
 
 use std::collections::BTreeMap;
 use std::io::{self, Cursor, Read, Write};
@@ -23,6 +28,9 @@ use ferry_migrate::wire::{
 };
 
 use crate::FakeVm;
+
+mod snapshot;
+pub use snapshot::{SnapshotInput, SnapshotOutcome, snapshot};
 
 /// The destination's RAM: 128 pages in two regions with a gap between them (the fake VMM's
 /// dirty log wants whole 64-page words per region); seeds fill every 8th page or fewer, so

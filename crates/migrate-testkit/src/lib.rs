@@ -8,7 +8,8 @@
 //!
 //! [`craft`] builds hand-made protocol bytes for tests that play a broken source;
 //! [`loopback`] runs a whole migration between two fake VMs over loopback TCP; [`proxy`] is a
-//! TCP proxy a test breaks on purpose.
+//! TCP proxy a test breaks on purpose. [`stranger`] starts the test binary again as another
+//! uid (`nobody`), for the local handover's peer checks.
 //! [`fuzz`] is the harness of the fuzz targets in `fuzz/` and of their regression tests.
 //! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
 //! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
@@ -20,6 +21,7 @@ pub mod craft;
 pub mod fuzz;
 pub mod loopback;
 pub mod proxy;
+pub mod stranger;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};

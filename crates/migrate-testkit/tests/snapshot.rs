@@ -23,7 +23,8 @@ fn save_params(stop: bool) -> SaveParams {
         vcpus: 2,
         uuid: [7; 16],
         stop,
-        direct_io: false,
+        file: Default::default(),
+        staging_limit: snapshot::DEFAULT_STAGING_LIMIT,
     }
 }
 
@@ -33,6 +34,8 @@ fn restore_params(loading: Loading) -> RestoreParams {
         readers: 2,
         vcpus: 2,
         hot_first: true,
+        read_deadline: snapshot::DEFAULT_READ_DEADLINE,
+        read_delay: None,
     }
 }
 
@@ -60,6 +63,16 @@ impl Drop for Dir {
 /// A source with a third of its pages filled (some zero), saved with `--stop` while writers
 /// ran: returns it, paused, and the file.
 fn saved(dir: &Dir, size: u64, regions: usize) -> FakeVm {
+    saved_with(dir, size, regions, &save_params(true)).0
+}
+
+/// [`saved`] with `params`; the save's statistics too.
+fn saved_with(
+    dir: &Dir,
+    size: u64,
+    regions: usize,
+    params: &SaveParams,
+) -> (FakeVm, ferry_migrate::MigrationStats) {
     let mut src = FakeVm::new(size, regions);
     src.fill(3);
     src.start_writers(Writers {
@@ -69,7 +82,7 @@ fn saved(dir: &Dir, size: u64, regions: usize) -> FakeVm {
         interval: Duration::from_micros(20),
     });
     let control = Control::default();
-    let stats = snapshot::save(&mut src, &dir.file(), &save_params(true), &control).unwrap();
+    let stats = snapshot::save(&mut src, &dir.file(), params, &control).unwrap();
     assert!(src.is_paused(), "--stop leaves the guest paused");
     assert!(!src.is_logging(), "dirty logging is off afterwards");
     assert!(
@@ -79,7 +92,40 @@ fn saved(dir: &Dir, size: u64, regions: usize) -> FakeVm {
     assert!(stats.passes.last().unwrap().paused);
     assert_eq!(control.progress().phase, Phase::Completed);
     src.stop_writers();
-    src
+    (src, stats)
+}
+
+/// Issue 48: a snapshot staged its whole final pass in memory (buffers for twice the dirty
+/// pages, unbounded). With a limit of one batch it stages at most that and writes the rest of
+/// the final pass during the pause, and the restore holds what the source held.
+#[test]
+fn regression_a_snapshot_stages_at_most_its_limit_and_writes_the_rest_in_the_pause() {
+    let dir = Dir::new("staging");
+    let limit = 2 * MIB;
+    let params = SaveParams {
+        staging_limit: limit,
+        // Pauses at the timeout whatever the writers dirtied: a final pass of many batches.
+        policy: Policy {
+            downtime_limit: Duration::from_micros(1),
+            timeout: Some(Duration::from_millis(300)),
+            timeout_action: TimeoutAction::Switchover,
+            ..Policy::default()
+        },
+        ..save_params(true)
+    };
+    let (src, stats) = saved_with(&dir, 64 * MIB, 2, &params);
+    let last = stats.passes.last().unwrap();
+    assert!(stats.staged_bytes <= limit, "{} staged", stats.staged_bytes);
+    assert!(last.pages > 2 * 512, "a final pass of {} pages", last.pages);
+    assert!(
+        stats.final_pages_written_in_pause >= last.pages - 512,
+        "{} of the final pass's {} pages written in the pause",
+        stats.final_pages_written_in_pause,
+        last.pages
+    );
+    let mut dst = FakeVm::new(64 * MIB, 2);
+    snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Eager)).unwrap();
+    assert!(src.contents() == dst.contents(), "memory differs");
 }
 
 #[test]
@@ -102,7 +148,10 @@ fn a_save_with_direct_io_restores_the_same() {
     let mut src = FakeVm::new(16 * MIB, 2);
     src.fill(3);
     let params = SaveParams {
-        direct_io: true,
+        file: snapshot::FileOptions {
+            direct_io: true,
+            ..Default::default()
+        },
         ..save_params(true)
     };
     snapshot::save(&mut src, &dir.file(), &params, &Control::default()).unwrap();
@@ -317,4 +366,36 @@ fn a_damaged_page_found_after_a_lazy_resume_abandons_the_guest_before_it_sees_th
         Some(e.to_string()),
         "the guest was abandoned with the cause"
     );
+}
+
+/// Issue 48: a lazy restore's page reads had no deadline, so vCPUs hung with the storage,
+/// silently. Here every read stands still for 2 s (no file's reads can be made to hang for
+/// real in a test) and the deadline is 200 ms: the wait abandons the guest with the cause,
+/// naming the file and a page, long before the reads return.
+#[test]
+fn regression_a_lazy_restore_whose_reads_hang_abandons_the_guest_with_the_cause() {
+    let dir = Dir::new("lazy-hang");
+    saved(&dir, 8 * MIB, 1);
+    let mut dst = FakeVm::new(8 * MIB, 1);
+    let params = RestoreParams {
+        read_deadline: Duration::from_millis(200),
+        read_delay: Some(Duration::from_secs(2)),
+        ..restore_params(Loading::Lazy)
+    };
+    let restored = snapshot::restore(&mut dst, &dir.file(), &params).unwrap();
+    assert!(dst.resumed);
+    let started = std::time::Instant::now();
+    let abandoned = std::cell::Cell::new(None);
+    let e = restored
+        .lazy
+        .unwrap()
+        .wait(|e| abandoned.set(Some(e.to_string())))
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        e.to_string().contains("has not returned after") && e.to_string().contains("vm.snap"),
+        "{e}"
+    );
+    assert_eq!(abandoned.take(), Some(e.to_string()));
+    assert!(took < Duration::from_millis(1500), "{took:?}");
 }

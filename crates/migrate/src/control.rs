@@ -48,6 +48,11 @@ pub struct Progress {
     /// Times a postcopy migration recovered from a broken connection so far.
     #[serde(default)]
     pub recoveries: u32,
+    /// Recovery attempts (`ferry migrate --resume`) that failed and left the migration
+    /// postcopy-paused again, so far: how a follower of a resume learns that its attempt
+    /// failed (the phase is `postcopy_paused` before and after).
+    #[serde(default)]
+    pub recovery_failures: u32,
     /// The destination granted postcopy recovery: a connection that breaks in postcopy
     /// pauses the migration instead of failing it.
     #[serde(default)]

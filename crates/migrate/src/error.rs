@@ -82,6 +82,10 @@ pub enum MigrateError {
     Truncated { during: &'static str },
     #[error("the destination refused the migration: {0}")]
     Refused(String),
+    /// A local handover's peer runs as a uid that may not take (or give) guest RAM; refused
+    /// before any descriptor moved.
+    #[error(transparent)]
+    LocalPeer(#[from] crate::transport::LocalPeerError),
     /// An Error record from the peer: its own words, with who said them (an error this side
     /// detected is never one).
     #[error("the {0} reported an error: {1}")]
@@ -184,6 +188,7 @@ impl MigrateError {
             E::Config(_) => ErrorKind::Configuration,
             E::Io { .. } | E::Truncated { .. } | E::Connect(_) => ErrorKind::Transport,
             E::Refused(_)
+            | E::LocalPeer(_)
             | E::Remote(..)
             | E::ChannelEnded { .. }
             | E::PassTimeout { .. }

@@ -283,7 +283,8 @@ impl Ram {
     /// (that copy could tear the same way).
     ///
     /// Contract (crate-internal): the slices are handed to the kernel (`writev`), not read by
-    /// Rust code, whose reads of memory a vCPU may be writing would race.
+    /// Rust code, whose reads of memory a vCPU may be writing would race; a caller that needs
+    /// the bytes copies them with [`Ram::copy_pages`].
     pub(crate) fn page_slices(&self, gpas: &[u64]) -> Result<Vec<std::io::IoSlice<'_>>, RamError> {
         let mut spans: Vec<(usize, usize)> = Vec::new();
         for &gpa in gpas {
@@ -306,6 +307,29 @@ impl Ram {
                 std::io::IoSlice::new(bytes)
             })
             .collect())
+    }
+
+    /// Copies the pages at `gpas` (in order, one page each) into `into` with volatile reads,
+    /// for the callers that need the bytes themselves (a snapshot's CRC, compression, page
+    /// checksums). Guest memory a vCPU may be writing is read as a device's memory is, never
+    /// through a Rust reference (which [`Ram::page_slices`]' contract forbids); a store that
+    /// races the copy can tear the copied page, and the dirty log sends the page again, as
+    /// for a page on the wire.
+    pub(crate) fn copy_pages(&self, gpas: &[u64], into: &mut [u8]) -> Result<(), RamError> {
+        const WORD: usize = std::mem::size_of::<u64>();
+        assert_eq!(into.len() as u64, gpas.len() as u64 * PAGE_SIZE);
+        for (&gpa, out) in gpas.iter().zip(into.chunks_exact_mut(PAGE_SIZE as usize)) {
+            let host = self.page(gpa)? as *const u64;
+            for (i, word) in out.chunks_exact_mut(WORD).enumerate() {
+                // SAFETY: `host` is a whole page of guest RAM (found by `page`), mapped and
+                // readable while `self` lives (the `Ram` invariant) and page-aligned, so each
+                // of its 512 words is aligned and inside it; a volatile read of memory that
+                // another agent may write is the access the invariant allows.
+                let w = unsafe { host.add(i).read_volatile() };
+                word.copy_from_slice(&w.to_ne_bytes());
+            }
+        }
+        Ok(())
     }
 
     /// The next populated range of region `region` at or after guest address `from`, as

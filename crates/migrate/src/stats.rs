@@ -156,6 +156,14 @@ pub struct MigrationStats {
     /// tell (the reference VMM with its dirty ring); empty elsewhere.
     #[serde(default)]
     pub vcpus: Vec<VcpuDirty>,
+    /// A snapshot's memory for its final pass: buffers made before the pause (at most its
+    /// staging limit), 0 for a migration.
+    #[serde(default)]
+    pub staged_bytes: u64,
+    /// Pages of a snapshot's final pass written to the file during the pause because the
+    /// staging buffers were full.
+    #[serde(default)]
+    pub final_pages_written_in_pause: u64,
 }
 
 /// One vCPU's dirtying over a migration's precopy, as its VMM counted it.

@@ -24,6 +24,13 @@ const MIN_SLEEP: Duration = Duration::from_micros(500);
 /// limit is a debt of seconds (4096 pages at 1 MB/s: 16 s).
 pub const SLICE: Duration = Duration::from_millis(50);
 
+/// The most a vCPU owes at once: its paid-for clock runs at most this far ahead of now, however
+/// many pages one harvest charges. A sync's harvest of a full 65,536-entry ring at the 1 MB/s
+/// floor is 268 s of pages; charged whole, the vCPU would sleep minutes (issue 48). One second
+/// still holds a vCPU that outruns the limit to about a harvest per second, and a vCPU never
+/// sleeps longer than that for pages it dirtied before it was told.
+pub const MAX_DEBT: Duration = Duration::from_secs(1);
+
 /// The VM's dirty limit and each vCPU's account.
 #[derive(Debug)]
 pub struct DirtyLimit {
@@ -76,13 +83,15 @@ impl DirtyLimit {
         let set = self.set_ns.load(Ordering::Relaxed);
         let since = since.map_or(set, |t| self.ns(t).max(set));
         let cost = (u128::from(pages) * 1_000_000_000 / u128::from(rate)) as u64;
+        let now = self.now_ns();
+        let most = now + MAX_DEBT.as_nanos() as u64;
         let before = a
             .paid_until_ns
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |paid| {
-                Some(paid.max(since) + cost)
+                Some((paid.max(since) + cost).min(most))
             })
             .unwrap_or_default();
-        before.max(since) + cost > self.now_ns()
+        (before.max(since) + cost).min(most) > now
     }
 
     /// How long vCPU `vcpu` sleeps now for what it dirtied beyond the limit: its debt, in
@@ -161,9 +170,13 @@ mod tests {
             "{debt:?}"
         );
         assert_eq!(l.owed(0), SLICE);
-        // A second lump adds its cost after the first.
+        // A second lump adds its cost after the first, up to the most a vCPU owes.
         l.charge(0, 4096, Some(Instant::now()));
-        assert!(l.debt(0) > Duration::from_millis(1400), "{:?}", l.debt(0));
+        let debt = l.debt(0);
+        assert!(
+            debt > Duration::from_millis(900) && debt <= MAX_DEBT,
+            "{debt:?}"
+        );
         // vCPU 1 is not charged for vCPU 0; its 40 pages dirtied since a harvest 20 ms ago
         // cost 10 ms of those 20: under the limit, however late the harvest.
         std::thread::sleep(Duration::from_millis(20));
@@ -176,6 +189,22 @@ mod tests {
         l.set(None);
         assert_eq!(l.debt(0), Duration::ZERO);
         assert_eq!(l.owed(0), Duration::ZERO);
+    }
+
+    /// Issue 48: one harvest of a full ring at the floor charged 268 s of sleep.
+    #[test]
+    fn regression_one_harvest_charges_at_most_the_largest_debt() {
+        let l = DirtyLimit::new(1);
+        l.set(Some(1_000_000));
+        assert!(l.charge(0, 65_536, Some(Instant::now())));
+        let debt = l.debt(0);
+        assert!(
+            debt > MAX_DEBT - Duration::from_millis(50) && debt <= MAX_DEBT,
+            "{debt:?}"
+        );
+        // Another full ring right after does not push it further.
+        l.charge(0, 65_536, Some(Instant::now()));
+        assert!(l.debt(0) <= MAX_DEBT, "{:?}", l.debt(0));
     }
 
     #[test]

@@ -26,10 +26,14 @@ pub enum VmmError {
     Bus(#[from] crate::devices::BusError),
     #[error("the VM was stopped before it could start: {0}")]
     Stopped(String),
+    #[error("cannot catch SIGXFSZ (a snapshot past the file size limit would kill the VM): {0}")]
+    FileSizeSignal(#[source] vmm_sys_util::errno::Error),
     #[error("cannot start the vCPU thread: {0}")]
     Thread(std::io::Error),
     #[error(transparent)]
     DirtyLog(#[from] crate::kvm::dirty::DirtyLogError),
     #[error(transparent)]
     State(#[from] crate::kvm::state::StateError),
+    #[error(transparent)]
+    GenerationId(#[from] crate::devices::vmgenid::EntropyError),
 }

@@ -8,8 +8,9 @@
 //! - [`boot`]: PVH loading (linux-loader) and the pre-boot checks of the built-in guest.
 //! - [`kvm`]: the only module that talks to KVM: VM, memory slots, vCPUs, kicks, the dirty
 //!   log, the interrupt controller, vCPU and clock state.
-//! - [`devices`]: the device model: the serial ports, the telemetry port and the virtio-mmio
-//!   balloon on a port bus and an MMIO bus, each device's state a versioned section.
+//! - [`devices`]: the device model: the serial ports, the telemetry port, the VM generation ID
+//!   and the virtio-mmio balloon on a port bus and an MMIO bus, each device's state a
+//!   versioned section.
 //! - [`vm`]: a VM: its configuration, building it, its vCPU threads, its
 //!   pause/resume/stop control ([`VmHandle`]), and its balloon as the API shows it: a target
 //!   and what was given.
@@ -35,6 +36,7 @@ pub mod boot;
 pub mod devices;
 pub mod dirty_limit;
 pub mod error;
+pub mod file_size_limit;
 pub mod hugepages;
 #[allow(unsafe_code)] // KVM's ioctls on guest memory, the kick signal, XSAVE
 pub mod kvm;

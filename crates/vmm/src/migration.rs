@@ -15,16 +15,19 @@ use ferry_migrate::destination::{self, IncomingPhase, IncomingProgress, ReceiveS
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::source;
 use ferry_migrate::transport::tls::DestinationTls;
-use ferry_migrate::transport::{Address, AddressError, Dialer, Listener, Stream};
+use ferry_migrate::transport::{
+    Address, AddressError, DEFAULT_SOCKET_MODE, Dialer, Listener, Stream,
+};
 use ferry_migrate::{
     Control, DestinationVm, MigrateError, PageLanding, Phase, Progress, Section, SourceVm, Tuning,
     VmError,
 };
 
 use crate::devices::virtio::MmioTransport;
-use crate::devices::virtio::balloon::{Balloon, Discard};
+use crate::devices::virtio::balloon::Balloon;
 use crate::memory::GuestRam;
 use crate::sections;
+use crate::vm::Arrival;
 use crate::vm::build::IncomingVm;
 use crate::vm::handle::{ControlError, VmHandle};
 use crate::vm::shared::Shared;
@@ -46,6 +49,10 @@ pub enum StartError {
     AlreadyRunning,
     #[error("the VM is {0:?}; only a running VM can be migrated")]
     NotRunning(RunState),
+    #[error(
+        "this VM's RAM is not complete yet ({0}): a copy taken now would miss the pages still to come. Retry once `ferry status` no longer shows \"ram_arriving\""
+    )]
+    RamArriving(crate::vm::Arrival),
     #[error(transparent)]
     Connect(#[from] MigrateError),
 }
@@ -119,10 +126,7 @@ impl VmHandle {
         self.0
             .ending_read
             .store(false, std::sync::atomic::Ordering::Release);
-        let mut adapter = SourceAdapter {
-            shared: self.0.clone(),
-            handle: self.clone(),
-        };
+        let mut adapter = self.migration_source();
         let thread_control = control.clone();
         std::thread::Builder::new()
             .name("migration".into())
@@ -138,8 +142,9 @@ impl VmHandle {
         Ok(control)
     }
 
-    /// The migration's slot, for a migration or a snapshot to start in: refused while one
-    /// runs, or when the VM does not run.
+    /// The migration's slot, for a migration, a local handover or a snapshot to start in:
+    /// refused while one runs, when the VM does not run, or while its RAM is still arriving
+    /// (`vm/holds.rs`).
     pub(crate) fn migration_slot(
         &self,
     ) -> Result<std::sync::MutexGuard<'_, Option<Arc<Control>>>, StartError> {
@@ -151,8 +156,12 @@ impl VmHandle {
             return Err(StartError::AlreadyRunning);
         }
         match self.state() {
-            RunState::Running => Ok(slot),
-            s => Err(StartError::NotRunning(s)),
+            RunState::Running => {}
+            s => return Err(StartError::NotRunning(s)),
+        }
+        match self.0.holds.still_arriving() {
+            Some(from) => Err(StartError::RamArriving(from)),
+            None => Ok(slot),
         }
     }
 
@@ -268,7 +277,7 @@ impl VmHandle {
             .filter(|c| c.progress().phase == IncomingPhase::PostcopyPaused)
             .ok_or(RecoveryError::DestinationNotPaused)?;
         let tls = self.0.incoming_tls.lock().unwrap().clone();
-        let listener = listen_on(address_of(listen)?, tls)?;
+        let listener = listen_on(address_of(listen)?, tls, DEFAULT_SOCKET_MODE)?;
         let local = listener.local();
         control.recover_on(listener);
         Ok(local)
@@ -348,12 +357,14 @@ fn connect(to: &Dialer) -> Result<Box<dyn Stream>, MigrateError> {
     Ok(to.connect(CONNECT_TIMEOUT)?)
 }
 
-/// A listener on `at` for a migration's connections, through `tls` when given.
+/// A listener on `at` for a migration's connections, through `tls` when given; a Unix
+/// socket with permission bits `socket_mode`.
 fn listen_on(
     at: Address,
     tls: Option<Arc<DestinationTls>>,
+    socket_mode: u32,
 ) -> Result<Box<dyn Listener>, AddressError> {
-    let plain = at.listen()?;
+    let plain = at.listen_with_mode(socket_mode)?;
     Ok(match tls {
         Some(tls) => tls.listener(plain),
         None => plain,
@@ -362,15 +373,19 @@ fn listen_on(
 
 impl VmHandle {
     /// On a migration destination: listens on `at` for the source (`tcp:HOST:PORT` or
-    /// `unix:PATH`), every connection through `tls` when given. A postcopy recovery's
-    /// listener ([`VmHandle::recover_migration`]) later uses the same TLS.
+    /// `unix:PATH`, a socket of permission bits `socket_mode` from its first instant, never
+    /// made over anything but a stale socket: `ferry_migrate::transport::bind_unix`), every
+    /// connection through `tls` when given. A postcopy recovery's listener
+    /// ([`VmHandle::recover_migration`]) later uses the same TLS, and a Unix socket there
+    /// [`DEFAULT_SOCKET_MODE`].
     pub fn listen_incoming(
         &self,
         at: &Address,
         tls: Option<Arc<DestinationTls>>,
+        socket_mode: u32,
     ) -> Result<Box<dyn Listener>, AddressError> {
         *self.0.incoming_tls.lock().unwrap() = tls.clone();
-        listen_on(at.clone(), tls)
+        listen_on(at.clone(), tls, socket_mode)
     }
 }
 
@@ -403,6 +418,8 @@ fn ram_regions(ram: &GuestRam) -> Vec<RamRegion> {
 pub struct SourceAdapter {
     shared: Arc<Shared>,
     handle: VmHandle,
+    /// Holds a discard ban (`vm/holds.rs`) from its dirty log's start to its stop.
+    holds_ban: bool,
 }
 
 impl VmHandle {
@@ -412,6 +429,7 @@ impl VmHandle {
         SourceAdapter {
             shared: self.0.clone(),
             handle: self.clone(),
+            holds_ban: false,
         }
     }
 }
@@ -426,8 +444,8 @@ unsafe impl SourceVm for SourceAdapter {
     /// Also stops the balloon from giving pages back to the host while the migration runs: a
     /// page punched out of the memfd changes without a write the dirty log could see.
     fn start_dirty_log(&mut self) -> Result<(), VmError> {
-        if let Some(b) = &self.shared.balloon {
-            b.lock().unwrap().set_discard(Discard::Forbidden);
+        if !std::mem::replace(&mut self.holds_ban, true) {
+            self.shared.holds.ban_discard();
         }
         self.shared.ram.track_writes(true);
         self.shared.dirty_limit.reset_slept();
@@ -462,8 +480,8 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn stop_dirty_log(&mut self) {
-        if let Some(b) = &self.shared.balloon {
-            b.lock().unwrap().set_discard(Discard::Allowed);
+        if std::mem::take(&mut self.holds_ban) {
+            self.shared.holds.lift_discard();
         }
         self.shared.ram.track_writes(false);
         if let Err(e) = self.shared.kvm.stop_dirty_log() {
@@ -651,24 +669,20 @@ unsafe impl DestinationVm for IncomingVm {
 
 /// Waits for a source on `listener` while `keep_waiting()` says so (and until the VM's
 /// incoming control is cancelled), screening every connection, then receives the migration
-/// into `vm`, which runs afterwards. Until the migration has ended the balloon gives no page
-/// back to the host: in postcopy a page punched out of guest RAM would be a hole the guest
-/// faults on and the source is asked for.
+/// into `vm`, which runs afterwards. Until the migration has ended its RAM is arriving
+/// (`vm/holds.rs`): no outgoing copy starts and the balloon gives no page back to the host (in
+/// postcopy a page punched out of guest RAM would be a hole the guest faults on and the source
+/// is asked for).
 pub fn receive(
     vm: &mut IncomingVm,
     listener: &dyn Listener,
     keep_waiting: &dyn Fn() -> bool,
 ) -> Result<ReceiveStats, MigrateError> {
     let control = vm.control();
-    let balloon = vm.shared.balloon.clone();
-    let discard = |d: Discard| {
-        if let Some(b) = &balloon {
-            b.lock().unwrap().set_discard(d);
-        }
-    };
-    discard(Discard::Forbidden);
+    let holds = vm.shared.clone();
+    holds.holds.arriving(Arrival::IncomingMigration);
     let received = destination::listen(vm, listener, &control, keep_waiting);
-    discard(Discard::Allowed);
+    holds.holds.arrived(Arrival::IncomingMigration);
     received
 }
 

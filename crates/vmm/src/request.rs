@@ -83,6 +83,10 @@ pub struct MigrationRequest {
     /// Hand the guest over to a destination on this host (`to` a `unix:` address) instead of
     /// copying it: guest RAM's memfd goes over the socket and only the device state is sent.
     pub local: bool,
+    /// With `local`: uids besides this VMM's own whose destination may take guest RAM
+    /// (`ferry migrate --allow-uid`). The destination's uid is read from the socket before
+    /// any descriptor is sent; by default only a process of this VMM's uid gets it.
+    pub allow_uids: Vec<u32>,
     /// An in-process caller's loaded TLS configuration, used instead of `tls`' files.
     #[serde(skip)]
     pub tls_config: Option<Arc<SourceTls>>,
@@ -146,6 +150,7 @@ impl Default for MigrationRequest {
                 .unwrap_or(source::DEFAULT_PEER_TIMEOUT)
                 .as_millis() as u64,
             local: engine.local,
+            allow_uids: engine.allow_uids,
             tls_config: None,
         }
     }
@@ -218,6 +223,7 @@ impl MigrationRequest {
         }
         let params = SourceParams {
             local: self.local,
+            allow_uids: self.allow_uids.clone(),
             max_bandwidth: self.max_bandwidth,
             dirty_limit: self.dirty_limit,
             channels: self.channels,
@@ -294,6 +300,18 @@ mod tests {
             r.source_params([1; 16]).unwrap().postcopy_quiet_start,
             Duration::ZERO
         );
+    }
+
+    #[test]
+    fn a_request_s_allowed_uids_reach_the_engine_and_default_to_none() {
+        let r: MigrationRequest =
+            serde_json::from_str(r#"{"to": "unix:/run/x.sock", "local": true}"#).unwrap();
+        assert!(r.source_params([1; 16]).unwrap().allow_uids.is_empty());
+        let r: MigrationRequest = serde_json::from_str(
+            r#"{"to": "unix:/run/x.sock", "local": true, "allow_uids": [107, 65534]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.source_params([1; 16]).unwrap().allow_uids, [107, 65534]);
     }
 
     #[test]

@@ -11,10 +11,13 @@
 //! | 5 | the in-kernel PICs and IOAPIC | 0 = PIC master, 1 = PIC slave, 2 = IOAPIC |
 //! | 6 | a vCPU's local APIC | vCPU id |
 //! | 7 | a virtio-mmio device: transport, queues and the device (`devices::virtio`; the balloon) | 0 |
+//! | 8 | the VM generation ID (`devices::vmgenid`), optional on load | 0 |
 //!
-//! Devices on the buses bring their own ids (3, 4 and 7); the VM's own parts are here. Every
-//! section is mandatory both ways: a destination refuses an id or instance it has no part for
-//! and a stream that lacks one of its parts.
+//! Devices on the buses bring their own ids (3, 4, 7 and 8); the VM's own parts are here.
+//! Every section but one is mandatory both ways: a destination refuses an id or instance it has
+//! no part for and a stream that lacks one of its parts. The exception is 8, which a destination
+//! loads a stream without (a source older than the device; `devices::vmgenid` says why that is
+//! safe); a destination that does not know 8 refuses it like any unknown id.
 //!
 //! Each kind has a range of layout versions, the oldest this VMM loads to the one it writes
 //! (`SectionKind`); `versions` lists them all, the VM's own and its devices', for the VM's
@@ -24,7 +27,7 @@
 use ferry_migrate::wire::SectionId;
 use ferry_migrate::{Section, StatePart};
 
-use crate::devices::{self, DeviceStateError, Devices, SectionKind};
+use crate::devices::{self, DeviceStateError, Devices, SectionKind, SectionNeed};
 use crate::kvm::irqchip::{self, Chip};
 use crate::kvm::state::{self, StateError};
 use crate::part_timer::PartTimer;
@@ -85,13 +88,13 @@ const LAPIC_PART: Part = Part {
 const PARTS: [Part; 4] = [VCPU_PART, CLOCK_PART, IRQCHIP_PART, LAPIC_PART];
 
 /// Every kind of section a VM with `devices` writes, its own then its devices', with the
-/// layouts it writes and loads: the list its description carries.
+/// layouts it writes and loads and whether it needs them: the list its description carries.
 pub(crate) fn versions(devices: &Devices) -> Vec<SectionVersion> {
     PARTS
         .iter()
-        .map(|p| (p.name, p.kind))
+        .map(|p| (p.name, p.kind, SectionNeed::Mandatory))
         .chain(devices.kinds())
-        .map(|(name, kind)| SectionVersion::new(name, kind))
+        .map(|(name, kind, need)| SectionVersion::new(name, kind, need))
         .collect()
 }
 

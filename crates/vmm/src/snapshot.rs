@@ -11,12 +11,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_migrate::snapshot::{self, Loading, Reader, RestoreParams, Restored, SaveParams};
+use ferry_migrate::snapshot::{
+    self, FileOptions, Loading, Reader, Replace, RestoreParams, Restored, SaveParams,
+};
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
 
-use crate::devices::virtio::balloon::Discard;
 use crate::migration::StartError;
+use crate::vm::Arrival;
 use crate::vm::build::Vm;
 use crate::vm::handle::VmHandle;
 use crate::vmconfig::VmDescription;
@@ -40,6 +42,15 @@ pub struct SnapshotRequest {
     pub timeout_ms: Option<u64>,
     /// Write the pages with direct I/O (`O_DIRECT`), past the page cache.
     pub direct_io: bool,
+    /// The file's permission bits, in octal ("0600": only the VMM's user reads the guest's
+    /// RAM in it).
+    pub mode: String,
+    /// What may stand at `to` already: `"snapshot"` (nothing, or an earlier ferry snapshot)
+    /// or `"any"` (anything but a directory).
+    pub replace: Replace,
+    /// Most bytes of memory the final pass is staged in; the rest of it is written to the file
+    /// during the pause.
+    pub staging_limit: u64,
 }
 
 impl Default for SnapshotRequest {
@@ -52,6 +63,9 @@ impl Default for SnapshotRequest {
             auto_converge: true,
             timeout_ms: None,
             direct_io: false,
+            mode: format!("{:04o}", snapshot::file::DEFAULT_MODE),
+            replace: Replace::Snapshot,
+            staging_limit: snapshot::DEFAULT_STAGING_LIMIT,
         }
     }
 }
@@ -64,6 +78,15 @@ impl SnapshotRequest {
                     .into(),
             );
         }
+        let mode = u32::from_str_radix(self.mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| m & !0o777 == 0)
+            .ok_or_else(|| {
+                format!(
+                    "a snapshot's \"mode\" is permission bits in octal, such as \"0600\" or \"0640\", not {:?}",
+                    self.mode
+                )
+            })?;
         Ok(SaveParams {
             writers: self.writers,
             policy: Policy {
@@ -81,7 +104,12 @@ impl SnapshotRequest {
             vcpus,
             uuid: crate::migration::migration_uuid(),
             stop: self.stop,
-            direct_io: self.direct_io,
+            staging_limit: self.staging_limit,
+            file: FileOptions {
+                direct_io: self.direct_io,
+                mode,
+                replace: self.replace,
+            },
         })
     }
 }
@@ -119,9 +147,33 @@ pub struct SnapshotVm {
     pub balloon: bool,
 }
 
-/// Opens `path` (checking its header and metadata) and says what VM it needs.
+impl SnapshotVm {
+    /// The VM to restore into: the snapshot's size, vCPUs and devices, the rest of `base`
+    /// (serial, ...). Its guest is whatever kernel the snapshot holds, so it is
+    /// [`GuestKind::Foreign`](crate::GuestKind::Foreign) whatever `base` booted: the built-in
+    /// guest's memory cap and command-line checks are for a boot (a snapshot of a `--guest`
+    /// VM larger than that cap could not be restored), and the guest arrives with its memory.
+    pub fn config(&self, base: &VmConfig) -> VmConfig {
+        VmConfig {
+            memory_bytes: self.memory_bytes,
+            vcpus: self.vcpus,
+            balloon: self.balloon,
+            host_pages: crate::memory::HostPages::Small,
+            guest: crate::GuestKind::Foreign,
+            ..base.clone()
+        }
+    }
+}
+
+/// Opens `path` (checking its header and metadata) and says what VM it needs. A file of more
+/// RAM than ferry maps on any host is refused before its metadata is read; this host's own
+/// limit is the VM's build's (`limit.rs`), and the restore reads the file again bounded by the
+/// VM it made.
 pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
-    let reader = Reader::open(path)?;
+    let limits = ferry_migrate::snapshot::format::Limits {
+        max_memory: crate::memory::MAX_MEMORY,
+    };
+    let reader = Reader::open_with(path, &limits)?;
     let h = reader.header();
     let description: VmDescription = serde_json::from_slice(reader.config()).map_err(|e| {
         ferry_migrate::VmError::failed(
@@ -146,9 +198,9 @@ pub enum RestoreError {
 }
 
 /// Makes a VM of `config` (its size and devices from [`describe`]) and restores the snapshot at
-/// `path` into it; returns the running VM and what the restore took. A lazy restore's balloon
-/// gives no page back to the host until all of RAM is in place (a page punched out of a
-/// registered range would fault as missing again).
+/// `path` into it; returns the running VM and what the restore took. A lazy restore's RAM is
+/// arriving until [`loaded`]: no outgoing copy starts and the balloon gives no page back to the
+/// host (a page punched out of a registered range would fault as missing again).
 pub fn restore(
     config: VmConfig,
     path: &Path,
@@ -157,19 +209,22 @@ pub fn restore(
 ) -> Result<(Vm, Restored), RestoreError> {
     let vcpus = u32::from(config.vcpus);
     let mut incoming = Vm::incoming(config)?;
-    let balloon = incoming.shared.balloon.clone();
-    if loading == Loading::Lazy
-        && let Some(b) = &balloon
-    {
-        b.lock().unwrap().set_discard(Discard::Forbidden);
+    let shared = incoming.shared.clone();
+    if loading == Loading::Lazy {
+        shared.holds.arriving(Arrival::LazyRestore);
     }
     let params = RestoreParams {
         loading,
         readers: std::thread::available_parallelism().map_or(2, |n| n.get().min(8) as u16),
         vcpus,
         hot_first,
+        read_deadline: snapshot::DEFAULT_READ_DEADLINE,
+        read_delay: None,
     };
     let restored = snapshot::restore(&mut incoming, path, &params).inspect_err(|_| {
+        if loading == Loading::Lazy {
+            shared.holds.arrived(Arrival::LazyRestore);
+        }
         incoming
             .handle()
             .stop(crate::StopReason::Failed("the restore failed".into()));
@@ -177,12 +232,47 @@ pub fn restore(
     let vm = incoming.into_running().ok_or_else(|| {
         MigrateError::Channel("the restore ended without resuming the guest".into())
     })?;
+    // A restore makes a clone: a new VM generation ID (`devices::vmgenid`). The guest resumed
+    // inside the restore, so it sees the new ID at its next look (its next heartbeat, for the
+    // built-in guest), not before its first instruction.
+    vm.handle().new_generation()?;
     Ok((vm, restored))
 }
 
-/// After a lazy restore: lets the balloon give pages back again once all of RAM is in place.
+/// After a lazy restore, once all of RAM is in place: outgoing copies may start, and the
+/// balloon may give pages back again (`vm/holds.rs`). Call it once per lazy restore.
 pub fn loaded(handle: &VmHandle) {
-    if let Some(b) = &handle.0.balloon {
-        b.lock().unwrap().set_discard(Discard::Allowed);
+    handle.0.holds.arrived(Arrival::LazyRestore);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 48: a restore made its VM with the guest kind of the command line (the built-in
+    /// guest by default), whose memory cap refused a snapshot of a larger `--guest` VM.
+    #[test]
+    fn regression_a_restore_takes_the_snapshots_vm_not_the_built_in_guests_cap() {
+        let base = VmConfig {
+            memory_bytes: 1 << 30,
+            vcpus: 1,
+            kernel: Arc::from(&b""[..]),
+            cmdline: String::new(),
+            guest: crate::GuestKind::FerryGuest,
+            serial: crate::SerialOutput::Discard,
+            balloon: false,
+            dirty_ring: None,
+            host_pages: Default::default(),
+            next_layout: false,
+        };
+        let what = SnapshotVm {
+            memory_bytes: 600 << 30,
+            vcpus: 4,
+            balloon: true,
+        };
+        let c = what.config(&base);
+        assert_eq!(c.guest, crate::GuestKind::Foreign);
+        assert_eq!((c.memory_bytes, c.vcpus, c.balloon), (600 << 30, 4, true));
+        assert!(c.memory_bytes > crate::limit::BUILTIN_GUEST_MAX_MEMORY);
     }
 }

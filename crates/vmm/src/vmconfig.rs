@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::devices::{DeviceStateError, SectionKind};
+use crate::devices::{DeviceStateError, SectionKind, SectionNeed};
 
 /// The parts of a VM's configuration a guest depends on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,23 +30,30 @@ pub struct VmDescription {
 }
 
 /// A kind of state section a VM writes: its id, the name a refusal gives it, the layout
-/// version it writes, and the oldest it loads. A destination takes a source's section when the
-/// source's `version` is within its own `oldest..=version`.
+/// version it writes, the oldest it loads, and whether it loads a stream without it. A
+/// destination takes a source's section when the source's `version` is within its own
+/// `oldest..=version`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SectionVersion {
     pub id: u32,
     pub name: String,
     pub version: u32,
     pub oldest: u32,
+    /// `"optional"`: this VM takes a source that writes no such section (an older ferry's).
+    /// Left out when mandatory, as every section of a ferry older than the field is (an older
+    /// ferry ignores the field; it refuses a section it does not know by its id).
+    #[serde(default, skip_serializing_if = "SectionNeed::is_mandatory")]
+    pub need: SectionNeed,
 }
 
 impl SectionVersion {
-    pub fn new(name: &str, kind: SectionKind) -> SectionVersion {
+    pub fn new(name: &str, kind: SectionKind, need: SectionNeed) -> SectionVersion {
         SectionVersion {
             id: kind.id.0,
             name: name.into(),
             version: kind.version,
             oldest: kind.oldest,
+            need,
         }
     }
 }
@@ -87,8 +94,8 @@ impl VmDescription {
     }
 
     /// Whether this VM loads every section `source` lists, at the version it is written in,
-    /// and finds there every section it needs. An empty list (an older ferry's) is not
-    /// checked here.
+    /// and finds there every section it needs (all but the optional ones). An empty list (an
+    /// older ferry's) is not checked here.
     fn loads(&self, source: &[SectionVersion]) -> Result<(), String> {
         if source.is_empty() {
             return Ok(());
@@ -106,7 +113,7 @@ impl VmDescription {
         match self
             .sections
             .iter()
-            .find(|o| !source.iter().any(|s| s.id == o.id))
+            .find(|o| o.need.is_mandatory() && !source.iter().any(|s| s.id == o.id))
         {
             Some(own) => Err(format!(
                 "the source writes no {} section (id {}) and this VM needs one; start the destination with the source's devices and ferry version",
@@ -136,6 +143,7 @@ mod tests {
             name: name.into(),
             version,
             oldest,
+            need: SectionNeed::Mandatory,
         }
     }
 
@@ -205,5 +213,45 @@ mod tests {
         // A description from before the list decodes, and its sections are left to the load.
         let older = br#"{"vcpus":4,"balloon":true,"cpuid":"ab"}"#;
         assert_eq!(newer.accepts(older), Ok(()));
+    }
+
+    /// Issue 48: the VM generation ID's section (8) is new; a destination that has it takes a
+    /// source that writes none (an older ferry), and one that lacks it refuses a source that
+    /// writes it, as any section it does not know.
+    #[test]
+    fn an_optional_section_is_not_asked_of_an_older_source_and_stays_one_way() {
+        let optional = SectionVersion {
+            need: SectionNeed::Optional,
+            ..section(8, "VM generation ID", 1, 1)
+        };
+        let newer = VmDescription {
+            sections: vec![section(1, "vCPU", 1, 1), optional.clone()],
+            ..vm(4, true, "ab")
+        };
+        let older = VmDescription {
+            sections: vec![section(1, "vCPU", 1, 1)],
+            ..vm(4, true, "ab")
+        };
+        assert_eq!(newer.accepts(&older.encode()), Ok(()));
+        assert_eq!(newer.accepts(&newer.encode()), Ok(()));
+        let e = older.accepts(&newer.encode()).unwrap_err();
+        assert!(
+            e.contains("VM generation ID section (id 8) this ferry does not know"),
+            "{e}"
+        );
+        // Still checked for its layout when the source writes it.
+        let later = VmDescription {
+            sections: vec![
+                section(1, "vCPU", 1, 1),
+                section(8, "VM generation ID", 2, 2),
+            ],
+            ..vm(4, true, "ab")
+        };
+        assert!(newer.accepts(&later.encode()).is_err());
+        // The need travels only when optional: a mandatory section's JSON is as it was.
+        let json = String::from_utf8(newer.encode()).unwrap();
+        assert_eq!(json.matches("\"need\":\"optional\"").count(), 1, "{json}");
+        let back: VmDescription = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, newer);
     }
 }

@@ -232,6 +232,13 @@ pub fn print_table(s: &MigrationStats) {
             c.cpu_seconds
         );
     }
+    if s.staged_bytes > 0 || s.final_pages_written_in_pause > 0 {
+        println!(
+            "final pass       staged in {:.1} MiB of memory; {} pages written to the file in the pause (past the staging limit)",
+            s.staged_bytes as f64 / (1 << 20) as f64,
+            s.final_pages_written_in_pause
+        );
+    }
     if s.throttle_max_percent > 0 {
         println!(
             "auto-converge    throttled the guest up to {}% while precopy stalled",

@@ -23,6 +23,18 @@ pub fn outl(port: u16, value: u32) {
     }
 }
 
+/// Reads a 32-bit value from an I/O port (`in eax, dx`, one of the forms the #GP handler of
+/// `entry.rs` performs for a host that faults CPL3 port I/O).
+pub fn inl(port: u16) -> u32 {
+    let value: u32;
+    // SAFETY: as for `outb`, `in` never faults; the only ports read are the VM generation ID's,
+    // whose reads have no side effect (unassigned ports, under another VMM, read all-ones).
+    unsafe {
+        asm!("in eax, dx", in("dx") port, out("eax") value, options(nomem, nostack, preserves_flags))
+    }
+    value
+}
+
 /// The time-stamp counter.
 #[inline(always)]
 pub fn rdtsc() -> u64 {

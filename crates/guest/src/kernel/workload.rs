@@ -15,6 +15,7 @@ use super::boot_info::BootInfo;
 use super::clock::{self, Clock};
 use super::freemem::{FreeMemError, FreeMemory};
 use super::timer::Timer;
+use super::vmgenid::Watcher;
 use super::{arch, boot, memory, smp, telemetry};
 use crate::sprintln;
 
@@ -284,6 +285,8 @@ struct Workload {
     /// Free memory, its churn and the balloon (`free=`, `churn=`, a virtio-mmio device); the
     /// boot vCPU's only.
     free: Option<FreeMemory>,
+    /// The VM generation ID, looked at every heartbeat; the boot vCPU's only.
+    vmgenid: Option<Watcher>,
     /// The clock's last reading: it must never go back, across a migration least of all.
     last_now: u64,
     /// When the next heartbeat is due (also looked at inside a verify pass, so that a pass
@@ -330,6 +333,8 @@ impl Workload {
             slow_batch_ns: 0,
             owed: 0,
             free,
+            // The boot vCPU's first look, reported after its Boot and Layout reports.
+            vmgenid: (clock.vcpu() == 0).then(|| Watcher::boot(&clock)),
         }
     }
 
@@ -604,6 +609,9 @@ impl Workload {
         }
         let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
         telemetry::send(&hb);
+        if let Some(vmgenid) = &mut self.vmgenid {
+            vmgenid.look(&self.clock);
+        }
         self.next_heartbeat = now + u64::from(self.p.heartbeat_ms) * MS;
     }
 

@@ -109,6 +109,9 @@ pub struct IncomingControl {
     /// How long the source may send nothing on every connection together while the
     /// destination waits for it; `None`: for ever.
     peer_timeout: Mutex<Option<Duration>>,
+    /// Uids besides this process's own effective uid whose source may give guest RAM in a
+    /// local handover (`transport/peer.rs`).
+    allow_uids: Mutex<Vec<u32>>,
     /// The watchdog found the source silent for longer than `peer_timeout` and shut the
     /// connections; the session reports it as such.
     silent: AtomicBool,
@@ -129,6 +132,7 @@ impl Default for IncomingControl {
         IncomingControl {
             cancelled: AtomicBool::new(false),
             peer_timeout: Mutex::new(Some(DEFAULT_SOURCE_TIMEOUT)),
+            allow_uids: Mutex::default(),
             silent: AtomicBool::new(false),
             started: Instant::now(),
             progress: Mutex::default(),
@@ -172,6 +176,21 @@ impl IncomingControl {
     /// The peer timeout in force (`None`: no bound).
     pub fn peer_timeout(&self) -> Option<Duration> {
         *self.peer_timeout.lock().unwrap()
+    }
+
+    /// Lets a source running as one of `uids`, besides this process's own effective uid, give
+    /// guest RAM in a local handover (`ferry run --incoming --allow-uid`). By default only a
+    /// source of this VMM's own uid may: its memory would be this guest's, and a process of
+    /// another uid that kept the descriptor could write into the guest. The source's uid is
+    /// read from the socket (`SO_PEERCRED`) before its descriptors are. Set it before the
+    /// migration starts.
+    pub fn set_allow_uids(&self, uids: Vec<u32>) {
+        *self.allow_uids.lock().unwrap() = uids;
+    }
+
+    /// The uids allowed besides this process's own ([`IncomingControl::set_allow_uids`]).
+    pub fn allow_uids(&self) -> Vec<u32> {
+        self.allow_uids.lock().unwrap().clone()
     }
 
     /// Whether the watchdog gave up on a silent source (and has not been told so yet).

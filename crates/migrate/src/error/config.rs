@@ -30,9 +30,9 @@ pub enum ConfigError {
     )]
     ZeroBandwidth,
     #[error(
-        "a dirty limit of 0 bytes/s would stop every vCPU that writes; give a positive limit, or none"
+        "a dirty limit of {asked} bytes/s is below the floor of {floor} bytes/s: a vCPU held lower sleeps for seconds on every page it writes; give at least {floor}, or none"
     )]
-    ZeroDirtyLimit,
+    DirtyLimitBelowFloor { asked: u64, floor: u64 },
     #[error("a timeout of 0 would end the migration at once; give a positive timeout, or none")]
     ZeroTimeout,
     #[error(

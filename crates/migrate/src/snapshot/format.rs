@@ -2,9 +2,16 @@
 //! with every check the document lists, and where a page, its CRC and each area lie. Pure: a
 //! reader hands it the header's 4096 bytes and the file's length, and gets a [`Header`] whose
 //! every offset is inside the file and apart from the others, or the reason it is refused.
+//!
+//! Every length the header states is bounded by what a writer writes (the hot set: one run per
+//! 2 MiB chunk, [`max_hot_runs`]), by the file's length, and by the restoring side's
+//! [`Limits`], before a reader allocates for it; that the metadata areas are data on disk, not
+//! holes, is the reader's check (`read.rs`), and [`Header::metadata`] lists them for it.
 
 #![forbid(unsafe_code)]
 
+pub use super::hot::max_hot_runs;
+use crate::ram::Size;
 use crate::wire::{PAGE_SIZE, crc as crc32c};
 
 /// The header's size: one page.
@@ -55,6 +62,23 @@ impl Area {
     }
 }
 
+/// What the restoring side can hold, checked against the header before anything is read
+/// past it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most bytes of guest RAM: the VM restored into (its RAM is the file's, or the restore is
+    /// refused), or the largest VM the restoring VMM makes.
+    pub max_memory: u64,
+}
+
+impl Limits {
+    /// No bound but the file's own: what the file holds on disk bounds what a reader
+    /// allocates (a test, a tool that only reads the file).
+    pub const FILE_ONLY: Limits = Limits {
+        max_memory: u64::MAX,
+    };
+}
+
 /// A snapshot file's header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
@@ -95,6 +119,23 @@ pub enum FormatError {
         "the snapshot file is {file} bytes, its header describes {needed}: it was cut short; restore a whole copy or take a new snapshot"
     )]
     Truncated { file: u64, needed: u64 },
+    #[error(
+        "the snapshot holds {} of guest RAM, more than the {} this restore can hold; restore it into a VM of its size, on a host that maps that much",
+        Size(*memory), Size(*max)
+    )]
+    TooLarge { memory: u64, max: u64 },
+    #[error(
+        "the snapshot's {area} ({len} bytes at {offset:#x}) is a hole in the file where a writer writes data: the file was cut, punched or made up; restore a whole copy or take a new snapshot"
+    )]
+    Hole {
+        area: &'static str,
+        offset: u64,
+        len: u64,
+    },
+    #[error(
+        "the snapshot's hot set is invalid: run {index} ({pages} pages at {gpa:#x}) is not inside one RAM region and one 2 MiB chunk; restore another copy or take a new snapshot"
+    )]
+    HotRun { index: usize, gpa: u64, pages: u64 },
 }
 
 /// A header field a reader refuses.
@@ -114,8 +155,14 @@ pub enum Invalid {
     Region(usize),
     #[error("the regions' sizes add up to {regions} bytes, the header says {memory}")]
     MemorySize { regions: u64, memory: u64 },
-    #[error("the {0} area is over its bound")]
-    Bound(&'static str),
+    #[error("the {area} area is {len} bytes, over its bound of {max}")]
+    Bound {
+        area: &'static str,
+        len: u64,
+        max: u64,
+    },
+    #[error("the hot set is {0} bytes, not whole 16-byte runs")]
+    HotLen(u64),
     #[error("the {0} area is not between the header and guest RAM, or overlaps another")]
     Placement(&'static str),
     #[error("guest RAM starts at {0:#x}, not a multiple of 2 MiB")]
@@ -147,6 +194,29 @@ impl Header {
             offset: self.crc_table,
             len: self.pages() * PAGE_CRC_SIZE,
         }
+    }
+
+    /// The metadata areas a writer writes whole, by name: a reader checks each is data on disk
+    /// before it reads it.
+    pub fn metadata(&self) -> [(&'static str, Area); 4] {
+        [
+            ("configuration", self.config),
+            ("device state", self.state),
+            ("hot set", self.hot),
+            ("page checksums", self.crc_area()),
+        ]
+    }
+
+    /// Refuses a header whose guest RAM is more than `limits` hold.
+    pub fn check_limits(&self, limits: &Limits) -> Result<(), FormatError> {
+        let memory = self.memory_size();
+        if memory > limits.max_memory {
+            return Err(FormatError::TooLarge {
+                memory,
+                max: limits.max_memory,
+            });
+        }
+        Ok(())
     }
 
     /// The file's length: the header area and guest RAM.
@@ -360,23 +430,29 @@ impl Header {
         if !self.ram_offset.is_multiple_of(RAM_ALIGN) {
             return Err(Invalid::RamAlign(self.ram_offset));
         }
-        let pages = self.pages();
+        let regions: Vec<(u64, u64)> = self.regions.iter().map(|r| (r.gpa, r.size)).collect();
         let bounds = [
-            ("configuration", self.config, MAX_CONFIG_BYTES, 1),
-            ("device state", self.state, MAX_STATE_BYTES, 1),
-            ("hot set", self.hot, pages * HOT_RUN_SIZE, HOT_RUN_SIZE),
+            ("configuration", self.config, MAX_CONFIG_BYTES),
+            ("device state", self.state, MAX_STATE_BYTES),
+            (
+                "hot set",
+                self.hot,
+                max_hot_runs(&regions).saturating_mul(HOT_RUN_SIZE),
+            ),
         ];
-        for (name, a, max, unit) in bounds {
-            if a.len > max || !a.len.is_multiple_of(unit) {
-                return Err(Invalid::Bound(name));
+        for (area, a, max) in bounds {
+            if a.len > max {
+                return Err(Invalid::Bound {
+                    area,
+                    len: a.len,
+                    max,
+                });
             }
         }
-        let mut areas = [
-            ("configuration", self.config),
-            ("device state", self.state),
-            ("hot set", self.hot),
-            ("page CRC", self.crc_area()),
-        ];
+        if !self.hot.len.is_multiple_of(HOT_RUN_SIZE) {
+            return Err(Invalid::HotLen(self.hot.len));
+        }
+        let mut areas = self.metadata();
         for (name, a) in areas {
             let inside = a.offset >= HEADER_SIZE as u64
                 && a.offset
@@ -542,11 +618,15 @@ mod tests {
                 config_len,
                 &(MAX_CONFIG_BYTES + 1).to_le_bytes()
             )),
-            Invalid::Bound("configuration")
+            Invalid::Bound {
+                area: "configuration",
+                len: MAX_CONFIG_BYTES + 1,
+                max: MAX_CONFIG_BYTES
+            }
         );
         assert_eq!(
             inv(decode_changed(104, &17u64.to_le_bytes())),
-            Invalid::Bound("hot set")
+            Invalid::HotLen(17)
         );
         assert_eq!(
             inv(decode_changed(56, &0u64.to_le_bytes())),
@@ -559,11 +639,59 @@ mod tests {
         );
         assert_eq!(
             inv(decode_changed(120, &(h.ram_offset - 4).to_le_bytes())),
-            Invalid::Placement("page CRC")
+            Invalid::Placement("page checksums")
         );
         assert_eq!(
             inv(decode_changed(128, &(h.ram_offset + 4096).to_le_bytes())),
             Invalid::RamAlign(h.ram_offset + 4096)
         );
+    }
+
+    #[test]
+    fn a_hot_set_longer_than_one_run_per_chunk_is_refused() {
+        let h = sample();
+        // 4 GiB in two 2 MiB-aligned regions: 2048 chunks.
+        let max = 2048 * HOT_RUN_SIZE;
+        let regions: Vec<(u64, u64)> = h.regions.iter().map(|r| (r.gpa, r.size)).collect();
+        assert_eq!(max_hot_runs(&regions) * HOT_RUN_SIZE, max);
+        let hot_len = |len: u64| match decode_changed(104, &len.to_le_bytes()) {
+            Err(FormatError::Invalid(i)) => Some(i),
+            _ => None,
+        };
+        let over = |len| Invalid::Bound {
+            area: "hot set",
+            len,
+            max,
+        };
+        assert_eq!(hot_len(max + 16), Some(over(max + 16)));
+        // The bound before: one run per page, 512 times as long.
+        assert_eq!(hot_len(h.pages() * 16), Some(over(h.pages() * 16)));
+        // At the bound, only where it lies stops it (the sample reserved 64 runs).
+        assert_eq!(hot_len(max), Some(Invalid::Placement("page checksums")));
+    }
+
+    #[test]
+    fn guest_ram_over_the_restoring_sides_limit_is_refused_from_the_header() {
+        const TIB: u64 = 1 << 40;
+        for memory in [TIB, 64 * TIB] {
+            let mut h = Header::layout(1, [1; 16], &[(0, memory)], 0, 0, 0);
+            h.complete = true;
+            // It decodes over a file of its length (sparse: the reader finds the holes)...
+            assert_eq!(Header::decode(&h.encode(), h.file_len()).as_ref(), Ok(&h));
+            assert_eq!(h.check_limits(&Limits::FILE_ONLY), Ok(()));
+            // ...and is refused by a host that holds less, with both figures.
+            let limits = Limits {
+                max_memory: 512 << 30,
+            };
+            let e = h.check_limits(&limits).unwrap_err();
+            assert_eq!(
+                e,
+                FormatError::TooLarge {
+                    memory,
+                    max: 512 << 30
+                }
+            );
+            assert!(e.to_string().contains("512G"), "{e}");
+        }
     }
 }

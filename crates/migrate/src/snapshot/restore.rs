@@ -16,17 +16,23 @@
 //! Invariants: nothing of the file reaches guest RAM before its CRC matched; the guest never
 //! resumes before every section was loaded. A page that fails its CRC while the guest runs
 //! (lazy) fails the loader, and the VMM stops the guest ([`LazyLoad::wait`] says why): its
-//! memory is incomplete.
+//! memory is incomplete. So does a read of the file that has not returned within
+//! [`RestoreParams::read_deadline`] (storage that hangs): the guest is stopped with the cause
+//! instead of its vCPUs waiting on the storage for ever, silently; the blocked threads are let
+//! go, and end when their reads return.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::file::Reader;
+use super::error::SnapshotError;
+use super::format::Limits;
+use super::read::Reader;
 use super::state;
 use crate::error::{ConfigError, Internal, MigrateError};
 use crate::pagebits::PageBits;
@@ -39,6 +45,12 @@ use crate::wire::{self, PAGE_SIZE};
 const RUN_PAGES: u64 = wire::MAX_PAGES_PER_RECORD as u64;
 /// How long the fault thread waits for a fault before it looks at whether to stop.
 const FAULT_POLL: Duration = Duration::from_millis(5);
+/// The default [`RestoreParams::read_deadline`]: 30 s, thousands of times a healthy disk's
+/// slowest 2 MiB read, and about what a guest's own storage stack waits before it gives up on
+/// a request (Linux's SCSI command timeout is 30 s).
+pub const DEFAULT_READ_DEADLINE: Duration = Duration::from_secs(30);
+/// How often a lazy restore's waiter looks for an overdue read.
+const WATCH_POLL: Duration = Duration::from_millis(20);
 
 /// When guest RAM is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -60,6 +72,13 @@ pub struct RestoreParams {
     pub vcpus: u32,
     /// Lazy: load the hot set first (off only to measure what it saves).
     pub hot_first: bool,
+    /// Lazy: a read of the file that has not returned after this long stops the guest with
+    /// the cause ([`DEFAULT_READ_DEADLINE`]).
+    pub read_deadline: Duration,
+    /// For tests: every read of the file sleeps this long first, standing for storage that
+    /// hangs (there is no portable way to make a real file's reads hang).
+    #[doc(hidden)]
+    pub read_delay: Option<Duration>,
 }
 
 /// What a restore took.
@@ -124,11 +143,21 @@ impl LazyLoad {
     /// Waits until all of RAM is in place, then closes the userfaultfd. On an error the
     /// guest's memory is incomplete: `abandon` is called with it while the userfaultfd is
     /// still open, and must stop the guest (a vCPU waiting on a page is then interrupted,
-    /// where closing the userfaultfd first would hand it a page of zeros).
+    /// where closing the userfaultfd first would hand it a page of zeros). A read that
+    /// outlives the deadline is such an error; the threads blocked in it are let go.
     pub fn wait(self, abandon: impl FnOnce(&MigrateError)) -> Result<LazyStats, MigrateError> {
+        if let Err(e) = self.shared.watch(&self.loader) {
+            self.shared.stop.store(true, Ordering::Release);
+            abandon(&e);
+            return Err(e);
+        }
         let loaded = join(self.loader);
         let load_ms = ms(self.resumed.elapsed());
         self.shared.stop.store(true, Ordering::Release);
+        if let Err(e) = self.shared.watch(&self.faults) {
+            abandon(&e);
+            return Err(e);
+        }
         let served = join(self.faults);
         if let Err(e) = loaded.and(served) {
             abandon(&e);
@@ -143,6 +172,70 @@ impl LazyLoad {
             hot_pages: s.hot_pages,
             fault_mean_us: s.fault_ns.load(Ordering::Relaxed) as f64 / 1e3 / faults.max(1) as f64,
         })
+    }
+}
+
+impl Lazy {
+    /// Waits until `thread` finished, or fails once a read of the file is overdue.
+    fn watch(&self, thread: &JoinHandle<Result<(), MigrateError>>) -> Result<(), MigrateError> {
+        let s = self;
+        while !thread.is_finished() {
+            if let Some((gpa, waited)) = s.in_flight.overdue(s.read_deadline) {
+                return Err(SnapshotError::ReadStalled {
+                    path: s.reader.path().to_owned(),
+                    gpa,
+                    waited,
+                }
+                .into());
+            }
+            std::thread::sleep(WATCH_POLL);
+        }
+        Ok(())
+    }
+}
+
+/// The reads of the file under way, each with its page and when it started.
+#[derive(Debug, Default)]
+struct InFlight {
+    next: AtomicU64,
+    reads: Mutex<HashMap<u64, (Instant, u64)>>,
+}
+
+impl InFlight {
+    /// Records a read of the page at `gpa` until the returned guard drops.
+    fn enter(&self, gpa: u64) -> Reading<'_> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.reads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, (Instant::now(), gpa));
+        Reading { of: self, id }
+    }
+
+    /// The oldest read under way for longer than `deadline`: its page and how long so far.
+    fn overdue(&self, deadline: Duration) -> Option<(u64, Duration)> {
+        let reads = self.reads.lock().unwrap_or_else(PoisonError::into_inner);
+        reads
+            .values()
+            .map(|&(t, gpa)| (gpa, t.elapsed()))
+            .filter(|&(_, waited)| waited > deadline)
+            .max_by_key(|&(_, waited)| waited)
+    }
+}
+
+/// A read under way; ends when dropped.
+struct Reading<'a> {
+    of: &'a InFlight,
+    id: u64,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.of
+            .reads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.id);
     }
 }
 
@@ -163,8 +256,12 @@ pub fn restore(
     params: &RestoreParams,
 ) -> Result<Restored, MigrateError> {
     let started = Instant::now();
-    let reader = Arc::new(Reader::open(path)?);
     let ram = Ram::new(vm.ram())?;
+    // A file of more RAM than this VM's is refused from its header, before its areas are read.
+    let limits = Limits {
+        max_memory: ram.size(),
+    };
+    let reader = Arc::new(Reader::open_with(path, &limits)?);
     check_fits(&reader, &ram, params.vcpus)?;
     if !reader.config().is_empty() {
         vm.check_config(reader.config())?;
@@ -189,7 +286,7 @@ pub fn restore(
             stats.ram_ms = ms(t.elapsed());
             None
         }
-        Loading::Lazy => Some(Lazy::start(reader, ram, runs, params.hot_first)?),
+        Loading::Lazy => Some(Lazy::start(reader, ram, runs, params)?),
     };
     let t = Instant::now();
     let loaded = vm.load_state(&sections);
@@ -321,6 +418,10 @@ struct Lazy {
     hot_by_address: Vec<(u64, u64)>,
     /// Threads the loader places pages with.
     loaders: usize,
+    /// The reads of the file under way, watched by [`LazyLoad::wait`].
+    in_flight: InFlight,
+    read_deadline: Duration,
+    read_delay: Option<Duration>,
 }
 
 impl Lazy {
@@ -330,7 +431,7 @@ impl Lazy {
         reader: Arc<Reader>,
         ram: Ram,
         runs: Vec<(u64, u64)>,
-        hot_first: bool,
+        params: &RestoreParams,
     ) -> Result<LazyLoad, MigrateError> {
         if ram.host_page_size() != Some(PAGE_SIZE) {
             return Err(ConfigError::LazyHugePages.into());
@@ -340,7 +441,7 @@ impl Lazy {
             return Err(ConfigError::LazyUnsupported.into());
         }
         ram.register_uffd(&uffd, false)?;
-        let hot: Vec<(u64, u64)> = if hot_first {
+        let hot: Vec<(u64, u64)> = if params.hot_first {
             reader.hot().to_vec()
         } else {
             Vec::new()
@@ -359,6 +460,9 @@ impl Lazy {
             bytes: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             fault_ns: AtomicU64::new(0),
+            in_flight: InFlight::default(),
+            read_deadline: params.read_deadline,
+            read_delay: params.read_delay,
         });
         let s = shared.clone();
         let faults = std::thread::Builder::new()
@@ -416,7 +520,13 @@ impl Lazy {
     /// Reads `pages` pages from `gpa` (checked) and places them, waking whoever waits on them.
     fn place(&self, gpa: u64, pages: u64, buf: &mut [u8]) -> Result<(), MigrateError> {
         let data = &mut buf[..(pages * PAGE_SIZE) as usize];
-        self.reader.read_pages(gpa, data)?;
+        {
+            let _reading = self.in_flight.enter(gpa);
+            if let Some(delay) = self.read_delay {
+                std::thread::sleep(delay);
+            }
+            self.reader.read_pages(gpa, data)?;
+        }
         let host = self.ram.page(gpa)?;
         let copied = match self.uffd.copy(host, data, Wake::Now)? {
             CopyOutcome::Copied => data.len(),

@@ -8,13 +8,14 @@
 //! - The guest resumes after a failure or a cancel whatever the phase, and after a success
 //!   unless [`SaveParams::stop`]; the throttle is lifted and dirty logging stopped either way.
 //! - Nothing that reads as a snapshot exists until the state, the hot set and the CRC table are
-//!   on disk (`Writer::finish`); a failed save removes its `.partial` file (the Writer's drop).
+//!   on disk (`Writer::finish`); a failed save removes its `.partial` file (the Writer's drop),
+//!   and the file lands only where [`FileOptions::replace`] allows.
 
 #![forbid(unsafe_code)]
 
 use std::path::Path;
 
-use super::file::Writer;
+use super::file::{FileOptions, Writer};
 use super::target::{BATCH_PAGES, FileTarget};
 use crate::control::{Control, Phase};
 use crate::error::MigrateError;
@@ -23,6 +24,12 @@ use crate::ram::Ram;
 use crate::source::{self, SourceParams};
 use crate::stats::MigrationStats;
 use crate::vm::{SourceVm, VmError};
+
+/// The default [`SaveParams::staging_limit`]: 256 MiB. A guest that dirtied more than this
+/// since the last pass would have its pause set by the file's rate anyway (at 1-2 GB/s of page
+/// cache, 128-256 ms), and a snapshot must not double the VMM's memory (issue 48: a 2 GiB guest
+/// writing 1.5 GiB flat out took the VMM from 1,544 to 3,097 MiB with an unbounded stage).
+pub const DEFAULT_STAGING_LIMIT: u64 = 256 << 20;
 
 /// How to save.
 #[derive(Clone, Debug)]
@@ -38,9 +45,12 @@ pub struct SaveParams {
     pub uuid: [u8; 16],
     /// Leave the guest paused once the snapshot is complete (a save before shutdown).
     pub stop: bool,
-    /// Write the pages with direct I/O (`O_DIRECT`), past the page cache: the file system
-    /// must allow it.
-    pub direct_io: bool,
+    /// Most memory the final pass is staged in before it is written ([`DEFAULT_STAGING_LIMIT`]);
+    /// the rest of the final pass is written to the file during the pause.
+    pub staging_limit: u64,
+    /// How the file is created: direct I/O (the file system must allow it), its mode, what
+    /// it may replace.
+    pub file: FileOptions,
 }
 
 impl SaveParams {
@@ -66,7 +76,7 @@ pub fn save(
     control: &Control,
 ) -> Result<MigrationStats, MigrateError> {
     let session = params.session();
-    match open(vm, path, params, &session) {
+    match open(vm, path, params, &session, control) {
         Ok(target) => source::keep::keep(vm, target, &session, control),
         Err(e) => {
             control.update(|p| {
@@ -79,12 +89,13 @@ pub fn save(
 }
 
 /// Checks the parameters, creates the file and starts its writers.
-fn open(
+fn open<'c>(
     vm: &mut dyn SourceVm,
     path: &Path,
     params: &SaveParams,
     session: &SourceParams,
-) -> Result<FileTarget, MigrateError> {
+    control: &'c Control,
+) -> Result<FileTarget<'c>, MigrateError> {
     session.check()?;
     let config = match vm.config() {
         Ok(c) => c,
@@ -98,7 +109,14 @@ fn open(
         params.uuid,
         &ram.layout(),
         &config,
-        params.direct_io,
+        &params.file,
     )?;
-    FileTarget::start(ram, writer, params.writers, params.stop)
+    FileTarget::start(
+        ram,
+        writer,
+        params.writers,
+        params.stop,
+        params.staging_limit,
+        control,
+    )
 }

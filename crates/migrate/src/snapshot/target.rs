@@ -5,10 +5,12 @@
 //! ended by [`Keeper::keep`] with the device state, after the guest resumed.
 //!
 //! Before the pause ([`Target::before_pause`]) the target touches buffers for about twice the
-//! dirty pages left, and from then on the writers copy batches into them instead of writing:
-//! the final pass costs the guest a copy into memory, not a trip to the file system (whose
-//! writes slow to the disk's rate once the page cache holds enough dirty data). `keep`, with
-//! the guest running again, writes them.
+//! dirty pages left, up to its staging limit, and from then on the writers copy batches into
+//! them instead of writing: the final pass costs the guest a copy into memory, not a trip to
+//! the file system (whose writes slow to the disk's rate once the page cache holds enough
+//! dirty data). `keep`, with the guest running again, writes them. Past the limit the writers
+//! write the rest of the final pass during the pause, as in the passes before: a guest that
+//! dirties more than the limit costs a longer pause, never more memory than the limit.
 //!
 //! The target also records, per dirty pass, the runs of pages it was handed: the hot set
 //! (`hot.rs`) is made of them.
@@ -16,13 +18,15 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::file::{PageBuf, SnapshotError, Writer};
+use super::error::SnapshotError;
+use super::file::{PageBuf, Writer};
 use super::{hot, state};
+use crate::control::Control;
 use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
 use crate::source::agreement::Agreement;
@@ -38,8 +42,19 @@ const QUEUE_DEPTH: usize = 4;
 /// How often a pass end looks at whether the writers are done.
 const POLL: Duration = Duration::from_micros(200);
 
+/// Longest an abandoned snapshot waits for its writers to stop: a writer blocked in a write to
+/// a hung file system is left to end when its write returns (it holds its own copy of the
+/// pages, never guest memory, and nothing waits for it), so that a cancel or a failure frees
+/// the migration's slot and the guest at once. 250 ms: many times a healthy disk's slowest
+/// write of one 2 MiB batch (a writer merely slower than that is let go as harmlessly), and
+/// a cancel still ends well within a second.
+const ABANDON_WAIT: Duration = Duration::from_millis(250);
+
 /// A snapshot file being written by a migration session.
-pub(crate) struct FileTarget {
+pub(crate) struct FileTarget<'c> {
+    /// The session's control: a cancel reaches a target waiting on its writers (a full queue,
+    /// a pass end) within [`POLL`].
+    control: &'c Control,
     shared: Arc<Shared>,
     /// The file; taken by `keep` to finish it.
     writer: Option<Arc<Writer>>,
@@ -49,10 +64,13 @@ pub(crate) struct FileTarget {
     next: usize,
     /// The pass whose batches come in now (1-based).
     pass: u32,
-    /// The runs of pages each dirty pass (2 on) was handed, oldest first.
+    /// A page of each 2 MiB chunk each dirty pass (2 on) was handed, as runs of one page,
+    /// oldest pass first: what the hot set is made of.
     history: Vec<Vec<(u64, u64)>>,
     /// Leave the guest paused once the state is saved.
     stop: bool,
+    /// Most bytes of buffers made for the final pass.
+    staging_limit: u64,
 }
 
 /// What the session and the writer threads share.
@@ -63,8 +81,12 @@ struct Shared {
     zeros: AtomicU64,
     /// Pages handed over and not written (or staged) yet.
     pending: AtomicU64,
-    /// Buffers for the final pass, touched ahead; taken while staging.
+    /// Buffers for the final pass, touched ahead; taken while staging (none is made then).
     pool: Mutex<Vec<PageBuf>>,
+    /// Bytes of the buffers made for the final pass.
+    staged_bytes: AtomicU64,
+    /// Final-pass pages written to the file because no buffer was left.
+    written_in_pause: AtomicU64,
     /// The final pass's batches, copied and not written yet.
     staged: Mutex<Vec<(Vec<u64>, PageBuf)>>,
     staging: AtomicBool,
@@ -73,20 +95,25 @@ struct Shared {
     error: Mutex<Option<SnapshotError>>,
 }
 
-impl FileTarget {
-    /// Starts `writers` threads writing `ram`'s pages into `writer`'s file.
+impl<'c> FileTarget<'c> {
+    /// Starts `writers` threads writing `ram`'s pages into `writer`'s file; its final pass
+    /// staged in at most `staging_limit` bytes of buffers.
     pub(crate) fn start(
         ram: Ram,
         writer: Writer,
         writers: u16,
         stop: bool,
-    ) -> Result<FileTarget, MigrateError> {
+        staging_limit: u64,
+        control: &'c Control,
+    ) -> Result<FileTarget<'c>, MigrateError> {
         let shared = Arc::new(Shared {
             ram,
             written: AtomicU64::new(0),
             zeros: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             pool: Mutex::new(Vec::new()),
+            staged_bytes: AtomicU64::new(0),
+            written_in_pause: AtomicU64::new(0),
             staged: Mutex::new(Vec::new()),
             staging: AtomicBool::new(false),
             failed: AtomicBool::new(false),
@@ -94,6 +121,7 @@ impl FileTarget {
         });
         let writer = Arc::new(writer);
         let mut target = FileTarget {
+            control,
             shared,
             writer: Some(writer),
             queues: Vec::new(),
@@ -102,6 +130,7 @@ impl FileTarget {
             pass: 1,
             history: Vec::new(),
             stop,
+            staging_limit,
         };
         for i in 0..writers {
             let (tx, rx) = sync_channel::<Vec<u64>>(QUEUE_DEPTH);
@@ -130,14 +159,46 @@ impl FileTarget {
     /// Waits until the writers have written (or staged) everything handed to them.
     fn drain(&self) -> Result<(), MigrateError> {
         while self.shared.pending.load(Ordering::Acquire) > 0 {
-            self.shared.check()?;
-            std::thread::sleep(POLL);
+            self.wait_a_little()?;
         }
         self.shared.check()
     }
+
+    /// One wait on the writers: fails at once if one failed or the snapshot was cancelled.
+    fn wait_a_little(&self) -> Result<(), MigrateError> {
+        self.shared.check()?;
+        if self.control.cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        std::thread::sleep(POLL);
+        Ok(())
+    }
+
+    /// Closes the writers' queues and waits for them at most [`ABANDON_WAIT`].
+    fn let_go(&mut self) {
+        self.queues.clear();
+        let deadline = std::time::Instant::now() + ABANDON_WAIT;
+        while self.threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(POLL);
+        }
+        let (done, blocked): (Vec<_>, Vec<_>) =
+            self.threads.drain(..).partition(|t| t.is_finished());
+        if !blocked.is_empty() {
+            tracing::warn!(
+                "{} snapshot writer(s) still blocked in the file system after {ABANDON_WAIT:?}: left to end when their writes return; the partial file goes then",
+                blocked.len()
+            );
+        }
+        for t in done {
+            if t.join().is_err() {
+                self.shared.fail(SnapshotError::WriterPanicked);
+            }
+        }
+    }
 }
 
-impl Keeper for FileTarget {
+impl Keeper for FileTarget<'_> {
     fn stops(&self) -> bool {
         self.stop
     }
@@ -161,8 +222,8 @@ impl Keeper for FileTarget {
         let mut history = std::mem::take(&mut self.history);
         history.reverse();
         let ram = &self.shared.ram;
-        let max_runs = ram.size().div_ceil(PAGE_SIZE) as usize;
-        let hot = hot::hot_set(&history, &ram.layout(), max_runs);
+        let layout = ram.layout();
+        let hot = hot::hot_set(&history, &layout, hot::max_hot_runs(&layout) as usize);
         let writer = Arc::try_unwrap(writer).map_err(|_| Internal::Panicked {
             thread: "a snapshot writer",
         })?;
@@ -171,7 +232,7 @@ impl Keeper for FileTarget {
     }
 }
 
-impl Target for FileTarget {
+impl Target for FileTarget<'_> {
     fn agreement(&self) -> Agreement {
         Agreement::NONE
     }
@@ -182,10 +243,13 @@ impl Target for FileTarget {
             return Ok(());
         }
         if self.pass >= 2 {
+            // The hot set counts 2 MiB chunks, so a pass keeps a page of each chunk it
+            // wrote, once per stretch in that chunk (the walk is in address order): 16 bytes
+            // per 2 MiB per pass at most, where a run per page kept 16 bytes per dirty page.
             let runs = self.history.last_mut().expect("a dirty pass has its list");
             for &gpa in &gpas {
-                match runs.last_mut() {
-                    Some((start, n)) if *start + *n * PAGE_SIZE == gpa => *n += 1,
+                match runs.last() {
+                    Some(&(seen, _)) if seen / hot::CHUNK == gpa / hot::CHUNK => {}
                     _ => runs.push((gpa, 1)),
                 }
             }
@@ -193,15 +257,26 @@ impl Target for FileTarget {
         self.shared
             .pending
             .fetch_add(gpas.len() as u64, Ordering::AcqRel);
-        let queue = &self.queues[self.next % self.queues.len()];
+        let at = self.next % self.queues.len();
         self.next += 1;
-        if queue.send(gpas).is_err() {
-            self.shared.check()?;
-            return Err(MigrateError::Channel(
-                "a snapshot writer ended early".into(),
-            ));
+        // Not a blocking send: a writer blocked in a hung file system must not keep a cancel
+        // from the session.
+        let mut gpas = gpas;
+        loop {
+            match self.queues[at].try_send(gpas) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(back)) => {
+                    gpas = back;
+                    self.wait_a_little()?;
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    self.shared.check()?;
+                    return Err(MigrateError::Channel(
+                        "a snapshot writer ended early".into(),
+                    ));
+                }
+            }
         }
-        Ok(())
     }
 
     fn end_pass(&mut self, pass: u32) -> Result<(), MigrateError> {
@@ -221,19 +296,26 @@ impl Target for FileTarget {
     }
 
     fn before_pause(&mut self, dirty_pages: u64) {
-        self.shared.stage(dirty_pages * 2);
+        let batch_bytes = BATCH_PAGES as u64 * PAGE_SIZE;
+        let buffers = (dirty_pages * 2)
+            .div_ceil(BATCH_PAGES as u64)
+            .min(self.staging_limit / batch_bytes);
+        self.shared.stage(buffers as usize);
     }
 
     fn close_pages(&mut self, stats: &mut MigrationStats) -> Result<(), MigrateError> {
         self.drain()?;
-        stats.pages_normal = self.shared.written.load(Ordering::Relaxed);
-        stats.pages_zero = self.shared.zeros.load(Ordering::Relaxed);
+        let s = &self.shared;
+        stats.pages_normal = s.written.load(Ordering::Relaxed);
+        stats.pages_zero = s.zeros.load(Ordering::Relaxed);
+        stats.staged_bytes = s.staged_bytes.load(Ordering::Relaxed);
+        stats.final_pages_written_in_pause = s.written_in_pause.load(Ordering::Relaxed);
         Ok(())
     }
 
     fn abandon(&mut self) {
         self.shared.failed.store(true, Ordering::Release);
-        self.join();
+        self.let_go();
     }
 }
 
@@ -258,27 +340,35 @@ impl Shared {
         batch: &[u64],
         buf: &mut PageBuf,
     ) -> Result<(), SnapshotError> {
-        // A copy, so that the CRC recorded is the CRC of what was written even while the
-        // guest writes the page (it is dirty then, and a later pass writes it again).
-        let slices = self
-            .ram
-            .page_slices(batch)
-            .map_err(|_| SnapshotError::OutsideRam { gpa: batch[0] })?;
-        let staging = self.staging.load(Ordering::Acquire);
-        let mut copy = match staging {
+        // While staging, a buffer of the pool if one is left; else (past the staging limit)
+        // the writer's own, written now.
+        let final_pass = self.staging.load(Ordering::Acquire);
+        let pooled = match final_pass {
             true => self
                 .pool
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .pop()
-                .unwrap_or_else(|| PageBuf::new(BATCH_PAGES)),
-            false => std::mem::replace(buf, PageBuf::new(0)),
+                .pop(),
+            false => None,
         };
-        let mut at = 0;
-        let bytes = copy.bytes_mut();
-        for s in &slices {
-            bytes[at..at + s.len()].copy_from_slice(s);
-            at += s.len();
+        let staging = pooled.is_some();
+        if final_pass && !staging {
+            self.written_in_pause
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        }
+        let mut copy = pooled.unwrap_or_else(|| std::mem::replace(buf, PageBuf::new(0)));
+        // A copy, so that the CRC recorded is the CRC of what was written even while the
+        // guest writes the page (it is dirty then, and a later pass writes it again).
+        let at = batch.len() * PAGE_SIZE as usize;
+        if self
+            .ram
+            .copy_pages(batch, &mut copy.bytes_mut()[..at])
+            .is_err()
+        {
+            if !staging {
+                *buf = copy;
+            }
+            return Err(SnapshotError::OutsideRam { gpa: batch[0] });
         }
         if staging {
             let zeros = copy.bytes()[..at]
@@ -303,10 +393,13 @@ impl Shared {
         self.written.fetch_add(pages - zeros, Ordering::Relaxed);
     }
 
-    /// From now on the writers copy batches into memory instead of writing them; buffers
-    /// for about `pages` pages are made and touched first.
-    fn stage(&self, pages: u64) {
-        let buffers = pages.div_ceil(BATCH_PAGES as u64) as usize;
+    /// From now on the writers copy batches into memory instead of writing them, while
+    /// buffers last; `buffers` of a batch each are made and touched first.
+    fn stage(&self, buffers: usize) {
+        self.staged_bytes.store(
+            (buffers * BATCH_PAGES) as u64 * PAGE_SIZE,
+            Ordering::Relaxed,
+        );
         let mut pool = Vec::with_capacity(buffers);
         for _ in 0..buffers {
             let mut b = PageBuf::new(BATCH_PAGES);

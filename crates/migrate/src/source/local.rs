@@ -12,6 +12,11 @@
 //! Error: its VMM's resume may have woken a vCPU before it failed, and the memory is one.
 //! A guest then paused in both processes is the operator's to resume, by force, where it
 //! should run.
+//!
+//! Before anything is handed over, the destination's uid is read from the socket
+//! (`SO_PEERCRED`, `transport/peer.rs`): a process of another uid than this VMM's, unless
+//! [`SourceParams::allow_uids`](super::SourceParams::allow_uids) names it, is refused before
+//! any descriptor is sent, and the guest runs on here.
 
 #![forbid(unsafe_code)]
 
@@ -20,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::reader::Awaiting;
 use super::{Session, ms};
 use crate::error::{MigrateError, Rule, Side};
+use crate::transport::{PeerRole, peer};
 use crate::vm::SourceVm;
 use crate::wire::{Header, Kind, LocalRegion, ResumedRecord};
 
@@ -43,6 +49,16 @@ const RESUMED: Awaiting = Awaiting {
 impl Session<'_> {
     /// Hands the guest over to a destination on this host, as the module says.
     pub(super) fn hand_over_locally(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        let to = peer::check(
+            self.peer.conn.stream(),
+            PeerRole::Takes,
+            &self.params.allow_uids,
+        )?;
+        tracing::info!(
+            "handing guest RAM over to pid {} (uid {}) on this host",
+            to.pid,
+            to.uid
+        );
         let (regions, fds) = self.ram.local_layout()?;
         let (h, payload) = LocalRegion::encode_all(&regions);
         self.peer

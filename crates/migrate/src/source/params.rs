@@ -92,6 +92,11 @@ pub struct SourceParams {
     /// the Unix socket, no page is sent and no dirty page tracked; only the device state
     /// follows, with the guest paused. The connection must be a Unix socket.
     pub local: bool,
+    /// With [`SourceParams::local`]: uids besides this process's own effective uid whose
+    /// destination may take guest RAM. The destination's uid is read from the socket
+    /// (`SO_PEERCRED`) before any descriptor is sent (`transport/peer.rs`); by default only a
+    /// process of this VMM's own uid gets its guest's memory.
+    pub allow_uids: Vec<u32>,
 }
 
 /// How the postcopy push orders the pages it sends ([`SourceParams::postcopy_order`]).
@@ -154,6 +159,7 @@ impl SourceParams {
             compression: crate::Compression::Off,
             peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
             local: false,
+            allow_uids: Vec::new(),
         }
     }
 
@@ -186,8 +192,14 @@ impl SourceParams {
             }
             .into());
         }
-        if self.dirty_limit == Some(0) {
-            return Err(ConfigError::ZeroDirtyLimit.into());
+        if let Some(asked) = self.dirty_limit
+            && asked < crate::policy::DIRTY_LIMIT_FLOOR
+        {
+            return Err(ConfigError::DirtyLimitBelowFloor {
+                asked,
+                floor: crate::policy::DIRTY_LIMIT_FLOOR,
+            }
+            .into());
         }
         if self.peer_timeout == Some(Duration::ZERO) {
             return Err(ConfigError::ZeroPeerTimeout.into());
@@ -301,6 +313,14 @@ mod tests {
                     ..ok.clone()
                 },
                 "give a positive limit",
+            ),
+            // Issue 48: a manual dirty limit had no floor (0 alone was refused).
+            (
+                SourceParams {
+                    dirty_limit: Some(crate::policy::DIRTY_LIMIT_FLOOR - 1),
+                    ..ok.clone()
+                },
+                "give at least 1000000",
             ),
         ];
         for (p, fix) in table {

@@ -97,6 +97,7 @@ impl Session<'_> {
             match self.reconnect(&to, listed) {
                 Ok(()) => break,
                 Err(e) if self.recoverable(&e) || matches!(e, MigrateError::Refused(_)) => {
+                    self.control.update(|p| p.recovery_failures += 1);
                     why = e;
                 }
                 Err(e) => return Err(e),

@@ -308,16 +308,16 @@ fn write_record(
 ) -> Result<(), MigrateError> {
     let header = Header::pages(gpas.len() as u32);
     let addresses: Vec<u8> = gpas.iter().flat_map(|a| a.to_le_bytes()).collect();
-    let mut pages = ram.page_slices(gpas)?;
     let mut crc = wire::crc(&addresses);
-    if let Some(copy) = copy {
-        copy.clear();
-        for p in &pages {
-            copy.extend_from_slice(p);
+    let pages = match copy {
+        None => ram.page_slices(gpas)?,
+        Some(copy) => {
+            copy.resize(gpas.len() * PAGE_SIZE as usize, 0);
+            ram.copy_pages(gpas, copy)?;
+            crc = wire::crc_append(crc, copy);
+            vec![IoSlice::new(copy)]
         }
-        crc = wire::crc_append(crc, copy);
-        pages = vec![IoSlice::new(copy)];
-    }
+    };
     conn.write_header(&header.with_crc(crc))?;
     conn.write_all(&addresses, "sending pages")?;
     conn.write_with_pages(&pages, "sending pages")
@@ -364,10 +364,8 @@ impl Output<'_> {
         if !c.wants(cap) {
             return Ok(false);
         }
-        self.gathered.clear();
-        for p in self.ram.page_slices(gpas)? {
-            self.gathered.extend_from_slice(&p);
-        }
+        self.gathered.resize(gpas.len() * PAGE_SIZE as usize, 0);
+        self.ram.copy_pages(gpas, &mut self.gathered)?;
         let frame = c
             .compress(&self.gathered)
             .map_err(|e| MigrateError::io("compressing pages", e))?;

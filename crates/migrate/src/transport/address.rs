@@ -6,7 +6,7 @@
 
 use std::io;
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +15,7 @@ use rustls::pki_types::ServerName;
 
 use super::stream::{Listener, Stream};
 use super::tls::{SourceTls, TlsError, parse_name};
+use super::unix_listen::{self, DEFAULT_SOCKET_MODE, UnixListenError};
 
 /// A migration address as the user writes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,6 +54,9 @@ pub enum AddressError {
         #[source]
         source: io::Error,
     },
+    /// The Unix socket could not be made, or its path holds something that is kept.
+    #[error(transparent)]
+    UnixSocket(#[from] UnixListenError),
 }
 
 impl std::fmt::Display for Address {
@@ -104,21 +108,23 @@ impl Address {
         }
     }
 
-    /// Listens on this address. A Unix socket file left by a dead process is replaced; one a
-    /// live process listens on is not.
+    /// Listens on this address, a Unix socket with [`DEFAULT_SOCKET_MODE`].
     pub fn listen(&self) -> Result<Box<dyn Listener>, AddressError> {
+        self.listen_with_mode(DEFAULT_SOCKET_MODE)
+    }
+
+    /// Listens on this address; a Unix socket gets permission bits `socket_mode` from its
+    /// first instant, whatever the umask. A Unix socket left by a dead process is replaced;
+    /// anything else at the path (a file, a directory, a socket a live process listens on) is
+    /// refused and kept (`unix_listen.rs`).
+    pub fn listen_with_mode(&self, socket_mode: u32) -> Result<Box<dyn Listener>, AddressError> {
         let err = |source| AddressError::Listen {
             address: self.to_string(),
             source,
         };
         match self {
             Address::Tcp(a) => Ok(Box::new(TcpListener::bind(a).map_err(err)?)),
-            Address::Unix(p) => {
-                if p.exists() && UnixStream::connect(p).is_err() {
-                    let _ = std::fs::remove_file(p);
-                }
-                Ok(Box::new(UnixListener::bind(p).map_err(err)?))
-            }
+            Address::Unix(p) => Ok(Box::new(unix_listen::bind(p, socket_mode)?)),
         }
     }
 }

@@ -8,17 +8,26 @@
 //! a [`Dialer`] is an address and, when the migration uses it, the source's TLS.
 //!
 //! Floors, each standing only on those below: `stream.rs` (the traits and the TCP and Unix
-//! implementations), `tls.rs` (TLS as one more stream and listener), `address.rs` (addresses,
-//! their errors, and the dialer with its TLS name).
+//! implementations, and a Unix peer's credentials), `peer.rs` (whether a local handover may
+//! give guest RAM to that peer or take it from it: `SO_PEERCRED` against the VMM's own uid and
+//! the uids allowed), `unix_listen.rs` (the incoming Unix socket, 0600 by default from its
+//! first instant, never over anything but a stale socket), `tls.rs` (TLS as one more stream
+//! and listener), `address.rs` (addresses, their errors, and the dialer with its TLS name).
 
 #![forbid(unsafe_code)]
 
 mod address;
+pub mod peer;
 mod stream;
 pub mod tls;
+mod unix_listen;
 
 pub use address::{Address, AddressError, Dialer};
-pub use stream::{Listener, Stream};
+pub use peer::{LocalPeerError, PeerRole};
+pub use stream::{Listener, PeerCred, Stream};
+pub use unix_listen::{
+    DEFAULT_SOCKET_MODE, Occupant, UnixListenError, UnixSocketListener, bind as bind_unix,
+};
 
 #[cfg(test)]
 mod tests;

@@ -59,6 +59,24 @@ pub trait Stream: Read + Write + Send + std::fmt::Debug {
         let _ = (buf, fds);
         Err(no_descriptors())
     }
+    /// Who is on the other end, as the kernel says (`SO_PEERCRED`): what a local handover
+    /// checks before a descriptor moves (`peer.rs`). Only a Unix socket knows.
+    fn peer_credentials(&self) -> io::Result<PeerCred> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "only a Unix socket knows its peer's credentials",
+        ))
+    }
+}
+
+/// A peer's credentials as the kernel recorded them (`SO_PEERCRED`): its effective ids at its
+/// `connect` or `listen`. Here, below the streams that report them; `peer.rs` judges them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    /// 0 when the peer is in a pid namespace this process cannot see into.
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// What a stream that cannot carry descriptors says.
@@ -227,6 +245,15 @@ impl Stream for UnixStream {
     fn recv_with_fds(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         recv_fds(self, buf, fds)
     }
+    fn peer_credentials(&self) -> io::Result<PeerCred> {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        let c = getsockopt(self, PeerCredentials)?;
+        Ok(PeerCred {
+            pid: c.pid(),
+            uid: c.uid(),
+            gid: c.gid(),
+        })
+    }
     fn set_low_latency(&self) -> io::Result<()> {
         Ok(()) // a Unix socket delivers every write at once
     }
@@ -274,6 +301,9 @@ impl Stream for Box<dyn Stream> {
     }
     fn recv_with_fds(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         (**self).recv_with_fds(buf, fds)
+    }
+    fn peer_credentials(&self) -> io::Result<PeerCred> {
+        (**self).peer_credentials()
     }
 }
 

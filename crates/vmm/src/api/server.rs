@@ -79,8 +79,10 @@ impl ApiServer {
             .parent()
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
+        // 0700 whatever the umask: nobody else reaches the socket before its mode is set.
         let private = tempfile::Builder::new()
             .prefix(".ferry-api-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir_in(dir)
             .map_err(|e| listen_error(e.to_string()))?;
         let staged = private.path().join("api.sock");

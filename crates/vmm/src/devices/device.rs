@@ -3,7 +3,9 @@
 //!
 //! A section's layout versions are a range: a VMM writes the newest it knows and loads every
 //! layout from the oldest it still can up to that one, so a newer ferry takes a guest from an
-//! older one (a live update of the VMM under a running guest), never the reverse.
+//! older one (a live update of the VMM under a running guest), never the reverse. A device
+//! added after ferries whose guests a newer one must still take may make its section optional
+//! on load ([`SectionNeed::Optional`], argued in its module doc): an older source writes none.
 
 #![forbid(unsafe_code)]
 
@@ -11,6 +13,7 @@ use std::borrow::Cow;
 use std::ops::RangeInclusive;
 
 use ferry_migrate::wire::SectionId;
+use serde::{Deserialize, Serialize};
 
 /// What a device's state section is: its id, the layout version this VMM writes, and the
 /// oldest layout it still loads (`oldest..=version`).
@@ -37,6 +40,25 @@ impl SectionKind {
     /// The layout versions this VMM loads.
     pub fn loads(&self) -> RangeInclusive<u32> {
         self.oldest..=self.version
+    }
+}
+
+/// Whether a destination needs a device's section in the stream it loads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SectionNeed {
+    /// A stream without it is refused: the state would be lost (every device but one).
+    #[default]
+    Mandatory,
+    /// A stream without it loads, the device keeping the state it was built with: for a
+    /// device newer than ferries a newer one takes guests from, which write no such section,
+    /// and whose own state a guest does not miss (`devices::vmgenid`).
+    Optional,
+}
+
+impl SectionNeed {
+    pub fn is_mandatory(&self) -> bool {
+        *self == SectionNeed::Mandatory
     }
 }
 
@@ -99,6 +121,11 @@ pub trait Device: Send {
     fn write(&mut self, offset: u64, data: &[u8]);
     /// The section its state travels in, and the layouts it loads.
     fn kind(&self) -> SectionKind;
+    /// Whether a destination loads a stream without its section; mandatory unless the device
+    /// argues otherwise.
+    fn need(&self) -> SectionNeed {
+        SectionNeed::Mandatory
+    }
     /// Its state, in the layout of `kind().version`; taken while the vCPUs are paused.
     fn save(&self) -> Vec<u8>;
     /// Replaces its state with a saved one of layout `version` (any of `kind().loads()`),

@@ -16,7 +16,8 @@ pub mod serial;
 pub mod telemetry;
 pub mod telemetry_port;
 pub mod virtio;
+pub mod vmgenid;
 
 pub use bus::{Bus, BusError};
-pub use device::{BusKind, Device, DeviceStateError, SectionKind};
+pub use device::{BusKind, Device, DeviceStateError, SectionKind, SectionNeed};
 pub use registry::{Devices, LoadError};

@@ -1,6 +1,13 @@
 //! [`Devices`]: every device of one VM registered on its bus under a section kind and an
 //! instance number, the vCPU exits routed to them, and all of them saved and loaded as
 //! sections.
+//!
+//! Devices load in the order they were registered, whatever the stream's order, so a device may
+//! count on the state of one registered before it (the VM generation ID device sets the
+//! telemetry's record of the guest's last word on it, after the telemetry port replaced the
+//! whole telemetry). A stream must hold a section for every device whose section is
+//! [`SectionNeed::Mandatory`]; one without an optional device's section leaves that device as
+//! it was built.
 
 #![forbid(unsafe_code)]
 
@@ -11,13 +18,14 @@ use ferry_migrate::Section;
 use ferry_migrate::wire::SectionId;
 
 use super::bus::{Bus, BusError};
-use super::device::{BusKind, Device, DeviceStateError, SectionKind};
+use super::device::{BusKind, Device, DeviceStateError, SectionKind, SectionNeed};
 use crate::part_timer::PartTimer;
 
 /// A registered device.
 struct Entry {
     name: &'static str,
     kind: SectionKind,
+    need: SectionNeed,
     instance: u32,
     device: Arc<Mutex<dyn Device>>,
 }
@@ -71,10 +79,14 @@ impl Devices {
             BusKind::Mmio => &mut self.mmio,
         };
         target.insert(name, base, len, device.clone())?;
-        let kind = device.lock().unwrap().kind();
+        let (kind, need) = {
+            let d = device.lock().unwrap();
+            (d.kind(), d.need())
+        };
         self.entries.push(Entry {
             name,
             kind,
+            need,
             instance,
             device,
         });
@@ -125,13 +137,14 @@ impl Devices {
     }
 
     /// Each kind of device section this VM writes, once (COM1 and COM2 are one kind), under
-    /// the name of its first instance, in registration order: what the VM's description
-    /// announces so that a destination checks the layouts before the source pauses.
-    pub fn kinds(&self) -> Vec<(&'static str, SectionKind)> {
-        let mut kinds: Vec<(&'static str, SectionKind)> = Vec::new();
+    /// the name of its first instance, in registration order, with whether a stream must hold
+    /// it: what the VM's description announces so that a destination checks the layouts before
+    /// the source pauses.
+    pub fn kinds(&self) -> Vec<(&'static str, SectionKind, SectionNeed)> {
+        let mut kinds: Vec<(&'static str, SectionKind, SectionNeed)> = Vec::new();
         for e in &self.entries {
-            if !kinds.iter().any(|(_, k)| k.id == e.kind.id) {
-                kinds.push((e.name, e.kind));
+            if !kinds.iter().any(|(_, k, _)| k.id == e.kind.id) {
+                kinds.push((e.name, e.kind, e.need));
             }
         }
         kinds
@@ -142,32 +155,34 @@ impl Devices {
         self.entries.iter().any(|e| e.kind.id == id)
     }
 
-    /// Restores every device from `sections` (those with a device id); each device must find
-    /// its section.
+    /// Restores every device from `sections` (those with a device id), in registration order;
+    /// each section must name a device, and each device with a mandatory section find it.
     pub fn load(&self, sections: &[Section], timer: &mut PartTimer) -> Result<(), LoadError> {
-        let mut loaded = vec![false; self.entries.len()];
-        for s in sections.iter().filter(|s| self.owns(s.id)) {
-            let i = self
-                .entries
-                .iter()
-                .position(|e| e.instance == s.instance && e.kind.id == s.id)
-                .ok_or(LoadError::NoDevice(s.id, s.instance))?;
-            self.entries[i]
-                .device
-                .lock()
-                .unwrap()
-                .restore(s.version, &s.data)?;
-            let e = &self.entries[i];
-            timer.mark(|| format!("{} {}", e.name, e.instance), s.data.len());
-            loaded[i] = true;
+        let is = |e: &Entry, s: &Section| e.kind.id == s.id && e.instance == s.instance;
+        if let Some(s) = sections
+            .iter()
+            .filter(|s| self.owns(s.id))
+            .find(|s| !self.entries.iter().any(|e| is(e, s)))
+        {
+            return Err(LoadError::NoDevice(s.id, s.instance));
         }
-        match loaded.iter().position(|&l| !l) {
-            Some(i) => Err(LoadError::Missing {
-                name: self.entries[i].name,
-                instance: self.entries[i].instance,
-            }),
-            None => Ok(()),
+        if let Some(e) = self
+            .entries
+            .iter()
+            .find(|e| e.need.is_mandatory() && !sections.iter().any(|s| is(e, s)))
+        {
+            return Err(LoadError::Missing {
+                name: e.name,
+                instance: e.instance,
+            });
         }
+        for e in &self.entries {
+            if let Some(s) = sections.iter().find(|s| is(e, s)) {
+                e.device.lock().unwrap().restore(s.version, &s.data)?;
+                timer.mark(|| format!("{} {}", e.name, e.instance), s.data.len());
+            }
+        }
+        Ok(())
     }
 
     fn unknown(&self, bus: BusKind, addr: u64, what: &str) {
@@ -222,7 +237,8 @@ mod tests {
             source.kinds(),
             [(
                 "uart",
-                SectionKind::single(serial::SECTION, serial::VERSION)
+                SectionKind::single(serial::SECTION, serial::VERSION),
+                SectionNeed::Mandatory
             )],
             "one kind for both instances"
         );

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use super::device::DeviceStateError;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
+use ferry_guest_abi::vmgenid::GenerationId;
 use serde::Serialize;
 
 /// Window over which the write rate is computed: long enough to smooth 10 ms heartbeats,
@@ -214,6 +215,13 @@ pub struct GuestTelemetry {
     pub free_memory: Option<GuestFreeMemory>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
+    /// The VM generation ID the guest last reported reading (32 hex digits, all `f` for a VM
+    /// without the device) and the changes of it it has seen since it booted: none before its
+    /// first report (a guest that does not read the ID sends none). Carried across a migration
+    /// by the ID's device (`vmgenid`), not in the telemetry's own section.
+    #[serde(serialize_with = "hex")]
+    pub generation_id: Option<GenerationId>,
+    pub generation_changes: Option<u64>,
     /// On a migration destination: the gap between the last report the source VMM received
     /// and the first this VMM received, i.e. the pause the guest saw across the migration.
     pub migration_pause_ns: Option<u64>,
@@ -373,6 +381,13 @@ impl GuestTelemetry {
             Kind::Halt => {
                 self.halt_reason = Some(HaltReason::from_u64(d[0]).describe().to_string())
             }
+            Kind::VmGeneration => {
+                use report::vm_generation::*;
+                self.generation_id = Some(GenerationId::from_detail([d[ID_LOW], d[ID_HIGH]]));
+                self.generation_changes = Some(d[CHANGES]);
+                self.sum_vcpus();
+                return;
+            }
             Kind::Invalid => {
                 self.sum_vcpus();
                 return;
@@ -521,6 +536,14 @@ impl GuestTelemetry {
             self.write_rate_pages_per_s = rate;
             self.write_rate_mb_s = rate * ferry_guest_abi::PAGE_SIZE as f64 / 1e6;
         }
+    }
+}
+
+/// A generation ID as its 32 hex digits.
+fn hex<S: serde::Serializer>(id: &Option<GenerationId>, s: S) -> Result<S::Ok, S::Error> {
+    match id {
+        Some(id) => s.collect_str(id),
+        None => s.serialize_none(),
     }
 }
 

@@ -22,6 +22,7 @@ use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, Layout, TelemetryPort};
 use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::{MmioTransport, mmio};
+use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
 use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
@@ -219,8 +220,9 @@ fn build(
     }
     irqchip::create(&kvm_vm.vm)?;
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
+    crate::file_size_limit::catch_file_size_limit()?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
-    let (devices, balloon) = devices(config, &kvm_vm, &ram, &telemetry)?;
+    let (devices, balloon, generation) = devices(config, &kvm_vm, &ram, &telemetry)?;
     let description = VmDescription {
         vcpus: config.vcpus,
         balloon: config.balloon,
@@ -241,7 +243,9 @@ fn build(
         }),
         changed: Condvar::new(),
         devices,
+        holds: super::holds::RamHolds::new(balloon.clone()),
         balloon,
+        generation,
         telemetry,
         ram,
         kvm: Arc::new(kvm_vm),
@@ -265,14 +269,15 @@ fn build(
 /// The balloon a VM built by `devices` has, if any.
 type BalloonDevice = Option<Arc<Mutex<MmioTransport<Balloon>>>>;
 
-/// The serial ports and the telemetry port on the port bus, and the balloon on the MMIO bus,
-/// their interrupts wired.
+/// The serial ports, the telemetry port and the VM generation ID on the port bus, and the
+/// balloon on the MMIO bus, their interrupts wired; the generation ID after the telemetry port,
+/// whose state it loads into (`devices::registry`).
 fn devices(
     config: &VmConfig,
     kvm_vm: &KvmVm,
     ram: &Arc<GuestRam>,
     telemetry: &Arc<Mutex<GuestTelemetry>>,
-) -> Result<(Devices, BalloonDevice), VmmError> {
+) -> Result<(Devices, BalloonDevice, Arc<Mutex<VmGenId>>), VmmError> {
     let mut devices = Devices::default();
     for (instance, (port, gsi)) in SERIAL_PORTS.into_iter().enumerate() {
         let out = match instance {
@@ -304,6 +309,13 @@ fn devices(
         telemetry_port::LEN,
     );
     devices.register("telemetry port", 0, at, Arc::new(Mutex::new(port)))?;
+    let generation = Arc::new(Mutex::new(VmGenId::new(telemetry.clone())?));
+    let at = (
+        BusKind::Pio,
+        u64::from(ferry_guest_abi::vmgenid::PORT),
+        vmgenid::LEN,
+    );
+    devices.register("VM generation ID", 0, at, generation.clone())?;
     let balloon = match config.balloon {
         false => None,
         true => {
@@ -319,7 +331,7 @@ fn devices(
             Some(balloon)
         }
     };
-    Ok((devices, balloon))
+    Ok((devices, balloon, generation))
 }
 
 /// Spawns a thread per vCPU.
@@ -531,5 +543,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains(&want), "{e}");
+    }
+
+    /// Issue 48: a source older than the VM generation ID (no section 8 in its stream nor in
+    /// its description) is taken, and the destination keeps its own ID; a source that has the
+    /// section hands its ID over.
+    #[test]
+    fn a_source_without_the_generation_id_section_is_taken_and_one_with_it_hands_it_over() {
+        let source = incoming();
+        let (saved, _) = save(&source.shared).unwrap();
+        let older: Vec<Section> = saved
+            .iter()
+            .filter(|s| s.id != vmgenid::SECTION)
+            .cloned()
+            .collect();
+        let mut described = source.shared.description.clone();
+        described.sections.retain(|s| s.id != vmgenid::SECTION.0);
+        let id = |vm: &IncomingVm| vm.shared.generation.lock().unwrap().id();
+        let destination = incoming();
+        let own = id(&destination);
+        assert_ne!(own, id(&source), "each VM draws its own");
+        let accepts = destination.shared.description.accepts(&described.encode());
+        assert_eq!(accepts, Ok(()));
+        load(&destination.shared, &older).unwrap();
+        assert_eq!(id(&destination), own);
+        load(&destination.shared, &saved).unwrap();
+        assert_eq!(id(&destination), id(&source));
     }
 }

@@ -20,6 +20,7 @@ use super::shared::{Control, Shared};
 use super::start_port;
 use super::state::{RunState, StopReason};
 use crate::devices::telemetry::{self, GuestTelemetry};
+use crate::error::VmmError;
 use crate::memory::GuestRam;
 use crate::throttle;
 
@@ -66,10 +67,17 @@ pub struct VmStatus {
     /// Auto-converge's throttle in force, percent of each vCPU's time spent asleep.
     pub throttle_percent: u8,
     pub host_monotonic_ns: u64,
+    /// The VM generation ID its guest reads now (`devices::vmgenid`), 32 hex digits: the same
+    /// after a live migration, new in each restore of a snapshot.
+    pub generation_id: String,
     pub guest: GuestTelemetry,
     /// While the state is `preparing`: what, and how far along.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub preparing: Option<ferry_migrate::destination::Preparing>,
+    /// While guest RAM is still arriving (an incoming migration, a lazy restore loading):
+    /// from where. No migration, handover or snapshot of this VM starts meanwhile.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ram_arriving: Option<super::holds::Arrival>,
 }
 
 impl VmHandle {
@@ -208,6 +216,13 @@ impl VmHandle {
         &self.0.ram
     }
 
+    /// Gives the VM a new generation ID (`devices::vmgenid`): it is a clone, restored from a
+    /// snapshot that other VMs may be restored from too. A guest that watches the ID sees the
+    /// new one at its next look.
+    pub fn new_generation(&self) -> Result<(), VmmError> {
+        Ok(self.0.generation.lock().unwrap().renew()?)
+    }
+
     pub fn status(&self) -> VmStatus {
         // Each of these takes the control lock; none may run while another holds it.
         let stop_reason = self.lock().stop_reason.clone();
@@ -219,6 +234,7 @@ impl VmHandle {
                 s => s,
             },
             preparing,
+            ram_arriving: self.0.holds.still_arriving(),
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),
@@ -228,6 +244,7 @@ impl VmHandle {
             vcpu_cpu_ms: vcpu_cpu_ns as f64 / 1e6,
             throttle_percent: self.throttle_percent(),
             host_monotonic_ns: telemetry::host_monotonic_ns(),
+            generation_id: self.0.generation.lock().unwrap().id().to_string(),
             guest: self.telemetry(),
         }
     }

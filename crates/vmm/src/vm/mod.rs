@@ -9,12 +9,15 @@
 //! - `shared`: what every thread of a VM shares, the control state and the kicks.
 //! - `handle`: [`VmHandle`], the pause/resume/stop state machine, the throttle, status;
 //!   `handle/balloon.rs`: the balloon's status and target as `GET`/`PUT /balloon` show them.
+//! - `holds`: who needs guest RAM left as it is (RAM still arriving, the balloon's discard ban),
+//!   counted.
 //! - `runner`: a vCPU thread's loop.
 //! - `start_port`: how the guest starts its secondary vCPUs.
 
 pub mod build;
 pub mod config;
 pub mod handle;
+pub mod holds;
 #[allow(unsafe_code)] // registers the vCPU's kvm_run for kicks
 mod runner;
 #[allow(unsafe_code)] // kicks vCPU threads by id, under the rule that keeps the ids valid
@@ -28,4 +31,5 @@ pub use build::{IncomingVm, Preparation, Vm};
 pub use config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
 pub use handle::balloon::{BalloonStatus, BalloonTargetError};
 pub use handle::{ControlError, PAUSE_TIMEOUT, VmHandle, VmStatus};
+pub use holds::Arrival;
 pub use state::{RunState, StopReason};

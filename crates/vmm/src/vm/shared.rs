@@ -15,6 +15,7 @@ use crate::devices::Devices;
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
+use crate::devices::vmgenid::VmGenId;
 use crate::dirty_limit::DirtyLimit;
 use crate::error::VmmError;
 use crate::kvm::vcpu::{self, VcpuFd};
@@ -87,6 +88,10 @@ pub(crate) struct Shared {
     pub(crate) devices: Devices,
     /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
     pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
+    /// The VM generation ID (also on the port bus in `devices`), which a restore renews.
+    pub(crate) generation: Arc<Mutex<VmGenId>>,
+    /// RAM still arriving and the balloon's discard ban, counted (`holds.rs`).
+    pub(crate) holds: super::holds::RamHolds,
     /// MSRs this host lets a vCPU save and restore (found with the vCPUs).
     pub(super) msrs: OnceLock<Vec<u32>>,
     /// Where the last state save or load (and a destination's resume) spent its time.

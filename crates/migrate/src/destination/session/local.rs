@@ -8,6 +8,11 @@
 //! sent Go, so it runs in one process at a time. A failure before Go leaves the adopted memory
 //! to the source, which resumes its guest in it; this side writes none of it and returns the
 //! error, and the VMM drops this VM (`DestinationVm::adopt_ram`'s contract).
+//!
+//! Before the LocalRam record is read, the source's uid is read from the socket
+//! (`SO_PEERCRED`, `transport/peer.rs`): a process of another uid than this VMM's, unless
+//! [`IncomingControl::set_allow_uids`](crate::destination::IncomingControl::set_allow_uids)
+//! names it, is refused, and no descriptor of it is taken or mapped.
 
 #![forbid(unsafe_code)]
 
@@ -19,11 +24,22 @@ use super::super::sections::Sections;
 use super::{ReceiveStats, Session};
 use crate::error::{ConfigError, MigrateError, Side};
 use crate::ram::Ram;
+use crate::transport::{PeerRole, peer};
 use crate::wire::{self, Header, Kind, LocalRegion};
 
 impl Session<'_> {
     /// Receives a local handover, as the module says.
     pub(super) fn receive_locally(&mut self) -> Result<ReceiveStats, MigrateError> {
+        let from = peer::check(
+            self.conn.stream(),
+            PeerRole::Gives,
+            &self.control.allow_uids(),
+        )?;
+        tracing::info!(
+            "taking guest RAM from pid {} (uid {}) on this host",
+            from.pid,
+            from.uid
+        );
         let mut at = order::Local::Ram;
         let mut state = Sections::default();
         loop {
