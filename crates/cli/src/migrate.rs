@@ -289,9 +289,9 @@ fn check(args: &MigrateArgs) -> Result<&str, UsageError> {
     let to = args.to.as_str();
     to.parse::<ferry_migrate::transport::Address>()
         .map_err(|e| UsageError(format!("--to {e}")))?;
-    if !args.allow.allow_uid.is_empty() && !args.local {
+    if !args.allow.allow_uid.is_empty() && !to.starts_with("unix:") {
         return Err(UsageError(
-            "--allow-uid names who may take guest RAM in a local handover; give --local too".into(),
+            "--allow-uid names who may take guest RAM over a Unix socket (its uid is read from the socket); a TCP destination cannot be judged so: use TLS".into(),
         ));
     }
     if matches!(args.timeout_action, TimeoutActionArg::Postcopy) && !args.postcopy {

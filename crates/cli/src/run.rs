@@ -173,12 +173,12 @@ impl Interrupt {
         let Some(vm) = self.vm.lock().unwrap().clone() else {
             return;
         };
-        match vm.migration().map(|p| p.phase) {
-            Some(phase) if phase.is_cancellable() => {
+        match vm.migration() {
+            Some(p) if p.is_cancellable() => {
                 eprintln!("ferry: interrupted during a migration: cancelling it first");
                 vm.cancel_migration();
                 let deadline = Instant::now() + CANCEL_WAIT;
-                while vm.migration().is_some_and(|p| p.phase.is_cancellable())
+                while vm.migration().is_some_and(|p| p.is_cancellable())
                     && Instant::now() < deadline
                 {
                     std::thread::sleep(Duration::from_millis(10));
@@ -188,7 +188,7 @@ impl Interrupt {
                     "Ctrl-C, after cancelling the migration".into(),
                 ));
             }
-            Some(phase) if phase.is_active() => {
+            Some(p) if p.phase.is_active() => {
                 eprintln!(
                     "ferry: interrupt refused: the migration is handing the guest over (or has), and this VMM may hold the only copy of its memory; wait for the migration to end (ferry status), or kill the process if the guest is to be lost"
                 );

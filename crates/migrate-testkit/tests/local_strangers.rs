@@ -116,6 +116,37 @@ fn a_destination_of_another_uid_gets_no_descriptor_and_writes_no_guest_page() {
     assert_eq!(after[stolen..], before[stolen..]);
 }
 
+/// Issue 48 (review): a migration that copies guest RAM over a Unix socket (no `local`) to a
+/// listener of another uid is refused after the hello, as a handover is: not a page goes.
+#[test]
+fn a_copying_migration_to_a_listener_of_another_uid_is_refused_before_any_page() {
+    let mut src = FakeVm::new(GUEST, 1);
+    src.fill(3);
+    let mut p = params();
+    p.local = false;
+    let Some((sent, thief)) = hand_over_to_a_thief(&mut src, &p) else {
+        return;
+    };
+    let e = sent.expect_err("a stranger is refused");
+    assert!(
+        matches!(
+            e,
+            MigrateError::LocalPeer(LocalPeerError::Stranger {
+                role: PeerRole::Takes,
+                uid: NOBODY,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        (thief.descriptors, thief.pages_written),
+        (0, 0),
+        "{thief:?}"
+    );
+    assert!(!src.is_paused() && !src.is_logging(), "nothing started");
+}
+
 /// Waits on `listener` for the stranger's handover into `dst`, until the stranger ended (and
 /// a little more, for a connection it made just before).
 fn receive_from_a_stranger(

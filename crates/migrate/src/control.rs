@@ -70,9 +70,21 @@ pub struct Progress {
     /// process on this host, not sent.
     #[serde(default)]
     pub local: bool,
+    /// A snapshot (a session to a file, `source/keep.rs`): it hands nothing over, so a cancel
+    /// is taken in its pause too (the guest resumes here).
+    #[serde(default)]
+    pub snapshot: bool,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,
+}
+
+impl Progress {
+    /// Whether a cancel still leaves the guest running here with nothing lost: a migration
+    /// before its pause ([`Phase::is_cancellable`]), a snapshot in its pause too.
+    pub fn is_cancellable(&self) -> bool {
+        self.phase.is_cancellable() || (self.snapshot && self.phase == Phase::Switchover)
+    }
 }
 
 /// The settings of a running migration that [`Control::tune`] can change, as in force.
@@ -248,6 +260,29 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 48 (review): a snapshot paused on a hung file system could not be cancelled: only
+    /// a migration's phases before the pause took a cancel. A snapshot hands nothing over, so
+    /// its pause takes one too; a migration's never does.
+    #[test]
+    fn regression_a_snapshot_is_cancellable_in_its_pause_and_a_migration_is_not() {
+        for (phase, migration, snapshot) in [
+            (Phase::Setup, true, true),
+            (Phase::Precopy, true, true),
+            (Phase::Discarding, true, true),
+            (Phase::Switchover, false, true),
+            (Phase::Postcopy, false, false),
+            (Phase::Completed, false, false),
+        ] {
+            let p = |snapshot| Progress {
+                phase,
+                snapshot,
+                ..Progress::default()
+            };
+            assert_eq!(p(false).is_cancellable(), migration, "{phase:?}");
+            assert_eq!(p(true).is_cancellable(), snapshot, "{phase:?}");
+        }
+    }
 
     #[test]
     fn tuning_is_checked_and_later_settings_win_over_earlier_ones() {

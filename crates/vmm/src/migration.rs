@@ -6,32 +6,30 @@
 //! while a migration tracks): `fetch_dirty` below is the one place the two are merged, both
 //! placed by guest address.
 
-use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_migrate::bitmap::DirtyBitmap;
-use ferry_migrate::destination::{self, IncomingPhase, IncomingProgress, ReceiveStats};
+use ferry_migrate::destination::{IncomingPhase, IncomingProgress};
 use ferry_migrate::ram::RamRegion;
 use ferry_migrate::source;
 use ferry_migrate::transport::tls::DestinationTls;
 use ferry_migrate::transport::{
     Address, AddressError, DEFAULT_SOCKET_MODE, Dialer, Listener, Stream,
 };
-use ferry_migrate::{
-    Control, DestinationVm, MigrateError, PageLanding, Phase, Progress, Section, SourceVm, Tuning,
-    VmError,
-};
+use ferry_migrate::{Control, MigrateError, Phase, Progress, Section, SourceVm, Tuning, VmError};
 
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
-use crate::memory::GuestRam;
 use crate::sections;
-use crate::vm::Arrival;
-use crate::vm::build::IncomingVm;
 use crate::vm::handle::{ControlError, VmHandle};
 use crate::vm::shared::Shared;
-use crate::vm::state::{RunState, StopReason};
+use crate::vm::state::RunState;
+
+mod incoming;
+mod regions;
+pub use incoming::receive;
+use regions::ram_regions;
 
 /// How long connecting to a destination may take before the API reports failure.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -319,7 +317,7 @@ impl VmHandle {
     /// the guest was resumed); false when there is none it can stop.
     pub fn cancel_migration(&self) -> bool {
         match self.0.migration.lock().unwrap().as_ref() {
-            Some(c) if c.progress().phase.is_cancellable() => {
+            Some(c) if c.progress().is_cancellable() => {
                 c.cancel();
                 return true;
             }
@@ -399,27 +397,23 @@ pub(crate) fn migration_uuid() -> [u8; 16] {
     u
 }
 
-fn ram_regions(ram: &GuestRam) -> Vec<RamRegion> {
-    ram.regions()
-        .iter()
-        .map(|r| RamRegion {
-            gpa: r.gpa,
-            size: r.size,
-            host_addr: r.host_addr as usize,
-            fd: ram.memfd().as_raw_fd(),
-            file_offset: r.file_offset,
-        })
-        .collect()
-}
-
 /// A running VM as the engine's [`SourceVm`]. A migration makes its own; the conformance
 /// suite (`ferry_migrate_testkit::conformance`) gets one from [`VmHandle::migration_source`].
 #[derive(Debug)]
 pub struct SourceAdapter {
     shared: Arc<Shared>,
     handle: VmHandle,
-    /// Holds a discard ban (`vm/holds.rs`) from its dirty log's start to its stop.
+    /// Holds a discard ban (`vm/holds.rs`) from its dirty log's start to its stop (or its
+    /// drop, should the migration's thread end without the stop).
     holds_ban: bool,
+}
+
+impl Drop for SourceAdapter {
+    fn drop(&mut self) {
+        if std::mem::take(&mut self.holds_ban) {
+            self.shared.holds.lift_discard();
+        }
+    }
 }
 
 impl VmHandle {
@@ -577,113 +571,6 @@ impl SourceAdapter {
             .as_ref()
             .ok_or_else(|| VmError::failed(operation, "the VM has no balloon"))
     }
-}
-
-// SAFETY: as for SourceAdapter: the mappings live as long as `shared`; the vCPU thread is not
-// started before `resume`, so nothing runs while the engine writes guest memory; `fd` is the
-// read-write memfd the mappings are made from, so pages written through it show in them.
-unsafe impl DestinationVm for IncomingVm {
-    fn check_config(&self, config: &[u8]) -> Result<(), VmError> {
-        self.shared
-            .description
-            .accepts(config)
-            .map_err(|m| VmError::failed("check the source VM's configuration", m))
-    }
-
-    fn ram(&self) -> Vec<RamRegion> {
-        ram_regions(&self.shared.ram)
-    }
-
-    /// The source's memfd mapped over this VM's RAM (`GuestRam::adopt`): KVM's slots and the
-    /// devices keep their addresses, and the vCPUs, created when this VM was, wait for the
-    /// state.
-    fn adopt_ram(
-        &mut self,
-        regions: &[ferry_migrate::wire::LocalRegion],
-        fds: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<(), VmError> {
-        let shared = &self.shared;
-        let t = Instant::now();
-        // Most of the time is KVM's: its MMU notifier walks the slots' reverse maps as the old
-        // mapping goes, about 0.38 ms per GiB here (195 ms at 508 GiB, where the same
-        // replacement without KVM takes 0.01 ms), before the source pauses. Taking the slots
-        // out and back in instead measured 752 ms at 511 GiB (their metadata made anew).
-        shared
-            .ram
-            .adopt(regions, fds)
-            .map_err(|e| VmError::failed("adopting the source's guest RAM", e))?;
-        tracing::debug!(
-            "adopted {} of guest RAM in {:.2} ms",
-            crate::memory::Size(shared.ram.size()),
-            t.elapsed().as_secs_f64() * 1e3
-        );
-        Ok(())
-    }
-
-    /// Preallocated RAM, or several channels, take a copy into the mapping; one channel into
-    /// sparse RAM writes through the memfd (measured in `PageLanding`'s doc).
-    fn page_landing(&self, channels: u16) -> PageLanding {
-        self.landing
-            .unwrap_or_else(|| match self.shared.ram.host_pages() {
-                // hugetlbfs has no write(): huge pages land through the mapping.
-                crate::memory::HostPages::Huge2M => PageLanding::Mapping,
-                crate::memory::HostPages::Small => {
-                    crate::landing::landing_for(self.shared.ram.is_populated(), channels)
-                }
-            })
-    }
-
-    fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        let parts =
-            sections::load(&self.shared, sections).map_err(|e| VmError::failed("load_state", e))?;
-        *self.shared.state_parts.lock().unwrap() = parts;
-        Ok(())
-    }
-
-    fn resume(&mut self) -> Result<Duration, VmError> {
-        let t = Instant::now();
-        let step = self.start().map_err(|e| VmError::failed("resume", e))?;
-        let took = t.elapsed();
-        self.shared
-            .state_parts
-            .lock()
-            .unwrap()
-            .push(ferry_migrate::StatePart {
-                name: step.into(),
-                ms: took.as_secs_f64() * 1e3,
-                bytes: 0,
-            });
-        Ok(took)
-    }
-
-    fn state_parts(&self) -> Vec<ferry_migrate::StatePart> {
-        self.shared.state_parts.lock().unwrap().clone()
-    }
-
-    fn abandon(&mut self, why: &str) {
-        self.handle().stop(StopReason::Failed(format!(
-            "postcopy failed after the guest resumed here, so its memory is incomplete: {why}"
-        )));
-    }
-}
-
-/// Waits for a source on `listener` while `keep_waiting()` says so (and until the VM's
-/// incoming control is cancelled), screening every connection, then receives the migration
-/// into `vm`, which runs afterwards. Until the migration has ended its RAM is arriving
-/// (`vm/holds.rs`): no outgoing copy starts and the balloon gives no page back to the host (in
-/// postcopy a page punched out of guest RAM would be a hole the guest faults on and the source
-/// is asked for).
-pub fn receive(
-    vm: &mut IncomingVm,
-    listener: &dyn Listener,
-    keep_waiting: &dyn Fn() -> bool,
-) -> Result<ReceiveStats, MigrateError> {
-    let control = vm.control();
-    let holds = vm.shared.clone();
-    holds.holds.arriving(Arrival::IncomingMigration);
-    let received = destination::listen(vm, listener, &control, keep_waiting);
-    holds.holds.arrived(Arrival::IncomingMigration);
-    received
 }
 
 /// Why `PUT /vm/resume` refused.

@@ -166,12 +166,15 @@ impl SnapshotVm {
 }
 
 /// Opens `path` (checking its header and metadata) and says what VM it needs. A file of more
-/// RAM than ferry maps on any host is refused before its metadata is read; this host's own
-/// limit is the VM's build's (`limit.rs`), and the restore reads the file again bounded by the
-/// VM it made.
+/// RAM than a VM may have on this host (`limit.rs`, the restored VM's kind) is refused from
+/// its header, before its metadata is read (its page checksum table is 4 bytes a page), and
+/// the restore reads the file again bounded by the VM it made.
 pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
+    let kvm = crate::kvm::open()
+        .map_err(|e| ferry_migrate::VmError::failed("open /dev/kvm to restore", e))?;
+    let host = crate::limit::MemoryLimit::of_host(&kvm, crate::GuestKind::Foreign);
     let limits = ferry_migrate::snapshot::format::Limits {
-        max_memory: crate::memory::MAX_MEMORY,
+        max_memory: host.bytes.min(crate::memory::MAX_MEMORY),
     };
     let reader = Reader::open_with(path, &limits)?;
     let h = reader.header();
@@ -221,6 +224,9 @@ pub fn restore(
         read_deadline: snapshot::DEFAULT_READ_DEADLINE,
         read_delay: None,
     };
+    // A restore makes a clone: a new VM generation ID, drawn with the state, before the guest
+    // runs (`devices::vmgenid`).
+    incoming.identity = crate::vm::build::Identity::Renewed;
     let restored = snapshot::restore(&mut incoming, path, &params).inspect_err(|_| {
         if loading == Loading::Lazy {
             shared.holds.arrived(Arrival::LazyRestore);
@@ -232,10 +238,6 @@ pub fn restore(
     let vm = incoming.into_running().ok_or_else(|| {
         MigrateError::Channel("the restore ended without resuming the guest".into())
     })?;
-    // A restore makes a clone: a new VM generation ID (`devices::vmgenid`). The guest resumed
-    // inside the restore, so it sees the new ID at its next look (its next heartbeat, for the
-    // built-in guest), not before its first instruction.
-    vm.handle().new_generation()?;
     Ok((vm, restored))
 }
 

@@ -9,9 +9,9 @@
 //! Rows: a save with `stop` of the idle guest (time, rate, the file's allocated blocks against
 //! the data the guest holds), its eager and its lazy restore (time to the guest running, the
 //! rate RAM comes in at); a live save while the guest dirties a hot 1 GiB of its working set
-//! at 400 MB/s (the pause the guest saw), and that file's lazy restore with and without its
-//! hot set (the guest's demand faults). Every restored guest must then finish a verify pass
-//! of its whole working set, clean. The same idle guest is also saved and restored by the
+//! at 400 MB/s (the pause the guest saw, and the peak memory the save added to this process),
+//! and that file's lazy restore with and without its hot set (the guest's demand faults).
+//! Every restored guest must then finish a verify pass of its whole working set, clean. The same idle guest is also saved and restored by the
 //! QEMU installed here (`qemu.rs`), on the same file system: the peer a user would compare.
 //!
 //! The restores read a file the save just wrote: its pages are in the page cache (warm), as
@@ -121,7 +121,7 @@ fn idle_rows(
         config.memory_bytes / GIB,
         data / GIB
     );
-    let (stats, _, _) = save(config, file, true, Duration::ZERO)?;
+    let (stats, _) = save(config, file, true, Duration::ZERO)?;
     let allocated = std::fs::metadata(file)?.blocks() * 512;
     let save_ms = stats.total_ms;
     let mb_s = data as f64 / 1e3 / save_ms;
@@ -221,22 +221,25 @@ fn live_rows(
         config,
         &format!("{ws} pattern=hotcold hot={hot} rate=400 verify-ms=0"),
     );
-    let (stats, gap_ms, baseline_ms) = save(&config, file, false, Duration::from_millis(20))?;
+    let (stats, seen) = save(&config, file, false, Duration::from_millis(20))?;
     println!(
-        "  live save          {:>8.0} ms  {} passes, throttle up to {}%, pause {:.1} ms; the guest saw at most {:.1} ms between heartbeats (2 s before: {:.1} ms; dirty log start {:.1} ms)",
+        "  live save          {:>8.0} ms  {} passes, throttle up to {}%, pause {:.1} ms; the guest saw at most {:.1} ms between heartbeats (2 s before: {:.1} ms; dirty log start {:.1} ms); peak memory added {:.0} MiB (the final pass staged in {:.0} MiB)",
         stats.total_ms,
         stats.passes.len(),
         stats.throttle_max_percent,
         stats.downtime.total_ms,
-        gap_ms,
-        baseline_ms,
-        stats.dirty_start_ms
+        seen.gap_ms,
+        seen.baseline_ms,
+        stats.dirty_start_ms,
+        seen.peak_added_mib,
+        stats.staged_bytes as f64 / (1 << 20) as f64
     );
     rows.push(
         json!({"bench": "snapshot", "row": "save_live", "total_ms": stats.total_ms,
         "passes": stats.passes.len(), "pause_ms": stats.downtime.total_ms,
-        "guest_gap_ms": gap_ms, "guest_gap_before_ms": baseline_ms,
-        "throttle_max": stats.throttle_max_percent, "dirty_start_ms": stats.dirty_start_ms}),
+        "guest_gap_ms": seen.gap_ms, "guest_gap_before_ms": seen.baseline_ms,
+        "throttle_max": stats.throttle_max_percent, "dirty_start_ms": stats.dirty_start_ms,
+        "peak_rss_added_mib": seen.peak_added_mib, "staged_bytes": stats.staged_bytes}),
     );
     let with = restore(&config, file, Loading::Lazy, true)?;
     let without = restore(&config, file, Loading::Lazy, false)?;
@@ -257,6 +260,26 @@ fn live_rows(
 
 /// Removes a file when dropped.
 struct Remove(PathBuf);
+
+/// What a save's watchers saw besides its statistics.
+struct Seen {
+    /// The longest gap between the guest's heartbeats during the save, and in 2 s before it.
+    gap_ms: f64,
+    baseline_ms: f64,
+    /// How far this process's peak resident memory rose above what it held when the save
+    /// started (VmHWM, reset at the start through `/proc/self/clear_refs`): what the snapshot
+    /// added, the guest's RAM being populated already.
+    peak_added_mib: f64,
+}
+
+/// A field of `/proc/self/status` in KiB (`VmRSS`, `VmHWM`).
+fn status_kib(field: &str) -> anyhow::Result<u64> {
+    std::fs::read_to_string("/proc/self/status")?
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {field} in /proc/self/status"))
+}
 
 impl Drop for Remove {
     fn drop(&mut self) {
@@ -295,7 +318,7 @@ fn save(
     file: &Path,
     stop: bool,
     downtime: Duration,
-) -> anyhow::Result<(MigrationStats, f64, f64)> {
+) -> anyhow::Result<(MigrationStats, Seen)> {
     let vm = Vm::boot(config.clone())?;
     let h = vm.handle();
     prefilled(&h)?;
@@ -311,6 +334,9 @@ fn save(
     // a thread looking every millisecond sees their arrival times.
     let done = std::sync::atomic::AtomicBool::new(false);
     let baseline = heartbeat_gap(&h, Duration::from_secs(2));
+    // The peak from here on (writing 5 resets VmHWM to what is resident now).
+    std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak memory")?;
+    let rss_before = status_kib("VmRSS")?;
     let gap = std::thread::scope(|scope| -> anyhow::Result<u64> {
         let watcher = scope.spawn(|| {
             let (mut last, mut gap) = (h.telemetry().last_report_host_ns, 0u64);
@@ -343,6 +369,7 @@ fn save(
         let gap = watcher.join().expect("watcher");
         saved.map(|()| gap)
     })?;
+    let peak_added_mib = status_kib("VmHWM")?.saturating_sub(rss_before) as f64 / 1024.0;
     let p = h.migration().context("no snapshot")?;
     h.stop(StopReason::Requested("benchmark done".into()));
     vm.wait();
@@ -351,8 +378,11 @@ fn save(
     }
     Ok((
         p.stats.context("no statistics")?,
-        gap as f64 / 1e6,
-        baseline,
+        Seen {
+            gap_ms: gap as f64 / 1e6,
+            baseline_ms: baseline,
+            peak_added_mib,
+        },
     ))
 }
 

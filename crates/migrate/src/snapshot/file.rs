@@ -151,9 +151,20 @@ fn check_replaceable(path: &Path, replace: Replace) -> Result<(), SnapshotError>
     } else if !kind.is_file() {
         "a special file"
     } else {
+        use std::os::unix::fs::OpenOptionsExt;
         let mut start = [0u8; MAGIC.len()];
-        let magic = File::open(path)
-            .and_then(|f| f.read_exact_at(&mut start, 0))
+        // Never through a link, never blocking (a FIFO swapped in since the lstat): only a
+        // regular file, as its own descriptor says, is read.
+        let magic = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+            .and_then(|f| {
+                if !f.metadata()?.is_file() {
+                    return Err(std::io::ErrorKind::InvalidInput.into());
+                }
+                f.read_exact_at(&mut start, 0)
+            })
             .is_ok()
             && start == MAGIC;
         if magic {

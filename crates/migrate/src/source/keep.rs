@@ -29,6 +29,7 @@ pub(crate) fn keep<K: Keeper>(
     control.update(|p| {
         p.phase = Phase::Setup;
         p.settings = params.settings();
+        p.snapshot = true;
     });
     let result = session.run_keeping(vm);
     session.conclude(vm, result)

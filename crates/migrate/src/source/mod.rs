@@ -408,6 +408,18 @@ impl Session<'_, Live> {
             Err(e) => return Err(e.into()),
         };
         self.handshake(config.as_deref())?;
+        // Over a Unix socket the kernel says who listens: guest RAM, copied or handed over,
+        // goes only to a process of this VMM's uid or one allowed (`transport/peer.rs`),
+        // checked before any page or descriptor (the hello carries none). TCP and TLS streams
+        // cannot say; TLS authenticates its peer itself.
+        if let Ok(listener) = self.peer.conn.stream().peer_credentials() {
+            crate::transport::peer::judge(
+                listener,
+                crate::transport::PeerRole::Takes,
+                crate::transport::peer::own_uid(),
+                &self.params.allow_uids,
+            )?;
+        }
         if self.peer.agreed.local {
             return self.hand_over_locally(vm);
         }

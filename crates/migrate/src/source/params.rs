@@ -95,7 +95,8 @@ pub struct SourceParams {
     /// With [`SourceParams::local`]: uids besides this process's own effective uid whose
     /// destination may take guest RAM. The destination's uid is read from the socket
     /// (`SO_PEERCRED`) before any descriptor is sent (`transport/peer.rs`); by default only a
-    /// process of this VMM's own uid gets its guest's memory.
+    /// process of this VMM's own uid gets its guest's memory. The same holds for a migration
+    /// that copies guest RAM over a Unix socket: the uid is read before the first page.
     pub allow_uids: Vec<u32>,
 }
 

@@ -1,7 +1,8 @@
 //! The VM generation ID device (`ferry_guest_abi::vmgenid`): 16 read-only bytes on the ports
 //! 0x0ff0..0x1000, drawn at random when the VM is built, kept across a live migration and a
-//! local handover (they travel in its section), and drawn again by a restore
-//! (`VmHandle::new_generation`, called by `snapshot::restore`), so that every clone of a
+//! local handover (they travel in its section), and drawn again by a restore once its state is
+//! loaded and before the guest runs (`IncomingVm::identity`, `Identity::Renewed`, which
+//! `snapshot::restore` sets), so that every clone of a
 //! snapshot differs from the VM it was taken from and from every other clone. The guest's own
 //! reports of the ID (`Kind::VmGeneration`) are recorded by the telemetry; this device carries
 //! the last of them across a migration with the ID, since the guest reports only a change and

@@ -63,6 +63,21 @@ pub struct IncomingVm {
     resumed: bool,
     /// How received pages land, if forced (see [`IncomingVm::land_pages`]).
     pub(crate) landing: Option<ferry_migrate::PageLanding>,
+    /// Whether the guest keeps the VM generation ID its state carries (a migration) or gets a
+    /// new one with its state (a restore: a clone).
+    pub(crate) identity: Identity,
+}
+
+/// What becomes of the VM generation ID (`devices::vmgenid`) when an incoming VM loads its
+/// state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Identity {
+    /// The one the state carries: the same VM, moved.
+    #[default]
+    Kept,
+    /// A new one, drawn once the state is loaded and before the guest runs: a clone, one of
+    /// the VMs a snapshot may be restored into.
+    Renewed,
 }
 
 impl Vm {
@@ -116,6 +131,7 @@ impl Vm {
             threads,
             resumed: false,
             landing: None,
+            identity: Identity::Kept,
         })
     }
 

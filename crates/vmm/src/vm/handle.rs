@@ -20,7 +20,6 @@ use super::shared::{Control, Shared};
 use super::start_port;
 use super::state::{RunState, StopReason};
 use crate::devices::telemetry::{self, GuestTelemetry};
-use crate::error::VmmError;
 use crate::memory::GuestRam;
 use crate::throttle;
 
@@ -214,13 +213,6 @@ impl VmHandle {
 
     pub fn ram(&self) -> &GuestRam {
         &self.0.ram
-    }
-
-    /// Gives the VM a new generation ID (`devices::vmgenid`): it is a clone, restored from a
-    /// snapshot that other VMs may be restored from too. A guest that watches the ID sees the
-    /// new one at its next look.
-    pub fn new_generation(&self) -> Result<(), VmmError> {
-        Ok(self.0.generation.lock().unwrap().renew()?)
     }
 
     pub fn status(&self) -> VmStatus {

@@ -99,6 +99,12 @@ impl RamHolds {
         self.lift_discard();
     }
 
+    /// [`RamHolds::arriving`] until the returned guard drops (whatever way the arrival ends).
+    pub(crate) fn arrival(&self, from: Arrival) -> ArrivalHold<'_> {
+        self.arriving(from);
+        ArrivalHold { holds: self, from }
+    }
+
     /// What RAM is still arriving from, if anything: an outgoing copy must wait.
     pub(crate) fn still_arriving(&self) -> Option<Arrival> {
         self.inner.lock().unwrap().arriving.first().copied()
@@ -108,6 +114,18 @@ impl RamHolds {
         if let Some(b) = &self.balloon {
             b.lock().unwrap().set_discard(d);
         }
+    }
+}
+
+/// RAM arriving until dropped ([`RamHolds::arrival`]).
+pub(crate) struct ArrivalHold<'a> {
+    holds: &'a RamHolds,
+    from: Arrival,
+}
+
+impl Drop for ArrivalHold<'_> {
+    fn drop(&mut self) {
+        self.holds.arrived(self.from);
     }
 }
 
