@@ -66,6 +66,21 @@ fn hand_over_to_a_thief(
     Some((sent, thief.report()))
 }
 
+/// `e` is the source's refusal of a destination of uid `nobody`.
+fn assert_refused_as_a_stranger_who_takes(e: &MigrateError) {
+    assert!(
+        matches!(
+            e,
+            MigrateError::LocalPeer(LocalPeerError::Stranger {
+                role: PeerRole::Takes,
+                uid: NOBODY,
+                ..
+            })
+        ),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_destination_of_another_uid_gets_no_descriptor_and_writes_no_guest_page() {
     let mut src = FakeVm::new(GUEST, 1);
@@ -83,17 +98,7 @@ fn a_destination_of_another_uid_gets_no_descriptor_and_writes_no_guest_page() {
     );
     assert_eq!(src.contents(), before, "the guest's memory is untouched");
     let e = sent.expect_err("a stranger is refused");
-    assert!(
-        matches!(
-            e,
-            MigrateError::LocalPeer(LocalPeerError::Stranger {
-                role: PeerRole::Takes,
-                uid: NOBODY,
-                ..
-            })
-        ),
-        "{e}"
-    );
+    assert_refused_as_a_stranger_who_takes(&e);
     let said = e.to_string();
     assert!(
         said.contains("pass --allow-uid 65534 if this is deliberate"),
@@ -128,17 +133,7 @@ fn a_copying_migration_to_a_listener_of_another_uid_is_refused_before_any_page()
         return;
     };
     let e = sent.expect_err("a stranger is refused");
-    assert!(
-        matches!(
-            e,
-            MigrateError::LocalPeer(LocalPeerError::Stranger {
-                role: PeerRole::Takes,
-                uid: NOBODY,
-                ..
-            })
-        ),
-        "{e}"
-    );
+    assert_refused_as_a_stranger_who_takes(&e);
     assert_eq!(
         (thief.descriptors, thief.pages_written),
         (0, 0),
