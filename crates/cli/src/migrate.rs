@@ -10,10 +10,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use ferry_migrate::scan::ZeroDetection;
+use ferry_migrate::source::Preempt;
 use ferry_migrate::transport::tls::Side;
 use ferry_migrate::{Phase, Progress, TimeoutAction};
 use ferry_vmm::api::client;
-use ferry_vmm::request::{Checksum, MigrationRequest, TlsRequest};
+use ferry_vmm::request::{Checksum, MigrationMode, MigrationRequest, PostcopyRequest, TlsRequest};
 use serde_json::json;
 
 use crate::report::{self, Live, PlainLines};
@@ -89,6 +90,11 @@ impl From<ZeroDetectionArg> for ZeroDetection {
 /// The API's defaults ([`MigrationRequest`]'s, written once there), which the flags show.
 fn defaults() -> MigrationRequest {
     MigrationRequest::default()
+}
+
+/// Postcopy's defaults, as a request gets them.
+fn postcopy_defaults() -> PostcopyRequest {
+    PostcopyRequest::default()
 }
 
 /// Milliseconds as a duration flag shows and reads them (`300ms`, `30s`).
@@ -187,7 +193,7 @@ pub struct MigrateArgs {
     /// With --postcopy: for this long after the guest resumed on the destination, send only the
     /// pages it asks for, before the background stream starts sharing the cores with its
     /// first faults (0s: start at once).
-    #[arg(long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(defaults().postcopy_quiet_start_ms))]
+    #[arg(long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(postcopy_defaults().quiet_start_ms))]
     postcopy_quiet_start: humantime::Duration,
     /// With --postcopy: the background push's order after the switch: `hot` sends the memory
     /// the guest dirtied most recently and most often first (from the dirty syncs' history,
@@ -204,7 +210,7 @@ pub struct MigrateArgs {
     /// With --postcopy: the most pages (4 KiB) a vCPU faulting in order pulls forward after
     /// the page it asked for; the window starts at 16 and doubles with each fault in order.
     /// 0 sends only the pages asked for.
-    #[arg(long, value_name = "PAGES", requires = "postcopy", default_value_t = defaults().postcopy_prefetch_pages)]
+    #[arg(long, value_name = "PAGES", requires = "postcopy", default_value_t = postcopy_defaults().prefetch_pages)]
     postcopy_prefetch: u64,
     /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
     /// failing (the guest keeps running on the destination and waits for missing pages)
@@ -247,7 +253,7 @@ pub struct MigrateArgs {
     /// Hand the guest over to a destination on this host (--to unix:PATH) instead of copying
     /// it: guest RAM's memfd goes over the socket, no page is sent, and the guest pauses only
     /// for its device state (a live update of the VMM under a running guest).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "postcopy")]
     local: bool,
     #[command(flatten)]
     allow: crate::peers::AllowUidArgs,
@@ -349,20 +355,10 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
             _ => ferry_migrate::ConvergeBy::Throttle,
         },
         dirty_limit: args.dirty_limit,
-        postcopy_on_stall: args.postcopy_on_stall,
         channels: args.channels,
         packet_size: args.packet_size,
         zero_detection: args.zero_detection.into(),
-        postcopy: args.postcopy,
-        postcopy_after_passes: args.postcopy_after_passes,
-        postcopy_preempt: args.postcopy_preempt,
-        postcopy_quiet_start_ms: args.postcopy_quiet_start.as_millis() as u64,
-        postcopy_order: match args.postcopy_order {
-            PostcopyOrderArg::Hot => ferry_migrate::source::PostcopyOrder::Hot,
-            PostcopyOrderArg::Address => ferry_migrate::source::PostcopyOrder::Address,
-        },
-        postcopy_prefetch_pages: args.postcopy_prefetch,
-        postcopy_recover: args.postcopy_recover == OnOff::On,
+        mode: mode(args),
         free_page_hints: args.free_page_hints == OnOff::On,
         peer_timeout_ms: args.peer_timeout.as_millis() as u64,
         compression: args.compression,
@@ -371,7 +367,6 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
             ChecksumArg::Pages => Checksum::Pages,
         },
         tls: tls_request(args)?,
-        local: args.local,
         allow_uids: args.allow.allow_uid.clone(),
         ..MigrationRequest::default()
     };
@@ -381,6 +376,33 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let body = serde_json::to_string(&body).context("encoding the migration request")?;
     start(args, to, &body)?;
     follow_unless_detached(args, to, Until::End)
+}
+
+/// The kind of migration the flags ask for (clap keeps `--local` and `--postcopy` apart,
+/// and postcopy's flags with `--postcopy`).
+fn mode(args: &MigrateArgs) -> MigrationMode {
+    if args.local {
+        return MigrationMode::Local;
+    }
+    if !args.postcopy {
+        return MigrationMode::Precopy;
+    }
+    MigrationMode::Postcopy(PostcopyRequest {
+        after_passes: args.postcopy_after_passes,
+        preempt: if args.postcopy_preempt {
+            Preempt::Urgent
+        } else {
+            Preempt::Off
+        },
+        quiet_start_ms: args.postcopy_quiet_start.as_millis() as u64,
+        order: match args.postcopy_order {
+            PostcopyOrderArg::Hot => ferry_migrate::source::PostcopyOrder::Hot,
+            PostcopyOrderArg::Address => ferry_migrate::source::PostcopyOrder::Address,
+        },
+        prefetch_pages: args.postcopy_prefetch,
+        on_stall: args.postcopy_on_stall,
+        recover: args.postcopy_recover == OnOff::On,
+    })
 }
 
 /// How long a follower follows.

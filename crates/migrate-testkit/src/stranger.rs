@@ -247,7 +247,7 @@ fn stranger_source(path: &Path, memory: u64) {
     let mut vm = crate::FakeVm::new(memory, 1);
     vm.fill(SOURCE_FILL);
     let mut p = ferry_migrate::source::SourceParams::new(ferry_migrate::Policy::default(), [5; 16]);
-    p.local = true;
+    p.mode = ferry_migrate::source::Mode::Local;
     p.allow_uids = vec![0];
     p.peer_timeout = Some(PATIENCE);
     let connect = || -> std::io::Result<UnixStream> { panic!("a local handover reconnected") };

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ferry_migrate::source::SourceParams;
+use ferry_migrate::source::{Mode, Postcopy, SourceParams};
 use ferry_migrate::stats::PostcopyTrigger;
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
 use ferry_migrate_testkit::loopback::migrate;
@@ -31,10 +31,10 @@ fn hot_guest() -> (FakeVm, FakeVm) {
     (src, FakeVm::new(GUEST, 2))
 }
 
-fn params(policy: Policy, postcopy: bool) -> SourceParams {
+fn params(policy: Policy, mode: Mode) -> SourceParams {
     SourceParams {
         max_bandwidth: Some(LINK),
-        postcopy,
+        mode,
         ..SourceParams::new(policy, [0x11; 16])
     }
 }
@@ -52,7 +52,7 @@ fn the_default_policy_throttles_a_stalled_guest_until_precopy_converges() {
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &params(policy, false),
+        &params(policy, Mode::Precopy),
         &Control::default(),
     );
     let stats = sent.expect("the default policy finishes");
@@ -87,7 +87,7 @@ fn auto_converge_by_dirty_limit_throttles_where_the_vmm_cannot_limit_each_vcpu()
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &params(policy, false),
+        &params(policy, Mode::Precopy),
         &Control::default(),
     );
     let stats = sent.expect("the throttle finishes it");
@@ -117,7 +117,7 @@ fn a_dirty_limit_the_vmm_cannot_enforce_fails_the_migration_and_the_guest_runs_o
     let (mut src, mut dst) = hot_guest();
     let p = SourceParams {
         dirty_limit: Some(10_000_000),
-        ..params(Policy::default(), false)
+        ..params(Policy::default(), Mode::Precopy)
     };
     let (sent, _) = migrate(&mut src, &mut dst, &p, &Control::default());
     let e = sent.expect_err("refused");
@@ -138,7 +138,7 @@ fn postcopy_on_stall_moves_the_guest_instead_of_throttling_it() {
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &params(policy, true),
+        &params(policy, Mode::Postcopy(Postcopy::default())),
         &Control::default(),
     );
     let stats = sent.expect("postcopy finishes");
@@ -168,7 +168,7 @@ fn without_auto_converge_the_same_guest_runs_into_the_timeout_and_keeps_running(
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &params(policy, false),
+        &params(policy, Mode::Precopy),
         &Control::default(),
     );
     assert!(

@@ -33,7 +33,7 @@ fn stranger_hook() {
 
 fn params() -> SourceParams {
     let mut p = SourceParams::new(Policy::default(), [3; 16]);
-    p.local = true;
+    p.mode = ferry_migrate::source::Mode::Local;
     p.peer_timeout = Some(Duration::from_secs(10));
     p
 }
@@ -128,7 +128,7 @@ fn a_copying_migration_to_a_listener_of_another_uid_is_refused_before_any_page()
     let mut src = FakeVm::new(GUEST, 1);
     src.fill(3);
     let mut p = params();
-    p.local = false;
+    p.mode = ferry_migrate::source::Mode::Precopy;
     let Some((sent, thief)) = hand_over_to_a_thief(&mut src, &p) else {
         return;
     };

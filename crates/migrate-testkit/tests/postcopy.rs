@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ferry_migrate::source::SourceParams;
+use ferry_migrate::source::{Mode, Postcopy, Preempt, SourceParams};
 use ferry_migrate::{Control, PageLanding, Phase, Policy, Progress, TimeoutAction};
 use ferry_migrate_testkit::loopback::migrate;
 use ferry_migrate_testkit::watching;
@@ -26,9 +26,15 @@ fn postcopy_params(channels: u16, max_bandwidth: Option<u64>, preempt: bool) -> 
     SourceParams {
         channels,
         max_bandwidth,
-        postcopy: true,
-        postcopy_after_passes: Some(1),
-        preempt,
+        mode: Mode::Postcopy(Postcopy {
+            after_passes: Some(1),
+            preempt: if preempt {
+                Preempt::Urgent
+            } else {
+                Preempt::Off
+            },
+            ..Postcopy::default()
+        }),
         ..SourceParams::new(policy, [9; 16])
     }
 }

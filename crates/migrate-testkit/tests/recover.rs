@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_migrate::destination::{self, IncomingControl, IncomingPhase};
-use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::source::{self, Mode, Postcopy, Preempt, SourceParams};
 use ferry_migrate::transport::Address;
 use ferry_migrate::{Control, PageLanding, Phase, Policy};
 use ferry_migrate_testkit::loopback::acceptor;
@@ -110,10 +110,16 @@ fn recover_run(preempt: bool, hostile: bool) {
     // Slow enough (32 MiB at 20 MB/s) that postcopy is still sending when it is broken.
     let params = SourceParams {
         max_bandwidth: Some(20_000_000),
-        postcopy: true,
-        postcopy_after_passes: Some(1),
-        preempt,
-        recover: true,
+        mode: Mode::Postcopy(Postcopy {
+            after_passes: Some(1),
+            preempt: if preempt {
+                Preempt::Urgent
+            } else {
+                Preempt::Off
+            },
+            recover: true,
+            ..Postcopy::default()
+        }),
         channels: 2,
         // Short, so that a mute recovery peer is given up on quickly.
         peer_timeout: Some(Duration::from_secs(3)),
@@ -302,9 +308,11 @@ fn regression_a_destination_silent_after_the_last_page_pauses_the_source_within_
     });
     let peer_timeout = Duration::from_secs(1);
     let params = SourceParams {
-        postcopy: true,
-        postcopy_after_passes: Some(1),
-        recover: true,
+        mode: Mode::Postcopy(Postcopy {
+            after_passes: Some(1),
+            recover: true,
+            ..Postcopy::default()
+        }),
         channels: 2,
         peer_timeout: Some(peer_timeout),
         ..SourceParams::new(

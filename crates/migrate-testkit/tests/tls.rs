@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_migrate::destination::{self, IncomingControl, IncomingPhase};
-use ferry_migrate::source::{self, SourceParams};
+use ferry_migrate::source::{self, Mode, Postcopy, Preempt, SourceParams};
 use ferry_migrate::transport::tls::pki::Ca;
 use ferry_migrate::transport::tls::{DestinationTls, Side, SourceTls, TlsFiles};
 use ferry_migrate::transport::{Address, Dialer, Listener};
@@ -35,9 +35,15 @@ fn params(channels: u16, postcopy: bool) -> SourceParams {
     };
     SourceParams {
         channels,
-        postcopy,
-        postcopy_after_passes: postcopy.then_some(1),
-        preempt: postcopy,
+        mode: if postcopy {
+            Mode::Postcopy(Postcopy {
+                after_passes: Some(1),
+                preempt: Preempt::Urgent,
+                ..Postcopy::default()
+            })
+        } else {
+            Mode::Precopy
+        },
         ..SourceParams::new(policy, [5; 16])
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_migrate::scan::ZeroDetection;
-use ferry_migrate::source::{self, PostcopyOrder, SourceParams};
+use ferry_migrate::source::{self, Mode, Postcopy, PostcopyOrder, Preempt, SourceParams};
 use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
 use ferry_migrate::{AutoConverge, ConvergeBy, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
@@ -39,36 +39,17 @@ pub struct MigrationRequest {
     /// Cap each vCPU's dirty rate at this many bytes per second for the whole migration
     /// (needs the VM's dirty ring, `ferry run --dirty-ring`); `None`: no cap.
     pub dirty_limit: Option<u64>,
-    /// With postcopy: switch to it when precopy stalls, before throttling.
-    pub postcopy_on_stall: bool,
     /// Data channels.
     pub channels: u16,
     /// Bytes per batch, a multiple of 4096 up to 2 MiB.
     pub packet_size: u64,
     /// Where zero pages are found.
     pub zero_detection: ZeroDetection,
-    /// Allow switching to postcopy (the destination must offer it).
-    pub postcopy: bool,
-    /// With postcopy: switch after this many passes; `None`: only when asked
-    /// (`PUT /migration/postcopy`), on a stall, or at the timeout.
-    pub postcopy_after_passes: Option<u32>,
-    /// With postcopy: requested pages on a preempt connection of their own.
-    pub postcopy_preempt: bool,
-    /// Mark the preempt connection's packets urgent (see `SourceParams::preempt_priority`).
-    pub postcopy_preempt_priority: bool,
-    /// With postcopy: how long after the guest resumed on the destination only the pages it
-    /// asks for go, before the background stream starts.
-    pub postcopy_quiet_start_ms: u64,
-    /// With postcopy: the background push's order, `hot` (the most recently and most often
-    /// dirtied 2 MiB first) or `address`.
-    pub postcopy_order: PostcopyOrder,
-    /// With postcopy: the largest readahead window a vCPU faulting in order pulls forward,
-    /// in 4 KiB pages (0: only the pages asked for).
-    pub postcopy_prefetch_pages: u64,
-    /// With postcopy: a connection that breaks in postcopy pauses both sides until a recovery
-    /// instead of failing and losing the guest. On by default in this VMM, which can be told
-    /// to recover on both sides.
-    pub postcopy_recover: bool,
+    /// What kind of migration: `"precopy"`, `{"postcopy": {...}}` (precopy that may switch
+    /// to postcopy, with its settings) or `"local"` (hand the guest over to a destination on
+    /// this host, `to` a `unix:` address: guest RAM's memfd goes over the socket and only the
+    /// device state is sent).
+    pub mode: MigrationMode,
     /// Ask the guest's balloon for free page hints and skip the pages it reports free.
     pub free_page_hints: bool,
     /// What the checksums cover beyond state, control records and page addresses.
@@ -80,16 +61,92 @@ pub struct MigrationRequest {
     pub tls: Option<TlsRequest>,
     /// Longest a write to the destination may wait.
     pub peer_timeout_ms: u64,
-    /// Hand the guest over to a destination on this host (`to` a `unix:` address) instead of
-    /// copying it: guest RAM's memfd goes over the socket and only the device state is sent.
-    pub local: bool,
-    /// With `local`: uids besides this VMM's own whose destination may take guest RAM
+    /// With a `unix:` destination: uids besides this VMM's own whose destination may take guest RAM
     /// (`ferry migrate --allow-uid`). The destination's uid is read from the socket before
     /// any descriptor is sent; by default only a process of this VMM's uid gets it.
     pub allow_uids: Vec<u32>,
     /// An in-process caller's loaded TLS configuration, used instead of `tls`' files.
     #[serde(skip)]
     pub tls_config: Option<Arc<SourceTls>>,
+}
+
+/// What kind of migration a request asks for: the engine's [`Mode`], with this VMM's
+/// defaults and times in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum MigrationMode {
+    #[default]
+    Precopy,
+    Postcopy(PostcopyRequest),
+    Local,
+}
+
+/// Postcopy's settings in a request (`{"mode": {"postcopy": {...}}}`), each optional.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PostcopyRequest {
+    /// Switch after this many passes; `None`: only when asked (`PUT /migration/postcopy`), on
+    /// a stall, or at the timeout.
+    pub after_passes: Option<u32>,
+    /// Where requested pages travel: `off` (the main connection), `urgent` (a preempt
+    /// connection of their own, packets marked urgent) or `unmarked`.
+    pub preempt: Preempt,
+    /// How long after the guest resumed on the destination only the pages it asks for go,
+    /// before the background stream starts.
+    pub quiet_start_ms: u64,
+    /// The background push's order, `hot` (the most recently and most often dirtied 2 MiB
+    /// first) or `address`.
+    pub order: PostcopyOrder,
+    /// The largest readahead window a vCPU faulting in order pulls forward, in 4 KiB pages
+    /// (0: only the pages asked for).
+    pub prefetch_pages: u64,
+    /// Switch to postcopy when precopy stalls, before throttling.
+    pub on_stall: bool,
+    /// A connection that breaks in postcopy pauses both sides until a recovery instead of
+    /// failing and losing the guest. On by default in this VMM, which can be told to recover
+    /// on both sides.
+    pub recover: bool,
+}
+
+impl Default for PostcopyRequest {
+    fn default() -> PostcopyRequest {
+        let engine = Postcopy::default();
+        PostcopyRequest {
+            after_passes: engine.after_passes,
+            preempt: engine.preempt,
+            quiet_start_ms: engine.quiet_start.as_millis() as u64,
+            order: engine.order,
+            prefetch_pages: engine.prefetch_pages,
+            on_stall: Policy::default().postcopy_on_stall,
+            recover: true,
+        }
+    }
+}
+
+impl MigrationMode {
+    /// The engine's mode.
+    pub fn engine(&self) -> Mode {
+        match self {
+            MigrationMode::Precopy => Mode::Precopy,
+            MigrationMode::Local => Mode::Local,
+            MigrationMode::Postcopy(p) => Mode::Postcopy(Postcopy {
+                after_passes: p.after_passes,
+                preempt: p.preempt,
+                quiet_start: Duration::from_millis(p.quiet_start_ms),
+                order: p.order,
+                prefetch_pages: p.prefetch_pages,
+                recover: p.recover,
+            }),
+        }
+    }
+
+    /// Postcopy's settings, when the request allows postcopy.
+    pub fn postcopy(&self) -> Option<&PostcopyRequest> {
+        match self {
+            MigrationMode::Postcopy(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 /// What a migration's checksums cover: device state, control records, record headers and page
@@ -129,18 +186,10 @@ impl Default for MigrationRequest {
             max_throttle: AutoConverge::default().max,
             auto_converge_by: policy.converge_by,
             dirty_limit: engine.dirty_limit,
-            postcopy_on_stall: policy.postcopy_on_stall,
             channels: engine.channels,
             packet_size: u64::from(engine.packet_pages) * ferry_migrate::wire::PAGE_SIZE,
             zero_detection: ZeroDetection::default(),
-            postcopy: engine.postcopy,
-            postcopy_after_passes: engine.postcopy_after_passes,
-            postcopy_preempt: engine.preempt,
-            postcopy_preempt_priority: engine.preempt_priority,
-            postcopy_quiet_start_ms: engine.postcopy_quiet_start.as_millis() as u64,
-            postcopy_order: engine.postcopy_order,
-            postcopy_prefetch_pages: engine.postcopy_prefetch_pages,
-            postcopy_recover: true,
+            mode: MigrationMode::Precopy,
             free_page_hints: engine.free_page_hints,
             checksum: Checksum::State,
             compression: engine.compression,
@@ -149,7 +198,6 @@ impl Default for MigrationRequest {
                 .peer_timeout
                 .unwrap_or(source::DEFAULT_PEER_TIMEOUT)
                 .as_millis() as u64,
-            local: engine.local,
             allow_uids: engine.allow_uids,
             tls_config: None,
         }
@@ -176,7 +224,7 @@ impl MigrationRequest {
             timeout_action: self.timeout_action,
             auto_converge,
             converge_by: self.auto_converge_by,
-            postcopy_on_stall: self.postcopy_on_stall,
+            postcopy_on_stall: self.mode.postcopy().is_some_and(|p| p.on_stall),
         }
     }
 
@@ -207,7 +255,7 @@ impl MigrationRequest {
                     .into(),
             );
         }
-        if self.local {
+        if self.mode == MigrationMode::Local {
             let unix = matches!(
                 self.to.parse::<ferry_migrate::transport::Address>(),
                 Ok(ferry_migrate::transport::Address::Unix(_))
@@ -222,21 +270,13 @@ impl MigrationRequest {
             }
         }
         let params = SourceParams {
-            local: self.local,
+            mode: self.mode.engine(),
             allow_uids: self.allow_uids.clone(),
             max_bandwidth: self.max_bandwidth,
             dirty_limit: self.dirty_limit,
             channels: self.channels,
             packet_pages: (self.packet_size / page) as u32,
             zero: self.zero_detection.into(),
-            postcopy: self.postcopy,
-            postcopy_after_passes: self.postcopy_after_passes,
-            preempt: self.postcopy_preempt,
-            preempt_priority: self.postcopy_preempt_priority,
-            postcopy_quiet_start: Duration::from_millis(self.postcopy_quiet_start_ms),
-            postcopy_order: self.postcopy_order,
-            postcopy_prefetch_pages: self.postcopy_prefetch_pages,
-            recover: self.postcopy && self.postcopy_recover,
             free_page_hints: self.free_page_hints,
             checksum_pages: self.checksum == Checksum::Pages,
             compression: self.compression,
@@ -279,36 +319,73 @@ mod tests {
         assert_eq!(p.channels, engine.channels);
         assert_eq!(p.packet_pages, engine.packet_pages);
         assert_eq!(p.peer_timeout, engine.peer_timeout);
-        assert_eq!(p.postcopy_quiet_start, engine.postcopy_quiet_start);
         assert_eq!(p.max_bandwidth, None);
-        assert!(!p.postcopy && !p.recover, "recover only with postcopy");
+        assert_eq!(p.mode, Mode::Precopy);
+        // A postcopy with no settings has the engine's, but for recovery, which this VMM
+        // can always be told to do.
+        let r: MigrationRequest =
+            serde_json::from_str(r#"{"to": "a:1", "mode": {"postcopy": {}}}"#).unwrap();
+        assert_eq!(
+            r.source_params([1; 16]).unwrap().mode,
+            Mode::Postcopy(Postcopy {
+                recover: true,
+                ..Postcopy::default()
+            })
+        );
         // What the CLI serializes reads back the same.
         let back: MigrationRequest =
             serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back.source_params([1; 16]).unwrap().policy, p.policy);
     }
 
-    /// `postcopy_quiet_start_ms` was the option added after the request became one type: the
-    /// field here, its line in `source_params`, and the CLI's `--postcopy-quiet-start`.
+    /// `quiet_start_ms` was the option added after the request became one type: the field
+    /// here, its line in `MigrationMode::engine`, and the CLI's `--postcopy-quiet-start`.
     #[test]
     fn a_request_s_postcopy_quiet_start_reaches_the_engine() {
         let r: MigrationRequest = serde_json::from_str(
-            r#"{"to": "a:1", "postcopy": true, "postcopy_quiet_start_ms": 0}"#,
+            r#"{"to": "a:1", "mode": {"postcopy": {"quiet_start_ms": 0, "preempt": "urgent"}}}"#,
         )
         .unwrap();
-        assert_eq!(
-            r.source_params([1; 16]).unwrap().postcopy_quiet_start,
-            Duration::ZERO
+        let p = r.source_params([1; 16]).unwrap();
+        let postcopy = p.postcopy().unwrap();
+        assert_eq!(postcopy.quiet_start, Duration::ZERO);
+        assert_eq!(postcopy.preempt, Preempt::Urgent);
+    }
+
+    /// A setting of one mode cannot be given to another: a postcopy setting outside
+    /// `{"postcopy": {...}}` is an unknown field, and a typo inside it too.
+    #[test]
+    fn a_mode_s_settings_live_only_in_that_mode() {
+        for body in [
+            r#"{"to": "a:1", "postcopy_after_passes": 1}"#,
+            r#"{"to": "a:1", "mode": "local", "after_passes": 1}"#,
+            r#"{"to": "a:1", "mode": {"postcopy": {"after_pases": 1}}}"#,
+            r#"{"to": "a:1", "mode": {"local": {}}}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<MigrationRequest>(body).is_err(),
+                "{body} was taken"
+            );
+        }
+        let on_stall: MigrationRequest =
+            serde_json::from_str(r#"{"to": "a:1", "mode": {"postcopy": {"on_stall": true}}}"#)
+                .unwrap();
+        assert!(
+            on_stall
+                .source_params([1; 16])
+                .unwrap()
+                .policy
+                .postcopy_on_stall
         );
     }
 
     #[test]
     fn a_request_s_allowed_uids_reach_the_engine_and_default_to_none() {
         let r: MigrationRequest =
-            serde_json::from_str(r#"{"to": "unix:/run/x.sock", "local": true}"#).unwrap();
+            serde_json::from_str(r#"{"to": "unix:/run/x.sock", "mode": "local"}"#).unwrap();
         assert!(r.source_params([1; 16]).unwrap().allow_uids.is_empty());
         let r: MigrationRequest = serde_json::from_str(
-            r#"{"to": "unix:/run/x.sock", "local": true, "allow_uids": [107, 65534]}"#,
+            r#"{"to": "unix:/run/x.sock", "mode": "local", "allow_uids": [107, 65534]}"#,
         )
         .unwrap();
         assert_eq!(r.source_params([1; 16]).unwrap().allow_uids, [107, 65534]);
@@ -324,7 +401,7 @@ mod tests {
                 "peer_timeout_ms 0",
             ),
             (
-                r#"{"to": "tcp:a:1", "local": true}"#,
+                r#"{"to": "tcp:a:1", "mode": "local"}"#,
                 "tcp:a:1 is not one; give --to unix:PATH",
             ),
         ] {

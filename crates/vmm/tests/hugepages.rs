@@ -9,9 +9,11 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{config, receive_from, require_kvm, verifies_clean, wait_for_telemetry};
+use ferry_migrate::source::Preempt;
 use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::memory::{HostPages, HugePagePool};
 use ferry_vmm::migration::MigrationRequest;
+use ferry_vmm::request::{MigrationMode, PostcopyRequest};
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -35,8 +37,14 @@ fn request(listener: &TcpListener, postcopy: bool) -> MigrationRequest {
         downtime_limit_ms: 300,
         timeout_ms: Some(60_000),
         timeout_action: TimeoutAction::Cancel,
-        postcopy,
-        postcopy_after_passes: postcopy.then_some(1),
+        mode: if postcopy {
+            MigrationMode::Postcopy(PostcopyRequest {
+                after_passes: Some(1),
+                ..PostcopyRequest::default()
+            })
+        } else {
+            MigrationMode::Precopy
+        },
         ..MigrationRequest::to(listener.local_addr().unwrap().to_string())
     }
 }
@@ -96,7 +104,11 @@ fn a_huge_page_guest_migrates_by_postcopy_in_whole_huge_pages() {
         let mut incoming = Vm::incoming(huge("", &dir.path().join("dst.log"))).unwrap();
         let mut req = request(&listener, true);
         req.channels = channels;
-        req.postcopy_preempt = preempt;
+        if let MigrationMode::Postcopy(p) = &mut req.mode
+            && preempt
+        {
+            p.preempt = Preempt::Urgent;
+        }
         let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
         let received =
             received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));

@@ -9,8 +9,10 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{boot, config, receive_from, require_kvm, verifies_clean};
+use ferry_migrate::source::Preempt;
 use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::migration::MigrationRequest;
+use ferry_vmm::request::{MigrationMode, PostcopyRequest};
 use ferry_vmm::{RunState, Vm};
 
 const MIB: u64 = 1 << 20;
@@ -38,9 +40,15 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
             timeout_ms: Some(60_000),
             timeout_action: TimeoutAction::Cancel,
             channels,
-            postcopy: true,
-            postcopy_after_passes: Some(1),
-            postcopy_preempt: preempt,
+            mode: MigrationMode::Postcopy(PostcopyRequest {
+                after_passes: Some(1),
+                preempt: if preempt {
+                    Preempt::Urgent
+                } else {
+                    Preempt::Off
+                },
+                ..PostcopyRequest::default()
+            }),
             ..MigrationRequest::to(listener.local_addr().unwrap().to_string())
         };
         let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);

@@ -13,12 +13,14 @@ use std::time::{Duration, Instant};
 
 use common::{boot, config, require_kvm, verifies_clean, wait_migration};
 use ferry_migrate::destination::{IncomingPhase, ReceiveStats};
+use ferry_migrate::source::Preempt;
 use ferry_migrate::wire::Role;
 use ferry_migrate::{Phase, Progress, TimeoutAction};
 use ferry_migrate_testkit::proxy::Proxy;
 use ferry_vmm::api::client;
 use ferry_vmm::api::server::ApiServer;
 use ferry_vmm::migration::{self, MigrationRequest};
+use ferry_vmm::request::{MigrationMode, PostcopyRequest};
 use ferry_vmm::{Vm, VmHandle};
 
 const MIB: u64 = 1 << 20;
@@ -147,9 +149,15 @@ fn migrate_through_breaks(
         downtime_limit_ms: 1,
         timeout_ms: Some(120_000),
         timeout_action: TimeoutAction::Cancel,
-        postcopy: true,
-        postcopy_after_passes: Some(1),
-        postcopy_preempt: preempt,
+        mode: MigrationMode::Postcopy(PostcopyRequest {
+            after_passes: Some(1),
+            preempt: if preempt {
+                Preempt::Urgent
+            } else {
+                Preempt::Off
+            },
+            ..PostcopyRequest::default()
+        }),
         ..MigrationRequest::to(proxy.address().to_string())
     };
     let sides = Sides {

@@ -12,7 +12,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::Context;
 use clap::Args;
-use ferry_vmm::request::MigrationRequest;
+use ferry_vmm::request::{MigrationMode, MigrationRequest};
 use serde_json::json;
 
 use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
@@ -190,7 +190,11 @@ fn hops(pair: &mut HopPair, n: u32, local: bool) -> anyhow::Result<Vec<Hop>> {
         };
         let body = MigrationRequest {
             timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
-            local,
+            mode: if local {
+                MigrationMode::Local
+            } else {
+                MigrationMode::Precopy
+            },
             ..MigrationRequest::to(to)
         };
         let m = migrate_and_verify(src, dst, &body).with_context(|| format!("hop {}", i + 1))?;

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use ferry_migrate::source::PostcopyOrder;
+use ferry_migrate::source::Preempt;
 use ferry_migrate::transport::Listener;
 use ferry_migrate::transport::tls::pki::Ca;
 use ferry_migrate::transport::tls::{DestinationTls, Side, SourceTls, TlsFiles};
@@ -33,7 +34,7 @@ use ferry_migrate::{MigrationStats, PageLanding, Phase, TimeoutAction};
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::memory::HostPages;
 use ferry_vmm::migration::{self, MigrationRequest};
-use ferry_vmm::request::Checksum;
+use ferry_vmm::request::{Checksum, MigrationMode, PostcopyRequest};
 use ferry_vmm::{GuestKind, Preparation, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
 
@@ -540,13 +541,17 @@ pub(super) fn migrate_over(
         request.checksum = Checksum::Pages;
     }
     if let Some(preempt) = s.postcopy {
-        request.postcopy = true;
-        if s.finish == Finish::Forced {
-            request.postcopy_after_passes = Some(1);
-        }
-        request.postcopy_preempt = preempt;
-        request.postcopy_preempt_priority = s.preempt_priority;
-        request.postcopy_order = s.postcopy_order;
+        request.mode = MigrationMode::Postcopy(PostcopyRequest {
+            after_passes: (s.finish == Finish::Forced).then_some(1),
+            preempt: match (preempt, s.preempt_priority) {
+                (false, _) => Preempt::Off,
+                (true, true) => Preempt::Urgent,
+                (true, false) => Preempt::Unmarked,
+            },
+            order: s.postcopy_order,
+            on_stall: s.finish == Finish::PostcopyOnStall,
+            ..PostcopyRequest::default()
+        });
     }
     let received = std::thread::scope(|scope| {
         let (incoming, listener) = (&mut incoming, listener.as_ref());
@@ -613,10 +618,8 @@ fn request(s: &Scenario, to: String) -> MigrationRequest {
             ..forced(30)
         },
         Finish::Careful => forced(60),
-        Finish::PostcopyOnStall => MigrationRequest {
-            postcopy_on_stall: true,
-            ..forced(60)
-        },
+        // Postcopy on the stall itself is asked for with the rest of postcopy's settings.
+        Finish::PostcopyOnStall => forced(60),
     }
 }
 

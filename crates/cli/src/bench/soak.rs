@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use ferry_vmm::request::MigrationRequest;
+use ferry_migrate::source::Preempt;
+use ferry_vmm::request::{MigrationMode, MigrationRequest, PostcopyRequest};
 use serde_json::json;
 
 use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
@@ -138,10 +139,15 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool, local: bool) -> anyhow::Result<Hop> {
     let body = MigrationRequest {
         timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
-        postcopy,
-        postcopy_after_passes: postcopy.then_some(1),
-        postcopy_preempt: postcopy,
-        local,
+        mode: match (postcopy, local) {
+            (true, _) => MigrationMode::Postcopy(PostcopyRequest {
+                after_passes: Some(1),
+                preempt: Preempt::Urgent,
+                ..PostcopyRequest::default()
+            }),
+            (false, true) => MigrationMode::Local,
+            (false, false) => MigrationMode::Precopy,
+        },
         ..MigrationRequest::to(to)
     };
     let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;

@@ -153,10 +153,10 @@ pub(crate) enum Data {
 }
 
 impl Data {
-    /// A connection's state before its first record: channel 0 is the preempt connection.
+    /// A connection's state before its first record.
     pub(crate) fn start(channel: u16) -> Data {
         match channel {
-            0 => Data::Preempt,
+            crate::wire::PREEMPT_CHANNEL => Data::Preempt,
             _ => Data::Passes { passes: 0 },
         }
     }

@@ -64,10 +64,6 @@ pub enum ConfigError {
     )]
     LazyUnsupported,
     #[error(
-        "a local handover moves no pages, so it has no postcopy; migrate with --local or with --postcopy, not both"
-    )]
-    LocalWithPostcopy,
-    #[error(
         "a local handover hands guest RAM's descriptors over a Unix socket, and {to} is not one; give --to unix:PATH (the destination's --incoming), or migrate without --local"
     )]
     LocalNeedsUnix { to: String },
@@ -91,9 +87,6 @@ pub enum ConfigError {
 /// A setting that only means something with postcopy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PostcopySetting {
-    AfterPasses,
-    Recovery,
-    Preempt,
     OnStall,
     TimeoutAction,
 }
@@ -101,9 +94,6 @@ pub enum PostcopySetting {
 impl PostcopySetting {
     fn describe(self) -> &'static str {
         match self {
-            PostcopySetting::AfterPasses => "a pass count to switch to postcopy after was given",
-            PostcopySetting::Recovery => "postcopy recovery was asked for",
-            PostcopySetting::Preempt => "a preempt connection was asked for",
             PostcopySetting::OnStall => "postcopy on a stall was asked for",
             PostcopySetting::TimeoutAction => "a timeout action of postcopy was given",
         }

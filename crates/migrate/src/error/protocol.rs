@@ -251,15 +251,16 @@ impl Bound {
     }
 }
 
-/// A connection of a migration other than the main one, as its messages name it: channel 0 is
-/// the preempt connection, 1 and up the data channels.
+/// A connection of a migration other than the main one, as its messages name it:
+/// [`PREEMPT_CHANNEL`](crate::wire::PREEMPT_CHANNEL) is the preempt connection, 1 and up the
+/// data channels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Connection(pub u16);
 
 impl std::fmt::Display for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
-            0 => f.write_str("the preempt connection"),
+            crate::wire::PREEMPT_CHANNEL => f.write_str("the preempt connection"),
             c => write!(f, "data channel {c}"),
         }
     }

@@ -76,7 +76,7 @@ mod tests {
     fn reply(capabilities: Capabilities, postcopy_page_shift: u8) -> Hello {
         Hello {
             role: Role::Main,
-            channel: 0,
+            channel: crate::wire::MAIN_CHANNEL,
             uuid: [1; 16],
             memory_size: 1 << 30,
             status: 0,

@@ -75,6 +75,11 @@ pub(super) struct Walk {
 }
 
 impl Walk {
+    /// A new walk over what `bitmap` holds now, in this walk's order.
+    pub(super) fn again(&self, bitmap: &DirtyBitmap, heat: &Heat) -> Walk {
+        Walk::new(bitmap, heat, self.order)
+    }
+
     /// A walk over what `bitmap` holds now, in `order`.
     pub(super) fn new(bitmap: &DirtyBitmap, heat: &Heat, order: Order) -> Walk {
         let mut chunks = bitmap.marked_chunks();

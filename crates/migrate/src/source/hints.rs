@@ -100,7 +100,7 @@ impl<P: Target> Session<'_, P> {
             }
         }
         let t = Instant::now();
-        let heat = self.params.postcopy;
+        let heat = self.params.postcopy().is_some();
         if heat {
             self.bitmap.forget_touched();
         }

@@ -79,7 +79,7 @@ use self::limiter::{Limiter, Pacing};
 use self::live::Live;
 pub use self::params::{
     DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, DEFAULT_POSTCOPY_QUIET_START,
-    PostcopyOrder, SourceParams, TestHooks,
+    Mode, Postcopy, PostcopyOrder, Preempt, SourceParams, TestHooks,
 };
 use self::reader::{Granted, Inbound, InboundReader};
 pub(crate) use self::target::Target;
@@ -96,7 +96,7 @@ use crate::wire::{self, Capabilities, Header, Hello, Kind, Role};
 /// The protocol features this source always asks for: progress acknowledgements, so that it
 /// decides the switchover on what the destination has taken in, and error codes, so that a
 /// cancel reads as one on both sides. Postcopy is asked for when
-/// [`SourceParams::postcopy`] is set.
+/// [`SourceParams::mode`] is [`Mode::Postcopy`].
 const REQUESTED: Capabilities =
     Capabilities(Capabilities::PROGRESS.0 | Capabilities::ERROR_CODES.0);
 /// Longest the source waits for the answer to its hello: a destination answers at once (its
@@ -169,7 +169,7 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
     control.update(|p| {
         p.phase = Phase::Setup;
         p.settings = params.settings();
-        p.local = params.local;
+        p.local = params.is_local();
     });
     let connect = || {
         let s = connect()?;
@@ -396,6 +396,14 @@ impl Session<'_, Live> {
         }
     }
 
+    /// Where postcopy's requested pages go, as asked and agreed.
+    fn preempt(&self) -> Preempt {
+        match self.params.postcopy() {
+            Some(p) if self.peer.agreed.preempt => p.preempt,
+            _ => Preempt::Off,
+        }
+    }
+
     /// Every phase in order; the first failure ends the run.
     fn run(
         &mut self,
@@ -423,13 +431,10 @@ impl Session<'_, Live> {
         if self.peer.agreed.local {
             return self.hand_over_locally(vm);
         }
-        self.peer.pool.open(
-            connect,
-            &self.params,
-            &self.ram,
-            self.hooks,
-            self.peer.agreed.preempt,
-        )?;
+        let preempt = self.preempt();
+        self.peer
+            .pool
+            .open(connect, &self.params, &self.ram, self.hooks, preempt)?;
         self.lend_lane();
         self.start_tracking(vm)?;
         match self.precopy(vm)? {
@@ -451,18 +456,19 @@ impl Session<'_, Live> {
         if p.compression.is_on() {
             c = c.with(Capabilities::COMPRESS);
         }
-        if p.local {
-            c = c.with(Capabilities::LOCAL);
-        }
-        if p.postcopy {
-            c = c.with(Capabilities::POSTCOPY);
-            if p.preempt {
-                c = c.with(Capabilities::PREEMPT);
-            } else {
-                c = c.with(Capabilities::MAIN_PAGES);
-            }
-            if p.recover {
-                c = c.with(Capabilities::RECOVER);
+        match &p.mode {
+            Mode::Precopy => {}
+            Mode::Local => c = c.with(Capabilities::LOCAL),
+            Mode::Postcopy(postcopy) => {
+                c = c.with(Capabilities::POSTCOPY);
+                if postcopy.preempt.is_on() {
+                    c = c.with(Capabilities::PREEMPT);
+                } else {
+                    c = c.with(Capabilities::MAIN_PAGES);
+                }
+                if postcopy.recover {
+                    c = c.with(Capabilities::RECOVER);
+                }
             }
         }
         c
@@ -472,7 +478,7 @@ impl Session<'_, Live> {
     fn main_hello(&self, role: Role) -> Hello {
         Hello {
             role,
-            channel: 0,
+            channel: wire::MAIN_CHANNEL,
             uuid: self.params.uuid,
             memory_size: self.ram.size(),
             status: 0,
@@ -555,7 +561,7 @@ impl Session<'_, Live> {
             // `auto` is a wish, not a need: without the destination's grant, pages go raw.
             self.params.compression = crate::Compression::Off;
         }
-        if self.params.postcopy && !granted.postcopy {
+        if self.params.postcopy().is_some() && !granted.postcopy {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
             ));
@@ -563,12 +569,12 @@ impl Session<'_, Live> {
         self.peer.agreed = agreed;
         self.peer.conn.error_codes = agreed.error_codes;
         self.control.update(|p| p.postcopy_recover = agreed.recover);
-        if self.params.preempt && !agreed.preempt {
+        if self.params.postcopy().is_some_and(|p| p.preempt.is_on()) && !agreed.preempt {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
             ));
         }
-        if self.params.local && !agreed.local {
+        if self.params.is_local() && !agreed.local {
             return Err(ConfigError::LocalNotGranted.into());
         }
         // A local handover reads its few answers in turn on this thread (`local.rs`).

@@ -33,39 +33,10 @@ pub struct SourceParams {
     /// [`ZeroDetection`] choice `.into()` this; a VMM may bring its own (`scan.rs` has the
     /// contract: a page reported zero arrives as zeros). Default: [`ZeroDetection::Inline`].
     pub zero: Arc<dyn ZeroDetectorFactory>,
-    /// Whether the migration may switch to postcopy (QEMU's postcopy-ram capability): the
-    /// destination must offer it, and the switch comes after
-    /// [`SourceParams::postcopy_after_passes`] passes or when
-    /// [`Control::start_postcopy`](crate::Control::start_postcopy) asks.
-    pub postcopy: bool,
-    /// Switch to postcopy after this many precopy passes (pass 1 counts); `None`: only when
-    /// asked.
-    pub postcopy_after_passes: Option<u32>,
-    /// With postcopy: send the pages the destination asks for on a connection of their own
-    /// (QEMU's postcopy-preempt), not behind the background stream.
-    pub preempt: bool,
-    /// Mark the preempt connection's packets urgent (`Stream::set_urgent`), so that a link
-    /// whose queue has priority bands sends them ahead of the background stream.
-    pub preempt_priority: bool,
-    /// With postcopy: how long after the guest resumed on the destination only requested pages
-    /// (with their readahead) go, before the background stream starts (see
-    /// [`DEFAULT_POSTCOPY_QUIET_START`]); zero starts it at once.
-    pub postcopy_quiet_start: Duration,
-    /// With postcopy: the order of the background push (`source/heat.rs`): by default the
-    /// chunks the guest dirtied most recently and most often first, following a vCPU that
-    /// faults in order.
-    pub postcopy_order: PostcopyOrder,
-    /// With postcopy: the largest readahead window, in pages, that a vCPU faulting in order
-    /// pulls forward after its page (the window starts at 16 and doubles per request in
-    /// order); 0 sends only the pages asked for.
-    pub postcopy_prefetch_pages: u64,
-    /// With postcopy: ask for recovery, so that a connection that breaks in postcopy pauses
-    /// both sides until [`Control::resume_postcopy`](crate::Control::resume_postcopy) instead
-    /// of failing. Off by default in the engine: ask for it only when both VMMs can be told to
-    /// recover (the destination's needs
-    /// [`crate::destination::IncomingControl::recover_on`]); a destination without a way to
-    /// get a listener would wait paused until cancelled. The reference VMM asks for it.
-    pub recover: bool,
+    /// What kind of migration: precopy, precopy that may switch to postcopy (with
+    /// postcopy's own settings), or a local handover. One value, so that a setting of one
+    /// mode cannot be given to another.
+    pub mode: Mode,
     /// Ask the VMM for free page hints (virtio-balloon) and skip the pages the guest reports
     /// free (see `source/hints.rs` for the rule). On by default: a VMM or guest that cannot
     /// hint simply sends every page.
@@ -87,12 +58,7 @@ pub struct SourceParams {
     /// the migration like a broken connection (before the handover the guest runs on here;
     /// in postcopy with recovery both sides pause). `None`: writes wait for ever.
     pub peer_timeout: Option<Duration>,
-    /// Hand the guest over to a destination on this host instead of sending it
-    /// ([`Capabilities::LOCAL`](wire::Capabilities::LOCAL)): guest RAM's descriptors go over
-    /// the Unix socket, no page is sent and no dirty page tracked; only the device state
-    /// follows, with the guest paused. The connection must be a Unix socket.
-    pub local: bool,
-    /// With [`SourceParams::local`]: uids besides this process's own effective uid whose
+    /// With a Unix socket ([`Mode::Local`], or a copying migration over `unix:`): uids besides this process's own effective uid whose
     /// destination may take guest RAM. The destination's uid is read from the socket
     /// (`SO_PEERCRED`) before any descriptor is sent (`transport/peer.rs`); by default only a
     /// process of this VMM's own uid gets its guest's memory. The same holds for a migration
@@ -100,7 +66,88 @@ pub struct SourceParams {
     pub allow_uids: Vec<u32>,
 }
 
-/// How the postcopy push orders the pages it sends ([`SourceParams::postcopy_order`]).
+/// What kind of migration ([`SourceParams::mode`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Passes while the guest runs, then a pause for the rest and the device state.
+    #[default]
+    Precopy,
+    /// Precopy that may switch to postcopy (QEMU's postcopy-ram capability): the destination
+    /// must offer it, and the switch comes after [`Postcopy::after_passes`] passes, when
+    /// [`Control::start_postcopy`](crate::Control::start_postcopy) asks, or when the policy
+    /// says so ([`Policy::postcopy_on_stall`], [`crate::TimeoutAction::Postcopy`]).
+    Postcopy(Postcopy),
+    /// Hand the guest over to a destination on this host instead of sending it
+    /// ([`Capabilities::LOCAL`](wire::Capabilities::LOCAL)): guest RAM's descriptors go over
+    /// the Unix socket, no page is sent and no dirty page tracked; only the device state
+    /// follows, with the guest paused. The connection must be a Unix socket.
+    Local,
+}
+
+/// Postcopy's settings ([`Mode::Postcopy`]); [`Postcopy::default`] is the engine's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Postcopy {
+    /// Switch to postcopy after this many precopy passes (pass 1 counts); `None`: only when
+    /// asked.
+    pub after_passes: Option<u32>,
+    /// Where the pages the destination asks for travel.
+    pub preempt: Preempt,
+    /// How long after the guest resumed on the destination only requested pages (with their
+    /// readahead) go, before the background stream starts (see
+    /// [`DEFAULT_POSTCOPY_QUIET_START`]); zero starts it at once.
+    pub quiet_start: Duration,
+    /// The order of the background push (`source/heat.rs`): by default the chunks the guest
+    /// dirtied most recently and most often first, following a vCPU that faults in order.
+    pub order: PostcopyOrder,
+    /// The largest readahead window, in pages, that a vCPU faulting in order pulls forward
+    /// after its page (the window starts at 16 and doubles per request in order); 0 sends
+    /// only the pages asked for.
+    pub prefetch_pages: u64,
+    /// Ask for recovery, so that a connection that breaks in postcopy pauses both sides until
+    /// [`Control::resume_postcopy`](crate::Control::resume_postcopy) instead of failing. Off
+    /// by default in the engine: ask for it only when both VMMs can be told to recover (the
+    /// destination's needs [`crate::destination::IncomingControl::recover_on`]); a
+    /// destination without a way to get a listener would wait paused until cancelled. The
+    /// reference VMM asks for it.
+    pub recover: bool,
+}
+
+impl Default for Postcopy {
+    fn default() -> Postcopy {
+        Postcopy {
+            after_passes: None,
+            preempt: Preempt::Off,
+            quiet_start: DEFAULT_POSTCOPY_QUIET_START,
+            order: PostcopyOrder::default(),
+            prefetch_pages: super::readahead::MAX_WINDOW,
+            recover: false,
+        }
+    }
+}
+
+/// Where postcopy's requested pages travel ([`Postcopy::preempt`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preempt {
+    /// On the main connection, which carries nothing else in postcopy.
+    #[default]
+    Off,
+    /// On a connection of their own (QEMU's postcopy-preempt), never behind the background
+    /// stream, its packets marked urgent (`Stream::set_urgent`) so that a link whose queue
+    /// has priority bands sends them ahead of it.
+    Urgent,
+    /// On a connection of their own, its packets not marked.
+    Unmarked,
+}
+
+impl Preempt {
+    /// Whether requested pages have a connection of their own.
+    pub fn is_on(self) -> bool {
+        self != Preempt::Off
+    }
+}
+
+/// How the postcopy push orders the pages it sends ([`Postcopy::order`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PostcopyOrder {
@@ -119,7 +166,7 @@ pub enum PostcopyOrder {
 /// last page, are as long.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Default [`SourceParams::postcopy_quiet_start`]: the bulk stream would share the machine's
+/// Default [`Postcopy::quiet_start`]: the bulk stream would share the machine's
 /// cores with the guest's first faults. `ferry bench postcopy --pause-only` (8 GiB, 1 GiB
 /// written flat out, postcopy after pass 1) put the guest-observed pause's medians at 3.1–3.9
 /// ms without preempt and 3.9–4.6 ms with it with 10 ms, where the build before it had 8.9–13.9
@@ -147,21 +194,26 @@ impl SourceParams {
             channels: DEFAULT_CHANNELS,
             packet_pages: DEFAULT_PACKET_PAGES,
             zero: ZeroDetection::default().into(),
-            postcopy: false,
-            postcopy_after_passes: None,
-            preempt: false,
-            preempt_priority: true,
-            postcopy_quiet_start: DEFAULT_POSTCOPY_QUIET_START,
-            postcopy_order: PostcopyOrder::default(),
-            postcopy_prefetch_pages: super::readahead::MAX_WINDOW,
-            recover: false,
+            mode: Mode::Precopy,
             free_page_hints: true,
             checksum_pages: false,
             compression: crate::Compression::Off,
             peer_timeout: Some(DEFAULT_PEER_TIMEOUT),
-            local: false,
             allow_uids: Vec::new(),
         }
+    }
+
+    /// Postcopy's settings, when this migration may switch to postcopy.
+    pub fn postcopy(&self) -> Option<&Postcopy> {
+        match &self.mode {
+            Mode::Postcopy(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a local handover.
+    pub fn is_local(&self) -> bool {
+        self.mode == Mode::Local
     }
 
     /// The settings a running migration can change, as a [`Tuning`] that sets them all.
@@ -206,13 +258,9 @@ impl SourceParams {
             return Err(ConfigError::ZeroPeerTimeout.into());
         }
         self.settings_as_tuning().check()?;
+        // The policy's two ways into postcopy need the mode that has it; every other
+        // postcopy setting lives in `Mode::Postcopy` and cannot be given without it.
         let needs_postcopy = [
-            (
-                self.postcopy_after_passes.is_some(),
-                PostcopySetting::AfterPasses,
-            ),
-            (self.recover, PostcopySetting::Recovery),
-            (self.preempt, PostcopySetting::Preempt),
             (self.policy.postcopy_on_stall, PostcopySetting::OnStall),
             (
                 self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy,
@@ -221,15 +269,21 @@ impl SourceParams {
         ];
         if let Some(&(_, setting)) = needs_postcopy
             .iter()
-            .find(|(set, _)| *set && !self.postcopy)
+            .find(|(set, _)| *set && self.postcopy().is_none())
         {
             return Err(ConfigError::NeedsPostcopy(setting).into());
         }
-        if self.local && self.postcopy {
-            return Err(ConfigError::LocalWithPostcopy.into());
-        }
-        if self.postcopy_after_passes == Some(0) {
-            return Err(ConfigError::PostcopyAfterZeroPasses.into());
+        if let Some(p) = self.postcopy() {
+            if p.after_passes == Some(0) {
+                return Err(ConfigError::PostcopyAfterZeroPasses.into());
+            }
+            if p.prefetch_pages > MAX_PREFETCH_PAGES {
+                return Err(ConfigError::Prefetch {
+                    pages: p.prefetch_pages,
+                    max: MAX_PREFETCH_PAGES,
+                }
+                .into());
+            }
         }
         if self.packet_pages == 0 || self.packet_pages > wire::MAX_PAGES_PER_RECORD {
             return Err(ConfigError::PacketSize {
@@ -238,18 +292,11 @@ impl SourceParams {
             }
             .into());
         }
-        if self.postcopy_prefetch_pages > MAX_PREFETCH_PAGES {
-            return Err(ConfigError::Prefetch {
-                pages: self.postcopy_prefetch_pages,
-                max: MAX_PREFETCH_PAGES,
-            }
-            .into());
-        }
         Ok(())
     }
 }
 
-/// The largest [`SourceParams::postcopy_prefetch_pages`]: 16 MiB, the most a request brings
+/// The largest [`Postcopy::prefetch_pages`]: 16 MiB, the most a request brings
 /// (`MAX_REQUEST_PAGES` in `postcopy.rs`); a window holds the faults behind it on their
 /// connection for as long as it takes to send.
 pub const MAX_PREFETCH_PAGES: u64 = 4096;

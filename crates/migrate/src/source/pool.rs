@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::forward::Lane;
-use super::params::{SourceParams, TestHooks};
+use super::params::{Preempt, SourceParams, TestHooks};
 use super::sender::{ChannelMsg, Sender, SenderConfig};
 use crate::conn::Conn;
 use crate::error::{Connection, MigrateError, ProtocolError};
@@ -68,19 +68,21 @@ impl ChannelPool {
         params: &SourceParams,
         ram: &Ram,
         hooks: TestHooks,
-        preempt: bool,
+        preempt: Preempt,
     ) -> Result<(), MigrateError> {
         let io = |e| MigrateError::io("connecting a data channel", e);
-        let lanes = (1..=params.channels)
-            .map(|c| (Role::Data, c))
-            .chain(preempt.then_some((Role::Preempt, 0)));
+        let lanes = (1..=params.channels).map(|c| (Role::Data, c)).chain(
+            preempt
+                .is_on()
+                .then_some((Role::Preempt, wire::PREEMPT_CHANNEL)),
+        );
         for (role, channel) in lanes {
             let stream = connect().map_err(io)?;
             if role == Role::Preempt {
                 // Small records that a vCPU waits for: no Nagle delay, and ahead in the queues
                 // that have priorities. Both are hints; a failure changes no byte.
                 let _ = stream.set_low_latency();
-                if params.preempt_priority
+                if preempt == Preempt::Urgent
                     && let Err(e) = stream.set_urgent()
                 {
                     tracing::debug!("the preempt connection is not marked urgent: {e}");

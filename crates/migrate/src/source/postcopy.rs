@@ -77,7 +77,12 @@ impl<P: Target> Session<'_, P> {
             None
         } else if self.control.postcopy_requested() {
             Some(PostcopyTrigger::Asked)
-        } else if self.params.postcopy_after_passes.is_some_and(|n| pass >= n) {
+        } else if self
+            .params
+            .postcopy()
+            .and_then(|p| p.after_passes)
+            .is_some_and(|n| pass >= n)
+        {
             Some(PostcopyTrigger::AfterPasses)
         } else {
             None
@@ -93,6 +98,12 @@ impl Session<'_> {
         pass: u32,
         trigger: PostcopyTrigger,
     ) -> Result<(), MigrateError> {
+        // Granted only when asked for, and asked for only in this mode.
+        let settings = self
+            .params
+            .postcopy()
+            .cloned()
+            .expect("postcopy is agreed only in its mode");
         self.set_phase(Phase::Discarding);
         let mut pc = PostcopyStats {
             after_passes: pass,
@@ -157,8 +168,8 @@ impl Session<'_> {
         // it loads the state (a VMM's load can touch guest memory: KVM reads a vCPU's clock
         // page when its MSR is set); they are served at once.
         let listed = self.bitmap.clone();
-        let mut walk = Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order);
-        self.peer.readahead = readahead::Readahead::new(self.params.postcopy_prefetch_pages);
+        let mut walk = Walk::new(&self.bitmap, &self.heat, settings.order);
+        self.peer.readahead = readahead::Readahead::new(settings.prefetch_pages);
         self.acks
             .reader
             .as_ref()
@@ -175,7 +186,7 @@ impl Session<'_> {
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
         let mut walk = Some(walk);
-        let mut quiet_until = Some(Instant::now() + self.params.postcopy_quiet_start);
+        let mut quiet_until = Some(Instant::now() + settings.quiet_start);
         match handed {
             Ok(()) => {}
             // A break between Postcopy and Resumed: the destination has the state and may run
@@ -190,7 +201,7 @@ impl Session<'_> {
             // After a recovery the walk starts over the destination's list.
             let from = walk
                 .take()
-                .unwrap_or_else(|| Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order));
+                .unwrap_or_else(|| Walk::new(&self.bitmap, &self.heat, settings.order));
             let sent = self
                 .share_main()
                 .and_then(|()| {
@@ -324,7 +335,7 @@ impl Session<'_> {
                 }
                 if walk.at_end() {
                     // Pages listed again after the walk began (a recovery's).
-                    walk = Walk::new(&self.bitmap, &self.heat, self.params.postcopy_order);
+                    walk = walk.again(&self.bitmap, &self.heat);
                 }
                 // Whole units: a chunk holds whole units, and a batch is one unit or more.
                 walk.take(&mut self.bitmap, packet, &mut held);

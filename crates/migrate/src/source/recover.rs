@@ -155,13 +155,10 @@ impl Session<'_> {
         };
         // A resumed connection's reader takes page requests from its first byte.
         self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
-        self.peer.pool.open(
-            &connect,
-            &self.params,
-            &self.ram,
-            self.hooks,
-            self.peer.agreed.preempt,
-        )?;
+        let preempt = self.preempt();
+        self.peer
+            .pool
+            .open(&connect, &self.params, &self.ram, self.hooks, preempt)?;
         self.peer.pool.postcopy()?;
         self.lend_lane();
         Ok(())

@@ -32,6 +32,13 @@ pub const MAX_ZERO_RUNS_PER_RECORD: u32 = 4096;
 pub const MAX_ZERO_RUN_PAGES: u64 = 1 << 18;
 /// Data channels a migration may open (each is a thread on both sides).
 pub const MAX_CHANNELS: u16 = 64;
+/// The channel id of the main connection's hello. Data channels are 1..=[`MAX_CHANNELS`], so
+/// that a channel id names one connection of a migration whatever its role.
+pub const MAIN_CHANNEL: u16 = 0;
+/// The channel id of postcopy's preempt connection (role `Preempt`): not a data channel, so
+/// outside their 1..=[`MAX_CHANNELS`], and never seen beside the main connection's, whose role
+/// differs.
+pub const PREEMPT_CHANNEL: u16 = 0;
 /// A device-state section's data: a vCPU's state is a few KiB (XSAVE is the bulk); 1 MiB bounds
 /// what a hostile source can make the destination buffer for one section, as Firecracker caps
 /// snapshot state.

@@ -11,7 +11,7 @@
 //! | `PATCH /migration` | on a source whose migration runs, new settings at its next step, body any of `{"downtime_limit_ms": MS, "max_bandwidth": BYTES_PER_S\|null, "timeout_ms": MS\|null, "auto_converge": BOOL, "max_throttle": PERCENT}` (`null`: no limit, no timeout; [`server::TuneBody`]); `GET /migration`'s `settings` shows them once in force: 200; 400 for a bad value, 409 if no migration runs here |
 //! | `GET /migration` | 200, the migration's [`ferry_migrate::Progress`] (phase, pass, remaining bytes, MB/s, dirty rate, expected downtime, and the statistics once it ended); 404 if none was started |
 //! | `PUT /migration/cancel` | 200 while in precopy (the VM keeps running); 409 otherwise |
-//! | `PUT /migration/postcopy` | 200: a migration started with `"postcopy": true` switches at the end of its pass; 409 otherwise |
+//! | `PUT /migration/postcopy` | 200: a migration started with `"mode": {"postcopy": {}}` switches at the end of its pass; 409 otherwise |
 //! | `PUT /migration/pause` | 200 on a source or destination in postcopy with recovery: its connections are broken, both sides go to `postcopy_paused`; 409 otherwise |
 //! | `PUT /migration/recover` | on a destination in `postcopy_paused`, body `{"listen": "tcp:HOST:PORT"}`: 200 `{"listening_on": ...}`, it waits there for the source; 409 otherwise |
 //! | `PUT /migration/resume` | on a source in `postcopy_paused`, body `{"to": "tcp:HOST:PORT"}`: 200, it reconnects there; 409 otherwise |

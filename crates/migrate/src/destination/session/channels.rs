@@ -14,7 +14,7 @@ use crate::destination::receiver::{self, PageBits, PassBarrier};
 use crate::destination::sink;
 use crate::error::{Connection, Internal, MigrateError};
 use crate::transport::Stream;
-use crate::wire::{Capabilities, Hello, PAGE_SIZE, Refusal, Role};
+use crate::wire::{self, Capabilities, Hello, PAGE_SIZE, Refusal, Role};
 
 impl Session<'_> {
     /// Phase 2: every announced data channel connects within [`CHANNEL_TIMEOUT`], naming this
@@ -126,9 +126,12 @@ impl Session<'_> {
             let s = r.thread.join().map_err(|_| Internal::ReceiverPanicked {
                 connection: Connection(r.channel),
             })??;
-            // The preempt connection (channel 0) carries no passes, nor do the channels a
-            // postcopy recovery opened.
-            if r.channel != 0 && s.passes != self.stats.passes && self.recoveries == 0 {
+            // The preempt connection carries no passes, nor do the channels a postcopy
+            // recovery opened.
+            if r.channel != wire::PREEMPT_CHANNEL
+                && s.passes != self.stats.passes
+                && self.recoveries == 0
+            {
                 return Err(MigrateError::ChannelEnded {
                     channel: r.channel,
                     after_pass: s.passes,
@@ -171,15 +174,16 @@ fn channel_refusal(
                     hello.uuid
                 ),
             ))
-        } else if hello.channel != 0 {
+        } else if hello.channel != wire::PREEMPT_CHANNEL {
             Some((
                 Refusal::ChannelId,
                 format!(
-                    "a preempt connection with channel id {} (must be 0)",
-                    hello.channel
+                    "a preempt connection with channel id {} (must be {})",
+                    hello.channel,
+                    wire::PREEMPT_CHANNEL
                 ),
             ))
-        } else if seen[0] {
+        } else if seen[usize::from(wire::PREEMPT_CHANNEL)] {
             Some((Refusal::ChannelId, "a second preempt connection".into()))
         } else {
             None
@@ -201,7 +205,7 @@ fn channel_refusal(
                 hello.channel, hello.uuid
             ),
         ))
-    } else if hello.channel == 0 || hello.channel > main.channels {
+    } else if hello.channel == wire::PREEMPT_CHANNEL || hello.channel > main.channels {
         Some((
             Refusal::ChannelId,
             format!(

@@ -220,7 +220,7 @@ impl<'a> Session<'a> {
         }
         let mut reply = Hello {
             role: Role::Main,
-            channel: 0,
+            channel: wire::MAIN_CHANNEL,
             uuid: hello.uuid,
             memory_size: self.ram.size(),
             status: Refusal::Accepted as u32,
@@ -228,7 +228,7 @@ impl<'a> Session<'a> {
             capabilities: hello.capabilities.grant(offered),
             postcopy_page_shift: 0,
         };
-        let refusal = if hello.role != Role::Main || hello.channel != 0 {
+        let refusal = if hello.role != Role::Main || hello.channel != wire::MAIN_CHANNEL {
             Some((
                 Refusal::Role,
                 "the first connection must be the main channel (role main, channel 0)".into(),
