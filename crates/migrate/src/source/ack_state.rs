@@ -4,6 +4,8 @@
 
 #![forbid(unsafe_code)]
 
+use std::time::Instant;
+
 use super::bandwidth::BandwidthWindow;
 use super::reader::InboundReader;
 
@@ -44,5 +46,32 @@ impl Acks {
     /// Bytes the destination acknowledged so far.
     pub fn acked(&self) -> u64 {
         self.acked
+    }
+
+    /// Folds a new acknowledgement, if one came, into the absorption window.
+    pub(super) fn note(&mut self) {
+        let Some(reader) = &self.reader else {
+            return;
+        };
+        let acked = reader.acked().bytes;
+        if acked != self.acked {
+            self.acked = acked;
+            self.absorbed.record(Instant::now(), acked);
+        }
+    }
+
+    /// Of `committed` bytes sent or queued, those not acknowledged; 0 unless
+    /// acknowledgements are trusted.
+    pub(super) fn in_flight(&self, committed: u64) -> u64 {
+        match self.use_ {
+            AckUse::Live => committed.saturating_sub(self.acked),
+            AckUse::Unavailable | AckUse::Stalled => 0,
+        }
+    }
+
+    /// The rate the destination absorbs data at, once trusted acknowledgements measured one.
+    pub(super) fn absorbed_rate(&self) -> Option<f64> {
+        let rate = self.absorbed.rate();
+        (self.use_ == AckUse::Live && rate > 0.0).then_some(rate)
     }
 }

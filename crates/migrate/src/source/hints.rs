@@ -45,11 +45,11 @@ impl<P: Target> Session<'_, P> {
         }
         match vm.start_hints() {
             Ok(()) => {
-                if self.hints.state == State::Untried && self.pass <= 1 {
+                if self.hints.state == State::Untried && self.report.pass <= 1 {
                     self.hints.skip = Some(DirtyBitmap::new(self.ram.regions()));
                 }
                 self.hints.state = State::Round;
-                self.stats.hint_rounds += 1;
+                self.report.stats.hint_rounds += 1;
             }
             Err(VmError::Unsupported { operation }) => {
                 tracing::debug!("{operation} is not available: every page is sent");
@@ -74,7 +74,8 @@ impl<P: Target> Session<'_, P> {
                             skip.set_range(gpa, len);
                         }
                         None => {
-                            self.stats.pages_skipped_hinted += self.bitmap.clear_range(gpa, len);
+                            self.report.stats.pages_skipped_hinted +=
+                                self.bitmap.clear_range(gpa, len);
                         }
                     }
                 }
@@ -100,15 +101,14 @@ impl<P: Target> Session<'_, P> {
             }
         }
         let t = Instant::now();
-        let heat = self.params.postcopy().is_some();
-        if heat {
+        if self.postcopy.is_some() {
             self.bitmap.forget_touched();
         }
         vm.fetch_dirty(&mut self.bitmap)?;
-        if heat {
-            self.heat.note_sync(&self.bitmap);
+        if let Some(postcopy) = &mut self.postcopy {
+            postcopy.heat.note_sync(&self.bitmap);
         }
-        self.stats.max_sync_ms = self.stats.max_sync_ms.max(ms(t.elapsed()));
+        self.report.stats.max_sync_ms = self.report.stats.max_sync_ms.max(ms(t.elapsed()));
         Ok(())
     }
 

@@ -50,7 +50,7 @@ impl<K: Keeper> Session<'_, K> {
         }
         let resumed = Instant::now();
         self.note_downtime(steps, resumed);
-        self.stats.downtime.resume_ms = ms(resumed - steps[4]);
+        self.report.stats.downtime.resume_ms = ms(resumed - steps[4]);
         self.peer.keep(&sections)
     }
 }

@@ -1,25 +1,34 @@
-//! The live destination a migration talks to: the main connection, the data channels and
-//! what the handshake agreed. The session's phases reach it as `self.peer`; what comes back on
-//! the main connection (`reader.rs`) the session keeps in its `Acks`, which a target that
-//! says nothing (a file) leaves empty.
+//! The live destination a migration talks to: the main connection, the data channels, what the
+//! handshake agreed, and what comes back on the main connection (`reader.rs`, folded into
+//! `Acks`). The session's phases reach it as `self.peer`; the transfer core asks it, as any
+//! [`Target`], what was acknowledged and whether the destination said something that ends the
+//! migration.
 
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use super::ack_state::Acks;
 use super::agreement::Agreement;
 use super::forward::MainOut;
 use super::pool::ChannelPool;
 use super::readahead::Readahead;
+use super::reader::{Inbound, InboundReader};
 use super::target::Target;
 use crate::conn::Conn;
-use crate::error::MigrateError;
+use crate::error::{MigrateError, Rule};
 use crate::stats::MigrationStats;
 use crate::wire::{Header, Kind};
+
+/// How long a failed write waits for the destination's explanation on the main connection.
+const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
 
 /// A live destination's side of a session.
 pub(super) struct Live {
     pub(super) conn: Conn,
+    /// The reader of the main connection and what the destination acknowledged.
+    pub(super) acks: Acks,
     pub(super) pool: ChannelPool,
     /// What the destination granted (the handshake sets it).
     pub(super) agreed: Agreement,
@@ -39,6 +48,7 @@ impl Live {
     pub(super) fn new(conn: Conn) -> Live {
         Live {
             conn,
+            acks: Acks::default(),
             pool: ChannelPool::default(),
             agreed: Agreement::NONE,
             earlier_bytes: 0,
@@ -95,7 +105,43 @@ impl Target for Live {
         self.conn.send_ending(e);
     }
 
+    /// On the reader thread once it runs; before that, on the connection.
     fn peer_error(&mut self) -> Option<String> {
-        self.conn.peer_error()
+        match &self.acks.reader {
+            Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
+                Some(Ok(Inbound::Error(message))) => Some(message),
+                _ => None,
+            },
+            None => self.conn.peer_error(),
+        }
+    }
+
+    fn acks(&self) -> Option<&Acks> {
+        Some(&self.acks)
+    }
+
+    fn acks_mut(&mut self) -> Option<&mut Acks> {
+        Some(&mut self.acks)
+    }
+
+    fn heard(&mut self) -> Result<(), MigrateError> {
+        match self.acks.reader.as_ref().and_then(InboundReader::poll) {
+            None => Ok(()),
+            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
+                crate::error::Side::Destination,
+                message,
+            )),
+            Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::misplaced(
+                Kind::Resumed,
+                Rule::ResumedAfterComplete,
+            )),
+            Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_))) => {
+                unreachable!("the reader folds acknowledgements and queues requests")
+            }
+            Some(Ok(Inbound::Done(_))) => {
+                Err(MigrateError::misplaced(Kind::Done, Rule::NoDoneInPrecopy))
+            }
+            Some(Err(e)) => Err(e),
+        }
     }
 }

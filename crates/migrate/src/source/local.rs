@@ -23,7 +23,7 @@
 use std::time::{Duration, Instant};
 
 use super::reader::Awaiting;
-use super::{Session, ms};
+use super::{GuestState, Session, ms};
 use crate::error::{MigrateError, Rule, Side};
 use crate::transport::{PeerRole, peer};
 use crate::vm::SourceVm;
@@ -66,7 +66,7 @@ impl Session<'_> {
             .write_record_with_fds(&h, &payload, &fds, "handing guest RAM over")?;
         drop(fds);
         self.await_answer(Kind::RamAdopted, MAPPED)?;
-        self.stats.setup_ms = ms(self.start.elapsed());
+        self.report.stats.setup_ms = ms(self.report.start.elapsed());
         self.refuse_if_cancelled()?;
         let (t0, t1) = self.pause_guest(vm)?;
         let sections = vm.save_state()?;
@@ -82,7 +82,7 @@ impl Session<'_> {
         self.refuse_if_cancelled()?;
         self.peer.conn.write_header(&Header::new(Kind::Go, 0, 0))?;
         self.peer.conn.flush("handing the guest over")?;
-        self.handed_over = true;
+        self.guest = GuestState::HandedOver;
         self.control.update(|p| p.handed_over = true);
         let resumed = self
             .await_answer(Kind::Resumed, RESUMED)

@@ -17,18 +17,26 @@
 //!   downtime breakdown;
 //! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline.
 //!
-//! And the parts the phases use: `params.rs` (the parameters and their check, and the test
-//! hooks), `agreement.rs` (what the destination granted, one value the handshake sets in
-//! place of a flag per capability), `pool.rs` (the data channels' senders), `sender.rs` (one channel's sender thread),
-//! `limiter.rs` (the rate limit as a pure value), `bandwidth.rs` (the rate window as a pure
-//! value), `reader.rs` (the thread that reads what comes back from the destination on the main
-//! connection), `observe.rs` with `ack_state.rs` (what the destination acknowledged: in
-//! flight, its absorption rate, the observation the policy decides on, and the drain before a
-//! switchover), and `hints.rs` with `hint_rounds.rs` (free page hints).
+//! The session's own values, each in a file of its own: `params.rs` (the parameters, the
+//! [`Mode`] and their check, and the test hooks), `link.rs` (the limiter, the send rate and
+//! what a page costs on the wire), `converge.rs` (the stall count, throttle and dirty limit in
+//! force), `report.rs` (statistics, timeline and their clocks), `hint_rounds.rs` (free page
+//! hints) and `postcopy_state.rs` (postcopy's settings, heat and request hand-off, present only
+//! in its mode).
+//!
+//! And the parts the phases use: `agreement.rs` (what the destination granted, one value the
+//! handshake sets in place of a flag per capability), `target.rs` (the seam: where pages go,
+//! and what the target acknowledged and said), `live.rs` (a live destination: its connections,
+//! its reader and `ack_state.rs`'s acknowledgements), `pool.rs` (the data channels' senders),
+//! `sender.rs` (one channel's sender thread), `limiter.rs` (the rate limit as a pure value),
+//! `bandwidth.rs` (the rate window as a pure value), `reader.rs` (the thread that reads what
+//! comes back from the destination on the main connection), `observe.rs` (what the policy
+//! observes: in flight, the absorption rate, and the drain before a switchover), and
+//! `hints.rs` (free page hints).
 //!
 //! Each file below this one stands on it or on its siblings, never both ways: a value the
-//! session holds (`Acks`, `Hints`, `SourceParams`) sits in a file of its own, and the phases
-//! that use it add their steps to `Session` in theirs.
+//! session holds sits in a file of its own, and the phases that use it add their steps to
+//! `Session` in theirs.
 //!
 //! Pages travel on `channels` data connections, each with a sender thread (see `sender.rs`) fed
 //! batches of `packet_pages` addresses round-robin; the main connection carries pass ends,
@@ -47,23 +55,27 @@
 mod ack_state;
 pub(crate) mod agreement;
 mod bandwidth;
+mod converge;
 mod forward;
 mod heat;
 mod hint_rounds;
 mod hints;
 pub(crate) mod keep;
 mod limiter;
+mod link;
 mod live;
 mod local;
 mod observe;
 mod params;
 mod pool;
 mod postcopy;
+mod postcopy_state;
 mod precopy;
 mod progress;
 mod readahead;
 mod reader;
 mod recover;
+mod report;
 mod sender;
 mod shared_main;
 mod switchover;
@@ -71,24 +83,27 @@ pub(crate) mod target;
 
 use std::time::{Duration, Instant};
 
-use self::ack_state::{AckUse, Acks};
+use self::ack_state::AckUse;
 use self::agreement::Agreement;
-use self::bandwidth::BandwidthWindow;
+use self::converge::Convergence;
 use self::hint_rounds::Hints;
-use self::limiter::{Limiter, Pacing};
+use self::limiter::Pacing;
+use self::link::Link;
 use self::live::Live;
 pub use self::params::{
     DEFAULT_CHANNELS, DEFAULT_PACKET_PAGES, DEFAULT_PEER_TIMEOUT, DEFAULT_POSTCOPY_QUIET_START,
     Mode, Postcopy, PostcopyOrder, Preempt, SourceParams, TestHooks,
 };
-use self::reader::{Granted, Inbound, InboundReader};
+use self::postcopy_state::PostcopyState;
+use self::reader::{Granted, InboundReader};
+use self::report::Report;
 pub(crate) use self::target::Target;
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
 use crate::error::{ConfigError, MigrateError, ProtocolError};
 use crate::ram::Ram;
-use crate::stats::{self, MigrationStats, Timeline};
+use crate::stats::MigrationStats;
 use crate::transport::Stream;
 use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, Role};
@@ -103,8 +118,6 @@ const REQUESTED: Capabilities =
 /// VMM checks the guest's configuration first, in milliseconds), so a peer silent this long is
 /// something else listening there.
 const HELLO_WAIT: Duration = Duration::from_secs(10);
-/// How long a failed write waits for the destination's explanation on the main connection.
-const PEER_ERROR_WAIT: Duration = Duration::from_millis(200);
 /// How precopy ended: the pass it sent last, and what comes next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ending {
@@ -114,7 +127,7 @@ enum Ending {
     Postcopy(u32, crate::stats::PostcopyTrigger),
 }
 
-/// Whether the guest runs while a pass sends its pages.
+/// Where the guest runs, and so whether a pass's pages are paced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GuestState {
     /// Precopy: the guest dirties pages behind the pass; the pass is paced and cancellable.
@@ -122,14 +135,18 @@ enum GuestState {
     /// Switchover: every millisecond is downtime, so the pass is never paced, and it is not
     /// cancelled half-way (a failure still resumes the guest).
     Paused,
+    /// Complete (or Postcopy) was sent: from here the guest may run on the destination, so
+    /// a failure never resumes it here.
+    HandedOver,
 }
 
 impl GuestState {
-    /// A paused guest's pages are downtime: they go out as fast as the link takes them.
+    /// A paused guest's pages are downtime, and so are a handed-over guest's faults: they
+    /// go out as fast as the link takes them.
     fn pacing(self) -> Pacing {
         match self {
             GuestState::Running => Pacing::Limited,
-            GuestState::Paused => Pacing::Unlimited,
+            GuestState::Paused | GuestState::HandedOver => Pacing::Unlimited,
         }
     }
 }
@@ -182,54 +199,32 @@ pub fn migrate_with_hooks<S: Stream + 'static>(
 }
 
 /// One outgoing migration, to a live destination (`Live`, the default) or to another
-/// [`Target`].
+/// [`Target`]. The core holds what every target needs; what only a live destination has (its
+/// reader and acknowledgements, postcopy's connections) is the target's, and postcopy's own
+/// state is a value of its own, present only when the migration may switch to it.
 struct Session<'a, P = Live> {
-    /// Where the pages go: the connections and what was agreed on them, or a file.
+    /// Where the pages go: the connections, what was agreed and acknowledged on them, or a
+    /// file.
     peer: P,
-    /// The reader of the main connection and what the destination acknowledged.
-    acks: Acks,
     ram: Ram,
     bitmap: DirtyBitmap,
     params: SourceParams,
     hooks: TestHooks,
     control: &'a Control,
-    /// `None` without a bandwidth limit.
-    limiter: Option<Limiter>,
-    bandwidth: BandwidthWindow,
+    /// The bandwidth limit, the send rate and what a page costs on the wire.
+    link: Link,
+    /// The stall count, and the throttle and dirty limit in force.
+    converge: Convergence,
+    /// Statistics, timeline and the clocks behind them.
+    report: Report,
+    /// Running, paused, or handed over: from the handover the guest may run on the
+    /// destination, so the source must never run it again.
     guest: GuestState,
-    /// Complete was sent: from here the guest may run on the destination, so the source must
-    /// never run it again.
-    handed_over: bool,
-    /// Passes in a row that dirtied more than half of what they sent (`policy::stall_count`).
-    stalled_passes: u32,
-    /// The auto-converge throttle in force, percent; lifted when the session concludes.
-    throttle: u8,
-    /// The per-vCPU dirty limit in force, bytes per second; lifted when the session
-    /// concludes.
-    dirty_limit: Option<u64>,
-    start: Instant,
-    /// When precopy's loop last looked at cancellation (`check_control`), for `max_step_ms`.
-    last_check: Option<Instant>,
-    cpu_start: u64,
-    stats: MigrationStats,
-    /// Batches sent so far.
-    samples: u64,
-    /// When progress was last published between pass ends (`progress.rs`).
-    published: Instant,
-    /// Pass 1's populated memory not walked yet (0 after pass 1), for its progress.
-    first_pass_left: u64,
-    /// The report's time series, and the pass and phase its samples are tagged with.
-    timeline: Timeline,
-    pass: u32,
-    phase: Phase,
     /// Free page hints: rounds, and pass 1's pages to skip.
     hints: Hints,
-    /// Postcopy's requests, from read to taken by this thread (`PostcopyStats::source_handoff`).
-    handoff: crate::wire::Latencies,
-    /// How recently each 2 MiB was dirtied, for postcopy's push order (`heat.rs`).
-    heat: heat::Heat,
-    /// What a data page costs on the wire lately, with compression (`compress.rs`).
-    wire: crate::compress::WireShare,
+    /// Postcopy's settings and what it gathers in precopy (the heat) and after the switch
+    /// (the request hand-off); `None` unless [`Mode::Postcopy`].
+    postcopy: Option<PostcopyState>,
 }
 
 impl<'a, P: Target> Session<'a, P> {
@@ -242,37 +237,21 @@ impl<'a, P: Target> Session<'a, P> {
     ) -> Session<'a, P> {
         Session {
             peer,
-            acks: Acks::default(),
             bitmap: DirtyBitmap::new(ram.regions()),
             ram,
             params: params.clone(),
             hooks,
             control,
-            limiter: params.max_bandwidth.map(Limiter::new),
-            bandwidth: BandwidthWindow::default(),
+            link: Link::new(params.max_bandwidth),
+            converge: Convergence::default(),
+            report: Report::new(),
             guest: GuestState::Running,
-            handed_over: false,
-            heat: heat::Heat::default(),
-            wire: crate::compress::WireShare::default(),
-            stalled_passes: 0,
-            throttle: 0,
-            dirty_limit: None,
-            start: Instant::now(),
-            last_check: None,
-            cpu_start: stats::thread_cpu_ns(),
-            stats: MigrationStats::default(),
-            samples: 0,
-            published: Instant::now(),
-            first_pass_left: 0,
-            timeline: Timeline::default(),
-            pass: 0,
-            phase: Phase::Setup,
             hints: if params.free_page_hints {
                 Hints::default()
             } else {
                 Hints::off()
             },
-            handoff: crate::wire::Latencies::default(),
+            postcopy: params.postcopy().cloned().map(PostcopyState::new),
         }
     }
 
@@ -284,21 +263,21 @@ impl<'a, P: Target> Session<'a, P> {
         result: Result<(), MigrateError>,
     ) -> Result<MigrationStats, MigrateError> {
         self.peer.abandon();
-        if !self.handed_over {
+        if self.guest != GuestState::HandedOver {
             self.finish_hints(vm);
         }
-        self.stats.vcpus = vm.vcpu_dirty();
+        self.report.stats.vcpus = vm.vcpu_dirty();
         vm.stop_dirty_log();
-        if self.dirty_limit.take().is_some()
+        if self.converge.dirty_limit.take().is_some()
             && let Err(e) = vm.set_dirty_limit(None)
         {
             tracing::warn!("could not lift the guest's dirty limit: {e}");
         }
-        if self.throttle > 0 {
+        if self.converge.throttle > 0 {
             if let Err(e) = vm.set_throttle(0) {
                 tracing::warn!("could not lift the guest's throttle: {e}");
             }
-            self.throttle = 0;
+            self.converge.throttle = 0;
             self.control.update(|p| p.throttle_percent = 0);
         }
         match result {
@@ -313,7 +292,7 @@ impl<'a, P: Target> Session<'a, P> {
             }
             Err(e) => {
                 let e = self.explain(e);
-                if !self.handed_over {
+                if self.guest != GuestState::HandedOver {
                     // The destination's own error is not echoed back to it.
                     if !e.from_the_peer() {
                         self.peer.send_ending(&e);
@@ -344,18 +323,9 @@ impl<'a, P: Target> Session<'a, P> {
         match e {
             MigrateError::Io { .. }
             | MigrateError::Truncated { .. }
-            | MigrateError::Stalled { .. } => {
-                let message = match &self.acks.reader {
-                    Some(reader) => match reader.wait(PEER_ERROR_WAIT) {
-                        Some(Ok(Inbound::Error(message))) => Some(message),
-                        _ => None,
-                    },
-                    None => self.peer.peer_error(),
-                };
-                message.map_or(e, |m| {
-                    MigrateError::Remote(crate::error::Side::Destination, m)
-                })
-            }
+            | MigrateError::Stalled { .. } => self.peer.peer_error().map_or(e, |m| {
+                MigrateError::Remote(crate::error::Side::Destination, m)
+            }),
             e => e,
         }
     }
@@ -370,15 +340,15 @@ impl<'a, P: Target> Session<'a, P> {
     /// counts it.
     fn start_tracking(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let t = Instant::now();
-        self.last_check = Some(t);
+        self.report.last_check = Some(t);
         vm.start_dirty_log()?;
         if let Some(rate) = self.params.dirty_limit {
             self.set_dirty_limit(vm, rate)?;
         }
-        self.stats.dirty_start_ms = ms(t.elapsed());
-        self.stats.setup_ms = ms(self.start.elapsed());
+        self.report.stats.dirty_start_ms = ms(t.elapsed());
+        self.report.stats.setup_ms = ms(self.report.start.elapsed());
         // What pass 1 will send, shown from the phase's start (pass 1 counts it down).
-        self.first_pass_left = self.ram.populated_bytes();
+        self.report.first_pass_left = self.ram.populated_bytes();
         self.set_phase(Phase::Precopy);
         Ok(())
     }
@@ -390,7 +360,7 @@ impl Session<'_, Live> {
     fn lend_lane(&self) {
         let unit = self.peer.agreed.postcopy_unit;
         if let (Some(reader), Some(lane)) =
-            (&self.acks.reader, self.peer.pool.lane(&self.ram, unit))
+            (&self.peer.acks.reader, self.peer.pool.lane(&self.ram, unit))
         {
             reader.set_lane(lane);
         }
@@ -544,7 +514,7 @@ impl Session<'_, Live> {
             resumed: false,
         };
         if granted.progress {
-            self.acks.use_ = AckUse::Live;
+            self.peer.acks.use_ = AckUse::Live;
         }
         if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
         {
@@ -579,7 +549,7 @@ impl Session<'_, Live> {
         }
         // A local handover reads its few answers in turn on this thread (`local.rs`).
         if !agreed.local {
-            self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+            self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
         }
         Ok(())
     }

@@ -14,14 +14,13 @@
 
 use std::time::{Duration, Instant};
 
-use super::ack_state::AckUse;
-use super::reader::{Inbound, InboundReader};
+use super::ack_state::{AckUse, Acks};
 use super::target::Target;
 use super::{Session, ms};
 use crate::control::Phase;
-use crate::error::{MigrateError, Rule};
+use crate::error::MigrateError;
 use crate::policy::{self, Observation, TimeoutAction};
-use crate::wire::{HELLO_SIZE, Kind, PAGE_SIZE};
+use crate::wire::{HELLO_SIZE, PAGE_SIZE};
 
 /// How often a drain looks at the acknowledgements: a tenth of the destination's interval.
 const DRAIN_POLL: Duration = Duration::from_millis(1);
@@ -32,13 +31,8 @@ const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 impl<P: Target> Session<'_, P> {
     /// Folds a new acknowledgement, if one came, into the absorption window.
     pub(super) fn note_acks(&mut self) {
-        let Some(reader) = &self.acks.reader else {
-            return;
-        };
-        let acked = reader.acked().bytes;
-        if acked != self.acks.acked {
-            self.acks.acked = acked;
-            self.acks.absorbed.record(Instant::now(), acked);
+        if let Some(acks) = self.peer.acks_mut() {
+            acks.note();
         }
     }
 
@@ -52,28 +46,28 @@ impl<P: Target> Session<'_, P> {
     /// Bytes sent or queued that the destination has not acknowledged; 0 without
     /// acknowledgements.
     pub(super) fn in_flight(&self) -> u64 {
-        match self.acks.use_ {
-            AckUse::Live => self.bytes_committed().saturating_sub(self.acks.acked),
-            AckUse::Unavailable | AckUse::Stalled => 0,
-        }
+        self.peer
+            .acks()
+            .map_or(0, |acks| acks.in_flight(self.bytes_committed()))
     }
 
     /// The rate the policy divides by: what the destination absorbs, once acknowledgements
     /// have measured it, else the send rate.
     pub(super) fn rate(&self) -> f64 {
-        let absorbed = self.acks.absorbed.rate();
-        match self.acks.use_ {
-            AckUse::Live if absorbed > 0.0 => absorbed,
-            _ => self.bandwidth.rate(),
-        }
+        self.peer
+            .acks()
+            .and_then(Acks::absorbed_rate)
+            .unwrap_or_else(|| self.link.bandwidth.rate())
     }
 
     /// Something is about to be handed to the channels: both rate clocks run again (see
     /// `bandwidth.rs`: time with nothing to carry is not the link's).
     pub(super) fn link_busy(&mut self) {
         let now = Instant::now();
-        self.bandwidth.busy(now, self.bytes_written());
-        self.acks.absorbed.busy(now, self.acks.acked);
+        self.link.bandwidth.busy(now, self.bytes_written());
+        if let Some(acks) = self.peer.acks_mut() {
+            acks.absorbed.busy(now, acks.acked);
+        }
     }
 
     /// Stops a rate clock whose pipeline is empty: the senders wrote every page queued on
@@ -81,10 +75,14 @@ impl<P: Target> Session<'_, P> {
     fn note_idle(&mut self) {
         let now = Instant::now();
         if self.peer.pending_pages() == 0 {
-            self.bandwidth.idle(now, self.bytes_written());
+            self.link.bandwidth.idle(now, self.bytes_written());
         }
-        if self.acks.use_ == AckUse::Live && self.in_flight() == 0 {
-            self.acks.absorbed.idle(now, self.acks.acked);
+        let in_flight = self.in_flight();
+        if let Some(acks) = self.peer.acks_mut()
+            && acks.use_ == AckUse::Live
+            && in_flight == 0
+        {
+            acks.absorbed.idle(now, acks.acked);
         }
     }
 
@@ -97,10 +95,10 @@ impl<P: Target> Session<'_, P> {
             remaining_bytes: ((self.bitmap.count() * PAGE_SIZE) as f64 * self.wire_share()) as u64,
             in_flight_bytes: self.in_flight(),
             bandwidth: self.rate(),
-            elapsed: self.start.elapsed(),
-            stalled_passes: self.stalled_passes,
-            throttle: self.throttle,
-            dirty_limit: self.dirty_limit,
+            elapsed: self.report.start.elapsed(),
+            stalled_passes: self.converge.stalled_passes,
+            throttle: self.converge.throttle,
+            dirty_limit: self.converge.dirty_limit,
             postcopy_granted: self.peer.agreement().postcopy,
         }
     }
@@ -111,7 +109,8 @@ impl<P: Target> Session<'_, P> {
     pub(super) fn drain(&mut self, now: &Observation) -> Result<(), MigrateError> {
         let started = Instant::now();
         let deadline = started + policy::drain_bound(now);
-        let acked_before = self.acks.acked;
+        let acked = |s: &Self| s.peer.acks().map_or(0, Acks::acked);
+        let acked_before = acked(self);
         loop {
             self.check_control()?;
             let o = self.observe();
@@ -120,19 +119,21 @@ impl<P: Target> Session<'_, P> {
                 break;
             }
             if Instant::now() >= deadline {
-                self.stats.drain_timeouts += 1;
-                if self.acks.acked == acked_before {
+                self.report.stats.drain_timeouts += 1;
+                if acked(self) == acked_before
+                    && let Some(acks) = self.peer.acks_mut()
+                {
                     tracing::warn!(
                         "the destination acknowledged nothing for {:?}; deciding on the send rate from now on",
                         policy::drain_bound(now)
                     );
-                    self.acks.use_ = AckUse::Stalled;
+                    acks.use_ = AckUse::Stalled;
                 }
                 break;
             }
             std::thread::sleep(DRAIN_POLL);
         }
-        self.stats.drain_ms += ms(started.elapsed());
+        self.report.stats.drain_ms += ms(started.elapsed());
         Ok(())
     }
 
@@ -143,8 +144,8 @@ impl<P: Target> Session<'_, P> {
     /// the pages of a pass cut short would have to be put back first.)
     pub(super) fn check_control(&mut self) -> Result<(), MigrateError> {
         let now = Instant::now();
-        if let Some(last) = self.last_check.replace(now) {
-            self.stats.max_step_ms = self.stats.max_step_ms.max(ms(now - last));
+        if let Some(last) = self.report.last_check.replace(now) {
+            self.report.stats.max_step_ms = self.report.stats.max_step_ms.max(ms(now - last));
         }
         if self.control.cancelled() {
             return Err(MigrateError::Cancelled);
@@ -152,29 +153,12 @@ impl<P: Target> Session<'_, P> {
         self.retune();
         let policy = &self.params.policy;
         if let Some(t) = policy.timeout.filter(|&t| {
-            self.phase == Phase::Precopy
+            self.report.phase == Phase::Precopy
                 && policy.timeout_action == TimeoutAction::Cancel
-                && self.start.elapsed() >= t
+                && self.report.start.elapsed() >= t
         }) {
             return Err(MigrateError::Timeout(t));
         }
-        match self.acks.reader.as_ref().and_then(InboundReader::poll) {
-            None => Ok(()),
-            Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
-                crate::error::Side::Destination,
-                message,
-            )),
-            Some(Ok(Inbound::Resumed(_))) => Err(MigrateError::misplaced(
-                Kind::Resumed,
-                Rule::ResumedAfterComplete,
-            )),
-            Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_))) => {
-                unreachable!("the reader folds acknowledgements and queues requests")
-            }
-            Some(Ok(Inbound::Done(_))) => {
-                Err(MigrateError::misplaced(Kind::Done, Rule::NoDoneInPrecopy))
-            }
-            Some(Err(e)) => Err(e),
-        }
+        self.peer.heard()
     }
 }

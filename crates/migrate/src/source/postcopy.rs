@@ -24,10 +24,11 @@ use std::time::{Duration, Instant};
 
 use super::forward::Requested;
 use super::heat::Walk;
+use super::postcopy_state::PostcopyState;
 use super::readahead;
 use super::reader::Inbound;
 use super::target::Target;
-use super::{Session, ms};
+use super::{GuestState, Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::control::Phase;
 use crate::error::{MigrateError, ProtocolError, Rule};
@@ -78,9 +79,9 @@ impl<P: Target> Session<'_, P> {
         } else if self.control.postcopy_requested() {
             Some(PostcopyTrigger::Asked)
         } else if self
-            .params
-            .postcopy()
-            .and_then(|p| p.after_passes)
+            .postcopy
+            .as_ref()
+            .and_then(|p| p.settings.after_passes)
             .is_some_and(|n| pass >= n)
         {
             Some(PostcopyTrigger::AfterPasses)
@@ -91,6 +92,14 @@ impl<P: Target> Session<'_, P> {
 }
 
 impl Session<'_> {
+    /// Postcopy's state: there whenever postcopy runs, which it does only when granted, and
+    /// it is asked for only in its mode.
+    fn postcopy_state(&self) -> &PostcopyState {
+        self.postcopy
+            .as_ref()
+            .expect("postcopy runs only in its mode")
+    }
+
     /// Switches to postcopy after precopy pass `pass` and sends the rest.
     pub(super) fn postcopy(
         &mut self,
@@ -98,12 +107,7 @@ impl Session<'_> {
         pass: u32,
         trigger: PostcopyTrigger,
     ) -> Result<(), MigrateError> {
-        // Granted only when asked for, and asked for only in this mode.
-        let settings = self
-            .params
-            .postcopy()
-            .cloned()
-            .expect("postcopy is agreed only in its mode");
+        let settings = self.postcopy_state().settings.clone();
         self.set_phase(Phase::Discarding);
         let mut pc = PostcopyStats {
             after_passes: pass,
@@ -168,9 +172,10 @@ impl Session<'_> {
         // it loads the state (a VMM's load can touch guest memory: KVM reads a vCPU's clock
         // page when its MSR is set); they are served at once.
         let listed = self.bitmap.clone();
-        let mut walk = Walk::new(&self.bitmap, &self.heat, settings.order);
+        let mut walk = Walk::new(&self.bitmap, &self.postcopy_state().heat, settings.order);
         self.peer.readahead = readahead::Readahead::new(settings.prefetch_pages);
-        self.acks
+        self.peer
+            .acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -191,7 +196,7 @@ impl Session<'_> {
             Ok(()) => {}
             // A break between Postcopy and Resumed: the destination has the state and may run
             // the guest, so both sides pause, and a recovery goes on from its Missing list.
-            Err(e) if self.handed_over && self.recoverable(&e) => {
+            Err(e) if self.guest == GuestState::HandedOver && self.recoverable(&e) => {
                 self.recover(&mut pc, &listed, e)?;
                 (walk, quiet_until) = (None, None);
             }
@@ -199,9 +204,9 @@ impl Session<'_> {
         }
         let latencies = loop {
             // After a recovery the walk starts over the destination's list.
-            let from = walk
-                .take()
-                .unwrap_or_else(|| Walk::new(&self.bitmap, &self.heat, settings.order));
+            let from = walk.take().unwrap_or_else(|| {
+                Walk::new(&self.bitmap, &self.postcopy_state().heat, settings.order)
+            });
             let sent = self
                 .share_main()
                 .and_then(|()| {
@@ -209,7 +214,7 @@ impl Session<'_> {
                     self.unshare_main(&mut pc);
                     pushed
                 })
-                .and_then(|()| self.peer.pool.close(&mut self.stats))
+                .and_then(|()| self.peer.pool.close(&mut self.report.stats))
                 .and_then(|()| {
                     self.peer
                         .conn
@@ -232,9 +237,9 @@ impl Session<'_> {
         pc.latency_buckets = latencies.buckets.to_vec();
         pc.source_turnaround = (&self.peer.pool.turnaround()).into();
         pc.pages_forwarded += self.peer.pool.forwarded_pages();
-        pc.source_handoff = (&self.handoff).into();
+        pc.source_handoff = (&self.postcopy_state().handoff).into();
         pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
-        self.stats.postcopy = Some(pc);
+        self.report.stats.postcopy = Some(pc);
         Ok(())
     }
 
@@ -276,7 +281,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.acks.use_ != super::ack_state::AckUse::Live {
+            if self.peer.acks.use_ != super::ack_state::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {
@@ -335,18 +340,19 @@ impl Session<'_> {
                 }
                 if walk.at_end() {
                     // Pages listed again after the walk began (a recovery's).
-                    walk = walk.again(&self.bitmap, &self.heat);
+                    walk = walk.again(&self.bitmap, &self.postcopy_state().heat);
                 }
                 // Whole units: a chunk holds whole units, and a batch is one unit or more.
                 walk.take(&mut self.bitmap, packet, &mut held);
-                if let Some(l) = &mut self.limiter {
+                if let Some(l) = &mut self.link.limiter {
                     l.add(held.len() as u64 * (8 + PAGE_SIZE));
                 }
                 continue;
             }
             let wait = self
+                .link
                 .limiter
-                .map_or(Duration::ZERO, |l| l.wait(self.start.elapsed()));
+                .map_or(Duration::ZERO, |l| l.wait(self.report.start.elapsed()));
             if !wait.is_zero() {
                 self.wait_requests(wait.min(REQUEST_POLL));
                 continue;
@@ -379,7 +385,8 @@ impl Session<'_> {
 
     /// Waits up to `timeout` for a page request (or less, if one is queued already).
     fn wait_requests(&self, timeout: Duration) {
-        self.acks
+        self.peer
+            .acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -409,7 +416,11 @@ impl Session<'_> {
         let unit = self.peer.agreed.postcopy_unit * PAGE_SIZE;
         let (requested, asked) = self.take_requests(pc)?;
         if requested.iter().any(|r| !r.forwarded) {
-            self.handoff.add(asked.elapsed().as_micros() as u64);
+            self.postcopy
+                .as_mut()
+                .expect("postcopy's mode")
+                .handoff
+                .add(asked.elapsed().as_micros() as u64);
         }
         // Whole host pages of the destination, whatever it asked: `(gpa, bytes)`.
         let whole = |gpa: u64, pages: u64| {
@@ -457,7 +468,7 @@ impl Session<'_> {
         // Once the guest runs there, the main connection carries nothing else (MAIN_PAGES):
         // requested pages on it wait behind no background stream. Before, the destination's
         // session is loading the state and reads only the data channels.
-        let on_main = self.peer.agreed.main_pages && self.phase == Phase::Postcopy;
+        let on_main = self.peer.agreed.main_pages && self.report.phase == Phase::Postcopy;
         let resend = (self.peer.agreed.preempt || on_main).then_some(listed);
         // Picked a bounded number of pages at a time, so that however many requests are
         // queued, the pages looked at once stay few.
@@ -499,7 +510,7 @@ impl Session<'_> {
             return self.peer.pool.queue_urgent(gpas.to_vec(), asked);
         }
         self.write_main(gpas)?;
-        self.stats.pages_normal += gpas.len() as u64;
+        self.report.stats.pages_normal += gpas.len() as u64;
         pc.pages_on_main += gpas.len() as u64;
         Ok(())
     }
@@ -511,6 +522,7 @@ impl Session<'_> {
         pc: &mut PostcopyStats,
     ) -> Result<(Vec<Requested>, Instant), MigrateError> {
         let (runs, since) = self
+            .peer
             .acks
             .reader
             .as_ref()
@@ -530,7 +542,7 @@ impl Session<'_> {
     /// asked for.
     fn check_ended(&mut self) -> Result<(), MigrateError> {
         self.check_pause()?;
-        let reader = self.acks.reader.as_ref().expect("the reader runs");
+        let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
         match reader.poll() {
             None => Ok(()),
             Some(Ok(Inbound::Error(message))) => Err(MigrateError::Remote(
@@ -554,7 +566,7 @@ impl Session<'_> {
         loop {
             self.check_pause()?;
             self.take_requests(pc)?;
-            let reader = self.acks.reader.as_ref().expect("the reader runs");
+            let reader = self.peer.acks.reader.as_ref().expect("the reader runs");
             match reader.wait(Duration::from_millis(50)) {
                 Some(Ok(Inbound::Done(l))) => return Ok(*l),
                 Some(Ok(Inbound::Error(message))) => {

@@ -35,13 +35,16 @@ impl<P: Target> Session<'_, P> {
             let pass_started = Instant::now();
             let before = self.bitmap.count();
             self.sync_dirty(vm)?;
-            let last = self.stats.passes.last_mut().expect("pass 1 ran");
+            let last = self.report.stats.passes.last_mut().expect("pass 1 ran");
             if after_pass {
                 let dirtied = self.bitmap.count() - before;
                 last.dirty_rate_pages_per_s =
                     dirtied as f64 / (last.duration_ms / 1000.0).max(1e-3);
-                self.stalled_passes =
-                    policy::stall_count(self.stalled_passes, last.bytes, dirtied * PAGE_SIZE);
+                self.converge.stalled_passes = policy::stall_count(
+                    self.converge.stalled_passes,
+                    last.bytes,
+                    dirtied * PAGE_SIZE,
+                );
             }
             let dirty_rate = last.dirty_rate_pages_per_s;
             self.retune();
@@ -59,7 +62,7 @@ impl<P: Target> Session<'_, P> {
             };
             match decision {
                 Decision::Switchover => {
-                    self.stats.converged = policy::fits(&self.params.policy, &now);
+                    self.report.stats.converged = policy::fits(&self.params.policy, &now);
                     return Ok(Ending::Switchover(pass));
                 }
                 Decision::Postcopy => {
@@ -112,8 +115,8 @@ impl<P: Target> Session<'_, P> {
         if let Some(rate) = t.max_bandwidth {
             self.params.max_bandwidth = rate;
             self.peer.max_bandwidth_changed(rate);
-            let now = self.start.elapsed();
-            self.limiter = rate.map(|r| Limiter::from(r, now));
+            let now = self.report.start.elapsed();
+            self.link.limiter = rate.map(|r| Limiter::from(r, now));
         }
         tracing::info!("migration settings changed: {t:?}");
         let settings = self.params.settings();
@@ -124,17 +127,18 @@ impl<P: Target> Session<'_, P> {
     /// auto-converge was turned off while the migration ran.
     fn fit_throttle(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let cap = self.params.policy.auto_converge.map_or(0, |a| a.max);
-        if self.throttle > cap {
+        if self.converge.throttle > cap {
             self.throttle(vm, cap)?;
         }
         // A dirty limit auto-converge set goes with it; one asked for from the start stays.
-        if self.params.policy.auto_converge.is_none() && self.dirty_limit != self.params.dirty_limit
+        if self.params.policy.auto_converge.is_none()
+            && self.converge.dirty_limit != self.params.dirty_limit
         {
             match self.params.dirty_limit {
                 Some(rate) => self.set_dirty_limit(vm, rate)?,
                 None => {
                     vm.set_dirty_limit(None)?;
-                    self.dirty_limit = None;
+                    self.converge.dirty_limit = None;
                 }
             }
         }
@@ -146,8 +150,9 @@ impl<P: Target> Session<'_, P> {
     fn throttle(&mut self, vm: &mut dyn SourceVm, percent: u8) -> Result<(), MigrateError> {
         match vm.set_throttle(percent) {
             Ok(()) => {
-                self.throttle = percent;
-                self.stats.throttle_max_percent = self.stats.throttle_max_percent.max(percent);
+                self.converge.throttle = percent;
+                self.report.stats.throttle_max_percent =
+                    self.report.stats.throttle_max_percent.max(percent);
                 self.control.update(|p| p.throttle_percent = percent);
                 Ok(())
             }
@@ -156,7 +161,7 @@ impl<P: Target> Session<'_, P> {
                     "the VMM cannot throttle its vCPUs: auto-converge is off for this migration"
                 );
                 self.params.policy.auto_converge = None;
-                self.stats.throttle_unsupported = true;
+                self.report.stats.throttle_unsupported = true;
                 let settings = self.params.settings();
                 self.control.update(|p| p.settings = settings);
                 Ok(())
@@ -175,13 +180,13 @@ impl<P: Target> Session<'_, P> {
                     "{operation} is not supported by this VMM: auto-converge throttles the whole guest instead"
                 );
                 self.params.policy.converge_by = crate::ConvergeBy::Throttle;
-                self.stats.dirty_limit_unsupported = true;
+                self.report.stats.dirty_limit_unsupported = true;
                 // This stall's step, taken now rather than a stalled pass later.
                 match self
                     .params
                     .policy
                     .auto_converge
-                    .and_then(|a| a.next(self.throttle))
+                    .and_then(|a| a.next(self.converge.throttle))
                 {
                     Some(percent) => self.throttle(vm, percent),
                     None => Ok(()),
@@ -199,8 +204,13 @@ impl<P: Target> Session<'_, P> {
     ) -> Result<(), MigrateError> {
         vm.set_dirty_limit(Some(rate))?;
         tracing::info!("each vCPU may now dirty at most {} MB/s", rate / 1_000_000);
-        self.dirty_limit = Some(rate);
-        self.stats.dirty_limit_min = Some(self.stats.dirty_limit_min.map_or(rate, |m| m.min(rate)));
+        self.converge.dirty_limit = Some(rate);
+        self.report.stats.dirty_limit_min = Some(
+            self.report
+                .stats
+                .dirty_limit_min
+                .map_or(rate, |m| m.min(rate)),
+        );
         Ok(())
     }
 
@@ -213,10 +223,10 @@ impl<P: Target> Session<'_, P> {
     /// skips what it hints.
     fn first_pass(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
         let started = Instant::now();
-        self.pass = 1;
+        self.report.pass = 1;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let regions = self.ram.regions().to_vec();
-        self.first_pass_left = self.ram.populated_bytes();
+        self.report.first_pass_left = self.ram.populated_bytes();
         self.publish(None);
         self.start_hint_round(vm);
         let mut hinted = 0;
@@ -230,7 +240,8 @@ impl<P: Target> Session<'_, P> {
                 .map_err(|e| MigrateError::io("looking for populated memory", e))?
             {
                 for gpa in (data..hole.min(end)).step_by(PAGE_SIZE as usize) {
-                    self.first_pass_left = self.first_pass_left.saturating_sub(PAGE_SIZE);
+                    self.report.first_pass_left =
+                        self.report.first_pass_left.saturating_sub(PAGE_SIZE);
                     if self.hints.skips(gpa) {
                         hinted += 1;
                         continue;
@@ -250,10 +261,10 @@ impl<P: Target> Session<'_, P> {
             }
         }
         pages += self.send_pages(&batch, Pacing::Limited)?;
-        self.first_pass_left = 0;
+        self.report.first_pass_left = 0;
         self.hints.first_pass_done();
-        self.stats.pages_skipped_hinted += hinted;
-        self.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages - hinted;
+        self.report.stats.pages_skipped_hinted += hinted;
+        self.report.stats.pages_skipped_holes = self.ram.size() / PAGE_SIZE - pages - hinted;
         self.end_pass(1, GuestState::Running, pages, bytes_before, started)
     }
 
@@ -267,7 +278,7 @@ impl<P: Target> Session<'_, P> {
         guest: GuestState,
         started: Instant,
     ) -> Result<(), MigrateError> {
-        self.pass = pass;
+        self.report.pass = pass;
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let mut cursor = Cursor::default();
         let mut batch = Vec::with_capacity(wire::MAX_PAGES_PER_RECORD as usize);
@@ -294,10 +305,10 @@ impl<P: Target> Session<'_, P> {
     ) -> Result<(), MigrateError> {
         self.link_busy();
         self.peer.end_pass(pass)?;
-        self.stats.passes.push(PassStats {
+        self.report.stats.passes.push(PassStats {
             pass,
             paused: guest == GuestState::Paused,
-            throttle_percent: self.throttle,
+            throttle_percent: self.converge.throttle,
             pages,
             bytes: self.bytes_written() - bytes_before,
             duration_ms: ms(started.elapsed()),
@@ -331,20 +342,20 @@ impl<P: Target> Session<'_, P> {
             return 1.0;
         }
         let (pages, wire) = self.peer.data_totals();
-        self.wire.update(pages, wire)
+        self.link.wire.update(pages, wire)
     }
 
     /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the
     /// average at or under `max_bandwidth`.
     pub(super) fn pace(&mut self, bytes: u64) -> Result<(), MigrateError> {
-        let Some(limiter) = &mut self.limiter else {
+        let Some(limiter) = &mut self.link.limiter else {
             return Ok(());
         };
         limiter.add(bytes);
         let limiter = *limiter;
         loop {
             self.check_control()?;
-            let wait = limiter.wait(self.start.elapsed());
+            let wait = limiter.wait(self.report.start.elapsed());
             if wait.is_zero() {
                 return Ok(());
             }

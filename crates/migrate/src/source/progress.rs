@@ -27,9 +27,9 @@ impl<P: Target> Session<'_, P> {
     /// acknowledgements and the timeline, and now and then publishes progress.
     pub(super) fn after_batch(&mut self) {
         let now = Instant::now();
-        self.bandwidth.record(now, self.bytes_written());
+        self.link.bandwidth.record(now, self.bytes_written());
         self.note_acks();
-        self.samples += 1;
+        self.report.samples += 1;
         self.sample(SampleKind::Tick);
         self.publish_running(now, None);
     }
@@ -37,20 +37,20 @@ impl<P: Target> Session<'_, P> {
     /// Publishes what was sent, the rate, what is left and when it should be sent, if
     /// [`PUBLISH_INTERVAL`] passed since the last time; in postcopy with its requests so far.
     pub(super) fn publish_running(&mut self, now: Instant, postcopy: Option<&PostcopyStats>) {
-        if now.duration_since(self.published) >= PUBLISH_INTERVAL {
+        if now.duration_since(self.report.published) >= PUBLISH_INTERVAL {
             self.publish(postcopy);
         }
     }
 
     /// Publishes what was sent, the rate, what is left and when it should be sent.
     pub(super) fn publish(&mut self, postcopy: Option<&PostcopyStats>) {
-        self.published = Instant::now();
+        self.report.published = Instant::now();
         let (sent, bandwidth, elapsed) = (
             self.bytes_written(),
-            self.bandwidth.rate(),
-            self.start.elapsed(),
+            self.link.bandwidth.rate(),
+            self.report.start.elapsed(),
         );
-        let remaining = self.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
         self.control.update(|p| {
             p.bytes_sent = sent;
             p.bandwidth_mb_s = bandwidth / 1e6;
@@ -83,7 +83,7 @@ impl<P: Target> Session<'_, P> {
     /// sync predicted no longer applies, and is cleared.
     pub(super) fn set_phase(&mut self, phase: Phase) {
         // Precopy is shown with what it has left from its first look on, never a stale 0.
-        let remaining = self.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
         self.control.update(|p| {
             p.phase = phase;
             if phase == Phase::Precopy {
@@ -97,37 +97,38 @@ impl<P: Target> Session<'_, P> {
 
     /// Marks a phase on the timeline only (the final phase is published with the statistics).
     pub(super) fn mark(&mut self, phase: Phase) {
-        self.phase = phase;
+        self.report.phase = phase;
         self.sample(SampleKind::Boundary);
     }
 
     /// Records where the migration stands on the report's timeline.
     pub(super) fn sample(&mut self, kind: SampleKind) {
         let sample = Sample {
-            t_ms: ms(self.start.elapsed()),
+            t_ms: ms(self.report.start.elapsed()),
             bytes_sent: self.bytes_written(),
             remaining_bytes: self.bitmap.count() * PAGE_SIZE,
-            send_rate_mb_s: self.bandwidth.rate() / 1e6,
+            send_rate_mb_s: self.link.bandwidth.rate() / 1e6,
             dirty_rate_pages_per_s: self
+                .report
                 .stats
                 .passes
                 .last()
                 .map_or(0.0, |p| p.dirty_rate_pages_per_s),
-            pass: self.pass,
-            phase: self.phase,
+            pass: self.report.pass,
+            phase: self.report.phase,
         };
-        self.timeline.record(sample, kind);
+        self.report.timeline.record(sample, kind);
     }
 
     /// The statistics as they stand, with the totals filled in.
     pub(super) fn finish_stats(&mut self) -> MigrationStats {
-        let mut s = self.stats.clone();
-        s.timeline = self.timeline.samples().to_vec();
-        s.total_ms = ms(self.start.elapsed());
+        let mut s = self.report.stats.clone();
+        s.timeline = self.report.timeline.samples().to_vec();
+        s.total_ms = ms(self.report.start.elapsed());
         s.bytes_sent = self.bytes_written();
         s.bandwidth_mb_s = s.bytes_sent as f64 / 1e6 / (s.total_ms / 1000.0).max(1e-3);
-        s.cpu_seconds_source += (stats::thread_cpu_ns() - self.cpu_start) as f64 / 1e9;
-        s.acked_bytes = self.acks.acked();
+        s.cpu_seconds_source += (stats::thread_cpu_ns() - self.report.cpu_start) as f64 / 1e9;
+        s.acked_bytes = self.peer.acks().map_or(0, |a| a.acked());
         s
     }
 }

@@ -67,7 +67,7 @@ impl Session<'_> {
     fn sever(&mut self) {
         self.peer.pool.sever();
         let _ = self.peer.conn.stream().shutdown(std::net::Shutdown::Both);
-        self.acks.reader = None;
+        self.peer.acks.reader = None;
     }
 
     /// Postcopy-paused until a recovery succeeds: waits for a resume request, reconnects,
@@ -154,7 +154,7 @@ impl Session<'_> {
             resumed: true,
         };
         // A resumed connection's reader takes page requests from its first byte.
-        self.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
         let preempt = self.preempt();
         self.peer
             .pool

@@ -20,7 +20,7 @@ impl Session<'_> {
     /// through a writer it shares with this thread (`forward.rs`).
     pub(super) fn share_main(&mut self) -> Result<(), MigrateError> {
         let agreed = self.peer.agreed;
-        if agreed.preempt || !agreed.main_pages || self.phase != Phase::Postcopy {
+        if agreed.preempt || !agreed.main_pages || self.report.phase != Phase::Postcopy {
             return Ok(());
         }
         let io = |e| MigrateError::io("sharing the main connection", e);
@@ -33,7 +33,8 @@ impl Session<'_> {
             forwarded_pages: 0,
             turnaround: self.peer.pool.turnaround_counter(),
         }));
-        self.acks
+        self.peer
+            .acks
             .reader
             .as_ref()
             .expect("the reader runs")
@@ -52,14 +53,14 @@ impl Session<'_> {
         let Some(main) = self.peer.main_out.take() else {
             return;
         };
-        if let Some(reader) = &self.acks.reader {
+        if let Some(reader) = &self.peer.acks.reader {
             reader.clear_lane();
         }
         if let Some(w) = main.take() {
             self.peer.earlier_bytes += w.conn.bytes_written;
             pc.pages_on_main += w.forwarded_pages;
             pc.pages_forwarded += w.forwarded_pages;
-            self.stats.pages_normal += w.forwarded_pages;
+            self.report.stats.pages_normal += w.forwarded_pages;
         }
     }
 

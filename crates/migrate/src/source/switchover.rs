@@ -53,13 +53,13 @@ impl<P: Target> Session<'_, P> {
         pass: u32,
     ) -> Result<(Vec<Section>, [Instant; 5]), MigrateError> {
         self.note_acks();
-        self.stats.in_flight_at_pause_bytes = self.in_flight();
+        self.report.stats.in_flight_at_pause_bytes = self.in_flight();
         self.peer.before_pause(self.bitmap.count());
         let (t0, t1) = self.pause_guest(vm)?;
         self.sync_dirty(vm)?;
         let t2 = Instant::now();
         self.dirty_pass(vm, pass, GuestState::Paused, t2)?;
-        self.peer.close_pages(&mut self.stats)?;
+        self.peer.close_pages(&mut self.report.stats)?;
         let t3 = Instant::now();
         self.finish_hints(vm);
         let sections = vm.save_state()?;
@@ -76,7 +76,7 @@ impl<P: Target> Session<'_, P> {
     ) -> Result<(Instant, Instant), MigrateError> {
         self.set_phase(Phase::Switchover);
         let asked = Instant::now();
-        self.last_check = None; // the control loop's steps end here
+        self.report.last_check = None; // the control loop's steps end here
         vm.pause()?;
         self.guest = GuestState::Paused;
         Ok((asked, Instant::now()))
@@ -86,7 +86,7 @@ impl<P: Target> Session<'_, P> {
     /// returns them, and `end`, when the guest runs again (here, or on the destination).
     pub(super) fn note_downtime(&mut self, steps: [Instant; 5], end: Instant) {
         let [t0, t1, t2, t3, t4] = steps;
-        let d = &mut self.stats.downtime;
+        let d = &mut self.report.stats.downtime;
         d.total_ms = ms(end - t0);
         d.pause_ms = ms(t1 - t0);
         d.final_sync_ms = ms(t2 - t1);
@@ -96,7 +96,7 @@ impl<P: Target> Session<'_, P> {
 
     /// Records the saved state's size and where its save went, for the downtime breakdown.
     pub(super) fn note_state(&mut self, vm: &dyn SourceVm, sections: &[Section]) {
-        let d = &mut self.stats.downtime;
+        let d = &mut self.report.stats.downtime;
         d.state_bytes = sections.iter().map(|s| s.data.len() as u64).sum();
         d.save_parts = vm.state_parts();
     }
@@ -130,13 +130,13 @@ impl<'a> Session<'a> {
         self.send_device_state(sections)?;
         self.peer.conn.write_header(&Header::new(last, 0, 0))?;
         self.peer.conn.flush("handing the guest over")?;
-        self.handed_over = true;
+        self.guest = GuestState::HandedOver;
         self.control.update(|p| p.handed_over = true);
         let resumed = match self.await_resumed(serve) {
             Ok(r) => r,
             Err(e @ MigrateError::Remote(..)) if last == Kind::Complete => {
                 // The destination refused the state and runs nothing: the guest is still ours.
-                self.handed_over = false;
+                self.guest = GuestState::Paused;
                 self.control.update(|p| p.handed_over = false);
                 return Err(e);
             }
@@ -154,12 +154,12 @@ impl<'a> Session<'a> {
     pub(super) fn note_resumed(&mut self, steps: [Instant; 5], resumed: ResumedRecord) {
         let t6 = Instant::now();
         self.note_downtime(steps, t6);
-        let d = &mut self.stats.downtime;
+        let d = &mut self.report.stats.downtime;
         d.load_ms = resumed.load_ns as f64 / 1e6;
         d.resume_ms = resumed.resume_ns as f64 / 1e6;
         d.transfer_ms = (ms(t6 - steps[4]) - d.load_ms - d.resume_ms).max(0.0);
         d.load_parts = resumed.parts;
-        self.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
+        self.report.stats.cpu_seconds_destination = resumed.cpu_ns as f64 / 1e9;
     }
 
     /// Writes the device-state sections on the main connection, one record each; the flush
@@ -185,6 +185,7 @@ impl<'a> Session<'a> {
         let tick = if serve.is_some() { LOAD_TICK } else { timeout };
         let ending = loop {
             let reader = self
+                .peer
                 .acks
                 .reader
                 .as_ref()

@@ -2,12 +2,13 @@
 //! (the session's passes, dirty bitmap, policy, limiter, hints, throttle and statistics) hands
 //! a target batches of page addresses and ends passes on it; the target says what it agreed
 //! to, how much it has written and what is still queued, and closes its page path after the
-//! final pass. What completes a migration differs: a live destination (`live.rs`: TCP, TLS or
+//! final pass, and what it acknowledged and said meanwhile. What completes a migration differs: a live destination (`live.rs`: TCP, TLS or
 //! Unix) takes the device state and Complete and answers Resumed; a snapshot file
 //! (`snapshot::target`) takes the state into its file and answers nothing.
 
 #![forbid(unsafe_code)]
 
+use super::ack_state::Acks;
 use super::agreement::Agreement;
 use crate::error::MigrateError;
 use crate::stats::MigrationStats;
@@ -58,6 +59,24 @@ pub(crate) trait Target {
     /// The target's own account of why a write failed, if it gave one.
     fn peer_error(&mut self) -> Option<String> {
         None
+    }
+
+    /// What the target acknowledged of what it was sent, for the in-flight count and the
+    /// rate the policy divides by; `None` for a target that answers nothing (a file), whose
+    /// session decides on the send rate alone.
+    fn acks(&self) -> Option<&Acks> {
+        None
+    }
+
+    /// [`Target::acks`], to fold new acknowledgements in.
+    fn acks_mut(&mut self) -> Option<&mut Acks> {
+        None
+    }
+
+    /// Whatever the target said since it was last asked that ends the migration (its error,
+    /// a record out of order, its connection closing); looked at between any two batches.
+    fn heard(&mut self) -> Result<(), MigrateError> {
+        Ok(())
     }
 }
 
