@@ -372,7 +372,8 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     };
     // What the VMM would refuse, refused before it is asked (the request's own checks and the
     // engine's, once).
-    body.source_params([0; 16]).map_err(UsageError)?;
+    body.source_params([0; 16])
+        .map_err(|e| UsageError(e.to_string()))?;
     let body = serde_json::to_string(&body).context("encoding the migration request")?;
     start(args, to, &body)?;
     follow_unless_detached(args, to, Until::End)

@@ -120,7 +120,7 @@ fn dirty_ring_entries(s: &str) -> Result<u32, String> {
     let n: u32 = s
         .parse()
         .map_err(|_| format!("{s:?} is not a number of entries"))?;
-    ferry_vmm::kvm::ring::check_entries(n)?;
+    ferry_vmm::kvm::ring::check_entries(n).map_err(|e| e.to_string())?;
     Ok(n)
 }
 

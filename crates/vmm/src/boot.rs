@@ -37,6 +37,16 @@ pub enum BootError {
     NotPvh,
     #[error("bad guest command line: {0}")]
     Cmdline(String),
+    #[error("bad guest command line: {source} (at most {most} printable ASCII bytes)", most = CMDLINE_MAX)]
+    CmdlineText {
+        #[source]
+        source: linux_loader::cmdline::Error,
+    },
+    #[error("cannot write the guest command line into guest RAM at {CMDLINE_ADDR:#x}: {source}")]
+    CmdlineLoad {
+        #[source]
+        source: linux_loader::loader::Error,
+    },
     #[error("--memory {memory}M is too small for this guest: its working set of {ws}M needs {needed}M of RAM above the guest image but only {free}M is free; raise --memory to at least {suggest}M or lower ws=", memory = memory >> 20, ws = ws >> 20, needed = needed.div_ceil(1 << 20), free = free >> 20, suggest = suggest >> 20)]
     MemoryTooSmall {
         memory: u64,
@@ -137,14 +147,13 @@ pub fn load(ram: &GuestRam, elf: &[u8], cmdline: &str) -> Result<BootSetup, Boot
         return Err(BootError::NotPvh);
     };
 
-    let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    let text = |source| BootError::CmdlineText { source };
+    let mut line = Cmdline::new(CMDLINE_MAX).map_err(text)?;
     if !cmdline.is_empty() {
-        line.insert_str(cmdline).map_err(|e| {
-            BootError::Cmdline(format!("{e} (at most {CMDLINE_MAX} printable ASCII bytes)"))
-        })?;
+        line.insert_str(cmdline).map_err(text)?;
     }
     load_cmdline(ram.memory(), GuestAddress(CMDLINE_ADDR), &line)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+        .map_err(|source| BootError::CmdlineLoad { source })?;
 
     let memmap: Vec<hvm_memmap_table_entry> = memory_map(ram)
         .into_iter()

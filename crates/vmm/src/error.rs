@@ -23,7 +23,7 @@ pub enum VmmError {
     #[error("cannot create an interrupt line (eventfd): {0}")]
     Eventfd(std::io::Error),
     #[error("cannot place a device: {0}")]
-    Bus(#[from] crate::devices::BusError),
+    Register(#[from] crate::devices::RegisterError),
     #[error("the VM was stopped before it could start: {0}")]
     Stopped(String),
     #[error("cannot catch SIGXFSZ (a snapshot past the file size limit would kill the VM): {0}")]

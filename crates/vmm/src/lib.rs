@@ -16,7 +16,8 @@
 //!   and what was given.
 //! - [`throttle`]: auto-converge's throttle of the vCPUs; [`dirty_limit`]: the per-vCPU dirty
 //!   limit, which slows only the vCPUs that dirty memory faster than it.
-//! - [`sections`]: this VMM's state as migration sections; [`part_timer`]: the timer that
+//! - [`section_ids`]: every section id of this VMM, declared once with its name and owner;
+//!   [`sections`]: this VMM's state as migration sections; [`part_timer`]: the timer that
 //!   names each part of a save or load.
 //! - [`vmconfig`]: what a migration's destination must match, checked at the hello.
 //! - [`migration`]: the engine's `SourceVm` and `DestinationVm` on this VMM's VMs; [`landing`]:
@@ -48,6 +49,7 @@ pub mod memory;
 pub mod migration;
 pub mod part_timer;
 pub mod request;
+pub mod section_ids;
 pub mod sections;
 pub mod snapshot;
 pub mod throttle;

@@ -38,9 +38,9 @@ pub use crate::request::MigrationRequest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The request itself is wrong; the text names the field.
-    #[error("{0}")]
-    Request(String),
+    /// The request itself is wrong (a migration's or a snapshot's); the error names the field.
+    #[error(transparent)]
+    Request(#[from] crate::request::RequestError),
     #[error(
         "a migration of this VM is already running; cancel it first (ferry cancel, or PUT /migration/cancel)"
     )]
@@ -109,10 +109,8 @@ impl VmHandle {
     /// control handle at once. The VM keeps running until the switchover.
     pub fn start_migration(&self, req: MigrationRequest) -> Result<Arc<Control>, StartError> {
         let mut slot = self.migration_slot()?;
-        let params = req
-            .source_params(migration_uuid())
-            .map_err(StartError::Request)?;
-        let tls = req.source_tls().map_err(StartError::Request)?;
+        let params = req.source_params(migration_uuid())?;
+        let tls = req.source_tls()?;
         let dialer = address_of(&req.to)
             .and_then(|a| Ok(Dialer::new(a, tls.clone())?))
             .map_err(MigrateError::from)?;
@@ -129,7 +127,7 @@ impl VmHandle {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                let connect = || connect(&dialer).map_err(|e| std::io::Error::other(e.to_string()));
+                let connect = || connect(&dialer).map_err(std::io::Error::other);
                 if let Err(e) =
                     source::migrate(&mut adapter, stream, &connect, &params, &thread_control)
                 {

@@ -2,17 +2,50 @@
 //! deserializes, `ferry migrate` serializes, and the demo, the benches and the tests build.
 //! Each default is written once, in its `Default`, from the engine's own defaults; a new
 //! option is a field here, its use in [`MigrationRequest::source_params`], and the CLI's flag.
+//!
+//! What a request gets wrong is a [`RequestError`] (a snapshot's request, `snapshot.rs`, shares
+//! it, both refused the same way by `VmHandle`): the field and the figure for what only a
+//! request can get wrong; the engine's or the TLS layer's own error, kept whole, for the rest.
 
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_migrate::error::ConfigError;
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::{self, Mode, Postcopy, PostcopyOrder, Preempt, SourceParams};
-use ferry_migrate::transport::tls::{SourceTls, TlsFiles};
-use ferry_migrate::{AutoConverge, ConvergeBy, Policy, TimeoutAction};
+use ferry_migrate::transport::Address;
+use ferry_migrate::transport::tls::{SourceTls, TlsError, TlsFiles};
+use ferry_migrate::{AutoConverge, ConvergeBy, MigrateError, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
+
+/// Why a migration or snapshot request cannot be run; each names the field to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("a migration request needs \"to\": the destination's tcp:HOST:PORT or unix:PATH")]
+    NoDestination,
+    #[error("packet_size {packet_size} must be a multiple of 4096 between 4K and 2M")]
+    PacketSize { packet_size: u64 },
+    #[error("peer_timeout_ms 0 would fail the first write that waits; give a positive timeout")]
+    PeerTimeout,
+    /// A setting the engine's request rules refuse (`local` without a Unix address, or with
+    /// TLS), refused here before the engine is asked.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// What the engine's own check of the parameters refused (`SourceParams::check`).
+    #[error(transparent)]
+    Engine(#[from] MigrateError),
+    /// The files of `tls` could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("a snapshot request needs \"to\": the file to write, a path on the VMM's host")]
+    NoSnapshotFile,
+    #[error(
+        "a snapshot's \"mode\" is permission bits in octal, such as \"0600\" or \"0640\", not {mode:?}"
+    )]
+    SnapshotMode { mode: String },
+}
 
 /// A migration request: the body of `PUT /migration`, every field but `to` optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -231,12 +264,9 @@ impl MigrationRequest {
     /// The engine's parameters for this request, for migration `uuid`; what the engine
     /// cannot do is refused by it (`SourceParams::check`), what only this request can get
     /// wrong is refused here, with the field to fix.
-    pub fn source_params(&self, uuid: [u8; 16]) -> Result<SourceParams, String> {
+    pub fn source_params(&self, uuid: [u8; 16]) -> Result<SourceParams, RequestError> {
         if self.to.is_empty() {
-            return Err(
-                "a migration request needs \"to\": the destination's tcp:HOST:PORT or unix:PATH"
-                    .into(),
-            );
+            return Err(RequestError::NoDestination);
         }
         let page = ferry_migrate::wire::PAGE_SIZE;
         let most = u64::from(ferry_migrate::wire::MAX_PAGES_PER_RECORD) * page;
@@ -244,29 +274,21 @@ impl MigrationRequest {
             || !self.packet_size.is_multiple_of(page)
             || self.packet_size > most
         {
-            return Err(format!(
-                "packet_size {} must be a multiple of 4096 between 4K and 2M",
-                self.packet_size
-            ));
+            return Err(RequestError::PacketSize {
+                packet_size: self.packet_size,
+            });
         }
         if self.peer_timeout_ms == 0 {
-            return Err(
-                "peer_timeout_ms 0 would fail the first write that waits; give a positive timeout"
-                    .into(),
-            );
+            return Err(RequestError::PeerTimeout);
         }
         if self.mode == MigrationMode::Local {
-            let unix = matches!(
-                self.to.parse::<ferry_migrate::transport::Address>(),
-                Ok(ferry_migrate::transport::Address::Unix(_))
-            );
-            use ferry_migrate::error::ConfigError;
+            let unix = matches!(self.to.parse::<Address>(), Ok(Address::Unix(_)));
             if !unix {
                 let to = self.to.clone();
-                return Err(ConfigError::LocalNeedsUnix { to }.to_string());
+                return Err(ConfigError::LocalNeedsUnix { to }.into());
             }
             if self.tls.is_some() || self.tls_config.is_some() {
-                return Err(ConfigError::LocalWithTls.to_string());
+                return Err(ConfigError::LocalWithTls.into());
             }
         }
         let params = SourceParams {
@@ -283,13 +305,13 @@ impl MigrationRequest {
             peer_timeout: Some(Duration::from_millis(self.peer_timeout_ms)),
             ..SourceParams::new(self.policy(), uuid)
         };
-        params.check().map_err(|e| e.to_string())?;
+        params.check()?;
         Ok(params)
     }
 
     /// The TLS to run every connection through: the in-process configuration, or one loaded
     /// from `tls`' files; `None` for plain connections.
-    pub fn source_tls(&self) -> Result<Option<Arc<SourceTls>>, String> {
+    pub fn source_tls(&self) -> Result<Option<Arc<SourceTls>>, RequestError> {
         if let Some(tls) = &self.tls_config {
             return Ok(Some(tls.clone()));
         }
@@ -301,7 +323,7 @@ impl MigrationRequest {
             cert: t.cert.clone(),
             key: t.key.clone(),
         };
-        let tls = SourceTls::new(&files, t.name.as_deref()).map_err(|e| e.to_string())?;
+        let tls = SourceTls::new(&files, t.name.as_deref())?;
         Ok(Some(Arc::new(tls)))
     }
 }
@@ -391,6 +413,29 @@ mod tests {
         assert_eq!(r.source_params([1; 16]).unwrap().allow_uids, [107, 65534]);
     }
 
+    /// A refusal from a layer below keeps that layer's error, not its text.
+    #[test]
+    fn a_refusal_keeps_the_engine_s_or_the_tls_layer_s_own_error() {
+        let r: MigrationRequest =
+            serde_json::from_str(r#"{"to": "tcp:a:1", "local": true}"#).unwrap();
+        assert!(matches!(
+            r.source_params([1; 16]),
+            Err(RequestError::Config(ConfigError::LocalNeedsUnix { .. }))
+        ));
+        let r: MigrationRequest = serde_json::from_str(r#"{"to": "a:1", "channels": 0}"#).unwrap();
+        assert!(matches!(
+            r.source_params([1; 16]),
+            Err(RequestError::Engine(MigrateError::Config(_)))
+        ));
+        let r: MigrationRequest = serde_json::from_str(
+            r#"{"to": "a:1", "tls": {"ca": "/nonexistent/ca.pem", "cert": "c", "key": "k"}}"#,
+        )
+        .unwrap();
+        let e = r.source_tls().unwrap_err();
+        assert!(matches!(e, RequestError::Tls(TlsError::Read { .. })), "{e}");
+        assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
+    }
+
     #[test]
     fn a_request_refuses_what_it_alone_can_get_wrong_with_the_field() {
         for (body, want) in [
@@ -406,7 +451,7 @@ mod tests {
             ),
         ] {
             let r: MigrationRequest = serde_json::from_str(body).unwrap();
-            let e = r.source_params([1; 16]).unwrap_err();
+            let e = r.source_params([1; 16]).unwrap_err().to_string();
             assert!(e.contains(want), "{body}: {e}");
         }
         let typo = serde_json::from_str::<MigrationRequest>(r#"{"to": "a:1", "downtime": 5}"#);

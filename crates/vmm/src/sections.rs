@@ -1,23 +1,14 @@
-//! This VMM's state as migration sections: which ids it uses, what saves each, and the order
-//! they load in. The engine carries sections without knowing them; this module is the one
-//! place that does.
+//! This VMM's state as migration sections: what saves each, and the order they load in. The
+//! engine carries sections without knowing them; this module and the devices' registry are the
+//! places that do. Every id, the VM's own and its devices', is declared in `section_ids`, with
+//! its table of what each holds.
 //!
-//! | id | what | instances |
-//! | --- | --- | --- |
-//! | 1 | a vCPU's registers, FPU, MSRs, events, MP state | vCPU id |
-//! | 2 | the VM's kvmclock | 0 |
-//! | 3 | a 16550 UART (`devices::serial`) | 0 = COM1, 1 = COM2 |
-//! | 4 | the telemetry port (`devices::telemetry_port`) | 0 |
-//! | 5 | the in-kernel PICs and IOAPIC | 0 = PIC master, 1 = PIC slave, 2 = IOAPIC |
-//! | 6 | a vCPU's local APIC | vCPU id |
-//! | 7 | a virtio-mmio device: transport, queues and the device (`devices::virtio`; the balloon) | 0 |
-//! | 8 | the VM generation ID (`devices::vmgenid`), optional on load | 0 |
-//!
-//! Devices on the buses bring their own ids (3, 4, 7 and 8); the VM's own parts are here.
-//! Every section but one is mandatory both ways: a destination refuses an id or instance it has
-//! no part for and a stream that lacks one of its parts. The exception is 8, which a destination
-//! loads a stream without (a source older than the device; `devices::vmgenid` says why that is
-//! safe); a destination that does not know 8 refuses it like any unknown id.
+//! The VM's own parts (vCPUs, clock, interrupt controller, local APICs) are here; devices on
+//! the buses are saved and loaded by `Devices`. Every section but one is mandatory both ways: a
+//! destination refuses an id or instance it has no part for and a stream that lacks one of its
+//! parts. The exception is the VM generation ID's (8), which a destination loads a stream
+//! without (a source older than the device; `devices::vmgenid` says why that is safe); a
+//! destination that does not know 8 refuses it like any unknown id.
 //!
 //! Each kind has a range of layout versions, the oldest this VMM loads to the one it writes
 //! (`SectionKind`); `versions` lists them all, the VM's own and its devices', for the VM's
@@ -31,13 +22,10 @@ use crate::devices::{self, DeviceStateError, Devices, SectionKind, SectionNeed};
 use crate::kvm::irqchip::{self, Chip};
 use crate::kvm::state::{self, StateError};
 use crate::part_timer::PartTimer;
+use crate::section_ids::{self, IRQCHIP, LAPIC, VCPU, VM_CLOCK};
 use crate::vm::shared::Shared;
 use crate::vmconfig::SectionVersion;
 
-pub const VCPU: SectionId = SectionId(1);
-pub const VM_CLOCK: SectionId = SectionId(2);
-pub const IRQCHIP: SectionId = SectionId(5);
-pub const LAPIC: SectionId = SectionId(6);
 /// Layout version of the interrupt controller sections this VMM writes, and the oldest it
 /// loads: the same, the layout (KVM's own structs) never having changed.
 const IRQCHIP_VERSION: u32 = 1;
@@ -53,7 +41,7 @@ struct Part {
 }
 
 const VCPU_PART: Part = Part {
-    name: "vCPU",
+    name: section_ids::name(VCPU),
     kind: SectionKind {
         id: VCPU,
         version: state::VCPU_STATE_VERSION,
@@ -61,7 +49,7 @@ const VCPU_PART: Part = Part {
     },
 };
 const CLOCK_PART: Part = Part {
-    name: "VM clock",
+    name: section_ids::name(VM_CLOCK),
     kind: SectionKind {
         id: VM_CLOCK,
         version: state::CLOCK_STATE_VERSION,
@@ -69,7 +57,7 @@ const CLOCK_PART: Part = Part {
     },
 };
 const IRQCHIP_PART: Part = Part {
-    name: "interrupt controller",
+    name: section_ids::name(IRQCHIP),
     kind: SectionKind {
         id: IRQCHIP,
         version: IRQCHIP_VERSION,
@@ -77,7 +65,7 @@ const IRQCHIP_PART: Part = Part {
     },
 };
 const LAPIC_PART: Part = Part {
-    name: "local APIC",
+    name: section_ids::name(LAPIC),
     kind: SectionKind {
         id: LAPIC,
         version: LAPIC_VERSION,

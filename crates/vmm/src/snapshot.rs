@@ -18,6 +18,7 @@ use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
 
 use crate::migration::StartError;
+use crate::request::RequestError;
 use crate::vm::Arrival;
 use crate::vm::build::Vm;
 use crate::vm::handle::VmHandle;
@@ -71,21 +72,15 @@ impl Default for SnapshotRequest {
 }
 
 impl SnapshotRequest {
-    fn params(&self, vcpus: u32) -> Result<SaveParams, String> {
+    fn params(&self, vcpus: u32) -> Result<SaveParams, RequestError> {
         if self.to.as_os_str().is_empty() {
-            return Err(
-                "a snapshot request needs \"to\": the file to write, a path on the VMM's host"
-                    .into(),
-            );
+            return Err(RequestError::NoSnapshotFile);
         }
         let mode = u32::from_str_radix(self.mode.trim_start_matches("0o"), 8)
             .ok()
             .filter(|m| m & !0o777 == 0)
-            .ok_or_else(|| {
-                format!(
-                    "a snapshot's \"mode\" is permission bits in octal, such as \"0600\" or \"0640\", not {:?}",
-                    self.mode
-                )
+            .ok_or_else(|| RequestError::SnapshotMode {
+                mode: self.mode.clone(),
             })?;
         Ok(SaveParams {
             writers: self.writers,
@@ -119,9 +114,7 @@ impl VmHandle {
     /// once (the migration's slot, see the module doc).
     pub fn start_snapshot(&self, req: SnapshotRequest) -> Result<Arc<Control>, StartError> {
         let mut slot = self.migration_slot()?;
-        let params = req
-            .params(self.0.vcpus().len() as u32)
-            .map_err(StartError::Request)?;
+        let params = req.params(self.0.vcpus().len() as u32)?;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
         let mut adapter = self.migration_source();

@@ -143,11 +143,12 @@ pub enum BusKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::section_ids::{SERIAL, TELEMETRY_PORT};
 
     #[test]
     fn a_version_outside_the_range_is_refused_with_the_way_round() {
         let kind = SectionKind {
-            id: SectionId(4),
+            id: TELEMETRY_PORT,
             version: 2,
             oldest: 1,
         };
@@ -175,7 +176,7 @@ mod tests {
         );
         assert!(older.contains("a ferry release between the two"), "{older}");
         assert_eq!(
-            SectionKind::single(SectionId(3), 1).loads(),
+            SectionKind::single(SERIAL, 1).loads(),
             1..=1,
             "one layout, written and loaded"
         );

@@ -5,7 +5,9 @@
 //! `restore` of its state as bytes of a layout version it names. [`Devices`] registers each
 //! device on a bus under a section kind and an instance number (COM1 and COM2 are two instances
 //! of one kind), routes vCPU exits to them, and saves and loads all of them as sections, so a
-//! new device is one registration and an impl, and the migration engine never learns of it.
+//! new device is an id declared in `section_ids`, one registration and an impl, and the
+//! migration engine never learns of it. A registration is refused if another device has the
+//! same id and instance.
 
 pub mod bus;
 pub mod device;
@@ -20,4 +22,4 @@ pub mod vmgenid;
 
 pub use bus::{Bus, BusError};
 pub use device::{BusKind, Device, DeviceStateError, SectionKind, SectionNeed};
-pub use registry::{Devices, LoadError};
+pub use registry::{Devices, LoadError, RegisterError};

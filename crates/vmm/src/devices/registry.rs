@@ -2,6 +2,11 @@
 //! instance number, the vCPU exits routed to them, and all of them saved and loaded as
 //! sections.
 //!
+//! A registration is refused ([`RegisterError`]) when the device's section id is not listed as
+//! a device's in `section_ids`, or when a device already registered has the same id and
+//! instance: the two would save sections a destination cannot tell apart, and one of them would
+//! load the other's state. So each (id, instance) names one device of the VM.
+//!
 //! Devices load in the order they were registered, whatever the stream's order, so a device may
 //! count on the state of one registered before it (the VM generation ID device sets the
 //! telemetry's record of the guest's last word on it, after the telemetry port replaced the
@@ -20,6 +25,7 @@ use ferry_migrate::wire::SectionId;
 use super::bus::{Bus, BusError};
 use super::device::{BusKind, Device, DeviceStateError, SectionKind, SectionNeed};
 use crate::part_timer::PartTimer;
+use crate::section_ids::{self, Owner};
 
 /// A registered device.
 struct Entry {
@@ -28,6 +34,30 @@ struct Entry {
     need: SectionNeed,
     instance: u32,
     device: Arc<Mutex<dyn Device>>,
+}
+
+/// Why a device could not be registered.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RegisterError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error(
+        "{second} would save its state as {id} instance {instance}, which is {first}'s: a \
+         destination could not tell the two apart; give {second} an instance number of its own"
+    )]
+    Twin {
+        id: SectionId,
+        instance: u32,
+        /// The device registered first under `id` and `instance`.
+        first: &'static str,
+        /// The device refused.
+        second: &'static str,
+    },
+    #[error(
+        "{name} saves its state as {id}, which section_ids.rs does not list as a device's; \
+         declare the device's id there, a number no other state uses"
+    )]
+    Unlisted { name: &'static str, id: SectionId },
 }
 
 /// Why a section could not be loaded into the devices.
@@ -66,23 +96,40 @@ impl std::fmt::Debug for Devices {
 
 impl Devices {
     /// Places `device` at `base..base + len` on `bus`, its state saved as `instance` of its
-    /// kind.
+    /// kind; refuses (and places nothing) a device whose id and instance another device has,
+    /// or whose id is not a device's in `section_ids`.
     pub fn register(
         &mut self,
         name: &'static str,
         instance: u32,
         (bus, base, len): (BusKind, u64, u64),
         device: Arc<Mutex<dyn Device>>,
-    ) -> Result<(), BusError> {
+    ) -> Result<(), RegisterError> {
+        let (kind, need) = {
+            let d = device.lock().unwrap();
+            (d.kind(), d.need())
+        };
+        let id = kind.id;
+        if section_ids::find(id).map(|l| l.owner) != Some(Owner::Device) {
+            return Err(RegisterError::Unlisted { name, id });
+        }
+        if let Some(first) = self
+            .entries
+            .iter()
+            .find(|e| e.kind.id == id && e.instance == instance)
+        {
+            return Err(RegisterError::Twin {
+                id,
+                instance,
+                first: first.name,
+                second: name,
+            });
+        }
         let target = match bus {
             BusKind::Pio => &mut self.pio,
             BusKind::Mmio => &mut self.mmio,
         };
         target.insert(name, base, len, device.clone())?;
-        let (kind, need) = {
-            let d = device.lock().unwrap();
-            (d.kind(), d.need())
-        };
         self.entries.push(Entry {
             name,
             kind,
@@ -197,15 +244,20 @@ mod tests {
     use super::*;
     use crate::devices::irq::IrqLine;
     use crate::devices::serial::{self, SerialDevice, SerialOutput};
+    use crate::section_ids::SERIAL;
+
+    /// A UART whose output goes nowhere.
+    fn uart() -> Arc<Mutex<SerialDevice>> {
+        let line = IrqLine::unconnected().unwrap();
+        Arc::new(Mutex::new(
+            SerialDevice::new(&SerialOutput::Discard, line).unwrap(),
+        ))
+    }
 
     /// Two UARTs with different scratch registers, saved and loaded into a fresh pair.
     fn pair() -> (Devices, [Arc<Mutex<SerialDevice>>; 2]) {
         let mut devices = Devices::default();
-        let uarts = [0u16, 1].map(|_| {
-            Arc::new(Mutex::new(
-                SerialDevice::new(&SerialOutput::Discard, IrqLine::unconnected().unwrap()).unwrap(),
-            ))
-        });
+        let uarts = [uart(), uart()];
         for (i, (u, port)) in uarts.iter().zip([0x3f8, 0x2f8]).enumerate() {
             devices
                 .register("uart", i as u32, (BusKind::Pio, port, 8), u.clone())
@@ -237,7 +289,7 @@ mod tests {
             source.kinds(),
             [(
                 "uart",
-                SectionKind::single(serial::SECTION, serial::VERSION),
+                SectionKind::single(SERIAL, serial::VERSION),
                 SectionNeed::Mandatory
             )],
             "one kind for both instances"
@@ -273,8 +325,71 @@ mod tests {
         });
         assert_eq!(
             destination.load(&sections, &mut PartTimer::start()),
-            Err(LoadError::NoDevice(serial::SECTION, 9))
+            Err(LoadError::NoDevice(SERIAL, 9))
         );
+    }
+
+    /// Two devices of one id and instance would save sections a destination cannot tell
+    /// apart: the second is refused, naming both, and placed on no bus.
+    #[test]
+    fn a_twin_is_refused_naming_both_devices() {
+        let mut devices = Devices::default();
+        devices
+            .register("COM1", 0, (BusKind::Pio, 0x3f8, 8), uart())
+            .unwrap();
+        let e = devices
+            .register("COM2", 0, (BusKind::Pio, 0x2f8, 8), uart())
+            .unwrap_err();
+        assert_eq!(
+            e,
+            RegisterError::Twin {
+                id: SERIAL,
+                instance: 0,
+                first: "COM1",
+                second: "COM2"
+            }
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("COM1") && text.contains("COM2") && text.contains("instance number"),
+            "{text}"
+        );
+        assert_eq!(devices.save(&mut PartTimer::start()).len(), 1);
+        let mut b = [0u8];
+        devices.io_in(0x2f8 + SCRATCH, &mut b);
+        assert_eq!(b, [0xff], "the twin is on no bus");
+        devices
+            .register("COM2", 1, (BusKind::Pio, 0x2f8, 8), uart())
+            .unwrap();
+    }
+
+    /// A device whose id `section_ids` does not list as a device's (a VM part's, or none).
+    struct Stray(SectionId);
+
+    impl Device for Stray {
+        fn read(&mut self, _: u64, _: &mut [u8]) {}
+        fn write(&mut self, _: u64, _: &[u8]) {}
+        fn kind(&self) -> SectionKind {
+            SectionKind::single(self.0, 1)
+        }
+        fn save(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn restore(&mut self, _: u32, _: &[u8]) -> Result<(), DeviceStateError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_device_with_an_id_not_listed_as_a_device_s_is_refused() {
+        let mut devices = Devices::default();
+        for id in [crate::section_ids::LAPIC, SectionId(99)] {
+            let stray = Arc::new(Mutex::new(Stray(id)));
+            let e = devices
+                .register("stray", 0, (BusKind::Pio, 0x80, 1), stray)
+                .unwrap_err();
+            assert_eq!(e, RegisterError::Unlisted { name: "stray", id });
+        }
     }
 
     #[test]

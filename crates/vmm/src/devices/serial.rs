@@ -1,6 +1,7 @@
 //! A 16550 UART (vm-superio) as a bus device: its output goes to stdout, a file, or nowhere;
 //! its interrupt goes to the VM's interrupt controller through an [`IrqLine`]. Its state is
-//! the nine registers and the receive FIFO, version [`VERSION`].
+//! the nine registers and the receive FIFO, version [`VERSION`], in section
+//! `section_ids::SERIAL`.
 
 #![forbid(unsafe_code)]
 
@@ -8,12 +9,12 @@ use std::fs::File;
 use std::io::{LineWriter, Write};
 use std::path::PathBuf;
 
-use ferry_migrate::wire::SectionId;
 use vm_superio::Serial;
 use vm_superio::serial::{NoEvents, SerialState};
 
 use super::device::{Device, DeviceStateError, SectionKind};
 use super::irq::IrqLine;
+use crate::section_ids::{self, SERIAL};
 
 /// Where the guest's serial output goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,15 +24,13 @@ pub enum SerialOutput {
     Discard,
 }
 
-/// The section id of a UART's state.
-pub const SECTION: SectionId = SectionId(3);
 /// Version of the serial section layout.
 pub const VERSION: u32 = 1;
 /// The 16550's receive FIFO holds 64 bytes; a section claiming more is malformed.
 const MAX_FIFO: usize = 64;
 /// The nine registers that precede the FIFO in the section.
 const REGISTERS: usize = 9;
-const NAME: &str = "serial port";
+const NAME: &str = section_ids::name(SERIAL);
 
 type Uart = Serial<IrqLine, NoEvents, Box<dyn Write + Send>>;
 
@@ -80,7 +79,7 @@ impl Device for SerialDevice {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind::single(SECTION, VERSION)
+        SectionKind::single(SERIAL, VERSION)
     }
 
     fn save(&self) -> Vec<u8> {

@@ -15,14 +15,12 @@
 use std::sync::{Arc, Mutex};
 
 use ferry_guest_abi::report::REPORT_SIZE;
-use ferry_migrate::wire::SectionId;
 
 use super::device::{Device, DeviceStateError, SectionKind};
 use super::telemetry::{GuestTelemetry, host_monotonic_ns};
 use crate::memory::GuestRam;
+use crate::section_ids::{self, TELEMETRY_PORT};
 
-/// The section id of the telemetry state.
-pub const SECTION: SectionId = SectionId(4);
 /// Version of the telemetry section layout (2: counters per vCPU), the one this ferry writes
 /// and the oldest it loads.
 pub const VERSION: u32 = 2;
@@ -32,7 +30,7 @@ pub const NEXT_VERSION: u32 = VERSION + 1;
 pub const LEN: u64 = 4;
 /// Bytes the next layout appends: the bad-write count as one little-endian u64.
 const NEXT_TAIL: usize = 8;
-const NAME: &str = "telemetry port";
+const NAME: &str = section_ids::name(TELEMETRY_PORT);
 
 /// Which section layout the port writes, and so which it loads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -112,9 +110,9 @@ impl Device for TelemetryPort {
 
     fn kind(&self) -> SectionKind {
         match self.layout {
-            Layout::Current => SectionKind::single(SECTION, VERSION),
+            Layout::Current => SectionKind::single(TELEMETRY_PORT, VERSION),
             Layout::Next => SectionKind {
-                id: SECTION,
+                id: TELEMETRY_PORT,
                 version: NEXT_VERSION,
                 oldest: VERSION,
             },

@@ -44,20 +44,18 @@
 use std::sync::{Arc, Mutex};
 
 use ferry_guest_abi::vmgenid::{GenerationId, SIZE};
-use ferry_migrate::wire::SectionId;
 
 use super::device::{Device, DeviceStateError, SectionKind, SectionNeed};
 use super::telemetry::GuestTelemetry;
+use crate::section_ids::{self, VM_GENERATION_ID};
 
-/// The section id of the generation ID's state.
-pub const SECTION: SectionId = SectionId(8);
 /// Its layout version, the one this ferry writes and the oldest it loads: the first.
 pub const VERSION: u32 = 1;
 /// Ports the device answers: the ID's bytes, one port each.
 pub const LEN: u64 = SIZE as u64;
 /// The state's bytes: the ID, the guest-reported flag, the ID it reported and its changes.
 pub const STATE_SIZE: usize = SIZE + 1 + SIZE + 8;
-const NAME: &str = "VM generation ID";
+const NAME: &str = section_ids::name(VM_GENERATION_ID);
 
 /// Why no generation ID could be drawn.
 #[derive(Debug, thiserror::Error)]
@@ -114,7 +112,7 @@ impl Device for VmGenId {
     fn write(&mut self, _: u64, _: &[u8]) {}
 
     fn kind(&self) -> SectionKind {
-        SectionKind::single(SECTION, VERSION)
+        SectionKind::single(VM_GENERATION_ID, VERSION)
     }
 
     /// Optional: see the module doc.
@@ -301,14 +299,22 @@ mod tests {
     fn a_stream_without_the_section_loads_and_the_destination_keeps_its_id() {
         let (source, source_id) = vm();
         let all = source.save(&mut PartTimer::start());
-        let older: Vec<Section> = all.iter().filter(|s| s.id != SECTION).cloned().collect();
+        let older: Vec<Section> = all
+            .iter()
+            .filter(|s| s.id != VM_GENERATION_ID)
+            .cloned()
+            .collect();
         let (destination, own) = vm();
         let before = own.lock().unwrap().id();
         destination.load(&older, &mut PartTimer::start()).unwrap();
         assert_eq!(own.lock().unwrap().id(), before);
         destination.load(&all, &mut PartTimer::start()).unwrap();
         assert_eq!(own.lock().unwrap().id(), source_id.lock().unwrap().id());
-        let no_uart: Vec<Section> = all.iter().filter(|s| s.id == SECTION).cloned().collect();
+        let no_uart: Vec<Section> = all
+            .iter()
+            .filter(|s| s.id == VM_GENERATION_ID)
+            .cloned()
+            .collect();
         assert!(matches!(
             destination.load(&no_uart, &mut PartTimer::start()),
             Err(LoadError::Missing { name: "uart", .. })

@@ -73,14 +73,46 @@ pub enum DirtyLogError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Ring(String),
+    #[error(transparent)]
+    Ring(#[from] RingError),
     #[error("the dirty log of slot {slot} does not fit the migration's RAM: {source}")]
     Merge {
         slot: u32,
         #[source]
         source: RamError,
     },
+}
+
+/// Why the dirty ring (`ring.rs`) cannot be used, with the fix. Declared here, beside the
+/// error that carries it, because `ring.rs` returns [`DirtyLogError`]: this file naming a type
+/// of that one would close a circle.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    #[error(
+        "--dirty-ring {entries}: a ring holds a power of two of entries from {fewest} to {most} (e.g. 4096)"
+    )]
+    Entries {
+        entries: u32,
+        fewest: u32,
+        most: u32,
+    },
+    #[error(
+        "this KVM offers no dirty ring (KVM_CAP_DIRTY_LOG_RING, Linux 5.11+); run without --dirty-ring to use the dirty bitmap"
+    )]
+    Unsupported,
+    #[error(
+        "--dirty-ring {entries}: this KVM allows at most {most} entries per vCPU; give a smaller power of two"
+    )]
+    TooLarge { entries: u32, most: u64 },
+    #[error("cannot map a vCPU's dirty ring: {source}")]
+    Map {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "a dirty-ring exit on a VM without the ring: KVM reported a full ring ferry never enabled, a bug to report"
+    )]
+    NotEnabled,
 }
 
 impl KvmVm {

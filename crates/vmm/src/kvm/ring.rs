@@ -27,7 +27,7 @@ use kvm_bindings::{
 };
 
 use super::KvmVm;
-use super::dirty::DirtyLogError;
+use super::dirty::{DirtyLogError, RingError};
 use super::rings::{DirtyRings, Harvest};
 
 /// `KVM_RESET_DIRTY_RINGS`: `_IO(KVMIO, 0xc7)` (kvm-ioctls lacks it).
@@ -39,11 +39,13 @@ pub const MIN_RING_ENTRIES: u32 = 256;
 pub const MAX_RING_ENTRIES: u32 = 65536;
 
 /// Why a ring size cannot be used, with the fix.
-pub fn check_entries(entries: u32) -> Result<(), String> {
+pub fn check_entries(entries: u32) -> Result<(), RingError> {
     if !entries.is_power_of_two() || !(MIN_RING_ENTRIES..=MAX_RING_ENTRIES).contains(&entries) {
-        return Err(format!(
-            "--dirty-ring {entries}: a ring holds a power of two of entries from {MIN_RING_ENTRIES} to {MAX_RING_ENTRIES} (e.g. 4096)"
-        ));
+        return Err(RingError::Entries {
+            entries,
+            fewest: MIN_RING_ENTRIES,
+            most: MAX_RING_ENTRIES,
+        });
     }
     Ok(())
 }
@@ -52,22 +54,18 @@ impl KvmVm {
     /// Enables the dirty ring with `entries` entries per vCPU; must come before any vCPU is
     /// created. Prefers the acquire/release flavour where KVM offers it.
     pub fn enable_dirty_ring(&mut self, entries: u32) -> Result<(), DirtyLogError> {
-        check_entries(entries).map_err(DirtyLogError::Ring)?;
+        check_entries(entries)?;
         let bytes = u64::from(entries) * std::mem::size_of::<kvm_dirty_gfn>() as u64;
         let offered = |cap: u32| self.vm.check_extension_raw(u64::from(cap)).max(0) as u64;
         let Some(cap) = [KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_DIRTY_LOG_RING]
             .into_iter()
             .find(|&c| offered(c) > 0)
         else {
-            return Err(DirtyLogError::Ring(
-                "this KVM offers no dirty ring (KVM_CAP_DIRTY_LOG_RING, Linux 5.11+); run without --dirty-ring to use the dirty bitmap".into(),
-            ));
+            return Err(RingError::Unsupported.into());
         };
         if bytes > offered(cap) {
-            return Err(DirtyLogError::Ring(format!(
-                "--dirty-ring {entries}: this KVM allows at most {} entries per vCPU",
-                offered(cap) / std::mem::size_of::<kvm_dirty_gfn>() as u64
-            )));
+            let most = offered(cap) / std::mem::size_of::<kvm_dirty_gfn>() as u64;
+            return Err(RingError::TooLarge { entries, most }.into());
         }
         let mut enable = kvm_enable_cap {
             cap,
@@ -96,7 +94,7 @@ impl KvmVm {
             .map(|n| self.slots.by_number(n).map_or(0, |s| s.pages()))
             .collect();
         let rings = DirtyRings::map(vcpus, size, &slot_pages)
-            .map_err(|e| DirtyLogError::Ring(format!("cannot map a vCPU's dirty ring: {e}")))?;
+            .map_err(|source| RingError::Map { source })?;
         let _ = self.rings.set(rings);
         Ok(())
     }
@@ -150,9 +148,7 @@ impl KvmVm {
     /// Returns what it read.
     pub fn harvest_own_ring(&self, vcpu: usize) -> Result<Harvest, DirtyLogError> {
         let Some(rings) = self.dirty_rings() else {
-            return Err(DirtyLogError::Ring(
-                "a dirty-ring exit on a VM without the ring".into(),
-            ));
+            return Err(RingError::NotEnabled.into());
         };
         let read = rings.harvest_pending(vcpu);
         self.reset_dirty_rings()?;

@@ -36,6 +36,15 @@ pub enum StateError {
     #[error("vCPU state section is malformed: {0}")]
     Malformed(String),
     #[error(
+        "{count} MSRs do not fit one KVM MSR list: {source}; the host offers, or the section \
+         holds, more MSRs than KVM_GET_MSRS and KVM_SET_MSRS take at once"
+    )]
+    MsrList {
+        count: usize,
+        #[source]
+        source: vmm_sys_util::fam::Error,
+    },
+    #[error(
         "the destination refused MSR {msr:#x} ({set} of {total} MSRs were set); the hosts' KVM versions or CPUs differ"
     )]
     Msrs { set: usize, total: usize, msr: u32 },
@@ -124,8 +133,7 @@ pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, Stat
             ..Default::default()
         })
         .collect();
-    let mut list =
-        Msrs::from_entries(&entries).map_err(|e| StateError::Malformed(format!("{e:?}")))?;
+    let mut list = msr_list(&entries)?;
     let read = vcpu.get_msrs(&mut list).map_err(kvm("read the MSRs"))?;
     out.extend_from_slice(&(read as u32).to_le_bytes());
     for e in &list.as_slice()[..read] {
@@ -189,25 +197,31 @@ pub fn restore_vcpu(
     Ok(())
 }
 
+/// `entries` as KVM's MSR list.
+fn msr_list(entries: &[kvm_msr_entry]) -> Result<Msrs, StateError> {
+    Msrs::from_entries(entries).map_err(|source| StateError::MsrList {
+        count: entries.len(),
+        source,
+    })
+}
+
 /// Writes the MSRs in as few `KVM_SET_MSRS` calls as KVM allows: one, unless KVM stops at an
 /// MSR it refuses. Some MSRs that KVM lets a vCPU read refuse a write of the value they already
 /// hold (KVM's poll-control MSR does on some hosts); such a refusal is harmless, so a refused
 /// write is accepted only if the destination already holds the saved value, and the writes go
 /// on after it. (One call per MSR cost ~2 µs each, most of a vCPU's load.)
 fn restore_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateError> {
-    let malformed = |e| StateError::Malformed(format!("{e:?}"));
     let mut i = 0;
     while i < entries.len() {
-        let batch = Msrs::from_entries(&entries[i..]).map_err(malformed)?;
+        let batch = msr_list(&entries[i..])?;
         i += vcpu.set_msrs(&batch).map_err(kvm("write the MSRs"))?;
         let Some(refused) = entries.get(i) else {
             break;
         };
-        let mut current = Msrs::from_entries(&[kvm_msr_entry {
+        let mut current = msr_list(&[kvm_msr_entry {
             index: refused.index,
             ..Default::default()
-        }])
-        .map_err(malformed)?;
+        }])?;
         let same = matches!(vcpu.get_msrs(&mut current), Ok(1))
             && current.as_slice()[0].data == refused.data;
         if !same {

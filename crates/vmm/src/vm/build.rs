@@ -412,7 +412,8 @@ mod tests {
     use ferry_migrate::wire::SectionId;
 
     use super::*;
-    use crate::sections::{IRQCHIP, LAPIC, VCPU, load, save};
+    use crate::section_ids::{IRQCHIP, LAPIC, SERIAL, TELEMETRY_PORT, VCPU, VM_GENERATION_ID};
+    use crate::sections::{load, save};
 
     fn incoming() -> IncomingVm {
         incoming_with(Preparation::Prepared, false)
@@ -467,12 +468,7 @@ mod tests {
         );
         let count = |id| saved.iter().filter(|s| s.id == id).count();
         assert_eq!(
-            (
-                count(VCPU),
-                count(LAPIC),
-                count(IRQCHIP),
-                count(crate::devices::serial::SECTION)
-            ),
+            (count(VCPU), count(LAPIC), count(IRQCHIP), count(SERIAL)),
             (1, 1, 3, 2)
         );
 
@@ -530,7 +526,7 @@ mod tests {
             );
         }
         let telemetry = |vm: &IncomingVm| {
-            let id = telemetry_port::SECTION.0;
+            let id = TELEMETRY_PORT.0;
             let s = vm.shared.description.sections.iter().find(|s| s.id == id);
             s.map(|s| (s.name.clone(), s.oldest, s.version)).unwrap()
         };
@@ -570,11 +566,11 @@ mod tests {
         let (saved, _) = save(&source.shared).unwrap();
         let older: Vec<Section> = saved
             .iter()
-            .filter(|s| s.id != vmgenid::SECTION)
+            .filter(|s| s.id != VM_GENERATION_ID)
             .cloned()
             .collect();
         let mut described = source.shared.description.clone();
-        described.sections.retain(|s| s.id != vmgenid::SECTION.0);
+        described.sections.retain(|s| s.id != VM_GENERATION_ID.0);
         let id = |vm: &IncomingVm| vm.shared.generation.lock().unwrap().id();
         let destination = incoming();
         let own = id(&destination);

@@ -18,6 +18,7 @@ use crate::devices::virtio::balloon::Balloon;
 use crate::devices::vmgenid::VmGenId;
 use crate::dirty_limit::DirtyLimit;
 use crate::error::VmmError;
+use crate::kvm::dirty::DirtyLogError;
 use crate::kvm::vcpu::{self, VcpuFd};
 use crate::kvm::{KvmVm, kick};
 use crate::memory::GuestRam;
@@ -155,8 +156,8 @@ impl Shared {
 
     /// For vCPU `vcpu`'s thread when its dirty ring filled: its entries are read into the
     /// pending bitmaps (the next sync takes them) and the rings reset, so it can run.
-    pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), String> {
-        let h = self.kvm.harvest_own_ring(vcpu).map_err(|e| e.to_string())?;
+    pub(crate) fn harvest_own_ring(&self, vcpu: usize) -> Result<(), DirtyLogError> {
+        let h = self.kvm.harvest_own_ring(vcpu)?;
         self.dirty_limit.charge(vcpu, h.pages, h.since);
         Ok(())
     }

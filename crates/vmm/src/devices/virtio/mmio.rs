@@ -21,9 +21,10 @@
 //!   after a restore (an edge raised before the interrupt controller's state was loaded is
 //!   lost).
 //!
-//! Its state (section [`SECTION`], layout in `mmio/state.rs`) carries every register, each
-//! queue's setup and ring positions, and the device's own state. `mmio/state.rs` adds the save
-//! and the load to [`MmioTransport`] and stands on this file; this one only calls them.
+//! Its state (section `section_ids::VIRTIO_MMIO`, layout in `mmio/state.rs`) carries every
+//! register, each queue's setup and ring positions, and the device's own state.
+//! `mmio/state.rs` adds the save and the load to [`MmioTransport`] and stands on this file;
+//! this one only calls them.
 
 #![forbid(unsafe_code)]
 
@@ -31,7 +32,6 @@ mod state;
 
 use std::sync::Arc;
 
-use ferry_migrate::wire::SectionId;
 use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 
@@ -41,9 +41,8 @@ use super::device::{
 use crate::devices::device::{Device, DeviceStateError, SectionKind};
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestRam;
+use crate::section_ids::VIRTIO_MMIO;
 
-/// The section id of a virtio-mmio device's state (ids 1 to 6 are taken, see `sections.rs`).
-pub const SECTION: SectionId = SectionId(7);
 /// Version of the transport's section layout (the device's own state has its own version).
 pub const VERSION: u32 = 1;
 /// The bus window of one device: 0x100 bytes of registers and the device's config space after
@@ -517,7 +516,7 @@ impl<D: VirtioDevice> Device for MmioTransport<D> {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind::single(SECTION, VERSION)
+        SectionKind::single(VIRTIO_MMIO, VERSION)
     }
 
     fn save(&self) -> Vec<u8> {
