@@ -12,12 +12,14 @@
 //! uid (`nobody`), for the local handover's peer checks.
 //! [`fuzz`] is the harness of the fuzz targets in `fuzz/` and of their regression tests.
 //! [`conformance`] is the suite a VMM instantiates to check its [`SourceVm`] and
-//! [`DestinationVm`] against the contracts the engine relies on; `tests/conformance.rs` runs it
-//! on this fake.
+//! [`DestinationVm`](ferry_migrate::DestinationVm) against the contracts the engine relies on;
+//! `tests/conformance.rs` runs it on this fake. The fake as a source is here, as a destination
+//! in `destination.rs`.
 
 mod balloon;
 pub mod conformance;
 pub mod craft;
+mod destination;
 pub mod fuzz;
 pub mod loopback;
 pub mod proxy;
@@ -33,11 +35,11 @@ use balloon::FakeBalloon;
 pub use balloon::HintReport;
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::ram::RamRegion;
-use ferry_migrate::wire::{LocalRegion, PAGE_SIZE, SectionId};
+use ferry_migrate::wire::{PAGE_SIZE, SectionId};
 
 /// The fake VM's one kind of device state (the number is the fake VMM's own choice).
 pub const FAKE_VCPU: SectionId = SectionId(1);
-use ferry_migrate::{DestinationVm, PageLanding, Section, SourceVm, VmError};
+use ferry_migrate::{PageLanding, Section, SourceVm, VmError};
 
 /// The version of the fake's one section (a vCPU named by a few bytes).
 pub const FAKE_STATE_VERSION: u32 = 1;
@@ -585,94 +587,6 @@ fn balloon_call(present: bool) -> Result<(), VmError> {
         false => Err(VmError::Unsupported {
             operation: "free page hinting",
         }),
-    }
-}
-
-// SAFETY: as for SourceVm (`fd` is the read-write memfd behind the mapping); the fake
-// destination runs no writers before `resume`.
-unsafe impl DestinationVm for FakeVm {
-    fn ram(&self) -> Vec<RamRegion> {
-        self.shared.ram.regions.clone()
-    }
-
-    fn page_landing(&self, _channels: u16) -> PageLanding {
-        self.landing
-    }
-
-    /// Accepts vCPU sections of [`FAKE_STATE_VERSION`] with some data, as a real VMM validates
-    /// what it loads.
-    fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
-        let fail = |message: String| VmError::failed("load_state", message);
-        for s in sections {
-            if s.id != FAKE_VCPU {
-                return Err(fail("the fake VM has only a vCPU section".into()));
-            }
-            if s.version != FAKE_STATE_VERSION || s.data.is_empty() {
-                return Err(fail(format!(
-                    "vCPU section version {} with {} bytes; the fake loads version {FAKE_STATE_VERSION} with data",
-                    s.version,
-                    s.data.len()
-                )));
-            }
-        }
-        self.state = sections.to_vec();
-        Ok(())
-    }
-
-    fn resume(&mut self) -> Result<Duration, VmError> {
-        self.resumed = true;
-        self.shared.paused.store(false, Ordering::Release);
-        Ok(Duration::ZERO)
-    }
-
-    fn abandon(&mut self, why: &str) {
-        self.abandoned = Some(why.to_string());
-    }
-
-    /// Maps the source's memfd over this VM's own mapping (same addresses, so nothing that
-    /// holds them changes) and makes this VM's descriptor name the source's file: a fake of the
-    /// same layout only.
-    fn adopt_ram(&mut self, regions: &[LocalRegion], fds: Vec<OwnedFd>) -> Result<(), VmError> {
-        let fail = |message: String| VmError::failed("adopting guest RAM", message);
-        let ram = &self.shared.ram;
-        let same = regions.len() == ram.regions.len()
-            && regions.iter().zip(&ram.regions).all(|(a, b)| {
-                (a.gpa, a.size, a.file_offset) == (b.gpa, b.size, b.file_offset) && a.fd == 0
-            });
-        if !same || fds.len() != 1 {
-            return Err(fail(format!(
-                "the source's RAM layout {regions:?} in {} file(s) is not this fake's",
-                fds.len()
-            )));
-        }
-        let file = std::fs::File::from(fds.into_iter().next().unwrap());
-        let len = file.metadata().map_err(|e| fail(e.to_string()))?.len();
-        if len < ram.size {
-            return Err(fail(format!("the file holds {len} bytes of {}", ram.size)));
-        }
-        // SAFETY: replaces exactly this fake's own mapping (base, size), which nothing reads
-        // before the guest resumes (the destination's contract), with a shared mapping of the
-        // same size of a file at least that long.
-        let at = unsafe {
-            libc::mmap(
-                ram.base as *mut libc::c_void,
-                ram.size as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if at != ram.base as *mut libc::c_void {
-            return Err(fail(std::io::Error::last_os_error().to_string()));
-        }
-        // SAFETY: dup3 onto a descriptor this fake owns: its number now names the adopted
-        // file, and the fake's own file is closed.
-        let duped = unsafe { libc::dup3(file.as_raw_fd(), ram.fd.as_raw_fd(), libc::O_CLOEXEC) };
-        if duped < 0 {
-            return Err(fail(std::io::Error::last_os_error().to_string()));
-        }
-        Ok(())
     }
 }
 

@@ -11,6 +11,12 @@ use ferry_migrate_testkit::{FakeVm, Writers};
 /// the regions (the fake leaves 1 GiB), so a slot-by-index mistake would show.
 const MEMORY: u64 = 8 << 20;
 const REGIONS: usize = 2;
+/// Pages the source's guest holds free, from page index [`FREE_FROM`]: its balloon hints them.
+const FREE_PAGES: u64 = 256;
+const FREE_FROM: u64 = 512;
+/// Hints arrive at 64 pages a millisecond, a few at a time as a real guest's trickle in: the
+/// 256 pages take 4 ms, so some of a round arrive between two takes.
+const HINT_PAGES_PER_MS: u64 = 64;
 
 struct Fake;
 
@@ -18,9 +24,12 @@ impl Fixture for Fake {
     type Source = FakeVm;
     type Destination = FakeVm;
 
+    /// With a balloon, and some memory free to hint.
     fn source(&mut self) -> FakeVm {
         let vm = FakeVm::new(MEMORY, REGIONS);
         vm.fill(3);
+        vm.free_pages(FREE_FROM, FREE_PAGES);
+        vm.attach_balloon(HINT_PAGES_PER_MS);
         vm
     }
 
@@ -49,6 +58,21 @@ impl Fixture for Fake {
             .iter()
             .map(|r| r.gpa..r.gpa + r.size)
             .collect()
+    }
+
+    /// The fake's guest runs once resumed, until paused.
+    fn destination_runs(&mut self, vm: &mut FakeVm) {
+        assert!(
+            vm.resumed && !vm.is_paused(),
+            "the fake destination is not running (resumed: {}, paused: {})",
+            vm.resumed,
+            vm.is_paused()
+        );
+    }
+
+    /// The fake stops for good when abandoned: its writers pause, and it keeps the reason.
+    fn destination_stopped(&mut self, vm: &mut FakeVm) -> Option<String> {
+        vm.abandoned.clone().filter(|_| vm.is_paused())
     }
 }
 

@@ -185,8 +185,9 @@ impl Ram {
 
     /// The regions as a LocalRam record lays them out, each naming one of the descriptors
     /// returned with them (a file that backs several regions is named once): what a local
-    /// handover passes to the destination.
-    pub(crate) fn local_layout(&self) -> Result<(Vec<LocalRegion>, Vec<BorrowedFd<'_>>), RamError> {
+    /// handover passes to the destination, and what the conformance suite
+    /// (`ferry_migrate_testkit::conformance`) hands a destination's `adopt_ram` as one does.
+    pub fn local_layout(&self) -> Result<(Vec<LocalRegion>, Vec<BorrowedFd<'_>>), RamError> {
         if let Some(r) = self.regions.iter().find(|r| r.fd < 0) {
             return Err(RamError::NoFile { gpa: r.gpa });
         }
