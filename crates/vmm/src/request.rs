@@ -417,7 +417,7 @@ mod tests {
     #[test]
     fn a_refusal_keeps_the_engine_s_or_the_tls_layer_s_own_error() {
         let r: MigrationRequest =
-            serde_json::from_str(r#"{"to": "tcp:a:1", "local": true}"#).unwrap();
+            serde_json::from_str(r#"{"to": "tcp:a:1", "mode": "local"}"#).unwrap();
         assert!(matches!(
             r.source_params([1; 16]),
             Err(RequestError::Config(ConfigError::LocalNeedsUnix { .. }))
