@@ -95,7 +95,7 @@ pub use self::params::{
     Mode, Postcopy, PostcopyOrder, Preempt, SourceParams, TestHooks,
 };
 use self::postcopy_state::PostcopyState;
-use self::reader::{Granted, InboundReader};
+use self::reader::{InboundReader, Opening};
 use self::report::Report;
 pub(crate) use self::target::Target;
 use crate::bitmap::DirtyBitmap;
@@ -508,12 +508,7 @@ impl Session<'_, Live> {
             }));
         }
         let agreed = Agreement::from_reply(&reply)?;
-        let granted = Granted {
-            progress: agreed.progress,
-            postcopy: agreed.postcopy,
-            resumed: false,
-        };
-        if granted.progress {
+        if agreed.progress {
             self.peer.acks.use_ = AckUse::Live;
         }
         if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
@@ -531,7 +526,7 @@ impl Session<'_, Live> {
             // `auto` is a wish, not a need: without the destination's grant, pages go raw.
             self.params.compression = crate::Compression::Off;
         }
-        if self.params.postcopy().is_some() && !granted.postcopy {
+        if self.params.postcopy().is_some() && !agreed.postcopy {
             return Err(MigrateError::Refused(
                 "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
             ));
@@ -549,7 +544,11 @@ impl Session<'_, Live> {
         }
         // A local handover reads its few answers in turn on this thread (`local.rs`).
         if !agreed.local {
-            self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+            self.peer.acks.reader = Some(InboundReader::start(
+                &mut self.peer.conn,
+                agreed,
+                Opening::Handshake,
+            )?);
         }
         Ok(())
     }

@@ -29,6 +29,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::agreement::Agreement;
 use super::forward::{Lane, Requested};
 use crate::conn::Conn;
 use crate::error::{Bound, MigrateError, ProtocolError, Rule};
@@ -106,17 +107,18 @@ const AWAITING_ANY: Awaiting = Awaiting {
     expected: "Received, Resumed or Error",
 };
 
-/// What the destination may send on the main connection.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Granted {
-    /// Received records.
-    pub progress: bool,
-    /// PageRequest and Done, and reading on after Resumed.
-    pub postcopy: bool,
-    /// The guest runs on the destination already (a postcopy recovery's connection): no
+/// Where the connection the reader reads stands in the migration. What the destination may
+/// send on it is what was agreed ([`Agreement`]: Received records with progress; PageRequest
+/// and Done, and reading on after Resumed, with postcopy) and where it opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opening {
+    /// The migration's main connection, after the handshake: Resumed comes once.
+    Handshake,
+    /// A postcopy recovery's connection: the guest runs on the destination already, so no
     /// Resumed comes, Done may, and page requests are in order from the first byte (the
-    /// destination asks again for what it was waiting for as soon as it sent Resume).
-    pub resumed: bool,
+    /// destination asks again for what it was waiting for as soon as it sent Resume). Nor
+    /// does a Received: the destination acknowledges nothing once the guest runs there.
+    Recovery,
 }
 
 /// The record that ended the reader's reading, or why it stopped.
@@ -135,16 +137,20 @@ pub struct InboundReader {
 }
 
 impl InboundReader {
-    /// Takes over the reading of `conn` (and what it has buffered); `granted` says which
-    /// optional records the destination may send.
-    pub fn start(conn: &mut Conn, granted: Granted) -> Result<InboundReader, MigrateError> {
+    /// Takes over the reading of `conn` (and what it has buffered); `agreed` and `opening` say
+    /// which optional records the destination may send.
+    pub fn start(
+        conn: &mut Conn,
+        agreed: Agreement,
+        opening: Opening,
+    ) -> Result<InboundReader, MigrateError> {
         let io = |e| MigrateError::io("starting the reader of the main connection", e);
         let mut reader = conn.split_reader().map_err(io)?;
         let stream = conn.stream().try_clone_stream().map_err(io)?;
         let acked_bytes = Arc::new(AtomicU64::new(0));
         let acked_pages = Arc::new(AtomicU64::new(0));
         let requests = Arc::new(Requests::default());
-        if granted.resumed {
+        if opening == Opening::Recovery {
             // Before the thread reads anything: a request may be the first record it reads.
             requests.allowed.store(true, Ordering::Release);
         }
@@ -159,7 +165,7 @@ impl InboundReader {
         let thread = std::thread::Builder::new()
             .name("main-reader".into())
             .spawn(move || {
-                let end = read_until_end(&mut reader, granted, &into, &|resumed| {
+                let end = read_until_end(&mut reader, agreed, opening, &into, &|resumed| {
                     let _ = tx.try_send(Ok(resumed));
                 });
                 let _ = tx.try_send(end);
@@ -265,15 +271,17 @@ struct Into {
 /// that ends the reading; a Resumed under postcopy goes to `resumed` and the reading goes on.
 fn read_until_end(
     conn: &mut Conn,
-    granted: Granted,
+    agreed: Agreement,
+    opening: Opening,
     into: &Into,
     resumed: &dyn Fn(Inbound),
 ) -> Ending {
     let (bytes, pages) = (&into.bytes, &into.pages);
-    let mut seen_resumed = granted.resumed;
+    let mut seen_resumed = opening == Opening::Recovery;
+    let progress = agreed.progress && opening == Opening::Handshake;
     loop {
         match read(conn, AWAITING_ANY)? {
-            inbound @ (Inbound::PageRequest(_) | Inbound::Done(_)) if !granted.postcopy => {
+            inbound @ (Inbound::PageRequest(_) | Inbound::Done(_)) if !agreed.postcopy => {
                 return Err(MigrateError::misplaced(
                     inbound.kind(),
                     Rule::PostcopyRecordsNeedPostcopy,
@@ -319,11 +327,11 @@ fn read_until_end(
             Inbound::Resumed(_) if seen_resumed => {
                 return Err(MigrateError::misplaced(Kind::Resumed, Rule::OneResumed));
             }
-            Inbound::Resumed(r) if granted.postcopy => {
+            Inbound::Resumed(r) if agreed.postcopy => {
                 seen_resumed = true;
                 resumed(Inbound::Resumed(r));
             }
-            Inbound::Received(_) if !granted.progress => {
+            Inbound::Received(_) if !progress => {
                 return Err(MigrateError::misplaced(
                     Kind::Received,
                     Rule::ReceivedNeedsProgress,
@@ -474,12 +482,14 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         theirs.write_all(bytes).unwrap();
         let mut conn = Conn::new(Box::new(ours)).unwrap();
-        let granted = Granted {
-            resumed: false,
+        let agreed = Agreement {
             progress,
-            postcopy: false,
+            ..Agreement::NONE
         };
-        (InboundReader::start(&mut conn, granted).unwrap(), theirs)
+        (
+            InboundReader::start(&mut conn, agreed, Opening::Handshake).unwrap(),
+            theirs,
+        )
     }
 
     #[test]
@@ -502,15 +512,14 @@ mod tests {
             Header::runs(Kind::PageRequest, 1),
             &crate::wire::encode_runs(&[(0x2000, 1)]),
         );
-        let postcopy = Granted {
-            resumed: false,
-            progress: false,
+        let postcopy = Agreement {
             postcopy: true,
+            ..Agreement::NONE
         };
         let start = |allow: bool| {
             let (ours, theirs) = UnixStream::pair().unwrap();
             let mut conn = Conn::new(Box::new(ours)).unwrap();
-            let reader = InboundReader::start(&mut conn, postcopy).unwrap();
+            let reader = InboundReader::start(&mut conn, postcopy, Opening::Handshake).unwrap();
             if allow {
                 reader.allow_requests();
             }
@@ -543,12 +552,11 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         theirs.write_all(&request).unwrap();
         let mut conn = Conn::new(Box::new(ours)).unwrap();
-        let resumed = Granted {
-            resumed: true,
-            progress: false,
+        let agreed = Agreement {
             postcopy: true,
+            ..Agreement::NONE
         };
-        let reader = InboundReader::start(&mut conn, resumed).unwrap();
+        let reader = InboundReader::start(&mut conn, agreed, Opening::Recovery).unwrap();
         reader.wait_requests(Duration::from_secs(5));
         assert_eq!(taken(&reader), vec![(0x3000, 1)]);
         assert!(reader.poll().is_none(), "nothing ended the reading");

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::reader::{Granted, InboundReader};
+use super::reader::{InboundReader, Opening};
 use super::{Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
@@ -148,13 +148,12 @@ impl Session<'_> {
             .stream()
             .set_read_timeout(None)
             .map_err(|e| MigrateError::io("reconnecting", e))?;
-        let granted = Granted {
-            progress: false,
-            postcopy: true,
-            resumed: true,
-        };
         // A resumed connection's reader takes page requests from its first byte.
-        self.peer.acks.reader = Some(InboundReader::start(&mut self.peer.conn, granted)?);
+        self.peer.acks.reader = Some(InboundReader::start(
+            &mut self.peer.conn,
+            self.peer.agreed,
+            Opening::Recovery,
+        )?);
         let preempt = self.preempt();
         self.peer
             .pool
