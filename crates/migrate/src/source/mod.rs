@@ -3,19 +3,21 @@
 //! to resume the guest.
 //!
 //! One migration is a `Session` value that owns its target (`target.rs`: where the pages go;
-//! `Live`, a live destination's connections and channel pool, by default), bitmap, limiter and
-//! statistics, and is consumed by `Session::conclude`. The transfer core (the passes, the
-//! final pass, what the policy observes, progress, hints, the ending) is written over any
-//! target; the handshake, postcopy, recovery and the handover with its Resumed are `Live`'s;
-//! `keep.rs` runs a session to a target that keeps what it is given (a snapshot file). Its
+//! `Live`, a live destination's connections, reader and channel pool, by default), RAM,
+//! bitmap and the values below, and is consumed by `Session::conclude`. The transfer core is
+//! written over any target and lives in this folder's files; what only one kind of target
+//! does lives beside it: a live destination's in `live/` (the handshake, the handover with
+//! its Resumed, postcopy, recovery, the local handover), a file's in `keep.rs`. The core's
 //! phases live one to a file:
 //!
-//! - here: the entry point, the handshake on the main connection, and the ending (success,
-//!   or failure with the guest resumed unless it was handed over);
+//! - here: the entry point and the ending (success, or failure with the guest resumed unless
+//!   it was handed over);
 //! - `precopy.rs`: pass 1, the dirty passes and the policy call between them;
-//! - `switchover.rs`: pause, final pass, device state, Complete, the wait for Resumed, and the
-//!   downtime breakdown;
-//! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline.
+//! - `switchover.rs`: pause, final pass, device state saved, and the downtime breakdown;
+//! - `observe.rs`: what the policy observes (in flight, the absorption rate) and the drain
+//!   before a switchover;
+//! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline;
+//! - `hints.rs`: free page hints around the dirty syncs.
 //!
 //! The session's own values, each in a file of its own: `params.rs` (the parameters, the
 //! [`Mode`] and their check, and the test hooks), `link.rs` (the limiter, the send rate and
@@ -24,15 +26,14 @@
 //! hints) and `postcopy_state.rs` (postcopy's settings, heat and request hand-off, present only
 //! in its mode).
 //!
-//! And the parts the phases use: `agreement.rs` (what the destination granted, one value the
-//! handshake sets in place of a flag per capability), `target.rs` (the seam: where pages go,
-//! and what the target acknowledged and said), `live.rs` (a live destination: its connections,
-//! its reader and `ack_state.rs`'s acknowledgements), `pool.rs` (the data channels' senders),
-//! `sender.rs` (one channel's sender thread), `limiter.rs` (the rate limit as a pure value),
-//! `bandwidth.rs` (the rate window as a pure value), `reader.rs` (the thread that reads what
-//! comes back from the destination on the main connection), `observe.rs` (what the policy
-//! observes: in flight, the absorption rate, and the drain before a switchover), and
-//! `hints.rs` (free page hints).
+//! And the parts the phases use: `target.rs` (the seam: where pages go, and what the target
+//! acknowledged and said), `agreement.rs` (what the destination granted, one value the
+//! handshake sets in place of a flag per capability), `ack_state.rs` (a live destination's
+//! acknowledgements), `pool.rs` (the data channels' senders), `sender.rs` (one channel's
+//! sender thread), `reader.rs` (the thread that reads what comes back on the main
+//! connection), `forward.rs`, `readahead.rs` and `heat.rs` (postcopy's request forwarding,
+//! readahead and push order), `limiter.rs` and `bandwidth.rs` (the rate limit and the rate
+//! window as pure values).
 //!
 //! Each file below this one stands on it or on its siblings, never both ways: a value the
 //! session holds sits in a file of its own, and the phases that use it add their steps to
@@ -64,27 +65,21 @@ pub(crate) mod keep;
 mod limiter;
 mod link;
 mod live;
-mod local;
 mod observe;
 mod params;
 mod pool;
-mod postcopy;
 mod postcopy_state;
 mod precopy;
 mod progress;
 mod readahead;
 mod reader;
-mod recover;
 mod report;
 mod sender;
-mod shared_main;
 mod switchover;
 pub(crate) mod target;
 
 use std::time::{Duration, Instant};
 
-use self::ack_state::AckUse;
-use self::agreement::Agreement;
 use self::converge::Convergence;
 use self::hint_rounds::Hints;
 use self::limiter::Pacing;
@@ -95,29 +90,17 @@ pub use self::params::{
     Mode, Postcopy, PostcopyOrder, Preempt, SourceParams, TestHooks,
 };
 use self::postcopy_state::PostcopyState;
-use self::reader::{InboundReader, Opening};
 use self::report::Report;
 pub(crate) use self::target::Target;
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
-use crate::error::{ConfigError, MigrateError, ProtocolError};
+use crate::error::MigrateError;
 use crate::ram::Ram;
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
-use crate::vm::{SourceVm, VmError};
-use crate::wire::{self, Capabilities, Header, Hello, Kind, Role};
+use crate::vm::SourceVm;
 
-/// The protocol features this source always asks for: progress acknowledgements, so that it
-/// decides the switchover on what the destination has taken in, and error codes, so that a
-/// cancel reads as one on both sides. Postcopy is asked for when
-/// [`SourceParams::mode`] is [`Mode::Postcopy`].
-const REQUESTED: Capabilities =
-    Capabilities(Capabilities::PROGRESS.0 | Capabilities::ERROR_CODES.0);
-/// Longest the source waits for the answer to its hello: a destination answers at once (its
-/// VMM checks the guest's configuration first, in milliseconds), so a peer silent this long is
-/// something else listening there.
-const HELLO_WAIT: Duration = Duration::from_secs(10);
 /// How precopy ended: the pass it sent last, and what comes next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ending {
@@ -350,206 +333,6 @@ impl<'a, P: Target> Session<'a, P> {
         // What pass 1 will send, shown from the phase's start (pass 1 counts it down).
         self.report.first_pass_left = self.ram.populated_bytes();
         self.set_phase(Phase::Precopy);
-        Ok(())
-    }
-}
-
-impl Session<'_, Live> {
-    /// With the preempt connection, lets the main connection's reader queue requested pages
-    /// on it itself (`forward.rs`); taken back when the pool finishes its sender.
-    fn lend_lane(&self) {
-        let unit = self.peer.agreed.postcopy_unit;
-        if let (Some(reader), Some(lane)) =
-            (&self.peer.acks.reader, self.peer.pool.lane(&self.ram, unit))
-        {
-            reader.set_lane(lane);
-        }
-    }
-
-    /// Where postcopy's requested pages go, as asked and agreed.
-    fn preempt(&self) -> Preempt {
-        match self.params.postcopy() {
-            Some(p) if self.peer.agreed.preempt => p.preempt,
-            _ => Preempt::Off,
-        }
-    }
-
-    /// Every phase in order; the first failure ends the run.
-    fn run(
-        &mut self,
-        vm: &mut dyn SourceVm,
-        connect: &dyn Fn() -> std::io::Result<Box<dyn Stream>>,
-    ) -> Result<(), MigrateError> {
-        let config = match vm.config() {
-            Ok(c) => Some(c),
-            Err(VmError::Unsupported { .. }) => None,
-            Err(e) => return Err(e.into()),
-        };
-        self.handshake(config.as_deref())?;
-        // Over a Unix socket the kernel says who listens: guest RAM, copied or handed over,
-        // goes only to a process of this VMM's uid or one allowed (`transport/peer.rs`),
-        // checked before any page or descriptor (the hello carries none). TCP and TLS streams
-        // cannot say; TLS authenticates its peer itself.
-        if let Ok(listener) = self.peer.conn.stream().peer_credentials() {
-            crate::transport::peer::judge(
-                listener,
-                crate::transport::PeerRole::Takes,
-                crate::transport::peer::own_uid(),
-                &self.params.allow_uids,
-            )?;
-        }
-        if self.peer.agreed.local {
-            return self.hand_over_locally(vm);
-        }
-        let preempt = self.preempt();
-        self.peer
-            .pool
-            .open(connect, &self.params, &self.ram, self.hooks, preempt)?;
-        self.lend_lane();
-        self.start_tracking(vm)?;
-        match self.precopy(vm)? {
-            Ending::Switchover(last) => self.switchover(vm, last + 1),
-            Ending::Postcopy(last, trigger) => self.postcopy(vm, last, trigger),
-        }
-    }
-
-    /// What to ask the destination for.
-    fn requested(&self) -> Capabilities {
-        let p = &self.params;
-        let mut c = REQUESTED;
-        if self.peer.config_sent {
-            c = c.with(Capabilities::CONFIG);
-        }
-        if p.checksum_pages {
-            c = c.with(Capabilities::CHECKSUM_PAGES);
-        }
-        if p.compression.is_on() {
-            c = c.with(Capabilities::COMPRESS);
-        }
-        match &p.mode {
-            Mode::Precopy => {}
-            Mode::Local => c = c.with(Capabilities::LOCAL),
-            Mode::Postcopy(postcopy) => {
-                c = c.with(Capabilities::POSTCOPY);
-                if postcopy.preempt.is_on() {
-                    c = c.with(Capabilities::PREEMPT);
-                } else {
-                    c = c.with(Capabilities::MAIN_PAGES);
-                }
-                if postcopy.recover {
-                    c = c.with(Capabilities::RECOVER);
-                }
-            }
-        }
-        c
-    }
-
-    /// The hello of a main connection (`Main`, or `Resume` for a postcopy recovery).
-    fn main_hello(&self, role: Role) -> Hello {
-        Hello {
-            role,
-            channel: wire::MAIN_CHANNEL,
-            uuid: self.params.uuid,
-            memory_size: self.ram.size(),
-            status: 0,
-            channels: self.params.channels,
-            // A recovery's hello has no configuration after it: that was checked at the start.
-            capabilities: match role {
-                Role::Resume => Capabilities(self.requested().0 & !Capabilities::CONFIG.0),
-                _ => self.requested(),
-            },
-            postcopy_page_shift: 0,
-        }
-    }
-
-    /// Greets the destination on the main connection, with the VM's configuration when the
-    /// VMM describes it; a refusal names the cause and the fix.
-    fn handshake(&mut self, config: Option<&[u8]>) -> Result<(), MigrateError> {
-        self.peer.config_sent = config.is_some();
-        self.peer.conn.write_hello(&self.main_hello(Role::Main))?;
-        if let Some(config) = config {
-            if config.len() as u64 > wire::MAX_CONFIG_BYTES {
-                return Err(ConfigError::VmConfigTooLarge {
-                    bytes: config.len() as u64,
-                    max: wire::MAX_CONFIG_BYTES,
-                }
-                .into());
-            }
-            let h = Header::new(Kind::VmConfig, 0, config.len() as u64);
-            self.peer.conn.write_record(&h, config)?;
-            self.peer.conn.flush("sending the VM's configuration")?;
-        }
-        let within = self
-            .params
-            .peer_timeout
-            .map_or(HELLO_WAIT, |t| t.min(HELLO_WAIT));
-        let reply = self.peer.conn.read_hello(Some(within)).map_err(|e| match e {
-            MigrateError::Stalled { .. } => MigrateError::Stalled {
-                during: "waiting for the answer to the hello (a ferry destination answers at once: is --to its --incoming address, and not, say, its API socket?)",
-            },
-            e => e,
-        })?;
-        if !reply.capabilities.is_subset(self.requested()) {
-            return Err(ProtocolError::NotAsked {
-                bits: reply.capabilities.0,
-            }
-            .into());
-        }
-        if reply.status != wire::Refusal::Accepted as u32 {
-            return Err(MigrateError::Refused(match wire::Refusal::try_from(reply.status) {
-                Ok(wire::Refusal::MemorySize) => crate::error::memory_sizes_differ(self.ram.size(), reply.memory_size),
-                Ok(wire::Refusal::Busy) => "the destination is busy with another migration; start another `ferry run --incoming` for this one".into(),
-                Ok(wire::Refusal::Config) => self
-                    .peer
-                    .conn
-                    .peer_error()
-                    .unwrap_or_else(|| "the destination VM is configured differently".into()),
-                _ => format!("status {}", reply.status),
-            }));
-        }
-        let agreed = Agreement::from_reply(&reply)?;
-        if agreed.progress {
-            self.peer.acks.use_ = AckUse::Live;
-        }
-        if self.params.checksum_pages && !reply.capabilities.contains(Capabilities::CHECKSUM_PAGES)
-        {
-            return Err(MigrateError::Refused(
-                "the destination does not check page checksums (an older ferry); migrate without --checksum pages".into(),
-            ));
-        }
-        if self.params.compression.is_on() && !reply.capabilities.contains(Capabilities::COMPRESS) {
-            if let crate::Compression::Zstd { .. } = self.params.compression {
-                return Err(MigrateError::Refused(
-                    "the destination does not decompress pages (an older ferry); migrate without --compression, or with --compression auto".into(),
-                ));
-            }
-            // `auto` is a wish, not a need: without the destination's grant, pages go raw.
-            self.params.compression = crate::Compression::Off;
-        }
-        if self.params.postcopy().is_some() && !agreed.postcopy {
-            return Err(MigrateError::Refused(
-                "the destination does not offer postcopy (its log says why: userfaultfd not available to it, guest RAM on huge pages, or an older ferry); migrate without --postcopy".into(),
-            ));
-        }
-        self.peer.agreed = agreed;
-        self.peer.conn.error_codes = agreed.error_codes;
-        self.control.update(|p| p.postcopy_recover = agreed.recover);
-        if self.params.postcopy().is_some_and(|p| p.preempt.is_on()) && !agreed.preempt {
-            return Err(MigrateError::Refused(
-                "the destination does not offer postcopy's preempt connection (an older ferry); migrate without --postcopy-preempt".into(),
-            ));
-        }
-        if self.params.is_local() && !agreed.local {
-            return Err(ConfigError::LocalNotGranted.into());
-        }
-        // A local handover reads its few answers in turn on this thread (`local.rs`).
-        if !agreed.local {
-            self.peer.acks.reader = Some(InboundReader::start(
-                &mut self.peer.conn,
-                agreed,
-                Opening::Handshake,
-            )?);
-        }
         Ok(())
     }
 }

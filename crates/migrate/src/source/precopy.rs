@@ -363,3 +363,25 @@ impl<P: Target> Session<'_, P> {
         }
     }
 }
+
+impl<P: Target> Session<'_, P> {
+    /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
+    /// count), and how; the policy's own reasons come after. Never for a target that did not
+    /// agree to postcopy.
+    pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
+        if !self.peer.agreement().postcopy {
+            None
+        } else if self.control.postcopy_requested() {
+            Some(PostcopyTrigger::Asked)
+        } else if self
+            .postcopy
+            .as_ref()
+            .and_then(|p| p.settings.after_passes)
+            .is_some_and(|n| pass >= n)
+        {
+            Some(PostcopyTrigger::AfterPasses)
+        } else {
+            None
+        }
+    }
+}

@@ -8,23 +8,23 @@
 //! Invariant: the guest runs in one process at a time. Until Go is sent, the destination has
 //! not run it (it waits for Go with the state loaded), so any failure (its Error, a crash, a
 //! silence past the peer timeout, a cancel) resumes it here with nothing lost; once Go left,
-//! this side never runs it again, whatever follows (`handed_over`), even the destination's
-//! Error: its VMM's resume may have woken a vCPU before it failed, and the memory is one.
+//! this side never runs it again, whatever follows (`GuestState::HandedOver`), even the
+//! destination's Error: its VMM's resume may have woken a vCPU before it failed, and the memory is one.
 //! A guest then paused in both processes is the operator's to resume, by force, where it
 //! should run.
 //!
 //! Before anything is handed over, the destination's uid is read from the socket
 //! (`SO_PEERCRED`, `transport/peer.rs`): a process of another uid than this VMM's, unless
-//! [`SourceParams::allow_uids`](super::SourceParams::allow_uids) names it, is refused before
+//! [`SourceParams::allow_uids`](crate::source::SourceParams::allow_uids) names it, is refused before
 //! any descriptor is sent, and the guest runs on here.
 
 #![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 
-use super::reader::Awaiting;
-use super::{GuestState, Session, ms};
 use crate::error::{MigrateError, Rule, Side};
+use crate::source::reader::Awaiting;
+use crate::source::{GuestState, Session, ms};
 use crate::transport::{PeerRole, peer};
 use crate::vm::SourceVm;
 use crate::wire::{Header, Kind, LocalRegion, ResumedRecord};

@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use super::Session;
-use super::forward::{Lane, MainOut, MainWriter, Way};
-use super::sender;
 use crate::conn::Conn;
 use crate::control::Phase;
 use crate::error::MigrateError;
+use crate::source::Session;
+use crate::source::forward::{Lane, MainOut, MainWriter, Way};
+use crate::source::sender;
 use crate::stats::PostcopyStats;
 
 impl Session<'_> {

@@ -17,12 +17,12 @@
 
 use std::time::{Duration, Instant};
 
-use super::reader::{InboundReader, Opening};
-use super::{Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::Phase;
 use crate::error::{MigrateError, ProtocolError, Rule};
+use crate::source::reader::{InboundReader, Opening};
+use crate::source::{Session, ms};
 use crate::stats::PostcopyStats;
 use crate::transport::{Dialer, Stream};
 use crate::wire::{self, Kind, PAGE_SIZE, Role};

@@ -9,7 +9,7 @@
 //!   guest no longer runs here. A page goes twice only by a request: resent ahead of a queued
 //!   copy, or forwarded by the reader (`forward.rs`) while the walk had it; the destination
 //!   installs the first copy and drops the second.
-//! - `handed_over` is set once the Postcopy record is flushed: from then on the destination may
+//! - The guest is `GuestState::HandedOver` once the Postcopy record is flushed: from then on the destination may
 //!   run the guest, so a failure leaves it paused here, and the migration cannot be cancelled.
 //! - A request is served before the next background batch is queued; a request where the
 //!   last one's readahead window ended brings a window of the pages after it along
@@ -22,16 +22,15 @@
 
 use std::time::{Duration, Instant};
 
-use super::forward::Requested;
-use super::heat::Walk;
-use super::postcopy_state::PostcopyState;
-use super::readahead;
-use super::reader::Inbound;
-use super::target::Target;
-use super::{GuestState, Session, ms};
 use crate::bitmap::DirtyBitmap;
 use crate::control::Phase;
 use crate::error::{MigrateError, ProtocolError, Rule};
+use crate::source::forward::Requested;
+use crate::source::heat::Walk;
+use crate::source::postcopy_state::PostcopyState;
+use crate::source::readahead;
+use crate::source::reader::Inbound;
+use crate::source::{GuestState, Session, ms};
 use crate::stats::{PostcopyStats, PostcopyTrigger};
 use crate::vm::SourceVm;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
@@ -68,28 +67,6 @@ const MAX_PICK_BYTES: u64 = 2 * MAX_REQUEST_PAGES * PAGE_SIZE;
 /// A peer timeout shorter than this bounds the wait instead: a stopped destination keeps its
 /// sockets open (its kernel even answers keepalives), so only silence tells it is gone.
 const DONE_TIMEOUT: Duration = Duration::from_secs(60);
-
-impl<P: Target> Session<'_, P> {
-    /// Whether the operator asked for postcopy by now (`ferry migrate-postcopy`, or a pass
-    /// count), and how; the policy's own reasons come after. Never for a target that did not
-    /// agree to postcopy.
-    pub(super) fn postcopy_asked(&self, pass: u32) -> Option<PostcopyTrigger> {
-        if !self.peer.agreement().postcopy {
-            None
-        } else if self.control.postcopy_requested() {
-            Some(PostcopyTrigger::Asked)
-        } else if self
-            .postcopy
-            .as_ref()
-            .and_then(|p| p.settings.after_passes)
-            .is_some_and(|n| pass >= n)
-        {
-            Some(PostcopyTrigger::AfterPasses)
-        } else {
-            None
-        }
-    }
-}
 
 impl Session<'_> {
     /// Postcopy's state: there whenever postcopy runs, which it does only when granted, and
@@ -281,7 +258,7 @@ impl Session<'_> {
         loop {
             self.check_control()?;
             self.note_acks();
-            if self.peer.acks.use_ != super::ack_state::AckUse::Live {
+            if self.peer.acks.use_ != crate::source::ack_state::AckUse::Live {
                 return Ok(false);
             }
             if self.in_flight() == 0 {

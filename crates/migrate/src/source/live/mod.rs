@@ -3,8 +3,22 @@
 //! `Acks`). The session's phases reach it as `self.peer`; the transfer core asks it, as any
 //! [`Target`], what was acknowledged and whether the destination said something that ends the
 //! migration.
+//!
+//! What a session does only with a live destination lives here, one phase to a file:
+//! `handshake.rs` (the hello, the grant, and the run of every phase), `handover.rs` (the
+//! device state, Complete and the wait for Resumed), `postcopy.rs` (the switch, the discards,
+//! the requests and the background push), `shared_main.rs` (requested pages on the main
+//! connection without a preempt connection), `recover.rs` (a postcopy recovery) and
+//! `local.rs` (the local handover of guest RAM's descriptors).
 
 #![forbid(unsafe_code)]
+
+mod handover;
+mod handshake;
+mod local;
+mod postcopy;
+mod recover;
+mod shared_main;
 
 use std::sync::Arc;
 use std::time::Duration;
