@@ -212,6 +212,11 @@ pub struct MigrateArgs {
     /// 0 sends only the pages asked for.
     #[arg(long, value_name = "PAGES", requires = "postcopy", default_value_t = postcopy_defaults().prefetch_pages)]
     postcopy_prefetch: u64,
+    /// With --postcopy: cap the send rate from the switch on, in bytes per second, e.g. 200M
+    /// (QEMU: max-postcopy-bandwidth); it paces the background push only, never the pages the
+    /// destination's guest waits for. Default: --max-bandwidth carries on.
+    #[arg(long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S", requires = "postcopy")]
+    postcopy_max_bandwidth: Option<u64>,
     /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
     /// failing (the guest keeps running on the destination and waits for missing pages)
     /// until `ferry migrate-recover` on the destination and `ferry migrate --resume` here
@@ -401,6 +406,7 @@ fn mode(args: &MigrateArgs) -> MigrationMode {
             PostcopyOrderArg::Address => ferry_migrate::source::PostcopyOrder::Address,
         },
         prefetch_pages: args.postcopy_prefetch,
+        max_bandwidth: args.postcopy_max_bandwidth,
         on_stall: args.postcopy_on_stall,
         recover: args.postcopy_recover == OnOff::On,
     })

@@ -284,3 +284,37 @@ fn a_request_outside_ram_ends_the_migration_and_the_source_stays_paused() {
     );
     destination.join().unwrap();
 }
+
+/// `Postcopy::max_bandwidth` (QEMU's max-postcopy-bandwidth) paces the background push from
+/// the switch on, while precopy before it ran unlimited. A bound from below on the time a
+/// limiter must take, so a slow machine cannot fail it.
+#[test]
+fn a_postcopy_bandwidth_limit_paces_the_background_push() {
+    const LIMIT: u64 = 16_000_000;
+    let size = 32 * MIB;
+    let mut src = FakeVm::new(size, 2);
+    src.fill(3);
+    src.start_writers(Writers {
+        threads: 2,
+        seed: 0xba4d,
+        zero_percent: 0,
+        interval: Duration::ZERO,
+    });
+    let mut dst = FakeVm::new(size, 2);
+    let mut params = postcopy_params(2, None, false);
+    if let Mode::Postcopy(p) = &mut params.mode {
+        p.max_bandwidth = Some(LIMIT);
+    }
+    let (sent, received) = migrate(&mut src, &mut dst, &params, &Control::default());
+    let stats = sent.expect("the source's side");
+    received.expect("the destination's side");
+    let pc = stats.postcopy.clone().expect("switched to postcopy");
+    let pushed = pc.pages_background * PAGE as u64;
+    assert!(pushed >= 2 * MIB, "too little pushed to measure: {stats:?}");
+    let rate = pushed as f64 / (pc.duration_ms / 1e3);
+    assert!(
+        rate <= LIMIT as f64 * 1.25,
+        "the push ran at {rate:.0} B/s over a limit of {LIMIT}: {pc:?}"
+    );
+    assert!(src.contents() == dst.contents(), "memory differs");
+}

@@ -133,6 +133,9 @@ pub struct PostcopyRequest {
     /// The largest readahead window a vCPU faulting in order pulls forward, in 4 KiB pages
     /// (0: only the pages asked for).
     pub prefetch_pages: u64,
+    /// The bandwidth limit from the switch on, bytes per second (the background push only);
+    /// `None`: `max_bandwidth` carries on.
+    pub max_bandwidth: Option<u64>,
     /// Switch to postcopy when precopy stalls, before throttling.
     pub on_stall: bool,
     /// A connection that breaks in postcopy pauses both sides until a recovery instead of
@@ -150,6 +153,7 @@ impl Default for PostcopyRequest {
             quiet_start_ms: engine.quiet_start.as_millis() as u64,
             order: engine.order,
             prefetch_pages: engine.prefetch_pages,
+            max_bandwidth: engine.max_bandwidth,
             on_stall: Policy::default().postcopy_on_stall,
             recover: true,
         }
@@ -168,6 +172,7 @@ impl MigrationMode {
                 quiet_start: Duration::from_millis(p.quiet_start_ms),
                 order: p.order,
                 prefetch_pages: p.prefetch_pages,
+                max_bandwidth: p.max_bandwidth,
                 recover: p.recover,
             }),
         }
@@ -360,18 +365,21 @@ mod tests {
         assert_eq!(back.source_params([1; 16]).unwrap().policy, p.policy);
     }
 
-    /// `quiet_start_ms` was the option added after the request became one type: the field
-    /// here, its line in `MigrationMode::engine`, and the CLI's `--postcopy-quiet-start`.
+    /// `quiet_start_ms` was the option added after the request became one type, and
+    /// `max_bandwidth` the first after the modes became types: each is the field here (and
+    /// its line in `MigrationMode::engine`), the engine's field, and the CLI's flag
+    /// (`--postcopy-quiet-start`, `--postcopy-max-bandwidth`).
     #[test]
     fn a_request_s_postcopy_quiet_start_reaches_the_engine() {
         let r: MigrationRequest = serde_json::from_str(
-            r#"{"to": "a:1", "mode": {"postcopy": {"quiet_start_ms": 0, "preempt": "urgent"}}}"#,
+            r#"{"to": "a:1", "mode": {"postcopy": {"quiet_start_ms": 0, "preempt": "urgent", "max_bandwidth": 200000000}}}"#,
         )
         .unwrap();
         let p = r.source_params([1; 16]).unwrap();
         let postcopy = p.postcopy().unwrap();
         assert_eq!(postcopy.quiet_start, Duration::ZERO);
         assert_eq!(postcopy.preempt, Preempt::Urgent);
+        assert_eq!(postcopy.max_bandwidth, Some(200_000_000));
     }
 
     /// A setting of one mode cannot be given to another: a postcopy setting outside

@@ -103,6 +103,10 @@ pub struct Postcopy {
     /// after its page (the window starts at 16 and doubles per request in order); 0 sends
     /// only the pages asked for.
     pub prefetch_pages: u64,
+    /// The bandwidth limit from the switch on, bytes per second (QEMU's
+    /// max-postcopy-bandwidth): it paces the background push only, never the pages the
+    /// destination asks for. `None`: [`SourceParams::max_bandwidth`] carries on.
+    pub max_bandwidth: Option<u64>,
     /// Ask for recovery, so that a connection that breaks in postcopy pauses both sides until
     /// [`Control::resume_postcopy`](crate::Control::resume_postcopy) instead of failing. Off
     /// by default in the engine: ask for it only when both VMMs can be told to recover (the
@@ -120,6 +124,7 @@ impl Default for Postcopy {
             quiet_start: DEFAULT_POSTCOPY_QUIET_START,
             order: PostcopyOrder::default(),
             prefetch_pages: super::readahead::MAX_WINDOW,
+            max_bandwidth: None,
             recover: false,
         }
     }
@@ -276,6 +281,9 @@ impl SourceParams {
         if let Some(p) = self.postcopy() {
             if p.after_passes == Some(0) {
                 return Err(ConfigError::PostcopyAfterZeroPasses.into());
+            }
+            if p.max_bandwidth == Some(0) {
+                return Err(ConfigError::ZeroBandwidth.into());
             }
             if p.prefetch_pages > MAX_PREFETCH_PAGES {
                 return Err(ConfigError::Prefetch {

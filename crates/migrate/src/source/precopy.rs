@@ -113,14 +113,19 @@ impl<P: Target> Session<'_, P> {
             policy.auto_converge = a;
         }
         if let Some(rate) = t.max_bandwidth {
-            self.params.max_bandwidth = rate;
-            self.peer.max_bandwidth_changed(rate);
-            let now = self.report.start.elapsed();
-            self.link.limiter = rate.map(|r| Limiter::from(r, now));
+            self.set_max_bandwidth(rate);
         }
         tracing::info!("migration settings changed: {t:?}");
         let settings = self.params.settings();
         self.control.update(|p| p.settings = settings);
+    }
+
+    /// Limits the send rate to `rate` bytes per second from now on (`None`: no limit).
+    pub(super) fn set_max_bandwidth(&mut self, rate: Option<u64>) {
+        self.params.max_bandwidth = rate;
+        self.peer.max_bandwidth_changed(rate);
+        let now = self.report.start.elapsed();
+        self.link.limiter = rate.map(|r| Limiter::from(r, now));
     }
 
     /// Lowers a throttle in force to the auto-converge cap now in force, or lifts it when

@@ -167,6 +167,11 @@ impl Session<'_> {
         );
         let bytes_at_switch = self.bytes_written();
         self.set_phase(Phase::Postcopy);
+        if settings.max_bandwidth.is_some() {
+            self.set_max_bandwidth(settings.max_bandwidth);
+            let shown = self.params.settings();
+            self.control.update(|p| p.settings = shown);
+        }
         let mut walk = Some(walk);
         let mut quiet_until = Some(Instant::now() + settings.quiet_start);
         match handed {
