@@ -27,7 +27,17 @@ unsafe impl DestinationVm for FakeVm {
     /// what it loads.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
         let fail = |message: String| VmError::failed("load_state", message);
-        for s in sections {
+        let (disk, sections): (Vec<Section>, Vec<Section>) = sections
+            .iter()
+            .cloned()
+            .partition(|s| s.id == crate::disk::FAKE_DISK);
+        for s in &disk {
+            match &self.disk {
+                Some(d) => d.load_section(s)?,
+                None => return Err(fail("a disk's section, and the fake VM has no disk".into())),
+            }
+        }
+        for s in &sections {
             if s.id != FAKE_VCPU {
                 return Err(fail("the fake VM has only a vCPU section".into()));
             }
@@ -39,8 +49,16 @@ unsafe impl DestinationVm for FakeVm {
                 )));
             }
         }
-        self.state = sections.to_vec();
+        self.state = sections;
         Ok(())
+    }
+
+    fn load_state_chunk(&mut self, chunk: &Section) -> Result<(), VmError> {
+        self.disk_or_unsupported()?.load(chunk)
+    }
+
+    fn state_ready(&self) -> Result<bool, VmError> {
+        Ok(self.disk_or_unsupported()?.ready())
     }
 
     fn resume(&mut self) -> Result<Duration, VmError> {

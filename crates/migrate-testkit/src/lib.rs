@@ -20,6 +20,7 @@ mod balloon;
 pub mod conformance;
 pub mod craft;
 mod destination;
+pub mod disk;
 pub mod fuzz;
 pub mod loopback;
 pub mod proxy;
@@ -201,6 +202,8 @@ pub struct FakeVm {
     pub landing: PageLanding,
     /// Why a postcopy migration gave this destination up after it resumed, if it did.
     pub abandoned: Option<String>,
+    /// A device with large state (`disk.rs`), when a test adds one.
+    pub disk: Option<Arc<disk::FakeDisk>>,
 }
 
 impl FakeVm {
@@ -238,7 +241,36 @@ impl FakeVm {
             // The fake's RAM is sparse, which is what `File` is for.
             landing: PageLanding::File,
             abandoned: None,
+            disk: None,
         }
+    }
+
+    /// Adds a disk of `bytes` ([`disk::FakeDisk`]): its state goes as iterative state.
+    pub fn add_disk(&mut self, bytes: u64) -> Arc<disk::FakeDisk> {
+        let d = Arc::new(disk::FakeDisk::new(bytes));
+        self.disk = Some(d.clone());
+        d
+    }
+
+    /// Starts a thread that rewrites a block of the disk every `interval` while the guest
+    /// runs (holding the gate, so a pause waits for a write in flight).
+    pub fn start_disk_writer(&mut self, seed: u64, interval: Duration) {
+        let (shared, disk) = (self.shared.clone(), self.disk.clone().expect("a disk"));
+        self.threads.push(std::thread::spawn(move || {
+            let mut x = seed | 1;
+            while !shared.stop.load(Ordering::Relaxed) {
+                if !shared.paused.load(Ordering::Acquire) {
+                    let _g = shared.gate.read().unwrap();
+                    if !shared.paused.load(Ordering::Acquire) {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        disk.write((x % disk.block_count() as u64) as usize, x);
+                    }
+                }
+                std::thread::sleep(interval);
+            }
+        }));
     }
 
     /// On a destination: starts writer threads that wait until a migration resumes this VM
@@ -550,7 +582,34 @@ unsafe impl SourceVm for FakeVm {
     }
 
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
-        Ok(self.state.clone())
+        let mut sections = self.state.clone();
+        if let Some(disk) = &self.disk {
+            sections.extend(disk.sections()?);
+        }
+        Ok(sections)
+    }
+
+    fn start_state_iteration(&mut self) -> Result<u64, VmError> {
+        match &self.disk {
+            Some(disk) => Ok(disk.start()),
+            None => Err(VmError::Unsupported {
+                operation: "iterative device state",
+            }),
+        }
+    }
+
+    fn next_state_chunk(&mut self, max_bytes: usize) -> Result<Option<Section>, VmError> {
+        self.disk_or_unsupported()?.next_chunk(max_bytes)
+    }
+
+    fn pending_state_bytes(&self) -> Result<u64, VmError> {
+        self.disk_or_unsupported()?.pending_bytes()
+    }
+
+    fn end_state_iteration(&mut self) {
+        if let Some(disk) = &self.disk {
+            disk.end();
+        }
     }
 
     fn start_hints(&mut self) -> Result<(), VmError> {
@@ -577,6 +636,15 @@ unsafe impl SourceVm for FakeVm {
 
     fn finish_hints(&mut self) -> Result<(), VmError> {
         balloon_call(self.shared.balloon.finish())
+    }
+}
+
+impl FakeVm {
+    /// The disk, or the answer of a VM without one.
+    fn disk_or_unsupported(&self) -> Result<&disk::FakeDisk, VmError> {
+        self.disk.as_deref().ok_or(VmError::Unsupported {
+            operation: "iterative device state",
+        })
     }
 }
 

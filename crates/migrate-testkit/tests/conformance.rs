@@ -11,6 +11,8 @@ use ferry_migrate_testkit::{FakeVm, Writers};
 /// the regions (the fake leaves 1 GiB), so a slot-by-index mistake would show.
 const MEMORY: u64 = 8 << 20;
 const REGIONS: usize = 2;
+/// A disk of four blocks: small enough for the pause as sections, and iterative state too.
+const DISK: u64 = 1 << 20;
 /// Pages the source's guest holds free, from page index [`FREE_FROM`]: its balloon hints them.
 const FREE_PAGES: u64 = 256;
 const FREE_FROM: u64 = 512;
@@ -24,9 +26,10 @@ impl Fixture for Fake {
     type Source = FakeVm;
     type Destination = FakeVm;
 
-    /// With a balloon, and some memory free to hint.
+    /// With a balloon, some memory free to hint, and a small disk (iterative state).
     fn source(&mut self) -> FakeVm {
-        let vm = FakeVm::new(MEMORY, REGIONS);
+        let mut vm = FakeVm::new(MEMORY, REGIONS);
+        vm.add_disk(DISK);
         vm.fill(3);
         vm.free_pages(FREE_FROM, FREE_PAGES);
         vm.attach_balloon(HINT_PAGES_PER_MS);
@@ -34,7 +37,9 @@ impl Fixture for Fake {
     }
 
     fn destination(&mut self) -> FakeVm {
-        FakeVm::new(MEMORY, REGIONS)
+        let mut vm = FakeVm::new(MEMORY, REGIONS);
+        vm.add_disk(DISK);
+        vm
     }
 
     fn vmm_write(&mut self, vm: &mut FakeVm, gpa: u64, byte: u8) {

@@ -196,9 +196,22 @@ impl Conn {
         data: &[u8],
         during: &'static str,
     ) -> Result<(), MigrateError> {
+        self.write_sectioned(Kind::DeviceState, section, data, during)
+    }
+
+    /// Writes a record of `kind` whose payload is a section header and `data` (DeviceState,
+    /// StateChunk), its checksum over both.
+    pub fn write_sectioned(
+        &mut self,
+        kind: Kind,
+        section: SectionHeader,
+        data: &[u8],
+        during: &'static str,
+    ) -> Result<(), MigrateError> {
         let section = section.encode();
         let crc = wire::crc_append(wire::crc(&section), data);
-        let h = Header::device_state(data.len() as u64).with_crc(crc);
+        let len = (section.len() + data.len()) as u64;
+        let h = Header::new(kind, 0, len).with_crc(crc);
         self.write_all(&h.encode(), during)?;
         self.write_all(&section, during)?;
         self.write_all(data, during)

@@ -27,6 +27,10 @@ pub struct Progress {
     /// pages not sent yet; in postcopy, the pages the destination still lacks. Updated while
     /// a pass runs, not only at its end.
     pub remaining_bytes: u64,
+    /// Of `remaining_bytes`, the iterative device state still to send (changed or never
+    /// sent); 0 without such state.
+    #[serde(default)]
+    pub state_remaining_bytes: u64,
     pub bytes_sent: u64,
     pub bandwidth_mb_s: f64,
     pub dirty_rate_pages_per_s: f64,

@@ -172,6 +172,9 @@ pub struct Observation {
     pub dirty_limit: Option<u64>,
     /// Whether the destination granted postcopy.
     pub postcopy_granted: bool,
+    /// Whether the destination's devices with iterative state are ready for a switchover
+    /// (QEMU's switchover-ack); true without such state.
+    pub switchover_ready: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,6 +185,11 @@ pub enum Decision {
     /// nothing, wait (at most [`drain_bound`]) for the destination to take it in, then sync
     /// and decide again.
     Drain,
+    /// Everything fits, but the destination's devices did not say they are ready for the
+    /// switchover ([`Observation::switchover_ready`], QEMU's switchover-ack): wait a moment
+    /// ([`READY_WAIT`]) for their StateReady, then run another pass, so that what changed
+    /// keeps going and the destination keeps hearing from the source.
+    AwaitReady,
     /// Pause the guest and send the rest.
     Switchover,
     /// Hand the guest over now and send the rest while it runs there.
@@ -199,6 +207,9 @@ pub enum Decision {
 /// final sync, state save, load and resume take ~3 ms on this project's machine) under the
 /// 10 ms goal, and is above the jitter of a destination that acknowledges every 10 ms.
 pub const SETTLED: Duration = Duration::from_millis(2);
+/// The longest a [`Decision::AwaitReady`] waits for the destination's StateReady before the
+/// next pass: one acknowledgement interval of the destination (10 ms), which carries it.
+pub const READY_WAIT: Duration = Duration::from_millis(10);
 /// The shortest drain: five acknowledgement intervals of the destination (10 ms each), so a
 /// drain that made no progress was a destination that does not acknowledge, not bad luck.
 pub const DRAIN_MIN: Duration = Duration::from_millis(50);
@@ -236,10 +247,12 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
         ..*now
     };
     if fits(policy, &dirty_only) {
-        return if now.settled() && fits(policy, now) {
+        return if !(now.settled() && fits(policy, now)) {
+            Decision::Drain
+        } else if now.switchover_ready {
             Decision::Switchover
         } else {
-            Decision::Drain
+            Decision::AwaitReady
         };
     }
     if policy.timeout.is_some_and(|t| now.elapsed >= t) {
@@ -307,6 +320,7 @@ mod tests {
             throttle: 0,
             dirty_limit: None,
             postcopy_granted: false,
+            switchover_ready: true,
         }
     }
 
@@ -443,6 +457,48 @@ mod tests {
             ..stalled(3, 0, false)
         };
         assert_eq!(decide(&by_limit, &fits), Decision::Switchover);
+    }
+
+    /// Iterative state (QEMU's switchover-ack): a switchover that fits waits for the
+    /// destination's StateReady, passes going on meanwhile; a forced one at the timeout does
+    /// not wait.
+    #[test]
+    fn a_switchover_waits_for_the_destination_s_state_ready() {
+        let not_ready = |o: Observation| Observation {
+            switchover_ready: false,
+            ..o
+        };
+        let forced = Policy {
+            timeout: Some(Duration::from_secs(60)),
+            timeout_action: TimeoutAction::Switchover,
+            ..Policy::default()
+        };
+        let table = [
+            (Policy::default(), obs(100, 1000.0, 1), Decision::Switchover),
+            (
+                Policy::default(),
+                not_ready(obs(100, 1000.0, 1)),
+                Decision::AwaitReady,
+            ),
+            (
+                Policy::default(),
+                not_ready(obs(0, 0.0, 1)),
+                Decision::AwaitReady,
+            ),
+            (
+                Policy::default(),
+                not_ready(obs(5000, 1000.0, 1)),
+                Decision::Iterate,
+            ),
+            (
+                forced,
+                not_ready(obs(5000, 1000.0, 61)),
+                Decision::Switchover,
+            ),
+        ];
+        for (policy, o, want) in table {
+            assert_eq!(decide(&policy, &o), want, "{o:?}");
+        }
     }
 
     #[test]

@@ -132,6 +132,12 @@ pub struct MigrationStats {
     /// Bytes the destination had acknowledged when the migration ended.
     #[serde(default)]
     pub acked_bytes: u64,
+    /// Chunks of iterative device state sent ([`crate::SourceVm::start_state_iteration`]),
+    /// and their data bytes; 0 without such state.
+    #[serde(default)]
+    pub state_chunks: u64,
+    #[serde(default)]
+    pub state_chunk_bytes: u64,
     /// The migration sampled over time (see [`Timeline`]); empty in statistics written before
     /// it existed.
     #[serde(default)]

@@ -152,6 +152,45 @@ pub unsafe trait SourceVm: Send {
         Vec::new()
     }
 
+    /// Iterative state: the state of devices too large to send in the pause (a disk's blocks
+    /// not on shared storage, a device with megabytes of its own), sent in chunks while the
+    /// guest runs, as RAM is. Called once the destination agreed to take it
+    /// ([`crate::wire::Capabilities::ITERATIVE_STATE`]), after dirty tracking started. From
+    /// this call until [`SourceVm::end_state_iteration`], [`SourceVm::save_state`] leaves out
+    /// what chunks carry, and a part that changes after its chunk went out is offered again
+    /// by [`SourceVm::next_state_chunk`]. Returns the bytes to send (none was sent yet).
+    ///
+    /// A VMM without such state keeps this default, and its state goes in the pause as
+    /// sections.
+    fn start_state_iteration(&mut self) -> Result<u64, VmError> {
+        Err(VmError::Unsupported {
+            operation: "iterative device state",
+        })
+    }
+
+    /// The next chunk of iterative state that changed since it was sent, or was never sent,
+    /// as a section of at most `max_bytes` of data (the device on the destination gives it its
+    /// meaning); `None` when nothing is pending now. While the guest is paused (the final
+    /// pass), the engine takes chunks until `None`: what is left then is all of it.
+    fn next_state_chunk(&mut self, max_bytes: usize) -> Result<Option<Section>, VmError> {
+        let _ = max_bytes;
+        Err(VmError::Unsupported {
+            operation: "iterative device state",
+        })
+    }
+
+    /// Bytes of iterative state pending (changed or never sent), for what is left to send and
+    /// the switchover decision.
+    fn pending_state_bytes(&self) -> Result<u64, VmError> {
+        Err(VmError::Unsupported {
+            operation: "iterative device state",
+        })
+    }
+
+    /// The migration ended, however it ended: [`SourceVm::save_state`] holds all of the state
+    /// again. Called only after [`SourceVm::start_state_iteration`] succeeded.
+    fn end_state_iteration(&mut self) {}
+
     /// Free page hinting (virtio-balloon's `FREE_PAGE_HINT`): asks the guest for a new round
     /// of hints, ranges of memory it does not use. The engine calls it only after dirty
     /// tracking started for all of RAM, so that a hinted page the guest writes again is
@@ -275,8 +314,30 @@ pub unsafe trait DestinationVm: Send {
         })
     }
 
-    /// Loads all non-RAM state; refuses a section it does not know or cannot validate.
+    /// Loads all non-RAM state; refuses a section it does not know or cannot validate. With
+    /// iterative state, what the chunks carried is loaded already
+    /// ([`DestinationVm::load_state_chunk`]); the sections hold the rest.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError>;
+
+    /// A chunk of iterative state ([`SourceVm::next_state_chunk`]), in the order sent, while
+    /// the guest still runs on the source: a later chunk of the same part replaces an
+    /// earlier one. Refuse a chunk no device of this VM takes, or one it cannot validate.
+    fn load_state_chunk(&mut self, chunk: &Section) -> Result<(), VmError> {
+        let _ = chunk;
+        Err(VmError::Unsupported {
+            operation: "iterative device state",
+        })
+    }
+
+    /// Whether the devices that take chunks are ready for the switchover (QEMU's
+    /// switchover-ack): asked after each chunk; once it says so, the source may pause its
+    /// guest. A VMM without iterative state keeps this default, and the capability is not
+    /// offered (a source whose VM has such state then sends it in the pause as sections).
+    fn state_ready(&self) -> Result<bool, VmError> {
+        Err(VmError::Unsupported {
+            operation: "iterative device state",
+        })
+    }
 
     /// Starts the guest. Returns how long starting took (part of the downtime breakdown).
     fn resume(&mut self) -> Result<Duration, VmError>;

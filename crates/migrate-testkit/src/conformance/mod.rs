@@ -50,6 +50,11 @@
 //!   [`destination_refuses_bad_state`]: a section with another version, without its data, or
 //!   of a kind the VMM never saved is refused with an error, not a panic and not a silent
 //!   success.
+//! - Iterative device state (`iterative.rs`). [`iterative_state_moves_or_is_refused`]
+//!   (`start_state_iteration`, `next_state_chunk`, `pending_state_bytes`,
+//!   `end_state_iteration`, `load_state_chunk`, `state_ready`): a paused source's chunks end
+//!   within their bound with nothing pending after them, and a destination that took them all
+//!   is ready for the switchover; or both sides refuse it all.
 //! - Taking the guest over (`switchover.rs`). [`destination_runs_the_sources_guest`]
 //!   (`resume` and `state_parts` of the destination): given a paused source's RAM and state,
 //!   as a restore gives them, the destination resumes, says no more time than it took, and
@@ -78,6 +83,7 @@ mod converge;
 mod dirty;
 mod fixture;
 mod hints;
+mod iterative;
 mod ram;
 mod state;
 mod support;
@@ -93,6 +99,7 @@ pub use dirty::{
 };
 pub use fixture::Fixture;
 pub use hints::free_page_hints_arrive_and_stop_or_are_refused;
+pub use iterative::iterative_state_moves_or_is_refused;
 pub use ram::{
     destination_adopts_the_sources_ram, destination_file_is_its_memory,
     destination_lands_pages_as_it_says, ram_is_well_formed,
@@ -130,6 +137,7 @@ macro_rules! conformance_tests {
             destination_refuses_bad_state,
             destination_runs_the_sources_guest,
             abandoned_destination_stops_for_good,
+            iterative_state_moves_or_is_refused,
         );
     };
     (@each $fixture:expr; $($check:ident,)*) => {

@@ -87,10 +87,18 @@ fn run(
     stop: &Receiver<()>,
 ) -> Result<(), MigrateError> {
     let mut last = Received::default();
+    let mut ready_said = false;
     loop {
         match stop.recv_timeout(ACK_INTERVAL) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(()) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        }
+        if !ready_said && control.state_ready() {
+            let header = Header::new(Kind::StateReady, 0, 0).seal(&[]);
+            stream
+                .write_all(&header.encode())
+                .map_err(|e| MigrateError::io("telling the source its state is ready", e))?;
+            ready_said = true;
         }
         let now = taken_in(control);
         if now == last {

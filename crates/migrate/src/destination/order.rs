@@ -11,7 +11,7 @@
 #![forbid(unsafe_code)]
 
 use crate::error::{ProtocolError, Rule};
-use crate::wire::Kind;
+use crate::wire::{Capabilities, Kind};
 
 /// Where the main channel's stream is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +39,8 @@ pub(crate) enum Step {
     Discard,
     /// Read a device-state section.
     Section,
+    /// Read a chunk of iterative state and load it now.
+    Chunk,
     /// Precopy is complete: every data channel must have ended; load the state and resume.
     Complete,
     /// Switch to postcopy with the state received.
@@ -48,15 +50,16 @@ pub(crate) enum Step {
 }
 
 /// The record of kind `kind` (with the header's `count`) at `at`: the state after it and what
-/// to do, or the rule it broke. `postcopy` is whether the capability was granted.
+/// to do, or the rule it broke. `granted` is what the hello's answer granted.
 pub(crate) fn next(
     at: Main,
     kind: Kind,
     count: u32,
-    postcopy: bool,
+    granted: Capabilities,
 ) -> Result<(Main, Step), ProtocolError> {
     use Main as M;
     let refuse = |rule| Err(ProtocolError::Misplaced { got: kind, rule });
+    let postcopy = granted.contains(Capabilities::POSTCOPY);
     match (kind, at) {
         (Kind::Error, _) => Ok((at, Step::PeerError)),
         (Kind::EndOfPass, M::Passes { passes }) if count == passes + 1 => {
@@ -68,6 +71,11 @@ pub(crate) fn next(
             data_channel: false,
         }),
         (Kind::EndOfPass, _) => refuse(Rule::NoPassAfterState),
+        (Kind::StateChunk, _) if !granted.contains(Capabilities::ITERATIVE_STATE) => {
+            refuse(Rule::NeedsIterativeState)
+        }
+        (Kind::StateChunk, M::Passes { .. } | M::Discarding { .. }) => Ok((at, Step::Chunk)),
+        (Kind::StateChunk, M::State { .. }) => refuse(Rule::ChunksBeforeState),
         (Kind::Discard | Kind::Postcopy, _) if !postcopy => refuse(Rule::NeedsPostcopy),
         (Kind::Discard, M::Passes { passes } | M::Discarding { passes }) if passes > 0 => {
             Ok((M::Discarding { passes }, Step::Discard))
@@ -292,7 +300,11 @@ mod tests {
             (S, K::VmConfig, 0, true, no(Rule::MainChannel)),
         ];
         for &(at, kind, count, postcopy, want) in table {
-            let got = next(at, kind, count, postcopy).map_err(|e| match e {
+            let granted = match postcopy {
+                true => Capabilities::POSTCOPY,
+                false => Capabilities::NONE,
+            };
+            let got = next(at, kind, count, granted).map_err(|e| match e {
                 ProtocolError::Misplaced { got, rule } => {
                     assert_eq!(got, kind);
                     rule
@@ -393,10 +405,34 @@ mod tests {
         }
     }
 
+    /// State chunks: only with the capability, while the passes run or among the discard
+    /// lists, and never once the device state began.
+    #[test]
+    fn state_chunks_come_before_the_device_state_and_only_when_granted() {
+        let iterative = Capabilities::ITERATIVE_STATE.with(Capabilities::POSTCOPY);
+        type Row = (Main, Capabilities, Result<(Main, Step), Rule>);
+        let table: &[Row] = &[
+            (P0, iterative, Ok((P0, Step::Chunk))),
+            (P2, iterative, Ok((P2, Step::Chunk))),
+            (D2, iterative, Ok((D2, Step::Chunk))),
+            (S, iterative, Err(Rule::ChunksBeforeState)),
+            (SD, iterative, Err(Rule::ChunksBeforeState)),
+            (P2, Capabilities::POSTCOPY, Err(Rule::NeedsIterativeState)),
+            (P0, Capabilities::NONE, Err(Rule::NeedsIterativeState)),
+        ];
+        for &(at, granted, want) in table {
+            let got = next(at, Kind::StateChunk, 0, granted).map_err(|e| match e {
+                ProtocolError::Misplaced { rule, .. } => rule,
+                e => panic!("{at:?}: {e}"),
+            });
+            assert_eq!(got, want, "{at:?} {granted:?}");
+        }
+    }
+
     #[test]
     fn a_pass_end_out_of_order_names_both_passes() {
         for (at, count) in [(P0, 2), (P2, 2), (P2, 5)] {
-            let e = next(at, Kind::EndOfPass, count, false).unwrap_err();
+            let e = next(at, Kind::EndOfPass, count, Capabilities::NONE).unwrap_err();
             let Main::Passes { passes } = at else {
                 unreachable!()
             };

@@ -123,6 +123,9 @@ pub struct IncomingControl {
     /// Connections of the migration under way, shut down by a cancel so that every blocked
     /// read returns at once.
     streams: Mutex<Vec<Box<dyn Stream>>>,
+    /// The VM said its devices with iterative state are ready for the switchover; the
+    /// acknowledger tells the source (StateReady), once.
+    state_ready: AtomicBool,
     /// Where a paused postcopy migration listens for its recovery, once given.
     recovery: Mutex<Option<Box<dyn crate::transport::Listener>>>,
 }
@@ -134,6 +137,7 @@ impl Default for IncomingControl {
             peer_timeout: Mutex::new(Some(DEFAULT_SOURCE_TIMEOUT)),
             allow_uids: Mutex::default(),
             silent: AtomicBool::new(false),
+            state_ready: AtomicBool::new(false),
             started: Instant::now(),
             progress: Mutex::default(),
             pages: AtomicU64::new(0),
@@ -341,6 +345,21 @@ impl IncomingControl {
     /// Forgets the connections of a migration that ended (the next source brings its own).
     pub(crate) fn unregister_all(&self) {
         self.streams.lock().unwrap().clear();
+    }
+
+    /// The VM is ready for the switchover: the acknowledger says StateReady.
+    pub(crate) fn say_state_ready(&self) {
+        self.state_ready.store(true, Ordering::Release);
+    }
+
+    /// Whether [`IncomingControl::say_state_ready`] was called in this migration.
+    pub(crate) fn state_ready(&self) -> bool {
+        self.state_ready.load(Ordering::Acquire)
+    }
+
+    /// A new migration starts: its devices have said nothing yet.
+    pub(crate) fn forget_state_ready(&self) {
+        self.state_ready.store(false, Ordering::Release);
     }
 
     pub(crate) fn add(&self, counter: &AtomicU64, n: u64) {

@@ -101,6 +101,11 @@ pub enum Rule {
     NoCompleteAfterDiscard,
     /// Complete comes after the device state.
     CompleteAfterState,
+    /// StateChunk needs the iterative state capability.
+    NeedsIterativeState,
+    /// State chunks come while the passes run or among the discard lists, before the
+    /// device state.
+    ChunksBeforeState,
     /// What the main channel carries in precopy.
     MainChannel,
     /// What the main channel carries in postcopy.
@@ -133,6 +138,8 @@ pub enum Rule {
     OneResumed,
     /// Received needs the progress capability.
     ReceivedNeedsProgress,
+    /// StateReady needs the iterative state capability, and comes once.
+    OneStateReady,
     /// Resumed comes after Complete.
     ResumedAfterComplete,
     /// No Done in precopy.
@@ -166,6 +173,10 @@ impl Rule {
                 "Complete after a discard list: postcopy must start with Postcopy".into()
             }
             R::CompleteAfterState => "Complete without any device state".into(),
+            R::NeedsIterativeState => {
+                format!("{got:?} record without the iterative state capability")
+            }
+            R::ChunksBeforeState => "a state chunk after the device state began".into(),
             R::MainChannel => format!("{got:?} record on the main channel"),
             R::MainChannelInPostcopy => {
                 format!("{got:?} record on the main channel during postcopy")
@@ -194,6 +205,10 @@ impl Rule {
             R::OneResumed => "the destination sent Resumed twice".into(),
             R::ReceivedNeedsProgress => {
                 "the destination sent Received without the progress capability".into()
+            }
+            R::OneStateReady => {
+                "the destination sent StateReady twice, or without the iterative state capability"
+                    .into()
             }
             R::ResumedAfterComplete => "the destination sent Resumed before Complete".into(),
             R::NoDoneInPrecopy => "the destination sent Done during precopy".into(),

@@ -28,6 +28,9 @@ pub(crate) struct Agreement {
     pub postcopy_unit: u64,
     /// A local handover: guest RAM's descriptors instead of its pages.
     pub local: bool,
+    /// Iterative device state: StateChunk records while the guest runs, and the
+    /// destination's StateReady before a switchover.
+    pub iterative: bool,
 }
 
 impl Agreement {
@@ -41,6 +44,7 @@ impl Agreement {
         main_pages: false,
         postcopy_unit: 1,
         local: false,
+        iterative: false,
     };
 
     /// The destination's accepting answer `reply`: what it granted, or why the grant cannot be
@@ -64,6 +68,7 @@ impl Agreement {
             main_pages: granted(Capabilities::MAIN_PAGES) && !preempt && postcopy_unit == 1,
             postcopy_unit,
             local: granted(Capabilities::LOCAL),
+            iterative: granted(Capabilities::ITERATIVE_STATE),
         })
     }
 }

@@ -17,13 +17,16 @@
 //! - `observe.rs`: what the policy observes (in flight, the absorption rate) and the drain
 //!   before a switchover;
 //! - `progress.rs`: what the session publishes to [`Control`] and samples on the timeline;
-//! - `hints.rs`: free page hints around the dirty syncs.
+//! - `hints.rs`: free page hints around the dirty syncs;
+//! - `iterate.rs`: iterative device state, chunks after each pass's pages, and the wait for
+//!   the destination's StateReady before a switchover.
 //!
 //! The session's own values, each in a file of its own: `params.rs` (the parameters, the
 //! [`Mode`] and their check, and the test hooks), `link.rs` (the limiter, the send rate and
 //! what a page costs on the wire), `converge.rs` (the stall count, throttle and dirty limit in
 //! force), `report.rs` (statistics, timeline and their clocks), `hint_rounds.rs` (free page
-//! hints) and `postcopy_state.rs` (postcopy's settings, heat and request hand-off, present only
+//! hints), `iteration.rs` (iterative device state: pending and sent) and `postcopy_state.rs`
+//! (postcopy's settings, heat and request hand-off, present only
 //! in its mode).
 //!
 //! And the parts the phases use: `target.rs` (the seam: where pages go, and what the target
@@ -61,6 +64,8 @@ mod forward;
 mod heat;
 mod hint_rounds;
 mod hints;
+mod iterate;
+mod iteration;
 pub(crate) mod keep;
 mod limiter;
 mod link;
@@ -82,6 +87,7 @@ use std::time::{Duration, Instant};
 
 use self::converge::Convergence;
 use self::hint_rounds::Hints;
+use self::iteration::Iteration;
 use self::limiter::Pacing;
 use self::link::Link;
 use self::live::Live;
@@ -205,6 +211,8 @@ struct Session<'a, P = Live> {
     guest: GuestState,
     /// Free page hints: rounds, and pass 1's pages to skip.
     hints: Hints,
+    /// Iterative device state, once started (`iterate.rs`).
+    iteration: Option<Iteration>,
     /// Postcopy's settings and what it gathers in precopy (the heat) and after the switch
     /// (the request hand-off); `None` unless [`Mode::Postcopy`].
     postcopy: Option<PostcopyState>,
@@ -234,6 +242,7 @@ impl<'a, P: Target> Session<'a, P> {
             } else {
                 Hints::off()
             },
+            iteration: None,
             postcopy: params.postcopy().cloned().map(PostcopyState::new),
         }
     }
@@ -250,6 +259,7 @@ impl<'a, P: Target> Session<'a, P> {
             self.finish_hints(vm);
         }
         self.report.stats.vcpus = vm.vcpu_dirty();
+        self.end_iteration(vm);
         vm.stop_dirty_log();
         if self.converge.dirty_limit.take().is_some()
             && let Err(e) = vm.set_dirty_limit(None)
@@ -330,6 +340,7 @@ impl<'a, P: Target> Session<'a, P> {
         }
         self.report.stats.dirty_start_ms = ms(t.elapsed());
         self.report.stats.setup_ms = ms(self.report.start.elapsed());
+        self.start_iteration(vm)?;
         // What pass 1 will send, shown from the phase's start (pass 1 counts it down).
         self.report.first_pass_left = self.ram.populated_bytes();
         self.set_phase(Phase::Precopy);

@@ -92,7 +92,8 @@ impl<P: Target> Session<'_, P> {
         self.note_idle();
         Observation {
             // Compressed, what is left costs the link what data pages lately did.
-            remaining_bytes: ((self.bitmap.count() * PAGE_SIZE) as f64 * self.wire_share()) as u64,
+            remaining_bytes: ((self.bitmap.count() * PAGE_SIZE) as f64 * self.wire_share()) as u64
+                + self.pending_state(),
             in_flight_bytes: self.in_flight(),
             bandwidth: self.rate(),
             elapsed: self.report.start.elapsed(),
@@ -100,6 +101,7 @@ impl<P: Target> Session<'_, P> {
             throttle: self.converge.throttle,
             dirty_limit: self.converge.dirty_limit,
             postcopy_granted: self.peer.agreement().postcopy,
+            switchover_ready: self.switchover_ready(),
         }
     }
 

@@ -84,6 +84,7 @@ impl<P: Target> Session<'_, P> {
                 }
                 Decision::Throttle(percent) => self.throttle(vm, percent)?,
                 Decision::LimitDirty(rate) => self.limit_dirty(vm, rate)?,
+                Decision::AwaitReady => self.await_ready(policy::READY_WAIT),
                 Decision::Iterate => {}
             }
             pass += 1;
@@ -266,6 +267,7 @@ impl<P: Target> Session<'_, P> {
             }
         }
         pages += self.send_pages(&batch, Pacing::Limited)?;
+        self.send_state(vm, Pacing::Limited)?;
         self.report.first_pass_left = 0;
         self.hints.first_pass_done();
         self.report.stats.pages_skipped_hinted += hinted;
@@ -296,6 +298,7 @@ impl<P: Target> Session<'_, P> {
             pages += self.send_pages(&batch, guest.pacing())?;
             batch.clear();
         }
+        self.send_state(vm, guest.pacing())?;
         self.end_pass(pass, guest, pages, bytes_before, started)
     }
 

@@ -50,8 +50,10 @@ impl<P: Target> Session<'_, P> {
             self.link.bandwidth.rate(),
             self.report.start.elapsed(),
         );
-        let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        let state = self.pending_state();
+        let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE + state;
         self.control.update(|p| {
+            p.state_remaining_bytes = state;
             p.bytes_sent = sent;
             p.bandwidth_mb_s = bandwidth / 1e6;
             p.elapsed_ms = ms(elapsed);
@@ -67,8 +69,10 @@ impl<P: Target> Session<'_, P> {
     /// Publishes where precopy stands after pass `pass` and the dirty sync that ended it.
     pub(super) fn publish_pass(&mut self, pass: u32, now: &Observation, dirty_rate: f64) {
         let sent = self.bytes_written();
+        let state = self.pending_state();
         self.control.update(|p| {
             p.pass = pass;
+            p.state_remaining_bytes = state;
             p.bytes_sent = sent;
             p.remaining_bytes = now.remaining_bytes;
             p.bandwidth_mb_s = now.bandwidth / 1e6;

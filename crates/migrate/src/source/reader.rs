@@ -23,7 +23,7 @@
 
 use std::collections::VecDeque;
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -54,6 +54,9 @@ pub enum Inbound {
     PageRequest(Vec<(u64, u64)>),
     /// Every page is in place on the destination, with its request latencies (postcopy only).
     Done(Box<Latencies>),
+    /// The destination's devices with iterative state are ready for the switchover
+    /// (iterative state only; folded by the reader, never an ending).
+    StateReady,
 }
 
 impl Inbound {
@@ -65,6 +68,7 @@ impl Inbound {
             Inbound::Received(_) => Kind::Received,
             Inbound::PageRequest(_) => Kind::PageRequest,
             Inbound::Done(_) => Kind::Done,
+            Inbound::StateReady => Kind::StateReady,
         }
     }
 }
@@ -94,6 +98,7 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
             ))
         }
         Kind::Done => Ok(Inbound::Done(Box::new(Latencies::decode(&payload)?))),
+        Kind::StateReady => Ok(Inbound::StateReady),
         k => Err(MigrateError::misplaced(
             k,
             Rule::Awaiting(awaiting.expected),
@@ -129,6 +134,7 @@ pub type Ending = Result<Inbound, MigrateError>;
 pub struct InboundReader {
     acked_bytes: Arc<AtomicU64>,
     acked_pages: Arc<AtomicU64>,
+    state_ready: Arc<AtomicBool>,
     requests: Arc<Requests>,
     ending: Receiver<Ending>,
     /// A handle to shut the read side with, so that the thread's blocked read returns.
@@ -149,6 +155,7 @@ impl InboundReader {
         let stream = conn.stream().try_clone_stream().map_err(io)?;
         let acked_bytes = Arc::new(AtomicU64::new(0));
         let acked_pages = Arc::new(AtomicU64::new(0));
+        let state_ready = Arc::new(AtomicBool::new(false));
         let requests = Arc::new(Requests::default());
         if opening == Opening::Recovery {
             // Before the thread reads anything: a request may be the first record it reads.
@@ -160,6 +167,7 @@ impl InboundReader {
         let into = Into {
             bytes: acked_bytes.clone(),
             pages: acked_pages.clone(),
+            ready: state_ready.clone(),
             requests: requests.clone(),
         };
         let thread = std::thread::Builder::new()
@@ -174,6 +182,7 @@ impl InboundReader {
         Ok(InboundReader {
             acked_bytes,
             acked_pages,
+            state_ready,
             requests,
             ending,
             stream,
@@ -187,6 +196,11 @@ impl InboundReader {
             bytes: self.acked_bytes.load(Ordering::Acquire),
             pages: self.acked_pages.load(Ordering::Relaxed),
         }
+    }
+
+    /// Whether the destination said its devices are ready for the switchover (StateReady).
+    pub fn state_ready(&self) -> bool {
+        self.state_ready.load(Ordering::Acquire)
     }
 
     /// Takes the page requests that arrived since the last call, oldest first, and when the
@@ -264,6 +278,8 @@ struct Requests {
 struct Into {
     bytes: Arc<AtomicU64>,
     pages: Arc<AtomicU64>,
+    /// The destination said StateReady.
+    ready: Arc<AtomicBool>,
     requests: Arc<Requests>,
 }
 
@@ -331,6 +347,13 @@ fn read_until_end(
                 seen_resumed = true;
                 resumed(Inbound::Resumed(r));
             }
+            Inbound::StateReady if !agreed.iterative || into.ready.load(Ordering::Relaxed) => {
+                return Err(MigrateError::misplaced(
+                    Kind::StateReady,
+                    Rule::OneStateReady,
+                ));
+            }
+            Inbound::StateReady => into.ready.store(true, Ordering::Release),
             Inbound::Received(_) if !progress => {
                 return Err(MigrateError::misplaced(
                     Kind::Received,

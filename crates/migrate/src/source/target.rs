@@ -73,6 +73,18 @@ pub(crate) trait Target {
         None
     }
 
+    /// Sends a chunk of iterative device state. Called only when the target agreed to take
+    /// such chunks ([`Agreement::iterative`]), which a file never does.
+    fn send_state_chunk(&mut self, chunk: &Section) -> Result<(), MigrateError> {
+        let _ = chunk;
+        unreachable!("state chunks go only to a target that agreed to take them")
+    }
+
+    /// Whether the target's devices said they are ready for the switchover (StateReady).
+    fn state_ready(&self) -> bool {
+        false
+    }
+
     /// Whatever the target said since it was last asked that ends the migration (its error,
     /// a record out of order, its connection closing); looked at between any two batches.
     fn heard(&mut self) -> Result<(), MigrateError> {

@@ -48,6 +48,11 @@ impl Capabilities {
     /// Bit 10: the source may send a precopy batch's pages as a
     /// [`Kind::CompressedPages`](super::Kind::CompressedPages) record (one zstd frame).
     pub const COMPRESS: Capabilities = Capabilities(1 << 10);
+    /// Bit 11, with [`Capabilities::PROGRESS`]: devices with large state send it in
+    /// [`Kind::StateChunk`](super::Kind::StateChunk) records while the guest runs, and the
+    /// destination says [`Kind::StateReady`](super::Kind::StateReady) once its devices are
+    /// ready for the switchover (on the connection its Received records take).
+    pub const ITERATIVE_STATE: Capabilities = Capabilities(1 << 11);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -59,7 +64,8 @@ impl Capabilities {
             | Capabilities::MAIN_PAGES.0
             | Capabilities::ERROR_CODES.0
             | Capabilities::LOCAL.0
-            | Capabilities::COMPRESS.0,
+            | Capabilities::COMPRESS.0
+            | Capabilities::ITERATIVE_STATE.0,
     );
 
     /// The protocol version a hello asking for (or granting) these needs: 5 with

@@ -166,6 +166,8 @@ impl Header {
                 | Kind::RamAdopted
                 | Kind::Loaded
                 | Kind::Go
+                | Kind::StateChunk
+                | Kind::StateReady
         );
         if (countless && count != 0) || (kind == Kind::Error && count > ERROR_CANCELLED) {
             return Err(WireError::Reserved("record count"));
@@ -185,10 +187,12 @@ impl Header {
             Kind::ZeroRuns | Kind::Discard | Kind::PageRequest | Kind::Missing => {
                 batch(MAX_ZERO_RUNS_PER_RECORD, 16)
             }
-            Kind::DeviceState if len < SECTION_HEADER_SIZE as u64 => {
+            Kind::DeviceState | Kind::StateChunk if len < SECTION_HEADER_SIZE as u64 => {
                 Err(WireError::SectionHeader(len as usize))
             }
-            Kind::DeviceState => bounded(SECTION_HEADER_SIZE as u64 + MAX_SECTION_BYTES),
+            Kind::DeviceState | Kind::StateChunk => {
+                bounded(SECTION_HEADER_SIZE as u64 + MAX_SECTION_BYTES)
+            }
             Kind::Error => bounded(MAX_ERROR_BYTES),
             Kind::VmConfig => bounded(MAX_CONFIG_BYTES),
             Kind::Resumed if count > MAX_STATE_PARTS => Err(WireError::TooMany {
@@ -226,7 +230,8 @@ impl Header {
             | Kind::Resume
             | Kind::RamAdopted
             | Kind::Loaded
-            | Kind::Go => match len {
+            | Kind::Go
+            | Kind::StateReady => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },

@@ -102,6 +102,20 @@ wire_enum! {
         /// `count` × 4096 bytes of page data. The payload is never longer than the Pages
         /// record it replaces, and its checksum covers all of it.
         CompressedPages = 20,
+        /// Source → destination, main, while the passes run (and in the pause before the
+        /// device state, or among postcopy's discard lists), when
+        /// [`Capabilities::ITERATIVE_STATE`](super::Capabilities::ITERATIVE_STATE) was granted:
+        /// a chunk of a device's large state, sent while the guest runs. Payload as
+        /// DeviceState's: a [`SectionHeader`](super::SectionHeader), then the chunk (at most
+        /// [`MAX_SECTION_BYTES`](super::MAX_SECTION_BYTES)), opaque to the engine; the device
+        /// on each side gives the chunks their meaning.
+        StateChunk = 21,
+        /// Destination → source, main, once, when
+        /// [`Capabilities::ITERATIVE_STATE`](super::Capabilities::ITERATIVE_STATE) was granted:
+        /// every device with iterative state loaded what came so far and says it is ready for
+        /// the switchover (QEMU's switchover-ack). The source does not pause the guest for a
+        /// switchover before it came. No payload.
+        StateReady = 22,
     }
 }
 

@@ -301,7 +301,7 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 20 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 22 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
     assert_eq!(Kind::from_u16(13), Kind::Missing);
@@ -310,7 +310,9 @@ fn received_round_trips_and_refuses_other_lengths() {
     assert_eq!(Kind::from_u16(16), Kind::LocalRam);
     assert_eq!(Kind::from_u16(19), Kind::Go);
     assert_eq!(Kind::from_u16(20), Kind::CompressedPages);
-    assert_eq!(Kind::from_u16(21), Kind::Invalid);
+    assert_eq!(Kind::from_u16(21), Kind::StateChunk);
+    assert_eq!(Kind::from_u16(22), Kind::StateReady);
+    assert_eq!(Kind::from_u16(23), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 

@@ -39,6 +39,7 @@ use crate::vm::{DestinationVm, Section, VmError};
 use crate::wire::{self, Capabilities, Header, Hello, Kind, PAGE_SIZE, Refusal, Role};
 
 mod channels;
+mod chunks;
 mod local;
 mod postcopy;
 mod recover;
@@ -57,6 +58,10 @@ pub struct ReceiveStats {
     /// Of it, the CPU time spent decoding compressed records, and how many there were.
     pub decompress_cpu_ns: u64,
     pub compressed_records: u64,
+    /// Chunks of iterative device state loaded while the guest ran on the source, and their
+    /// bytes.
+    pub state_chunks: u64,
+    pub state_chunk_bytes: u64,
     /// What postcopy did here, if the source switched to it.
     pub postcopy: Option<PostcopyReceived>,
 }
@@ -214,6 +219,11 @@ impl<'a> Session<'a> {
     ) -> Result<Session<'a>, MigrateError> {
         let hello = self.hello;
         let (mut offered, page_shift) = supported(&self.ram);
+        // Iterative state where the VMM takes it, and only beside progress acknowledgements,
+        // whose connection carries the StateReady.
+        if self.vm.state_ready().is_err() || !hello.capabilities.contains(Capabilities::PROGRESS) {
+            offered = Capabilities(offered.0 & !Capabilities::ITERATIVE_STATE.0);
+        }
         // Descriptors ride only on a Unix socket (not on TLS over one).
         if !self.conn.stream().carries_fds() {
             offered = Capabilities(offered.0 & !Capabilities::LOCAL.0);
@@ -379,6 +389,8 @@ impl<'a> Session<'a> {
             .clone();
         let mut state = Sections::default();
         let mut at = order::Main::START;
+        // A StateReady is this migration's: none was said for it yet.
+        self.control.forget_state_ready();
         loop {
             let h = match self.conn.read_header("receiving the migration") {
                 Ok(h) => h,
@@ -391,16 +403,12 @@ impl<'a> Session<'a> {
             if h.kind != Kind::Discard {
                 c.add(&c.bytes, record);
             }
-            let (then, step) = order::next(
-                at,
-                h.kind,
-                h.count,
-                self.granted.contains(Capabilities::POSTCOPY),
-            )?;
+            let (then, step) = order::next(at, h.kind, h.count, self.granted)?;
             at = then;
             match step {
                 Step::EndPass(pass) => {
                     self.stats.passes = pass;
+                    self.check_state_ready()?;
                     barrier.wait(pass)?;
                     self.control.update(|p| p.passes = pass);
                 }
@@ -417,6 +425,10 @@ impl<'a> Session<'a> {
                 Step::Section => {
                     let payload = self.conn.read_payload(&h, "receiving device state")?;
                     state.add(&payload)?;
+                }
+                Step::Chunk => {
+                    let payload = self.conn.read_payload(&h, "receiving a state chunk")?;
+                    self.load_chunk(&payload)?;
                 }
                 Step::Postcopy => {
                     self.start_postcopy()?;

@@ -148,7 +148,7 @@ impl<'a> Session<'a> {
                 crate::error::Side::Destination,
                 message,
             )),
-            Inbound::Received(_) | Inbound::PageRequest(_) => {
+            Inbound::Received(_) | Inbound::PageRequest(_) | Inbound::StateReady => {
                 unreachable!("the reader folds acknowledgements and queues requests")
             }
             Inbound::Done(_) => Err(MigrateError::misplaced(Kind::Done, Rule::DoneAfterResumed)),

@@ -99,6 +99,11 @@ impl Session<'_, Live> {
         if p.compression.is_on() {
             c = c.with(Capabilities::COMPRESS);
         }
+        // Iterative device state goes with any copy of the guest (a destination grants it
+        // only where its VMM takes chunks; a source VM without such state sends none).
+        if !p.is_local() {
+            c = c.with(Capabilities::ITERATIVE_STATE);
+        }
         match &p.mode {
             Mode::Precopy => {}
             Mode::Local => c = c.with(Capabilities::LOCAL),

@@ -33,6 +33,7 @@ use super::target::Target;
 use crate::conn::Conn;
 use crate::error::{MigrateError, Rule};
 use crate::stats::MigrationStats;
+use crate::vm::Section;
 use crate::wire::{Header, Kind};
 
 /// How long a failed write waits for the destination's explanation on the main connection.
@@ -130,6 +131,22 @@ impl Target for Live {
         }
     }
 
+    fn send_state_chunk(&mut self, chunk: &Section) -> Result<(), MigrateError> {
+        self.conn.write_sectioned(
+            Kind::StateChunk,
+            chunk.header(),
+            &chunk.data,
+            "sending a state chunk",
+        )
+    }
+
+    fn state_ready(&self) -> bool {
+        self.acks
+            .reader
+            .as_ref()
+            .is_some_and(InboundReader::state_ready)
+    }
+
     fn acks(&self) -> Option<&Acks> {
         Some(&self.acks)
     }
@@ -149,7 +166,7 @@ impl Target for Live {
                 Kind::Resumed,
                 Rule::ResumedAfterComplete,
             )),
-            Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_))) => {
+            Some(Ok(Inbound::Received(_) | Inbound::PageRequest(_) | Inbound::StateReady)) => {
                 unreachable!("the reader folds acknowledgements and queues requests")
             }
             Some(Ok(Inbound::Done(_))) => {

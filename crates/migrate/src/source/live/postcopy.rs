@@ -140,6 +140,9 @@ impl Session<'_> {
         pc.discarded_pages = self.bitmap.count();
         self.send_discards(&late)?;
         drop(early);
+        // Iterative state's rest goes on the main connection among the discard lists,
+        // before the device state.
+        self.send_state(vm, crate::source::limiter::Pacing::Unlimited)?;
         self.peer.pool.postcopy()?;
         self.finish_hints(vm);
         let sections = vm.save_state()?;

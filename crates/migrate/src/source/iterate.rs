@@ -1,0 +1,115 @@
+//! Iterative device state ([`SourceVm::start_state_iteration`]): the state of devices too
+//! large for the pause (a disk's blocks, a device with megabytes of its own) goes in chunks
+//! while the guest runs, after each pass's pages, as RAM does; the policy counts what is
+//! pending as left to send, and waits for the destination's StateReady before it pauses the
+//! guest for a switchover (QEMU's switchover-ack). The final pass, with the guest paused,
+//! sends what is left. Written over any target: a target that did not agree to take chunks
+//! (a file) never starts an iteration, and the VM saves all of its state in the pause.
+//!
+//! Invariant: while the guest runs, one call sends at most what was pending when it began, so
+//! a device that changes faster than the link carries it cannot hold a pass for ever; the
+//! policy sees the rest and throttles, switches, or waits as it does for RAM.
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::Session;
+use super::iteration::Iteration;
+use super::limiter::Pacing;
+use super::target::Target;
+use crate::error::MigrateError;
+use crate::vm::{SourceVm, VmError};
+
+/// How often [`Session::await_ready`] looks for the destination's StateReady.
+const READY_POLL: Duration = Duration::from_millis(1);
+/// Most bytes of data in one chunk: a section's bound on the wire.
+const CHUNK_BYTES: usize = crate::wire::MAX_SECTION_BYTES as usize;
+
+impl<P: Target> Session<'_, P> {
+    /// Starts the VM's iterative state if the target agreed to take chunks and the VM has
+    /// such state; a VM without it goes on with sections alone.
+    pub(super) fn start_iteration(&mut self, vm: &mut dyn SourceVm) -> Result<(), MigrateError> {
+        if !self.peer.agreement().iterative {
+            return Ok(());
+        }
+        match vm.start_state_iteration() {
+            Ok(pending) => {
+                self.iteration = Some(Iteration {
+                    pending,
+                    ..Iteration::default()
+                });
+                Ok(())
+            }
+            Err(VmError::Unsupported { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Sends the chunks pending now: while the guest runs, paced and cancellable and at most
+    /// what was pending at the start; with it paused, all that is left.
+    pub(super) fn send_state(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pacing: Pacing,
+    ) -> Result<(), MigrateError> {
+        let Some(it) = &self.iteration else {
+            return Ok(());
+        };
+        let budget = match pacing {
+            Pacing::Limited => it.pending,
+            Pacing::Unlimited => u64::MAX,
+        };
+        let mut sent = 0u64;
+        while sent < budget {
+            let Some(chunk) = vm.next_state_chunk(CHUNK_BYTES)? else {
+                break;
+            };
+            let bytes = chunk.data.len() as u64;
+            if pacing == Pacing::Limited {
+                self.pace(bytes)?;
+            }
+            self.link_busy();
+            self.peer.send_state_chunk(&chunk)?;
+            sent += bytes;
+            let it = self.iteration.as_mut().expect("started");
+            it.chunks += 1;
+            it.bytes += bytes;
+            self.after_batch();
+        }
+        let pending = vm.pending_state_bytes()?;
+        self.iteration.as_mut().expect("started").pending = pending;
+        Ok(())
+    }
+
+    /// Bytes of iterative state still to send, as last asked.
+    pub(super) fn pending_state(&self) -> u64 {
+        self.iteration.as_ref().map_or(0, |it| it.pending)
+    }
+
+    /// Whether the destination is ready for a switchover: at once without iterative state or
+    /// before any chunk went, else once it said StateReady.
+    pub(super) fn switchover_ready(&self) -> bool {
+        self.iteration
+            .as_ref()
+            .is_none_or(|it| it.chunks == 0 || self.peer.state_ready())
+    }
+
+    /// Waits at most `bound` (short: the next pass looks at cancellation) for the
+    /// destination's StateReady.
+    pub(super) fn await_ready(&mut self, bound: Duration) {
+        let deadline = Instant::now() + bound;
+        while !self.switchover_ready() && Instant::now() < deadline {
+            std::thread::sleep(READY_POLL);
+        }
+    }
+
+    /// Ends the iteration, however the session ended, and counts what it sent.
+    pub(super) fn end_iteration(&mut self, vm: &mut dyn SourceVm) {
+        if let Some(it) = self.iteration.take() {
+            vm.end_state_iteration();
+            self.report.stats.state_chunks = it.chunks;
+            self.report.stats.state_chunk_bytes = it.bytes;
+        }
+    }
+}
