@@ -14,7 +14,7 @@ use ferry_migrate::snapshot::Replace;
 use ferry_vmm::api::client;
 use ferry_vmm::snapshot::SnapshotRequest;
 
-use crate::migrate::{OnOff, Until, follow, ms, print_stats};
+use crate::migrate::{OnOff, OutputArg, Until, follow, ms, print_stats};
 use crate::{exit, report};
 
 #[derive(Debug, Args)]
@@ -99,7 +99,7 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
     else {
         unreachable!("nothing detaches a snapshot's follower")
     };
-    print_stats(&progress, false, args.stats_out.as_deref())?;
+    print_stats(&progress, OutputArg::Table, args.stats_out.as_deref())?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {
