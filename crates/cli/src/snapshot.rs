@@ -22,7 +22,7 @@ pub struct SnapshotArgs {
     /// The VM's API socket.
     #[arg(long)]
     api_socket: PathBuf,
-    /// The file to write (`FILE.partial` until it is complete; a failed snapshot leaves
+    /// The file to write (`FILE.XXXXXX.partial` until it is complete; a failed snapshot leaves
     /// neither). Restore it with `ferry run --restore FILE`.
     #[arg(long, value_name = "FILE")]
     to: PathBuf,

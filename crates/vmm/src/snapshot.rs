@@ -29,7 +29,7 @@ use crate::{VmConfig, VmmError};
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SnapshotRequest {
-    /// The file to write (`FILE.partial` until it is complete), a path on the VMM's host.
+    /// The file to write (`FILE.XXXXXX.partial` until it is complete), a path on the VMM's host.
     pub to: PathBuf,
     /// Leave the guest paused once the snapshot is complete (a save before shutdown): the
     /// engine's [`AfterSave::Stop`], a bool in the API's JSON (`"stop": true`).
