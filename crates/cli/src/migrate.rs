@@ -104,7 +104,7 @@ pub fn ms(ms: u64) -> humantime::Duration {
 
 /// `ferry migrate --output`.
 #[derive(Clone, Copy, Debug, ValueEnum)]
-enum OutputArg {
+pub(crate) enum OutputArg {
     Table,
     Json,
 }
@@ -513,11 +513,7 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Resu
         );
         return Ok(ExitCode::from(exit::DETACHED));
     };
-    print_stats(
-        &progress,
-        matches!(args.output, OutputArg::Json),
-        args.stats_out.as_deref(),
-    )?;
+    print_stats(&progress, args.output, args.stats_out.as_deref())?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {
@@ -542,20 +538,20 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Resu
 }
 
 /// Prints how a migration (or a snapshot) that ended went: a table for a person, or one JSON
-/// line with `json`; writes its statistics to `stats_out` if given.
+/// line; writes its statistics to `stats_out` if given.
 pub(crate) fn print_stats(
     progress: &Progress,
-    json: bool,
+    output: OutputArg,
     stats_out: Option<&Path>,
 ) -> anyhow::Result<()> {
     let Some(stats) = &progress.stats else {
         return Ok(());
     };
-    match json {
-        false if progress.phase == Phase::Completed => report::print_table(stats),
+    match output {
+        OutputArg::Table if progress.phase == Phase::Completed => report::print_table(stats),
         // A migration that ended early has no downtime or final pass to show: one line.
-        false => report::print_partial(stats, progress.phase),
-        true => report::print_json(stats),
+        OutputArg::Table => report::print_partial(stats, progress.phase),
+        OutputArg::Json => report::print_json(stats),
     }
     if let Some(path) = stats_out {
         report::write_stats(path, stats)?;

@@ -14,7 +14,7 @@ use ferry_migrate::snapshot::Replace;
 use ferry_vmm::api::client;
 use ferry_vmm::snapshot::SnapshotRequest;
 
-use crate::migrate::{OnOff, Until, follow, ms, print_stats};
+use crate::migrate::{OnOff, OutputArg, Until, follow, ms, print_stats};
 use crate::{exit, report};
 
 #[derive(Debug, Args)]
@@ -22,7 +22,7 @@ pub struct SnapshotArgs {
     /// The VM's API socket.
     #[arg(long)]
     api_socket: PathBuf,
-    /// The file to write (`FILE.partial` until it is complete; a failed snapshot leaves
+    /// The file to write (`FILE.XXXXXX.partial` until it is complete; a failed snapshot leaves
     /// neither). Restore it with `ferry run --restore FILE`.
     #[arg(long, value_name = "FILE")]
     to: PathBuf,
@@ -99,7 +99,7 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
     else {
         unreachable!("nothing detaches a snapshot's follower")
     };
-    print_stats(&progress, false, args.stats_out.as_deref())?;
+    print_stats(&progress, OutputArg::Table, args.stats_out.as_deref())?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {

@@ -5,13 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ferry_migrate::snapshot::{self, Loading, RestoreParams, SaveParams};
+use ferry_migrate::snapshot::{self, AfterSave, Loading, RestoreParams, SaveParams};
 use ferry_migrate::{Control, MigrateError, Phase, Policy, TimeoutAction};
 use ferry_migrate_testkit::{FakeVm, Writers};
 
 const MIB: u64 = 1 << 20;
 
-fn save_params(stop: bool) -> SaveParams {
+fn save_params(after: AfterSave) -> SaveParams {
     SaveParams {
         writers: 2,
         policy: Policy {
@@ -22,7 +22,7 @@ fn save_params(stop: bool) -> SaveParams {
         },
         vcpus: 2,
         uuid: [7; 16],
-        stop,
+        after,
         file: Default::default(),
         staging_limit: snapshot::DEFAULT_STAGING_LIMIT,
     }
@@ -63,7 +63,7 @@ impl Drop for Dir {
 /// A source with a third of its pages filled (some zero), saved with `--stop` while writers
 /// ran: returns it, paused, and the file.
 fn saved(dir: &Dir, size: u64, regions: usize) -> FakeVm {
-    saved_with(dir, size, regions, &save_params(true)).0
+    saved_with(dir, size, regions, &save_params(AfterSave::Stop)).0
 }
 
 /// [`saved`] with `params`; the save's statistics too.
@@ -111,7 +111,7 @@ fn regression_a_snapshot_stages_at_most_its_limit_and_writes_the_rest_in_the_pau
             timeout_action: TimeoutAction::Switchover,
             ..Policy::default()
         },
-        ..save_params(true)
+        ..save_params(AfterSave::Stop)
     };
     let (src, stats) = saved_with(&dir, 64 * MIB, 2, &params);
     let last = stats.passes.last().unwrap();
@@ -152,7 +152,7 @@ fn a_save_with_direct_io_restores_the_same() {
             direct_io: true,
             ..Default::default()
         },
-        ..save_params(true)
+        ..save_params(AfterSave::Stop)
     };
     snapshot::save(&mut src, &dir.file(), &params, &Control::default()).unwrap();
     let mut dst = FakeVm::new(16 * MIB, 2);
@@ -205,7 +205,7 @@ fn a_live_save_resumes_the_guest_and_the_file_holds_the_paused_moment() {
     snapshot::save(
         &mut src,
         &dir.file(),
-        &save_params(false),
+        &save_params(AfterSave::Resume),
         &Control::default(),
     )
     .unwrap();
@@ -226,7 +226,13 @@ fn a_cancelled_save_leaves_the_guest_running_and_no_file() {
     src.fill(1);
     let control = Control::default();
     control.cancel();
-    let e = snapshot::save(&mut src, &dir.file(), &save_params(true), &control).unwrap_err();
+    let e = snapshot::save(
+        &mut src,
+        &dir.file(),
+        &save_params(AfterSave::Stop),
+        &control,
+    )
+    .unwrap_err();
     assert!(matches!(e, MigrateError::Cancelled), "{e}");
     assert!(!src.is_paused());
     assert_eq!(control.progress().phase, Phase::Cancelled);
@@ -243,7 +249,7 @@ fn a_save_that_cannot_create_its_file_fails_at_once_and_says_so() {
     let mut src = FakeVm::new(8 * MIB, 1);
     let control = Control::default();
     let path = dir.0.join("missing/vm.snap");
-    let e = snapshot::save(&mut src, &path, &save_params(false), &control).unwrap_err();
+    let e = snapshot::save(&mut src, &path, &save_params(AfterSave::Resume), &control).unwrap_err();
     assert!(e.to_string().contains("creating"), "{e}");
     assert!(!src.is_paused() && !src.is_logging());
     let p = control.progress();

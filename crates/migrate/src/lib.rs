@@ -2,7 +2,8 @@
 //! [`vm::SourceVm`] or [`vm::DestinationVm`] and hands the engine a byte stream
 //! ([`transport::Stream`]: TCP, a Unix socket, or its own).
 //!
-//! - [`wire`]: protocol v4, pure encoding and validation (`docs/protocol.md` is normative).
+//! - [`wire`]: protocol v5 (reading v4 too), pure encoding and validation (`docs/protocol.md`
+//!   is normative).
 //! - [`ram`]: guest RAM regions and the raw page operations (with [`zero`]'s SIMD and `uffd`,
 //!   the engine's `unsafe`).
 //! - [`bitmap`]: the dirty bitmap with its incremental count and bounded walk.
@@ -13,8 +14,8 @@
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
-//! - [`snapshot`]: the snapshot file's format (`docs/snapshot.md`), pure; the writer and the
-//!   restores are to come.
+//! - [`snapshot`]: snapshots to a file (`docs/snapshot.md`): its format, pure; the writer and
+//!   the reader; a live save through a migration session; eager and lazy restores.
 //! - `uffd` (internal): userfaultfd, the base of postcopy's destination fault path.
 
 #![deny(unsafe_code)]

@@ -514,19 +514,20 @@ impl Ram {
         Ok(())
     }
 
-    /// Registers every region with `uffd` for missing pages (postcopy's destination): from
-    /// then on a touch of a page that is not in the backing file waits for the fault thread.
+    /// Registers every region with `uffd` for `faults` (postcopy's destination, a lazy
+    /// restore): from then on a touch of a page that is not in the backing file (or, with
+    /// minor faults, not mapped) waits for the fault thread.
     pub(crate) fn register_uffd(
         &self,
         uffd: &crate::uffd::Uffd,
-        minor: bool,
+        faults: crate::uffd::Faults,
     ) -> Result<(), crate::uffd::UffdError> {
         for r in &self.regions {
             // SAFETY: the region is mapped for as long as this `Ram` lives (the module's
             // invariant), and guest memory is reached only through raw pointers (the engine's
             // copies, the VMM's volatile accesses, the kernel's for KVM), never through Rust
             // references that a page filled behind them would invalidate.
-            unsafe { uffd.register(r.host_addr, r.size as usize, minor) }?;
+            unsafe { uffd.register(r.host_addr, r.size as usize, faults) }?;
         }
         Ok(())
     }

@@ -29,7 +29,7 @@
 //! - **Pages are 4 KiB** ([`PAGE_SIZE`]), the page of shmem (memfd) and anonymous memory,
 //!   except for [`Uffd::copy_pages`]: on hugetlbfs the kernel places only whole huge pages
 //!   (and has no zeropage), and registration, wake and unregister must cover whole huge pages.
-//! - **Minor faults** ([`Uffd::register`] with `minor`, shmem only): a page that is in the
+//! - **Minor faults** ([`Uffd::register`] with [`Faults::MissingAndMinor`], shmem only): a page that is in the
 //!   file but not mapped in the registered range faults too (`Fault::minor`), and
 //!   [`Uffd::continue_range`] maps what the file holds. The file's bytes are written elsewhere
 //!   (another mapping of it) before; continuing only maps them, so it places nothing a thread
@@ -70,10 +70,22 @@ pub struct Features {
     pub missing_shmem: bool,
     /// Missing-page faults can be registered on hugetlbfs.
     pub missing_hugetlbfs: bool,
-    /// Minor faults can be registered on shmem ([`Uffd::register`] with `minor`).
+    /// Minor faults can be registered on shmem ([`Faults::MissingAndMinor`]).
     pub minor_shmem: bool,
     /// Every feature bit the kernel reported (`uffdio_api.features`), for diagnostics.
     pub available: u64,
+}
+
+/// Which faults a range registered with [`Uffd::register`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Faults {
+    /// A touch of a page that is not in memory: what postcopy over copied pages and a lazy
+    /// restore wait for.
+    Missing,
+    /// Those, and a touch of a page that is in the file but not mapped in the range (shmem,
+    /// when [`Features::minor_shmem`]), which [`Uffd::continue_range`] maps: postcopy over
+    /// memory the destination holds (`ram/alias.rs`).
+    MissingAndMinor,
 }
 
 /// Which ioctls the kernel offers on a registered range.
@@ -216,9 +228,10 @@ impl Uffd {
     /// Fails if the kernel cannot place pages in the range (`UFFDIO_COPY` and `UFFDIO_WAKE`);
     /// the answer says whether `UFFDIO_ZEROPAGE` works there too.
     ///
-    /// With `minor` (shmem, when [`Features::minor_shmem`]), minor faults too: a page in the
-    /// file but not mapped in the range faults as well, and [`Uffd::continue_range`] maps it
-    /// (bytes then also appear when it maps what another mapping of the file wrote).
+    /// With [`Faults::MissingAndMinor`] (shmem, when [`Features::minor_shmem`]), minor faults
+    /// too: a page in the file but not mapped in the range faults as well, and
+    /// [`Uffd::continue_range`] maps it (bytes then also appear when it maps what another
+    /// mapping of the file wrote).
     ///
     /// # Safety
     ///
@@ -232,9 +245,10 @@ impl Uffd {
         &self,
         addr: usize,
         len: usize,
-        minor: bool,
+        faults: Faults,
     ) -> Result<RangeIoctls, UffdError> {
         check_pages("UFFDIO_REGISTER", addr, len)?;
+        let minor = faults == Faults::MissingAndMinor;
         let mut reg = UffdioRegister {
             range: UffdioRange {
                 start: addr as u64,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_migrate::snapshot::{
-    self, FileOptions, Loading, Reader, Replace, RestoreParams, Restored, SaveParams,
+    self, AfterSave, FileOptions, Loading, Reader, Replace, RestoreParams, Restored, SaveParams,
 };
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
@@ -29,9 +29,10 @@ use crate::{VmConfig, VmmError};
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SnapshotRequest {
-    /// The file to write (`FILE.partial` until it is complete), a path on the VMM's host.
+    /// The file to write (`FILE.XXXXXX.partial` until it is complete), a path on the VMM's host.
     pub to: PathBuf,
-    /// Leave the guest paused once the snapshot is complete (a save before shutdown).
+    /// Leave the guest paused once the snapshot is complete (a save before shutdown): the
+    /// engine's [`AfterSave::Stop`], a bool in the API's JSON (`"stop": true`).
     pub stop: bool,
     /// Threads writing pages into the file at once.
     pub writers: u16,
@@ -98,7 +99,10 @@ impl SnapshotRequest {
             },
             vcpus,
             uuid: crate::migration::migration_uuid(),
-            stop: self.stop,
+            after: match self.stop {
+                true => AfterSave::Stop,
+                false => AfterSave::Resume,
+            },
             staging_limit: self.staging_limit,
             file: FileOptions {
                 direct_io: self.direct_io,

@@ -56,6 +56,12 @@ impl Throttle {
         vm_alive && self.percent() > 0 && !self.ticking.swap(true, Ordering::AcqRel)
     }
 
+    /// For a ticker that could not be started: marks it gone, so that the next
+    /// [`Throttle::set`] starts one again.
+    pub fn no_ticker(&self) {
+        self.ticking.store(false, Ordering::Release);
+    }
+
     /// Counts a throttle sleep a vCPU came out of (a pause that began during it included).
     pub fn add_slept(&self, slept: Duration) {
         self.slept_ns

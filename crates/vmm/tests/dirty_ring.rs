@@ -1,7 +1,9 @@
 //! Issue 34's first step: KVM's dirty ring works on this host's KVM. A VM with the ring enabled
 //! runs a few real-mode instructions that write known pages, and the vCPU's ring holds exactly
-//! those pages; after `KVM_RESET_DIRTY_RINGS` the same writes are reported again. Nothing in
-//! ferry uses the ring yet: this proves the ground it would stand on.
+//! those pages; after `KVM_RESET_DIRTY_RINGS` the same writes are reported again. It drives
+//! KVM's ABI directly, below the VMM's own ring (`src/kvm/ring.rs`, `ferry run --dirty-ring`),
+//! so that a failure here says the host's KVM, not ferry, is at fault; the VMM's ring is tested
+//! by `ring_migrate.rs` and the conformance suite's `dirty_ring` instantiation.
 
 mod common;
 

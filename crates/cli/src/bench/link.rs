@@ -20,16 +20,24 @@ pub(super) struct CappedLink {
     remote: String,
 }
 
+/// The queue under a link's cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Queue {
+    /// One queue: packets leave in the order they came.
+    Fifo,
+    /// Priority bands (under the `tbf`, as deep in all as the plain link's queue), so that
+    /// urgent packets (`SO_PRIORITY` 6) leave before the bulk ones queued earlier.
+    Bands,
+}
+
 impl CappedLink {
-    /// A capped link; with `prio`, the cap's queue has priority bands (under the `tbf`, as
-    /// deep in all as the plain link's queue), so that urgent packets (`SO_PRIORITY` 6) leave
-    /// before the bulk ones queued earlier.
-    pub(super) fn new(prio: bool) -> anyhow::Result<CappedLink> {
-        Self::with_rate(LINK_RATE, prio)
+    /// A link capped at [`LINK_RATE`] over `queue`.
+    pub(super) fn new(queue: Queue) -> anyhow::Result<CappedLink> {
+        Self::with_rate(LINK_RATE, queue)
     }
 
-    /// A link capped at `rate` (tc's notation: `8gbit`, `2gbit`).
-    pub(super) fn with_rate(rate: &str, prio: bool) -> anyhow::Result<CappedLink> {
+    /// A link capped at `rate` (tc's notation: `8gbit`, `2gbit`) over `queue`.
+    pub(super) fn with_rate(rate: &str, queue: Queue) -> anyhow::Result<CappedLink> {
         // Distinct per link made by this process: a deleted namespace's veth goes away
         // asynchronously, so a new link must not reuse the last one's names.
         static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -72,7 +80,7 @@ impl CappedLink {
         for (dev, ns) in [(&here, false), (&there, true)] {
             let mut cmds: Vec<Vec<&str>> =
                 vec![[&["tc", "qdisc", "add", "dev", dev], &tbf[..]].concat()];
-            if prio {
+            if queue == Queue::Bands {
                 cmds.push([&["tc", "qdisc", "add", "dev", dev], &bands[..]].concat());
                 cmds.push(vec!["ip", "link", "set", "dev", dev, "txqueuelen", "64"]);
             }

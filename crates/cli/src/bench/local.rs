@@ -128,10 +128,11 @@ pub fn run(args: &LocalBenchArgs) -> anyhow::Result<ExitCode> {
         let mut pair = HopPair::start_as(dir.path(), &spec)
             .with_context(|| format!("starting the two processes of {name}"))?;
         let before = [pair.first.usage()?, pair.second.usage()?];
-        let local = hops(&mut pair, args.hops, true).with_context(|| format!("{name}, local"))?;
+        let local = hops(&mut pair, args.hops, MigrationMode::Local)
+            .with_context(|| format!("{name}, local"))?;
         let after = [pair.first.usage()?, pair.second.usage()?];
-        let copied =
-            hops(&mut pair, args.copies, false).with_context(|| format!("{name}, copied"))?;
+        let copied = hops(&mut pair, args.copies, MigrationMode::Precopy)
+            .with_context(|| format!("{name}, copied"))?;
         for (kind, hops) in [("local", &local), ("copied", &copied)] {
             if hops.is_empty() {
                 continue;
@@ -180,8 +181,8 @@ pub fn run(args: &LocalBenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `n` handovers between the pair's processes, alternately each way (the guest ends where it
-/// started when `n` is even), `local` or copying.
-fn hops(pair: &mut HopPair, n: u32, local: bool) -> anyhow::Result<Vec<Hop>> {
+/// started when `n` is even), each a migration of `mode` (local, or copying).
+fn hops(pair: &mut HopPair, n: u32, mode: MigrationMode) -> anyhow::Result<Vec<Hop>> {
     let mut out = Vec::new();
     for i in 0..n {
         let (src, dst, to): (&mut Vmm, &mut Vmm, &str) = match pair.first_has_guest {
@@ -190,11 +191,7 @@ fn hops(pair: &mut HopPair, n: u32, local: bool) -> anyhow::Result<Vec<Hop>> {
         };
         let body = MigrationRequest {
             timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
-            mode: if local {
-                MigrationMode::Local
-            } else {
-                MigrationMode::Precopy
-            },
+            mode: mode.clone(),
             ..MigrationRequest::to(to)
         };
         let m = migrate_and_verify(src, dst, &body).with_context(|| format!("hop {}", i + 1))?;

@@ -27,7 +27,7 @@ use serde_json::json;
 
 use ferry_vmm::memory::{HostPages, HugePagePool};
 
-use super::link::{CappedLink, LINK_BYTES_PER_S};
+use super::link::{CappedLink, LINK_BYTES_PER_S, Queue};
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
 
 #[derive(Debug, Args)]
@@ -68,7 +68,7 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let link = |prio: bool| match CappedLink::new(prio) {
+    let link = |queue: Queue| match CappedLink::new(queue) {
         Ok(l) => Some(l),
         Err(e) => {
             eprintln!(
@@ -77,8 +77,8 @@ pub fn run(args: &PostcopyBenchArgs) -> anyhow::Result<ExitCode> {
             None
         }
     };
-    let capped = link(false);
-    let banded = link(true);
+    let capped = link(Queue::Fifo);
+    let banded = link(Queue::Bands);
     let mut rows = Vec::new();
     println!("references (same run): 16-byte request, 4 KiB answer");
     let mut links: Vec<(&str, Option<&CappedLink>)> = vec![("loopback", None)];

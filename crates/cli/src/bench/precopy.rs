@@ -38,7 +38,7 @@ use ferry_vmm::request::{Checksum, MigrationMode, PostcopyRequest};
 use ferry_vmm::{GuestKind, Preparation, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 use serde_json::json;
 
-use super::link::CappedLink;
+use super::link::{CappedLink, Queue};
 
 #[derive(Debug, Args)]
 pub struct PrecopyBenchArgs {
@@ -299,7 +299,7 @@ fn untouched_rows() -> anyhow::Result<Vec<serde_json::Value>> {
 fn capped_rows(args: &PrecopyBenchArgs) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut rows = Vec::new();
     for (link_name, rate) in [("1 GB/s", "8gbit"), ("250 MB/s", "2gbit")] {
-        let link = match CappedLink::with_rate(rate, false) {
+        let link = match CappedLink::with_rate(rate, Queue::Fifo) {
             Ok(l) => l,
             Err(e) => {
                 eprintln!(

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use ferry_migrate::snapshot::Loading;
+use ferry_migrate::snapshot::{AfterSave, Loading};
 use ferry_migrate::{MigrationStats, Phase};
 use ferry_vmm::memory::{GuestRam, HostPages};
 use ferry_vmm::snapshot::SnapshotRequest;
@@ -121,7 +121,7 @@ fn idle_rows(
         config.memory_bytes / GIB,
         data / GIB
     );
-    let (stats, _) = save(config, file, true, Duration::ZERO)?;
+    let (stats, _) = save(config, file, AfterSave::Stop, Duration::ZERO)?;
     let allocated = std::fs::metadata(file)?.blocks() * 512;
     let save_ms = stats.total_ms;
     let mb_s = data as f64 / 1e3 / save_ms;
@@ -221,7 +221,7 @@ fn live_rows(
         config,
         &format!("{ws} pattern=hotcold hot={hot} rate=400 verify-ms=0"),
     );
-    let (stats, seen) = save(&config, file, false, Duration::from_millis(20))?;
+    let (stats, seen) = save(&config, file, AfterSave::Resume, Duration::from_millis(20))?;
     println!(
         "  live save          {:>8.0} ms  {} passes, throttle up to {}%, pause {:.1} ms; the guest saw at most {:.1} ms between heartbeats (2 s before: {:.1} ms; dirty log start {:.1} ms); peak memory added {:.0} MiB (the final pass staged in {:.0} MiB)",
         stats.total_ms,
@@ -309,14 +309,14 @@ fn config_with(c: &VmConfig, cmdline: &str) -> VmConfig {
     }
 }
 
-/// Boots `config`, waits for its prefill, snapshots it into `file` (`stop`, or live with
-/// `downtime` as its limit) and stops it; returns the statistics and the longest gap between
-/// the guest's heartbeats the host saw while the snapshot ran (with `stop`, the pause from
-/// the snapshot's end on is not in it).
+/// Boots `config`, waits for its prefill, snapshots it into `file` (to stop it after, or live
+/// with `downtime` as its limit) and stops it; returns the statistics and the longest gap
+/// between the guest's heartbeats the host saw while the snapshot ran (with
+/// [`AfterSave::Stop`], the pause from the snapshot's end on is not in it).
 fn save(
     config: &VmConfig,
     file: &Path,
-    stop: bool,
+    after: AfterSave,
     downtime: Duration,
 ) -> anyhow::Result<(MigrationStats, Seen)> {
     let vm = Vm::boot(config.clone())?;
@@ -324,7 +324,7 @@ fn save(
     prefilled(&h)?;
     let mut req = SnapshotRequest {
         to: file.to_owned(),
-        stop,
+        stop: after == AfterSave::Stop,
         ..SnapshotRequest::default()
     };
     if !downtime.is_zero() {

@@ -18,11 +18,12 @@
 //! - `order` (internal): the record order of the main channel (`next`) and of the data and
 //!   preempt connections (`next_data`) as pure state machines, table-tested; the session and
 //!   the receivers do what they say.
-//! - `receiver` (internal): a data channel's receiver thread, and the per-pass barrier with its
-//!   page-claim bitmap.
-//! - `sink` (internal) is how received pages land in memory: for precopy straight into
-//!   mapped RAM or through the backing file, as the VMM's [`PageLanding`](crate::PageLanding)
-//!   says; an atomic install for postcopy later.
+//! - `receiver` (internal): a data channel's receiver thread; `barrier` (internal), the
+//!   per-pass barrier with its page-claim bitmap.
+//! - `sink` (internal) is how precopy's pages land in memory: straight into mapped RAM or
+//!   through the backing file, as the VMM's [`PageLanding`](crate::PageLanding) says.
+//!   Postcopy's are installed atomically through userfaultfd by `postcopy` (internal), whose
+//!   fault thread asks the source for the pages a vCPU waits on.
 
 #![forbid(unsafe_code)]
 

@@ -58,7 +58,7 @@ use crate::pagebits::PageBits;
 use crate::ram::Ram;
 use crate::ram::alias::Alias;
 use crate::transport::Stream;
-use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
+use crate::uffd::{CopyOutcome, Fault, Faults, Uffd, Wake};
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
 
 /// Runs of pages: `(host address, pages)`.
@@ -127,8 +127,9 @@ pub(crate) struct Postcopy {
 }
 
 impl Postcopy {
-    /// Opens a userfaultfd and registers all of `ram` for missing pages; `out` is a handle to
-    /// the main connection for writing.
+    /// Opens a userfaultfd and registers all of `ram` for missing pages (and minor faults too,
+    /// `over_held` when the kernel has them: the module doc); `out` is a handle to the main
+    /// connection for writing.
     pub(crate) fn new(
         ram: Ram,
         out: Box<dyn Stream>,
@@ -144,7 +145,13 @@ impl Postcopy {
                 a.inspect_err(|e| tracing::debug!("postcopy falls back to missing faults: {e}"))
                     .ok()
             });
-        ram.register_uffd(&uffd, alias.is_some())?;
+        ram.register_uffd(
+            &uffd,
+            match alias {
+                Some(_) => Faults::MissingAndMinor,
+                None => Faults::Missing,
+            },
+        )?;
         Ok(Postcopy {
             ram,
             uffd,

@@ -6,10 +6,12 @@
 //! is populated and how many channels write ([`PageLanding`] has the measurements):
 //! [`DirectSink`] reads from the socket straight into the mapped RAM, [`FileSink`] stages a
 //! record in the receiver's buffer and `pwrite`s it to the backing file. Both are sound for
-//! the same reason: no vCPU runs on the destination until every page arrived. Postcopy will need another sink, because the guest
-//! runs while pages arrive: a page must appear whole and at once (userfaultfd's `UFFDIO_COPY`
-//! into a missing page, `UFFDIO_ZEROPAGE` for a zero one) and wake the vCPU that faulted on
-//! it. The receivers do not change for it; only the sink the session hands them.
+//! the same reason: no vCPU runs on the destination until every page arrived. Postcopy's pages
+//! do not come through a sink: the guest runs while they arrive, so a page must appear whole
+//! and at once (userfaultfd's `UFFDIO_COPY` into a missing page, `UFFDIO_ZEROPAGE` for a zero
+//! one, `UFFDIO_CONTINUE` over memory held here) and wake the vCPU that faulted on it. A
+//! receiver that passed the postcopy gate hands them to `postcopy.rs`'s `Postcopy` instead
+//! (`install_pages`, `install_zero`; huge pages through `assemble.rs`).
 //!
 //! Contract for every sink: the caller has claimed each page for the current pass (the pass
 //! barrier's claim bitmap), so no other thread touches it meanwhile, and the addresses of a

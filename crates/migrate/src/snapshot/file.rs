@@ -2,8 +2,9 @@
 //! positioned writes and makes it complete only at the end (its reader is `read.rs`).
 //!
 //! Invariants:
-//! - Until [`Writer::finish`] returns, the file is `PATH.partial` with a header that says it is
-//!   incomplete: a snapshot that fails half way leaves nothing that reads as a snapshot.
+//! - Until [`Writer::finish`] returns, the file is `PATH.XXXXXX.partial` with a header that
+//!   says it is incomplete: a snapshot that fails half way leaves nothing that reads as a
+//!   snapshot.
 //! - Every page the writer is given is recorded in the CRC table as it is written, so a later
 //!   pass that overwrites a page leaves the table matching the file; a zero page is a hole
 //!   (punched, if a page was written there before) with the zero page's CRC.

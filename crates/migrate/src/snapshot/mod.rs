@@ -32,3 +32,4 @@ pub use restore::{
     restore,
 };
 pub use save::{DEFAULT_STAGING_LIMIT, SaveParams, save};
+pub use target::AfterSave;

@@ -37,7 +37,7 @@ use super::state;
 use crate::error::{ConfigError, Internal, MigrateError};
 use crate::pagebits::PageBits;
 use crate::ram::Ram;
-use crate::uffd::{CopyOutcome, Fault, Uffd, Wake};
+use crate::uffd::{CopyOutcome, Fault, Faults, Uffd, Wake};
 use crate::vm::DestinationVm;
 use crate::wire::{self, PAGE_SIZE};
 
@@ -440,7 +440,7 @@ impl Lazy {
         if !uffd.features().missing_shmem {
             return Err(ConfigError::LazyUnsupported.into());
         }
-        ram.register_uffd(&uffd, false)?;
+        ram.register_uffd(&uffd, Faults::Missing)?;
         let hot: Vec<(u64, u64)> = if params.hot_first {
             reader.hot().to_vec()
         } else {

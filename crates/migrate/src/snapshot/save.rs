@@ -6,7 +6,8 @@
 //!
 //! Invariants:
 //! - The guest resumes after a failure or a cancel whatever the phase, and after a success
-//!   unless [`SaveParams::stop`]; the throttle is lifted and dirty logging stopped either way.
+//!   unless [`SaveParams::after`] is [`AfterSave::Stop`]; the throttle is lifted and dirty
+//!   logging stopped either way.
 //! - Nothing that reads as a snapshot exists until the state, the hot set and the CRC table are
 //!   on disk (`Writer::finish`); a failed save removes its `.partial` file (the Writer's drop),
 //!   and the file lands only where [`FileOptions::replace`] allows.
@@ -16,7 +17,7 @@
 use std::path::Path;
 
 use super::file::{FileOptions, Writer};
-use super::target::{BATCH_PAGES, FileTarget};
+use super::target::{AfterSave, BATCH_PAGES, FileTarget};
 use crate::control::{Control, Phase};
 use crate::error::MigrateError;
 use crate::policy::Policy;
@@ -43,8 +44,9 @@ pub struct SaveParams {
     pub vcpus: u32,
     /// The snapshot's identity, recorded in the header.
     pub uuid: [u8; 16],
-    /// Leave the guest paused once the snapshot is complete (a save before shutdown).
-    pub stop: bool,
+    /// Whether the guest runs on once the snapshot is complete. A failed or cancelled save
+    /// resumes it whatever this says.
+    pub after: AfterSave,
     /// Most memory the final pass is staged in before it is written ([`DEFAULT_STAGING_LIMIT`]);
     /// the rest of the final pass is written to the file during the pause.
     pub staging_limit: u64,
@@ -115,7 +117,7 @@ fn open<'c>(
         ram,
         writer,
         params.writers,
-        params.stop,
+        params.after,
         params.staging_limit,
         control,
     )

@@ -50,6 +50,18 @@ const POLL: Duration = Duration::from_micros(200);
 /// a cancel still ends well within a second.
 const ABANDON_WAIT: Duration = Duration::from_millis(250);
 
+/// What becomes of the guest once its snapshot is complete ([`SaveParams::after`]).
+///
+/// [`SaveParams::after`]: super::SaveParams::after
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AfterSave {
+    /// It runs on: a checkpoint.
+    #[default]
+    Resume,
+    /// It stays paused: a save before shutdown.
+    Stop,
+}
+
 /// A snapshot file being written by a migration session.
 pub(crate) struct FileTarget<'c> {
     /// The session's control: a cancel reaches a target waiting on its writers (a full queue,
@@ -67,8 +79,8 @@ pub(crate) struct FileTarget<'c> {
     /// A page of each 2 MiB chunk each dirty pass (2 on) was handed, as runs of one page,
     /// oldest pass first: what the hot set is made of.
     history: Vec<Vec<(u64, u64)>>,
-    /// Leave the guest paused once the state is saved.
-    stop: bool,
+    /// Whether the guest runs on once the state is saved.
+    after: AfterSave,
     /// Most bytes of buffers made for the final pass.
     staging_limit: u64,
 }
@@ -102,7 +114,7 @@ impl<'c> FileTarget<'c> {
         ram: Ram,
         writer: Writer,
         writers: u16,
-        stop: bool,
+        after: AfterSave,
         staging_limit: u64,
         control: &'c Control,
     ) -> Result<FileTarget<'c>, MigrateError> {
@@ -129,7 +141,7 @@ impl<'c> FileTarget<'c> {
             next: 0,
             pass: 1,
             history: Vec::new(),
-            stop,
+            after,
             staging_limit,
         };
         for i in 0..writers {
@@ -200,7 +212,7 @@ impl<'c> FileTarget<'c> {
 
 impl Keeper for FileTarget<'_> {
     fn stops(&self) -> bool {
-        self.stop
+        self.after == AfterSave::Stop
     }
 
     /// Writes the staged pages, then the device state, the hot set and the CRC table, and

@@ -31,11 +31,10 @@ struct Guest {
 
 impl Guest {
     fn new(pages: usize) -> Guest {
-        Guest::registered(pages, false)
+        Guest::registered(pages, Faults::Missing)
     }
 
-    /// With `minor`, registered for minor faults too.
-    fn registered(pages: usize, minor: bool) -> Guest {
+    fn registered(pages: usize, faults: Faults) -> Guest {
         let uffd = open_uffd();
         let len = pages * PAGE;
         // SAFETY: a NUL-terminated name and flags; returns a new fd or -1.
@@ -67,10 +66,14 @@ impl Guest {
         let addr = ptr as usize;
         // SAFETY: the mapping is ours, lives until `Guest` drops (after the reader threads are
         // joined), and the tests reach it only through raw pointers (`read_pages`).
-        let ranges = unsafe { uffd.register(addr, len, minor) }
+        let ranges = unsafe { uffd.register(addr, len, faults) }
             .unwrap_or_else(|e| panic!("registering a memfd mapping: {e}"));
         assert!(ranges.zeropage, "shmem offers UFFDIO_ZEROPAGE");
-        assert_eq!(ranges.continue_, minor, "UFFDIO_CONTINUE with minor faults");
+        assert_eq!(
+            ranges.continue_,
+            faults == Faults::MissingAndMinor,
+            "UFFDIO_CONTINUE with minor faults"
+        );
         Guest {
             uffd,
             addr,
@@ -385,7 +388,7 @@ fn write_file(guest: &Guest, i: usize, data: &[u8]) {
 
 #[test]
 fn a_page_in_the_file_but_not_mapped_faults_minor_and_continue_maps_what_the_file_holds() {
-    let guest = Guest::registered(4, true);
+    let guest = Guest::registered(4, Faults::MissingAndMinor);
     assert!(
         guest.uffd.features().minor_shmem,
         "this kernel has minor faults on shmem"
@@ -418,7 +421,7 @@ fn a_page_in_the_file_but_not_mapped_faults_minor_and_continue_maps_what_the_fil
 
 #[test]
 fn a_hole_still_faults_missing_under_minor_registration() {
-    let guest = Guest::registered(2, true);
+    let guest = Guest::registered(2, Faults::MissingAndMinor);
     let page = guest.page(0);
     let reader = Reader::spawn(vec![page]);
     let fault = one_fault(&guest.uffd);

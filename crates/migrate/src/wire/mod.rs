@@ -1,6 +1,7 @@
 #![forbid(unsafe_code)]
-//! Wire protocol v4: pure encoding and validation, no I/O and no `unsafe`. `docs/protocol.md`
-//! is the normative text; this module is its implementation and its tests.
+//! Wire protocol v5 (a v4 peer is read too: `format.rs`'s `OLDEST_VERSION`): pure encoding and
+//! validation, no I/O and no `unsafe`. `docs/protocol.md` is the normative text; this module is
+//! its implementation and its tests.
 //!
 //! A connection starts with a 64-byte [`Hello`] from the source and a 64-byte [`Hello`] reply
 //! from the destination, then carries records: a 24-byte [`Header`] and a payload whose length

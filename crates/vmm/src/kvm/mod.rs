@@ -7,7 +7,9 @@
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
 //! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log;
-//!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled.
+//!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled,
+//!   over `rings.rs`, the mapped rings themselves.
+//! - `host.rs`: what the host's KVM offers guests (the guest physical address width).
 //!
 //! Invariant: a slot is found by guest address in the table built where the slots were
 //! registered, never by a position in some other list (RAM regions, the engine's sorted

@@ -191,7 +191,7 @@ impl VmHandle {
             if spawned.is_err() {
                 // No ticker: a vCPU that exits for its own reasons is still throttled, and
                 // the next set tries again.
-                self.0.throttle.keep_ticking(false);
+                self.0.throttle.no_ticker();
                 tracing::warn!("could not start the throttle's ticker thread");
             }
         }

@@ -52,7 +52,8 @@ impl Session<'_> {
         // Each channel has CHANNEL_TIMEOUT after the one before: a source opens them one at a
         // time, so one total for all would refuse many channels over a long round trip.
         let mut deadline = Instant::now() + CHANNEL_TIMEOUT;
-        // Slot 0 is the preempt connection, when granted; slots 1.. the data channels.
+        // Slot PREEMPT_CHANNEL (0) is the preempt connection, when granted; slots 1.. the data
+        // channels.
         let mut seen = vec![false; usize::from(main.channels) + 1];
         let preempt = self.granted.contains(Capabilities::PREEMPT);
         let expected = usize::from(main.channels) + usize::from(preempt);
@@ -75,7 +76,7 @@ impl Session<'_> {
                     .filter(|&c| !seen[usize::from(c)])
                     .map(|c| format!("data channel {c}"))
                     .collect();
-                if preempt && !seen[0] {
+                if preempt && !seen[usize::from(wire::PREEMPT_CHANNEL)] {
                     missing.push("the preempt connection".into());
                 }
                 return Err(MigrateError::Refused(format!(
@@ -84,7 +85,7 @@ impl Session<'_> {
                 )));
             };
             let Arrival { mut stream, hello } = arrival;
-            let refusal = channel_refusal(&main, &hello, &seen, preempt);
+            let refusal = channel_refusal(&main, &hello, &seen, self.granted);
             let mut reply = Hello {
                 status: Refusal::Accepted as u32,
                 memory_size: self.ram.size(),
@@ -111,7 +112,11 @@ impl Session<'_> {
                 thread: receiver::start(hello.channel, stream, shared.clone()),
                 stream: handle,
             });
-            let connected = self.receivers.iter().filter(|r| r.channel != 0).count() as u16;
+            let connected = self
+                .receivers
+                .iter()
+                .filter(|r| r.channel != wire::PREEMPT_CHANNEL)
+                .count() as u16;
             self.control.update(|p| p.channels_connected = connected);
         }
         arrivals.close();
@@ -152,16 +157,16 @@ impl Session<'_> {
 const CHANNEL_POLL: Duration = Duration::from_millis(100);
 
 /// Why a data or preempt connection's hello does not belong to the migration `main`
-/// announced, if it does not; `preempt` says whether a preempt connection was granted, and
-/// `seen[0]` whether it connected.
+/// announced, if it does not: `granted` says whether a preempt connection may come, and
+/// `seen[PREEMPT_CHANNEL]` whether it connected.
 fn channel_refusal(
     main: &Hello,
     hello: &Hello,
     seen: &[bool],
-    preempt: bool,
+    granted: Capabilities,
 ) -> Option<(Refusal, String)> {
     if hello.role == Role::Preempt {
-        return if !preempt {
+        return if !granted.contains(Capabilities::PREEMPT) {
             Some((
                 Refusal::Role,
                 "a preempt connection, but the preempt capability was not granted".into(),

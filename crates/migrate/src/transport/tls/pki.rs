@@ -82,18 +82,24 @@ impl Ca {
         destination: &[String],
         source: &[String],
     ) -> Result<(), PkiError> {
-        write(&dir.join(CA_FILE), &self.cert(), false)?;
+        write(&dir.join(CA_FILE), &self.cert(), CERT_MODE)?;
         for (side, names) in [(Side::Destination, destination), (Side::Source, source)] {
             let files = TlsFiles::in_dir(dir, side);
             let issued = self.issue(names)?;
-            write(&files.cert, &issued.cert, false)?;
-            write(&files.key, &issued.key, true)?;
+            write(&files.cert, &issued.cert, CERT_MODE)?;
+            write(&files.key, &issued.key, KEY_MODE)?;
         }
         Ok(())
     }
 }
 
-fn write(path: &Path, text: &str, secret: bool) -> Result<(), PkiError> {
+/// A certificate's permission bits: anyone may read what is public.
+const CERT_MODE: u32 = 0o644;
+/// A private key's: its owner alone.
+const KEY_MODE: u32 = 0o600;
+
+/// Writes `text` into a new file at `path` with permission bits `mode`.
+fn write(path: &Path, text: &str, mode: u32) -> Result<(), PkiError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let err = |source| PkiError::Write {
@@ -105,7 +111,7 @@ fn write(path: &Path, text: &str, secret: bool) -> Result<(), PkiError> {
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(if secret { 0o600 } else { 0o644 })
+        .mode(mode)
         .open(path)
         .and_then(|mut f| f.write_all(text.as_bytes()))
         .map_err(err)
