@@ -395,11 +395,7 @@ fn mode(args: &MigrateArgs) -> MigrationMode {
     }
     MigrationMode::Postcopy(PostcopyRequest {
         after_passes: args.postcopy_after_passes,
-        preempt: if args.postcopy_preempt {
-            Preempt::Urgent
-        } else {
-            Preempt::Off
-        },
+        preempt: Preempt::urgent_when(args.postcopy_preempt),
         quiet_start_ms: args.postcopy_quiet_start.as_millis() as u64,
         order: match args.postcopy_order {
             PostcopyOrderArg::Hot => ferry_migrate::source::PostcopyOrder::Hot,

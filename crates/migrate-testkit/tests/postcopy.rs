@@ -28,11 +28,7 @@ fn postcopy_params(channels: u16, max_bandwidth: Option<u64>, preempt: bool) -> 
         max_bandwidth,
         mode: Mode::Postcopy(Postcopy {
             after_passes: Some(1),
-            preempt: if preempt {
-                Preempt::Urgent
-            } else {
-                Preempt::Off
-            },
+            preempt: Preempt::urgent_when(preempt),
             ..Postcopy::default()
         }),
         ..SourceParams::new(policy, [9; 16])

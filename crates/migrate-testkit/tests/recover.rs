@@ -112,11 +112,7 @@ fn recover_run(preempt: bool, hostile: bool) {
         max_bandwidth: Some(20_000_000),
         mode: Mode::Postcopy(Postcopy {
             after_passes: Some(1),
-            preempt: if preempt {
-                Preempt::Urgent
-            } else {
-                Preempt::Off
-            },
+            preempt: Preempt::urgent_when(preempt),
             recover: true,
             ..Postcopy::default()
         }),

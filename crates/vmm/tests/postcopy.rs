@@ -42,11 +42,7 @@ fn postcopy_after_one_pass_with_a_flat_out_guest_verifies_clean_at_1_and_4_chann
             channels,
             mode: MigrationMode::Postcopy(PostcopyRequest {
                 after_passes: Some(1),
-                preempt: if preempt {
-                    Preempt::Urgent
-                } else {
-                    Preempt::Off
-                },
+                preempt: Preempt::urgent_when(preempt),
                 ..PostcopyRequest::default()
             }),
             ..MigrationRequest::to(listener.local_addr().unwrap().to_string())

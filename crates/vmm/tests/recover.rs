@@ -151,11 +151,7 @@ fn migrate_through_breaks(
         timeout_action: TimeoutAction::Cancel,
         mode: MigrationMode::Postcopy(PostcopyRequest {
             after_passes: Some(1),
-            preempt: if preempt {
-                Preempt::Urgent
-            } else {
-                Preempt::Off
-            },
+            preempt: Preempt::urgent_when(preempt),
             ..PostcopyRequest::default()
         }),
         ..MigrationRequest::to(proxy.address().to_string())

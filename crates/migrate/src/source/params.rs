@@ -146,6 +146,15 @@ pub enum Preempt {
 }
 
 impl Preempt {
+    /// A preempt connection, its packets marked urgent, when `on` (a flag's value, as
+    /// `--postcopy-preempt`); none otherwise.
+    pub fn urgent_when(on: bool) -> Preempt {
+        match on {
+            true => Preempt::Urgent,
+            false => Preempt::Off,
+        }
+    }
+
     /// Whether requested pages have a connection of their own.
     pub fn is_on(self) -> bool {
         self != Preempt::Off
