@@ -59,10 +59,15 @@ impl FakeDisk {
         }
     }
 
-    /// Destination: holds the device not ready for the switchover (a device still loading
-    /// what came), or lets it be ready again.
-    pub fn hold_ready(&self, held: bool) {
-        self.held.store(held, Ordering::Release);
+    /// Destination: holds the device not ready for the switchover, as a device still loading
+    /// what came, until [`FakeDisk::release_ready`].
+    pub fn hold_ready(&self) {
+        self.held.store(true, Ordering::Release);
+    }
+
+    /// Destination: the device may be ready again.
+    pub fn release_ready(&self) {
+        self.held.store(false, Ordering::Release);
     }
 
     /// All of the disk, block after block.

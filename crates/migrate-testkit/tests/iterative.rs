@@ -82,7 +82,7 @@ fn the_switchover_waits_until_the_destination_s_device_is_ready() {
     let mut src = source(16);
     let mut dst = FakeVm::new(32 * MIB, 2);
     let disk = dst.add_disk(16 * MIB);
-    disk.hold_ready(true);
+    disk.hold_ready();
     let control = Control::default();
     let held_through = std::thread::scope(|s| {
         let watcher = s.spawn(|| {
@@ -92,7 +92,7 @@ fn the_switchover_waits_until_the_destination_s_device_is_ready() {
             }
             std::thread::sleep(Duration::from_millis(500));
             let phase = control.progress().phase;
-            disk.hold_ready(false);
+            disk.release_ready();
             phase
         });
         let (sent, received) = migrate(&mut src, &mut dst, &params(), &control);

@@ -246,24 +246,29 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
         in_flight_bytes: 0,
         ..*now
     };
+    let timed_out = policy.timeout.is_some_and(|t| now.elapsed >= t);
+    let at_timeout = || match policy.timeout_action {
+        TimeoutAction::Cancel => Decision::Cancel,
+        TimeoutAction::Switchover => Decision::Switchover,
+        TimeoutAction::Postcopy if now.postcopy_granted => Decision::Postcopy,
+        // Not granted (the source checks this cannot be asked for without postcopy):
+        // the only way left to finish.
+        TimeoutAction::Postcopy => Decision::Switchover,
+    };
     if fits(policy, &dirty_only) {
         return if !(now.settled() && fits(policy, now)) {
             Decision::Drain
         } else if now.switchover_ready {
             Decision::Switchover
+        } else if timed_out {
+            // A destination whose devices never get ready does not outlast the timeout.
+            at_timeout()
         } else {
             Decision::AwaitReady
         };
     }
-    if policy.timeout.is_some_and(|t| now.elapsed >= t) {
-        return match policy.timeout_action {
-            TimeoutAction::Cancel => Decision::Cancel,
-            TimeoutAction::Switchover => Decision::Switchover,
-            TimeoutAction::Postcopy if now.postcopy_granted => Decision::Postcopy,
-            // Not granted (the source checks this cannot be asked for without postcopy):
-            // the only way left to finish.
-            TimeoutAction::Postcopy => Decision::Switchover,
-        };
+    if timed_out {
+        return at_timeout();
     }
     if now.bandwidth <= 0.0 && now.in_flight_bytes > 0 {
         return Decision::Drain;
@@ -460,8 +465,8 @@ mod tests {
     }
 
     /// Iterative state (QEMU's switchover-ack): a switchover that fits waits for the
-    /// destination's StateReady, passes going on meanwhile; a forced one at the timeout does
-    /// not wait.
+    /// destination's StateReady, passes going on meanwhile, until the timeout, whose action
+    /// then applies.
     #[test]
     fn a_switchover_waits_for_the_destination_s_state_ready() {
         let not_ready = |o: Observation| Observation {
@@ -494,6 +499,25 @@ mod tests {
                 forced,
                 not_ready(obs(5000, 1000.0, 61)),
                 Decision::Switchover,
+            ),
+            // Everything fits, the devices are not ready, and the timeout passed: its action.
+            (
+                forced,
+                not_ready(obs(100, 1000.0, 61)),
+                Decision::Switchover,
+            ),
+            (
+                forced,
+                not_ready(obs(100, 1000.0, 59)),
+                Decision::AwaitReady,
+            ),
+            (
+                Policy {
+                    timeout_action: TimeoutAction::Cancel,
+                    ..forced
+                },
+                not_ready(obs(100, 1000.0, 61)),
+                Decision::Cancel,
             ),
         ];
         for (policy, o, want) in table {

@@ -104,7 +104,17 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
             } else {
                 (&mut b, &mut a, &at_a)
             };
-            let hop = hop(src, dst, to, postcopy, args.local).with_context(|| {
+            // `--local` comes only with `--mode precopy` (refused above otherwise).
+            let mode = match (postcopy, args.local) {
+                (true, _) => MigrationMode::Postcopy(PostcopyRequest {
+                    after_passes: Some(1),
+                    preempt: Preempt::Urgent,
+                    ..PostcopyRequest::default()
+                }),
+                (false, true) => MigrationMode::Local,
+                (false, false) => MigrationMode::Precopy,
+            };
+            let hop = hop(src, dst, to, mode).with_context(|| {
                 format!("round trip {}, {} to {}", trip + 1, src.name, dst.name)
             })?;
             if args.every_hop {
@@ -136,18 +146,11 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 
 /// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
 /// there, and waits for `src` to listen again.
-fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, postcopy: bool, local: bool) -> anyhow::Result<Hop> {
+fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, mode: MigrationMode) -> anyhow::Result<Hop> {
+    let postcopy = mode.postcopy().is_some();
     let body = MigrationRequest {
         timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
-        mode: match (postcopy, local) {
-            (true, _) => MigrationMode::Postcopy(PostcopyRequest {
-                after_passes: Some(1),
-                preempt: Preempt::Urgent,
-                ..PostcopyRequest::default()
-            }),
-            (false, true) => MigrationMode::Local,
-            (false, false) => MigrationMode::Precopy,
-        },
+        mode,
         ..MigrationRequest::to(to)
     };
     let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;

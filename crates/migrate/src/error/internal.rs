@@ -18,6 +18,10 @@ pub enum Internal {
     ReceiverUnwound { connection: Connection },
     #[error("postcopy: {0}")]
     Userfault(#[from] UffdError),
+    /// A state chunk for a target that did not agree to take them (the session starts an
+    /// iteration only when it did).
+    #[error("a state chunk for a target that takes none (a bug in ferry)")]
+    ChunkNotAgreed,
     #[error("postcopy: guest RAM mixes host page sizes")]
     MixedHostPages,
     #[error("a fault at host address {addr:#x} outside guest RAM")]

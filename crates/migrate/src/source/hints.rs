@@ -108,6 +108,10 @@ impl<P: Target> Session<'_, P> {
         if let Some(postcopy) = &mut self.postcopy {
             postcopy.heat.note_sync(&self.bitmap);
         }
+        // What the devices changed is as fresh as the pages the policy decides on.
+        if let Some(it) = &mut self.iteration {
+            it.pending = vm.pending_state_bytes()?;
+        }
         self.report.stats.max_sync_ms = self.report.stats.max_sync_ms.max(ms(t.elapsed()));
         Ok(())
     }

@@ -6,9 +6,10 @@
 //! sends what is left. Written over any target: a target that did not agree to take chunks
 //! (a file) never starts an iteration, and the VM saves all of its state in the pause.
 //!
-//! Invariant: while the guest runs, one call sends at most what was pending when it began, so
-//! a device that changes faster than the link carries it cannot hold a pass for ever; the
-//! policy sees the rest and throttles, switches, or waits as it does for RAM.
+//! Invariant: while the guest runs, one call sends about what was pending at the last dirty
+//! sync (it stops at the first chunk that reaches that budget), so a device that changes
+//! faster than the link carries it cannot hold a pass for ever; the policy sees the rest and
+//! throttles, switches, or waits as it does for RAM.
 
 #![forbid(unsafe_code)]
 
@@ -21,7 +22,8 @@ use super::target::Target;
 use crate::error::MigrateError;
 use crate::vm::{SourceVm, VmError};
 
-/// How often [`Session::await_ready`] looks for the destination's StateReady.
+/// How often [`Session::await_ready`] looks for the destination's StateReady: a tenth of the
+/// destination's acknowledgement interval (10 ms), which carries it, as a drain polls.
 const READY_POLL: Duration = Duration::from_millis(1);
 /// Most bytes of data in one chunk: a section's bound on the wire.
 const CHUNK_BYTES: usize = crate::wire::MAX_SECTION_BYTES as usize;

@@ -3,9 +3,11 @@
 //!
 //! The destination sends these records there: `Received` (only when the progress capability
 //! was granted) as pages arrive, `Resumed` once the guest runs on its side, `Error` when it
-//! gives up, and with postcopy granted `PageRequest` (pages a vCPU waits for) and `Done`
-//! (every page is in place). [`Inbound`] has a variant for each; anything else is a protocol
-//! violation and an error naming what was expected.
+//! gives up, with postcopy granted `PageRequest` (pages a vCPU waits for) and `Done` (every
+//! page is in place), and with iterative state granted one `StateReady` (its devices are ready
+//! for the switchover; folded into a flag, as `Received` into counters). [`Inbound`] has a
+//! variant for each; anything else is a protocol violation and an error naming what was
+//! expected.
 //!
 //! [`InboundReader`] is the thread. It folds every `Received` into the latest acknowledged
 //! figures (only the newest matters, so they are two counters the session reads, not a queue
@@ -109,7 +111,7 @@ pub fn read(conn: &mut Conn, awaiting: Awaiting) -> Result<Inbound, MigrateError
 /// What the reader thread reads while the migration runs.
 const AWAITING_ANY: Awaiting = Awaiting {
     during: "reading the destination's records",
-    expected: "Received, Resumed or Error",
+    expected: "Received, StateReady, Resumed or Error",
 };
 
 /// Where the connection the reader reads stands in the migration. What the destination may
@@ -605,7 +607,7 @@ mod tests {
                 "a record only the source sends",
                 record(Header::new(Kind::Complete, 0, 0), &[]),
                 true,
-                "expected Received, Resumed or Error",
+                "expected Received, StateReady, Resumed or Error",
             ),
         ];
         for (name, bytes, progress, want) in table {

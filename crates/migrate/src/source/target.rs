@@ -1,10 +1,11 @@
 //! The seam between a migration's transfer core and where its pages go: a [`Target`]. The core
 //! (the session's passes, dirty bitmap, policy, limiter, hints, throttle and statistics) hands
-//! a target batches of page addresses and ends passes on it; the target says what it agreed
-//! to, how much it has written and what is still queued, and closes its page path after the
-//! final pass, and what it acknowledged and said meanwhile. What completes a migration differs: a live destination (`live.rs`: TCP, TLS or
-//! Unix) takes the device state and Complete and answers Resumed; a snapshot file
-//! (`snapshot::target`) takes the state into its file and answers nothing.
+//! a target batches of page addresses and state chunks, and ends passes on it; the target says
+//! what it agreed to, how much it has written and what is still queued, what it acknowledged
+//! and said meanwhile, and closes its page path after the final pass. What completes a
+//! migration differs: a live destination (`live/`: TCP, TLS or Unix) takes the device state
+//! and Complete and answers Resumed; a snapshot file (`snapshot::target`) takes the state into
+//! its file and answers nothing.
 
 #![forbid(unsafe_code)]
 
@@ -77,7 +78,7 @@ pub(crate) trait Target {
     /// such chunks ([`Agreement::iterative`]), which a file never does.
     fn send_state_chunk(&mut self, chunk: &Section) -> Result<(), MigrateError> {
         let _ = chunk;
-        unreachable!("state chunks go only to a target that agreed to take them")
+        Err(crate::error::Internal::ChunkNotAgreed.into())
     }
 
     /// Whether the target's devices said they are ready for the switchover (StateReady).

@@ -319,6 +319,8 @@ impl<'a> Session<'a> {
 
     /// Phases 2 to 5 of a migration that sends pages.
     fn receive(&mut self, arrivals: &mut dyn Arrivals) -> Result<ReceiveStats, MigrateError> {
+        // A StateReady is this migration's: none was said for it yet.
+        self.control.forget_state_ready();
         self.connect_channels(arrivals)
             .and_then(|()| self.start_acks())
             .and_then(|()| self.precopy())
@@ -389,8 +391,6 @@ impl<'a> Session<'a> {
             .clone();
         let mut state = Sections::default();
         let mut at = order::Main::START;
-        // A StateReady is this migration's: none was said for it yet.
-        self.control.forget_state_ready();
         loop {
             let h = match self.conn.read_header("receiving the migration") {
                 Ok(h) => h,
