@@ -37,8 +37,6 @@ pub struct FakeDisk {
     iterating: AtomicBool,
     /// Where the search for the next changed block starts.
     cursor: AtomicU64,
-    /// Blocks the writer rewrote.
-    pub(crate) writes: AtomicU64,
     /// Destination: not ready, whatever arrived, while a test holds it.
     held: AtomicBool,
 }
@@ -54,7 +52,6 @@ impl FakeDisk {
             marks: (0..n).map(|_| AtomicBool::new(false)).collect(),
             iterating: AtomicBool::new(false),
             cursor: AtomicU64::new(0),
-            writes: AtomicU64::new(0),
             held: AtomicBool::new(false),
         }
     }
@@ -87,7 +84,6 @@ impl FakeDisk {
             *b = (seed >> (k % 56)) as u8 ^ k as u8;
         }
         self.marks[index].store(true, Ordering::Release);
-        self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn block_count(&self) -> usize {
