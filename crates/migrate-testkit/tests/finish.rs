@@ -132,13 +132,16 @@ fn postcopy_on_stall_moves_the_guest_instead_of_throttling_it() {
     let (mut src, mut dst) = hot_guest();
     let policy = Policy {
         downtime_limit: DOWNTIME,
-        postcopy_on_stall: true,
         ..Policy::default()
+    };
+    let on_stall = Postcopy {
+        on_stall: true,
+        ..Postcopy::default()
     };
     let (sent, received) = migrate(
         &mut src,
         &mut dst,
-        &params(policy, Mode::Postcopy(Postcopy::default())),
+        &params(policy, Mode::Postcopy(on_stall)),
         &Control::default(),
     );
     let stats = sent.expect("postcopy finishes");
@@ -163,7 +166,6 @@ fn without_auto_converge_the_same_guest_runs_into_the_timeout_and_keeps_running(
         timeout_action: TimeoutAction::Cancel,
         auto_converge: None,
         converge_by: Default::default(),
-        postcopy_on_stall: false,
     };
     let (sent, received) = migrate(
         &mut src,

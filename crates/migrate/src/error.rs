@@ -38,7 +38,7 @@ mod config;
 mod internal;
 mod protocol;
 
-pub use config::{ConfigError, PostcopySetting};
+pub use config::ConfigError;
 pub use internal::Internal;
 pub use protocol::{Bound, Connection, ProtocolError, Rule, Twice};
 

@@ -11,7 +11,7 @@
 //! A guest that dirties memory about as fast as the link carries it never fits. Precopy has
 //! *stalled* when, for [`STALL_PASSES`] passes in a row, the guest dirtied more than half of
 //! what the pass sent (QEMU's auto-converge trigger). A stalled migration switches to
-//! postcopy if it may ([`Policy::postcopy_on_stall`]), else slows the guest down
+//! postcopy if it may ([`Observation::postcopy_on_stall`]), else slows the guest down
 //! ([`Policy::auto_converge`]: its vCPUs sleep a share of every 10 ms, starting at 20% and
 //! growing 10 points per stalled pass up to a cap), else keeps iterating until the timeout.
 
@@ -124,8 +124,6 @@ pub struct Policy {
     pub auto_converge: Option<AutoConverge>,
     /// How auto-converge slows the guest (the throttle's steps, or a per-vCPU dirty limit).
     pub converge_by: ConvergeBy,
-    /// Switch to postcopy when precopy stalls (and postcopy was granted), before throttling.
-    pub postcopy_on_stall: bool,
 }
 
 impl Default for Policy {
@@ -136,7 +134,6 @@ impl Default for Policy {
             timeout_action: TimeoutAction::Cancel,
             auto_converge: Some(AutoConverge::default()),
             converge_by: ConvergeBy::Throttle,
-            postcopy_on_stall: false,
         }
     }
 }
@@ -172,6 +169,9 @@ pub struct Observation {
     pub dirty_limit: Option<u64>,
     /// Whether the destination granted postcopy.
     pub postcopy_granted: bool,
+    /// Whether postcopy's settings ask for it when precopy stalls
+    /// ([`Postcopy::on_stall`](crate::source::Postcopy::on_stall)).
+    pub postcopy_on_stall: bool,
     /// Whether the destination's devices with iterative state are ready for a switchover
     /// (QEMU's switchover-ack); true without such state.
     pub switchover_ready: bool,
@@ -276,7 +276,7 @@ pub fn decide(policy: &Policy, now: &Observation) -> Decision {
     if now.stalled_passes < STALL_PASSES {
         return Decision::Iterate;
     }
-    if policy.postcopy_on_stall && now.postcopy_granted {
+    if now.postcopy_on_stall && now.postcopy_granted {
         return Decision::Postcopy;
     }
     let Some(a) = policy.auto_converge else {
@@ -325,6 +325,7 @@ mod tests {
             throttle: 0,
             dirty_limit: None,
             postcopy_granted: false,
+            postcopy_on_stall: false,
             switchover_ready: true,
         }
     }
@@ -551,49 +552,50 @@ mod tests {
             auto_converge: None,
             ..Policy::default()
         };
-        let on_stall = Policy {
-            postcopy_on_stall: true,
-            ..Policy::default()
-        };
         let capped = Policy {
             auto_converge: Some(AutoConverge {
                 max: 50,
                 ..AutoConverge::default()
             }),
-            postcopy_on_stall: true,
             ..Policy::default()
         };
-        // (policy, stalled passes, throttle in force, postcopy granted, decision)
+        // (policy, postcopy asked for on a stall, stalled passes, throttle in force,
+        // postcopy granted, decision)
         let table = [
             // One stalled pass is not a stall yet.
-            (careful, 1, 0, false, Decision::Iterate),
-            (careful, 2, 0, false, Decision::Throttle(20)),
-            (careful, 3, 20, false, Decision::Throttle(30)),
-            (careful, 2, 90, false, Decision::Throttle(99)),
-            (careful, 2, 99, false, Decision::Iterate),
+            (careful, false, 1, 0, false, Decision::Iterate),
+            (careful, false, 2, 0, false, Decision::Throttle(20)),
+            (careful, false, 3, 20, false, Decision::Throttle(30)),
+            (careful, false, 2, 90, false, Decision::Throttle(99)),
+            (careful, false, 2, 99, false, Decision::Iterate),
             // Postcopy granted but not asked for on a stall: the careful default throttles.
-            (careful, 2, 0, true, Decision::Throttle(20)),
-            (plain, 5, 0, false, Decision::Iterate),
-            (plain, 5, 0, true, Decision::Iterate),
+            (careful, false, 2, 0, true, Decision::Throttle(20)),
+            (plain, false, 5, 0, false, Decision::Iterate),
+            (plain, false, 5, 0, true, Decision::Iterate),
             // Asked for and granted: postcopy first, whatever the throttle.
-            (on_stall, 2, 0, true, Decision::Postcopy),
-            (on_stall, 1, 0, true, Decision::Iterate),
-            (on_stall, 2, 40, true, Decision::Postcopy),
+            (careful, true, 2, 0, true, Decision::Postcopy),
+            (careful, true, 1, 0, true, Decision::Iterate),
+            (careful, true, 2, 40, true, Decision::Postcopy),
+            (plain, true, 2, 0, true, Decision::Postcopy),
             // Asked for but not granted: throttling is what is left.
-            (on_stall, 2, 0, false, Decision::Throttle(20)),
-            (capped, 2, 40, false, Decision::Throttle(50)),
-            (capped, 2, 50, false, Decision::Iterate),
+            (careful, true, 2, 0, false, Decision::Throttle(20)),
+            (capped, true, 2, 40, false, Decision::Throttle(50)),
+            (capped, true, 2, 50, false, Decision::Iterate),
         ];
-        for (policy, passes, throttle, granted, want) in table {
-            let o = stalled(passes, throttle, granted);
+        for (policy, on_stall, passes, throttle, granted, want) in table {
+            let o = Observation {
+                postcopy_on_stall: on_stall,
+                ..stalled(passes, throttle, granted)
+            };
             assert_eq!(decide(&policy, &o), want, "{policy:?} {o:?}");
         }
         // A stalled guest that fits is switched over, not throttled.
         let fits = Observation {
             remaining_bytes: 10 * MB,
+            postcopy_on_stall: true,
             ..stalled(4, 0, true)
         };
-        assert_eq!(decide(&on_stall, &fits), Decision::Switchover);
+        assert_eq!(decide(&careful, &fits), Decision::Switchover);
     }
 
     #[test]
@@ -601,7 +603,6 @@ mod tests {
         let timed = |action| Policy {
             timeout: Some(Duration::from_secs(5)),
             timeout_action: action,
-            postcopy_on_stall: true,
             ..Policy::default()
         };
         let table = [
@@ -611,7 +612,10 @@ mod tests {
             (TimeoutAction::Postcopy, false, Decision::Switchover),
         ];
         for (action, granted, want) in table {
-            let o = stalled(0, 0, granted);
+            let o = Observation {
+                postcopy_on_stall: true,
+                ..stalled(0, 0, granted)
+            };
             assert_eq!(decide(&timed(action), &o), want, "{action:?} {o:?}");
         }
     }

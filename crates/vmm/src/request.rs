@@ -154,7 +154,7 @@ impl Default for PostcopyRequest {
             order: engine.order,
             prefetch_pages: engine.prefetch_pages,
             max_bandwidth: engine.max_bandwidth,
-            on_stall: Policy::default().postcopy_on_stall,
+            on_stall: engine.on_stall,
             recover: true,
         }
     }
@@ -174,6 +174,7 @@ impl MigrationMode {
                 prefetch_pages: p.prefetch_pages,
                 max_bandwidth: p.max_bandwidth,
                 recover: p.recover,
+                on_stall: p.on_stall,
             }),
         }
     }
@@ -262,7 +263,6 @@ impl MigrationRequest {
             timeout_action: self.timeout_action,
             auto_converge,
             converge_by: self.auto_converge_by,
-            postcopy_on_stall: self.mode.postcopy().is_some_and(|p| p.on_stall),
         }
     }
 
@@ -400,13 +400,8 @@ mod tests {
         let on_stall: MigrationRequest =
             serde_json::from_str(r#"{"to": "a:1", "mode": {"postcopy": {"on_stall": true}}}"#)
                 .unwrap();
-        assert!(
-            on_stall
-                .source_params([1; 16])
-                .unwrap()
-                .policy
-                .postcopy_on_stall
-        );
+        let params = on_stall.source_params([1; 16]).unwrap();
+        assert!(params.postcopy().is_some_and(|p| p.on_stall));
     }
 
     #[test]

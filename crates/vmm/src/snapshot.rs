@@ -95,7 +95,6 @@ impl SnapshotRequest {
                     .auto_converge
                     .then(ferry_migrate::AutoConverge::default),
                 converge_by: Default::default(),
-                postcopy_on_stall: false,
             },
             vcpus,
             uuid: crate::migration::migration_uuid(),

@@ -14,9 +14,9 @@ pub enum ConfigError {
         "a peer timeout of 0 would fail the first write that waits; give a positive timeout, or none to wait for ever"
     )]
     ZeroPeerTimeout,
-    /// A postcopy setting without postcopy itself.
-    #[error("{} without enabling postcopy; add --postcopy", .0.describe())]
-    NeedsPostcopy(PostcopySetting),
+    /// A timeout action of postcopy without postcopy itself.
+    #[error("a timeout action of postcopy was given without enabling postcopy; add --postcopy")]
+    TimeoutNeedsPostcopy,
     #[error("postcopy after 0 passes: the switch comes after a pass ends; give 1 or more")]
     PostcopyAfterZeroPasses,
     #[error(
@@ -82,20 +82,4 @@ pub enum ConfigError {
     /// The VMM's configuration record is larger than the protocol carries.
     #[error("the VMM's configuration of {bytes} bytes exceeds the protocol's {max}")]
     VmConfigTooLarge { bytes: u64, max: u64 },
-}
-
-/// A setting that only means something with postcopy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PostcopySetting {
-    OnStall,
-    TimeoutAction,
-}
-
-impl PostcopySetting {
-    fn describe(self) -> &'static str {
-        match self {
-            PostcopySetting::OnStall => "postcopy on a stall was asked for",
-            PostcopySetting::TimeoutAction => "a timeout action of postcopy was given",
-        }
-    }
 }

@@ -101,6 +101,7 @@ impl<P: Target> Session<'_, P> {
             throttle: self.converge.throttle,
             dirty_limit: self.converge.dirty_limit,
             postcopy_granted: self.peer.agreement().postcopy,
+            postcopy_on_stall: self.params.postcopy().is_some_and(|p| p.on_stall),
             switchover_ready: self.switchover_ready(),
         }
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::control::{Settings, Tuning};
-use crate::error::{ConfigError, MigrateError, PostcopySetting};
+use crate::error::{ConfigError, MigrateError};
 use crate::policy::Policy;
 use crate::scan::{ZeroDetection, ZeroDetectorFactory};
 use crate::wire;
@@ -75,7 +75,7 @@ pub enum Mode {
     /// Precopy that may switch to postcopy (QEMU's postcopy-ram capability): the destination
     /// must offer it, and the switch comes after [`Postcopy::after_passes`] passes, when
     /// [`Control::start_postcopy`](crate::Control::start_postcopy) asks, or when the policy
-    /// says so ([`Policy::postcopy_on_stall`], [`crate::TimeoutAction::Postcopy`]).
+    /// says so ([`Postcopy::on_stall`], [`crate::TimeoutAction::Postcopy`]).
     Postcopy(Postcopy),
     /// Hand the guest over to a destination on this host instead of sending it
     /// ([`Capabilities::LOCAL`](wire::Capabilities::LOCAL)): guest RAM's descriptors go over
@@ -114,6 +114,9 @@ pub struct Postcopy {
     /// destination without a way to get a listener would wait paused until cancelled. The
     /// reference VMM asks for it.
     pub recover: bool,
+    /// Switch to postcopy when precopy stalls (and the destination granted postcopy), before
+    /// the policy's auto-converge throttles the guest.
+    pub on_stall: bool,
 }
 
 impl Default for Postcopy {
@@ -126,6 +129,7 @@ impl Default for Postcopy {
             prefetch_pages: super::readahead::MAX_WINDOW,
             max_bandwidth: None,
             recover: false,
+            on_stall: false,
         }
     }
 }
@@ -272,20 +276,12 @@ impl SourceParams {
             return Err(ConfigError::ZeroPeerTimeout.into());
         }
         self.settings_as_tuning().check()?;
-        // The policy's two ways into postcopy need the mode that has it; every other
-        // postcopy setting lives in `Mode::Postcopy` and cannot be given without it.
-        let needs_postcopy = [
-            (self.policy.postcopy_on_stall, PostcopySetting::OnStall),
-            (
-                self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy,
-                PostcopySetting::TimeoutAction,
-            ),
-        ];
-        if let Some(&(_, setting)) = needs_postcopy
-            .iter()
-            .find(|(set, _)| *set && self.postcopy().is_none())
+        // The policy's timeout action is the one way into postcopy outside `Mode::Postcopy`
+        // (it is shared with precopy's actions); it needs the mode that has postcopy.
+        if self.policy.timeout_action == crate::policy::TimeoutAction::Postcopy
+            && self.postcopy().is_none()
         {
-            return Err(ConfigError::NeedsPostcopy(setting).into());
+            return Err(ConfigError::TimeoutNeedsPostcopy.into());
         }
         if let Some(p) = self.postcopy() {
             if p.after_passes == Some(0) {
