@@ -1,6 +1,7 @@
 //! The parts of the virtio 1.x specification that the built-in guest's balloon driver and the
 //! VMM's virtio-mmio devices both speak: the MMIO (version 2) register map, device status bits,
-//! the split virtqueue's descriptor flags and the balloon's features and configuration. One
+//! the split virtqueue's descriptor flags, and the balloon's and the block device's features and
+//! configuration. One
 //! copy for both sides, in this no_std crate.
 
 /// MMIO register offsets (virtio 1.2, 4.2.2).
@@ -68,4 +69,52 @@ pub mod balloon {
     pub const CMD_ID_DONE: u32 = 1;
     /// Balloon pages are 4 KiB whatever the guest's page size (the PFN shift).
     pub const PFN_SHIFT: u32 = 12;
+}
+
+/// The block device (5.2): what the built-in guest's disk driver and the VMM's virtio-blk
+/// device both speak.
+pub mod blk {
+    pub const DEVICE_ID: u32 = 2;
+    /// Feature bits (5.2.3).
+    pub const F_SEG_MAX: u32 = 2;
+    pub const F_RO: u32 = 5;
+    pub const F_BLK_SIZE: u32 = 6;
+    pub const F_FLUSH: u32 = 9;
+    pub const F_DISCARD: u32 = 13;
+    pub const F_WRITE_ZEROES: u32 = 14;
+    /// Config offsets (5.2.4): capacity in 512-byte sectors (`u64`), the most segments in a
+    /// request (`u32`), the logical block size (`u32`), and the discard and write-zeroes
+    /// limits (`u32` each; `write_zeroes_may_unmap` is a byte).
+    pub const CONFIG_CAPACITY: u64 = 0;
+    pub const CONFIG_SEG_MAX: u64 = 12;
+    pub const CONFIG_BLK_SIZE: u64 = 20;
+    pub const CONFIG_MAX_DISCARD_SECTORS: u64 = 36;
+    pub const CONFIG_MAX_DISCARD_SEG: u64 = 40;
+    pub const CONFIG_DISCARD_SECTOR_ALIGNMENT: u64 = 44;
+    pub const CONFIG_MAX_WRITE_ZEROES_SECTORS: u64 = 48;
+    pub const CONFIG_MAX_WRITE_ZEROES_SEG: u64 = 52;
+    pub const CONFIG_WRITE_ZEROES_MAY_UNMAP: u64 = 56;
+    /// Bytes of config space the device has.
+    pub const CONFIG_SIZE: u64 = 60;
+    /// The unit of `sector` in a request and of the capacity, whatever the block size.
+    pub const SECTOR_SIZE: u64 = 512;
+    /// Request types (5.2.6): the header's first `u32`.
+    pub const T_IN: u32 = 0;
+    pub const T_OUT: u32 = 1;
+    pub const T_FLUSH: u32 = 4;
+    pub const T_GET_ID: u32 = 8;
+    pub const T_DISCARD: u32 = 11;
+    pub const T_WRITE_ZEROES: u32 = 13;
+    /// Bytes of a request's header: type (`u32`), reserved (`u32`), sector (`u64`).
+    pub const HEADER_SIZE: u32 = 16;
+    /// Bytes of the device ID a GET_ID request returns.
+    pub const ID_BYTES: u32 = 20;
+    /// Bytes of one discard or write-zeroes segment: sector (`u64`), sectors (`u32`), flags
+    /// (`u32`, bit 0 = unmap).
+    pub const SEGMENT_SIZE: u32 = 16;
+    pub const SEGMENT_F_UNMAP: u32 = 1;
+    /// The status byte the device writes last (5.2.6).
+    pub const S_OK: u8 = 0;
+    pub const S_IOERR: u8 = 1;
+    pub const S_UNSUPP: u8 = 2;
 }
