@@ -1,8 +1,7 @@
 //! The parts of the virtio 1.x specification that the built-in guest's balloon driver and the
 //! VMM's virtio-mmio devices both speak: the MMIO (version 2) register map, device status bits,
 //! the split virtqueue's descriptor flags, and the balloon's and the block device's features and
-//! configuration. One
-//! copy for both sides, in this no_std crate.
+//! configuration. One copy for both sides, in this no_std crate.
 
 /// MMIO register offsets (virtio 1.2, 4.2.2).
 pub mod mmio {
