@@ -1,5 +1,5 @@
 //! virtio devices: the virtio-mmio transport ([`mmio`]) and the device models behind it
-//! ([`balloon`]), per the virtio 1.2 specification.
+//! ([`balloon`], [`blk`]), per the virtio 1.2 specification.
 //!
 //! Who owns what: the transport ([`MmioTransport`]) owns everything the spec puts in the
 //! transport — device status, feature negotiation, the queues and their validation, the
@@ -21,6 +21,7 @@
 #![forbid(unsafe_code)]
 
 pub mod balloon;
+pub mod blk;
 pub mod chain;
 mod codec;
 pub mod device;
