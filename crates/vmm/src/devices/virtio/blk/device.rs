@@ -12,7 +12,7 @@ use super::error::BlockError;
 use super::image::Image;
 use super::options::DiskOptions;
 use super::serve::Serve;
-use super::spec::{BlkConfig, DEVICE_TYPE, DiskId, NAME, QUEUE_SIZE, offered};
+use super::spec::{BlkConfig, DEVICE_TYPE, DiskId, F_RO, NAME, OFFERED, QUEUE_SIZE};
 use super::state::BlockState;
 use super::stats::BlockStats;
 use crate::devices::device::DeviceStateError;
@@ -170,7 +170,10 @@ impl VirtioDevice for Block {
     }
 
     fn features(&self) -> u64 {
-        offered(self.options.readonly)
+        match self.options.readonly {
+            true => OFFERED | F_RO,
+            false => OFFERED,
+        }
     }
 
     fn max_queues(&self) -> usize {
@@ -243,10 +246,7 @@ impl VirtioDevice for Block {
         negotiated: &Negotiated<'_>,
     ) -> Result<(), DeviceStateError> {
         let s = BlockState::decode(data, negotiated)?;
-        s.fits(
-            self.options.readonly,
-            self.image.as_ref().map(|i| (i.path(), i.sectors())),
-        )?;
+        s.fits(&self.options, self.image.as_ref().map(|i| i.sectors()))?;
         self.config = s.config;
         self.id = s.id;
         self.stats = s.stats;

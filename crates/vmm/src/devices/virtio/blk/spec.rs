@@ -19,16 +19,8 @@ pub const F_FLUSH: u64 = 1 << blk::F_FLUSH;
 pub const F_DISCARD: u64 = 1 << blk::F_DISCARD;
 pub const F_WRITE_ZEROES: u64 = 1 << blk::F_WRITE_ZEROES;
 
-/// Offered to every driver; [`F_RO`] is added for a read-only disk.
-const ALWAYS: u64 = F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_DISCARD | F_WRITE_ZEROES;
-
-/// The features a disk offers.
-pub(super) fn offered(read_only: bool) -> u64 {
-    match read_only {
-        true => ALWAYS | F_RO,
-        false => ALWAYS,
-    }
-}
+/// Offered to every driver; a read-only disk adds [`F_RO`].
+pub(super) const OFFERED: u64 = F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_DISCARD | F_WRITE_ZEROES;
 
 /// The one request queue's largest size: 256 is QEMU's default for virtio-blk and lets Linux
 /// keep a full request of [`SEG_MAX`] segments in flight without indirect descriptors.
@@ -158,8 +150,6 @@ mod tests {
         assert_eq!(u32_at(blk::CONFIG_DISCARD_SECTOR_ALIGNMENT), 8);
         assert_eq!(c[blk::CONFIG_WRITE_ZEROES_MAY_UNMAP as usize], 1);
         assert_eq!(u32_at(8), 0, "size_max is not offered");
-        assert_eq!(offered(true) & F_RO, F_RO);
-        assert_eq!(offered(false) & F_RO, 0);
     }
 
     #[test]

@@ -14,8 +14,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::Path;
-
+use super::options::DiskOptions;
 use super::spec::{BlkConfig, DiskId, F_RO, NAME};
 use super::stats::BlockStats;
 use crate::devices::device::DeviceStateError;
@@ -149,19 +148,21 @@ impl BlockState {
         })
     }
 
-    /// Refuses a state the destination's disk cannot carry on: read-only where the source
-    /// was read-write (or the reverse: the guest's driver negotiated what it saw), or an
-    /// attached image (`path`, whole sectors) whose size differs from the source's disk.
+    /// Refuses a state the destination's disk (`options`, and the whole sectors of its image
+    /// if open) cannot carry on: read-only where the source was read-write (or the reverse:
+    /// the guest's driver negotiated what it saw), or an image whose size differs from the
+    /// source's disk.
     pub fn fits(
         &self,
-        read_only: bool,
-        image: Option<(&Path, u64)>,
+        options: &DiskOptions,
+        image_sectors: Option<u64>,
     ) -> Result<(), DeviceStateError> {
         let bad = |reason: String| DeviceStateError::Malformed {
             device: NAME,
             reason,
         };
         let mode = |ro: bool| if ro { "read-only" } else { "read-write" };
+        let read_only = options.readonly;
         if read_only != self.read_only {
             return Err(bad(format!(
                 "the source's disk is {} but this VM's is {}; give the destination's disk as the source's was (with ,readonly exactly when the source had it)",
@@ -169,9 +170,10 @@ impl BlockState {
                 mode(read_only)
             )));
         }
-        let Some((path, sectors)) = image else {
+        let Some(sectors) = image_sectors else {
             return Ok(());
         };
+        let path = &options.path;
         match self.config {
             Some(c) if c.capacity == sectors => Ok(()),
             Some(c) => Err(bad(format!(

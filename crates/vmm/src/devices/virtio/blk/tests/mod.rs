@@ -329,7 +329,7 @@ fn write_zeroes_zeroes_with_or_without_unmap() {
         S_IOERR,
         "one segment only"
     );
-    let long = segment(0, MAX_ZEROING + 1, 0);
+    let long = segment(0, super::spec::MAX_ZEROING_SECTORS + 1, 0);
     assert_eq!(
         request(&mut d, T_WRITE_ZEROES, 0, &[&long], &[]).status,
         S_IOERR
@@ -344,9 +344,6 @@ fn write_zeroes_zeroes_with_or_without_unmap() {
         S_IOERR
     );
 }
-
-/// The largest discard or write-zeroes the config allows, in sectors.
-const MAX_ZEROING: u32 = 64 << 10;
 
 #[test]
 fn get_id_names_the_image() {
