@@ -78,7 +78,14 @@ impl Block {
                 expected_sectors: config.capacity,
             });
         }
-        self.config.get_or_insert(BlkConfig::new(image.sectors()));
+        if self.config.is_none() {
+            self.config = Some(BlkConfig::new(image.sectors()));
+            // Tracking started while the size was unknown covered nothing; nothing was
+            // written since (every request failed), so a clean bitmap of the image is exact.
+            if self.dirty.is_some() {
+                self.start_tracking();
+            }
+        }
         self.id.get_or_insert(image.id());
         self.image = Some(image);
         Ok(())

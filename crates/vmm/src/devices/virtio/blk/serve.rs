@@ -179,8 +179,9 @@ impl Serve<'_> {
                 Ok(0)
             }
             Kind::Flush => {
-                // A read-only disk has nothing to flush; O_DIRECT still needs it (the
-                // storage's own cache, the file's metadata).
+                // A read-only disk has nothing to flush. cache=none still needs it: O_DIRECT
+                // writes may sit in the storage's volatile cache, and a file's newly
+                // allocated blocks are not durable until its metadata is.
                 if !self.read_only {
                     image.flush().map_err(|source| Fail::Host {
                         what: "fdatasync",

@@ -76,6 +76,8 @@ fn a_deferred_device_answers_io_errors_until_attached() {
     assert_eq!(request(&mut d, T_GET_ID, 0, &[], &[20]).status, S_IOERR);
     d.t.device().flush().unwrap();
     d.take_interrupts();
+    // Tracking started before the size is known covers the image once attached.
+    d.t.device_mut().start_tracking();
     d.t.attach().unwrap();
     assert_eq!(d.config32(0), SECTORS as u32);
     assert_eq!(
@@ -83,13 +85,17 @@ fn a_deferred_device_answers_io_errors_until_attached() {
         2,
         "the driver hears of the capacity"
     );
-    assert_eq!(write(&mut d, 0, &[1; 512]), S_OK);
-    assert_eq!(read(&mut d, 0, 512).data, [1; 512]);
+    assert_eq!(write(&mut d, SECTORS - 1, &[1; 512]), S_OK);
+    assert_eq!(d.t.device_mut().take_dirty(), [IMAGE / DIRTY_CHUNK - 1]);
+    assert_eq!(read(&mut d, SECTORS - 1, 512).data, [1; 512]);
     assert!(matches!(
         d.t.attach(),
         Err(BlockError::AlreadyAttached { .. })
     ));
-    assert_eq!(d.t.device().stats().errors, 4);
+    let stats = d.t.device().stats();
+    assert_eq!((stats.errors, stats.writes, stats.reads), (4, 1, 1));
+    let shown = serde_json::to_string(&stats).unwrap();
+    assert!(shown.contains("\"errors\":4"), "{shown}");
 }
 
 #[test]
