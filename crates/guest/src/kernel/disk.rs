@@ -111,6 +111,7 @@ pub fn start(
         chooser: Chooser::new(p, writable),
         pace: match p.disk_rate {
             Rate::MegabytesPerSecond(mb) => Some(Pace::new(u64::from(mb) * 1_000_000, now)),
+            // `disk-rate=` is never idle (the parser refuses it): flat out.
             Rate::FlatOut | Rate::Idle => None,
         },
         counters: DiskCounters {
