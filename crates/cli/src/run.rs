@@ -534,6 +534,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             t.verify_passes,
             t.verify_failures,
         );
+        if let Some(d) = &t.disk {
+            eprintln!(
+                "ferry: guest disk: {} blocks written, {} read back; {} bad, {} request errors",
+                d.blocks_written, d.blocks_read, d.verify_failures, d.request_errors
+            );
+        }
         if interrupt.cancelled_migration.load(Ordering::Relaxed) {
             eprintln!("ferry: the migration away was cancelled, then the VM stopped");
             return Ok(ExitCode::from(crate::exit::CANCELLED));

@@ -133,6 +133,30 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "virtio_mmio.device",
         "<size>@<addr>:<irq>",
         "none",
-        "a virtio-mmio device (the VMM sets it); the guest drives the balloon there",
+        "a virtio-mmio device (the VMM sets it), repeated per device, at most 4; the guest drives a balloon and a virtio-blk disk found there",
+    ),
+    (
+        "disk",
+        "size, multiple of 4K",
+        "0",
+        "the part of the virtio-blk disk (from sector 0) the disk workload writes and verifies, 0 = none; larger than the disk halts the guest",
+    ),
+    (
+        "disk-rate",
+        "max | MB/s",
+        "10",
+        "how fast the disk workload accesses 4 KiB blocks",
+    ),
+    (
+        "disk-pattern",
+        "seq | random",
+        "random",
+        "which block each disk write goes to",
+    ),
+    (
+        "disk-read",
+        "percent 0-100",
+        "20",
+        "share of disk accesses that read a written block back and check it instead of writing",
     ),
 ];

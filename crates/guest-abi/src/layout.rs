@@ -4,8 +4,11 @@
 //! Above the end of its own image the guest takes, in address order from the RAM entries of
 //! the PVH memory map: the page-directory pages that map RAM above 4 GiB (at CPL0), then the
 //! generation record (one `u32` per working-set page, contiguous; one per vCPU with
-//! `shared=1`), then the working set itself,
+//! `shared=1`), right after it the disk's generation record (one `u32` per 4 KiB block of
+//! `disk=`, none without a disk workload), then the working set itself,
 //! which may span up to [`MAX_EXTENTS`] RAM ranges (below the 32-bit MMIO hole and above it).
+//! The records are guest RAM like the working set, so they migrate with the VM: a destination
+//! guest knows which generation each page and block must hold.
 
 use crate::PAGE_SIZE;
 
@@ -32,16 +35,49 @@ pub fn record_bytes(ws_bytes: u64) -> u64 {
     (ws_bytes / PAGE_SIZE * RECORD_ENTRY_BYTES).next_multiple_of(PAGE_SIZE)
 }
 
+/// Bytes of the disk's generation record for a disk workload of `disk_bytes` (`disk=`): a
+/// `u32` per 4 KiB block, as a page's entry.
+pub fn disk_record_bytes(disk_bytes: u64) -> u64 {
+    (disk_bytes / crate::disk::BLOCK_SIZE * RECORD_ENTRY_BYTES).next_multiple_of(PAGE_SIZE)
+}
+
+/// What the guest keeps in RAM above its image besides page tables, from its command line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// Working-set bytes.
+    pub ws_bytes: u64,
+    /// Generation records of the working set: one, or one per vCPU with `shared=1`.
+    pub records: u64,
+    /// Bytes of the disk the disk workload uses (`disk=`), whose record is in RAM too.
+    pub disk_bytes: u64,
+}
+
+impl Footprint {
+    /// The footprint of `p` with a working set of `ws_bytes` (`ws=`, or the default).
+    pub fn of(p: &crate::params::Params, ws_bytes: u64) -> Footprint {
+        Footprint {
+            ws_bytes,
+            records: p.records(),
+            disk_bytes: p.disk,
+        }
+    }
+
+    /// Bytes of all the records, contiguous: the working set's, then the disk's.
+    pub fn record_bytes(&self) -> u64 {
+        self.records * record_bytes(self.ws_bytes) + disk_record_bytes(self.disk_bytes)
+    }
+}
+
 /// Page-directory pages the guest allocates to map RAM between 4 GiB and `ram_top` (RAM below
 /// 4 GiB is mapped by directories inside the image).
 pub fn high_page_directories(ram_top: u64) -> u64 {
     ram_top.saturating_sub(4 << 30).div_ceil(1 << 30)
 }
 
-/// Bytes the guest needs above its image for a working set of `ws_bytes` with `records`
-/// generation records (one, or one per vCPU with `shared=1`) when RAM ends at `ram_top`.
-pub fn required_bytes(ws_bytes: u64, records: u64, ram_top: u64) -> u64 {
-    high_page_directories(ram_top) * PAGE_SIZE + records * record_bytes(ws_bytes) + ws_bytes
+/// Bytes the guest needs above its image for `f` (its working set, the records of it and of
+/// the disk) when RAM ends at `ram_top`.
+pub fn required_bytes(f: Footprint, ram_top: u64) -> u64 {
+    high_page_directories(ram_top) * PAGE_SIZE + f.record_bytes() + f.ws_bytes
 }
 
 /// The working set used when `ws=` is not given, for `free` bytes of RAM above the image:
@@ -60,6 +96,23 @@ mod tests {
     fn record_is_four_bytes_per_page_rounded_to_pages() {
         assert_eq!(record_bytes(256 << 20), 256 << 10);
         assert_eq!(record_bytes(PAGE_SIZE), PAGE_SIZE);
+    }
+
+    #[test]
+    fn the_disk_record_is_counted_beside_the_working_sets() {
+        assert_eq!(disk_record_bytes(0), 0);
+        assert_eq!(disk_record_bytes(4096), PAGE_SIZE);
+        // 2 GiB of 4 KiB blocks: 512 Ki entries of 4 bytes.
+        assert_eq!(disk_record_bytes(2 << 30), 2 << 20);
+        let p = crate::params::parse("vcpus=4 shared=1 disk=2G").unwrap();
+        let f = Footprint::of(&p, 256 << 20);
+        assert_eq!(f.record_bytes(), 4 * (256 << 10) + (2 << 20));
+        assert_eq!(
+            required_bytes(f, 6 << 30),
+            2 * PAGE_SIZE + (1 << 20) + (2 << 20) + (256 << 20)
+        );
+        let none = Footprint::default();
+        assert_eq!(required_bytes(none, 2 << 30), 0);
     }
 
     #[test]

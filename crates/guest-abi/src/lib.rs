@@ -1,6 +1,6 @@
 //! What ferry's host side and its built-in test guest agree on: I/O ports, the guest's
-//! command-line parameters, the page stamp that makes every written page checkable, the
-//! telemetry report layout, the VM generation ID (`vmgenid`), and the arithmetic that sizes
+//! command-line parameters, the page stamp that makes every written page checkable (and the
+//! block stamp that does the same for the disk), the telemetry report layout, the VM generation ID (`vmgenid`), and the arithmetic that sizes
 //! the guest's memory footprint.
 //!
 //! The ports: COM1 at 0x3f8, the telemetry port at 0x0fe4, the exit port at 0x0fe8, the start
@@ -14,6 +14,7 @@
 #![no_std]
 #![forbid(unsafe_code)]
 
+pub mod disk;
 pub mod help;
 pub mod layout;
 pub mod params;

@@ -20,7 +20,11 @@
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
 //! | `hint-batch` | blocks, 0 = all | 0 | hint at most this many free blocks per heartbeat, so a round of hints spans many (a slow driver) |
 //! | `compute` | vCPU count | 0 | the last N vCPUs compute instead of writing and report work units in their heartbeats (what a vCPU that does not write loses to a migration) |
-//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the guest drives a balloon found there |
+//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the key repeats, once per device (at most [`MAX_MMIO_DEVICES`]); the guest reads each one's device ID at boot and drives a balloon (5) and a block device (2) found there |
+//! | `disk` | size, a multiple of 4K | 0 | the part of the virtio-blk disk, from sector 0, that the disk workload writes and verifies in 4 KiB blocks; 0 = no disk workload. Larger than the disk (or no disk): the guest says so on its serial port and halts ([`crate::report::HaltReason::DiskTooSmall`]) |
+//! | `disk-rate` | `max` or MB/s (10^6 bytes) | 10 | how fast the disk workload accesses blocks ([`DEFAULT_DISK_RATE_MB_S`]) |
+//! | `disk-pattern` | `seq`, `random` | `random` | which block each disk write goes to |
+//! | `disk-read` | percent, 0–100 | 20 | share of disk accesses that read a written block back and check it instead of writing |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
 //! before boot so that a bad command line is refused with a message instead of a halted guest.
@@ -40,6 +44,19 @@ pub use crate::help::HELP;
 /// Granule of the guest's free memory: blocks of 2 MiB, the large page it maps RAM with (and
 /// what it hints, as Linux hints its largest free blocks).
 pub const FREE_BLOCK: u64 = 2 << 20;
+
+/// Most 4 KiB blocks `disk=` may name: a disk block's stamp holds its number in 32 bits
+/// ([`crate::disk`]), so 16 TiB.
+pub const MAX_DISK_BLOCKS: u64 = 1 << 32;
+
+/// Most `virtio_mmio.device=` keys a command line may hold: a balloon, a disk, and room for a
+/// NIC and one more, as the VMM's device plan has them.
+pub const MAX_MMIO_DEVICES: usize = 4;
+
+/// `disk-rate=` when not given: 10 MB/s, 2441 requests a second, each a trip to the VMM while
+/// the vCPU waits; slow enough that a disk no host shares converges beside a flat-out working
+/// set, fast enough that a migration always finds blocks written since they were sent.
+pub const DEFAULT_DISK_RATE_MB_S: u32 = 10;
 
 /// A virtio-mmio device as the command line announces it (`virtio_mmio.device=4K@0xd0000000:5`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,8 +143,19 @@ pub struct Params {
     pub churn_mb_s: u32,
     /// Free blocks the balloon driver hints per heartbeat at most; 0 = a whole round at once.
     pub hint_batch: u32,
-    /// The virtio-mmio balloon the VMM announced, if any.
-    pub balloon: Option<MmioDevice>,
+    /// The virtio-mmio devices the VMM announced, in command-line order, a device given
+    /// twice (the same address) listed once; what each is, the guest learns from its
+    /// registers ([`Params::mmio_devices`]).
+    pub mmio: [Option<MmioDevice>; MAX_MMIO_DEVICES],
+    /// Bytes of the disk the disk workload uses from sector 0, a multiple of
+    /// [`crate::PAGE_SIZE`]; 0 = no disk workload.
+    pub disk: u64,
+    /// How fast the disk workload accesses blocks: flat out or MB/s (never idle).
+    pub disk_rate: Rate,
+    /// Which block a disk write goes to: `Sequential` or `Random`.
+    pub disk_pattern: Pattern,
+    /// Share of disk accesses that read a written block back and check it.
+    pub disk_read_percent: u8,
     /// vCPUs the guest starts and runs its workload on.
     pub vcpus: u8,
     /// Every vCPU writes every page of the working set, each its own word (lane) of it, with a
@@ -160,7 +188,11 @@ impl Default for Params {
             free: 0,
             churn_mb_s: 0,
             hint_batch: 0,
-            balloon: None,
+            mmio: [None; MAX_MMIO_DEVICES],
+            disk: 0,
+            disk_rate: Rate::MegabytesPerSecond(DEFAULT_DISK_RATE_MB_S),
+            disk_pattern: Pattern::Random,
+            disk_read_percent: 20,
             vcpus: 1,
             shared: false,
             fault_vcpu: 0,
@@ -316,10 +348,45 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
                     .ok_or(bad("a vCPU index from 0 to 63"))? as u8
             }
             "virtio_mmio.device" => {
-                p.balloon = Some(
-                    parse_mmio_device(value)
-                        .ok_or(bad("<size>@<address>:<irq> such as 4K@0xd0000000:5"))?,
-                )
+                let dev = parse_mmio_device(value)
+                    .ok_or(bad("<size>@<address>:<irq> such as 4K@0xd0000000:5"))?;
+                // The same address again is the same device, given again (later keys win).
+                let slot = p
+                    .mmio
+                    .iter()
+                    .position(|d| d.is_none_or(|d| d.addr == dev.addr))
+                    .ok_or(bad("at most 4 virtio-mmio devices on one command line"))?;
+                p.mmio[slot] = Some(dev);
+            }
+            "disk" => {
+                p.disk = parse_size(value)
+                    .filter(|s| {
+                        s.is_multiple_of(crate::PAGE_SIZE)
+                            && s / crate::PAGE_SIZE <= MAX_DISK_BLOCKS
+                    })
+                    .ok_or(bad(
+                        "a size that is a multiple of 4K, at most 16T, such as 64M or 2G; 0 = none",
+                    ))?
+            }
+            "disk-rate" => {
+                p.disk_rate = match value {
+                    "max" => Rate::FlatOut,
+                    v => Rate::MegabytesPerSecond(
+                        parse_u32(v)
+                            .filter(|r| *r > 0)
+                            .ok_or(bad("'max' or megabytes per second, at least 1"))?,
+                    ),
+                }
+            }
+            "disk-pattern" => {
+                p.disk_pattern = match value {
+                    "seq" => Pattern::Sequential,
+                    "random" => Pattern::Random,
+                    _ => return Err(bad("seq or random")),
+                }
+            }
+            "disk-read" => {
+                p.disk_read_percent = parse_percent(value, 0).ok_or(bad("a percentage 0-100"))?
             }
             _ => return Err(ParamError::UnknownKey(key)),
         }
@@ -356,6 +423,16 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
 }
 
 impl Params {
+    /// The virtio-mmio devices the command line announced, in its order.
+    pub fn mmio_devices(&self) -> impl Iterator<Item = MmioDevice> + '_ {
+        self.mmio.iter().flatten().copied()
+    }
+
+    /// 4 KiB blocks of the disk workload (`disk=`).
+    pub fn disk_blocks(&self) -> u64 {
+        self.disk / crate::PAGE_SIZE
+    }
+
     /// vCPUs that write (the rest compute).
     pub fn writers(&self) -> u8 {
         self.vcpus - self.compute
@@ -444,157 +521,4 @@ fn parse_percent(s: &str, min: u8) -> Option<u8> {
 }
 
 #[cfg(test)]
-mod tests {
-    extern crate std;
-
-    use super::*;
-
-    #[test]
-    fn empty_command_line_gives_defaults() {
-        assert_eq!(parse(""), Ok(Params::default()));
-        assert_eq!(parse("   "), Ok(Params::default()));
-    }
-
-    #[test]
-    fn every_key_parses() {
-        let p = parse(
-            "ws=64M rate=400 pattern=hotcold hot=20 zero=15 read=30 verify-ms=250 heartbeat-ms=5 \
-             log-ms=0 run-ms=3000 fault-after-ms=9 seed=42",
-        )
-        .unwrap();
-        assert_eq!(p.working_set, Some(64 << 20));
-        assert_eq!(p.rate, Rate::MegabytesPerSecond(400));
-        assert_eq!(p.pattern, Pattern::HotCold);
-        assert_eq!(
-            (p.hot_percent, p.zero_percent, p.read_percent),
-            (20, 15, 30)
-        );
-        assert_eq!((p.verify_ms, p.heartbeat_ms, p.log_ms), (250, 5, 0));
-        assert_eq!((p.run_ms, p.fault_after_ms, p.seed), (3000, 9, 42));
-    }
-
-    #[test]
-    fn free_memory_churn_and_a_virtio_device_parse() {
-        let p = parse("free=6G churn=50 virtio_mmio.device=4K@0xd0000000:5").unwrap();
-        assert_eq!((p.free, p.churn_mb_s), (6 << 30, 50));
-        assert_eq!(
-            p.balloon,
-            Some(MmioDevice {
-                size: 4096,
-                addr: 0xd000_0000,
-                irq: 5
-            })
-        );
-        assert_eq!(parse("free=3M").unwrap().free, 2 << 20, "whole blocks");
-        for bad in ["4K@0xd0000000", "4K:5", "0@0x10:5", "4K@0x:5", "4K@0xzz:5"] {
-            assert_eq!(parse_mmio_device(bad), None, "{bad}");
-        }
-        assert_eq!(parse_mmio_device("1M@4096:9").unwrap().addr, 4096);
-    }
-
-    #[test]
-    fn vcpus_and_the_faulting_vcpu_parse_in_range() {
-        let p = parse("vcpus=64 fault-vcpu=63").unwrap();
-        assert_eq!((p.vcpus, p.fault_vcpu), (64, 63));
-        assert_eq!(p.records(), 1);
-        assert_eq!(parse("vcpus=8 shared=1").unwrap().records(), 8);
-        assert_eq!(parse("").unwrap().vcpus, 1);
-        for bad in ["vcpus=0", "vcpus=65", "fault-vcpu=64"] {
-            assert!(parse(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn later_keys_win() {
-        assert_eq!(parse("rate=5 rate=max").unwrap().rate, Rate::FlatOut);
-        assert_eq!(parse("rate=max rate=idle").unwrap().rate, Rate::Idle);
-    }
-
-    #[test]
-    fn bad_values_name_key_and_expectation() {
-        let table: &[(&str, &str)] = &[
-            ("ws=lots", "bad value 'lots' for guest parameter 'ws'"),
-            ("ws=0", "at least 4K"),
-            ("rate=0", "'max', 'idle' or megabytes per second"),
-            ("pattern=zigzag", "seq, random or hotcold"),
-            ("zero=101", "a percentage 0-100"),
-            ("read=101", "a percentage 0-100"),
-            ("hot=0", "a percentage 1-100"),
-            ("heartbeat-ms=0", "at least 1"),
-            ("verify-ms=-1", "milliseconds"),
-            ("run-ms=99999999999", "milliseconds"),
-            ("fill=lots", "stamp, random or mixed"),
-            ("prefill=yes", "0 or 1"),
-            ("vcpus=65", "a vCPU count from 1 to 64"),
-            ("shared=2", "0 or 1"),
-            ("shared=1 fill=random", "0 with fill=random"),
-            ("shared=1 fill=mixed", "0 with fill=random or mixed"),
-            ("fault-vcpu=2 vcpus=2", "below vcpus="),
-            (
-                "frobnicate=1",
-                "unknown guest parameter 'frobnicate'; known keys are: ws rate",
-            ),
-            ("ws", "'ws' is not key=value"),
-        ];
-        for (line, want) in table {
-            let err = parse(line).unwrap_err();
-            let msg = std::format!("{err}");
-            assert!(msg.contains(want), "{line}: got '{msg}'");
-        }
-    }
-
-    #[test]
-    fn overlong_command_line_is_refused() {
-        let long = [b'x'; crate::CMDLINE_MAX + 1];
-        let long = core::str::from_utf8(&long).unwrap();
-        assert_eq!(
-            parse(long),
-            Err(ParamError::TooLong(crate::CMDLINE_MAX + 1))
-        );
-    }
-
-    #[test]
-    fn help_lists_every_key_the_parser_takes() {
-        for (key, ..) in HELP {
-            let line = std::format!("{key}=1");
-            assert!(
-                !matches!(parse(&line), Err(ParamError::UnknownKey(_))),
-                "{key}"
-            );
-        }
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("64M"), Some(64 << 20));
-        assert_eq!(parse_size("2GiB"), Some(2 << 30));
-        assert_eq!(parse_size("1T"), Some(1 << 40));
-        assert_eq!(parse_size("12X"), None);
-        assert_eq!(parse_size("G"), None);
-        // Any case, and fractions (a user writing 2g or 3.5G was refused without a reason).
-        assert_eq!(parse_size("2g"), Some(2 << 30));
-        assert_eq!(parse_size("512mib"), Some(512 << 20));
-        assert_eq!(parse_size("3.5G"), Some(7 << 29));
-        assert_eq!(parse_size("0.5k"), Some(512));
-        assert_eq!(parse_size(".25M"), Some(1 << 18));
-        assert_eq!(parse_size("1."), None);
-        assert_eq!(parse_size("1.2.3G"), None);
-        assert_eq!(parse_size("."), None);
-        assert_eq!(parse_size("99999999999999999999"), None);
-        assert_eq!(parse_size("99999999999T"), None);
-    }
-
-    #[test]
-    fn ws_is_rounded_down_to_pages() {
-        assert_eq!(parse("ws=5000").unwrap().working_set, Some(4096));
-    }
-
-    #[test]
-    fn pattern_round_trips_through_u8() {
-        for p in [Pattern::Sequential, Pattern::Random, Pattern::HotCold] {
-            assert_eq!(Pattern::from_u8(p as u8), Some(p));
-        }
-        assert_eq!(Pattern::from_u8(0), None);
-    }
-}
+mod tests;

@@ -76,6 +76,11 @@ report_enum! {
         /// whenever a look (at every heartbeat) found it changed. Detail: [`vm_generation`]
         /// words. A kind of its own, as `Work`, so that the report's layout stays as it was.
         VmGeneration = 8,
+        /// The disk workload's counters (`disk=`), from the boot vCPU every `heartbeat-ms`
+        /// after its heartbeat, while a disk workload runs. Detail: [`disk`] words, as
+        /// [`DiskCounters::to_detail`] writes them. A kind of its own, as `Work`, so that the
+        /// heartbeat's layout stays as it was.
+        Disk = 9,
     }
 }
 
@@ -101,6 +106,9 @@ report_enum! {
         BadBootInfo = 4,
         /// A Rust panic in the guest; the serial port has the message.
         Panic = 5,
+        /// `disk=` asks for more than the VM's virtio-blk disk holds, or the VM has no disk
+        /// the driver could use; the serial port says which.
+        DiskTooSmall = 6,
     }
 }
 
@@ -118,6 +126,9 @@ impl HaltReason {
             HaltReason::NotEnoughMemory => "working set does not fit in guest RAM",
             HaltReason::BadBootInfo => "bad PVH boot information",
             HaltReason::Panic => "guest panic",
+            HaltReason::DiskTooSmall => {
+                "disk= is larger than the VM's virtio-blk disk, or it has none"
+            }
         }
     }
 }
@@ -183,6 +194,70 @@ pub mod vm_generation {
     /// Changes the guest has seen since it booted: 0 in the first report, one more in each
     /// that follows (a look that found the ID different from the look before).
     pub const CHANGES: usize = 2;
+}
+
+pub mod disk {
+    /// Blocks written so far.
+    pub const BLOCKS_WRITTEN: usize = 0;
+    /// Blocks read back and checked so far (`disk-read=` reads and verify sweeps).
+    pub const BLOCKS_READ: usize = 1;
+    /// Blocks read back that did not hold their last write (stale, misplaced, zero or
+    /// corrupt), so far.
+    pub const VERIFY_FAILURES: usize = 2;
+    /// Requests the device answered with a status other than OK, or did not answer, so far.
+    pub const REQUEST_ERRORS: usize = 3;
+    /// Flush requests completed so far.
+    pub const FLUSHES: usize = 4;
+    /// The first block found bad; [`NO_BAD_BLOCK`] while there is none.
+    pub const FIRST_BAD: usize = 5;
+    /// Blocks the workload uses (`disk=` / 4 KiB).
+    pub const BLOCKS: usize = 6;
+    /// Verify sweeps completed: each re-read every block written before it reached it.
+    pub const SWEEPS: usize = 7;
+    /// The [`FIRST_BAD`] word of a disk with no bad block.
+    pub const NO_BAD_BLOCK: u64 = u64::MAX;
+}
+
+/// The disk workload's cumulative counters, as a [`Kind::Disk`] report carries them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskCounters {
+    pub blocks_written: u64,
+    pub blocks_read: u64,
+    pub verify_failures: u64,
+    pub request_errors: u64,
+    pub flushes: u64,
+    pub first_bad_block: Option<u64>,
+    pub blocks: u64,
+    pub sweeps: u64,
+}
+
+impl DiskCounters {
+    /// The report's detail words ([`disk`]).
+    pub fn to_detail(&self) -> [u64; DETAIL_WORDS] {
+        let mut d = [0; DETAIL_WORDS];
+        d[disk::BLOCKS_WRITTEN] = self.blocks_written;
+        d[disk::BLOCKS_READ] = self.blocks_read;
+        d[disk::VERIFY_FAILURES] = self.verify_failures;
+        d[disk::REQUEST_ERRORS] = self.request_errors;
+        d[disk::FLUSHES] = self.flushes;
+        d[disk::FIRST_BAD] = self.first_bad_block.unwrap_or(disk::NO_BAD_BLOCK);
+        d[disk::BLOCKS] = self.blocks;
+        d[disk::SWEEPS] = self.sweeps;
+        d
+    }
+
+    pub fn from_detail(d: &[u64; DETAIL_WORDS]) -> DiskCounters {
+        DiskCounters {
+            blocks_written: d[disk::BLOCKS_WRITTEN],
+            blocks_read: d[disk::BLOCKS_READ],
+            verify_failures: d[disk::VERIFY_FAILURES],
+            request_errors: d[disk::REQUEST_ERRORS],
+            flushes: d[disk::FLUSHES],
+            first_bad_block: Some(d[disk::FIRST_BAD]).filter(|b| *b != disk::NO_BAD_BLOCK),
+            blocks: d[disk::BLOCKS],
+            sweeps: d[disk::SWEEPS],
+        }
+    }
 }
 
 pub mod verify {
@@ -357,7 +432,36 @@ mod tests {
             id
         );
         assert_eq!(d[vm_generation::CHANGES], 2);
-        assert_eq!(Kind::from_u16(9), Kind::Invalid, "no kind past it");
+        assert_eq!(Kind::from_u16(10), Kind::Invalid, "no kind past it");
+    }
+
+    #[test]
+    fn a_disk_report_round_trips_its_counters() {
+        for first_bad_block in [None, Some(0), Some(12_345)] {
+            let c = DiskCounters {
+                blocks_written: 1000,
+                blocks_read: 200,
+                verify_failures: 3,
+                request_errors: 1,
+                flushes: 17,
+                first_bad_block,
+                blocks: 16_384,
+                sweeps: 2,
+            };
+            let r = Report {
+                kind: Kind::Disk as u16,
+                detail: c.to_detail(),
+                ..Report::default()
+            };
+            let b = r.to_bytes();
+            assert_eq!(&b[6..8], &[9, 0], "kind 9");
+            let back = Report::from_bytes(&b).unwrap();
+            assert_eq!(back.kind(), Kind::Disk);
+            assert_eq!(DiskCounters::from_detail(&back.detail), c);
+        }
+        let d = DiskCounters::default().to_detail();
+        assert_eq!(d[disk::FIRST_BAD], u64::MAX, "no bad block");
+        assert_eq!(HaltReason::from_u64(6), HaltReason::DiskTooSmall);
     }
 
     #[test]

@@ -1,9 +1,9 @@
-//! Where the generation record and the working set go, given the RAM ranges of the memory
-//! map. The host sizes guests with [`ferry_guest_abi::layout`]; this is the guest's side of
+//! Where the generation records (the working set's, then the disk's) and the working set go,
+//! given the RAM ranges of the memory map. The host sizes guests with [`ferry_guest_abi::layout`]; this is the guest's side of
 //! the same arithmetic, with the actual ranges.
 
 use ferry_guest_abi::PAGE_SIZE;
-use ferry_guest_abi::layout::MAX_EXTENTS;
+use ferry_guest_abi::layout::{Footprint, MAX_EXTENTS};
 
 /// A run of working-set pages: indices `first_index..first_index + pages` live at frames
 /// `first_pfn..first_pfn + pages`.
@@ -22,6 +22,12 @@ pub struct Plan {
     pub extents: [Extent; MAX_EXTENTS],
     pub extent_count: usize,
     pub pages: u64,
+    /// Guest-physical address of the disk's `u32` generation record (one entry per 4 KiB
+    /// block of `disk=`), right after the working set's records; the boot vCPU's, whole in
+    /// every vCPU's share.
+    pub disk_record: u64,
+    /// First byte after all the records.
+    pub records_end: u64,
 }
 
 /// Why no plan fits.
@@ -39,15 +45,11 @@ pub fn free_bytes(ranges: &[(u64, u64)], floor: u64) -> u64 {
     clipped(ranges, floor).map(|(s, e)| e - s).sum()
 }
 
-/// Places `records` generation records (one, or one per vCPU that shares the pages) and a
-/// working set of `ws_bytes` in `ranges` above `floor`.
-pub fn plan(
-    ranges: &[(u64, u64)],
-    floor: u64,
-    ws_bytes: u64,
-    records: u64,
-) -> Result<Plan, PlanError> {
-    let record_bytes = records * ferry_guest_abi::layout::record_bytes(ws_bytes);
+/// Places what `f` asks for in `ranges` above `floor`: its generation records (one, or one per
+/// vCPU that shares the pages, then the disk's) in one range, and the working set.
+pub fn plan(ranges: &[(u64, u64)], floor: u64, f: Footprint) -> Result<Plan, PlanError> {
+    let ws_bytes = f.ws_bytes;
+    let record_bytes = f.record_bytes();
     let needed = record_bytes + ws_bytes;
     let free = free_bytes(ranges, floor);
     let not_enough = PlanError::NotEnoughMemory { needed, free };
@@ -57,6 +59,8 @@ pub fn plan(
     let mut plan = Plan {
         record: rs,
         pages: ws_bytes / PAGE_SIZE,
+        disk_record: rs + f.records * ferry_guest_abi::layout::record_bytes(ws_bytes),
+        records_end: rs + record_bytes,
         ..Plan::default()
     };
     let mut index = 0;
@@ -97,6 +101,14 @@ impl Plan {
         e.first_pfn + (index - e.first_index)
     }
 
+    /// First byte after everything the plan placed: the records and the working set.
+    pub fn end(&self) -> u64 {
+        self.extents()
+            .iter()
+            .map(|e| (e.first_pfn + e.pages) * PAGE_SIZE)
+            .fold(self.records_end, u64::max)
+    }
+
     pub fn extents(&self) -> &[Extent] {
         &self.extents[..self.extent_count]
     }
@@ -118,6 +130,8 @@ impl Plan {
         let mut share = Plan {
             record: self.record + lo * ferry_guest_abi::layout::RECORD_ENTRY_BYTES,
             pages: hi - lo,
+            disk_record: self.disk_record,
+            records_end: self.records_end,
             ..Plan::default()
         };
         for e in self.extents() {
@@ -150,10 +164,19 @@ mod tests {
     const MB: u64 = 1 << 20;
     const GB: u64 = 1 << 30;
 
+    /// The footprint of a working set of `ws_bytes` with `records` records and no disk.
+    fn ws(ws_bytes: u64, records: u64) -> Footprint {
+        Footprint {
+            ws_bytes,
+            records,
+            disk_bytes: 0,
+        }
+    }
+
     #[test]
     fn small_guest_gets_one_extent_after_the_record() {
         let ranges = [(0, 0x9fc00), (MB, 64 * MB)];
-        let p = plan(&ranges, 3 * MB, 16 * MB, 1).unwrap();
+        let p = plan(&ranges, 3 * MB, ws(16 * MB, 1)).unwrap();
         assert_eq!(p.record, 3 * MB);
         assert_eq!(
             p.extents(),
@@ -169,8 +192,9 @@ mod tests {
     #[test]
     fn working_set_continues_above_the_hole() {
         let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
-        let p = plan(&ranges, 2 * MB, 4 * GB, 1).unwrap();
+        let p = plan(&ranges, 2 * MB, ws(4 * GB, 1)).unwrap();
         assert_eq!(p.extent_count, 2);
+        assert_eq!(p.end(), 4 * GB + p.extents[1].pages * PAGE_SIZE);
         let low = p.extents[0].pages;
         assert_eq!(p.pfn(low - 1), p.extents[0].first_pfn + low - 1);
         assert_eq!(p.pfn(low), 4 * GB / PAGE_SIZE);
@@ -181,7 +205,7 @@ mod tests {
     fn too_big_a_working_set_is_refused_with_the_numbers() {
         let ranges = [(MB, 64 * MB)];
         assert_eq!(
-            plan(&ranges, 2 * MB, 256 * MB, 1),
+            plan(&ranges, 2 * MB, ws(256 * MB, 1)),
             Err(PlanError::NotEnoughMemory {
                 needed: 256 * MB + 256 * 1024,
                 free: 62 * MB
@@ -202,7 +226,7 @@ mod tests {
     #[test]
     fn shares_split_the_working_set_without_overlap_and_keep_their_records() {
         let ranges = [(MB, 3 * GB), (4 * GB, 6 * GB)];
-        let p = plan(&ranges, 2 * MB, 4 * GB, 1).unwrap();
+        let p = plan(&ranges, 2 * MB, ws(4 * GB, 1)).unwrap();
         let n = 7;
         let mut next_index = 0;
         for k in 0..n {
@@ -229,10 +253,33 @@ mod tests {
     #[test]
     fn records_for_shared_pages_come_one_after_another_before_the_working_set() {
         let ranges = [(MB, 64 * MB)];
-        let p = plan(&ranges, 2 * MB, 16 * MB, 4).unwrap();
+        let p = plan(&ranges, 2 * MB, ws(16 * MB, 4)).unwrap();
         assert_eq!(p.extents[0].first_pfn * PAGE_SIZE, 2 * MB + 4 * 16 * 1024);
         assert_eq!(p.lane(3).record, 2 * MB + 3 * 16 * 1024);
         assert_eq!((p.lane(3).pages, p.lane(3).extents), (p.pages, p.extents));
+    }
+
+    #[test]
+    fn the_disk_record_follows_the_working_sets_records() {
+        let ranges = [(MB, 64 * MB)];
+        let f = Footprint {
+            disk_bytes: 2 * GB,
+            ..ws(16 * MB, 2)
+        };
+        let p = plan(&ranges, 2 * MB, f).unwrap();
+        assert_eq!(p.disk_record, 2 * MB + 2 * 16 * 1024);
+        assert_eq!(p.records_end, p.disk_record + 2 * MB);
+        assert_eq!(p.extents[0].first_pfn * PAGE_SIZE, p.records_end);
+        assert_eq!(p.end(), p.records_end + 16 * MB);
+        assert_eq!(p.share(1, 2).disk_record, p.disk_record);
+        let huge = Footprint {
+            disk_bytes: 64 * GB,
+            ..f
+        };
+        assert!(matches!(
+            plan(&ranges, 2 * MB, huge),
+            Err(PlanError::NotEnoughMemory { .. })
+        ));
     }
 
     #[test]
@@ -241,6 +288,9 @@ mod tests {
             let s = (i as u64 + 1) * 16 * MB;
             (s, s + 8 * MB)
         });
-        assert_eq!(plan(&ranges, 0, 40 * MB, 1), Err(PlanError::TooFragmented));
+        assert_eq!(
+            plan(&ranges, 0, ws(40 * MB, 1)),
+            Err(PlanError::TooFragmented)
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! The write rate the guest prints on its serial line, in the unit `rate=` is given in: MB/s
-//! (10^6 bytes) of whole pages, so `rate=150` reads back as about `150.0 MB/s`.
+//! (10^6 bytes) of whole pages, so `rate=150` reads back as about `150.0 MB/s`; and the rate
+//! asked for, as the command line gave it.
 
 use ferry_guest_abi::PAGE_SIZE;
+use ferry_guest_abi::params::Rate;
 
 /// `pages` written over `ns` nanoseconds, shown as `123.4 MB/s`; `0.0 MB/s` over no time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +29,20 @@ impl core::fmt::Display for WriteRate {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         let tenths = self.tenths_of_mb_per_s();
         write!(f, "{}.{} MB/s", tenths / 10, tenths % 10)
+    }
+}
+
+/// A `rate=` or `disk-rate=` as the guest prints it: `flat out`, `idle` or `N MB/s`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateText(pub Rate);
+
+impl core::fmt::Display for RateText {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self.0 {
+            Rate::FlatOut => f.write_str("flat out"),
+            Rate::Idle => f.write_str("idle"),
+            Rate::MegabytesPerSecond(r) => write!(f, "{r} MB/s"),
+        }
     }
 }
 
@@ -61,6 +77,16 @@ mod tests {
                 "{pages} pages in {ns} ns"
             );
         }
+    }
+
+    #[test]
+    fn rates_print_as_the_command_line_gives_them() {
+        assert_eq!(RateText(Rate::FlatOut).to_string(), "flat out");
+        assert_eq!(RateText(Rate::Idle).to_string(), "idle");
+        assert_eq!(
+            RateText(Rate::MegabytesPerSecond(10)).to_string(),
+            "10 MB/s"
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::io::Cursor;
 
-use ferry_guest_abi::layout::{LOW_RAM_END, default_working_set, required_bytes};
+use ferry_guest_abi::layout::{Footprint, LOW_RAM_END, default_working_set, required_bytes};
 use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE, params};
 use linux_loader::cmdline::Cmdline;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
@@ -47,7 +47,7 @@ pub enum BootError {
         #[source]
         source: linux_loader::loader::Error,
     },
-    #[error("--memory {memory}M is too small for this guest: its working set of {ws}M needs {needed}M of RAM above the guest image but only {free}M is free; raise --memory to at least {suggest}M or lower ws=", memory = memory >> 20, ws = ws >> 20, needed = needed.div_ceil(1 << 20), free = free >> 20, suggest = suggest >> 20)]
+    #[error("--memory {memory}M is too small for this guest: its working set of {ws}M needs {needed}M of RAM above the guest image (with the generation records of it and of disk=) but only {free}M is free; raise --memory to at least {suggest}M or lower ws=", memory = memory >> 20, ws = ws >> 20, needed = needed.div_ceil(1 << 20), free = free >> 20, suggest = suggest >> 20)]
     MemoryTooSmall {
         memory: u64,
         ws: u64,
@@ -83,7 +83,8 @@ pub fn memory_map(ram: &GuestRam) -> Vec<(u64, u64)> {
 }
 
 /// Checks that a built-in guest command line parses and its working set fits in `ram` above
-/// an image that ends at `image_end`.
+/// an image that ends at `image_end`, with its generation records: the working set's and the
+/// disk's (`disk=`, a `u32` per 4 KiB block).
 pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(), BootError> {
     let p = params::parse(cmdline).map_err(|e| BootError::Cmdline(e.to_string()))?;
     let map = memory_map(ram);
@@ -95,7 +96,7 @@ pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(
             e.saturating_sub(s) / PAGE_SIZE * PAGE_SIZE
         })
         .sum();
-    let tables = required_bytes(0, 0, ram_top);
+    let tables = required_bytes(Footprint::default(), ram_top);
     let ws = p
         .working_set
         .unwrap_or(default_working_set(free.saturating_sub(tables)));
@@ -107,7 +108,7 @@ pub fn check_workload(cmdline: &str, ram: &GuestRam, image_end: u64) -> Result<(
             p.vcpus
         )));
     }
-    let needed = required_bytes(ws, p.records(), ram_top);
+    let needed = required_bytes(Footprint::of(&p, ws), ram_top);
     if p.free > 0 && needed.saturating_add(p.free) > free {
         return Err(BootError::Cmdline(format!(
             "free={}M is more than this guest has left to free: {}M of RAM above its image, {}M of it for its working set and tables; lower free= or raise --memory to at least {}M",
@@ -237,5 +238,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("pattern"), "{err}");
+    }
+
+    #[test]
+    fn a_disk_record_that_does_not_fit_is_refused_before_boot() {
+        let ram = GuestRam::new(64 << 20).unwrap();
+        check_workload("ws=32M disk=2G", &ram, 2 << 20).unwrap();
+        // 64 GiB of disk is a 64 MiB record: more than the guest has beside its working set.
+        let err = check_workload("ws=32M disk=64G", &ram, 2 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("too small") && err.contains("disk="), "{err}");
     }
 }

@@ -1,5 +1,6 @@
 //! The built-in guest on real KVM: it boots, heartbeats, dirties and verifies its working set,
-//! and its verify pass catches a page corrupted from the host.
+//! and its verify pass catches a page corrupted from the host; a disk workload on a VM without
+//! a disk halts it with the reason.
 
 mod common;
 
@@ -133,6 +134,23 @@ fn run_ms_halts_the_guest() {
         "{}",
         t.serial_log()
     );
+}
+
+#[test]
+fn a_disk_workload_without_a_disk_halts_and_says_why() {
+    // The test VM has no virtio-blk device: disk= cannot run, and the guest says so rather
+    // than writing memory alone as if all were well.
+    let t = boot(128 * MIB, "ws=8M disk=64M log-ms=0");
+    let reason = t.vm.handle().wait_stopped(Some(Duration::from_secs(60)));
+    let why = ferry_guest_abi::report::HaltReason::DiskTooSmall.describe();
+    assert_eq!(
+        reason,
+        Some(StopReason::GuestHalted(why.into())),
+        "{}",
+        t.serial_log()
+    );
+    t.wait_for_serial("the VM has no virtio-blk disk", Duration::from_secs(10));
+    assert_eq!(t.vm.handle().telemetry().disk, None, "no disk report");
 }
 
 #[test]

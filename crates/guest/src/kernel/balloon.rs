@@ -19,7 +19,9 @@ use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use ferry_guest::pool::{BLOCK_PAGES, Pool, State};
 use ferry_guest_abi::PAGE_SIZE;
 use ferry_guest_abi::params::{FREE_BLOCK, MmioDevice};
-use ferry_guest_abi::virtio::{self, balloon, mmio, status};
+use ferry_guest_abi::virtio::{self, balloon};
+
+use super::virtio_mmio::{Transport, VERSION_1};
 
 /// Descriptors per queue: a notification per 63 hints, ~50 for 6 GiB of free memory.
 const QUEUE_SIZE: usize = 64;
@@ -117,7 +119,7 @@ pub struct BalloonCounters {
 }
 
 pub struct Balloon {
-    base: u64,
+    t: Transport,
     queues: [Queue; 3],
     last_cmd: u32,
     /// The id of the round being answered, until its blocks ran out or the device stopped it.
@@ -134,11 +136,11 @@ fn mem(q: usize) -> *mut QueueMem {
 }
 
 impl Balloon {
-    /// Finds and initialises the balloon at `dev` (as the command line announced it); `None`,
-    /// with the reason on the serial port, when it is not a balloon or refuses the features.
+    /// Initialises the balloon at `dev` (found by its device ID); `None`, with the reason on
+    /// the serial port, when it refuses the features or the queues.
     pub fn start(dev: MmioDevice, batch: u32) -> Option<Balloon> {
         let mut b = Balloon {
-            base: dev.addr,
+            t: Transport::new(dev),
             queues: [Queue::new(), Queue::new(), Queue::new()],
             last_cmd: balloon::CMD_ID_STOP,
             round: None,
@@ -148,72 +150,24 @@ impl Balloon {
             },
             counters: BalloonCounters::default(),
         };
-        if b.read(mmio::MAGIC_VALUE) != mmio::MAGIC
-            || b.read(mmio::VERSION) != 2
-            || b.read(mmio::DEVICE_ID) != balloon::DEVICE_ID
-        {
+        let hint = 1 << balloon::F_FREE_PAGE_HINT;
+        let set_up = b.t.negotiate(VERSION_1 | hint, 0).and_then(|_| {
+            [INFLATE, DEFLATE, FREE_PAGE].into_iter().try_for_each(|q| {
+                let base = mem(q) as u64;
+                b.t.setup_queue(q as u32, QUEUE_SIZE as u32, base, base + 1024, base + 2048)
+            })
+        });
+        if let Err(why) = set_up {
             crate::sprintln!(
-                "ferry-guest: no virtio-mmio balloon at {:#x}: free page hinting is off",
+                "ferry-guest: the balloon at {:#x} is not used, free page hinting is off: {why}",
                 dev.addr
             );
             return None;
         }
-        // Reset, and wait until the device says it is done (virtio 1.2, 4.2.3.1).
-        b.write(mmio::STATUS, 0);
-        while b.read(mmio::STATUS) != 0 {
-            core::hint::spin_loop();
-        }
-        b.write(mmio::STATUS, status::ACKNOWLEDGE | status::DRIVER);
-        b.write(mmio::DEVICE_FEATURES_SEL, 0);
-        let low = b.read(mmio::DEVICE_FEATURES);
-        b.write(mmio::DEVICE_FEATURES_SEL, 1);
-        let high = b.read(mmio::DEVICE_FEATURES);
-        let hint = 1 << balloon::F_FREE_PAGE_HINT;
-        if high & (1 << (virtio::F_VERSION_1 - 32)) == 0 || low & hint == 0 {
-            crate::sprintln!(
-                "ferry-guest: the balloon offers features {high:#x}:{low:#x}, without VERSION_1 or FREE_PAGE_HINT"
-            );
-            return b.give_up();
-        }
-        b.write(mmio::DRIVER_FEATURES_SEL, 0);
-        b.write(mmio::DRIVER_FEATURES, hint);
-        b.write(mmio::DRIVER_FEATURES_SEL, 1);
-        b.write(mmio::DRIVER_FEATURES, 1 << (virtio::F_VERSION_1 - 32));
-        let s = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK;
-        b.write(mmio::STATUS, s);
-        if b.read(mmio::STATUS) & status::FEATURES_OK == 0 {
-            crate::sprintln!("ferry-guest: the balloon refused the features");
-            return b.give_up();
-        }
-        for q in [INFLATE, DEFLATE, FREE_PAGE] {
-            b.write(mmio::QUEUE_SEL, q as u32);
-            if (b.read(mmio::QUEUE_NUM_MAX) as usize) < QUEUE_SIZE {
-                crate::sprintln!("ferry-guest: balloon queue {q} holds fewer than {QUEUE_SIZE}");
-                return b.give_up();
-            }
-            let base = mem(q) as u64;
-            b.write(mmio::QUEUE_NUM, QUEUE_SIZE as u32);
-            for (reg, addr) in [
-                (mmio::QUEUE_DESC_LOW, base),
-                (mmio::QUEUE_DRIVER_LOW, base + 1024),
-                (mmio::QUEUE_DEVICE_LOW, base + 2048),
-            ] {
-                b.write(reg, addr as u32);
-                b.write(reg + 4, (addr >> 32) as u32);
-            }
-            b.write(mmio::QUEUE_READY, 1);
-        }
-        b.write(mmio::STATUS, s | status::DRIVER_OK);
+        b.t.driver_ok();
         // An id already in the config from before this boot is not a request to answer.
         b.last_cmd = b.config(balloon::CONFIG_CMD_ID);
         Some(b)
-    }
-
-    /// Tells the device the driver gave up on it (FAILED, virtio 1.2, 3.1.1).
-    fn give_up(&self) -> Option<Balloon> {
-        let s = self.read(mmio::STATUS);
-        self.write(mmio::STATUS, s | status::FAILED);
-        None
     }
 
     /// Looks at the device: answers a new hint request, frees held blocks on `DONE`, follows
@@ -305,10 +259,8 @@ impl Balloon {
             have = u64::from(pool.count(State::Ballooned));
         }
         if u64::from(self.config(balloon::CONFIG_ACTUAL)) != have * BLOCK_PAGES {
-            self.write(
-                mmio::CONFIG + balloon::CONFIG_ACTUAL,
-                (have * BLOCK_PAGES) as u32,
-            );
+            self.t
+                .set_config(balloon::CONFIG_ACTUAL, (have * BLOCK_PAGES) as u32);
         }
     }
 
@@ -379,21 +331,10 @@ impl Balloon {
     }
 
     fn notify(&mut self, q: usize) {
-        self.write(mmio::QUEUE_NOTIFY, q as u32);
+        self.t.notify(q as u32);
     }
 
     fn config(&self, offset: u64) -> u32 {
-        self.read(mmio::CONFIG + offset)
-    }
-
-    fn read(&self, reg: u64) -> u32 {
-        // SAFETY: the device's MMIO window, identity mapped by the boot page tables; each
-        // access traps to the VMM.
-        unsafe { read_volatile((self.base + reg) as *const u32) }
-    }
-
-    fn write(&self, reg: u64, value: u32) {
-        // SAFETY: as for `read`.
-        unsafe { write_volatile((self.base + reg) as *mut u32, value) }
+        self.t.config(offset)
     }
 }

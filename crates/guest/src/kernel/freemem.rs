@@ -10,7 +10,7 @@ use core::ptr::addr_of_mut;
 
 use ferry_guest::pool::{self, BLOCK_PAGES, Pool, State};
 use ferry_guest_abi::layout::MAX_EXTENTS;
-use ferry_guest_abi::params::{FREE_BLOCK, Params};
+use ferry_guest_abi::params::{FREE_BLOCK, MmioDevice, Params};
 use ferry_guest_abi::report;
 use ferry_guest_abi::stamp::{expected_word, fill_word, next_generation};
 
@@ -33,6 +33,22 @@ pub enum FreeMemError {
     NoRoom,
 }
 
+impl FreeMemError {
+    /// Says on the serial port what went wrong and what to change.
+    pub fn explain(&self, p: &Params) {
+        match self {
+            FreeMemError::TooMuch => crate::sprintln!(
+                "ferry-guest: free= is more than the {} GiB the guest tracks; lower it",
+                (MAX_BLOCKS as u64 * FREE_BLOCK) >> 30
+            ),
+            FreeMemError::NoRoom => crate::sprintln!(
+                "ferry-guest: free={} MiB does not fit beside the working set; give the VM more memory or lower free= or ws=",
+                p.free >> 20
+            ),
+        }
+    }
+}
+
 pub struct FreeMemory {
     pub pool: Pool<'static>,
     pub balloon: Option<Balloon>,
@@ -49,10 +65,12 @@ pub struct FreeMemory {
 
 impl FreeMemory {
     /// Places `p.free` bytes of blocks after `after` in `ranges`, fills them with data and
-    /// frees them, and starts the balloon driver if the command line names a device. The
-    /// churn's clock starts at `clock()` once the fill is done, so the fill is no backlog.
+    /// frees them, and starts the balloon driver if the VM has a balloon (`balloon`, found by
+    /// its device ID). The churn's clock starts at `clock()` once the fill is done, so the
+    /// fill is no backlog.
     pub fn new(
         p: &Params,
+        balloon: Option<MmioDevice>,
         ranges: &[(u64, u64)],
         after: u64,
         clock: impl Fn() -> u64,
@@ -75,7 +93,7 @@ impl FreeMemory {
         }
         Ok(FreeMemory {
             pool,
-            balloon: p.balloon.and_then(|dev| Balloon::start(dev, p.hint_batch)),
+            balloon: balloon.and_then(|dev| Balloon::start(dev, p.hint_batch)),
             live: [(0, 0); LIVE],
             live_count: 0,
             live_first: 0,
@@ -85,6 +103,19 @@ impl FreeMemory {
             churned: 0,
             bad_pages: 0,
         })
+    }
+
+    /// Says on the serial port what was set up.
+    pub fn announced(self, p: &Params) -> FreeMemory {
+        crate::sprintln!(
+            "ferry-guest: {} MiB filled and freed in 2 MiB blocks{}",
+            p.free >> 20,
+            match self.balloon {
+                Some(_) => ", hinted through the balloon when asked",
+                None => "",
+            }
+        );
+        self
     }
 
     /// Looks at the balloon (every heartbeat).

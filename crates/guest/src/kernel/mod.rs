@@ -1,14 +1,17 @@
 //! The guest kernel: CPL0 setup in assembly (`entry`), then at CPL3 the boot (`boot`), the
-//! workload (`workload`, or `compute` on a computing vCPU) and exception reporting (`exception`), with
-//! their leaf modules for instructions, memory, the clock, the UART, telemetry and the VM
-//! generation ID.
+//! workload (`workload`, or `compute` on a computing vCPU; `disk` beside it on the boot vCPU)
+//! and exception reporting (`exception`), with their leaf modules for instructions, memory,
+//! the clock, the UART, telemetry, the VM generation ID and the virtio devices (`virtio_mmio`,
+//! `balloon`, `blk`).
 
 pub mod arch;
 pub mod balloon;
+pub mod blk;
 pub mod boot;
 pub mod boot_info;
 pub mod clock;
 pub mod compute;
+pub mod disk;
 pub mod entry;
 pub mod exception;
 pub mod freemem;
@@ -18,5 +21,6 @@ pub mod serial;
 pub mod smp;
 pub mod telemetry;
 pub mod timer;
+pub mod virtio_mmio;
 pub mod vmgenid;
 pub mod workload;

@@ -4,8 +4,8 @@
 use ferry_guest::pace::Pace;
 use ferry_guest::pattern::{Picker, Rng};
 use ferry_guest::plan::{self, Plan, PlanError};
-use ferry_guest::rate::WriteRate;
-use ferry_guest_abi::layout::{MAX_EXTENTS, default_working_set};
+use ferry_guest::rate::{RateText, WriteRate};
+use ferry_guest_abi::layout::{Footprint, MAX_EXTENTS, default_working_set};
 use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
 use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
 use ferry_guest_abi::stamp::{self, expected_word, next_generation};
@@ -13,10 +13,11 @@ use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
 
 use super::boot_info::BootInfo;
 use super::clock::{self, Clock};
-use super::freemem::{FreeMemError, FreeMemory};
+use super::disk::{self, Disk};
+use super::freemem::FreeMemory;
 use super::timer::Timer;
 use super::vmgenid::Watcher;
-use super::{arch, boot, memory, smp, telemetry};
+use super::{arch, boot, memory, smp, telemetry, virtio_mmio};
 use crate::sprintln;
 
 /// Pages in a batch: ~100 us of flat-out writing into memory the host has mapped, fine enough
@@ -59,7 +60,7 @@ extern "C" fn user_main(start_info: u64) -> ! {
     };
     let free = plan::free_bytes(boot.ram(), boot.floor);
     let ws = params.working_set.unwrap_or(default_working_set(free));
-    let plan = match plan::plan(boot.ram(), boot.floor, ws, params.records()) {
+    let plan = match plan::plan(boot.ram(), boot.floor, Footprint::of(&params, ws)) {
         Ok(p) => p,
         Err(e) => {
             match e {
@@ -77,54 +78,30 @@ extern "C" fn user_main(start_info: u64) -> ! {
         }
     };
     announce(boot, &params, &plan, &clock);
-    let free = match params.free > 0 || params.balloon.is_some() {
+    let found = virtio_mmio::identify(&params);
+    let free = match params.free > 0 || found.balloon.is_some() {
         false => None,
         true => {
-            let after = plan
-                .extents()
-                .iter()
-                .map(|e| (e.first_pfn + e.pages) * PAGE_SIZE)
-                .chain([plan.record
-                    + params.records()
-                        * ferry_guest_abi::layout::record_bytes(plan.pages * PAGE_SIZE)])
-                .max()
-                .unwrap_or(boot.floor);
-            match FreeMemory::new(&params, boot.ram(), after, || clock.now_ns()) {
-                Ok(f) => {
-                    sprintln!(
-                        "ferry-guest: {} MiB filled and freed in 2 MiB blocks{}",
-                        params.free >> 20,
-                        match f.balloon {
-                            Some(_) => ", hinted through the balloon when asked",
-                            None => "",
-                        }
-                    );
-                    Some(f)
-                }
+            let after = plan.end().max(boot.floor);
+            match FreeMemory::new(&params, found.balloon, boot.ram(), after, || clock.now_ns()) {
+                Ok(f) => Some(f.announced(&params)),
                 Err(e) => {
-                    match e {
-                        FreeMemError::TooMuch => sprintln!(
-                            "ferry-guest: free= is more than the {} GiB the guest tracks; lower it",
-                            (super::freemem::MAX_BLOCKS as u64
-                                * ferry_guest_abi::params::FREE_BLOCK)
-                                >> 30
-                        ),
-                        FreeMemError::NoRoom => sprintln!(
-                            "ferry-guest: free={} MiB does not fit beside the working set; give the VM more memory or lower free= or ws=",
-                            params.free >> 20
-                        ),
-                    }
+                    e.explain(&params);
                     halt_with(HaltReason::NotEnoughMemory, &Counters::default(), &clock);
                 }
             }
         }
+    };
+    let disk = match disk::start(&params, found.blk, plan.disk_record, &clock) {
+        Ok(disk) => disk,
+        Err(reason) => halt_with(reason, &Counters::default(), &clock),
     };
     smp::start_all(smp::Setup {
         params,
         plan,
         clock,
     });
-    Workload::new(params, vcpu_plan(&params, &plan, 0), clock, free).run()
+    Workload::new(params, vcpu_plan(&params, &plan, 0), clock, free, disk).run()
 }
 
 /// What vCPU `k` writes: its share of the pages (among the vCPUs that write), or with
@@ -146,7 +123,7 @@ extern "C" fn ap_main(vcpu: u64) -> ! {
         super::compute::run(&setup.params, clock);
     }
     let plan = vcpu_plan(&setup.params, &setup.plan, vcpu);
-    Workload::new(setup.params, plan, clock, None).run()
+    Workload::new(setup.params, plan, clock, None, None).run()
 }
 
 /// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
@@ -209,19 +186,6 @@ fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
         clock.source(),
         p.vcpus
     );
-}
-
-/// `flat out` or `N MB/s`.
-struct RateText(Rate);
-
-impl core::fmt::Display for RateText {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        match self.0 {
-            Rate::FlatOut => f.write_str("flat out"),
-            Rate::Idle => f.write_str("idle"),
-            Rate::MegabytesPerSecond(r) => write!(f, "{r} MB/s"),
-        }
-    }
 }
 
 /// Cumulative counts, as every report carries them.
@@ -287,6 +251,8 @@ struct Workload {
     free: Option<FreeMemory>,
     /// The VM generation ID, looked at every heartbeat; the boot vCPU's only.
     vmgenid: Option<Watcher>,
+    /// The disk workload (`disk=`); the boot vCPU's only.
+    disk: Option<Disk>,
     /// The clock's last reading: it must never go back, across a migration least of all.
     last_now: u64,
     /// When the next heartbeat is due (also looked at inside a verify pass, so that a pass
@@ -297,7 +263,13 @@ struct Workload {
 }
 
 impl Workload {
-    fn new(p: Params, plan: Plan, clock: Clock, free: Option<FreeMemory>) -> Workload {
+    fn new(
+        p: Params,
+        plan: Plan,
+        clock: Clock,
+        free: Option<FreeMemory>,
+        disk: Option<Disk>,
+    ) -> Workload {
         // SAFETY: the plan puts the record in RAM of its own, apart from the working set.
         let record = unsafe { memory::record(plan.record, plan.pages) };
         let pace = match p.rate {
@@ -333,6 +305,7 @@ impl Workload {
             slow_batch_ns: 0,
             owed: 0,
             free,
+            disk,
             // The boot vCPU's first look, reported after its Boot and Layout reports.
             vmgenid: (clock.vcpu() == 0).then(|| Watcher::boot(&clock)),
         }
@@ -438,18 +411,20 @@ impl Workload {
                     ns: now - t0,
                 };
                 sprintln!(
-                    "ferry-guest: t={}.{:03}s written={} pages ({rate}) verify passes={} failures={}",
+                    "ferry-guest: t={}.{:03}s written={} pages ({rate}) verify passes={} failures={}{}",
                     now / 1_000_000_000,
                     now / MS % 1000,
                     self.counters.pages_written,
                     self.counters.verify_passes,
-                    self.counters.verify_failures
+                    self.counters.verify_failures,
+                    disk::LogText(self.disk.as_ref())
                 );
                 last_log = (now, self.counters.pages_written);
                 next_log = now + every(self.p.log_ms);
             }
             if self.p.verify_ms != 0 && now >= next_verify {
                 self.verify();
+                self.verify_disk();
                 let done = self.clock.now_ns();
                 next_verify = done + every(self.p.verify_ms);
                 if let Some(pace) = &mut self.pace {
@@ -465,6 +440,9 @@ impl Workload {
                         "ferry-guest: VERIFY FAILED: {bad} page(s) of a churned block lost their content"
                     );
                 }
+            }
+            if let Some(disk) = &mut self.disk {
+                disk.work(&self.clock, self.next_heartbeat);
             }
             if self.p.run_ms != 0 && now >= every(self.p.run_ms) {
                 self.stop_for_good();
@@ -495,6 +473,9 @@ impl Workload {
                     }
                     None => self.next_heartbeat,
                 };
+                if let Some(disk) = &self.disk {
+                    wake = wake.min(disk.due_ns(now));
+                }
                 for (interval, at) in [
                     (self.p.log_ms, next_log),
                     (self.p.verify_ms, next_verify),
@@ -524,7 +505,11 @@ impl Workload {
 
     /// `run-ms` elapsed: a secondary vCPU parks for good; the boot vCPU waits (briefly) for
     /// them and halts the machine, so every vCPU's last counts were reported.
-    fn stop_for_good(&self) -> ! {
+    fn stop_for_good(&mut self) -> ! {
+        if let Some(disk) = &mut self.disk {
+            disk.flush(self.clock.now_ns());
+        }
+        self.send_disk();
         let hb = self
             .counters
             .report(Kind::Heartbeat, &self.clock, [0; report::DETAIL_WORDS]);
@@ -609,10 +594,33 @@ impl Workload {
         }
         let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
         telemetry::send(&hb);
+        self.send_disk();
         if let Some(vmgenid) = &mut self.vmgenid {
             vmgenid.look(&self.clock);
         }
         self.next_heartbeat = now + u64::from(self.p.heartbeat_ms) * MS;
+    }
+
+    /// The disk workload's report, after each heartbeat.
+    fn send_disk(&self) {
+        if let Some(disk) = &self.disk {
+            let detail = disk.counters().to_detail();
+            telemetry::send(&self.counters.report(Kind::Disk, &self.clock, detail));
+        }
+    }
+
+    /// The disk's share of a verify pass: its sweep goes on for [`disk::VERIFY_NS`] at most
+    /// (or to the end of the disk), with heartbeats in between.
+    fn verify_disk(&mut self) {
+        let end = self.clock.now_ns() + disk::VERIFY_NS;
+        while let Some(disk) = &mut self.disk {
+            let swept = disk.verify(&self.clock, self.next_heartbeat.min(end));
+            let now = self.clock.now_ns();
+            if swept || now >= end {
+                break;
+            }
+            self.heartbeat(now);
+        }
     }
 
     fn verify(&mut self) {

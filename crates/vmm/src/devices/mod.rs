@@ -16,6 +16,7 @@ mod registry;
 pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod telemetry;
+pub mod telemetry_disk;
 pub mod telemetry_port;
 pub mod virtio;
 pub mod vmgenid;

@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 
 use super::device::DeviceStateError;
+use super::telemetry_disk::GuestDisk;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
 use ferry_guest_abi::vmgenid::GenerationId;
@@ -213,6 +214,8 @@ pub struct GuestTelemetry {
     pub first_failed_verify: Option<VerifyResult>,
     /// Free memory and the balloon, when the guest has them (`free=`, a balloon).
     pub free_memory: Option<GuestFreeMemory>,
+    /// The disk workload's counters (`disk=`), from its latest report, when it runs.
+    pub disk: Option<GuestDisk>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
     /// The VM generation ID the guest last reported reading (32 hex digits, all `f` for a VM
@@ -357,6 +360,7 @@ impl GuestTelemetry {
                     self.free_memory = Some(free);
                 }
             }
+            Kind::Disk => self.disk = Some(GuestDisk::from_detail(d)),
             Kind::Work => {
                 v.heartbeats += 1;
                 v.work_units = v.work_units.max(d[report::work::UNITS]);

@@ -185,6 +185,36 @@ mod tests {
     }
 
     #[test]
+    fn a_disk_report_through_the_port_shows_on_the_telemetry() {
+        use ferry_guest_abi::report::DiskCounters;
+        let mut port = port(Layout::Current);
+        assert_eq!(
+            port.telemetry.lock().unwrap().disk,
+            None,
+            "no disk workload"
+        );
+        let counters = DiskCounters {
+            blocks_written: 10,
+            blocks: 256,
+            ..DiskCounters::default()
+        };
+        let r = Report {
+            kind: Kind::Disk as u16,
+            detail: counters.to_detail(),
+            ..Report::default()
+        };
+        port.ram
+            .write(u64::from(REPORT_GPA), &r.to_bytes())
+            .unwrap();
+        port.write(0, &REPORT_GPA.to_le_bytes());
+        let disk = port.telemetry.lock().unwrap().disk.unwrap();
+        assert_eq!(
+            (disk.blocks_written, disk.blocks, disk.first_bad_block),
+            (10, 256, None)
+        );
+    }
+
+    #[test]
     fn the_next_layout_loads_todays_and_today_refuses_the_next() {
         let mut old = port(Layout::Current);
         report(&mut old, 100);
