@@ -126,6 +126,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        disk: None,
         dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,

@@ -228,6 +228,13 @@ pub struct MigrateArgs {
     /// without a balloon, or a guest without its driver, sends every page.
     #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     free_page_hints: OnOff,
+    /// Copy the VM's disk to the destination beside RAM, for a disk no host shares: its
+    /// allocated ranges go while the guest runs, then what it wrote since, and the rest in
+    /// the pause. Start the destination with --disk and a new (missing or empty) file; it
+    /// becomes the image only when the migration completes. Without it the destination opens
+    /// the same image (shared storage).
+    #[arg(long)]
+    disk_copy: bool,
     /// What the CRC32C checksums cover: device state, control records, record headers and page
     /// addresses always (`state`); `pages` checksums page data too, at a cost `ferry bench
     /// channels` measures.
@@ -365,6 +372,7 @@ pub fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         zero_detection: args.zero_detection.into(),
         mode: mode(args),
         free_page_hints: args.free_page_hints == OnOff::On,
+        disk_copy: args.disk_copy,
         peer_timeout_ms: args.peer_timeout.as_millis() as u64,
         compression: args.compression,
         checksum: match args.checksum {

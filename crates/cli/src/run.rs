@@ -102,6 +102,13 @@ pub struct RunArgs {
     /// reporting. On by default; a destination must match its source.
     #[arg(long, value_enum, default_value = "on", value_name = "on|off")]
     pub balloon: crate::migrate::OnOff,
+    /// A virtio-blk disk (virtio-mmio) over a raw image file: PATH[,readonly][,cache=none|writeback].
+    /// The file must exist (`truncate -s 8G disk.img` makes a sparse one); `cache=none` opens
+    /// it with O_DIRECT, bypassing the host's page cache (writeback, the default, uses it).
+    /// A migration's destination names the same image (shared storage) and opens it only when
+    /// the guest's state arrives, after the source flushed it and stopped writing.
+    #[arg(long, value_name = "PATH[,readonly][,cache=none|writeback]")]
+    pub disk: Option<ferry_vmm::DiskOptions>,
     /// Track the pages a migration must send again with KVM's dirty ring, N entries per vCPU
     /// (a power of two, 256 to 65536), instead of the memory slots' dirty bitmaps: a sync
     /// reads what was dirtied rather than every logged slot's bitmap, and it knows which vCPU
@@ -398,6 +405,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         guest,
         serial,
         balloon: args.balloon == crate::migrate::OnOff::On,
+        disk: args.disk.clone(),
         dirty_ring: args.dirty_ring,
         host_pages: if args.hugepages {
             HostPages::Huge2M

@@ -36,4 +36,6 @@ pub enum VmmError {
     State(#[from] crate::kvm::state::StateError),
     #[error(transparent)]
     GenerationId(#[from] crate::devices::vmgenid::EntropyError),
+    #[error(transparent)]
+    Disk(#[from] crate::devices::virtio::blk::BlockError),
 }

@@ -36,6 +36,7 @@ pub mod api;
 pub mod boot;
 pub mod devices;
 pub mod dirty_limit;
+pub mod disk_copy;
 pub mod error;
 pub mod file_size_limit;
 pub mod hugepages;
@@ -58,6 +59,7 @@ pub mod vmconfig;
 pub mod writes;
 
 pub use devices::serial::SerialOutput;
+pub use devices::virtio::blk::{Cache, DiskOptions};
 pub use error::VmmError;
 pub use migration::MigrationRequest;
 pub use vm::{

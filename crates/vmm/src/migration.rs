@@ -45,6 +45,8 @@ pub enum StartError {
         "a migration of this VM is already running; cancel it first (ferry cancel, or PUT /migration/cancel)"
     )]
     AlreadyRunning,
+    #[error("disk_copy asks to copy the VM's disk, and this VM has none; leave it out")]
+    NoDiskToCopy,
     #[error("the VM is {0:?}; only a running VM can be migrated")]
     NotRunning(RunState),
     #[error(
@@ -110,6 +112,9 @@ impl VmHandle {
     pub fn start_migration(&self, req: MigrationRequest) -> Result<Arc<Control>, StartError> {
         let mut slot = self.migration_slot()?;
         let params = req.source_params(migration_uuid())?;
+        if req.disk_copy && self.0.disk.is_none() {
+            return Err(StartError::NoDiskToCopy);
+        }
         let tls = req.source_tls()?;
         let dialer = address_of(&req.to)
             .and_then(|a| Ok(Dialer::new(a, tls.clone())?))
@@ -123,6 +128,9 @@ impl VmHandle {
             .ending_read
             .store(false, std::sync::atomic::Ordering::Release);
         let mut adapter = self.migration_source();
+        if req.disk_copy {
+            adapter.disk_copy = DiskCopy::Asked;
+        }
         let thread_control = control.clone();
         std::thread::Builder::new()
             .name("migration".into())
@@ -404,6 +412,19 @@ pub struct SourceAdapter {
     /// Holds a discard ban (`vm/holds.rs`) from its dirty log's start to its stop (or its
     /// drop, should the migration's thread end without the stop).
     holds_ban: bool,
+    /// A disk no host shares, copied as iterative state (`--disk-copy`).
+    disk_copy: DiskCopy,
+}
+
+/// Where a migration's copy of the disk is.
+#[derive(Debug, Default)]
+enum DiskCopy {
+    /// Shared storage: no block is sent.
+    #[default]
+    Off,
+    /// Asked for; starts when the destination agrees to take iterative state.
+    Asked,
+    Running(crate::disk_copy::SourceCopy),
 }
 
 impl Drop for SourceAdapter {
@@ -422,6 +443,7 @@ impl VmHandle {
             shared: self.0.clone(),
             handle: self.clone(),
             holds_ban: false,
+            disk_copy: DiskCopy::Off,
         }
     }
 }
@@ -509,7 +531,11 @@ unsafe impl SourceVm for SourceAdapter {
         self.shared.vcpu_dirty()
     }
 
+    /// Flushes the disk first: the image is whole before the destination may open it.
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
+        self.shared
+            .flush_disk()
+            .map_err(|e| VmError::failed("save_state", e))?;
         let (sections, parts) =
             sections::save(&self.shared).map_err(|e| VmError::failed("save_state", e))?;
         *self.shared.state_parts.lock().unwrap() = parts;
@@ -518,6 +544,40 @@ unsafe impl SourceVm for SourceAdapter {
 
     fn state_parts(&self) -> Vec<ferry_migrate::StatePart> {
         self.shared.state_parts.lock().unwrap().clone()
+    }
+
+    /// The disk's copy, when asked for (`vm/disk.rs`).
+    fn start_state_iteration(&mut self) -> Result<u64, VmError> {
+        if matches!(self.disk_copy, DiskCopy::Off) {
+            return Err(VmError::Unsupported {
+                operation: "iterative device state (no disk copy was asked for)",
+            });
+        }
+        let copy = self.shared.start_disk_copy()?;
+        let pending = self.shared.pending_disk_bytes(&copy);
+        self.disk_copy = DiskCopy::Running(copy);
+        Ok(pending)
+    }
+
+    fn next_state_chunk(&mut self, max_bytes: usize) -> Result<Option<Section>, VmError> {
+        match &mut self.disk_copy {
+            DiskCopy::Running(copy) => self.shared.next_disk_chunk(copy, max_bytes),
+            _ => Ok(None),
+        }
+    }
+
+    fn pending_state_bytes(&self) -> Result<u64, VmError> {
+        Ok(match &self.disk_copy {
+            DiskCopy::Running(copy) => self.shared.pending_disk_bytes(copy),
+            _ => 0,
+        })
+    }
+
+    fn end_state_iteration(&mut self) {
+        if let DiskCopy::Running(copy) = std::mem::take(&mut self.disk_copy) {
+            tracing::info!("disk copy: {:?}", copy.stats);
+            self.shared.end_disk_copy();
+        }
     }
 
     /// Free page hints come from the balloon's free page queue; a VM without a balloon, or a

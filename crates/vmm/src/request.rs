@@ -39,6 +39,10 @@ pub enum RequestError {
     /// The files of `tls` could not be loaded.
     #[error(transparent)]
     Tls(#[from] TlsError),
+    #[error(
+        "disk_copy with a local handover: the destination takes the image's descriptor with RAM's, so no block is copied; leave disk_copy out"
+    )]
+    LocalDiskCopy,
     #[error("a snapshot request needs \"to\": the file to write, a path on the VMM's host")]
     NoSnapshotFile,
     #[error(
@@ -85,6 +89,9 @@ pub struct MigrationRequest {
     pub mode: MigrationMode,
     /// Ask the guest's balloon for free page hints and skip the pages it reports free.
     pub free_page_hints: bool,
+    /// Copy the VM's disk to the destination beside RAM (a disk no host shares); without it
+    /// the destination opens the same image (shared storage).
+    pub disk_copy: bool,
     /// What the checksums cover beyond state, control records and page addresses.
     pub checksum: Checksum,
     /// Compress precopy's pages: `off`, `zstd[:LEVEL]` or `auto[:LEVEL]` (compress only
@@ -230,6 +237,7 @@ impl Default for MigrationRequest {
             zero_detection: ZeroDetection::default(),
             mode: MigrationMode::Precopy,
             free_page_hints: engine.free_page_hints,
+            disk_copy: false,
             checksum: Checksum::State,
             compression: engine.compression,
             tls: None,
@@ -294,6 +302,9 @@ impl MigrationRequest {
             }
             if self.tls.is_some() || self.tls_config.is_some() {
                 return Err(ConfigError::LocalWithTls.into());
+            }
+            if self.disk_copy {
+                return Err(RequestError::LocalDiskCopy);
             }
         }
         let params = SourceParams {

@@ -13,6 +13,7 @@
 //! | 6 | a vCPU's local APIC | vCPU id |
 //! | 7 | a virtio-mmio device: transport, queues and the device (`devices::virtio`; the balloon) | 0 |
 //! | 8 | the VM generation ID (`devices::vmgenid`), optional on load | 0 |
+//! | 9 | a copied disk's blocks (`disk_copy::chunk`): iterative state, chunks sent while the guest runs, never a section of the pause | the disk's virtio-mmio instance |
 //!
 //! Invariant: the ids of [`ALL`] are distinct and none is 0 (the wire's invalid id), checked
 //! when this file compiles; `Devices::register` refuses a device whose id is not listed here as
@@ -31,6 +32,7 @@ pub const IRQCHIP: SectionId = SectionId(5);
 pub const LAPIC: SectionId = SectionId(6);
 pub const VIRTIO_MMIO: SectionId = SectionId(7);
 pub const VM_GENERATION_ID: SectionId = SectionId(8);
+pub const DISK_BLOCKS: SectionId = SectionId(9);
 
 /// Who saves and loads a section.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +41,8 @@ pub enum Owner {
     Vm,
     /// A device on a bus, registered in `Devices`.
     Device,
+    /// Iterative state: chunks the source sends while the guest runs (`disk_copy`).
+    Chunks,
 }
 
 /// One id of this VMM: the name its sections and their errors go by, and whose it is.
@@ -54,7 +58,7 @@ const fn listed(id: SectionId, name: &'static str, owner: Owner) -> Listed {
 }
 
 /// Every id of this VMM, in id order.
-pub const ALL: [Listed; 8] = [
+pub const ALL: [Listed; 9] = [
     listed(VCPU, "vCPU", Owner::Vm),
     listed(VM_CLOCK, "VM clock", Owner::Vm),
     listed(SERIAL, "serial port", Owner::Device),
@@ -63,6 +67,7 @@ pub const ALL: [Listed; 8] = [
     listed(LAPIC, "local APIC", Owner::Vm),
     listed(VIRTIO_MMIO, "virtio-mmio device", Owner::Device),
     listed(VM_GENERATION_ID, "VM generation ID", Owner::Device),
+    listed(DISK_BLOCKS, "disk blocks", Owner::Chunks),
 ];
 
 /// The first id that `table` lists twice or that is 0, if any: the check [`ALL`] passes at

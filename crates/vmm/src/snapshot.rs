@@ -259,6 +259,7 @@ mod tests {
             guest: crate::GuestKind::FerryGuest,
             serial: crate::SerialOutput::Discard,
             balloon: false,
+            disk: None,
             dirty_ring: None,
             host_pages: Default::default(),
             next_layout: false,

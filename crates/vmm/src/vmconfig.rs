@@ -1,6 +1,6 @@
 //! What a destination VM must share with its source to take its guest, checked before the
 //! migration's hello is answered (the engine's `SourceVm::config` / `DestinationVm::
-//! check_config`): the vCPU count, whether there is a balloon, the CPU features the vCPUs
+//! check_config`): the vCPU count, whether there is a balloon and a disk, the CPU features the vCPUs
 //! were given, and the state sections the source writes with their layout versions. A
 //! mismatch is refused before anything is sent, and before the source pauses, with the flag
 //! or update that fixes it; the state load would refuse it too, but only after the pause.
@@ -19,6 +19,9 @@ use crate::devices::{DeviceStateError, SectionKind, SectionNeed};
 pub struct VmDescription {
     pub vcpus: u8,
     pub balloon: bool,
+    /// Whether the VM has a disk (virtio-blk); false from a ferry older than disks.
+    #[serde(default)]
+    pub disk: bool,
     /// A digest of the CPU identity and features the vCPUs get (`kvm::vcpu::cpuid_digest`), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
@@ -84,6 +87,13 @@ impl VmDescription {
             }
             .into());
         }
+        if source.disk != self.disk {
+            return Err(match source.disk {
+                true => "the source VM has a disk and this one has none; start the destination with --disk and the image's path (the same image on shared storage)",
+                false => "the source VM has no disk and this one has; start the destination without --disk",
+            }
+            .into());
+        }
         if source.cpuid != self.cpuid {
             return Err(format!(
                 "the vCPUs' CPU features differ (CPUID digest {} on the source, {} here): migrate between hosts with the same CPU model and KVM",
@@ -132,6 +142,7 @@ mod tests {
         VmDescription {
             vcpus,
             balloon,
+            disk: false,
             cpuid: cpuid.into(),
             sections: vec![section(1, "vCPU", 1, 1), section(4, "telemetry port", 2, 2)],
         }
@@ -167,6 +178,13 @@ mod tests {
             (
                 vm(4, false, "ab"),
                 "has no balloon and this one has; start the destination with --balloon off",
+            ),
+            (
+                VmDescription {
+                    disk: true,
+                    ..vm(4, true, "ab")
+                },
+                "has a disk and this one has none; start the destination with --disk",
             ),
             (vm(4, true, "cd"), "CPUID digest cd on the source, ab here"),
             (

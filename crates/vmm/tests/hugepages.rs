@@ -26,6 +26,7 @@ fn reserve(pages: u64) -> HugePagePool {
 fn huge(cmdline: &str, serial: &std::path::Path) -> VmConfig {
     VmConfig {
         balloon: true,
+        disk: None,
         dirty_ring: None,
         host_pages: HostPages::Huge2M,
         ..config(MEMORY, cmdline, serial)

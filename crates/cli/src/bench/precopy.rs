@@ -487,6 +487,7 @@ pub(super) fn migrate_over(
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        disk: None,
         dirty_ring: s.dirty_ring,
         host_pages: s.host_pages,
         next_layout: false,

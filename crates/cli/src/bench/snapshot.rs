@@ -296,6 +296,7 @@ fn config(memory: u64, cmdline: &str) -> VmConfig {
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
+        disk: None,
         dirty_ring: None,
         host_pages: HostPages::Small,
         next_layout: false,

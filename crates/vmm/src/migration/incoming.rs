@@ -68,11 +68,13 @@ unsafe impl DestinationVm for IncomingVm {
             })
     }
 
-    /// Also draws a new VM generation ID for a clone (`Identity::Renewed`), after the state
-    /// (which carries the snapshot's) and before the guest runs.
+    /// Also opens the disk's image (the source has flushed it and stopped writing), and draws
+    /// a new VM generation ID for a clone (`Identity::Renewed`), after the state (which
+    /// carries the snapshot's) and before the guest runs.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {
         let parts =
             sections::load(&self.shared, sections).map_err(|e| VmError::failed("load_state", e))?;
+        self.shared.attach_disk()?;
         *self.shared.state_parts.lock().unwrap() = parts;
         if self.identity == crate::vm::build::Identity::Renewed {
             self.shared
@@ -83,6 +85,22 @@ unsafe impl DestinationVm for IncomingVm {
                 .map_err(|e| VmError::failed("load_state", e))?;
         }
         Ok(())
+    }
+
+    /// The chunks of a disk no host shares (`disk_copy`).
+    fn load_state_chunk(&mut self, chunk: &Section) -> Result<(), VmError> {
+        self.shared.take_disk_chunk(chunk)
+    }
+
+    /// A VM with a disk takes a copy of it; it is ready whenever the source is, the source
+    /// counting what is left of the disk as left to send.
+    fn state_ready(&self) -> Result<bool, VmError> {
+        match self.shared.disk {
+            Some(_) => Ok(true),
+            None => Err(VmError::Unsupported {
+                operation: "iterative device state (the VM has no disk)",
+            }),
+        }
     }
 
     fn resume(&mut self) -> Result<Duration, VmError> {

@@ -10,7 +10,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
+use super::config::{
+    BALLOON_GSI, BALLOON_MMIO, DISK_GSI, DISK_MMIO, GuestKind, MAX_VCPUS, VmConfig,
+};
+use super::disk::DISK_INSTANCE;
 use super::handle::VmHandle;
 use super::runner::VcpuRunner;
 use super::shared::{Control, Shared};
@@ -21,6 +24,7 @@ use crate::devices::serial::{SerialDevice, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, Layout, TelemetryPort};
 use crate::devices::virtio::balloon::Balloon;
+use crate::devices::virtio::blk::Block;
 use crate::devices::virtio::{MmioTransport, mmio};
 use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::{BusKind, Devices};
@@ -238,10 +242,17 @@ fn build(
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
     crate::file_size_limit::catch_file_size_limit()?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
-    let (devices, balloon, generation) = devices(config, &kvm_vm, &ram, &telemetry)?;
+    let arriving = incoming.is_some();
+    let Parts {
+        devices,
+        balloon,
+        disk,
+        generation,
+    } = devices(config, &kvm_vm, &ram, &telemetry, arriving)?;
     let description = VmDescription {
         vcpus: config.vcpus,
         balloon: config.balloon,
+        disk: config.disk.is_some(),
         cpuid: vcpu::cpuid_digest(&kvm_vm)?,
         sections: sections::versions(&devices),
     };
@@ -261,6 +272,9 @@ fn build(
         devices,
         holds: super::holds::RamHolds::new(balloon.clone()),
         balloon,
+        disk,
+        disk_path: config.disk.as_ref().map(|d| d.path.clone()),
+        disk_arriving: Mutex::new(None),
         generation,
         telemetry,
         ram,
@@ -282,18 +296,26 @@ fn build(
     }))
 }
 
-/// The balloon a VM built by `devices` has, if any.
-type BalloonDevice = Option<Arc<Mutex<MmioTransport<Balloon>>>>;
+/// The devices of a VM built by `devices`, and the ones migrations and the API reach directly.
+struct Parts {
+    devices: Devices,
+    balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
+    disk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    generation: Arc<Mutex<VmGenId>>,
+}
 
 /// The serial ports, the telemetry port and the VM generation ID on the port bus, and the
-/// balloon on the MMIO bus, their interrupts wired; the generation ID after the telemetry port,
-/// whose state it loads into (`devices::registry`).
+/// balloon and the disk on the MMIO bus, their interrupts wired; the generation ID after the
+/// telemetry port, whose state it loads into (`devices::registry`). An `arriving` VM (a
+/// migration's destination, a restore) opens its disk's image only when the guest's state
+/// is loaded, after the source paused and flushed it, so two VMMs never write one image.
 fn devices(
     config: &VmConfig,
     kvm_vm: &KvmVm,
     ram: &Arc<GuestRam>,
     telemetry: &Arc<Mutex<GuestTelemetry>>,
-) -> Result<(Devices, BalloonDevice, Arc<Mutex<VmGenId>>), VmmError> {
+    arriving: bool,
+) -> Result<Parts, VmmError> {
     let mut devices = Devices::default();
     for (instance, (port, gsi)) in SERIAL_PORTS.into_iter().enumerate() {
         let out = match instance {
@@ -347,7 +369,27 @@ fn devices(
             Some(balloon)
         }
     };
-    Ok((devices, balloon, generation))
+    let disk = match &config.disk {
+        None => None,
+        Some(options) => {
+            let block = match arriving {
+                false => Block::open(options)?,
+                true => Block::deferred(options),
+            };
+            let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+            irqchip::connect(&kvm_vm.vm, &line, DISK_GSI)?;
+            let disk = Arc::new(Mutex::new(MmioTransport::new(block, ram.clone(), line)));
+            let at = (BusKind::Mmio, DISK_MMIO, mmio::MMIO_SIZE);
+            devices.register("virtio-blk", DISK_INSTANCE, at, disk.clone())?;
+            Some(disk)
+        }
+    };
+    Ok(Parts {
+        devices,
+        balloon,
+        disk,
+        generation,
+    })
 }
 
 /// Spawns a thread per vCPU.
@@ -429,6 +471,7 @@ mod tests {
             guest: GuestKind::Foreign,
             serial: SerialOutput::Discard,
             balloon: true,
+            disk: None,
             dirty_ring: None,
             host_pages: Default::default(),
             next_layout,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::boot::BootError;
 use crate::devices::serial::SerialOutput;
+use crate::devices::virtio::blk::DiskOptions;
 use crate::devices::virtio::mmio;
 use crate::memory::{HostPages, MMIO_HOLE_START};
 
@@ -34,6 +35,9 @@ pub struct VmConfig {
     /// A virtio-balloon on virtio-mmio (announced on the command line): free page hinting
     /// for migrations, inflate/deflate, statistics and free page reporting.
     pub balloon: bool,
+    /// A virtio-blk disk on virtio-mmio over a raw image file (`ferry run --disk`), announced
+    /// on the command line after the balloon.
+    pub disk: Option<DiskOptions>,
     /// Track dirty pages with KVM's dirty ring of this many entries per vCPU instead of the
     /// slots' bitmaps (`ferry run --dirty-ring N`); `None`: the bitmap.
     pub dirty_ring: Option<u32>,
@@ -46,9 +50,10 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    /// The guest's command line: the user's, for ferry's guest `vcpus=`, and the balloon's
-    /// `virtio_mmio.device=` when the VM has one (later keys win, so the VM's own facts
-    /// override the user's).
+    /// The guest's command line: the user's, for ferry's guest `vcpus=`, and a
+    /// `virtio_mmio.device=` for the balloon and for the disk when the VM has them (later keys
+    /// win, so the VM's own facts override the user's; the guest keeps every device key and
+    /// tells the devices apart by their ids).
     pub fn full_cmdline(&self) -> String {
         let mut words: Vec<String> = Vec::new();
         if !self.cmdline.is_empty() {
@@ -59,6 +64,9 @@ impl VmConfig {
         }
         if self.balloon {
             words.push(mmio::cmdline_fragment(BALLOON_MMIO, BALLOON_GSI));
+        }
+        if self.disk.is_some() {
+            words.push(mmio::cmdline_fragment(DISK_MMIO, DISK_GSI));
         }
         words.join(" ")
     }
@@ -94,3 +102,7 @@ pub const MAX_VCPUS: u8 = ferry_guest_abi::smp::MAX_VCPUS as u8;
 pub const BALLOON_MMIO: u64 = MMIO_HOLE_START + 0x1000_0000;
 /// Its interrupt: the first legacy line free of the PC's devices (COM1 and COM2 take 4 and 3).
 pub const BALLOON_GSI: u32 = 5;
+/// Where the disk's registers are: the page after the balloon's.
+pub const DISK_MMIO: u64 = BALLOON_MMIO + mmio::MMIO_SIZE;
+/// Its interrupt: the next legacy line (a PC's floppy controller, which this VM has none of).
+pub const DISK_GSI: u32 = 6;

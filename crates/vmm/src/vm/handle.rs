@@ -77,6 +77,9 @@ pub struct VmStatus {
     /// from where. No migration, handover or snapshot of this VM starts meanwhile.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ram_arriving: Option<super::holds::Arrival>,
+    /// The disk, if the VM has one: whether its driver runs, and its requests counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<super::DiskStatus>,
 }
 
 impl VmHandle {
@@ -207,6 +210,11 @@ impl VmHandle {
         self.0.throttle.slept_ns()
     }
 
+    /// The disk's status, if the VM has one.
+    pub fn disk(&self) -> Option<super::DiskStatus> {
+        self.0.disk_status()
+    }
+
     pub fn telemetry(&self) -> GuestTelemetry {
         self.0.telemetry.lock().unwrap().clone()
     }
@@ -227,6 +235,7 @@ impl VmHandle {
             },
             preparing,
             ram_arriving: self.0.holds.still_arriving(),
+            disk: self.disk(),
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),

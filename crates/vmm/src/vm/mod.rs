@@ -9,6 +9,8 @@
 //! - `shared`: what every thread of a VM shares, the control state and the kicks.
 //! - `handle`: [`VmHandle`], the pause/resume/stop state machine, the throttle, status;
 //!   `handle/balloon.rs`: the balloon's status and target as `GET`/`PUT /balloon` show them.
+//! - `disk`: the disk at a migration's two ends (flushed at the source's pause, opened at the
+//!   destination's state load) and its status.
 //! - `holds`: who needs guest RAM left as it is (RAM still arriving, the balloon's discard ban),
 //!   counted.
 //! - `runner`: a vCPU thread's loop.
@@ -16,6 +18,7 @@
 
 pub mod build;
 pub mod config;
+mod disk;
 pub mod handle;
 pub mod holds;
 #[allow(unsafe_code)] // registers the vCPU's kvm_run for kicks
@@ -29,6 +32,7 @@ mod tests;
 
 pub use build::{IncomingVm, Preparation, Vm};
 pub use config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
+pub use disk::DiskStatus;
 pub use handle::balloon::{BalloonStatus, BalloonTargetError};
 pub use handle::{ControlError, PAUSE_TIMEOUT, VmHandle, VmStatus};
 pub use holds::Arrival;

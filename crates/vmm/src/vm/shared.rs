@@ -15,6 +15,7 @@ use crate::devices::Devices;
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
+use crate::devices::virtio::blk::Block;
 use crate::devices::vmgenid::VmGenId;
 use crate::dirty_limit::DirtyLimit;
 use crate::error::VmmError;
@@ -89,6 +90,13 @@ pub(crate) struct Shared {
     pub(crate) devices: Devices,
     /// The balloon (also on the MMIO bus in `devices`), for migrations and the API.
     pub(crate) balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
+    /// The disk (also on the MMIO bus in `devices`): a source flushes it before its state is
+    /// saved, a destination opens its image when the state is loaded.
+    pub(crate) disk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    /// Where the disk's image is (`--disk`), and on a destination the copy of a disk no host
+    /// shares while it arrives (`disk.rs`).
+    pub(crate) disk_path: Option<std::path::PathBuf>,
+    pub(crate) disk_arriving: Mutex<Option<crate::disk_copy::IncomingCopy>>,
     /// The VM generation ID (also on the port bus in `devices`), which a restore renews.
     pub(crate) generation: Arc<Mutex<VmGenId>>,
     /// RAM still arriving and the balloon's discard ban, counted (`holds.rs`).

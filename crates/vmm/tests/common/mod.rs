@@ -36,6 +36,7 @@ pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig 
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::File(serial.into()),
         balloon: true,
+        disk: None,
         dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,

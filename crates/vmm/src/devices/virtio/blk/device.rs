@@ -144,6 +144,27 @@ impl Block {
             .unwrap_or_default()
     }
 
+    /// How many chunks are marked as written now; 0 when not tracking.
+    pub fn dirty_count(&self) -> u64 {
+        self.dirty.as_ref().map_or(0, DirtyChunks::count)
+    }
+
+    /// A descriptor of the image of its own, for a copy that reads it while the guest runs,
+    /// and the disk's size in bytes.
+    pub fn image_for_copy(&self) -> Result<(std::fs::File, u64), BlockError> {
+        let (Some(image), Some(config)) = (&self.image, self.config) else {
+            return Err(BlockError::NotAttached {
+                path: self.options.path.clone(),
+            });
+        };
+        let file = image.try_clone().map_err(|source| BlockError::Open {
+            path: self.options.path.clone(),
+            readonly: true,
+            source,
+        })?;
+        Ok((file, config.capacity_bytes()))
+    }
+
     /// The device as one request sees it (`serve.rs`).
     fn serve(&mut self) -> Serve<'_> {
         Serve {

@@ -43,6 +43,11 @@ impl DirtyChunks {
         }
     }
 
+    /// How many chunks are marked.
+    pub fn count(&self) -> u64 {
+        self.words.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
     /// The marked chunks' indices, ascending, and clears them.
     pub fn take(&mut self) -> Vec<u64> {
         let mut out = Vec::new();

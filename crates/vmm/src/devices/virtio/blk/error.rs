@@ -77,6 +77,11 @@ pub enum BlockError {
     #[error("disk image {} is already attached; attach a deferred device once", path.display())]
     AlreadyAttached { path: PathBuf },
     #[error(
+        "disk image {} is not open yet, so it cannot be copied; a migration's destination opens its image only when the guest's state arrives",
+        path.display()
+    )]
+    NotAttached { path: PathBuf },
+    #[error(
         "cannot flush disk image {}: {source}; the guest's last writes may not be on stable storage, check the host's storage before the guest runs elsewhere",
         path.display()
     )]

@@ -169,6 +169,14 @@ impl Image {
     }
 
     /// Makes written data durable (fdatasync).
+    /// A second, read-only descriptor of the same file (reopened through `/proc/self/fd`, so
+    /// the same inode whatever became of its path, and buffered whatever the cache mode: a
+    /// copier's reads need no alignment).
+    pub(super) fn try_clone(&self) -> std::io::Result<File> {
+        use std::os::fd::AsRawFd;
+        File::open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
+
     pub(super) fn flush(&self) -> std::io::Result<()> {
         self.file.sync_data()
     }

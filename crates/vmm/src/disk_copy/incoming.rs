@@ -1,0 +1,144 @@
+//! The destination's side of a disk copy: chunks land in a file beside the image,
+//! `<image>.ferry-incoming`, which becomes the image only when the guest's state is loaded
+//! (a rename, so the image is whole or absent). A copy that ends any other way (cancelled,
+//! failed, the source gone) removes that file, and the image the user named stays as it was:
+//! absent, or empty.
+
+#![forbid(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::chunk::Chunk;
+
+/// Why a chunk could not land, or the copy could not become the image.
+#[derive(Debug, thiserror::Error)]
+pub enum IncomingError {
+    #[error(
+        "the destination's image {path} holds {bytes} bytes: a disk copy writes only into an empty or missing file, so that no data is overwritten; give a new path to --disk, or remove the file"
+    )]
+    NotEmpty { path: PathBuf, bytes: u64 },
+    #[error("the source's disk is {0} bytes in one chunk and {1} in another")]
+    Capacity(u64, u64),
+    #[error("cannot write the copied disk to {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The copy arriving for one disk.
+#[derive(Debug)]
+pub struct IncomingCopy {
+    image: PathBuf,
+    part: PathBuf,
+    file: File,
+    capacity: u64,
+    /// Bytes of ranges written with data, and written as zeros.
+    pub data_bytes: u64,
+    pub zero_bytes: u64,
+    finished: bool,
+}
+
+impl IncomingCopy {
+    /// Starts the copy of a disk of `capacity` bytes that will become `image`, which must be
+    /// missing or empty.
+    pub fn begin(image: &Path, capacity: u64) -> Result<IncomingCopy, IncomingError> {
+        let io = |source| IncomingError::Io {
+            path: image.into(),
+            source,
+        };
+        match std::fs::metadata(image) {
+            Ok(m) if m.len() > 0 => {
+                return Err(IncomingError::NotEmpty {
+                    path: image.into(),
+                    bytes: m.len(),
+                });
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        let mut part = image.as_os_str().to_owned();
+        part.push(".ferry-incoming");
+        let part = PathBuf::from(part);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&part)
+            .map_err(io)?;
+        let copy = IncomingCopy {
+            image: image.into(),
+            part,
+            file,
+            capacity,
+            data_bytes: 0,
+            zero_bytes: 0,
+            finished: false,
+        };
+        copy.file.set_len(capacity).map_err(|e| copy.io(e))?;
+        Ok(copy)
+    }
+
+    /// Writes one chunk. A range of zeros is written as zeros: the file started sparse, so
+    /// only a range the copy wrote with data before reads otherwise.
+    pub fn apply(&mut self, chunk: &Chunk) -> Result<(), IncomingError> {
+        if chunk.capacity != self.capacity {
+            return Err(IncomingError::Capacity(self.capacity, chunk.capacity));
+        }
+        match &chunk.data {
+            Some(data) => {
+                self.file
+                    .write_all_at(data, chunk.offset)
+                    .map_err(|e| self.io(e))?;
+                self.data_bytes += chunk.len;
+            }
+            None => {
+                let zeros = vec![0u8; chunk.len as usize];
+                self.file
+                    .write_all_at(&zeros, chunk.offset)
+                    .map_err(|e| self.io(e))?;
+                self.zero_bytes += chunk.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// The disk's size, as the chunks say.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Makes the copy the image: synced, then renamed over the path the user named.
+    pub fn finish(mut self) -> Result<(), IncomingError> {
+        self.file.sync_all().map_err(|e| self.io(e))?;
+        std::fs::rename(&self.part, &self.image).map_err(|e| self.io(e))?;
+        self.finished = true;
+        Ok(())
+    }
+
+    fn io(&self, source: std::io::Error) -> IncomingError {
+        IncomingError::Io {
+            path: self.part.clone(),
+            source,
+        }
+    }
+}
+
+impl Drop for IncomingCopy {
+    /// A copy that did not become the image goes: half a disk is no disk.
+    fn drop(&mut self) {
+        if !self.finished
+            && let Err(e) = std::fs::remove_file(&self.part)
+        {
+            tracing::warn!(
+                "cannot remove the unfinished disk copy {}: {e}",
+                self.part.display()
+            );
+        }
+    }
+}

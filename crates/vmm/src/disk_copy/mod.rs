@@ -1,0 +1,20 @@
+//! A disk no host shares, copied beside RAM (`ferry migrate --disk-copy`): the image's
+//! allocated ranges go as iterative device state (the engine's `SourceVm::next_state_chunk`)
+//! while the guest runs, then the ranges it wrote since, pass after pass; what is left goes in
+//! the pause with the rest of the state. The engine counts what is pending as left to send,
+//! so the switchover comes when the disk and RAM fit in the downtime together.
+//!
+//! - `chunk`: one range on the wire.
+//! - `source`: the source's passes over its image.
+//! - `incoming`: the destination's file, which becomes the image at the state load.
+
+pub mod chunk;
+pub mod incoming;
+pub mod source;
+
+pub use chunk::Chunk;
+pub use incoming::{IncomingCopy, IncomingError};
+pub use source::{CopyStats, GRANULE, SourceCopy, Written};
+
+#[cfg(test)]
+mod tests;

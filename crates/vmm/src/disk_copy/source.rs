@@ -1,0 +1,160 @@
+//! The source's side of a disk copy: a first pass over the image's allocated ranges (found
+//! with `SEEK_DATA`/`SEEK_HOLE`, so a sparse image's holes cost nothing), then the granules the
+//! guest wrote since they were read, as the device marked them, until none is left. A range
+//! that reads as zeros goes as a header alone.
+//!
+//! Invariant: the device marks a granule after its write reached the image, and a granule is
+//! taken (its mark cleared) before it is read; so a write that lands after a granule's read
+//! leaves a mark, and the granule goes again. With the guest paused nothing is marked any
+//! more, and the copy ends when the marks taken then are sent.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use super::chunk::{self, Chunk};
+
+/// The granule the device marks writes in, bytes.
+pub const GRANULE: u64 = crate::devices::virtio::blk::DIRTY_CHUNK;
+const SECTOR: u64 = ferry_guest_abi::virtio::blk::SECTOR_SIZE;
+
+/// The marks of granules written since they were taken: the device's.
+pub trait Written {
+    /// The granules marked (their indices, offset / [`GRANULE`]), in order; the marks are
+    /// cleared.
+    fn take(&mut self) -> Vec<u64>;
+    /// How many granules are marked now.
+    fn count(&self) -> u64;
+}
+
+/// What a copy sent, counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CopyStats {
+    /// Chunks sent, and the bytes of the ranges they carried with data and as zeros.
+    pub chunks: u64,
+    pub data_bytes: u64,
+    pub zero_bytes: u64,
+    /// Granules sent again because the guest wrote them after they were read.
+    pub granules_again: u64,
+}
+
+/// The source's copy of one disk.
+#[derive(Debug)]
+pub struct SourceCopy {
+    image: File,
+    capacity: u64,
+    /// Where the first pass reads next; `None` once it reached the end.
+    first: Option<u64>,
+    /// Allocated bytes the first pass has still to read, as found at the start.
+    first_left: u64,
+    /// Granules taken from the device's marks and not sent yet.
+    again: VecDeque<u64>,
+    buf: Vec<u8>,
+    pub stats: CopyStats,
+}
+
+impl SourceCopy {
+    /// A copy of `image` (a descriptor of the device's own), `capacity` bytes. The device
+    /// marks writes from before this call on.
+    pub fn start(image: File, capacity: u64) -> std::io::Result<SourceCopy> {
+        let mut allocated = 0;
+        let mut at = 0;
+        while let Some((start, end)) =
+            ferry_migrate::ram::next_data_in_file(image.as_raw_fd(), at, capacity)?
+        {
+            let end = end.min(capacity);
+            allocated += end - start;
+            at = end;
+        }
+        Ok(SourceCopy {
+            image,
+            capacity,
+            first: Some(0),
+            first_left: allocated,
+            again: VecDeque::new(),
+            buf: Vec::new(),
+            stats: CopyStats::default(),
+        })
+    }
+
+    /// The next chunk of at most `max_bytes` (header included): the first pass's next
+    /// allocated range, else a granule written since it was read; `None` when neither is left
+    /// now.
+    pub fn next(
+        &mut self,
+        max_bytes: usize,
+        written: &mut dyn Written,
+    ) -> std::io::Result<Option<Chunk>> {
+        let most = (max_bytes.saturating_sub(chunk::HEADER) as u64).min(chunk::MAX_RANGE) / SECTOR
+            * SECTOR;
+        assert!(most >= GRANULE, "a chunk holds a granule");
+        if let Some(range) = self.first_range(most)? {
+            let (offset, len) = range;
+            self.first_left = self.first_left.saturating_sub(len);
+            return self.read(offset, len).map(Some);
+        }
+        if self.again.is_empty() {
+            self.again.extend(written.take());
+        }
+        let Some(granule) = self.again.pop_front() else {
+            return Ok(None);
+        };
+        self.stats.granules_again += 1;
+        let offset = granule * GRANULE;
+        let len = GRANULE.min(self.capacity.saturating_sub(offset));
+        if len == 0 {
+            // A mark past the end: the device never makes one.
+            return Ok(None);
+        }
+        self.read(offset, len).map(Some)
+    }
+
+    /// Bytes still to send: what the first pass has left, and every granule marked or taken.
+    pub fn pending(&self, written: &dyn Written) -> u64 {
+        self.first_left + (self.again.len() as u64 + written.count()) * GRANULE
+    }
+
+    /// The first pass's next range, at most `most` bytes, moving it on; `None` once it is done.
+    fn first_range(&mut self, most: u64) -> std::io::Result<Option<(u64, u64)>> {
+        let Some(at) = self.first else {
+            return Ok(None);
+        };
+        let found =
+            ferry_migrate::ram::next_data_in_file(self.image.as_raw_fd(), at, self.capacity)?;
+        let Some((start, end)) = found else {
+            self.first = None;
+            self.first_left = 0;
+            return Ok(None);
+        };
+        let start = start.max(at);
+        let end = end.min(self.capacity).min(start + most);
+        self.first = Some(end);
+        Ok(Some((start, end - start)))
+    }
+
+    fn read(&mut self, offset: u64, len: u64) -> std::io::Result<Chunk> {
+        self.buf.resize(len as usize, 0);
+        self.image.read_exact_at(&mut self.buf, offset)?;
+        self.stats.chunks += 1;
+        let zeros = self.buf.iter().all(|&b| b == 0);
+        let data = match zeros {
+            true => {
+                self.stats.zero_bytes += len;
+                None
+            }
+            false => {
+                self.stats.data_bytes += len;
+                Some(self.buf.clone())
+            }
+        };
+        Ok(Chunk {
+            capacity: self.capacity,
+            offset,
+            len,
+            data,
+        })
+    }
+}

@@ -1,0 +1,138 @@
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+/// The device's marks, for a test: granules a test wrote.
+#[derive(Default)]
+struct Marks(Vec<u64>);
+
+impl Written for Marks {
+    fn take(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.0)
+    }
+    fn count(&self) -> u64 {
+        self.0.len() as u64
+    }
+}
+
+/// A sparse image of `capacity` bytes with `data` written at its offsets.
+fn image(dir: &std::path::Path, capacity: u64, data: &[(u64, &[u8])]) -> File {
+    let f = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.join("source.img"))
+        .unwrap();
+    f.set_len(capacity).unwrap();
+    for (at, bytes) in data {
+        f.write_all_at(bytes, *at).unwrap();
+    }
+    f
+}
+
+/// Sends every chunk pending now from `src` into `dst`; returns how many went.
+fn send_all(src: &mut SourceCopy, marks: &mut Marks, dst: &mut IncomingCopy) -> u64 {
+    let mut n = 0;
+    while let Some(c) = src
+        .next(ferry_migrate::wire::MAX_SECTION_BYTES as usize, marks)
+        .unwrap()
+    {
+        let c = Chunk::decode(&c.encode()).unwrap();
+        dst.apply(&c).unwrap();
+        n += 1;
+    }
+    n
+}
+
+fn contents(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+#[test]
+fn a_sparse_image_arrives_whole_with_its_later_writes_and_only_its_data_is_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let capacity = 64 * MIB;
+    let src_file = image(
+        dir.path(),
+        capacity,
+        &[
+            (0, &[1; 4096]),
+            (10 * MIB, &[2; 3 * MIB as usize]),
+            (capacity - 512, &[3; 512]),
+        ],
+    );
+    let mut src = SourceCopy::start(src_file.try_clone().unwrap(), capacity).unwrap();
+    let mut marks = Marks::default();
+    // What is pending is what is allocated (in whole pages), not the disk's size.
+    assert!(src.pending(&marks) < 4 * MIB, "{}", src.pending(&marks));
+    let target = dir.path().join("copy.img");
+    let mut dst = IncomingCopy::begin(&target, capacity).unwrap();
+    send_all(&mut src, &mut marks, &mut dst);
+    assert_eq!(src.pending(&marks), 0);
+    assert!(src.stats.data_bytes < 4 * MIB, "{:?}", src.stats);
+    // The guest writes after the first pass read its range: the mark sends it again.
+    src_file.write_all_at(&[9; 512], 10 * MIB + 4096).unwrap();
+    marks.0.push((10 * MIB + 4096) / GRANULE);
+    // And a discard leaves a range of zeros where data was: it goes as a header alone.
+    src_file
+        .write_all_at(&vec![0; GRANULE as usize], 12 * MIB)
+        .unwrap();
+    marks.0.push(12 * MIB / GRANULE);
+    assert_eq!(src.pending(&marks), 2 * GRANULE);
+    assert_eq!(send_all(&mut src, &mut marks, &mut dst), 2);
+    assert_eq!(src.stats.granules_again, 2);
+    assert_eq!(src.stats.zero_bytes, GRANULE);
+    assert!(
+        !target.exists(),
+        "the image appears only when the copy finishes"
+    );
+    dst.finish().unwrap();
+    assert!(contents(&target) == contents(&dir.path().join("source.img")));
+}
+
+#[test]
+fn a_copy_that_does_not_finish_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("copy.img");
+    let mut dst = IncomingCopy::begin(&target, MIB).unwrap();
+    dst.apply(&Chunk {
+        capacity: MIB,
+        offset: 0,
+        len: 512,
+        data: Some(vec![5; 512]),
+    })
+    .unwrap();
+    let part = dir.path().join("copy.img.ferry-incoming");
+    assert!(part.exists());
+    drop(dst);
+    assert!(!part.exists(), "the unfinished copy was removed");
+    assert!(!target.exists(), "and no image appeared");
+}
+
+#[test]
+fn a_copy_refuses_to_overwrite_an_image_that_holds_data_or_a_chunk_of_another_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("data.img");
+    std::fs::write(&target, b"keep me").unwrap();
+    let e = IncomingCopy::begin(&target, MIB).unwrap_err();
+    assert!(matches!(e, IncomingError::NotEmpty { bytes: 7, .. }), "{e}");
+    assert_eq!(contents(&target), b"keep me");
+    // An empty file is taken (the user made it for the copy).
+    let empty = dir.path().join("empty.img");
+    File::create(&empty).unwrap();
+    let mut dst = IncomingCopy::begin(&empty, MIB).unwrap();
+    let other = Chunk {
+        capacity: 2 * MIB,
+        offset: 0,
+        len: 512,
+        data: None,
+    };
+    assert!(matches!(
+        dst.apply(&other),
+        Err(IncomingError::Capacity(..))
+    ));
+}

@@ -1,0 +1,171 @@
+//! The VM's disk at a migration's two ends, and as the API shows it.
+//!
+//! Shared storage is the rule: both VMMs name the same image, and no block is copied. So that
+//! one image never has two writers, the source flushes the disk once its vCPUs are paused and
+//! before its state is saved, and a destination opens the image only when that state is
+//! loaded (`build.rs` builds an arriving VM's disk deferred). A migration that fails before
+//! the load leaves the source the only VMM that ever opened the image for writing; one that
+//! fails after it leaves the destination stopped before its guest ran, so it wrote nothing.
+//!
+//! A disk no host shares (`--disk-copy`, `disk_copy::`): the source's device marks what the
+//! guest writes while its image goes out in chunks; the destination writes them beside its
+//! image and makes that file the image at the same state load, so the rule above holds for
+//! both ways.
+//!
+//! Requests in flight at the pause: none. The device completes each request within the
+//! notification that submitted it (`devices/virtio/blk`), so a paused guest's requests are
+//! either completed, in the used ring, or not yet taken, in the available ring; the queue's
+//! indices travel in the device's state and the destination takes those on the driver's next
+//! notification.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Mutex;
+
+use ferry_migrate::{Section, VmError};
+use serde::Serialize;
+
+use super::shared::Shared;
+use crate::devices::virtio::MmioTransport;
+use crate::devices::virtio::blk::{Block, BlockError, BlockStats};
+use crate::disk_copy::{Chunk, IncomingCopy, SourceCopy, Written, chunk};
+use crate::section_ids::DISK_BLOCKS;
+
+/// The disk's instance among the virtio-mmio devices' sections (the balloon is 0), and of its
+/// copied blocks' chunks.
+pub(crate) const DISK_INSTANCE: u32 = 1;
+
+impl Shared {
+    /// Writes what the disk's image holds in the host's cache to stable storage: the
+    /// source's last act on the image before its state goes.
+    pub(crate) fn flush_disk(&self) -> Result<(), BlockError> {
+        match &self.disk {
+            Some(disk) => disk.lock().unwrap().device().flush(),
+            None => Ok(()),
+        }
+    }
+
+    /// Opens the disk's image, once the guest's state (with the disk's size) is loaded; a
+    /// copy that arrived becomes the image first.
+    pub(crate) fn attach_disk(&self) -> Result<(), VmError> {
+        let Some(disk) = &self.disk else {
+            return Ok(());
+        };
+        if let Some(copy) = self.disk_arriving.lock().unwrap().take() {
+            copy.finish()
+                .map_err(|e| VmError::failed("make the copied disk the image", e))?;
+        }
+        disk.lock()
+            .unwrap()
+            .attach()
+            .map_err(|e| VmError::failed("open the disk's image", e))
+    }
+
+    /// Starts copying the disk: the device marks writes from now on, and the copy reads its
+    /// own descriptor of the image.
+    pub(crate) fn start_disk_copy(&self) -> Result<SourceCopy, VmError> {
+        let fail = |e: String| VmError::failed("start the disk copy", e);
+        let disk = self
+            .disk
+            .as_ref()
+            .ok_or_else(|| fail("the VM has no disk".into()))?;
+        let (image, capacity) = {
+            let mut t = disk.lock().unwrap();
+            let block = t.device_mut();
+            let found = block.image_for_copy().map_err(|e| fail(e.to_string()))?;
+            block.start_tracking();
+            found
+        };
+        SourceCopy::start(image, capacity).map_err(|e| fail(e.to_string()))
+    }
+
+    /// The next chunk of the disk's copy, as a section.
+    pub(crate) fn next_disk_chunk(
+        &self,
+        copy: &mut SourceCopy,
+        max_bytes: usize,
+    ) -> Result<Option<Section>, VmError> {
+        let chunk = copy
+            .next(max_bytes, &mut self.marks())
+            .map_err(|e| VmError::failed("read the disk to copy", e))?;
+        Ok(chunk.map(|c| Section {
+            id: DISK_BLOCKS,
+            instance: DISK_INSTANCE,
+            version: chunk::VERSION,
+            data: c.encode(),
+        }))
+    }
+
+    pub(crate) fn pending_disk_bytes(&self, copy: &SourceCopy) -> u64 {
+        copy.pending(&self.marks())
+    }
+
+    /// The copy ended, however it ended: the device stops marking writes.
+    pub(crate) fn end_disk_copy(&self) {
+        if let Some(disk) = &self.disk {
+            disk.lock().unwrap().device_mut().stop_tracking();
+        }
+    }
+
+    /// Writes a chunk of the source's disk into the file that becomes this VM's image.
+    pub(crate) fn take_disk_chunk(&self, section: &Section) -> Result<(), VmError> {
+        let fail = |e: String| VmError::failed("take a chunk of the source's disk", e);
+        let path = match (&self.disk, &self.disk_path) {
+            (Some(_), Some(path)) => path,
+            _ => return Err(fail("this VM has no disk; start it with --disk".into())),
+        };
+        if (section.id, section.instance, section.version)
+            != (DISK_BLOCKS, DISK_INSTANCE, chunk::VERSION)
+        {
+            return Err(fail(format!(
+                "no part of this VM takes {} instance {} version {}",
+                section.id, section.instance, section.version
+            )));
+        }
+        let chunk = Chunk::decode(&section.data).map_err(|e| fail(e.to_string()))?;
+        let mut arriving = self.disk_arriving.lock().unwrap();
+        let copy = match &mut *arriving {
+            Some(copy) => copy,
+            None => arriving.insert(
+                IncomingCopy::begin(path, chunk.capacity).map_err(|e| fail(e.to_string()))?,
+            ),
+        };
+        copy.apply(&chunk).map_err(|e| fail(e.to_string()))
+    }
+
+    fn marks(&self) -> DeviceMarks<'_> {
+        DeviceMarks(self.disk.as_ref().expect("a disk copy has a disk"))
+    }
+}
+
+/// The device's marks of granules written, for the copy.
+struct DeviceMarks<'a>(&'a Mutex<MmioTransport<Block>>);
+
+impl Written for DeviceMarks<'_> {
+    fn take(&mut self) -> Vec<u64> {
+        self.0.lock().unwrap().device_mut().take_dirty()
+    }
+
+    fn count(&self) -> u64 {
+        self.0.lock().unwrap().device().dirty_count()
+    }
+}
+
+/// The disk, as `GET /vm` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct DiskStatus {
+    /// Whether the guest's driver is running (status DRIVER_OK).
+    pub driver_ok: bool,
+    pub stats: BlockStats,
+}
+
+impl Shared {
+    /// The disk's status, if the VM has one (`VmHandle::disk`).
+    pub(crate) fn disk_status(&self) -> Option<DiskStatus> {
+        let disk = self.disk.as_ref()?.lock().unwrap();
+        Some(DiskStatus {
+            driver_ok: disk.driver_ok(),
+            stats: disk.device().stats(),
+        })
+    }
+}
