@@ -5,6 +5,11 @@
 //! the rate it asked the guest for, it prints the rate the guest wrote, before the migration and
 //! during it, so a guest that could not keep up (a host too busy, a dirty log that makes writes
 //! slow) is seen, not assumed.
+//!
+//! The VM has a disk too: a sparse image in a temporary directory that the guest writes and
+//! reads back. By default both VMs name that image (shared storage); with `--disk-copy` the
+//! destination gets a file of its own and the disk goes beside RAM. The verdict counts the
+//! blocks the guest found stale or lost, as it counts pages.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -55,7 +60,20 @@ pub struct DemoArgs {
     /// Write the migration's statistics, with their timeline, as JSON here (for `ferry report`).
     #[arg(long, value_name = "FILE.json")]
     stats_out: Option<PathBuf>,
+    /// The part of the disk the guest writes and reads back (its `disk=`); 0: no disk.
+    #[arg(long, default_value = "32M", value_parser = crate::sizes::parse_size)]
+    disk: u64,
+    /// MB/s the guest writes its disk (its `disk-rate=`).
+    #[arg(long, default_value_t = 10)]
+    disk_rate: u64,
+    /// Copy the disk to a file of the destination's own beside RAM, instead of both VMs
+    /// naming one image.
+    #[arg(long)]
+    disk_copy: bool,
 }
+
+/// The demo's disk image: four times what the guest writes, sparse.
+const IMAGE_FACTOR: u64 = 4;
 
 /// Longest the demo waits for any one stage.
 const STAGE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -112,12 +130,26 @@ impl Written {
 }
 
 pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
-    let cmdline = format!(
+    let mut cmdline = format!(
         "ws={}M rate={} pattern={} verify-ms=300 heartbeat-ms=5 log-ms=0",
         args.ws >> 20,
         args.rate,
         args.pattern
     );
+    let images = tempfile::tempdir().context("cannot make a directory for the disk images")?;
+    let source_image = images.path().join("disk.img");
+    if args.disk > 0 {
+        cmdline += &format!(" disk={}K disk-rate={}", args.disk >> 10, args.disk_rate);
+        std::fs::File::create(&source_image)
+            .and_then(|f| f.set_len(args.disk * IMAGE_FACTOR))
+            .with_context(|| format!("cannot make the disk image {}", source_image.display()))?;
+    }
+    let disk_at = |path: &std::path::Path| -> anyhow::Result<Option<ferry_vmm::DiskOptions>> {
+        Ok(match args.disk {
+            0 => None,
+            _ => Some(path.to_string_lossy().parse()?),
+        })
+    };
     let config = VmConfig {
         memory_bytes: args.memory,
         vcpus: 1,
@@ -126,7 +158,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
-        disk: None,
+        disk: disk_at(&source_image)?,
         dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
@@ -155,7 +187,14 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
 
     let listener = TcpListener::bind("127.0.0.1:0").context("cannot listen on loopback")?;
     let to = listener.local_addr()?.to_string();
-    let mut incoming = Vm::incoming(config)?;
+    let destination_image = match args.disk_copy {
+        true => images.path().join("copy.img"),
+        false => source_image.clone(),
+    };
+    let mut incoming = Vm::incoming(VmConfig {
+        disk: disk_at(&destination_image)?,
+        ..config
+    })?;
     println!("ferry demo: destination VM waiting on {to}; migrating");
     let request = MigrationRequest {
         downtime_limit_ms: args.downtime_limit.as_millis() as u64,
@@ -164,6 +203,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         max_bandwidth: args.max_bandwidth,
         channels: args.channels,
         zero_detection: args.zero_detection.into(),
+        disk_copy: args.disk_copy && args.disk > 0,
         ..MigrationRequest::to(to)
     };
     let migrating = Written::of(&src.telemetry());
@@ -205,16 +245,43 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         .context("the destination did not resume")?;
     let dst = destination.handle();
     let resumed = dst.telemetry();
+    // With a disk, also two whole sweeps of it begun after the resume: every block the guest
+    // wrote, read back on the destination.
+    let sweeps = |g: &GuestTelemetry| g.disk.as_ref().map_or(0, |d| d.sweeps);
     let after = wait(&dst, "verify passes on the destination", |g| {
         g.verify_passes >= resumed.verify_passes + args.verify_passes
+            && (args.disk == 0 || sweeps(g) >= sweeps(&resumed) + 2)
     })?;
     src.stop(StopReason::Requested("demo done".into()));
     dst.stop(StopReason::Requested("demo done".into()));
 
-    let clean = after.verify_failures == 0;
+    let disk_clean = match &after.disk {
+        Some(d) => {
+            println!(
+                "guest disk:    {} blocks written, {} read back ({} whole sweeps on the destination), {} bad, {} request errors{}",
+                d.blocks_written,
+                d.blocks_read,
+                d.sweeps - sweeps(&resumed),
+                d.verify_failures,
+                d.request_errors,
+                match args.disk_copy {
+                    true => "; the disk was copied beside RAM",
+                    false => "; both VMs named one image (shared storage)",
+                }
+            );
+            d.verify_failures == 0 && d.request_errors == 0
+        }
+        None if args.disk > 0 => bail!("the guest reported nothing about its disk"),
+        None => true,
+    };
+    let clean = after.verify_failures == 0 && disk_clean;
     println!(
         "guest verdict: {} — {} verify passes on the destination after the migration ({} in all), {} bad pages; heartbeats {} -> {}; pause the guest saw across the migration {:.1} ms",
-        if clean { "CLEAN" } else { "PAGES LOST" },
+        match (clean, after.verify_failures) {
+            (true, _) => "CLEAN",
+            (false, 0) => "BLOCKS LOST",
+            (false, _) => "PAGES LOST",
+        },
         after.verify_passes - resumed.verify_passes,
         after.verify_passes,
         after.bad_pages_total,

@@ -127,10 +127,10 @@ impl VmHandle {
         self.0
             .ending_read
             .store(false, std::sync::atomic::Ordering::Release);
-        let mut adapter = self.migration_source();
-        if req.disk_copy {
-            adapter.disk_copy = DiskCopy::Asked;
-        }
+        let mut adapter = match req.disk_copy {
+            true => self.migration_source_copying_disk(),
+            false => self.migration_source(),
+        };
         let thread_control = control.clone();
         std::thread::Builder::new()
             .name("migration".into())
@@ -416,6 +416,11 @@ pub struct SourceAdapter {
     disk_copy: DiskCopy,
 }
 
+/// What the iterative-state calls answer without a disk copy under way.
+const NOT_COPYING: VmError = VmError::Unsupported {
+    operation: "iterative device state (no disk copy was asked for)",
+};
+
 /// Where a migration's copy of the disk is.
 #[derive(Debug, Default)]
 enum DiskCopy {
@@ -445,6 +450,14 @@ impl VmHandle {
             holds_ban: false,
             disk_copy: DiskCopy::Off,
         }
+    }
+
+    /// [`VmHandle::migration_source`] that copies the VM's disk as iterative state, as a
+    /// migration with `disk_copy` does.
+    pub fn migration_source_copying_disk(&self) -> SourceAdapter {
+        let mut adapter = self.migration_source();
+        adapter.disk_copy = DiskCopy::Asked;
+        adapter
     }
 }
 
@@ -549,9 +562,7 @@ unsafe impl SourceVm for SourceAdapter {
     /// The disk's copy, when asked for (`vm/disk.rs`).
     fn start_state_iteration(&mut self) -> Result<u64, VmError> {
         if matches!(self.disk_copy, DiskCopy::Off) {
-            return Err(VmError::Unsupported {
-                operation: "iterative device state (no disk copy was asked for)",
-            });
+            return Err(NOT_COPYING);
         }
         let copy = self.shared.start_disk_copy()?;
         let pending = self.shared.pending_disk_bytes(&copy);
@@ -562,15 +573,15 @@ unsafe impl SourceVm for SourceAdapter {
     fn next_state_chunk(&mut self, max_bytes: usize) -> Result<Option<Section>, VmError> {
         match &mut self.disk_copy {
             DiskCopy::Running(copy) => self.shared.next_disk_chunk(copy, max_bytes),
-            _ => Ok(None),
+            _ => Err(NOT_COPYING),
         }
     }
 
     fn pending_state_bytes(&self) -> Result<u64, VmError> {
-        Ok(match &self.disk_copy {
-            DiskCopy::Running(copy) => self.shared.pending_disk_bytes(copy),
-            _ => 0,
-        })
+        match &self.disk_copy {
+            DiskCopy::Running(copy) => Ok(self.shared.pending_disk_bytes(copy)),
+            _ => Err(NOT_COPYING),
+        }
     }
 
     fn end_state_iteration(&mut self) {

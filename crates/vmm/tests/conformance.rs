@@ -29,6 +29,9 @@ const MEMORY: u64 = 64 << 20;
 /// check sets), never verified, no serial log lines: the guest keeps writing without flooding
 /// anything. And 8 MiB filled and freed at boot (four 2 MiB blocks), for the balloon to hint.
 const WORKLOAD: &str = "ws=4M rate=4 free=8M verify-ms=0 log-ms=0";
+/// With a disk: a 4 MiB image whose first 2 MiB the guest writes at 1 MB/s.
+const DISK: u64 = 4 << 20;
+const DISK_WORKLOAD: &str = "disk=2M disk-rate=1";
 /// Entries of each vCPU's dirty ring in the ring's instantiation: what `ferry run --dirty-ring`
 /// suggests; the 1024 pages of the working set fit, so a ring never fills between syncs.
 const RING_ENTRIES: u32 = 4096;
@@ -46,6 +49,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 struct Kvm {
     /// Every VM's dirty ring, entries per vCPU; `None`: the slots' bitmaps.
     dirty_ring: Option<u32>,
+    /// Give every VM a disk, and copy it as iterative state.
+    disk_copy: bool,
     sources: Vec<TestVm>,
     /// The sources' and destinations' serial logs.
     dirs: Vec<tempfile::TempDir>,
@@ -64,11 +69,30 @@ impl Kvm {
         }
     }
 
-    /// The configuration of every VM of this fixture, with its serial log in a new directory.
-    fn config(&mut self, cmdline: &str) -> ferry_vmm::VmConfig {
+    /// Sources with a disk they copy as iterative state (`disk_copy`), and destinations whose
+    /// disk is a new file for the copy.
+    fn with_disk_copy() -> Kvm {
+        Kvm {
+            disk_copy: true,
+            ..Kvm::new()
+        }
+    }
+
+    /// The configuration of every VM of this fixture, with its serial log in a new directory;
+    /// with a disk copy, a source's disk is a 4 MiB image there and a destination's a path
+    /// there with no file yet.
+    fn config(&mut self, cmdline: &str, source: bool) -> ferry_vmm::VmConfig {
         let dir = tempfile::tempdir().unwrap();
+        let disk = self.disk_copy.then(|| {
+            let path = dir.path().join("disk.img");
+            if source {
+                std::fs::File::create(&path).unwrap().set_len(DISK).unwrap();
+            }
+            path.to_str().unwrap().parse().unwrap()
+        });
         let c = ferry_vmm::VmConfig {
             dirty_ring: self.dirty_ring,
+            disk,
             ..config(MEMORY, cmdline, &dir.path().join("serial.log"))
         };
         self.dirs.push(dir);
@@ -90,17 +114,28 @@ impl Fixture for Kvm {
     type Destination = IncomingVm;
 
     fn source(&mut self) -> SourceAdapter {
-        let t = boot_config(self.config(WORKLOAD));
+        let workload = match self.disk_copy {
+            true => format!("{WORKLOAD} {DISK_WORKLOAD}"),
+            false => WORKLOAD.into(),
+        };
+        let disk_copy = self.disk_copy;
+        let t = boot_config(self.config(&workload, true));
         t.wait_for("the working set's layout", BOOT_TIMEOUT, |g| {
-            g.layout.is_some() && g.pages_written > 0
+            g.layout.is_some()
+                && g.pages_written > 0
+                && (!disk_copy || g.disk.as_ref().is_some_and(|d| d.blocks_written > 0))
         });
-        let src = t.handle().migration_source();
+        let src = match self.disk_copy {
+            true => t.handle().migration_source_copying_disk(),
+            false => t.handle().migration_source(),
+        };
         self.sources.push(t);
         src
     }
 
     fn destination(&mut self) -> IncomingVm {
-        Vm::incoming(self.config("")).unwrap()
+        let config = self.config("", false);
+        Vm::incoming(config).unwrap()
     }
 
     fn vmm_write(&mut self, vm: &mut SourceAdapter, gpa: u64, byte: u8) {
@@ -146,6 +181,22 @@ mod dirty_ring {
     use super::Kvm;
 
     ferry_migrate_testkit::conformance_tests!(Kvm::with_ring());
+}
+
+/// The iterative-state check over a VM whose disk is copied (`disk_copy`): the reference
+/// VMM's one user of iterative state. The first source shows the copy is not refused, so the
+/// check below cannot pass by its branch for a VM without such state.
+#[test]
+fn a_copied_disk_is_iterative_state_that_moves() {
+    let mut kvm = Kvm::with_disk_copy();
+    let mut src = ferry_migrate_testkit::conformance::Fixture::source(&mut kvm);
+    let pending = src.start_state_iteration().expect("the disk copy starts");
+    assert!(
+        pending > 0,
+        "the guest wrote its disk: something is to send"
+    );
+    src.end_state_iteration();
+    ferry_migrate_testkit::conformance::iterative_state_moves_or_is_refused(&mut kvm);
 }
 
 /// Item 7 of the seams issue: a write through the vm-memory view (how loaders and devices

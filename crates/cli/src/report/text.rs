@@ -33,8 +33,12 @@ pub fn progress_figures(p: &Progress) -> String {
             } else {
                 ""
             };
+            let state = match p.state_remaining_bytes {
+                0 => String::new(),
+                b => format!(" ({} of it device state)", mb(b)),
+            };
             format!(
-                "pass {}  left {}{of}  {sent}  {rate}  {eta}  {dirty}  expected downtime {}",
+                "pass {}  left {}{of}{state}  {sent}  {rate}  {eta}  {dirty}  expected downtime {}",
                 p.pass + 1,
                 mb(p.remaining_bytes),
                 p.expected_downtime_ms
@@ -209,6 +213,13 @@ pub fn print_table(s: &MigrationStats) {
         s.pages_zero,
         s.pages_skipped_holes
     );
+    if s.state_chunks > 0 {
+        println!(
+            "iterative state  {:>10.1} MB in {} chunks while the guest ran and in the pause (a copied disk's blocks)",
+            s.state_chunk_bytes as f64 / 1e6,
+            s.state_chunks
+        );
+    }
     if s.hint_rounds > 0 {
         println!(
             "free page hints  {:>10} pages not sent: the guest hinted them free ({} round{})",

@@ -99,12 +99,20 @@ impl SourceCopy {
         if self.again.is_empty() {
             self.again.extend(written.take());
         }
-        let Some(granule) = self.again.pop_front() else {
+        // A run of adjacent granules goes as one range (the marks come in order).
+        let Some(first) = self.again.pop_front() else {
             return Ok(None);
         };
-        self.stats.granules_again += 1;
-        let offset = granule * GRANULE;
-        let len = GRANULE.min(self.capacity.saturating_sub(offset));
+        let mut last = first;
+        while (last + 1 - first) * GRANULE < most && self.again.front() == Some(&(last + 1)) {
+            last += 1;
+            self.again.pop_front();
+        }
+        self.stats.granules_again += last + 1 - first;
+        let offset = first * GRANULE;
+        let len = ((last + 1) * GRANULE)
+            .min(self.capacity)
+            .saturating_sub(offset);
         if len == 0 {
             // A mark past the end: the device never makes one.
             return Ok(None);

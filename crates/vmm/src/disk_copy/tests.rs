@@ -86,6 +86,12 @@ fn a_sparse_image_arrives_whole_with_its_later_writes_and_only_its_data_is_sent(
     assert_eq!(send_all(&mut src, &mut marks, &mut dst), 2);
     assert_eq!(src.stats.granules_again, 2);
     assert_eq!(src.stats.zero_bytes, GRANULE);
+    // Adjacent granules go as one range.
+    src_file.write_all_at(&[7; 3 * 4096], 20 * MIB).unwrap();
+    let g = 20 * MIB / GRANULE;
+    marks.0.extend([g, g + 1, g + 2]);
+    assert_eq!(send_all(&mut src, &mut marks, &mut dst), 1);
+    assert_eq!(src.stats.granules_again, 5);
     assert!(
         !target.exists(),
         "the image appears only when the copy finishes"

@@ -8,10 +8,11 @@
 
 #![forbid(unsafe_code)]
 
-/// The unit the copier sends again when any byte of it is written: 256 KiB keeps the bitmap
-/// of a 1 TiB image at 512 KiB and the resend of a 4 KiB guest write at 64 times its size,
-/// between QEMU's mirror granularity (64 KiB) and its old block migration's 1 MiB blocks.
-pub const DIRTY_CHUNK: u64 = 256 << 10;
+/// The unit the copier sends again when any byte of it is written: a 4 KiB block, the
+/// guest's own unit, so a guest writing random blocks costs the link what it writes (a 256 KiB
+/// unit sent 64 times that, and a 10 MB/s writer's copy never settled). The price is the
+/// bitmap, kept only while a copy runs: 32 KiB per GiB of disk (32 MiB for 1 TiB).
+pub const DIRTY_CHUNK: u64 = 4 << 10;
 
 /// A bitmap of an image's chunks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

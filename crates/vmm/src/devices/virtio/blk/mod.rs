@@ -39,7 +39,7 @@
 //!   write it at once. The VMM calls [`Block::flush`] after pausing the vCPUs and before
 //!   saving the state.
 //! - While tracking ([`Block::start_tracking`]) every OUT, DISCARD and WRITE_ZEROES marks the
-//!   256 KiB chunks it touched (`dirty.rs`), for a migration that copies the disk itself.
+//!   4 KiB chunks it touched (`dirty.rs`), for a migration that copies the disk itself.
 
 #![forbid(unsafe_code)]
 
