@@ -141,6 +141,9 @@ pub struct SnapshotVm {
     pub memory_bytes: u64,
     pub vcpus: u8,
     pub balloon: bool,
+    /// Whether the VM had a disk: a restore needs its image (`--disk`), which the snapshot
+    /// does not hold.
+    pub disk: bool,
 }
 
 impl SnapshotVm {
@@ -184,6 +187,7 @@ pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
         memory_bytes: h.memory_size(),
         vcpus: u8::try_from(h.vcpus).unwrap_or(u8::MAX),
         balloon: description.balloon,
+        disk: description.disk,
     })
 }
 
@@ -268,6 +272,7 @@ mod tests {
             memory_bytes: 600 << 30,
             vcpus: 4,
             balloon: true,
+            disk: false,
         };
         let c = what.config(&base);
         assert_eq!(c.guest, crate::GuestKind::Foreign);

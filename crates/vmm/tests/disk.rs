@@ -13,6 +13,7 @@ use common::{TestVm, boot_config, config, forced_request, receive_from, wait_for
 use ferry_migrate::Phase;
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 use ferry_vmm::migration::MigrationRequest;
+use ferry_vmm::request::{MigrationMode, PostcopyRequest};
 use ferry_vmm::{DiskOptions, RunState, Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -212,4 +213,29 @@ fn a_disk_copy_cancelled_leaves_the_source_running_and_no_file_at_the_destinatio
         |g| disk(g).0 > at.0 + 50,
     );
     assert_eq!(disk(&g).2, 0, "{:?}", g.disk);
+}
+
+#[test]
+fn a_disk_copy_is_in_sync_before_postcopy_hands_the_guest_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = image(&dir.path().join("source.img"), 64 * MIB);
+    let src = source(dir.path(), &own);
+    let copy = dir.path().join("copy.img");
+    let (incoming, received, progress) = migrate(&src, dir.path(), &copy, |r| {
+        r.disk_copy = true;
+        // No guest fits 1 ms: the switch to postcopy after pass 1 ends precopy.
+        r.downtime_limit_ms = 1;
+        r.mode = MigrationMode::Postcopy(PostcopyRequest {
+            after_passes: Some(1),
+            ..PostcopyRequest::default()
+        });
+    });
+    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+    let stats = progress.stats.unwrap();
+    assert!(stats.postcopy.is_some(), "switched to postcopy: {stats:?}");
+    assert!(stats.state_chunks > 0, "{stats:?}");
+    // The disk's chunks all went before the switch: the guest runs there with the whole disk.
+    let dst = incoming.into_running().expect("resumed");
+    disk_verifies_clean(&dst);
 }

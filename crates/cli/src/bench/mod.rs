@@ -6,6 +6,7 @@ mod blocktime;
 mod channels;
 mod compression;
 mod dirty_limit;
+mod disk;
 mod guest;
 mod hinting;
 mod hostile;
@@ -48,6 +49,10 @@ pub enum BenchCommand {
     /// Postcopy with and without the preempt connection, on loopback and a link capped at
     /// 1 GB/s, against the raw 4 KiB request/response round trip on the same link.
     Postcopy(postcopy::PostcopyBenchArgs),
+    /// A VM with a disk migrated without the disk, on a shared image and with the disk copied
+    /// (`--disk-copy`): time against raw TCP for the same bytes, downtime against no disk, and
+    /// the blocks the destination's guest read back.
+    Disk(disk::DiskBenchArgs),
     /// Free page hinting on and off: an 8 GiB guest that freed 6 GiB, idle and churning.
     Hinting(hinting::HintingBenchArgs),
     /// The device-state load as vCPUs grow (1, 8, 32, 64), into prepared and unprepared
@@ -83,6 +88,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::DirtyLimit(args) => dirty_limit::run(&args),
         BenchCommand::Postcopy(args) => postcopy::run(&args),
         BenchCommand::Hinting(args) => hinting::run(&args),
+        BenchCommand::Disk(args) => disk::run(&args),
         BenchCommand::State(args) => state::run(&args),
         BenchCommand::Vcpus(args) => vcpus::run(&args),
         BenchCommand::Soak(args) => soak::run(&args),

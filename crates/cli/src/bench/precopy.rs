@@ -93,6 +93,17 @@ pub(super) struct Scenario {
     /// How long the guest runs after its prefill before the migration starts, measured
     /// ([`Migrated::settled`]).
     pub settle: Duration,
+    /// A disk: the source's image, the destination's (the same path for shared storage), and
+    /// whether the migration copies it (`disk_copy`).
+    pub disk: Option<BenchDisk>,
+}
+
+/// A bench VM's disk ([`Scenario::disk`]).
+#[derive(Clone, Debug)]
+pub(super) struct BenchDisk {
+    pub source: std::path::PathBuf,
+    pub destination: std::path::PathBuf,
+    pub copy: bool,
 }
 
 /// How a bench migration's precopy ends.
@@ -131,13 +142,16 @@ impl Scenario {
             dirty_ring: None,
             converge_by: ferry_migrate::ConvergeBy::Throttle,
             settle: Duration::ZERO,
+            disk: None,
         }
     }
 }
 
 const GIB: u64 = 1 << 30;
+/// Blocks a destination's guest with a disk reads back before a bench takes its figures.
+const DISK_READS_AFTER: u64 = 1000;
 /// Heartbeats every 2 ms: the guest-observed pause is measured to that resolution.
-const GUEST: &str = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2";
+pub(super) const GUEST: &str = "prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2";
 
 fn scenarios() -> Vec<Scenario> {
     let mut v = vec![
@@ -487,7 +501,11 @@ pub(super) fn migrate_over(
         guest: GuestKind::FerryGuest,
         serial: SerialOutput::Discard,
         balloon: true,
-        disk: None,
+        disk: s
+            .disk
+            .as_ref()
+            .map(|d| d.source.to_string_lossy().parse())
+            .transpose()?,
         dirty_ring: s.dirty_ring,
         host_pages: s.host_pages,
         next_layout: false,
@@ -509,7 +527,18 @@ pub(super) fn migrate_over(
         false => Preparation::Prepared,
         true => Preparation::Unprepared,
     };
-    let mut incoming = Vm::incoming_with(config, preparation)?;
+    let destination_disk = s
+        .disk
+        .as_ref()
+        .map(|d| d.destination.to_string_lossy().parse())
+        .transpose()?;
+    let mut incoming = Vm::incoming_with(
+        VmConfig {
+            disk: destination_disk,
+            ..config
+        },
+        preparation,
+    )?;
     if let Some(landing) = setup.landing {
         incoming.land_pages(landing);
     }
@@ -538,6 +567,7 @@ pub(super) fn migrate_over(
     request.compression = s.compression;
     request.max_bandwidth = s.max_bandwidth;
     request.auto_converge_by = s.converge_by;
+    request.disk_copy = s.disk.as_ref().is_some_and(|d| d.copy);
     if s.checksum_pages {
         request.checksum = Checksum::Pages;
     }
@@ -588,6 +618,15 @@ pub(super) fn migrate_over(
     wait(&dst, Duration::from_secs(10), |h| {
         h.telemetry().migration_pause_ns.is_some()
     })?;
+    if s.disk.is_some() {
+        // The destination's guest reads back blocks it wrote on the source: a lost or stale
+        // one shows in its disk's verify failures.
+        let read = |h: &VmHandle| h.telemetry().disk.map_or(0, |d| d.blocks_read);
+        let at = read(&dst);
+        wait(&dst, Duration::from_secs(60), |h| {
+            read(h) >= at + DISK_READS_AFTER
+        })?;
+    }
     let guest = dst.telemetry();
     let pause_ms = guest.migration_pause_ns.unwrap_or(0) as f64 / 1e6;
     src.stop(StopReason::Requested("benchmark done".into()));
@@ -641,7 +680,7 @@ pub(super) fn wait(
 
 /// Bytes per second of one loopback TCP stream carrying `bytes` from a writer thread to a
 /// reader thread, in 1 MiB writes and reads: the reference a migration's data rate is held to.
-fn raw_tcp(bytes: u64) -> anyhow::Result<f64> {
+pub(super) fn raw_tcp(bytes: u64) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let reader = std::thread::spawn(move || -> std::io::Result<u64> {

@@ -1,0 +1,77 @@
+//! A VM with a disk through the `ferry` binary: `ferry run --disk`, and `ferry migrate
+//! --disk-copy` between two `ferry run` processes whose images are files of their own, the
+//! destination's guest re-reading every block it wrote.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RunningVm, destination_with, ferry_output, start_migrate, stderr};
+
+/// The guest's disk counter `name` in `ferry status`.
+fn disk(vm: &RunningVm, name: &str) -> u64 {
+    vm.status()["guest"]["disk"][name].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn a_missing_image_is_refused_before_boot_with_the_command_that_makes_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nothing.img");
+    let out = ferry_output(&[
+        "run",
+        "--disk",
+        missing.to_str().unwrap(),
+        "--serial",
+        "none",
+    ]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("nothing.img") && e.contains("truncate -s"),
+        "{e}"
+    );
+    let out = ferry_output(&["run", "--disk", "x.img,cache=sometimes", "--serial", "none"]);
+    assert_eq!(out.status.code(), Some(2), "a bad option is a usage error");
+    assert!(stderr(&out).contains("cache="), "{}", stderr(&out));
+}
+
+#[test]
+fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
+    let images = tempfile::tempdir().unwrap();
+    let source_image = images.path().join("source.img");
+    std::fs::File::create(&source_image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let copy = images.path().join("copy.img");
+    let src = RunningVm::start_with(
+        "256M",
+        "ws=16M rate=20 disk=16M disk-rate=4 verify-ms=200 log-ms=0",
+        &["--disk", source_image.to_str().unwrap()],
+    );
+    src.wait_until("the API socket", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    src.wait_until("disk writes", Duration::from_secs(60), |vm| {
+        disk(vm, "blocks_written") >= 200
+    });
+    let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let migrate = start_migrate(&src, port, &["--disk-copy"]);
+    let out = migrate.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
+    assert!(stdout.contains("iterative state"), "{stdout}");
+    assert!(copy.exists(), "the copy became the destination's image");
+    let sweeps = disk(&dst, "sweeps");
+    dst.wait_until("two whole disk sweeps", Duration::from_secs(90), |vm| {
+        disk(vm, "sweeps") >= sweeps + 2
+    });
+    assert_eq!(
+        disk(&dst, "verify_failures"),
+        0,
+        "{}",
+        dst.status()["guest"]
+    );
+    assert_eq!(disk(&dst, "request_errors"), 0, "{}", dst.status()["guest"]);
+    dst.assert_verifies_clean();
+}
