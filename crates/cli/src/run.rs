@@ -570,17 +570,7 @@ fn restore(
 ) -> anyhow::Result<Vm> {
     use ferry_migrate::snapshot::Loading;
     let what = ferry_vmm::snapshot::describe(file).context("cannot restore the snapshot")?;
-    match (what.disk, &config.disk) {
-        (true, None) => anyhow::bail!(
-            "{} is a snapshot of a VM with a disk, which a snapshot does not hold: give --disk with the image as it was when the snapshot was taken (a copy of it, for a clone)",
-            file.display()
-        ),
-        (false, Some(_)) => anyhow::bail!(
-            "{} is a snapshot of a VM without a disk: restore it without --disk",
-            file.display()
-        ),
-        _ => {}
-    }
+    what.check_disk(file, config.disk.is_some())?;
     let config = what.config(config);
     let loading = if lazy { Loading::Lazy } else { Loading::Eager };
     let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, hot_first)

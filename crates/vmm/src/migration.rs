@@ -414,6 +414,8 @@ pub struct SourceAdapter {
     holds_ban: bool,
     /// A disk no host shares, copied as iterative state (`--disk-copy`).
     disk_copy: DiskCopy,
+    /// The disk's image synced in the background while the dirty log runs (`vm/disk.rs`).
+    writeback: Option<crate::vm::disk::Writeback>,
 }
 
 /// What the iterative-state calls answer without a disk copy under way.
@@ -449,6 +451,7 @@ impl VmHandle {
             handle: self.clone(),
             holds_ban: false,
             disk_copy: DiskCopy::Off,
+            writeback: None,
         }
     }
 
@@ -476,6 +479,7 @@ unsafe impl SourceVm for SourceAdapter {
         }
         self.shared.ram.track_writes(true);
         self.shared.dirty_limit.reset_slept();
+        self.writeback = self.shared.start_writeback();
         let logged = self
             .shared
             .kvm
@@ -507,6 +511,7 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     fn stop_dirty_log(&mut self) {
+        self.writeback = None;
         if std::mem::take(&mut self.holds_ban) {
             self.shared.holds.lift_discard();
         }

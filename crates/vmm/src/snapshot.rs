@@ -146,7 +146,29 @@ pub struct SnapshotVm {
     pub disk: bool,
 }
 
+/// Why a snapshot cannot be restored with the disk it was given.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SnapshotDiskError {
+    #[error(
+        "{0} is a snapshot of a VM with a disk, which a snapshot does not hold: give --disk with the image as it was when the snapshot was taken (a copy of it, for a clone)"
+    )]
+    NoDisk(String),
+    #[error("{0} is a snapshot of a VM without a disk: restore it without --disk")]
+    Disk(String),
+}
+
 impl SnapshotVm {
+    /// Refuses a restore of `file` whose `--disk` (given or not) does not match the VM the
+    /// snapshot was taken of.
+    pub fn check_disk(&self, file: &Path, given: bool) -> Result<(), SnapshotDiskError> {
+        let name = || file.display().to_string();
+        match (self.disk, given) {
+            (true, false) => Err(SnapshotDiskError::NoDisk(name())),
+            (false, true) => Err(SnapshotDiskError::Disk(name())),
+            _ => Ok(()),
+        }
+    }
+
     /// The VM to restore into: the snapshot's size, vCPUs and devices, the rest of `base`
     /// (serial, ...). Its guest is whatever kernel the snapshot holds, so it is
     /// [`GuestKind::Foreign`](crate::GuestKind::Foreign) whatever `base` booted: the built-in
@@ -250,6 +272,25 @@ pub fn loaded(handle: &VmHandle) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restore_needs_a_disk_exactly_when_the_snapshots_vm_had_one() {
+        let vm = |disk| SnapshotVm {
+            memory_bytes: 1 << 30,
+            vcpus: 1,
+            balloon: true,
+            disk,
+        };
+        let file = Path::new("vm.snap");
+        assert_eq!(vm(true).check_disk(file, true), Ok(()));
+        assert_eq!(vm(false).check_disk(file, false), Ok(()));
+        let e = vm(true).check_disk(file, false).unwrap_err().to_string();
+        assert!(e.contains("vm.snap") && e.contains("--disk"), "{e}");
+        assert!(matches!(
+            vm(false).check_disk(file, true),
+            Err(SnapshotDiskError::Disk(_))
+        ));
+    }
 
     /// Issue 48: a restore made its VM with the guest kind of the command line (the built-in
     /// guest by default), whose memory cap refused a snapshot of a larger `--guest` VM.

@@ -15,8 +15,8 @@ use serde_json::json;
 
 use ferry_migrate::source::PostcopyOrder;
 
-use super::channels::raw_tcp_streams;
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
+use super::raw_tcp::raw_tcp_streams;
 
 const GIB: u64 = 1 << 30;
 

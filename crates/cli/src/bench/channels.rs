@@ -13,8 +13,6 @@
 //!
 //! CPU seconds per GiB of guest RAM are reported for each side.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -244,7 +242,7 @@ fn migration_rows(
         let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
         let mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
         let raw = match raw_streams {
-            Some(n) => raw_tcp_streams(stats.bytes_sent, n)? / 1e6,
+            Some(n) => super::raw_tcp::raw_tcp_streams(stats.bytes_sent, n)? / 1e6,
             None => f64::NAN,
         };
         let gib = s.memory as f64 / GIB as f64;
@@ -309,55 +307,4 @@ fn cost(rows: &[serde_json::Value], label: &str, with: (bool, bool), base_tls: b
                     - 1.0),
         );
     }
-}
-
-/// Bytes per second of `n` loopback TCP streams carrying `bytes` in all, in parallel: the
-/// reference a migration over `n` channels is held to.
-pub(super) fn raw_tcp_streams(bytes: u64, n: u16) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let per = (bytes / u64::from(n)).max(1 << 20);
-    let start = Instant::now();
-    let writers: Vec<_> = (0..n)
-        .map(|_| {
-            std::thread::spawn(move || -> std::io::Result<()> {
-                let mut s = TcpStream::connect(addr)?;
-                let chunk = vec![0x5au8; 1 << 20];
-                let mut left = per;
-                while left > 0 {
-                    let k = left.min(chunk.len() as u64) as usize;
-                    s.write_all(&chunk[..k])?;
-                    left -= k as u64;
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    let mut readers = Vec::new();
-    for _ in 0..n {
-        let (mut s, _) = listener.accept()?;
-        readers.push(std::thread::spawn(move || {
-            let mut buf = vec![0u8; 1 << 20];
-            let mut total = 0u64;
-            while let Ok(k) = s.read(&mut buf) {
-                if k == 0 {
-                    break;
-                }
-                total += k as u64;
-            }
-            total
-        }));
-    }
-    for w in writers {
-        w.join().expect("writer thread")?;
-    }
-    let total: u64 = readers
-        .into_iter()
-        .map(|r| r.join().expect("reader thread"))
-        .sum();
-    anyhow::ensure!(
-        total == per * u64::from(n),
-        "the reference streams lost bytes"
-    );
-    Ok(total as f64 / start.elapsed().as_secs_f64())
 }

@@ -16,8 +16,8 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::json;
 
-use super::channels::raw_tcp_streams;
 use super::precopy::{BenchDisk, DestinationSetup, GUEST, Migrated, Scenario, migrate_into};
+use super::raw_tcp::raw_tcp_streams;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;

@@ -37,8 +37,9 @@ use ferry_migrate::PageLanding;
 use ferry_vmm::memory::GuestRam;
 use serde_json::json;
 
-use super::channels::{random_data, raw_tcp_streams};
+use super::channels::random_data;
 use super::precopy::{DestinationRam, DestinationSetup, migrate_into};
+use super::raw_tcp::raw_tcp_streams;
 
 #[derive(Debug, Args)]
 pub struct IngestBenchArgs {

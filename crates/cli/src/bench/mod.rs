@@ -17,6 +17,7 @@ mod postcopy;
 mod precopy;
 mod process;
 mod qemu;
+mod raw_tcp;
 mod scale;
 mod snapshot;
 mod soak;

@@ -16,8 +16,7 @@
 //! alone, with the default policy, and with postcopy on a stall; each row says how it finished,
 //! in how long, what the guest saw (pause, longest stall, throttle) and the bytes sent.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -228,7 +227,7 @@ fn loopback_rows(args: &PrecopyBenchArgs) -> anyhow::Result<Vec<serde_json::Valu
         }
         let sending_ms: f64 = stats.passes.iter().map(|p| p.duration_ms).sum();
         let data_mb_s = stats.bytes_sent as f64 / 1e3 / sending_ms.max(1e-3);
-        let raw_mb_s = raw_tcp(stats.bytes_sent.max(1 << 20))? / 1e6;
+        let raw_mb_s = super::raw_tcp::raw_tcp(stats.bytes_sent.max(1 << 20))? / 1e6;
         println!(
             "{:<26} {:>5} {:>9.0} {:>9.1} {:>9.1} {:>6} {:>9.1} {:>8.0} {:>8.0} {:>6.2}",
             s.name,
@@ -676,37 +675,4 @@ pub(super) fn wait(
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(())
-}
-
-/// Bytes per second of one loopback TCP stream carrying `bytes` from a writer thread to a
-/// reader thread, in 1 MiB writes and reads: the reference a migration's data rate is held to.
-pub(super) fn raw_tcp(bytes: u64) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let reader = std::thread::spawn(move || -> std::io::Result<u64> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut total = 0;
-        loop {
-            match s.read(&mut buf)? {
-                0 => return Ok(total),
-                n => total += n as u64,
-            }
-        }
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let chunk = vec![0x5au8; 1 << 20];
-    let start = Instant::now();
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(chunk.len() as u64) as usize;
-        s.write_all(&chunk[..n])?;
-        left -= n as u64;
-    }
-    drop(s);
-    let received = reader.join().expect("reader thread")?;
-    let elapsed = start.elapsed().as_secs_f64();
-    anyhow::ensure!(received == bytes, "the reference stream lost bytes");
-    Ok(bytes as f64 / elapsed)
 }

@@ -25,15 +25,15 @@ const SECTOR: u64 = ferry_guest_abi::virtio::blk::SECTOR_SIZE;
 const DATA: u32 = 0;
 const ZEROS: u32 = 1;
 
-/// One range of a copied disk.
+/// One range of a copied disk, over the bytes it was read from.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Chunk {
+pub struct Chunk<'a> {
     /// The disk's size in bytes.
     pub capacity: u64,
     pub offset: u64,
     pub len: u64,
     /// The range's bytes (`len` of them), or `None` when it reads as zeros.
-    pub data: Option<Vec<u8>>,
+    pub data: Option<&'a [u8]>,
 }
 
 /// Why a chunk was refused.
@@ -55,24 +55,37 @@ pub enum ChunkError {
     Length { len: u64, got: usize },
 }
 
-impl Chunk {
+/// Writes a chunk's header into `out` (its first [`HEADER`] bytes): the range
+/// `offset..offset + len` of a disk of `capacity` bytes, followed by its bytes or, with
+/// `zeros`, by nothing.
+pub fn write_header(out: &mut [u8], capacity: u64, offset: u64, len: u64, zeros: bool) {
+    let kind = if zeros { ZEROS } else { DATA };
+    out[0..8].copy_from_slice(&capacity.to_le_bytes());
+    out[8..16].copy_from_slice(&offset.to_le_bytes());
+    out[16..20].copy_from_slice(&(len as u32).to_le_bytes());
+    out[20..24].copy_from_slice(&kind.to_le_bytes());
+    out[24..HEADER].fill(0);
+}
+
+impl Chunk<'_> {
     /// The chunk's bytes, header first.
     pub fn encode(&self) -> Vec<u8> {
-        let body = self.data.as_deref().unwrap_or(&[]);
-        let mut out = Vec::with_capacity(HEADER + body.len());
-        out.extend_from_slice(&self.capacity.to_le_bytes());
-        out.extend_from_slice(&self.offset.to_le_bytes());
-        out.extend_from_slice(&(self.len as u32).to_le_bytes());
-        let kind = if self.data.is_some() { DATA } else { ZEROS };
-        out.extend_from_slice(&kind.to_le_bytes());
-        out.extend_from_slice(&[0; 8]);
-        out.extend_from_slice(body);
+        let body = self.data.unwrap_or(&[]);
+        let mut out = vec![0; HEADER + body.len()];
+        write_header(
+            &mut out,
+            self.capacity,
+            self.offset,
+            self.len,
+            self.data.is_none(),
+        );
+        out[HEADER..].copy_from_slice(body);
         out
     }
 
     /// Reads and checks a chunk: its range within its disk in whole sectors, and as many
     /// bytes as its range when it carries data.
-    pub fn decode(bytes: &[u8]) -> Result<Chunk, ChunkError> {
+    pub fn decode(bytes: &[u8]) -> Result<Chunk<'_>, ChunkError> {
         if bytes.len() < HEADER {
             return Err(ChunkError::Short(bytes.len()));
         }
@@ -90,7 +103,7 @@ impl Chunk {
         }
         let body = &bytes[HEADER..];
         let data = match u32_at(20) {
-            DATA if body.len() as u64 == len => Some(body.to_vec()),
+            DATA if body.len() as u64 == len => Some(body),
             ZEROS if body.is_empty() => None,
             DATA | ZEROS => {
                 return Err(ChunkError::Length {
@@ -115,11 +128,12 @@ mod tests {
 
     #[test]
     fn a_chunk_round_trips_with_data_or_as_zeros() {
+        let bytes: Vec<u8> = (0..1024).map(|i| i as u8).collect();
         let data = Chunk {
             capacity: 1 << 20,
             offset: 4096,
             len: 1024,
-            data: Some((0..1024).map(|i| i as u8).collect()),
+            data: Some(&bytes),
         };
         assert_eq!(Chunk::decode(&data.encode()), Ok(data.clone()));
         let zeros = Chunk { data: None, ..data };
@@ -130,24 +144,26 @@ mod tests {
 
     #[test]
     fn a_chunk_outside_its_disk_or_with_the_wrong_body_is_refused() {
+        static ONES: [u8; 512] = [1; 512];
+        static SHORT: [u8; 511] = [1; 511];
         let good = Chunk {
             capacity: 1 << 20,
             offset: 0,
             len: 512,
-            data: Some(vec![1; 512]),
+            data: Some(&ONES),
         };
-        let with = |f: &dyn Fn(&mut Chunk)| {
+        let with = |f: &dyn Fn(&mut Chunk<'static>)| {
             let mut c = good.clone();
             f(&mut c);
-            Chunk::decode(&c.encode())
+            Chunk::decode(&c.encode()).map(|c| (c.offset, c.len))
         };
-        let range = |r: Result<Chunk, ChunkError>| matches!(r, Err(ChunkError::Range { .. }));
+        let range = |r: Result<(u64, u64), ChunkError>| matches!(r, Err(ChunkError::Range { .. }));
         assert!(range(with(&|c| c.offset = 100)));
         assert!(range(with(&|c| c.offset = (1 << 20) - 256)));
         assert!(range(with(&|c| c.offset = u64::MAX - 511)));
         assert!(range(with(&|c| {
             c.len = 0;
-            c.data = Some(vec![]);
+            c.data = Some(&[]);
         })));
         assert!(range(with(&|c| {
             c.capacity = 1 << 30;
@@ -155,7 +171,7 @@ mod tests {
             c.data = None;
         })));
         assert_eq!(
-            with(&|c| c.data = Some(vec![1; 511])),
+            with(&|c| c.data = Some(&SHORT)),
             Err(ChunkError::Length { len: 512, got: 511 })
         );
         let mut bytes = good.encode();

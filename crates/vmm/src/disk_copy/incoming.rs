@@ -86,7 +86,7 @@ impl IncomingCopy {
 
     /// Writes one chunk. A range of zeros is written as zeros: the file started sparse, so
     /// only a range the copy wrote with data before reads otherwise.
-    pub fn apply(&mut self, chunk: &Chunk) -> Result<(), IncomingError> {
+    pub fn apply(&mut self, chunk: &Chunk<'_>) -> Result<(), IncomingError> {
         if chunk.capacity != self.capacity {
             return Err(IncomingError::Capacity(self.capacity, chunk.capacity));
         }

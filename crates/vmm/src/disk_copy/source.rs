@@ -15,7 +15,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
-use super::chunk::{self, Chunk};
+use super::chunk;
 
 /// The granule the device marks writes in, bytes.
 pub const GRANULE: u64 = crate::devices::virtio::blk::DIRTY_CHUNK;
@@ -52,7 +52,6 @@ pub struct SourceCopy {
     first_left: u64,
     /// Granules taken from the device's marks and not sent yet.
     again: VecDeque<u64>,
-    buf: Vec<u8>,
     pub stats: CopyStats,
 }
 
@@ -75,19 +74,18 @@ impl SourceCopy {
             first: Some(0),
             first_left: allocated,
             again: VecDeque::new(),
-            buf: Vec::new(),
             stats: CopyStats::default(),
         })
     }
 
-    /// The next chunk of at most `max_bytes` (header included): the first pass's next
-    /// allocated range, else a granule written since it was read; `None` when neither is left
-    /// now.
+    /// The next chunk of at most `max_bytes` (header included), encoded: the first pass's
+    /// next allocated range, else a run of granules written since they were read; `None` when
+    /// neither is left now.
     pub fn next(
         &mut self,
         max_bytes: usize,
         written: &mut dyn Written,
-    ) -> std::io::Result<Option<Chunk>> {
+    ) -> std::io::Result<Option<Vec<u8>>> {
         let most = (max_bytes.saturating_sub(chunk::HEADER) as u64).min(chunk::MAX_RANGE) / SECTOR
             * SECTOR;
         assert!(most >= GRANULE, "a chunk holds a granule");
@@ -143,26 +141,30 @@ impl SourceCopy {
         Ok(Some((start, end - start)))
     }
 
-    fn read(&mut self, offset: u64, len: u64) -> std::io::Result<Chunk> {
-        self.buf.resize(len as usize, 0);
-        self.image.read_exact_at(&mut self.buf, offset)?;
+    /// The range read straight into its chunk, after the header: one copy out of the file.
+    fn read(&mut self, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        let mut out = vec![0u8; chunk::HEADER + len as usize];
+        self.image
+            .read_exact_at(&mut out[chunk::HEADER..], offset)?;
         self.stats.chunks += 1;
-        let zeros = self.buf.iter().all(|&b| b == 0);
-        let data = match zeros {
+        let zeros = is_zero(&out[chunk::HEADER..]);
+        match zeros {
             true => {
                 self.stats.zero_bytes += len;
-                None
+                out.truncate(chunk::HEADER);
             }
-            false => {
-                self.stats.data_bytes += len;
-                Some(self.buf.clone())
-            }
-        };
-        Ok(Chunk {
-            capacity: self.capacity,
-            offset,
-            len,
-            data,
-        })
+            false => self.stats.data_bytes += len,
+        }
+        chunk::write_header(&mut out, self.capacity, offset, len, zeros);
+        Ok(out)
     }
+}
+
+/// Whether every byte of `bytes` is zero, a word at a time.
+fn is_zero(bytes: &[u8]) -> bool {
+    let (words, rest) = bytes.split_at(bytes.len() / 8 * 8);
+    words
+        .chunks_exact(8)
+        .all(|w| u64::from_ne_bytes(w.try_into().unwrap()) == 0)
+        && rest.iter().all(|&b| b == 0)
 }

@@ -41,8 +41,7 @@ fn send_all(src: &mut SourceCopy, marks: &mut Marks, dst: &mut IncomingCopy) -> 
         .next(ferry_migrate::wire::MAX_SECTION_BYTES as usize, marks)
         .unwrap()
     {
-        let c = Chunk::decode(&c.encode()).unwrap();
-        dst.apply(&c).unwrap();
+        dst.apply(&Chunk::decode(&c).unwrap()).unwrap();
         n += 1;
     }
     n
@@ -109,7 +108,7 @@ fn a_copy_that_does_not_finish_leaves_nothing_behind() {
         capacity: MIB,
         offset: 0,
         len: 512,
-        data: Some(vec![5; 512]),
+        data: Some(&[5; 512]),
     })
     .unwrap();
     let part = dir.path().join("copy.img.ferry-incoming");

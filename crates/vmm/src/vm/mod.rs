@@ -18,7 +18,7 @@
 
 pub mod build;
 pub mod config;
-mod disk;
+pub(crate) mod disk;
 pub mod handle;
 pub mod holds;
 #[allow(unsafe_code)] // registers the vCPU's kvm_run for kicks
