@@ -258,7 +258,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let disk_clean = match &after.disk {
         Some(d) => {
             println!(
-                "guest disk:    {} blocks written, {} read back ({} whole sweeps on the destination), {} bad, {} request errors{}",
+                "guest disk            {} blocks written, {} read back ({} whole sweeps on the destination), {} bad, {} request errors{}",
                 d.blocks_written,
                 d.blocks_read,
                 d.sweeps - sweeps(&resumed),

@@ -21,30 +21,13 @@ use ferry_guest_abi::PAGE_SIZE;
 use ferry_guest_abi::params::{FREE_BLOCK, MmioDevice};
 use ferry_guest_abi::virtio::{self, balloon};
 
-use super::virtio_mmio::{Transport, VERSION_1};
+use super::virtio_mmio::{Desc, Transport, UsedElem, VERSION_1};
 
 /// Descriptors per queue: a notification per 63 hints, ~50 for 6 GiB of free memory.
 const QUEUE_SIZE: usize = 64;
 const INFLATE: usize = 0;
 const DEFLATE: usize = 1;
 const FREE_PAGE: usize = 2;
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Desc {
-    addr: u64,
-    len: u32,
-    flags: u16,
-    next: u16,
-}
-
-/// An entry of the device (used) ring.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UsedElem {
-    id: u32,
-    len: u32,
-}
 
 /// One split queue: descriptors at 0, the driver (avail) ring at 1024, the device (used) ring
 /// at 2048, all in one page of the image (which is identity mapped, so an address is a GPA).

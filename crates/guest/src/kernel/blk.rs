@@ -21,7 +21,7 @@ use ferry_guest_abi::params::MmioDevice;
 use ferry_guest_abi::virtio::{self, blk};
 
 use super::clock::Clock;
-use super::virtio_mmio::{Refusal, Transport, VERSION_1};
+use super::virtio_mmio::{Desc, Refusal, Transport, UsedElem, VERSION_1};
 
 /// Descriptors in the queue: one request of three is all the driver has in flight; eight is
 /// the next power of two (split queue sizes are powers of two) with room to spare.
@@ -39,22 +39,6 @@ const NO_STATUS: u8 = 0xff;
 /// `VIRTQ_AVAIL_F_NO_INTERRUPT` (virtio 1.2, 2.7.7): the driver polls, so the device need
 /// not raise its interrupt for each request (a hint the device may ignore).
 const AVAIL_F_NO_INTERRUPT: u16 = 1;
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Desc {
-    addr: u64,
-    len: u32,
-    flags: u16,
-    next: u16,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UsedElem {
-    id: u32,
-    len: u32,
-}
 
 /// The split queue: descriptors at 0, the driver (avail) ring at 1024, the device (used) ring
 /// at 2048, in one page (the layout balloon.rs uses).

@@ -200,3 +200,21 @@ impl Transport {
 
 /// `VIRTIO_F_VERSION_1` as a bit of the 64-bit feature set.
 pub const VERSION_1: u64 = 1 << virtio::F_VERSION_1;
+
+/// A split queue's descriptor (virtio 1.2, 2.7.5), as both drivers lay their queues out.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Desc {
+    pub addr: u64,
+    pub len: u32,
+    pub flags: u16,
+    pub next: u16,
+}
+
+/// An entry of the device (used) ring (2.7.8).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UsedElem {
+    pub id: u32,
+    pub len: u32,
+}
