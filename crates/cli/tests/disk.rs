@@ -75,3 +75,59 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     assert_eq!(disk(&dst, "request_errors"), 0, "{}", dst.status()["guest"]);
     dst.assert_verifies_clean();
 }
+
+#[test]
+fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_back_clean() {
+    let images = tempfile::tempdir().unwrap();
+    let image = images.path().join("vm.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let src = RunningVm::start_with(
+        "256M",
+        "ws=16M rate=20 disk=16M disk-rate=4 verify-ms=200 log-ms=0",
+        &["--disk", image.to_str().unwrap()],
+    );
+    src.wait_until("the API socket", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    src.wait_until("disk writes", Duration::from_secs(60), |vm| {
+        disk(vm, "blocks_written") >= 200
+    });
+    // Saved with the guest left paused, so the image copied next is the one the state
+    // describes (flushed by the save).
+    let file = images.path().join("vm.snap");
+    let out = src.snapshot(&file, &["--stop"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let copy = images.path().join("vm-at-snap.img");
+    std::fs::copy(&image, &copy).unwrap();
+    drop(src);
+    let without = ferry_output(&[
+        "run",
+        "--restore",
+        file.to_str().unwrap(),
+        "--serial",
+        "none",
+    ]);
+    assert!(!without.status.success());
+    assert!(stderr(&without).contains("--disk"), "{}", stderr(&without));
+    let restored = RunningVm::restore(&file, &["--disk", copy.to_str().unwrap()]);
+    let sweeps = disk(&restored, "sweeps");
+    restored.wait_until("two whole disk sweeps", Duration::from_secs(90), |vm| {
+        disk(vm, "sweeps") >= sweeps + 2
+    });
+    assert_eq!(
+        disk(&restored, "verify_failures"),
+        0,
+        "{}",
+        restored.status()["guest"]
+    );
+    assert_eq!(
+        disk(&restored, "request_errors"),
+        0,
+        "{}",
+        restored.status()["guest"]
+    );
+    restored.assert_verifies_clean();
+}
