@@ -131,3 +131,45 @@ fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_ba
     );
     restored.assert_verifies_clean();
 }
+
+#[test]
+fn a_local_handover_takes_the_disk_along_and_every_block_reads_back() {
+    let images = tempfile::tempdir().unwrap();
+    let image = images.path().join("vm.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let disk_arg = ["--disk", image.to_str().unwrap()];
+    let src = RunningVm::start_with(
+        "512M",
+        "ws=16M rate=20 disk=16M disk-rate=4 verify-ms=200 log-ms=0",
+        &disk_arg,
+    );
+    src.wait_until("the API socket", Duration::from_secs(30), |vm| {
+        vm.socket.exists()
+    });
+    src.wait_until("disk writes", Duration::from_secs(60), |vm| {
+        disk(vm, "blocks_written") >= 200
+    });
+    // The same image on the same host: the destination opens it when the state arrives.
+    let (dst, to) = common::unix_destination("512M", &disk_arg);
+    let out = common::ferry()
+        .args(["migrate", "--local", "--to", &to, "--api-socket"])
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let sweeps = disk(&dst, "sweeps");
+    dst.wait_until("two whole disk sweeps", Duration::from_secs(90), |vm| {
+        disk(vm, "sweeps") >= sweeps + 2
+    });
+    assert_eq!(
+        disk(&dst, "verify_failures"),
+        0,
+        "{}",
+        dst.status()["guest"]
+    );
+    assert_eq!(disk(&dst, "request_errors"), 0, "{}", dst.status()["guest"]);
+    dst.assert_verifies_clean();
+}
