@@ -415,7 +415,7 @@ pub struct SourceAdapter {
     /// A disk no host shares, copied as iterative state (`--disk-copy`).
     disk_copy: DiskCopy,
     /// The disk's image synced in the background while the dirty log runs (`vm/disk.rs`).
-    writeback: Option<crate::vm::disk::Writeback>,
+    writeback: Option<crate::disk_copy::Writeback>,
 }
 
 /// What the iterative-state calls answer without a disk copy under way.

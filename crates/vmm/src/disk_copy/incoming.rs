@@ -40,6 +40,9 @@ pub struct IncomingCopy {
     pub data_bytes: u64,
     pub zero_bytes: u64,
     finished: bool,
+    /// Syncs the copy as it arrives, so the guest's first flush after the resume does not
+    /// write all of it.
+    _writeback: Option<super::Writeback>,
 }
 
 impl IncomingCopy {
@@ -71,6 +74,7 @@ impl IncomingCopy {
             .truncate(true)
             .open(&part)
             .map_err(io)?;
+        let writeback = file.try_clone().ok().and_then(super::Writeback::start);
         let copy = IncomingCopy {
             image: image.into(),
             part,
@@ -79,6 +83,7 @@ impl IncomingCopy {
             data_bytes: 0,
             zero_bytes: 0,
             finished: false,
+            _writeback: writeback,
         };
         copy.file.set_len(capacity).map_err(|e| copy.io(e))?;
         Ok(copy)
@@ -114,9 +119,10 @@ impl IncomingCopy {
     }
 
     /// Makes the copy the image: renamed over the path the user named. Not synced here: that
-    /// would be in the guest's pause (about 100 ms for 40 MB here). The copy's data is as
-    /// durable as a write the guest has not flushed yet, and the guest's next flush (an
-    /// fdatasync of the same file) makes it durable.
+    /// would be in the guest's pause (about 100 ms for 40 MB here). A background thread
+    /// synced it as it arrived; what came since its last sync is as durable as a write the
+    /// guest has not flushed yet, and the guest's next flush (an fdatasync of the same file)
+    /// makes it durable.
     pub fn finish(mut self) -> Result<(), IncomingError> {
         std::fs::rename(&self.part, &self.image).map_err(|e| self.io(e))?;
         self.finished = true;

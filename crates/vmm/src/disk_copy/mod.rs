@@ -7,14 +7,17 @@
 //! - `chunk`: one range on the wire.
 //! - `source`: the source's passes over its image.
 //! - `incoming`: the destination's file, which becomes the image at the state load.
+//! - `writeback`: a file synced in the background while data is written to it in bulk.
 
 pub mod chunk;
 pub mod incoming;
 pub mod source;
+pub mod writeback;
 
 pub use chunk::Chunk;
 pub use incoming::{IncomingCopy, IncomingError};
 pub use source::{CopyStats, GRANULE, SourceCopy, Written};
+pub use writeback::Writeback;
 
 #[cfg(test)]
 mod tests;

@@ -20,9 +20,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::sync::Mutex;
 
 use ferry_migrate::{Section, VmError};
 use serde::Serialize;
@@ -30,7 +28,7 @@ use serde::Serialize;
 use super::shared::Shared;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::blk::{Block, BlockError, BlockStats};
-use crate::disk_copy::{Chunk, IncomingCopy, SourceCopy, Written, chunk};
+use crate::disk_copy::{Chunk, IncomingCopy, SourceCopy, Writeback, Written, chunk};
 use crate::section_ids::DISK_BLOCKS;
 
 /// The disk's instance among the virtio-mmio devices' sections (the balloon is 0), and of its
@@ -140,55 +138,14 @@ impl Shared {
     }
 }
 
-/// How often [`Writeback`] syncs the image.
-const WRITEBACK_EVERY: Duration = Duration::from_millis(50);
-
-/// While a migration runs, a thread that syncs the disk's image every [`WRITEBACK_EVERY`], so
-/// that the flush in the pause finds only the last moments' writes to sync: a guest writing
-/// 50 MB/s left about 15 ms of sync for the pause without it (`ferry bench disk`). Stops
-/// and joins its thread when dropped.
-#[derive(Debug)]
-pub(crate) struct Writeback {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
-}
-
 impl Shared {
-    /// Starts syncing the disk's image in the background; `None` without an open disk.
+    /// Starts syncing the disk's image in the background (`disk_copy::Writeback`): the
+    /// flush in the pause then finds only the last moments' writes. `None` without an open
+    /// disk.
     pub(crate) fn start_writeback(&self) -> Option<Writeback> {
         let disk = self.disk.as_ref()?;
         let (image, _) = disk.lock().unwrap().device().image_for_copy().ok()?;
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("disk-writeback".into())
-            .spawn(move || {
-                let (stopped, wake) = &*flag;
-                let mut s = stopped.lock().unwrap();
-                while !*s {
-                    s = wake.wait_timeout(s, WRITEBACK_EVERY).unwrap().0;
-                    if !*s && let Err(e) = image.sync_data() {
-                        tracing::warn!("cannot sync the disk's image ahead of the pause: {e}");
-                        return;
-                    }
-                }
-            })
-            .ok()?;
-        Some(Writeback {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for Writeback {
-    fn drop(&mut self) {
-        let (stopped, wake) = &*self.stop;
-        *stopped.lock().unwrap() = true;
-        wake.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        Writeback::start(image)
     }
 }
 
