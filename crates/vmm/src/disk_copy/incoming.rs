@@ -10,7 +10,11 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
 use super::chunk::Chunk;
+use super::writeback::{Progress, Writeback};
 
 /// Why a chunk could not land, or the copy could not become the image.
 #[derive(Debug, thiserror::Error)]
@@ -40,10 +44,15 @@ pub struct IncomingCopy {
     pub data_bytes: u64,
     pub zero_bytes: u64,
     finished: bool,
-    /// Syncs the copy as it arrives, so the guest's first flush after the resume does not
-    /// write all of it.
-    _writeback: Option<super::Writeback>,
+    /// Syncs the copy as it arrives and counts what is on storage ([`IncomingCopy::ready`]).
+    progress: Arc<Progress>,
+    _writeback: Option<Writeback>,
 }
+
+/// The most of a copy not yet on storage with which the destination says it is ready for the
+/// switchover: what the guest's first flush after the resume may have to write (about 0.1 s
+/// of this host's storage).
+pub const READY_UNSYNCED: u64 = 32 << 20;
 
 impl IncomingCopy {
     /// Starts the copy of a disk of `capacity` bytes that will become `image`, which must be
@@ -74,7 +83,11 @@ impl IncomingCopy {
             .truncate(true)
             .open(&part)
             .map_err(io)?;
-        let writeback = file.try_clone().ok().and_then(super::Writeback::start);
+        let progress = Arc::new(Progress::default());
+        let writeback = file
+            .try_clone()
+            .ok()
+            .and_then(|f| Writeback::tracking(f, progress.clone()));
         let copy = IncomingCopy {
             image: image.into(),
             part,
@@ -83,6 +96,7 @@ impl IncomingCopy {
             data_bytes: 0,
             zero_bytes: 0,
             finished: false,
+            progress,
             _writeback: writeback,
         };
         copy.file.set_len(capacity).map_err(|e| copy.io(e))?;
@@ -101,6 +115,7 @@ impl IncomingCopy {
                     .write_all_at(data, chunk.offset)
                     .map_err(|e| self.io(e))?;
                 self.data_bytes += chunk.len;
+                self.progress.written.fetch_add(chunk.len, Ordering::AcqRel);
             }
             None => {
                 let zeros = vec![0u8; chunk.len as usize];
@@ -108,9 +123,18 @@ impl IncomingCopy {
                     .write_all_at(&zeros, chunk.offset)
                     .map_err(|e| self.io(e))?;
                 self.zero_bytes += chunk.len;
+                self.progress.written.fetch_add(chunk.len, Ordering::AcqRel);
             }
         }
         Ok(())
+    }
+
+    /// Whether all but [`READY_UNSYNCED`] of what arrived is on storage: the destination's
+    /// readiness for the switchover (QEMU's switchover-ack), so that the guest does not pay
+    /// for the copy's writeback after its resume.
+    pub fn ready(&self) -> bool {
+        let written = self.progress.written.load(Ordering::Acquire);
+        written.saturating_sub(self.progress.synced.load(Ordering::Acquire)) <= READY_UNSYNCED
     }
 
     /// The disk's size, as the chunks say.
@@ -120,9 +144,9 @@ impl IncomingCopy {
 
     /// Makes the copy the image: renamed over the path the user named. Not synced here: that
     /// would be in the guest's pause (about 100 ms for 40 MB here). A background thread
-    /// synced it as it arrived; what came since its last sync is as durable as a write the
-    /// guest has not flushed yet, and the guest's next flush (an fdatasync of the same file)
-    /// makes it durable.
+    /// synced it as it arrived, and the switchover waited for it ([`IncomingCopy::ready`]);
+    /// what came since its last sync is as durable as a write the guest has not flushed yet,
+    /// and the guest's next flush (an fdatasync of the same file) makes it durable.
     pub fn finish(mut self) -> Result<(), IncomingError> {
         std::fs::rename(&self.part, &self.image).map_err(|e| self.io(e))?;
         self.finished = true;

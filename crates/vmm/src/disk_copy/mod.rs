@@ -12,6 +12,7 @@
 pub mod chunk;
 pub mod incoming;
 pub mod source;
+#[allow(unsafe_code)] // sync_file_range, which std does not wrap
 pub mod writeback;
 
 pub use chunk::Chunk;

@@ -141,3 +141,31 @@ fn a_copy_refuses_to_overwrite_an_image_that_holds_data_or_a_chunk_of_another_di
         Err(IncomingError::Capacity(..))
     ));
 }
+
+#[test]
+fn a_copy_is_ready_for_the_switchover_once_nearly_all_of_it_is_on_storage() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("copy.img");
+    let mut dst = IncomingCopy::begin(&target, 128 * MIB).unwrap();
+    let data = vec![3u8; MIB as usize];
+    for i in 0..64 {
+        dst.apply(&Chunk {
+            capacity: 128 * MIB,
+            offset: i * MIB,
+            len: MIB,
+            data: Some(&data),
+        })
+        .unwrap();
+    }
+    // 64 MiB arrived, more than may be left unsynced: ready only once a sync covered it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !dst.ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "64 MiB not on storage after 30 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    dst.finish().unwrap();
+    assert_eq!(std::fs::metadata(&target).unwrap().len(), 128 * MIB);
+}

@@ -92,11 +92,12 @@ unsafe impl DestinationVm for IncomingVm {
         self.shared.take_disk_chunk(chunk)
     }
 
-    /// A VM with a disk takes a copy of it; it is ready whenever the source is, the source
-    /// counting what is left of the disk as left to send.
+    /// A VM with a disk takes a copy of it, and is ready for the switchover once what
+    /// arrived of it is nearly all on storage (`vm/disk.rs`); the source counts what is left
+    /// of the disk as left to send.
     fn state_ready(&self) -> Result<bool, VmError> {
         match self.shared.disk {
-            Some(_) => Ok(true),
+            Some(_) => Ok(self.shared.disk_ready()),
             None => Err(VmError::Unsupported {
                 operation: "iterative device state (the VM has no disk)",
             }),

@@ -107,6 +107,16 @@ impl Shared {
         }
     }
 
+    /// Whether the disk is ready for the switchover: no copy arriving, or one nearly all on
+    /// storage (`IncomingCopy::ready`).
+    pub(crate) fn disk_ready(&self) -> bool {
+        self.disk_arriving
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_none_or(IncomingCopy::ready)
+    }
+
     /// Writes a chunk of the source's disk into the file that becomes this VM's image.
     pub(crate) fn take_disk_chunk(&self, section: &Section) -> Result<(), VmError> {
         let fail = |e: String| VmError::failed("take a chunk of the source's disk", e);
