@@ -7,7 +7,7 @@
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
@@ -23,6 +23,11 @@ pub enum IncomingError {
         "the destination's image {path} holds {bytes} bytes: a disk copy writes only into an empty or missing file, so that no data is overwritten; give a new path to --disk, or remove the file"
     )]
     NotEmpty { path: PathBuf, bytes: u64 },
+    #[error(
+        "{} is in the way of the disk copy (left by a migration that was killed?); remove it and start the migration again",
+        path.display()
+    )]
+    InTheWay { path: PathBuf },
     #[error("the source's disk is {0} bytes in one chunk and {1} in another")]
     Capacity(u64, u64),
     #[error("cannot write the copied disk to {path}: {source}")]
@@ -76,13 +81,18 @@ impl IncomingCopy {
         let mut part = image.as_os_str().to_owned();
         part.push(".ferry-incoming");
         let part = PathBuf::from(part);
+        // A file of its own, made here (O_EXCL: never through a link someone planted, never
+        // over a file that is there) and readable by this user alone: it holds the guest's disk.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o600)
             .open(&part)
-            .map_err(io)?;
+            .map_err(|source| match source.kind() {
+                std::io::ErrorKind::AlreadyExists => IncomingError::InTheWay { path: part.clone() },
+                _ => io(source),
+            })?;
         let progress = Arc::new(Progress::default());
         let writeback = file
             .try_clone()

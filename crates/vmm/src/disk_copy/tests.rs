@@ -112,7 +112,13 @@ fn a_copy_that_does_not_finish_leaves_nothing_behind() {
     })
     .unwrap();
     let part = dir.path().join("copy.img.ferry-incoming");
-    assert!(part.exists());
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&part).unwrap().permissions().mode();
+    assert_eq!(
+        mode & 0o777,
+        0o600,
+        "the guest's disk is readable by its user alone"
+    );
     drop(dst);
     assert!(!part.exists(), "the unfinished copy was removed");
     assert!(!target.exists(), "and no image appeared");
@@ -140,6 +146,17 @@ fn a_copy_refuses_to_overwrite_an_image_that_holds_data_or_a_chunk_of_another_di
         dst.apply(&other),
         Err(IncomingError::Capacity(..))
     ));
+    // A second copy to the same image finds the first one's file in its way, and leaves it.
+    let e = IncomingCopy::begin(&empty, MIB).unwrap_err();
+    assert!(matches!(e, IncomingError::InTheWay { .. }), "{e}");
+    drop(dst);
+    // A link planted where the copy's file goes is not followed.
+    let precious = dir.path().join("precious");
+    std::fs::write(&precious, b"keep me too").unwrap();
+    std::os::unix::fs::symlink(&precious, dir.path().join("empty.img.ferry-incoming")).unwrap();
+    let e = IncomingCopy::begin(&empty, MIB).unwrap_err();
+    assert!(matches!(e, IncomingError::InTheWay { .. }), "{e}");
+    assert_eq!(contents(&precious), b"keep me too");
 }
 
 #[test]
