@@ -414,7 +414,8 @@ pub struct SourceAdapter {
     holds_ban: bool,
     /// A disk no host shares, copied as iterative state (`--disk-copy`).
     disk_copy: DiskCopy,
-    /// The disk's image synced in the background while the dirty log runs (`vm/disk.rs`).
+    /// The disk's image synced in the background while the dirty log runs
+    /// (`disk_copy/writeback.rs`).
     writeback: Option<crate::disk_copy::Writeback>,
 }
 
@@ -525,7 +526,9 @@ unsafe impl SourceVm for SourceAdapter {
         Ok(self.shared.description.encode())
     }
 
+    /// Lets the disk's held writers go first: the pause waits for every vCPU.
     fn pause(&mut self) -> Result<(), VmError> {
+        self.shared.release_disk_writers();
         self.handle.pause().map_err(|e| VmError::failed("pause", e))
     }
 
@@ -591,7 +594,11 @@ unsafe impl SourceVm for SourceAdapter {
 
     fn end_state_iteration(&mut self) {
         if let DiskCopy::Running(copy) = std::mem::take(&mut self.disk_copy) {
-            tracing::info!("disk copy: {:?}", copy.stats);
+            tracing::info!(
+                "disk copy: {:?}, writers held {:?}",
+                copy.stats,
+                self.shared.disk_writers_held()
+            );
             self.shared.end_disk_copy();
         }
     }

@@ -141,6 +141,51 @@ fn a_disk_no_host_shares_is_copied_beside_ram_and_every_block_reads_back() {
 }
 
 #[test]
+fn a_guest_writing_its_disk_faster_than_the_link_is_held_by_the_mirror_and_the_copy_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = image(&dir.path().join("source.img"), 64 * MIB);
+    // Its RAM nearly idle, the guest writes its disk as fast as the device answers (about
+    // 8 MB/s of 4 KiB requests), faster than the 6 MB/s link; without the mirror the copy
+    // would never end (the test cancels at its timeout), and no throttle slows the guest.
+    let guest = "ws=4M rate=1 disk=32M disk-rate=max disk-read=20 verify-ms=200 log-ms=0";
+    let fast = |path: &Path, log: &str| VmConfig {
+        disk: Some(path.to_str().unwrap().parse::<DiskOptions>().unwrap()),
+        ..config(MEMORY, guest, &dir.path().join(log))
+    };
+    let src = boot_config(fast(&own, "source.log"));
+    let before = src.wait_for("disk writes", Duration::from_secs(60), |g| disk(g).0 >= 500);
+    let copy = dir.path().join("copy.img");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut incoming = Vm::incoming(fast(&copy, "destination.log")).unwrap();
+    let req = MigrationRequest {
+        disk_copy: true,
+        max_bandwidth: Some(6_000_000),
+        downtime_limit_ms: 300,
+        auto_converge: false,
+        timeout_action: ferry_migrate::TimeoutAction::Cancel,
+        ..forced_request(&listener)
+    };
+    let started = Instant::now();
+    let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
+    let took = started.elapsed();
+    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+    let status = src.handle().disk().expect("a disk");
+    let written = disk(&src.handle().telemetry()).0 - disk(&before).0;
+    eprintln!(
+        "migrated in {took:?} ({} passes, {} bytes); the guest wrote {written} blocks \
+         meanwhile; its writers were held {:.0} ms",
+        progress.pass, progress.bytes_sent, status.mirror_held_ms
+    );
+    assert!(
+        status.mirror_held_ms > 0.0,
+        "the guest outran the link, so the mirror held it: {status:?}"
+    );
+    let dst = incoming.into_running().expect("resumed");
+    disk_verifies_clean(&dst);
+}
+
+#[test]
 fn a_destination_without_the_image_refuses_at_the_state_load_and_the_source_keeps_its_disk() {
     let dir = tempfile::tempdir().unwrap();
     let own = image(&dir.path().join("source.img"), 64 * MIB);

@@ -48,8 +48,29 @@ impl<P: Target> Session<'_, P> {
         }
     }
 
-    /// Sends the chunks pending now: while the guest runs, paced and cancellable and at most
-    /// what was pending at the start; with it paused, all that is left.
+    /// Sends chunks beside a pass's pages, after a batch of `bytes`: as much again, within
+    /// the pass's budget. So the state goes on the main connection while the data channels
+    /// carry pages, not after them, and a writer the device holds until its chunks go (a
+    /// disk's mirror) waits for a batch, not a pass.
+    pub(super) fn send_state_beside(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pacing: Pacing,
+        bytes: u64,
+    ) -> Result<(), MigrateError> {
+        let Some(it) = &self.iteration else {
+            return Ok(());
+        };
+        let room = match pacing {
+            Pacing::Limited => it.pending.saturating_sub(it.pass_sent),
+            Pacing::Unlimited => u64::MAX,
+        };
+        self.send_chunks(vm, pacing, room.min(bytes))
+    }
+
+    /// Ends a pass's state: sends the chunks pending now (while the guest runs, paced and
+    /// cancellable and at most what was pending at the pass's start, less what went beside
+    /// its pages; with it paused, all that is left), and asks what is pending.
     pub(super) fn send_state(
         &mut self,
         vm: &mut dyn SourceVm,
@@ -59,9 +80,24 @@ impl<P: Target> Session<'_, P> {
             return Ok(());
         };
         let budget = match pacing {
-            Pacing::Limited => it.pending,
+            Pacing::Limited => it.pending.saturating_sub(it.pass_sent),
             Pacing::Unlimited => u64::MAX,
         };
+        self.send_chunks(vm, pacing, budget)?;
+        let pending = vm.pending_state_bytes()?;
+        let it = self.iteration.as_mut().expect("started");
+        it.pending = pending;
+        it.pass_sent = 0;
+        Ok(())
+    }
+
+    /// Sends chunks until `budget` bytes went or none is pending.
+    fn send_chunks(
+        &mut self,
+        vm: &mut dyn SourceVm,
+        pacing: Pacing,
+        budget: u64,
+    ) -> Result<(), MigrateError> {
         let mut sent = 0u64;
         while sent < budget {
             let Some(chunk) = vm.next_state_chunk(CHUNK_BYTES)? else {
@@ -77,10 +113,9 @@ impl<P: Target> Session<'_, P> {
             let it = self.iteration.as_mut().expect("started");
             it.chunks += 1;
             it.bytes += bytes;
+            it.pass_sent += bytes;
             self.after_batch();
         }
-        let pending = vm.pending_state_bytes()?;
-        self.iteration.as_mut().expect("started").pending = pending;
         Ok(())
     }
 

@@ -256,6 +256,7 @@ impl<P: Target> Session<'_, P> {
                     if batch.len() == batch.capacity() {
                         self.check_control()?;
                         pages += self.send_pages(&batch, Pacing::Limited)?;
+                        self.send_state_beside(vm, Pacing::Limited, batch_bytes(&batch))?;
                         batch.clear();
                         self.apply_hints(vm);
                     }
@@ -296,6 +297,7 @@ impl<P: Target> Session<'_, P> {
             }
             self.bitmap.take(&mut cursor, batch.capacity(), &mut batch);
             pages += self.send_pages(&batch, guest.pacing())?;
+            self.send_state_beside(vm, guest.pacing(), batch_bytes(&batch))?;
             batch.clear();
         }
         self.send_state(vm, guest.pacing())?;
@@ -392,4 +394,9 @@ impl<P: Target> Session<'_, P> {
             None
         }
     }
+}
+
+/// The bytes of guest memory a batch of pages holds.
+fn batch_bytes(batch: &[u64]) -> u64 {
+    batch.len() as u64 * PAGE_SIZE
 }

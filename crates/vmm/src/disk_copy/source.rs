@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
 
 use super::chunk;
 
@@ -28,7 +29,21 @@ pub trait Written {
     fn take(&mut self) -> Vec<u64>;
     /// How many granules are marked now.
     fn count(&self) -> u64;
+    /// Holds the guest's writers from now on while more than `lag` granules are marked
+    /// (`blk::WriteLog`): the copy is not gaining on them. Called again as the lag changes.
+    fn mirror(&mut self, lag: u64);
 }
+
+/// A take of at most this many granules (64 MiB) turns the mirror on: what the guest writes
+/// while one is sent is then small, and holding it past the lag costs it little.
+const MIRROR_FROM: u64 = (64 << 20) / GRANULE;
+
+/// The mirror's lag, as time at the rate the copy sends: what the guest may have written and
+/// not yet sent, so the pause carries about twice this of the disk (the lag, and the last
+/// take on its way).
+const LAG_TIME: Duration = Duration::from_millis(10);
+/// The smallest lag, granules: a request's worth.
+const LAG_LEAST: u64 = 16;
 
 /// What a copy sent, counted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -52,6 +67,12 @@ pub struct SourceCopy {
     first_left: u64,
     /// Granules taken from the device's marks and not sent yet.
     again: VecDeque<u64>,
+    /// The size of the last take and when it was made, what was sent since, and whether the
+    /// mirror is on (`mirror_if_behind`).
+    last_take: Option<u64>,
+    take_at: Instant,
+    sent_since_take: u64,
+    mirroring: bool,
     pub stats: CopyStats,
 }
 
@@ -74,6 +95,10 @@ impl SourceCopy {
             first: Some(0),
             first_left: allocated,
             again: VecDeque::new(),
+            last_take: None,
+            take_at: Instant::now(),
+            sent_since_take: 0,
+            mirroring: false,
             stats: CopyStats::default(),
         })
     }
@@ -95,7 +120,9 @@ impl SourceCopy {
             return self.read(offset, len).map(Some);
         }
         if self.again.is_empty() {
-            self.again.extend(written.take());
+            let taken = written.take();
+            self.mirror_if_behind(taken.len() as u64, written);
+            self.again.extend(taken);
         }
         // A run of adjacent granules goes as one range (the marks come in order).
         let Some(first) = self.again.pop_front() else {
@@ -124,6 +151,32 @@ impl SourceCopy {
     }
 
     /// The first pass's next range, at most `most` bytes, moving it on; `None` once it is done.
+    /// Turns the mirror on at the first take after the first pass that is small
+    /// ([`MIRROR_FROM`]) or no smaller than the one before: a guest writing as fast as the
+    /// copy sends would otherwise keep it from ending. Each take then sets its lag to
+    /// [`LAG_TIME`] at the rate the copy sent since the take before.
+    fn mirror_if_behind(&mut self, taken: u64, written: &mut dyn Written) {
+        let now = Instant::now();
+        let (sent, since) = (
+            std::mem::take(&mut self.sent_since_take),
+            std::mem::replace(&mut self.take_at, now),
+        );
+        if taken == 0 {
+            return;
+        }
+        if !self.mirroring
+            && (taken <= MIRROR_FROM || self.last_take.is_some_and(|last| taken >= last))
+        {
+            self.mirroring = true;
+        }
+        self.last_take = Some(taken);
+        if self.mirroring {
+            let rate = sent as f64 / now.duration_since(since).as_secs_f64().max(1e-6);
+            let lag = (rate * LAG_TIME.as_secs_f64()) as u64 / GRANULE;
+            written.mirror(lag.max(LAG_LEAST));
+        }
+    }
+
     fn first_range(&mut self, most: u64) -> std::io::Result<Option<(u64, u64)>> {
         let Some(at) = self.first else {
             return Ok(None);
@@ -147,6 +200,7 @@ impl SourceCopy {
         self.image
             .read_exact_at(&mut out[chunk::HEADER..], offset)?;
         self.stats.chunks += 1;
+        self.sent_since_take += len;
         let zeros = is_zero(&out[chunk::HEADER..]);
         match zeros {
             true => {

@@ -5,9 +5,10 @@ use super::*;
 
 const MIB: u64 = 1 << 20;
 
-/// The device's marks, for a test: granules a test wrote.
+/// The device's marks, for a test: granules a test wrote, and whether the copy asked for the
+/// mirror.
 #[derive(Default)]
-struct Marks(Vec<u64>);
+struct Marks(Vec<u64>, bool);
 
 impl Written for Marks {
     fn take(&mut self) -> Vec<u64> {
@@ -15,6 +16,10 @@ impl Written for Marks {
     }
     fn count(&self) -> u64 {
         self.0.len() as u64
+    }
+    fn mirror(&mut self, lag: u64) {
+        assert!(lag >= 16, "at least a request's worth: {lag}");
+        self.1 = true;
     }
 }
 
@@ -185,4 +190,32 @@ fn a_copy_is_ready_for_the_switchover_once_nearly_all_of_it_is_on_storage() {
     }
     dst.finish().unwrap();
     assert_eq!(std::fs::metadata(&target).unwrap().len(), 128 * MIB);
+}
+
+#[test]
+fn the_mirror_starts_when_a_take_is_small_or_does_not_shrink() {
+    let dir = tempfile::tempdir().unwrap();
+    let granules = 64 * MIB / GRANULE;
+    let capacity = 4 * granules * GRANULE;
+    let drain = |copy: &mut SourceCopy, marks: &mut Marks| {
+        while copy.next(1 << 20, marks).unwrap().is_some() {}
+    };
+    // Takes of 2, then 1.5, then 1.5 times the lag's threshold: the third does not shrink.
+    let mut copy = SourceCopy::start(image(dir.path(), capacity, &[]), capacity).unwrap();
+    let mut marks = Marks::default();
+    drain(&mut copy, &mut marks);
+    for (n, mirrors) in [
+        (2 * granules, false),
+        (granules * 3 / 2, false),
+        (granules * 3 / 2, true),
+    ] {
+        marks.0 = (0..n).collect();
+        drain(&mut copy, &mut marks);
+        assert_eq!(marks.1, mirrors, "after a take of {n} granules");
+    }
+    // A first take within the threshold turns it on at once.
+    let mut copy = SourceCopy::start(image(dir.path(), capacity, &[]), capacity).unwrap();
+    let mut marks = Marks(vec![7, 9], false);
+    drain(&mut copy, &mut marks);
+    assert!(marks.1);
 }

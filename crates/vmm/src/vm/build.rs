@@ -272,6 +272,9 @@ fn build(
         devices,
         holds: super::holds::RamHolds::new(balloon.clone()),
         balloon,
+        disk_writes: disk
+            .as_ref()
+            .map(|d| d.lock().unwrap().device().write_log()),
         disk,
         disk_path: config.disk.as_ref().map(|d| d.path.clone()),
         disk_arriving: Mutex::new(None),

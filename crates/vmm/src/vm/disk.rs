@@ -20,14 +20,12 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Mutex;
-
 use ferry_migrate::{Section, VmError};
 use serde::Serialize;
 
+use super::config::DISK_MMIO;
 use super::shared::Shared;
-use crate::devices::virtio::MmioTransport;
-use crate::devices::virtio::blk::{Block, BlockError, BlockStats};
+use crate::devices::virtio::blk::{BlockError, BlockStats, WriteLog};
 use crate::disk_copy::{Chunk, IncomingCopy, SourceCopy, Writeback, Written, chunk};
 use crate::section_ids::DISK_BLOCKS;
 
@@ -100,10 +98,41 @@ impl Shared {
         copy.pending(&self.marks())
     }
 
-    /// The copy ended, however it ended: the device stops marking writes.
+    /// The copy ended, however it ended: the device stops marking writes, and no writer is
+    /// held any more.
     pub(crate) fn end_disk_copy(&self) {
         if let Some(disk) = &self.disk {
             disk.lock().unwrap().device_mut().stop_tracking();
+        }
+    }
+
+    /// Lets every writer the mirror holds go, and holds none until the copy asks again: the
+    /// guest is about to be paused, and a held vCPU would keep the pause waiting on the copy,
+    /// whose thread is the one pausing.
+    pub(crate) fn release_disk_writers(&self) {
+        if let Some(log) = &self.disk_writes {
+            log.mirror(None);
+        }
+    }
+
+    /// How long the mirror held the guest's writers since the copy started.
+    pub(crate) fn disk_writers_held(&self) -> std::time::Duration {
+        self.disk_writes
+            .as_ref()
+            .map_or(std::time::Duration::ZERO, |log| log.held())
+    }
+
+    /// Whether a guest's MMIO write at `addr` went to the disk's registers.
+    pub(crate) fn is_disk_register(&self, addr: u64) -> bool {
+        self.disk_writes.is_some()
+            && (DISK_MMIO..DISK_MMIO + crate::devices::virtio::mmio::MMIO_SIZE).contains(&addr)
+    }
+
+    /// Holds a vCPU that wrote the disk's registers while the mirror is on and the copy is
+    /// behind (`blk::WriteLog::hold_writer`); called with no lock of the vCPU or device held.
+    pub(crate) fn hold_disk_writer(&self) {
+        if let Some(log) = &self.disk_writes {
+            log.hold_writer();
         }
     }
 
@@ -144,7 +173,7 @@ impl Shared {
     }
 
     fn marks(&self) -> DeviceMarks<'_> {
-        DeviceMarks(self.disk.as_ref().expect("a disk copy has a disk"))
+        DeviceMarks(self.disk_writes.as_ref().expect("a disk copy has a disk"))
     }
 }
 
@@ -159,16 +188,21 @@ impl Shared {
     }
 }
 
-/// The device's marks of granules written, for the copy.
-struct DeviceMarks<'a>(&'a Mutex<MmioTransport<Block>>);
+/// The device's marks of granules written, for the copy: its record of writes, which the copy
+/// reads without the device's lock.
+struct DeviceMarks<'a>(&'a WriteLog);
 
 impl Written for DeviceMarks<'_> {
     fn take(&mut self) -> Vec<u64> {
-        self.0.lock().unwrap().device_mut().take_dirty()
+        self.0.take()
     }
 
     fn count(&self) -> u64 {
-        self.0.lock().unwrap().device().dirty_count()
+        self.0.count()
+    }
+
+    fn mirror(&mut self, lag: u64) {
+        self.0.mirror(Some(lag));
     }
 }
 
@@ -178,6 +212,9 @@ pub struct DiskStatus {
     /// Whether the guest's driver is running (status DRIVER_OK).
     pub driver_ok: bool,
     pub stats: BlockStats,
+    /// How long the mirror of the last disk copy held the guest's writers, ms (`--disk-copy`
+    /// with a guest writing faster than the copy sends).
+    pub mirror_held_ms: f64,
 }
 
 impl Shared {
@@ -187,6 +224,7 @@ impl Shared {
         Some(DiskStatus {
             driver_ok: disk.driver_ok(),
             stats: disk.device().stats(),
+            mirror_held_ms: self.disk_writers_held().as_secs_f64() * 1e3,
         })
     }
 }

@@ -83,6 +83,7 @@ impl VcpuRunner {
             }
             let mut vcpu = vcpu.lock().unwrap();
             let devices = &self.shared.devices;
+            let mut wrote_disk = false;
             match vcpu::run(&mut vcpu) {
                 vcpu::Exit::IoOut(ferry_guest_abi::EXIT_PORT, _) => return self.halted(&vcpu),
                 vcpu::Exit::IoOut(START_PORT, data) => {
@@ -91,7 +92,10 @@ impl VcpuRunner {
                 vcpu::Exit::IoOut(port, data) => devices.io_out(port, data),
                 vcpu::Exit::IoIn(port, data) => devices.io_in(port, data),
                 vcpu::Exit::MmioRead(addr, data) => devices.mmio_read(addr, data),
-                vcpu::Exit::MmioWrite(addr, data) => devices.mmio_write(addr, data),
+                vcpu::Exit::MmioWrite(addr, data) => {
+                    devices.mmio_write(addr, data);
+                    wrote_disk = self.shared.is_disk_register(addr);
+                }
                 vcpu::Exit::Interrupted => vcpu::clear_immediate_exit(&mut vcpu),
                 vcpu::Exit::DirtyRingFull => {
                     if let Err(why) = self.shared.harvest_own_ring(self.index) {
@@ -102,6 +106,10 @@ impl VcpuRunner {
                     let regs = vcpu::describe_registers(&vcpu);
                     return StopReason::Failed(format!("vCPU {}: {why}\n{regs}", self.index));
                 }
+            }
+            if wrote_disk {
+                drop(vcpu);
+                self.shared.hold_disk_writer();
             }
         }
     }

@@ -93,6 +93,9 @@ pub(crate) struct Shared {
     /// The disk (also on the MMIO bus in `devices`): a source flushes it before its state is
     /// saved, a destination opens its image when the state is loaded.
     pub(crate) disk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    /// The disk's record of writes, shared with a copy of it, which holds a writing vCPU
+    /// outside the disk's lock while the copy is behind (`blk::WriteLog`).
+    pub(crate) disk_writes: Option<Arc<crate::devices::virtio::blk::WriteLog>>,
     /// Where the disk's image is (`--disk`), and on a destination the copy of a disk no host
     /// shares while it arrives (`disk.rs`).
     pub(crate) disk_path: Option<std::path::PathBuf>,

@@ -4,10 +4,12 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::Arc;
+
 use ferry_guest_abi::virtio::blk::CONFIG_SIZE;
 use virtio_queue::Queue;
 
-use super::dirty::DirtyChunks;
+use super::dirty::WriteLog;
 use super::error::BlockError;
 use super::image::Image;
 use super::options::DiskOptions;
@@ -32,8 +34,8 @@ pub struct Block {
     /// The driver's accepted features (set at DRIVER_OK or restore; 0 after a reset).
     features: u64,
     stats: BlockStats,
-    /// Chunks written since the last take, while tracking.
-    dirty: Option<DirtyChunks>,
+    /// Chunks written since the last take, while a copy tracks them, shared with the copy.
+    writes: Arc<WriteLog>,
 }
 
 impl Block {
@@ -56,7 +58,7 @@ impl Block {
             id: None,
             features: 0,
             stats: BlockStats::default(),
-            dirty: None,
+            writes: Arc::default(),
         }
     }
 
@@ -82,7 +84,7 @@ impl Block {
             self.config = Some(BlkConfig::new(image.sectors()));
             // Tracking started while the size was unknown covered nothing; nothing was
             // written since (every request failed), so a clean bitmap of the image is exact.
-            if self.dirty.is_some() {
+            if self.writes.is_marking() {
                 self.start_tracking();
             }
         }
@@ -128,25 +130,29 @@ impl Block {
     /// (see `dirty.rs`); costs nothing until called.
     pub fn start_tracking(&mut self) {
         let bytes = self.config.map_or(0, |c| c.capacity_bytes());
-        self.dirty = Some(DirtyChunks::new(bytes));
+        self.writes.start(bytes);
     }
 
+    /// Stops recording, and lets any writer the mirror holds go.
     pub fn stop_tracking(&mut self) {
-        self.dirty = None;
+        self.writes.stop();
+    }
+
+    /// The record of writes, which a copy takes from and a vCPU is held by without the
+    /// transport's lock (`dirty.rs`).
+    pub fn write_log(&self) -> Arc<WriteLog> {
+        self.writes.clone()
     }
 
     /// The indices of the chunks ([`DIRTY_CHUNK`](super::DIRTY_CHUNK) bytes each) written
     /// since tracking started or the last take, ascending; empty when not tracking.
     pub fn take_dirty(&mut self) -> Vec<u64> {
-        self.dirty
-            .as_mut()
-            .map(DirtyChunks::take)
-            .unwrap_or_default()
+        self.writes.take()
     }
 
     /// How many chunks are marked as written now; 0 when not tracking.
     pub fn dirty_count(&self) -> u64 {
-        self.dirty.as_ref().map_or(0, DirtyChunks::count)
+        self.writes.count()
     }
 
     /// A descriptor of the image of its own, for a copy that reads it while the guest runs,
@@ -173,7 +179,7 @@ impl Block {
             read_only: self.options.readonly,
             features: self.features,
             id: self.id,
-            dirty: self.dirty.as_mut(),
+            writes: &self.writes,
             stats: &mut self.stats,
         }
     }

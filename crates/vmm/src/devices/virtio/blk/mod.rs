@@ -58,7 +58,7 @@ mod stats;
 mod tests;
 
 pub use device::Block;
-pub use dirty::{DIRTY_CHUNK, DirtyChunks};
+pub use dirty::{DIRTY_CHUNK, DirtyChunks, MIRROR_LAG, WriteLog};
 pub use error::BlockError;
 pub use options::{Cache, DiskOptions};
 pub use spec::{

@@ -13,7 +13,7 @@ use ferry_guest_abi::virtio::blk::{
 };
 use vm_memory::{Bytes, GuestAddress};
 
-use super::dirty::DirtyChunks;
+use super::dirty::WriteLog;
 use super::image::{CHUNK, Image};
 use super::request::{Kind, Refusal, Request};
 use super::spec::{BlkConfig, DiskId, F_DISCARD, F_WRITE_ZEROES, NAME};
@@ -51,7 +51,7 @@ pub(super) struct Serve<'a> {
     /// The features the driver accepted.
     pub(super) features: u64,
     pub(super) id: Option<DiskId>,
-    pub(super) dirty: Option<&'a mut DirtyChunks>,
+    pub(super) writes: &'a WriteLog,
     pub(super) stats: &'a mut BlockStats,
 }
 
@@ -173,7 +173,7 @@ impl Serve<'_> {
             }
             Kind::Out => {
                 let offset = within(req.sector, req.data.len())?;
-                let done = write(image, mem, req, offset, self.dirty.as_deref_mut());
+                let done = write(image, mem, req, offset, self.writes);
                 self.stats.bytes_written += done?;
                 self.stats.writes += 1;
                 Ok(0)
@@ -205,9 +205,7 @@ impl Serve<'_> {
                 let ranges = zeroings(req, mem, &config)?;
                 for z in &ranges {
                     let result = zero(image, req.kind, *z);
-                    if let Some(dirty) = self.dirty.as_deref_mut() {
-                        dirty.mark(z.offset, z.len);
-                    }
+                    self.writes.mark(z.offset, z.len);
                     result?;
                 }
                 self.stats.discards += 1;
@@ -268,7 +266,7 @@ fn write(
     mem: &TrackedMemory,
     req: &mut Request,
     offset: u64,
-    mut dirty: Option<&mut DirtyChunks>,
+    writes: &WriteLog,
 ) -> Result<u64, Fail> {
     let mut at = offset;
     while req.data.len() > 0 {
@@ -277,9 +275,7 @@ fn write(
             .gather(mem, image.buffer(n as usize))
             .map_err(|e| Fail::Guest(e.to_string()))?;
         let result = image.write(at, n as usize);
-        if let Some(dirty) = dirty.as_deref_mut() {
-            dirty.mark(at, n);
-        }
+        writes.mark(at, n);
         result.map_err(host("write", at, n))?;
         at += n;
     }
