@@ -612,6 +612,7 @@ pub(crate) fn follow(
         if value["role"] == "destination" {
             value = value["previous"].take();
         }
+        let disk = value.get("disk").cloned();
         let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
         live.update(&p);
         last = Some(p.phase);
@@ -623,6 +624,9 @@ pub(crate) fn follow(
         };
         if !p.phase.is_active() || resume_failed {
             live.finish();
+            if let Some(disk) = disk {
+                eprintln!("{}", report::disk_copy_line(&disk));
+            }
             return Ok(Some((p, moved_on)));
         }
         std::thread::sleep(POLL);

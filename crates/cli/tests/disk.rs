@@ -83,6 +83,8 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
     assert!(stdout.contains("iterative state"), "{stdout}");
+    let err = stderr(&out);
+    assert!(err.contains("disk copy: "), "the disk's own figures: {err}");
     assert!(copy.exists(), "the copy became the destination's image");
     disk_verifies_clean(&dst);
 }

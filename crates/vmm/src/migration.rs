@@ -552,11 +552,15 @@ unsafe impl SourceVm for SourceAdapter {
         self.shared.vcpu_dirty()
     }
 
-    /// Flushes the disk first: the image is whole before the destination may open it.
+    /// Flushes the disk first on shared storage: the image is whole before the destination
+    /// may open it. A copied disk needs no flush: the destination has its blocks from the
+    /// copy, and the source's image stays this host's, as it was before the migration.
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
-        self.shared
-            .flush_disk()
-            .map_err(|e| VmError::failed("save_state", e))?;
+        if !matches!(self.disk_copy, DiskCopy::Running(_)) {
+            self.shared
+                .flush_disk()
+                .map_err(|e| VmError::failed("save_state", e))?;
+        }
         let (sections, parts) =
             sections::save(&self.shared).map_err(|e| VmError::failed("save_state", e))?;
         *self.shared.state_parts.lock().unwrap() = parts;

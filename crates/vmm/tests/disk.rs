@@ -140,30 +140,41 @@ fn a_disk_no_host_shares_is_copied_beside_ram_and_every_block_reads_back() {
     disk_verifies_clean(&dst);
 }
 
+/// A VM whose guest, its RAM nearly idle, writes its disk as fast as the device answers
+/// (about 8 MB/s of 4 KiB requests).
+fn flat_out(dir: &Path, image: &Path, log: &str) -> VmConfig {
+    let guest = "ws=4M rate=1 disk=32M disk-rate=max disk-read=20 verify-ms=200 log-ms=0";
+    VmConfig {
+        disk: Some(image.to_str().unwrap().parse::<DiskOptions>().unwrap()),
+        ..config(MEMORY, guest, &dir.join(log))
+    }
+}
+
+/// A disk copy over a 6 MB/s link, slower than a [`flat_out`] guest writes, with no throttle
+/// to slow the guest: only the mirror can.
+fn over_a_slow_link(listener: &TcpListener) -> MigrationRequest {
+    MigrationRequest {
+        disk_copy: true,
+        max_bandwidth: Some(6_000_000),
+        auto_converge: false,
+        timeout_action: ferry_migrate::TimeoutAction::Cancel,
+        ..forced_request(listener)
+    }
+}
+
 #[test]
 fn a_guest_writing_its_disk_faster_than_the_link_is_held_by_the_mirror_and_the_copy_ends() {
     let dir = tempfile::tempdir().unwrap();
     let own = image(&dir.path().join("source.img"), 64 * MIB);
-    // Its RAM nearly idle, the guest writes its disk as fast as the device answers (about
-    // 8 MB/s of 4 KiB requests), faster than the 6 MB/s link; without the mirror the copy
-    // would never end (the test cancels at its timeout), and no throttle slows the guest.
-    let guest = "ws=4M rate=1 disk=32M disk-rate=max disk-read=20 verify-ms=200 log-ms=0";
-    let fast = |path: &Path, log: &str| VmConfig {
-        disk: Some(path.to_str().unwrap().parse::<DiskOptions>().unwrap()),
-        ..config(MEMORY, guest, &dir.path().join(log))
-    };
-    let src = boot_config(fast(&own, "source.log"));
+    // Without the mirror this copy never ends: the test cancels at its timeout.
+    let src = boot_config(flat_out(dir.path(), &own, "source.log"));
     let before = src.wait_for("disk writes", Duration::from_secs(60), |g| disk(g).0 >= 500);
     let copy = dir.path().join("copy.img");
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut incoming = Vm::incoming(fast(&copy, "destination.log")).unwrap();
+    let mut incoming = Vm::incoming(flat_out(dir.path(), &copy, "destination.log")).unwrap();
     let req = MigrationRequest {
-        disk_copy: true,
-        max_bandwidth: Some(6_000_000),
         downtime_limit_ms: 300,
-        auto_converge: false,
-        timeout_action: ferry_migrate::TimeoutAction::Cancel,
-        ..forced_request(&listener)
+        ..over_a_slow_link(&listener)
     };
     let started = Instant::now();
     let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
@@ -283,4 +294,54 @@ fn a_disk_copy_is_in_sync_before_postcopy_hands_the_guest_over() {
     // The disk's chunks all went before the switch: the guest runs there with the whole disk.
     let dst = incoming.into_running().expect("resumed");
     disk_verifies_clean(&dst);
+}
+
+#[test]
+fn a_disk_copy_cancelled_while_the_mirror_holds_the_guest_lets_it_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = image(&dir.path().join("source.img"), 64 * MIB);
+    let src = boot_config(flat_out(dir.path(), &own, "source.log"));
+    src.wait_for("disk writes", Duration::from_secs(60), |g| disk(g).0 >= 500);
+    let copy = dir.path().join("copy.img");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut incoming = Vm::incoming(flat_out(dir.path(), &copy, "destination.log")).unwrap();
+    // A downtime limit no pass can meet: the copy mirrors until it is cancelled.
+    let req = MigrationRequest {
+        downtime_limit_ms: 1,
+        ..over_a_slow_link(&listener)
+    };
+    let held = || src.handle().disk().expect("a disk").mirror_held_ms;
+    let received = std::thread::scope(|s| {
+        let (incoming, listener) = (&mut incoming, &listener);
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let r = s.spawn(move || {
+            ferry_vmm::migration::receive(incoming, listener, &|| Instant::now() < deadline)
+        });
+        let control = src.handle().start_migration(req).unwrap();
+        let until = Instant::now() + Duration::from_secs(60);
+        while held() == 0.0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(held() > 0.0, "the mirror held the guest's writers");
+        control.cancel();
+        r.join().unwrap()
+    });
+    assert!(received.is_err(), "the destination took no guest");
+    let progress = common::wait_migration(&src.handle(), Duration::from_secs(60));
+    assert_eq!(progress.phase, Phase::Cancelled, "{progress:?}");
+    drop(incoming);
+    assert!(!dir.path().join("copy.img.ferry-incoming").exists());
+    assert_eq!(src.handle().state(), RunState::Running);
+    let (at, held_at_cancel) = (disk(&src.handle().telemetry()), held());
+    let g = src.wait_for(
+        "the source's guest writes its disk on, flat out",
+        Duration::from_secs(60),
+        |g| disk(g).0 > at.0 + 2000,
+    );
+    assert_eq!(
+        held(),
+        held_at_cancel,
+        "no writer is held once the copy ended"
+    );
+    assert_eq!(disk(&g).2, 0, "{:?}", g.disk);
 }

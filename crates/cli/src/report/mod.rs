@@ -27,7 +27,9 @@ use ferry_migrate::MigrationStats;
 
 pub use live::{Live, PlainLines};
 pub use plot::Run;
-pub use text::{phase_name, print_json, print_partial, print_stats, print_table, progress_line};
+pub use text::{
+    disk_copy_line, phase_name, print_json, print_partial, print_stats, print_table, progress_line,
+};
 
 use crate::exit::UsageError;
 

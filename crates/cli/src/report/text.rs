@@ -326,3 +326,50 @@ pub fn print_table(s: &MigrationStats) {
         }
     }
 }
+
+/// A copied disk's figures (`GET /migration`'s `disk`) in one line.
+pub fn disk_copy_line(disk: &serde_json::Value) -> String {
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let mb = |bytes: u64| format!("{:.1} MB", bytes as f64 / 1e6);
+    let st = &disk["stats"];
+    let mirror = match st["mirror"].as_bool() {
+        Some(true) => format!(
+            "; the mirror held the guest's writes {:.0} ms",
+            disk["writers_held_ms"].as_f64().unwrap_or(0.0)
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "disk copy: {} of data and {} as zeros in {} chunks, {} dirty passes ({} blocks sent again), {} left{mirror}",
+        mb(n(&st["data_bytes"])),
+        mb(n(&st["zero_bytes"])),
+        n(&st["chunks"]),
+        n(&st["dirty_passes"]),
+        n(&st["granules_again"]),
+        mb(n(&disk["pending_bytes"])),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn a_disk_copy_line_names_the_mirror_only_when_it_held_the_guest() {
+        let mut disk = json!({
+            "stats": {"chunks": 3, "data_bytes": 2_000_000, "zero_bytes": 0, "granules_again": 7,
+                      "dirty_passes": 2, "mirror": false},
+            "pending_bytes": 0,
+            "writers_held_ms": 0.0,
+        });
+        let line = super::disk_copy_line(&disk);
+        assert!(
+            line.contains("2.0 MB of data") && line.contains("2 dirty passes"),
+            "{line}"
+        );
+        assert!(!line.contains("mirror"), "{line}");
+        disk["stats"]["mirror"] = json!(true);
+        disk["writers_held_ms"] = json!(40.2);
+        assert!(super::disk_copy_line(&disk).ends_with("held the guest's writes 40 ms"));
+    }
+}

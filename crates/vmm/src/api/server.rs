@@ -239,6 +239,9 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 if let Some(at) = vm.then_incoming() {
                     v["then_incoming"] = json!(at);
                 }
+                if let Some(disk) = vm.disk_copy() {
+                    v["disk"] = serde_json::to_value(disk).unwrap_or_default();
+                }
                 (200, v)
             }
             (None, Some(p)) => {

@@ -17,7 +17,7 @@ pub mod writeback;
 
 pub use chunk::Chunk;
 pub use incoming::{IncomingCopy, IncomingError};
-pub use source::{CopyStats, GRANULE, SourceCopy, Written};
+pub use source::{CopyStats, DiskCopyStatus, GRANULE, SourceCopy, Written};
 pub use writeback::Writeback;
 
 #[cfg(test)]

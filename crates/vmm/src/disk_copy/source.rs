@@ -54,6 +54,24 @@ pub struct CopyStats {
     pub zero_bytes: u64,
     /// Granules sent again because the guest wrote them after they were read.
     pub granules_again: u64,
+    /// Passes over the granules the guest wrote (takes of the device's marks that found
+    /// some), after the first pass over the image.
+    pub dirty_passes: u64,
+    /// Whether the mirror is on (`blk::WriteLog`).
+    pub mirror: bool,
+}
+
+/// A disk copy (`disk_copy`) from this VM, as `GET /migration` shows it under `disk`: while
+/// it runs, and its last figures once it ended.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DiskCopyStatus {
+    /// What went: chunks, bytes with data and as zeros, granules sent again, dirty passes,
+    /// whether the mirror is on.
+    pub stats: CopyStats,
+    /// Bytes still to send: of the first pass, and granules written since they went.
+    pub pending_bytes: u64,
+    /// How long the mirror held the guest's writers, ms.
+    pub writers_held_ms: f64,
 }
 
 /// The source's copy of one disk.
@@ -67,12 +85,11 @@ pub struct SourceCopy {
     first_left: u64,
     /// Granules taken from the device's marks and not sent yet.
     again: VecDeque<u64>,
-    /// The size of the last take and when it was made, what was sent since, and whether the
-    /// mirror is on (`mirror_if_behind`).
+    /// The size of the last take and when it was made, and what was sent since
+    /// (`mirror_if_behind`).
     last_take: Option<u64>,
     take_at: Instant,
     sent_since_take: u64,
-    mirroring: bool,
     pub stats: CopyStats,
 }
 
@@ -98,7 +115,6 @@ impl SourceCopy {
             last_take: None,
             take_at: Instant::now(),
             sent_since_take: 0,
-            mirroring: false,
             stats: CopyStats::default(),
         })
     }
@@ -164,13 +180,14 @@ impl SourceCopy {
         if taken == 0 {
             return;
         }
-        if !self.mirroring
+        self.stats.dirty_passes += 1;
+        if !self.stats.mirror
             && (taken <= MIRROR_FROM || self.last_take.is_some_and(|last| taken >= last))
         {
-            self.mirroring = true;
+            self.stats.mirror = true;
         }
         self.last_take = Some(taken);
-        if self.mirroring {
+        if self.stats.mirror {
             let rate = sent as f64 / now.duration_since(since).as_secs_f64().max(1e-6);
             let lag = (rate * LAG_TIME.as_secs_f64()) as u64 / GRANULE;
             written.mirror(lag.max(LAG_LEAST));

@@ -278,6 +278,7 @@ fn build(
         disk,
         disk_path: config.disk.as_ref().map(|d| d.path.clone()),
         disk_arriving: Mutex::new(None),
+        disk_copy: Mutex::new(None),
         generation,
         telemetry,
         ram,

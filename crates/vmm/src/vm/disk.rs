@@ -26,7 +26,9 @@ use serde::Serialize;
 use super::config::DISK_MMIO;
 use super::shared::Shared;
 use crate::devices::virtio::blk::{BlockError, BlockStats, WriteLog};
-use crate::disk_copy::{Chunk, IncomingCopy, SourceCopy, Writeback, Written, chunk};
+use crate::disk_copy::{
+    Chunk, DiskCopyStatus, IncomingCopy, SourceCopy, Writeback, Written, chunk,
+};
 use crate::section_ids::DISK_BLOCKS;
 
 /// The disk's instance among the virtio-mmio devices' sections (the balloon is 0), and of its
@@ -86,6 +88,7 @@ impl Shared {
         let chunk = copy
             .next(max_bytes, &mut self.marks())
             .map_err(|e| VmError::failed("read the disk to copy", e))?;
+        self.note_disk_copy(copy);
         Ok(chunk.map(|data| Section {
             id: DISK_BLOCKS,
             instance: DISK_INSTANCE,
@@ -95,7 +98,18 @@ impl Shared {
     }
 
     pub(crate) fn pending_disk_bytes(&self, copy: &SourceCopy) -> u64 {
-        copy.pending(&self.marks())
+        self.note_disk_copy(copy)
+    }
+
+    /// Publishes where `copy` is (`VmHandle::disk_copy`); returns the bytes it has pending.
+    fn note_disk_copy(&self, copy: &SourceCopy) -> u64 {
+        let pending_bytes = copy.pending(&self.marks());
+        *self.disk_copy.lock().unwrap() = Some(DiskCopyStatus {
+            stats: copy.stats,
+            pending_bytes,
+            writers_held_ms: self.disk_writers_held().as_secs_f64() * 1e3,
+        });
+        pending_bytes
     }
 
     /// The copy ended, however it ended: the device stops marking writes, and no writer is
@@ -218,6 +232,11 @@ pub struct DiskStatus {
 }
 
 impl Shared {
+    /// The last disk copy's status, if one was started (`VmHandle::disk_copy`).
+    pub(crate) fn disk_copy_status(&self) -> Option<DiskCopyStatus> {
+        self.disk_copy.lock().unwrap().clone()
+    }
+
     /// The disk's status, if the VM has one (`VmHandle::disk`).
     pub(crate) fn disk_status(&self) -> Option<DiskStatus> {
         let disk = self.disk.as_ref()?.lock().unwrap();

@@ -215,6 +215,11 @@ impl VmHandle {
         self.0.disk_status()
     }
 
+    /// The last copy of this VM's disk (`disk_copy`), while it runs and once it ended.
+    pub fn disk_copy(&self) -> Option<super::DiskCopyStatus> {
+        self.0.disk_copy_status()
+    }
+
     pub fn telemetry(&self) -> GuestTelemetry {
         self.0.telemetry.lock().unwrap().clone()
     }

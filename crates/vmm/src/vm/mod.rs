@@ -30,6 +30,7 @@ pub mod state;
 #[cfg(test)]
 mod tests;
 
+pub use crate::disk_copy::DiskCopyStatus;
 pub use build::{IncomingVm, Preparation, Vm};
 pub use config::{BALLOON_GSI, BALLOON_MMIO, GuestKind, MAX_VCPUS, VmConfig};
 pub use disk::DiskStatus;

@@ -100,6 +100,8 @@ pub(crate) struct Shared {
     /// shares while it arrives (`disk.rs`).
     pub(crate) disk_path: Option<std::path::PathBuf>,
     pub(crate) disk_arriving: Mutex<Option<crate::disk_copy::IncomingCopy>>,
+    /// The last disk copy from this VM, as `GET /migration` shows it (`disk.rs`).
+    pub(crate) disk_copy: Mutex<Option<crate::disk_copy::DiskCopyStatus>>,
     /// The VM generation ID (also on the port bus in `devices`), which a restore renews.
     pub(crate) generation: Arc<Mutex<VmGenId>>,
     /// RAM still arriving and the balloon's discard ban, counted (`holds.rs`).
