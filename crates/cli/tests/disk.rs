@@ -98,7 +98,7 @@ fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_ba
     let out = src.snapshot(&file, &["--stop"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let copy = images.path().join("vm-at-snap.img");
-    std::fs::copy(&image, &copy).unwrap();
+    keep_with_snapshot(&image, &copy);
     drop(src);
     let without = ferry_output(&[
         "run",
@@ -111,6 +111,92 @@ fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_ba
     assert!(stderr(&without).contains("--disk"), "{}", stderr(&without));
     let restored = RunningVm::restore(&file, &["--disk", copy.to_str().unwrap()]);
     disk_verifies_clean(&restored);
+}
+
+/// Issue 50: a snapshot records its image's size, mtime and allocated map; a restore given
+/// the image after it changed is refused with what changed and the fix, taken with
+/// `--disk-changed-ok`, and refused whatever the flag when its size changed.
+#[test]
+fn a_restore_with_an_image_changed_since_its_snapshot_is_refused_unless_told() {
+    use std::os::unix::fs::FileExt;
+    let images = tempfile::tempdir().unwrap();
+    let image = image(&images.path().join("vm.img"));
+    let src = source("256M", &image);
+    let file = images.path().join("vm.snap");
+    let out = src.snapshot(&file, &["--stop"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    drop(src);
+    // A block past the guest's 16 MiB written after the snapshot: the mtime and the
+    // allocated map change, and the guest, which never reads there, still verifies clean.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    f.write_all_at(&[0xa5; 4096], 60 << 20).unwrap();
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["run", "--restore", file.to_str().unwrap()];
+        args.extend_from_slice(&["--disk", image.to_str().unwrap(), "--serial", "none"]);
+        args.extend_from_slice(extra);
+        refused_run(&args)
+    };
+    let e = refused(&[]);
+    for want in [
+        "changed since the snapshot was taken",
+        "its mtime was",
+        "its allocated map was",
+        "cp -a",
+        "--disk-changed-ok",
+    ] {
+        assert!(e.contains(want), "{want:?} in {e}");
+    }
+    let restored = RunningVm::restore(
+        &file,
+        &["--disk", image.to_str().unwrap(), "--disk-changed-ok"],
+    );
+    disk_verifies_clean(&restored);
+    drop(restored);
+    // Another size is refused, told or not.
+    f.set_len(128 << 20).unwrap();
+    let e = refused(&["--disk-changed-ok"]);
+    assert!(
+        e.contains("is 134217728 bytes and was 67108864 bytes"),
+        "{e}"
+    );
+}
+
+/// The stderr of a `ferry ARGS` that must fail before it runs a guest; one still running after
+/// 30 s was not refused (it is killed).
+fn refused_run(args: &[&str]) -> String {
+    let mut child = common::ferry()
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("ferry {args:?} was not refused: it ran\n{}", stderr(&out));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", stderr(&out));
+    stderr(&out)
+}
+
+/// Copies `image` to `copy` as the README says to keep an image with its snapshot: sparse,
+/// with its timestamps (the restore's check compares the mtime).
+fn keep_with_snapshot(image: &std::path::Path, copy: &std::path::Path) {
+    let out = std::process::Command::new("cp")
+        .args(["-a", "--sparse=always"])
+        .arg(image)
+        .arg(copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 #[test]
