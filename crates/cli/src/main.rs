@@ -12,6 +12,7 @@ mod guest;
 mod migrate;
 mod peers;
 mod report;
+mod restore;
 mod run;
 mod sizes;
 mod snapshot;

@@ -13,6 +13,7 @@ use ferry_migrate::transport::tls::{DestinationTls, Side};
 use ferry_migrate::{MigrateError, Phase, Progress};
 use ferry_vmm::api::server::ApiServer;
 use ferry_vmm::memory::HostPages;
+use ferry_vmm::snapshot::ChangedImage;
 use ferry_vmm::{GuestKind, RunState, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
 
 use crate::UsageError;
@@ -61,6 +62,11 @@ pub struct RunArgs {
     /// With --restore --lazy: ignore the snapshot's hot set (to measure what it saves).
     #[arg(long, requires = "lazy", hide = true)]
     no_hot_set: bool,
+    /// With --restore --disk: take an image whose mtime or allocated map differs from the one
+    /// the snapshot recorded (its size must still match), when you know it holds what the
+    /// snapshot's guest left there (a copy made without its timestamps, say).
+    #[arg(long, requires_all = ["restore", "disk"])]
+    disk_changed_ok: bool,
     /// Once the guest has migrated away from this process, wait for the next migration on
     /// this address instead of staying paused: the process becomes a destination again, with
     /// the same API socket and TLS, for as many hops as come (`ferry bench soak` migrates a
@@ -456,7 +462,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let vm = match &wait_on {
             None if restore_from.is_some() => {
                 let file = restore_from.take().expect("checked");
-                let vm = restore(&config, &file, args.lazy, !args.no_hot_set)?;
+                let how = crate::restore::How {
+                    lazy: args.lazy,
+                    hot_first: !args.no_hot_set,
+                    changed_image: match args.disk_changed_ok {
+                        true => ChangedImage::Accept,
+                        false => ChangedImage::Refuse,
+                    },
+                };
+                let vm = crate::restore::restore(&config, &file, &how)?;
                 api.serve(&vm.handle())?;
                 vm
             }
@@ -557,70 +571,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             StopReason::GuestHalted(_) | StopReason::Requested(_) => ExitCode::SUCCESS,
         });
     }
-}
-
-/// Makes a VM of the snapshot's size and devices (the rest of `config`: serial, guest kind)
-/// and restores `file` into it; a lazy restore's background load is followed by a thread that
-/// says when all of RAM is in place, or stops the guest if a page could not be read.
-fn restore(
-    config: &VmConfig,
-    file: &std::path::Path,
-    lazy: bool,
-    hot_first: bool,
-) -> anyhow::Result<Vm> {
-    use ferry_migrate::snapshot::Loading;
-    let what = ferry_vmm::snapshot::describe(file).context("cannot restore the snapshot")?;
-    what.check_disk(file, config.disk.is_some())?;
-    let config = what.config(config);
-    let loading = if lazy { Loading::Lazy } else { Loading::Eager };
-    let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, hot_first)
-        .context("cannot restore the snapshot")?;
-    let s = &restored.stats;
-    match loading {
-        Loading::Eager => eprintln!(
-            "ferry: restored {}: {} MiB of data read in {:.0} ms ({:.0} MB/s), state loaded in {:.1} ms; the guest runs {:.0} ms after the start",
-            file.display(),
-            s.bytes_read >> 20,
-            s.ram_ms,
-            s.bytes_read as f64 / 1e3 / s.ram_ms.max(1e-3),
-            s.state_load_ms,
-            s.to_running_ms
-        ),
-        Loading::Lazy => eprintln!(
-            "ferry: restoring {} lazily: state loaded in {:.1} ms, the guest runs {:.1} ms after the start; its RAM loads in the background",
-            file.display(),
-            s.state_load_ms,
-            s.to_running_ms
-        ),
-    }
-    if let Some(load) = restored.lazy {
-        let handle = vm.handle();
-        std::thread::Builder::new()
-            .name("restore-wait".into())
-            .spawn(move || {
-                let stop = |e: &MigrateError| {
-                    handle.stop(StopReason::Failed(format!(
-                        "the lazy restore could not read the rest of guest RAM, so its memory is incomplete: {e}"
-                    )));
-                    handle.wait_stopped(Some(Duration::from_secs(10)));
-                };
-                // On an error the guest was stopped, with the reason.
-                if let Ok(l) = load.wait(stop) {
-                    ferry_vmm::snapshot::loaded(&handle);
-                    eprintln!(
-                        "ferry: all of RAM in place {:.0} ms after the resume: {} MiB read ({:.2} GB/s), {} pages the guest touched first served on demand (mean {:.0} us), {} hot pages loaded first",
-                        l.load_ms,
-                        l.bytes_read >> 20,
-                        l.bytes_read as f64 / 1e6 / l.load_ms.max(1e-3),
-                        l.demand_faults,
-                        l.fault_mean_us,
-                        l.hot_pages
-                    );
-                }
-            })
-            .context("cannot start the restore's follower")?;
-    }
-    Ok(vm)
 }
 
 /// How a VM that may migrate away ended here.

@@ -1,12 +1,16 @@
 //! A VM with a disk through the `ferry` binary: `ferry run --disk`, and `ferry migrate
 //! --disk-copy` between two `ferry run` processes whose images are files of their own, the
-//! destination's guest re-reading every block it wrote.
+//! destination's guest re-reading every block it wrote; a snapshot's image check at restore;
+//! and a disk copy's failures (a destination killed, the link cut, in the disk pass and at the
+//! switchover), each leaving the source's guest reading its image back clean.
 
 mod common;
 
 use std::time::Duration;
 
 use common::{RunningVm, destination_with, ferry_output, start_migrate, stderr};
+use ferry_migrate::wire::Kind;
+use ferry_migrate_testkit::proxy::{Direction, Proxy};
 
 /// The guest's disk counter `name` in `ferry status`.
 fn disk(vm: &RunningVm, name: &str) -> u64 {
@@ -100,7 +104,7 @@ fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_ba
     let out = src.snapshot(&file, &["--stop"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let copy = images.path().join("vm-at-snap.img");
-    std::fs::copy(&image, &copy).unwrap();
+    keep_with_snapshot(&image, &copy);
     drop(src);
     let without = ferry_output(&[
         "run",
@@ -113,6 +117,92 @@ fn a_snapshot_with_a_copy_of_its_image_restores_into_a_guest_whose_disk_reads_ba
     assert!(stderr(&without).contains("--disk"), "{}", stderr(&without));
     let restored = RunningVm::restore(&file, &["--disk", copy.to_str().unwrap()]);
     disk_verifies_clean(&restored);
+}
+
+/// Issue 50: a snapshot records its image's size, mtime and allocated map; a restore given
+/// the image after it changed is refused with what changed and the fix, taken with
+/// `--disk-changed-ok`, and refused whatever the flag when its size changed.
+#[test]
+fn a_restore_with_an_image_changed_since_its_snapshot_is_refused_unless_told() {
+    use std::os::unix::fs::FileExt;
+    let images = tempfile::tempdir().unwrap();
+    let image = image(&images.path().join("vm.img"));
+    let src = source("256M", &image);
+    let file = images.path().join("vm.snap");
+    let out = src.snapshot(&file, &["--stop"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    drop(src);
+    // A block past the guest's 16 MiB written after the snapshot: the mtime and the
+    // allocated map change, and the guest, which never reads there, still verifies clean.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    f.write_all_at(&[0xa5; 4096], 60 << 20).unwrap();
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["run", "--restore", file.to_str().unwrap()];
+        args.extend_from_slice(&["--disk", image.to_str().unwrap(), "--serial", "none"]);
+        args.extend_from_slice(extra);
+        refused_run(&args)
+    };
+    let e = refused(&[]);
+    for want in [
+        "changed since the snapshot was taken",
+        "its mtime was",
+        "its allocated map was",
+        "cp -a",
+        "--disk-changed-ok",
+    ] {
+        assert!(e.contains(want), "{want:?} in {e}");
+    }
+    let restored = RunningVm::restore(
+        &file,
+        &["--disk", image.to_str().unwrap(), "--disk-changed-ok"],
+    );
+    disk_verifies_clean(&restored);
+    drop(restored);
+    // Another size is refused, told or not.
+    f.set_len(128 << 20).unwrap();
+    let e = refused(&["--disk-changed-ok"]);
+    assert!(
+        e.contains("is 134217728 bytes and was 67108864 bytes"),
+        "{e}"
+    );
+}
+
+/// The stderr of a `ferry ARGS` that must fail before it runs a guest; one still running after
+/// 30 s was not refused (it is killed).
+fn refused_run(args: &[&str]) -> String {
+    let mut child = common::ferry()
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("ferry {args:?} was not refused: it ran\n{}", stderr(&out));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", stderr(&out));
+    stderr(&out)
+}
+
+/// Copies `image` to `copy` as the README says to keep an image with its snapshot: sparse,
+/// with its timestamps (the restore's check compares the mtime).
+fn keep_with_snapshot(image: &std::path::Path, copy: &std::path::Path) {
+    let out = std::process::Command::new("cp")
+        .args(["-a", "--sparse=always"])
+        .arg(image)
+        .arg(copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 #[test]
@@ -129,4 +219,151 @@ fn a_local_handover_takes_the_disk_along_and_every_block_reads_back() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     disk_verifies_clean(&dst);
+}
+
+/// The destination's partial copy of `image` (`disk_copy::incoming`).
+fn incoming_part(image: &std::path::Path) -> std::path::PathBuf {
+    let mut part = image.as_os_str().to_owned();
+    part.push(".ferry-incoming");
+    part.into()
+}
+
+/// A disk copy from `src` through `to_port` at 2 MB/s (so that its disk pass lasts seconds),
+/// once the copy started arriving at `image`'s partial file.
+fn slow_disk_copy(src: &RunningVm, to_port: u16, image: &std::path::Path) -> std::process::Child {
+    let migrate = start_migrate(
+        src,
+        to_port,
+        &[
+            "--disk-copy",
+            "--max-bandwidth",
+            "2M",
+            "--peer-timeout",
+            "5s",
+        ],
+    );
+    let part = incoming_part(image);
+    src.wait_until("the disk copy arriving", Duration::from_secs(30), |_| {
+        part.exists()
+    });
+    migrate
+}
+
+/// `ferry migrate`'s failure, within 30 s: its stdout and stderr.
+fn migration_fails(migrate: std::process::Child) -> String {
+    let out = migrate.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(!out.status.success(), "the migration failed: {text}");
+    text
+}
+
+/// The source runs on as its image's only writer: running, not handed over, its guest writing
+/// its disk and reading every block back clean.
+fn source_runs_on(src: &RunningVm) {
+    assert_eq!(src.status()["state"], "running");
+    let written = disk(src, "blocks_written");
+    src.wait_until(
+        "the source's guest writing on",
+        Duration::from_secs(60),
+        |vm| disk(vm, "blocks_written") > written + 50,
+    );
+    disk_verifies_clean(src);
+}
+
+/// Issue 50: a destination killed while the disk's chunks arrive leaves its partial file (it
+/// cannot remove it); the source runs on, and the next migration to that path is refused naming
+/// the file and saying to remove it; once it is removed, the migration completes.
+#[test]
+fn a_destination_killed_in_the_disk_pass_leaves_the_source_running_and_its_file_named() {
+    let images = tempfile::tempdir().unwrap();
+    let src = source("256M", &image(&images.path().join("source.img")));
+    let copy = images.path().join("copy.img");
+    let (mut dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let migrate = slow_disk_copy(&src, port, &copy);
+    dst.child.kill().unwrap();
+    dst.child.wait().unwrap();
+    migration_fails(migrate);
+    source_runs_on(&src);
+    assert!(!copy.exists(), "no image appeared");
+    assert!(
+        incoming_part(&copy).exists(),
+        "a killed process leaves its file"
+    );
+
+    let (_dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let err = migration_fails(start_migrate(&src, port, &["--disk-copy"]));
+    assert!(
+        err.contains("copy.img.ferry-incoming is in the way of the disk copy")
+            && err.contains("remove it"),
+        "{err}"
+    );
+    assert_eq!(src.status()["state"], "running");
+
+    std::fs::remove_file(incoming_part(&copy)).unwrap();
+    let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let out = start_migrate(&src, port, &["--disk-copy"])
+        .wait_with_output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    disk_verifies_clean(&dst);
+}
+
+/// Issue 50: every connection cut while the disk's chunks arrive: the source runs on, the
+/// destination gives up and removes its partial file.
+#[test]
+fn a_link_cut_in_the_disk_pass_leaves_the_source_running_and_no_file_at_the_destination() {
+    let images = tempfile::tempdir().unwrap();
+    let src = source("256M", &image(&images.path().join("source.img")));
+    let copy = images.path().join("copy.img");
+    let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let proxy = Proxy::start(&format!("127.0.0.1:{port}"), 10 << 30);
+    let migrate = slow_disk_copy(&src, proxy_port(&proxy), &copy);
+    assert!(proxy.cut_all() > 0, "connections to cut");
+    migration_fails(migrate);
+    let out = dst.finish(Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(!incoming_part(&copy).exists(), "the partial copy went");
+    assert!(!copy.exists(), "no image appeared");
+    source_runs_on(&src);
+}
+
+/// Issue 50: every connection cut at the switchover (the guest paused, the disk in sync, the
+/// device state about to go): the source stays paused and handed over, as any migration cut
+/// there (it cannot know whether the destination runs the guest); resumed by force, its guest
+/// reads its image back clean; the destination removed its partial file.
+#[test]
+fn a_link_cut_at_a_disk_copys_switchover_leaves_the_source_resumable_and_its_image_whole() {
+    let images = tempfile::tempdir().unwrap();
+    let src = source("256M", &image(&images.path().join("source.img")));
+    let copy = images.path().join("copy.img");
+    let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let proxy = Proxy::start(&format!("127.0.0.1:{port}"), 10 << 30);
+    proxy.hold_at(Direction::ToDestination, Kind::DeviceState);
+    let migrate = start_migrate(
+        &src,
+        proxy_port(&proxy),
+        &["--disk-copy", "--peer-timeout", "5s"],
+    );
+    assert!(
+        proxy.wait_struck(Duration::from_secs(60)),
+        "the device state reached"
+    );
+    assert!(proxy.cut_all() > 0, "connections to cut");
+    let err = migration_fails(migrate);
+    assert_eq!(src.status()["state"], "paused", "{err}");
+    let out = dst.finish(Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(!incoming_part(&copy).exists(), "the partial copy went");
+    assert!(!copy.exists(), "no image appeared");
+    let out = common::ferry()
+        .args(["resume", "--risk-running-twice", "--api-socket"])
+        .arg(&src.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    source_runs_on(&src);
+}
+
+fn proxy_port(proxy: &Proxy) -> u16 {
+    proxy.address().rsplit(':').next().unwrap().parse().unwrap()
 }

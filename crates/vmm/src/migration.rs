@@ -417,6 +417,15 @@ pub struct SourceAdapter {
     /// The disk's image synced in the background while the dirty log runs
     /// (`disk_copy/writeback.rs`).
     writeback: Option<crate::disk_copy::Writeback>,
+    /// Whose state it saves: a snapshot's also records the disk image (`snapshot::image`).
+    saving_for: SavingFor,
+}
+
+/// Whom a [`SourceAdapter`] saves the state for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SavingFor {
+    Migration,
+    Snapshot,
 }
 
 /// What the iterative-state calls answer without a disk copy under way.
@@ -453,7 +462,16 @@ impl VmHandle {
             holds_ban: false,
             disk_copy: DiskCopy::Off,
             writeback: None,
+            saving_for: SavingFor::Migration,
         }
+    }
+
+    /// [`VmHandle::migration_source`] for a snapshot: its state also records the disk's
+    /// image as the flush left it, for a restore to check its `--disk` against.
+    pub fn snapshot_source(&self) -> SourceAdapter {
+        let mut adapter = self.migration_source();
+        adapter.saving_for = SavingFor::Snapshot;
+        adapter
     }
 
     /// [`VmHandle::migration_source`] that copies the VM's disk as iterative state, as a
@@ -561,8 +579,14 @@ unsafe impl SourceVm for SourceAdapter {
                 .flush_disk()
                 .map_err(|e| VmError::failed("save_state", e))?;
         }
-        let (sections, parts) =
+        let (mut sections, mut parts) =
             sections::save(&self.shared).map_err(|e| VmError::failed("save_state", e))?;
+        if self.saving_for == SavingFor::Snapshot
+            && let Some((record, part)) = crate::snapshot::image::record(&self.shared)?
+        {
+            sections.push(record);
+            parts.push(part);
+        }
         *self.shared.state_parts.lock().unwrap() = parts;
         Ok(sections)
     }

@@ -14,6 +14,7 @@
 //! | 7 | a virtio-mmio device: transport, queues and the device (`devices::virtio`; the balloon) | 0 |
 //! | 8 | the VM generation ID (`devices::vmgenid`), optional on load | 0 |
 //! | 9 | a copied disk's blocks (`disk_copy::chunk`): iterative state, chunks sent while the guest runs, never a section of the pause | the disk's virtio-mmio instance |
+//! | 10 | a snapshot's record of its disk image (`snapshot::image`): written only into a snapshot file, checked before a restore, skipped by the state load | the disk's virtio-mmio instance |
 //!
 //! Invariant: the ids of [`ALL`] are distinct and none is 0 (the wire's invalid id), checked
 //! when this file compiles; `Devices::register` refuses a device whose id is not listed here as
@@ -33,6 +34,7 @@ pub const LAPIC: SectionId = SectionId(6);
 pub const VIRTIO_MMIO: SectionId = SectionId(7);
 pub const VM_GENERATION_ID: SectionId = SectionId(8);
 pub const DISK_BLOCKS: SectionId = SectionId(9);
+pub const DISK_IMAGE: SectionId = SectionId(10);
 
 /// Who saves and loads a section.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +45,8 @@ pub enum Owner {
     Device,
     /// Iterative state: chunks the source sends while the guest runs (`disk_copy`).
     Chunks,
+    /// A snapshot's own record (`snapshot::image`), never sent by a migration, never loaded.
+    Snapshot,
 }
 
 /// One id of this VMM: the name its sections and their errors go by, and whose it is.
@@ -58,7 +62,7 @@ const fn listed(id: SectionId, name: &'static str, owner: Owner) -> Listed {
 }
 
 /// Every id of this VMM, in id order.
-pub const ALL: [Listed; 9] = [
+pub const ALL: [Listed; 10] = [
     listed(VCPU, "vCPU", Owner::Vm),
     listed(VM_CLOCK, "VM clock", Owner::Vm),
     listed(SERIAL, "serial port", Owner::Device),
@@ -68,6 +72,7 @@ pub const ALL: [Listed; 9] = [
     listed(VIRTIO_MMIO, "virtio-mmio device", Owner::Device),
     listed(VM_GENERATION_ID, "VM generation ID", Owner::Device),
     listed(DISK_BLOCKS, "disk blocks", Owner::Chunks),
+    listed(DISK_IMAGE, "disk image check", Owner::Snapshot),
 ];
 
 /// The first id that `table` lists twice or that is 0, if any: the check [`ALL`] passes at

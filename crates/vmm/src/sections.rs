@@ -8,7 +8,8 @@
 //! destination refuses an id or instance it has no part for and a stream that lacks one of its
 //! parts. The exception is the VM generation ID's (8), which a destination loads a stream
 //! without (a source older than the device; `devices::vmgenid` says why that is safe); a
-//! destination that does not know 8 refuses it like any unknown id.
+//! destination that does not know 8 refuses it like any unknown id. A snapshot's record of its
+//! disk image (10, `snapshot::image`) is not state: a load of a VM with a disk skips it.
 //!
 //! Each kind has a range of layout versions, the oldest this VMM loads to the one it writes
 //! (`SectionKind`); `versions` lists them all, the VM's own and its devices', for the VM's
@@ -156,6 +157,8 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePar
             VCPU | LAPIC => s.instance < u32::from(shared.description.vcpus),
             VM_CLOCK => s.instance == 0,
             IRQCHIP => (s.instance as usize) < Chip::ALL.len(),
+            // A snapshot's record of its disk image, checked before the restore made this VM.
+            id if crate::snapshot::image::is_record(id) => shared.disk.is_some(),
             id => shared.devices.owns(id),
         };
         if !known {

@@ -6,6 +6,9 @@
 //! cancels it, and a migration cannot start while it runs (nor it while one does). It never
 //! hands the guest over (`Progress::handed_over` stays false): the guest runs on here, or stays
 //! paused with `stop`.
+//!
+//! A snapshot does not hold the disk: it records the image its pause left (`image`), and a
+//! restore checks the `--disk` it is given against that record before it makes the VM.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,6 +20,8 @@ use ferry_migrate::snapshot::{
 use ferry_migrate::{Control, MigrateError, Policy, TimeoutAction};
 use serde::{Deserialize, Serialize};
 
+pub use self::image::{ChangedImage, ImageCheck};
+
 use crate::migration::StartError;
 use crate::request::RequestError;
 use crate::vm::Arrival;
@@ -24,6 +29,8 @@ use crate::vm::build::Vm;
 use crate::vm::handle::VmHandle;
 use crate::vmconfig::VmDescription;
 use crate::{VmConfig, VmmError};
+
+pub mod image;
 
 /// The body of `PUT /snapshot`: every field but `to` optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -120,7 +127,7 @@ impl VmHandle {
         let params = req.params(self.0.vcpus().len() as u32)?;
         let control = Arc::new(Control::default());
         *slot = Some(control.clone());
-        let mut adapter = self.migration_source();
+        let mut adapter = self.snapshot_source();
         let thread_control = control.clone();
         std::thread::Builder::new()
             .name("snapshot".into())
@@ -136,18 +143,29 @@ impl VmHandle {
 }
 
 /// What a snapshot file says about the VM it holds, for making a VM to restore it into.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotVm {
     pub memory_bytes: u64,
     pub vcpus: u8,
     pub balloon: bool,
-    /// Whether the VM had a disk: a restore needs its image (`--disk`), which the snapshot
-    /// does not hold.
-    pub disk: bool,
+    pub disk: SnapshotDisk,
+}
+
+/// What a snapshot says of its VM's disk, which it does not hold: a restore needs the image
+/// (`--disk`), checked against the record when there is one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SnapshotDisk {
+    /// The VM had none.
+    Absent,
+    /// It had one, and the snapshot records no check of its image: written by a ferry older
+    /// than the record (`None`), or in a record layout newer than this ferry reads.
+    Unchecked { newer_record: Option<u32> },
+    /// It had one, recorded as the snapshot's pause left it.
+    Recorded(ImageCheck),
 }
 
 /// Why a snapshot cannot be restored with the disk it was given.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum SnapshotDiskError {
     #[error(
         "{0} is a snapshot of a VM with a disk, which a snapshot does not hold: give --disk with the image as it was when the snapshot was taken (a copy of it, for a clone)"
@@ -155,18 +173,106 @@ pub enum SnapshotDiskError {
     NoDisk(String),
     #[error("{0} is a snapshot of a VM without a disk: restore it without --disk")]
     Disk(String),
+    #[error(
+        "{file}: the disk image {given} is {now} bytes and was {then} bytes when the snapshot was taken, so its guest would find another disk: restore with the image the snapshot was taken with (or a copy of it made with `cp -a`)"
+    )]
+    Size {
+        file: String,
+        given: String,
+        then: u64,
+        now: u64,
+    },
+    #[error(
+        "{file}: the disk image {given} changed since the snapshot was taken ({changes}), so its guest would read blocks it did not leave there: restore with the image the snapshot was taken with (a copy made while the guest was paused, with `cp -a`, which keeps the mtime), or pass --disk-changed-ok if this image is right"
+    )]
+    Changed {
+        file: String,
+        given: String,
+        changes: Box<image::Changes>,
+    },
+    #[error(transparent)]
+    Image(#[from] image::ImageError),
+}
+
+/// What a restore says about the disk it was given and took.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskNote {
+    /// Not the path the snapshot recorded (a copy), and the check matched.
+    Moved { recorded: PathBuf, given: PathBuf },
+    /// The snapshot records no check of its image.
+    Unchecked { newer_record: Option<u32> },
+    /// Changed since the snapshot, and taken on the user's word (`--disk-changed-ok`).
+    ChangedTaken {
+        given: PathBuf,
+        changes: image::Changes,
+    },
+}
+
+impl std::fmt::Display for DiskNote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DiskNote::Moved { recorded, given } => write!(
+                f,
+                "the disk image is {}, the snapshot was taken with {}: its size, mtime and allocated map match",
+                given.display(),
+                recorded.display()
+            ),
+            DiskNote::Unchecked { newer_record: None } => write!(
+                f,
+                "the snapshot records no check of its disk image (an older ferry wrote it): the image given could not be checked; make sure it is the one the snapshot was taken with"
+            ),
+            DiskNote::Unchecked {
+                newer_record: Some(v),
+            } => write!(
+                f,
+                "the snapshot's disk image record is of layout {v}, newer than this ferry reads ({}): the image given could not be checked",
+                image::VERSION
+            ),
+            DiskNote::ChangedTaken { given, changes } => write!(
+                f,
+                "the disk image {} changed since the snapshot was taken ({changes}); restoring with it anyway (--disk-changed-ok)",
+                given.display()
+            ),
+        }
+    }
 }
 
 impl SnapshotVm {
-    /// Refuses a restore of `file` whose `--disk` (given or not) does not match the VM the
-    /// snapshot was taken of.
-    pub fn check_disk(&self, file: &Path, given: bool) -> Result<(), SnapshotDiskError> {
+    /// Refuses a restore of `file` whose `--disk` (`given`, or none) does not match the VM the
+    /// snapshot was taken of, or whose image differs from the one recorded (a changed mtime or
+    /// allocated map is taken with [`ChangedImage::Accept`], another size never); else what
+    /// to tell the user.
+    pub fn check_disk(
+        &self,
+        file: &Path,
+        given: Option<&Path>,
+        changed: ChangedImage,
+    ) -> Result<Vec<DiskNote>, SnapshotDiskError> {
         let name = || file.display().to_string();
-        match (self.disk, given) {
-            (true, false) => Err(SnapshotDiskError::NoDisk(name())),
-            (false, true) => Err(SnapshotDiskError::Disk(name())),
-            _ => Ok(()),
-        }
+        let (recorded, given) = match (&self.disk, given) {
+            (SnapshotDisk::Absent, None) => return Ok(Vec::new()),
+            (SnapshotDisk::Absent, Some(_)) => return Err(SnapshotDiskError::Disk(name())),
+            (_, None) => return Err(SnapshotDiskError::NoDisk(name())),
+            (SnapshotDisk::Unchecked { newer_record }, Some(_)) => {
+                return Ok(vec![DiskNote::Unchecked {
+                    newer_record: *newer_record,
+                }]);
+            }
+            (SnapshotDisk::Recorded(recorded), Some(given)) => (recorded, given),
+        };
+        check_image(recorded, &ImageCheck::of_path(given)?, changed).map_err(|e| match e {
+            Refusal::Size { then, now } => SnapshotDiskError::Size {
+                file: name(),
+                given: given.display().to_string(),
+                then,
+                now,
+            },
+            Refusal::Changed(changes) => SnapshotDiskError::Changed {
+                file: name(),
+                given: given.display().to_string(),
+                changes: Box::new(changes),
+            },
+        })
     }
 
     /// The VM to restore into: the snapshot's size, vCPUs and devices, the rest of `base`
@@ -184,6 +290,43 @@ impl SnapshotVm {
             ..base.clone()
         }
     }
+}
+
+/// Why an image given to a restore is refused: the figures, the sentence is the caller's.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    Size { then: u64, now: u64 },
+    Changed(image::Changes),
+}
+
+/// The image check's rule: another size is refused; another mtime or allocated map is refused
+/// unless `changed` accepts it; another path is said. Pure, for the table test.
+fn check_image(
+    recorded: &ImageCheck,
+    now: &ImageCheck,
+    changed: ChangedImage,
+) -> Result<Vec<DiskNote>, Refusal> {
+    let changes = recorded.changes(now);
+    if let Some((then, now)) = changes.size {
+        return Err(Refusal::Size { then, now });
+    }
+    let mut notes = Vec::new();
+    if !changes.none() {
+        match changed {
+            ChangedImage::Refuse => return Err(Refusal::Changed(changes)),
+            ChangedImage::Accept => notes.push(DiskNote::ChangedTaken {
+                given: now.path.clone(),
+                changes,
+            }),
+        }
+    }
+    if recorded.path != now.path && changes.none() {
+        notes.push(DiskNote::Moved {
+            recorded: recorded.path.clone(),
+            given: now.path.clone(),
+        });
+    }
+    Ok(notes)
 }
 
 /// Opens `path` (checking its header and metadata) and says what VM it needs. A file of more
@@ -205,11 +348,26 @@ pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
             format!("{e}; restore it with the ferry that wrote it"),
         )
     })?;
+    let disk = match description.disk {
+        false => SnapshotDisk::Absent,
+        true => {
+            let sections = snapshot::state::decode(reader.state())?;
+            match image::recorded(&sections).map_err(|e| {
+                ferry_migrate::VmError::failed("read the snapshot's disk image record", e)
+            })? {
+                image::Recorded::Check(c) => SnapshotDisk::Recorded(c),
+                image::Recorded::Nothing => SnapshotDisk::Unchecked { newer_record: None },
+                image::Recorded::Unreadable { version } => SnapshotDisk::Unchecked {
+                    newer_record: Some(version),
+                },
+            }
+        }
+    };
     Ok(SnapshotVm {
         memory_bytes: h.memory_size(),
         vcpus: u8::try_from(h.vcpus).unwrap_or(u8::MAX),
         balloon: description.balloon,
-        disk: description.disk,
+        disk,
     })
 }
 
@@ -273,23 +431,142 @@ pub fn loaded(handle: &VmHandle) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_restore_needs_a_disk_exactly_when_the_snapshots_vm_had_one() {
-        let vm = |disk| SnapshotVm {
+    fn vm(disk: SnapshotDisk) -> SnapshotVm {
+        SnapshotVm {
             memory_bytes: 1 << 30,
             vcpus: 1,
             balloon: true,
             disk,
-        };
+        }
+    }
+
+    fn recorded() -> ImageCheck {
+        ImageCheck {
+            path: "vm.img".into(),
+            size: 64 << 20,
+            mtime_ns: 1_700_000_000_123_456_789,
+            map_hash: 0xfeed,
+            extents: 3,
+        }
+    }
+
+    #[test]
+    fn a_restore_needs_a_disk_exactly_when_the_snapshots_vm_had_one() {
         let file = Path::new("vm.snap");
-        assert_eq!(vm(true).check_disk(file, true), Ok(()));
-        assert_eq!(vm(false).check_disk(file, false), Ok(()));
-        let e = vm(true).check_disk(file, false).unwrap_err().to_string();
+        let old = vm(SnapshotDisk::Unchecked { newer_record: None });
+        let disk = Some(Path::new("any.img"));
+        let refuse = ChangedImage::Refuse;
+        assert_eq!(
+            old.check_disk(file, disk, refuse).unwrap(),
+            vec![DiskNote::Unchecked { newer_record: None }],
+            "an older ferry's snapshot restores, unchecked"
+        );
+        let none = vm(SnapshotDisk::Absent);
+        assert_eq!(none.check_disk(file, None, refuse).unwrap(), vec![]);
+        let e = old.check_disk(file, None, refuse).unwrap_err().to_string();
         assert!(e.contains("vm.snap") && e.contains("--disk"), "{e}");
         assert!(matches!(
-            vm(false).check_disk(file, true),
+            none.check_disk(file, disk, refuse),
             Err(SnapshotDiskError::Disk(_))
         ));
+        let e = vm(SnapshotDisk::Recorded(recorded()))
+            .check_disk(file, Some(Path::new("/nonexistent/vm.img")), refuse)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/vm.img"), "{e}");
+    }
+
+    /// Issue 50: the rule of a restore's image check, as a table over what differs and the
+    /// override.
+    #[test]
+    fn an_image_of_another_size_is_refused_a_changed_one_unless_told_a_moved_one_said() {
+        use ChangedImage::{Accept, Refuse};
+        let then = recorded();
+        let copy = ImageCheck {
+            path: "/backup/vm-at-snap.img".into(),
+            ..recorded()
+        };
+        let touched = ImageCheck {
+            mtime_ns: then.mtime_ns + 1,
+            ..recorded()
+        };
+        let written = ImageCheck {
+            map_hash: 0xbeef,
+            extents: 4,
+            ..recorded()
+        };
+        let grown = ImageCheck {
+            size: 128 << 20,
+            ..touched.clone()
+        };
+        let moved = DiskNote::Moved {
+            recorded: then.path.clone(),
+            given: copy.path.clone(),
+        };
+        let taken = |now: &ImageCheck| DiskNote::ChangedTaken {
+            given: now.path.clone(),
+            changes: then.changes(now),
+        };
+        let table = [
+            (&then, Refuse, Ok(vec![])),
+            (&copy, Refuse, Ok(vec![moved])),
+            (
+                &touched,
+                Refuse,
+                Err(Refusal::Changed(then.changes(&touched))),
+            ),
+            (&touched, Accept, Ok(vec![taken(&touched)])),
+            (
+                &written,
+                Refuse,
+                Err(Refusal::Changed(then.changes(&written))),
+            ),
+            (&written, Accept, Ok(vec![taken(&written)])),
+            (
+                &grown,
+                Refuse,
+                Err(Refusal::Size {
+                    then: 64 << 20,
+                    now: 128 << 20,
+                }),
+            ),
+            (
+                &grown,
+                Accept,
+                Err(Refusal::Size {
+                    then: 64 << 20,
+                    now: 128 << 20,
+                }),
+            ),
+        ];
+        for (now, changed, want) in table {
+            assert_eq!(
+                check_image(&then, now, changed),
+                want,
+                "{now:?} {changed:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_changed_image_is_refused_naming_both_values_and_the_fix() {
+        let e = SnapshotDiskError::Changed {
+            file: "vm.snap".into(),
+            given: "vm.img".into(),
+            changes: Box::new(recorded().changes(&ImageCheck {
+                mtime_ns: 1_700_000_009_000_000_000,
+                ..recorded()
+            })),
+        }
+        .to_string();
+        for want in [
+            "vm.snap: the disk image vm.img changed since the snapshot was taken",
+            "its mtime was 1700000000.123456789 when the snapshot was taken and is 1700000009.000000000 now",
+            "cp -a",
+            "--disk-changed-ok",
+        ] {
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
     }
 
     /// Issue 48: a restore made its VM with the guest kind of the command line (the built-in
@@ -313,7 +590,7 @@ mod tests {
             memory_bytes: 600 << 30,
             vcpus: 4,
             balloon: true,
-            disk: false,
+            disk: SnapshotDisk::Absent,
         };
         let c = what.config(&base);
         assert_eq!(c.guest, crate::GuestKind::Foreign);

@@ -176,8 +176,8 @@ impl IncomingVm {
     }
 
     /// The running VM, once the migration resumed it.
-    pub fn into_running(self) -> Option<Vm> {
-        self.threads.filter(|_| self.resumed)
+    pub fn into_running(mut self) -> Option<Vm> {
+        self.threads.take().filter(|_| self.resumed)
     }
 
     /// The incoming migration's progress and cancel.
@@ -435,6 +435,17 @@ fn start(shared: Arc<Shared>) -> Result<Vm, VmmError> {
         handle: VmHandle(shared),
         threads,
     })
+}
+
+/// An incoming VM dropped before its state made a disk copy the image (its migration failed,
+/// or ended before it loaded) takes the copy with it: the `.ferry-incoming` file goes now, not
+/// when the last handle to the VM goes. A `ferry run --incoming`'s API server and signal
+/// handler hold one to the process's exit, which runs no drop, and the file was left there,
+/// in the way of the next migration to that path (issue 50: a link cut in the disk pass).
+impl Drop for IncomingVm {
+    fn drop(&mut self) {
+        drop(self.shared.disk_arriving.lock().unwrap().take());
+    }
 }
 
 impl Drop for Vm {
