@@ -39,6 +39,8 @@ pub struct FakeDisk {
     cursor: AtomicU64,
     /// Destination: not ready, whatever arrived, while a test holds it.
     held: AtomicBool,
+    /// Source: what the engine last said the pause could carry (`state_allowance`); 0 before.
+    allowance: AtomicU64,
 }
 
 impl FakeDisk {
@@ -53,7 +55,17 @@ impl FakeDisk {
             iterating: AtomicBool::new(false),
             cursor: AtomicU64::new(0),
             held: AtomicBool::new(false),
+            allowance: AtomicU64::new(0),
         }
+    }
+
+    /// Source: what the engine last said the pause could carry of the disk.
+    pub fn allowance(&self) -> u64 {
+        self.allowance.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_allowance(&self, bytes: u64) {
+        self.allowance.store(bytes, Ordering::Relaxed);
     }
 
     /// Destination: holds the device not ready for the switchover, as a device still loading

@@ -606,6 +606,12 @@ unsafe impl SourceVm for FakeVm {
         self.disk_or_unsupported()?.pending_bytes()
     }
 
+    fn state_allowance(&mut self, bytes: u64) {
+        if let Some(disk) = &self.disk {
+            disk.set_allowance(bytes);
+        }
+    }
+
     fn end_state_iteration(&mut self) {
         if let Some(disk) = &self.disk {
             disk.end();

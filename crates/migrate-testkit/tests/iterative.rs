@@ -71,6 +71,13 @@ fn a_device_s_large_state_that_changes_during_precopy_arrives_whole() {
             .all(|p| p.state_remaining_bytes <= p.remaining_bytes),
         "the device's pending bytes are part of what is left"
     );
+    // The bandwidth times the 300 ms downtime limit: more than nothing, less than a 100 GB/s
+    // link would carry.
+    let allowance = from.allowance();
+    assert!(
+        allowance > 0 && allowance < 30_000_000_000,
+        "the engine told the device what the pause could carry: {allowance}"
+    );
 }
 
 /// The switchover waits for the destination's devices (QEMU's switchover-ack): with the disk

@@ -187,6 +187,15 @@ pub unsafe trait SourceVm: Send {
         })
     }
 
+    /// How much iterative state the pause could carry now: the measured bandwidth times the
+    /// downtime limit, given after every pass while an iteration runs. A device that can hold
+    /// back what changes it (a disk that makes the guest's writes wait for their chunks, as
+    /// QEMU's write-blocking mirror) keeps what it has pending well within this, so that the
+    /// switchover comes however fast the guest changes it. The default ignores it.
+    fn state_allowance(&mut self, bytes: u64) {
+        let _ = bytes;
+    }
+
     /// The migration ended, however it ended: [`SourceVm::save_state`] holds all of the state
     /// again. Called only after [`SourceVm::start_state_iteration`] succeeded.
     fn end_state_iteration(&mut self) {}

@@ -20,6 +20,7 @@ use super::iteration::Iteration;
 use super::limiter::Pacing;
 use super::target::Target;
 use crate::error::MigrateError;
+use crate::policy::Observation;
 use crate::vm::{SourceVm, VmError};
 
 /// How often [`Session::await_ready`] looks for the destination's StateReady: a tenth of the
@@ -117,6 +118,15 @@ impl<P: Target> Session<'_, P> {
             self.after_batch();
         }
         Ok(())
+    }
+
+    /// Tells the VM what of its iterative state the pause could carry now
+    /// ([`SourceVm::state_allowance`]), once a bandwidth was measured.
+    pub(super) fn tell_allowance(&self, vm: &mut dyn SourceVm, now: &Observation) {
+        if self.iteration.is_some() && now.bandwidth > 0.0 {
+            let limit = self.params.policy.downtime_limit.as_secs_f64();
+            vm.state_allowance((now.bandwidth * limit) as u64);
+        }
     }
 
     /// Bytes of iterative state still to send, as last asked.

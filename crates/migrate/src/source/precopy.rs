@@ -51,6 +51,7 @@ impl<P: Target> Session<'_, P> {
             self.fit_throttle(vm)?;
             self.sample(SampleKind::Boundary);
             let now = self.observe();
+            self.tell_allowance(vm, &now);
             self.publish_pass(pass, &now, dirty_rate);
             after_pass = false;
             let (decision, trigger) = match self.postcopy_asked(pass) {

@@ -14,7 +14,6 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::time::{Duration, Instant};
 
 use super::chunk;
 
@@ -34,14 +33,6 @@ pub trait Written {
     fn mirror(&mut self, lag: u64);
 }
 
-/// A take of at most this many granules (64 MiB) turns the mirror on: what the guest writes
-/// while one is sent is then small, and holding it past the lag costs it little.
-const MIRROR_FROM: u64 = (64 << 20) / GRANULE;
-
-/// The mirror's lag, as time at the rate the copy sends: what the guest may have written and
-/// not yet sent, so the pause carries about twice this of the disk (the lag, and the last
-/// take on its way).
-const LAG_TIME: Duration = Duration::from_millis(10);
 /// The smallest lag, granules: a request's worth.
 const LAG_LEAST: u64 = 16;
 
@@ -85,11 +76,10 @@ pub struct SourceCopy {
     first_left: u64,
     /// Granules taken from the device's marks and not sent yet.
     again: VecDeque<u64>,
-    /// The size of the last take and when it was made, and what was sent since
+    /// The size of the last take, and what the pause could carry as last told
     /// (`mirror_if_behind`).
     last_take: Option<u64>,
-    take_at: Instant,
-    sent_since_take: u64,
+    allowance: Option<u64>,
     pub stats: CopyStats,
 }
 
@@ -113,8 +103,7 @@ impl SourceCopy {
             first_left: allocated,
             again: VecDeque::new(),
             last_take: None,
-            take_at: Instant::now(),
-            sent_since_take: 0,
+            allowance: None,
             stats: CopyStats::default(),
         })
     }
@@ -167,30 +156,32 @@ impl SourceCopy {
     }
 
     /// The first pass's next range, at most `most` bytes, moving it on; `None` once it is done.
-    /// Turns the mirror on at the first take after the first pass that is small
-    /// ([`MIRROR_FROM`]) or no smaller than the one before: a guest writing as fast as the
-    /// copy sends would otherwise keep it from ending. Each take then sets its lag to
-    /// [`LAG_TIME`] at the rate the copy sent since the take before.
+    /// What of the disk the pause could carry now (`SourceVm::state_allowance`): the mirror
+    /// keeps what is pending within half of it.
+    pub fn set_allowance(&mut self, bytes: u64) {
+        self.allowance = Some(bytes);
+    }
+
+    /// Turns the mirror on at a take after the first pass that is more than half of what the
+    /// pause could carry and no smaller than the one before: the guest writes as fast as the
+    /// copy sends, and the switchover would never come. Each take then sets the lag to a
+    /// quarter of that allowance (at most the device's [`MIRROR_LAG`]), so the lag and the
+    /// take on its way fit in half of it.
+    ///
+    /// [`MIRROR_LAG`]: crate::devices::virtio::blk::MIRROR_LAG
     fn mirror_if_behind(&mut self, taken: u64, written: &mut dyn Written) {
-        let now = Instant::now();
-        let (sent, since) = (
-            std::mem::take(&mut self.sent_since_take),
-            std::mem::replace(&mut self.take_at, now),
-        );
         if taken == 0 {
             return;
         }
         self.stats.dirty_passes += 1;
-        if !self.stats.mirror
-            && (taken <= MIRROR_FROM || self.last_take.is_some_and(|last| taken >= last))
-        {
+        let half = self.allowance.map_or(0, |a| a / 2 / GRANULE);
+        if !self.stats.mirror && taken > half && self.last_take.is_some_and(|last| taken >= last) {
             self.stats.mirror = true;
         }
         self.last_take = Some(taken);
         if self.stats.mirror {
-            let rate = sent as f64 / now.duration_since(since).as_secs_f64().max(1e-6);
-            let lag = (rate * LAG_TIME.as_secs_f64()) as u64 / GRANULE;
-            written.mirror(lag.max(LAG_LEAST));
+            let quarter = self.allowance.map_or(u64::MAX, |a| a / 4 / GRANULE);
+            written.mirror(quarter.max(LAG_LEAST));
         }
     }
 
@@ -217,7 +208,6 @@ impl SourceCopy {
         self.image
             .read_exact_at(&mut out[chunk::HEADER..], offset)?;
         self.stats.chunks += 1;
-        self.sent_since_take += len;
         let zeros = is_zero(&out[chunk::HEADER..]);
         match zeros {
             true => {

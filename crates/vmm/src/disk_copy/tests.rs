@@ -193,29 +193,36 @@ fn a_copy_is_ready_for_the_switchover_once_nearly_all_of_it_is_on_storage() {
 }
 
 #[test]
-fn the_mirror_starts_when_a_take_is_small_or_does_not_shrink() {
+fn the_mirror_starts_when_takes_larger_than_half_the_allowance_stop_shrinking() {
     let dir = tempfile::tempdir().unwrap();
-    let granules = 64 * MIB / GRANULE;
+    let granules = 16 * MIB / GRANULE;
     let capacity = 4 * granules * GRANULE;
     let drain = |copy: &mut SourceCopy, marks: &mut Marks| {
         while copy.next(1 << 20, marks).unwrap().is_some() {}
     };
-    // Takes of 2, then 1.5, then 1.5 times the lag's threshold: the third does not shrink.
     let mut copy = SourceCopy::start(image(dir.path(), capacity, &[]), capacity).unwrap();
+    // The pause could carry 16 MiB: takes of more than 8 MiB that stop shrinking mirror.
+    copy.set_allowance(16 * MIB);
     let mut marks = Marks::default();
     drain(&mut copy, &mut marks);
     for (n, mirrors) in [
-        (2 * granules, false),
-        (granules * 3 / 2, false),
-        (granules * 3 / 2, true),
+        (granules, false),
+        (granules * 3 / 4, false),
+        (granules * 3 / 4, true),
     ] {
         marks.0 = (0..n).collect();
         drain(&mut copy, &mut marks);
         assert_eq!(marks.1, mirrors, "after a take of {n} granules");
     }
-    // A first take within the threshold turns it on at once.
+    assert!(copy.stats.mirror && copy.stats.dirty_passes == 3);
+    // Small takes that do not shrink fit in the pause: no mirror.
     let mut copy = SourceCopy::start(image(dir.path(), capacity, &[]), capacity).unwrap();
-    let mut marks = Marks(vec![7, 9], false);
+    copy.set_allowance(16 * MIB);
+    let mut marks = Marks::default();
     drain(&mut copy, &mut marks);
-    assert!(marks.1);
+    for _ in 0..3 {
+        marks.0 = (0..100).collect();
+        drain(&mut copy, &mut marks);
+    }
+    assert!(!marks.1 && !copy.stats.mirror);
 }

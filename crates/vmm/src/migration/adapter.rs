@@ -232,6 +232,13 @@ unsafe impl SourceVm for SourceAdapter {
         }
     }
 
+    /// The disk's mirror keeps what the copy has pending within it (`disk_copy::source`).
+    fn state_allowance(&mut self, bytes: u64) {
+        if let DiskCopy::Running(copy) = &mut self.disk_copy {
+            copy.set_allowance(bytes);
+        }
+    }
+
     fn end_state_iteration(&mut self) {
         if let DiskCopy::Running(copy) = std::mem::take(&mut self.disk_copy) {
             tracing::info!(
