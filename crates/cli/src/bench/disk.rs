@@ -259,15 +259,21 @@ fn print_medians(ways: &[Way], rows: &[Row]) {
             None => format!(" = {:.2}x the link's time for its bytes", m(link_ratio)),
             Some(_) => String::new(),
         };
+        let writes = match way {
+            Way::NoDisk => String::new(),
+            _ => format!(
+                " guest disk writes {:.1} MB/s before, {:.1} MB/s during;",
+                rate(0),
+                rate(1)
+            ),
+        };
         println!(
-            "{:<14} finished {}/{rounds}; total {:.0} ms{link}; downtime {:.1} ms{against}; guest pause {:.1} ms; guest disk writes {:.1} MB/s before, {:.1} MB/s during; bad blocks {}",
+            "{:<14} finished {}/{rounds}; total {:.0} ms{link}; downtime {:.1} ms{against}; guest pause {:.1} ms;{writes} bad blocks {}",
             way.name(),
             of.len(),
             m(|r| r.total_ms),
             m(|r| r.downtime_ms),
             m(|r| r.pause_ms),
-            rate(0),
-            rate(1),
             of.iter().map(|r| r.bad_blocks).sum::<u64>()
         );
         println!(
