@@ -5,14 +5,14 @@
 //! channels); without it (Debian 12's QEMU 7.2) through `exec:cat`, QEMU's way to a file before
 //! `file:` existed.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use serde_json::{Value, json};
+use serde_json::json;
+
+use super::qmp::{Kill, Qmp, RemoveDir};
 
 /// What QEMU did with the guest.
 pub(super) struct QemuRun {
@@ -33,14 +33,10 @@ pub(super) fn save_and_restore(
     cmdline: &str,
     dir: &Path,
 ) -> anyhow::Result<Option<QemuRun>> {
-    let Ok(out) = Command::new("qemu-system-x86_64").arg("--version").output() else {
+    let Ok(version) = super::qmp::installed() else {
         return Ok(None);
     };
-    let version = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let version = version.text;
     let work = dir.join(format!("ferry-bench-qemu-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let _cleanup = RemoveDir(work.clone());
@@ -92,7 +88,7 @@ pub(super) fn save_and_restore(
     let t = Instant::now();
     q.execute("stop", json!({}))?;
     q.execute("migrate", json!({ "uri": uri }))?;
-    q.wait_completed()?;
+    q.wait_completed(Duration::from_secs(600))?;
     std::fs::File::open(&file)?.sync_all()?;
     let save_ms = t.elapsed().as_secs_f64() * 1e3;
     drop(q);
@@ -113,7 +109,7 @@ pub(super) fn save_and_restore(
     };
     let t = Instant::now();
     q.execute("migrate-incoming", json!({ "uri": uri }))?;
-    q.wait_completed()?;
+    q.wait_completed(Duration::from_secs(600))?;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     Ok(Some(QemuRun {
         version,
@@ -122,102 +118,4 @@ pub(super) fn save_and_restore(
         restore_ms,
         allocated,
     }))
-}
-
-/// Kills and reaps QEMU when dropped.
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Removes a directory when dropped.
-struct RemoveDir(PathBuf);
-
-impl Drop for RemoveDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A QMP connection.
-struct Qmp {
-    writer: UnixStream,
-    reader: BufReader<UnixStream>,
-}
-
-impl Qmp {
-    fn connect(sock: &Path) -> anyhow::Result<Qmp> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let stream = loop {
-            match UnixStream::connect(sock) {
-                Ok(s) => break s,
-                Err(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                Err(e) => return Err(e).context("connecting to QEMU's QMP socket"),
-            }
-        };
-        let mut q = Qmp {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: stream,
-        };
-        q.read()?; // the greeting
-        q.execute("qmp_capabilities", json!({}))?;
-        Ok(q)
-    }
-
-    fn read(&mut self) -> anyhow::Result<Value> {
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            bail!("QEMU closed its QMP socket");
-        }
-        Ok(serde_json::from_str(&line)?)
-    }
-
-    /// Runs `command` and returns its `return`, skipping events.
-    fn execute(&mut self, command: &str, arguments: Value) -> anyhow::Result<Value> {
-        let mut request = json!({ "execute": command });
-        if arguments.as_object().is_some_and(|a| !a.is_empty()) {
-            request["arguments"] = arguments;
-        }
-        writeln!(self.writer, "{request}")?;
-        loop {
-            let answer = self.read()?;
-            if let Some(r) = answer.get("return") {
-                return Ok(r.clone());
-            }
-            if let Some(e) = answer.get("error") {
-                bail!("QEMU refused {command}: {e}");
-            }
-        }
-    }
-
-    /// `mapped-ram` with 2 multifd channels, as issue 36 measured QEMU 10.
-    fn prepare_mapped_ram(&mut self) -> anyhow::Result<()> {
-        let caps = json!([
-            { "capability": "mapped-ram", "state": true },
-            { "capability": "multifd", "state": true },
-        ]);
-        self.execute("migrate-set-capabilities", json!({ "capabilities": caps }))?;
-        self.execute("migrate-set-parameters", json!({ "multifd-channels": 2 }))?;
-        Ok(())
-    }
-
-    /// Polls `query-migrate` until the migration completed (or failed).
-    fn wait_completed(&mut self) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(600);
-        loop {
-            let status = self.execute("query-migrate", json!({}))?;
-            match status["status"].as_str() {
-                Some("completed") => return Ok(()),
-                Some("failed") => bail!("QEMU's migration failed: {status}"),
-                _ if Instant::now() > deadline => bail!("QEMU's migration did not end"),
-                _ => std::thread::sleep(Duration::from_millis(5)),
-            }
-        }
-    }
 }
