@@ -16,6 +16,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -193,7 +194,15 @@ pub fn run(args: &DiskBenchArgs) -> anyhow::Result<ExitCode> {
         "bad"
     );
     let mut rows = Vec::new();
+    let mut storage = Vec::new();
     for round in 0..args.rounds {
+        let ms = storage_ms(dir.path(), args.data)?;
+        println!(
+            "storage: {} GiB written and synced every 50 ms, as a copy's destination does: {ms:.0} ms ({:.0} MB/s)",
+            args.data / GIB,
+            args.data as f64 / ms / 1e3
+        );
+        storage.push(ms);
         let order: Vec<Way> = match round % 2 {
             0 => ways.clone(),
             _ => ways.iter().rev().copied().collect(),
@@ -213,6 +222,7 @@ pub fn run(args: &DiskBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     print_medians(&ways, &rows);
+    print_storage_bound(&rows, median(storage));
     let bad: u64 = rows
         .iter()
         .filter_map(|r| r.outcome.as_ref().ok())
@@ -312,6 +322,57 @@ fn print_medians(ways: &[Way], rows: &[Row]) {
     }
 }
 
+/// What the disk copy added to the migration without a disk, against the time the storage
+/// takes to hold the disk's data (measured in the same run): the destination says it is ready
+/// only once the copy is nearly all on storage, so that time bounds the copy's.
+fn print_storage_bound(rows: &[Row], storage_ms: f64) {
+    let total = |way: Way| {
+        median(
+            rows.iter()
+                .filter(|r| r.way == way)
+                .filter_map(|r| r.outcome.as_ref().ok())
+                .map(|f| f.total_ms)
+                .collect(),
+        )
+    };
+    let added = total(Way::Copy) - total(Way::NoDisk);
+    if added.is_finite() {
+        println!(
+            "disk copy added {added:.0} ms to the migration without a disk = {:.2}x the storage's time for the disk's data ({storage_ms:.0} ms)",
+            added / storage_ms
+        );
+        println!(
+            "{}",
+            json!({"bench": "disk", "copy_added_ms": added, "storage_ms": storage_ms,
+                   "storage_ratio": added / storage_ms})
+        );
+    }
+}
+
+/// Writes `bytes` of random data into a new file in `dir`, 1 MiB at a time, syncing every
+/// 50 ms and at the end as a disk copy's destination does; returns the time taken, ms.
+fn storage_ms(dir: &Path, bytes: u64) -> anyhow::Result<f64> {
+    use std::io::Write;
+    let path = dir.join("storage-reference");
+    let mut f =
+        std::fs::File::create(&path).with_context(|| format!("cannot make {}", path.display()))?;
+    let block = random_mib(0x2545_f491_4f6c_dd1d);
+    let started = Instant::now();
+    let mut synced = started;
+    for _ in 0..bytes / MIB {
+        f.write_all(&block)?;
+        if synced.elapsed() >= Duration::from_millis(50) {
+            f.sync_data()?;
+            synced = Instant::now();
+        }
+    }
+    f.sync_data()?;
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok(ms)
+}
+
 fn link_ratio(f: &Figures) -> f64 {
     f.link_ms.map_or(f64::NAN, |l| f.total_ms / l)
 }
@@ -369,8 +430,16 @@ fn measure(args: &DiskBenchArgs, way: Way, image: &Path, copy: &Path) -> anyhow:
         ],
         blocks_read_after: read_after,
         bad_blocks: bad,
-        note: None,
+        note: Some(downtime_parts(&st.downtime)),
     })
+}
+
+/// Where a ferry row's downtime went, for its note.
+fn downtime_parts(d: &ferry_migrate::stats::Downtime) -> String {
+    format!(
+        "  (downtime: final sync {:.1}, final pages and chunks {:.1}, state save {:.1}, transfer {:.1}, load {:.1}, resume {:.1} ms)",
+        d.final_sync_ms, d.final_pages_ms, d.state_save_ms, d.transfer_ms, d.load_ms, d.resume_ms
+    )
 }
 
 /// One migration of `way` by QEMU.
@@ -454,19 +523,25 @@ fn fill_image(path: &Path, size: u64, data: u64) -> anyhow::Result<()> {
     let f = std::fs::File::create(path)
         .with_context(|| format!("cannot make the image {}", path.display()))?;
     f.set_len(size)?;
+    let block = random_mib(0x9e37_79b9_7f4a_7c15);
+    for i in 0..(data / MIB).min(size / (4 * MIB)) {
+        f.write_all_at(&block, i * 4 * MIB)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+/// 1 MiB that no file system compresses or dedups: xorshift from `seed`.
+fn random_mib(seed: u64) -> Vec<u8> {
     let mut block = vec![0u8; MIB as usize];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut x = seed;
     for b in block.chunks_exact_mut(8) {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         b.copy_from_slice(&x.to_le_bytes());
     }
-    for i in 0..(data / MIB).min(size / (4 * MIB)) {
-        f.write_all_at(&block, i * 4 * MIB)?;
-    }
-    f.sync_all()?;
-    Ok(())
+    block
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
