@@ -220,3 +220,59 @@ fn a_local_ram_record_without_its_descriptors_is_refused_as_from_another_host() 
     });
     assert!(!dst.resumed);
 }
+
+/// A device's file (a disk's image) in a source that passes it.
+fn with_device_file(src: &mut FakeVm) -> std::fs::File {
+    use ferry_migrate_testkit::device_files::DeviceFile;
+    let file = tempfile::tempfile().unwrap();
+    src.devices.files.push(DeviceFile {
+        id: ferry_migrate::wire::SectionId(0x44),
+        instance: 1,
+        file: file.try_clone().unwrap(),
+    });
+    file
+}
+
+/// Devices' descriptors travel with guest RAM, before the state is loaded (the fake refuses
+/// them after), named as the source named them, and they are the source's open files: the
+/// same open file description, not a file opened again.
+#[test]
+fn a_local_handover_passes_devices_descriptors_before_the_state() {
+    use std::io::{Seek, SeekFrom};
+    use std::os::unix::fs::MetadataExt;
+    let mut src = FakeVm::new(16 * MIB, 1);
+    src.fill(4);
+    let mut mine = with_device_file(&mut src);
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    dst.devices.takes = true;
+    let (sent, received) = hand_over(&mut src, &mut dst, &params());
+    sent.expect("the handover");
+    received.expect("the destination");
+    assert!(dst.resumed);
+    let [passed] = &dst.devices.files[..] else {
+        panic!("{:?}", dst.devices.files);
+    };
+    assert_eq!(
+        (passed.id, passed.instance),
+        (ferry_migrate::wire::SectionId(0x44), 1)
+    );
+    let (a, b) = (mine.metadata().unwrap(), passed.file.metadata().unwrap());
+    assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()), "the same file");
+    // One open file description: an offset moved through one is the other's.
+    (&passed.file).seek(SeekFrom::Start(4242)).unwrap();
+    assert_eq!(mine.stream_position().unwrap(), 4242);
+}
+
+/// A destination whose VMM opens its devices' files itself (an older ferry, or a VMM without
+/// the hook) does not grant the capability: the source passes nothing and the handover goes
+/// on as before.
+#[test]
+fn a_destination_that_opens_its_own_files_is_passed_no_descriptor() {
+    let mut src = FakeVm::new(16 * MIB, 1);
+    let _mine = with_device_file(&mut src);
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let (sent, received) = hand_over(&mut src, &mut dst, &params());
+    sent.expect("the handover");
+    received.expect("the destination");
+    assert!(dst.resumed && dst.devices.files.is_empty());
+}

@@ -28,6 +28,8 @@ pub(crate) struct Agreement {
     pub postcopy_unit: u64,
     /// A local handover: guest RAM's descriptors instead of its pages.
     pub local: bool,
+    /// In a local handover, devices' descriptors go too (a LocalDevices record).
+    pub local_devices: bool,
     /// Iterative device state: StateChunk records while the guest runs, and the
     /// destination's StateReady before a switchover.
     pub iterative: bool,
@@ -44,6 +46,7 @@ impl Agreement {
         main_pages: false,
         postcopy_unit: 1,
         local: false,
+        local_devices: false,
         iterative: false,
     };
 
@@ -68,6 +71,7 @@ impl Agreement {
             main_pages: granted(Capabilities::MAIN_PAGES) && !preempt && postcopy_unit == 1,
             postcopy_unit,
             local: granted(Capabilities::LOCAL),
+            local_devices: granted(Capabilities::LOCAL.with(Capabilities::LOCAL_DEVICES)),
             iterative: granted(Capabilities::ITERATIVE_STATE),
         })
     }
