@@ -55,7 +55,7 @@ unsafe impl DestinationVm for FakeVm {
     }
 
     fn takes_device_fds(&self) -> bool {
-        self.devices.takes
+        !self.devices.takes.is_empty()
     }
 
     fn adopt_device_fds(&mut self, fds: Vec<ferry_migrate::DeviceFd>) -> Result<(), VmError> {

@@ -19,9 +19,9 @@ pub struct DeviceFile {
 /// The fake's device files, and how it treats passed ones.
 #[derive(Debug, Default)]
 pub struct DeviceFiles {
-    /// A destination's answer to `takes_device_fds` (false: it opens its devices' files
-    /// itself, as a VMM without the hook does).
-    pub takes: bool,
+    /// The devices (section id, instance) whose descriptor a destination takes; none: it
+    /// opens its devices' files itself, as a VMM without the hook does.
+    pub takes: Vec<(SectionId, u32)>,
     pub files: Vec<DeviceFile>,
     /// Set by a destination's state load: a descriptor passed after it broke the order.
     pub loaded: bool,
@@ -49,12 +49,25 @@ impl DeviceFiles {
             .collect()
     }
 
-    /// Keeps `fds` as a destination does, refusing them after the state load.
+    /// Keeps `fds` as a destination does, refusing them after the state load, and one for a
+    /// device it does not take.
     pub(crate) fn adopt(&mut self, fds: Vec<DeviceFd>) -> Result<(), VmError> {
         if self.loaded {
             return Err(VmError::failed(
                 "adopt_device_fds",
                 "devices' descriptors after the state was loaded",
+            ));
+        }
+        if let Some(d) = fds
+            .iter()
+            .find(|d| !self.takes.contains(&(d.id, d.instance)))
+        {
+            return Err(VmError::failed(
+                "adopt_device_fds",
+                format!(
+                    "no device of the fake takes {} instance {}",
+                    d.id, d.instance
+                ),
             ));
         }
         self.files.extend(fds.into_iter().map(|d| DeviceFile {

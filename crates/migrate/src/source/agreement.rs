@@ -109,6 +109,12 @@ mod tests {
         // 2 MiB host pages: whole units of 512 wire pages, never on the main connection.
         let a = Agreement::from_reply(&reply(pc, 21)).unwrap();
         assert!(a.postcopy_unit == 512 && !a.main_pages, "{a:?}");
+        // Devices' descriptors only within a local handover.
+        let a = Agreement::from_reply(&reply(Capabilities::LOCAL_DEVICES, 0)).unwrap();
+        assert!(!a.local && !a.local_devices);
+        let local = Capabilities::LOCAL.with(Capabilities::LOCAL_DEVICES);
+        let a = Agreement::from_reply(&reply(local, 0)).unwrap();
+        assert!(a.local && a.local_devices);
         // A unit no record can carry.
         let e = Agreement::from_reply(&reply(pc, 40)).unwrap_err();
         assert!(matches!(e, ProtocolError::UnitTooLarge { .. }), "{e}");

@@ -55,7 +55,8 @@ impl Capabilities {
     pub const ITERATIVE_STATE: Capabilities = Capabilities(1 << 11);
     /// Bit 12, with [`Capabilities::LOCAL`]: the source may pass its devices' descriptors
     /// too (a disk's image, a tap), on a [`Kind::LocalDevices`](super::Kind::LocalDevices)
-    /// record after RamAdopted, so that the destination's devices take over the source's open
+    /// record after RamAdopted (answered [`Kind::DevicesAdopted`](super::Kind::DevicesAdopted)
+    /// before the source pauses), so that the destination's devices take over the source's open
     /// files instead of opening them again. A destination grants it only where its VMM takes
     /// them; without it, the source passes none and the destination opens its devices' files
     /// itself.

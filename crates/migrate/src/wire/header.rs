@@ -168,6 +168,7 @@ impl Header {
                 | Kind::Go
                 | Kind::StateChunk
                 | Kind::StateReady
+                | Kind::DevicesAdopted
         );
         if (countless && count != 0) || (kind == Kind::Error && count > ERROR_CANCELLED) {
             return Err(WireError::Reserved("record count"));
@@ -232,7 +233,8 @@ impl Header {
             | Kind::RamAdopted
             | Kind::Loaded
             | Kind::Go
-            | Kind::StateReady => match len {
+            | Kind::StateReady
+            | Kind::DevicesAdopted => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },

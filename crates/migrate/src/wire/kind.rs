@@ -125,6 +125,10 @@ wire_enum! {
         /// [`MAX_LOCAL_DEVICES`](super::MAX_LOCAL_DEVICES). The destination's VMM uses them
         /// only once the state is loaded.
         LocalDevices = 23,
+        /// Destination → source, local only, the answer to LocalDevices: the devices took
+        /// the descriptors (kept for the state load); the source may pause its guest. No
+        /// payload.
+        DevicesAdopted = 24,
     }
 }
 

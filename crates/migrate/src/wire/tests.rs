@@ -301,7 +301,7 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 23 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 24 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
     assert_eq!(Kind::from_u16(13), Kind::Missing);
@@ -313,7 +313,8 @@ fn received_round_trips_and_refuses_other_lengths() {
     assert_eq!(Kind::from_u16(21), Kind::StateChunk);
     assert_eq!(Kind::from_u16(22), Kind::StateReady);
     assert_eq!(Kind::from_u16(23), Kind::LocalDevices);
-    assert_eq!(Kind::from_u16(24), Kind::Invalid);
+    assert_eq!(Kind::from_u16(24), Kind::DevicesAdopted);
+    assert_eq!(Kind::from_u16(25), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 

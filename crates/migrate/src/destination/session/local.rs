@@ -93,6 +93,7 @@ impl Session<'_> {
                         })
                         .collect();
                     self.vm.adopt_device_fds(devices)?;
+                    self.answer(Kind::DevicesAdopted, "answering that devices took theirs")?;
                 }
                 LocalStep::Section => {
                     let payload = self.conn.read_payload(&h, "receiving device state")?;

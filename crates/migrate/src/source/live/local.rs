@@ -3,7 +3,7 @@
 //! the destination maps them while the guest still runs here (RamAdopted); devices'
 //! descriptors follow on a LocalDevices record, where the destination takes them
 //! (`SourceVm::device_fds`: a disk's image, for its devices to use once the state is
-//! loaded); then the guest
+//! loaded), and it answers DevicesAdopted; then the guest
 //! pauses, its state goes with Complete, and the destination loads it and says Loaded; only then
 //! does Go hand the guest over, and the destination resumes it and says Resumed. No page is
 //! sent, no dirty page tracked, no data channel opened.
@@ -40,6 +40,10 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 const MAPPED: Awaiting = Awaiting {
     during: "waiting for the destination to map guest RAM",
     expected: "RamAdopted",
+};
+const DEVICES: Awaiting = Awaiting {
+    during: "waiting for the destination to take devices' descriptors",
+    expected: "DevicesAdopted",
 };
 const LOADED: Awaiting = Awaiting {
     during: "waiting for the destination to load the state",
@@ -99,8 +103,9 @@ impl Session<'_> {
     }
 
     /// Passes the VMM's devices' descriptors (`SourceVm::device_fds`) on a LocalDevices
-    /// record, if the destination takes them and there are any; before the pause, so they
-    /// cost the downtime nothing. A destination that does not take them opens its devices'
+    /// record, if the destination takes them and there are any, and waits for its
+    /// DevicesAdopted: before the pause, so they cost the downtime nothing and a destination
+    /// that refuses one does so while the guest runs on here. A destination that does not take them opens its devices'
     /// files itself, as before they could travel.
     fn hand_over_device_fds(&mut self, vm: &dyn SourceVm) -> Result<(), MigrateError> {
         let fds = match vm.device_fds() {
@@ -134,7 +139,9 @@ impl Session<'_> {
             &borrowed,
             "handing devices' descriptors over",
         )?;
-        tracing::info!("handed {} device descriptor(s) over", fds.len());
+        drop(fds);
+        self.await_answer(Kind::DevicesAdopted, DEVICES)?;
+        tracing::info!("handed {} device descriptor(s) over", devices.len());
         Ok(())
     }
 
