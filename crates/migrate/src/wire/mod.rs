@@ -14,8 +14,9 @@
 //!
 //! Floors, each standing only on those below: `wire_enum.rs` (how an enum and its decoder are
 //! declared), `format.rs` (the numbers and the CRC), `kind.rs` (roles and record kinds),
-//! `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads), `local.rs` (a local handover's),
-//! `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello` and so on.
+//! `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads), `local.rs` (a local
+//! handover's), `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello`
+//! and so on.
 
 mod capabilities;
 mod error;

@@ -2,9 +2,10 @@
 //! descriptors come on the LocalRam record and the VMM maps them in place of its own RAM
 //! (`DestinationVm::adopt_ram`) while the guest still runs at the source; then, with
 //! `Capabilities::LOCAL_DEVICES`, the devices' descriptors on a LocalDevices record, handed to
-//! the VMM for its devices to use from the state load on (`DestinationVm::adopt_device_fds`);
-//! then the device state up to Complete, loaded with the vCPUs waiting; Loaded; and the guest resumes here only
-//! on the source's Go (`order::next_local` is the order). No data channel, no page.
+//! the VMM for its devices to use from the state load on (`DestinationVm::adopt_device_fds`)
+//! and answered DevicesAdopted; then the device state up to Complete, loaded with the vCPUs
+//! waiting; Loaded; and the guest resumes here only on the source's Go (`order::next_local`
+//! is the order). No data channel, no page.
 //!
 //! Invariant: the guest never runs here unless Go came, and the source never runs it once it
 //! sent Go, so it runs in one process at a time. A failure before Go leaves the adopted memory

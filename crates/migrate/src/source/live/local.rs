@@ -105,8 +105,8 @@ impl Session<'_> {
     /// Passes the VMM's devices' descriptors (`SourceVm::device_fds`) on a LocalDevices
     /// record, if the destination takes them and there are any, and waits for its
     /// DevicesAdopted: before the pause, so they cost the downtime nothing and a destination
-    /// that refuses one does so while the guest runs on here. A destination that does not take them opens its devices'
-    /// files itself, as before they could travel.
+    /// that refuses one does so while the guest runs on here. A destination that does not
+    /// take them opens its devices' files itself, as before they could travel.
     fn hand_over_device_fds(&mut self, vm: &dyn SourceVm) -> Result<(), MigrateError> {
         let fds = match vm.device_fds() {
             Ok(fds) => fds,
