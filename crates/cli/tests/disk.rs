@@ -205,20 +205,49 @@ fn keep_with_snapshot(image: &std::path::Path, copy: &std::path::Path) {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// Issue 50: a local handover passes the disk image's descriptor with guest RAM, and the new
+/// process takes over that open file rather than opening its `--disk` path. So the image may
+/// be moved after the source started, and another file put at its path: the guest keeps its
+/// own disk (every block reads back clean) and writes on into the moved file, the same inode,
+/// while the file at the path stays untouched. Opening the path instead would give the guest
+/// the other file's zeros.
 #[test]
-fn a_local_handover_takes_the_disk_along_and_every_block_reads_back() {
+fn a_local_handover_takes_the_disk_along_by_its_descriptor_and_every_block_reads_back() {
+    use std::os::unix::fs::MetadataExt;
     let images = tempfile::tempdir().unwrap();
     let image = image(&images.path().join("vm.img"));
     let src = source("512M", &image);
-    // The same image on the same host: the destination opens it when the state arrives.
     let (dst, to) = common::unix_destination("512M", &["--disk", image.to_str().unwrap()]);
+    let moved = images.path().join("vm.img.moved");
+    std::fs::rename(&image, &moved).unwrap();
+    let inode = std::fs::metadata(&moved).unwrap().ino();
+    let decoy = self::image(&image);
     let out = common::ferry()
         .args(["migrate", "--local", "--to", &to, "--api-socket"])
         .arg(&src.socket)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
+    let written = disk(&dst, "blocks_written");
+    let mtime = |m: std::fs::Metadata| (m.mtime(), m.mtime_nsec());
+    let before = mtime(std::fs::metadata(&moved).unwrap());
     disk_verifies_clean(&dst);
+    assert!(
+        disk(&dst, "blocks_written") > written,
+        "the guest writes on"
+    );
+    let after = std::fs::metadata(&moved).unwrap();
+    assert_eq!(after.ino(), inode);
+    assert_ne!(
+        mtime(after),
+        before,
+        "the new process writes the moved image"
+    );
+    assert_eq!(
+        std::fs::metadata(&decoy).unwrap().blocks(),
+        0,
+        "nothing wrote the file now at the path"
+    );
 }
 
 /// The destination's partial copy of `image` (`disk_copy::incoming`).

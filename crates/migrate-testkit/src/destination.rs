@@ -50,7 +50,16 @@ unsafe impl DestinationVm for FakeVm {
             }
         }
         self.state = sections;
+        self.devices.loaded = true;
         Ok(())
+    }
+
+    fn takes_device_fds(&self) -> bool {
+        !self.devices.takes.is_empty()
+    }
+
+    fn adopt_device_fds(&mut self, fds: Vec<ferry_migrate::DeviceFd>) -> Result<(), VmError> {
+        self.devices.adopt(fds)
     }
 
     fn load_state_chunk(&mut self, chunk: &Section) -> Result<(), VmError> {

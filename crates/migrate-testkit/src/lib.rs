@@ -20,6 +20,7 @@ mod balloon;
 pub mod conformance;
 pub mod craft;
 mod destination;
+pub mod device_files;
 pub mod disk;
 pub mod fuzz;
 pub mod loopback;
@@ -204,6 +205,8 @@ pub struct FakeVm {
     pub abandoned: Option<String>,
     /// A device with large state (`disk.rs`), when a test adds one.
     pub disk: Option<Arc<disk::FakeDisk>>,
+    /// Devices' open files, which a local handover may pass (`device_files.rs`).
+    pub devices: device_files::DeviceFiles,
 }
 
 impl FakeVm {
@@ -242,6 +245,7 @@ impl FakeVm {
             landing: PageLanding::File,
             abandoned: None,
             disk: None,
+            devices: Default::default(),
         }
     }
 
@@ -525,6 +529,10 @@ impl Drop for FakeVm {
 unsafe impl SourceVm for FakeVm {
     fn ram(&self) -> Vec<RamRegion> {
         self.shared.ram.regions.clone()
+    }
+
+    fn device_fds(&self) -> Result<Vec<ferry_migrate::DeviceFd>, VmError> {
+        self.devices.passed()
     }
 
     fn start_dirty_log(&mut self) -> Result<(), VmError> {

@@ -4,7 +4,9 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ferry_migrate::SourceVm;
+use ferry_migrate::wire::SectionId;
 use ferry_migrate_testkit::conformance::Fixture;
+use ferry_migrate_testkit::device_files::DeviceFile;
 use ferry_migrate_testkit::{FakeVm, Writers};
 
 /// 8 MiB in two regions of 1024 pages: several bitmap words per region, and a gap between
@@ -20,16 +22,25 @@ const FREE_FROM: u64 = 512;
 /// 256 pages take 4 ms, so some of a round arrive between two takes.
 const HINT_PAGES_PER_MS: u64 = 64;
 
+/// The device whose file the source passes (a section id of the fake's own choice).
+const DEVICE: (SectionId, u32) = (SectionId(0x44), 0);
+
 struct Fake;
 
 impl Fixture for Fake {
     type Source = FakeVm;
     type Destination = FakeVm;
 
-    /// With a balloon, some memory free to hint, and a small disk (iterative state).
+    /// With a balloon, some memory free to hint, a small disk (iterative state), and a
+    /// device file a local handover passes.
     fn source(&mut self) -> FakeVm {
         let mut vm = FakeVm::new(MEMORY, REGIONS);
         vm.add_disk(DISK);
+        vm.devices.files.push(DeviceFile {
+            id: DEVICE.0,
+            instance: DEVICE.1,
+            file: tempfile::tempfile().unwrap(),
+        });
         vm.fill(3);
         vm.free_pages(FREE_FROM, FREE_PAGES);
         vm.attach_balloon(HINT_PAGES_PER_MS);
@@ -39,6 +50,7 @@ impl Fixture for Fake {
     fn destination(&mut self) -> FakeVm {
         let mut vm = FakeVm::new(MEMORY, REGIONS);
         vm.add_disk(DISK);
+        vm.devices.takes = vec![DEVICE];
         vm
     }
 

@@ -220,3 +220,121 @@ fn a_local_ram_record_without_its_descriptors_is_refused_as_from_another_host() 
     });
     assert!(!dst.resumed);
 }
+
+/// The fake device whose file the tests pass: section 0x44, instance 1.
+const DEVICE: (ferry_migrate::wire::SectionId, u32) = (ferry_migrate::wire::SectionId(0x44), 1);
+
+/// A device's file (a disk's image) in a source that passes it.
+fn with_device_file(src: &mut FakeVm) -> std::fs::File {
+    use ferry_migrate_testkit::device_files::DeviceFile;
+    let file = tempfile::tempfile().unwrap();
+    src.devices.files.push(DeviceFile {
+        id: DEVICE.0,
+        instance: DEVICE.1,
+        file: file.try_clone().unwrap(),
+    });
+    file
+}
+
+/// Devices' descriptors travel with guest RAM, before the state is loaded (the fake refuses
+/// them after), named as the source named them, and they are the source's open files: the
+/// same open file description, not a file opened again.
+#[test]
+fn a_local_handover_passes_devices_descriptors_before_the_state() {
+    use std::io::{Seek, SeekFrom};
+    use std::os::unix::fs::MetadataExt;
+    let mut src = FakeVm::new(16 * MIB, 1);
+    src.fill(4);
+    let mut mine = with_device_file(&mut src);
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    dst.devices.takes = vec![DEVICE];
+    let (sent, received) = hand_over(&mut src, &mut dst, &params());
+    sent.expect("the handover");
+    received.expect("the destination");
+    assert!(dst.resumed);
+    let [passed] = &dst.devices.files[..] else {
+        panic!("{:?}", dst.devices.files);
+    };
+    assert_eq!((passed.id, passed.instance), DEVICE);
+    let (a, b) = (mine.metadata().unwrap(), passed.file.metadata().unwrap());
+    assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()), "the same file");
+    // One open file description: an offset moved through one is the other's.
+    (&passed.file).seek(SeekFrom::Start(4242)).unwrap();
+    assert_eq!(mine.stream_position().unwrap(), 4242);
+}
+
+/// A destination whose VMM opens its devices' files itself (an older ferry, or a VMM without
+/// the hook) does not grant the capability: the source passes nothing and the handover goes
+/// on as before.
+#[test]
+fn a_destination_that_opens_its_own_files_is_passed_no_descriptor() {
+    let mut src = FakeVm::new(16 * MIB, 1);
+    let _mine = with_device_file(&mut src);
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    let (sent, received) = hand_over(&mut src, &mut dst, &params());
+    sent.expect("the handover");
+    received.expect("the destination");
+    assert!(dst.resumed && dst.devices.files.is_empty());
+}
+
+/// A descriptor for a device the destination has none of is refused before the pause (the
+/// source waits for DevicesAdopted): the source's guest runs on, never paused.
+#[test]
+fn a_descriptor_no_destination_device_takes_is_refused_before_the_pause() {
+    let mut src = FakeVm::new(16 * MIB, 1);
+    let _mine = with_device_file(&mut src);
+    let mut src = Pauses(src, 0);
+    let mut dst = FakeVm::new(16 * MIB, 1);
+    dst.devices.takes = vec![(DEVICE.0, 2)];
+    let (a, b) = UnixStream::pair().unwrap();
+    let sent = std::thread::scope(|s| {
+        let receiver = s.spawn(|| destination::receive(&mut dst, b, &mut no_channels));
+        let connect = || -> std::io::Result<UnixStream> { panic!("reconnected") };
+        let sent = source::migrate(&mut src, a, &connect, &params(), &Control::default());
+        receiver
+            .join()
+            .unwrap()
+            .expect_err("the destination refused");
+        sent
+    });
+    let e = sent.expect_err("refused");
+    assert!(e.to_string().contains("no device of the fake takes"), "{e}");
+    assert_eq!(src.1, 0, "the guest was never paused");
+    assert!(!src.0.is_paused());
+    assert!(!dst.resumed && dst.devices.files.is_empty());
+}
+
+/// A source VM that counts its pauses and passes its devices' files.
+struct Pauses(FakeVm, u32);
+
+// SAFETY: every call goes to the fake, whose `ram()` keeps its promise.
+unsafe impl ferry_migrate::SourceVm for Pauses {
+    fn ram(&self) -> Vec<ferry_migrate::ram::RamRegion> {
+        self.0.ram()
+    }
+    fn device_fds(&self) -> Result<Vec<ferry_migrate::DeviceFd>, ferry_migrate::VmError> {
+        self.0.device_fds()
+    }
+    fn start_dirty_log(&mut self) -> Result<(), ferry_migrate::VmError> {
+        self.0.start_dirty_log()
+    }
+    fn fetch_dirty(
+        &mut self,
+        into: &mut ferry_migrate::bitmap::DirtyBitmap,
+    ) -> Result<(), ferry_migrate::VmError> {
+        self.0.fetch_dirty(into)
+    }
+    fn stop_dirty_log(&mut self) {
+        self.0.stop_dirty_log()
+    }
+    fn pause(&mut self) -> Result<(), ferry_migrate::VmError> {
+        self.1 += 1;
+        self.0.pause()
+    }
+    fn resume(&mut self) -> Result<(), ferry_migrate::VmError> {
+        ferry_migrate::SourceVm::resume(&mut self.0)
+    }
+    fn save_state(&mut self) -> Result<Vec<ferry_migrate::Section>, ferry_migrate::VmError> {
+        self.0.save_state()
+    }
+}

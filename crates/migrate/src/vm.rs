@@ -14,6 +14,18 @@ use crate::state_part::StatePart;
 use crate::stats::VcpuDirty;
 use crate::wire::{LocalRegion, SectionHeader, SectionId};
 
+/// A device's open file handed over with guest RAM in a local handover (a disk's image, a
+/// tap): named by the device's state section, `id` and `instance`, as its state travels, so
+/// that the engine carries it without knowing what the device is.
+#[derive(Debug)]
+pub struct DeviceFd {
+    pub id: SectionId,
+    pub instance: u32,
+    /// The same open file description as the source device's (a `dup`, not a reopen): its
+    /// offset and status flags (`O_DIRECT`, `O_APPEND`) are shared by both processes.
+    pub fd: OwnedFd,
+}
+
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
 /// version and encodes the data; the engine carries it, bounded, and never looks inside.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,6 +110,20 @@ pub unsafe trait SourceVm: Send {
     fn config(&self) -> Result<Vec<u8>, VmError> {
         Err(VmError::Unsupported {
             operation: "describing the VM's configuration",
+        })
+    }
+
+    /// A local handover ([`crate::wire::Capabilities::LOCAL_DEVICES`] granted): the open
+    /// files of devices that the destination's devices take over instead of opening them
+    /// again (a disk's image: the file, whatever became of its path), each named as its
+    /// device's state section is. Asked once guest RAM is adopted, while the guest still runs
+    /// here; the descriptors go before the pause, and the destination uses them only once the
+    /// state is loaded, so a device with one writer keeps one writer: this side stops at the
+    /// pause, the other starts after the load. A VMM that passes none keeps this default (its
+    /// destination opens its devices' files itself).
+    fn device_fds(&self) -> Result<Vec<DeviceFd>, VmError> {
+        Err(VmError::Unsupported {
+            operation: "passing devices' descriptors in a local handover",
         })
     }
 
@@ -320,6 +346,27 @@ pub unsafe trait DestinationVm: Send {
         let _ = (regions, fds);
         Err(VmError::Unsupported {
             operation: "adopting the source's guest RAM (a local handover)",
+        })
+    }
+
+    /// Whether this VM's devices take the source's descriptors in a local handover
+    /// ([`DestinationVm::adopt_device_fds`]): asked before the hello is answered, and
+    /// [`crate::wire::Capabilities::LOCAL_DEVICES`] is granted only if so. A VMM whose devices
+    /// open their own files keeps this default, and the source passes nothing.
+    fn takes_device_fds(&self) -> bool {
+        false
+    }
+
+    /// The source's device descriptors ([`SourceVm::device_fds`]), after guest RAM was
+    /// adopted and before any device state: keep them for the devices they name, and use
+    /// them only from [`DestinationVm::load_state`] on (until then the source's guest may
+    /// still write through them, and resumes there if the handover fails). Refuse a
+    /// descriptor no device of this VM takes, or one of the wrong kind of file. Called only
+    /// when [`DestinationVm::takes_device_fds`] said so.
+    fn adopt_device_fds(&mut self, fds: Vec<DeviceFd>) -> Result<(), VmError> {
+        let _ = fds;
+        Err(VmError::Unsupported {
+            operation: "taking devices' descriptors in a local handover",
         })
     }
 

@@ -22,7 +22,10 @@
 //!   landed the way it names shows in both the mapping and the file.
 //!   [`destination_adopts_the_sources_ram`] (`adopt_ram`, a local handover): the destination's
 //!   regions then show what the source writes; a layout not its own and a file too short are
-//!   refused.
+//!   refused. [`device_descriptors_pass_or_are_refused`] (`devices.rs`: `device_fds`,
+//!   `takes_device_fds`, `adopt_device_fds`, a local handover's device files): a source passes
+//!   open files, each device named once; a destination that takes them takes the source's and
+//!   refuses one for a device it does not have, and one that does not takes none.
 //! - Dirty tracking (`dirty.rs`: `start_dirty_log`, `fetch_dirty`, `stop_dirty_log`).
 //!   [`dirty_log_starts_empty`]: a page nobody wrote since tracking started is not reported
 //!   (pass 1 sends populated memory once; a log that reported all of RAM would send it
@@ -80,6 +83,7 @@
 //! check file; the checks by subject as above.
 
 mod converge;
+mod devices;
 mod dirty;
 mod fixture;
 mod hints;
@@ -93,6 +97,7 @@ pub use converge::{
     dirty_limit_slows_a_writing_vcpu_or_is_refused, throttle_is_set_and_lifted_or_refused,
     vcpu_dirty_counts_since_tracking_started,
 };
+pub use devices::device_descriptors_pass_or_are_refused;
 pub use dirty::{
     dirty_log_restarts, dirty_log_starts_empty, fetch_clears_what_it_reports,
     guest_writes_are_reported, vmm_writes_are_reported,
@@ -121,6 +126,7 @@ macro_rules! conformance_tests {
             destination_file_is_its_memory,
             destination_lands_pages_as_it_says,
             destination_adopts_the_sources_ram,
+            device_descriptors_pass_or_are_refused,
             dirty_log_starts_empty,
             vmm_writes_are_reported,
             guest_writes_are_reported,

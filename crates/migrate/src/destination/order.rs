@@ -102,12 +102,16 @@ pub(crate) fn next(
 }
 
 /// Where a local handover's main channel is: no page and no pass, guest RAM's descriptors
-/// first, then the device state and Complete, then (after this side answered Loaded) Go.
+/// first, devices' descriptors if granted and passed, then the device state and Complete, then
+/// (after this side answered Loaded) Go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Local {
     /// Before the LocalRam record.
     Ram,
-    /// Guest RAM is adopted: the device state comes, up to Complete.
+    /// Guest RAM is adopted; nothing came since: devices' descriptors may come (once, with
+    /// the capability), or the device state.
+    Adopted,
+    /// The device state comes, up to Complete.
     State,
     /// The state is loaded: Go, or nothing (the guest is the source's again).
     Go,
@@ -118,6 +122,8 @@ pub(crate) enum Local {
 pub(crate) enum LocalStep {
     /// Map guest RAM from the descriptors that came with the record.
     Adopt,
+    /// Hand the descriptors that came with the record to the devices they name.
+    AdoptDevices,
     /// Read a device-state section.
     Section,
     /// Load the state and answer Loaded.
@@ -129,18 +135,25 @@ pub(crate) enum LocalStep {
 }
 
 /// The record of kind `kind` in a local handover at `at`: the state after it and what to do,
-/// or the rule it broke.
-pub(crate) fn next_local(at: Local, kind: Kind) -> Result<(Local, LocalStep), ProtocolError> {
+/// or the rule it broke. `granted` is what the hello's answer granted.
+pub(crate) fn next_local(
+    at: Local,
+    kind: Kind,
+    granted: Capabilities,
+) -> Result<(Local, LocalStep), ProtocolError> {
     use Local as L;
+    let refuse = |rule| Err(ProtocolError::Misplaced { got: kind, rule });
     match (kind, at) {
         (Kind::Error, _) => Ok((at, LocalStep::PeerError)),
-        (Kind::LocalRam, L::Ram) => Ok((L::State, LocalStep::Adopt)),
-        (k, L::Ram) => Err(ProtocolError::Misplaced {
-            got: k,
-            rule: Rule::LocalRamFirst,
-        }),
-        (Kind::DeviceState, L::State) => Ok((L::State, LocalStep::Section)),
-        (Kind::Complete, L::State) => Ok((L::Go, LocalStep::Load)),
+        (Kind::LocalRam, L::Ram) => Ok((L::Adopted, LocalStep::Adopt)),
+        (_, L::Ram) => refuse(Rule::LocalRamFirst),
+        (Kind::LocalDevices, _) if !granted.contains(Capabilities::LOCAL_DEVICES) => {
+            refuse(Rule::NeedsLocalDevices)
+        }
+        (Kind::LocalDevices, L::Adopted) => Ok((L::State, LocalStep::AdoptDevices)),
+        (Kind::LocalDevices, _) => refuse(Rule::DevicesAfterRam),
+        (Kind::DeviceState, L::Adopted | L::State) => Ok((L::State, LocalStep::Section)),
+        (Kind::Complete, L::Adopted | L::State) => Ok((L::Go, LocalStep::Load)),
         (Kind::Go, L::Go) => Ok((L::Go, LocalStep::Resume)),
         (k, _) => Err(ProtocolError::Misplaced {
             got: k,
@@ -376,11 +389,20 @@ mod tests {
         let no = Err::<(Local, LocalStep), Rule>;
         type Row = (Local, Kind, Result<(Local, LocalStep), Rule>);
         let table: &[Row] = &[
-            (L::Ram, K::LocalRam, ok(L::State, St::Adopt)),
+            (L::Ram, K::LocalRam, ok(L::Adopted, St::Adopt)),
             (L::Ram, K::Error, ok(L::Ram, St::PeerError)),
             (L::Ram, K::DeviceState, no(Rule::LocalRamFirst)),
             (L::Ram, K::Go, no(Rule::LocalRamFirst)),
             (L::Ram, K::Pages, no(Rule::LocalRamFirst)),
+            (L::Ram, K::LocalDevices, no(Rule::LocalRamFirst)),
+            (L::Adopted, K::LocalDevices, ok(L::State, St::AdoptDevices)),
+            (L::Adopted, K::DeviceState, ok(L::State, St::Section)),
+            (L::Adopted, K::Complete, ok(L::Go, St::Load)),
+            (L::Adopted, K::Go, no(Rule::LocalChannel)),
+            (L::Adopted, K::LocalRam, no(Rule::LocalChannel)),
+            (L::Adopted, K::Error, ok(L::Adopted, St::PeerError)),
+            (L::State, K::LocalDevices, no(Rule::DevicesAfterRam)),
+            (L::Go, K::LocalDevices, no(Rule::DevicesAfterRam)),
             (L::State, K::DeviceState, ok(L::State, St::Section)),
             (L::State, K::Complete, ok(L::Go, St::Load)),
             (L::State, K::Go, no(Rule::LocalChannel)),
@@ -393,8 +415,9 @@ mod tests {
             (L::Go, K::Complete, no(Rule::LocalChannel)),
             (L::Go, K::Error, ok(L::Go, St::PeerError)),
         ];
+        let granted = Capabilities::LOCAL.with(Capabilities::LOCAL_DEVICES);
         for &(at, kind, want) in table {
-            let got = next_local(at, kind).map_err(|e| match e {
+            let got = next_local(at, kind, granted).map_err(|e| match e {
                 ProtocolError::Misplaced { got, rule } => {
                     assert_eq!(got, kind);
                     rule
@@ -403,6 +426,18 @@ mod tests {
             });
             assert_eq!(got, want, "{at:?} {kind:?}");
         }
+        // Devices' descriptors only where this side granted them.
+        let e = next_local(L::Adopted, K::LocalDevices, Capabilities::LOCAL).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ProtocolError::Misplaced {
+                    rule: Rule::NeedsLocalDevices,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     /// State chunks: only with the capability, while the passes run or among the discard

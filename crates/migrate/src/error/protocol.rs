@@ -33,6 +33,9 @@ pub enum ProtocolError {
     /// A recovering destination lists as missing a page it was never told to drop.
     #[error("the destination lacks page {gpa:#x}, which it was never told to drop")]
     LacksUndropped { gpa: u64 },
+    /// Descriptors rode on a record that carries none (only LocalRam and LocalDevices do).
+    #[error("file descriptors came with a {got:?} record, which carries none")]
+    StrayDescriptors { got: Kind },
     #[error("{id} instance {instance} sent twice")]
     SectionTwice { id: SectionId, instance: u32 },
     /// Passes end in order, on the main channel and on each data channel.
@@ -114,6 +117,10 @@ pub enum Rule {
     LocalRamFirst,
     /// What the main channel carries in a local handover.
     LocalChannel,
+    /// LocalDevices needs the local devices capability.
+    NeedsLocalDevices,
+    /// Devices' descriptors come once, right after guest RAM was adopted.
+    DevicesAfterRam,
     // The destination's data channels.
     /// The preempt connection starts with Postcopy.
     PreemptStartsWithPostcopy,
@@ -185,6 +192,12 @@ impl Rule {
                 format!("expected LocalRam first in a local handover, got {got:?}")
             }
             R::LocalChannel => format!("{got:?} record in a local handover"),
+            R::NeedsLocalDevices => {
+                format!("{got:?} record without the local devices capability")
+            }
+            R::DevicesAfterRam => {
+                "devices' descriptors must come once, right after guest RAM was adopted".into()
+            }
             R::PreemptStartsWithPostcopy => {
                 format!("{got:?} on the preempt connection before Postcopy")
             }

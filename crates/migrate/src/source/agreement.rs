@@ -28,6 +28,8 @@ pub(crate) struct Agreement {
     pub postcopy_unit: u64,
     /// A local handover: guest RAM's descriptors instead of its pages.
     pub local: bool,
+    /// In a local handover, devices' descriptors go too (a LocalDevices record).
+    pub local_devices: bool,
     /// Iterative device state: StateChunk records while the guest runs, and the
     /// destination's StateReady before a switchover.
     pub iterative: bool,
@@ -44,6 +46,7 @@ impl Agreement {
         main_pages: false,
         postcopy_unit: 1,
         local: false,
+        local_devices: false,
         iterative: false,
     };
 
@@ -68,6 +71,7 @@ impl Agreement {
             main_pages: granted(Capabilities::MAIN_PAGES) && !preempt && postcopy_unit == 1,
             postcopy_unit,
             local: granted(Capabilities::LOCAL),
+            local_devices: granted(Capabilities::LOCAL.with(Capabilities::LOCAL_DEVICES)),
             iterative: granted(Capabilities::ITERATIVE_STATE),
         })
     }
@@ -105,6 +109,12 @@ mod tests {
         // 2 MiB host pages: whole units of 512 wire pages, never on the main connection.
         let a = Agreement::from_reply(&reply(pc, 21)).unwrap();
         assert!(a.postcopy_unit == 512 && !a.main_pages, "{a:?}");
+        // Devices' descriptors only within a local handover.
+        let a = Agreement::from_reply(&reply(Capabilities::LOCAL_DEVICES, 0)).unwrap();
+        assert!(!a.local && !a.local_devices);
+        let local = Capabilities::LOCAL.with(Capabilities::LOCAL_DEVICES);
+        let a = Agreement::from_reply(&reply(local, 0)).unwrap();
+        assert!(a.local && a.local_devices);
         // A unit no record can carry.
         let e = Agreement::from_reply(&reply(pc, 40)).unwrap_err();
         assert!(matches!(e, ProtocolError::UnitTooLarge { .. }), "{e}");

@@ -53,6 +53,14 @@ impl Capabilities {
     /// destination says [`Kind::StateReady`](super::Kind::StateReady) once its devices are
     /// ready for the switchover (on the connection its Received records take).
     pub const ITERATIVE_STATE: Capabilities = Capabilities(1 << 11);
+    /// Bit 12, with [`Capabilities::LOCAL`]: the source may pass its devices' descriptors
+    /// too (a disk's image, a tap), on a [`Kind::LocalDevices`](super::Kind::LocalDevices)
+    /// record after RamAdopted (answered [`Kind::DevicesAdopted`](super::Kind::DevicesAdopted)
+    /// before the source pauses), so that the destination's devices take over the source's open
+    /// files instead of opening them again. A destination grants it only where its VMM takes
+    /// them; without it, the source passes none and the destination opens its devices' files
+    /// itself.
+    pub const LOCAL_DEVICES: Capabilities = Capabilities(1 << 12);
     /// What this side implements.
     pub const SUPPORTED: Capabilities = Capabilities(
         Capabilities::POSTCOPY.0
@@ -65,7 +73,8 @@ impl Capabilities {
             | Capabilities::ERROR_CODES.0
             | Capabilities::LOCAL.0
             | Capabilities::COMPRESS.0
-            | Capabilities::ITERATIVE_STATE.0,
+            | Capabilities::ITERATIVE_STATE.0
+            | Capabilities::LOCAL_DEVICES.0,
     );
 
     /// The protocol version a hello asking for (or granting) these needs: 5 with

@@ -16,6 +16,8 @@ pub enum WireError {
     Version(u32),
     #[error("local region {index} is invalid: {why}")]
     LocalRegion { index: usize, why: &'static str },
+    #[error("local device descriptor {index} is invalid: {why}")]
+    LocalDevice { index: usize, why: &'static str },
     #[error("unknown channel role {0}")]
     Role(u16),
     #[error("page size {0} is not the 4096 this side uses")]

@@ -88,6 +88,12 @@ pub const MAX_LOCAL_REGIONS: u32 = 64;
 /// File descriptors a LocalRam record carries: one memfd per RAM backend (ferry's VMM has
 /// one); 16 is far below the kernel's 253 per message.
 pub const MAX_LOCAL_FDS: usize = 16;
+/// A LocalDevices record's entry: `id:u32 instance:u32 fd:u32 reserved:u32`.
+pub const LOCAL_DEVICE_SIZE: u64 = 16;
+/// Device descriptors in a LocalDevices record: ferry's VMM passes one (its disk's image);
+/// a VMM with a tap, a second disk or a vhost backend needs a few. All ride on one message,
+/// so the bound is [`MAX_LOCAL_FDS`].
+pub const MAX_LOCAL_DEVICES: u32 = MAX_LOCAL_FDS as u32;
 
 /// CRC32C (Castagnoli) of `bytes`, with the CPU's instruction where it has one.
 pub fn crc(bytes: &[u8]) -> u32 {

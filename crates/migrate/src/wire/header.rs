@@ -5,10 +5,10 @@
 
 use super::error::WireError;
 use super::format::{
-    DONE_SIZE, ERROR_CANCELLED, HEADER_SIZE, LOCAL_REGION_SIZE, MAX_CONFIG_BYTES, MAX_ERROR_BYTES,
-    MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD, MAX_PART_NAME, MAX_SECTION_BYTES, MAX_STATE_PARTS,
-    MAX_ZERO_RUNS_PER_RECORD, PAGE_SIZE, PART_HEAD, RECEIVED_SIZE, RESUMED_SIZE,
-    SECTION_HEADER_SIZE, crc,
+    DONE_SIZE, ERROR_CANCELLED, HEADER_SIZE, LOCAL_DEVICE_SIZE, LOCAL_REGION_SIZE,
+    MAX_CONFIG_BYTES, MAX_ERROR_BYTES, MAX_LOCAL_DEVICES, MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD,
+    MAX_PART_NAME, MAX_SECTION_BYTES, MAX_STATE_PARTS, MAX_ZERO_RUNS_PER_RECORD, PAGE_SIZE,
+    PART_HEAD, RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE, crc,
 };
 use super::kind::Kind;
 
@@ -168,6 +168,7 @@ impl Header {
                 | Kind::Go
                 | Kind::StateChunk
                 | Kind::StateReady
+                | Kind::DevicesAdopted
         );
         if (countless && count != 0) || (kind == Kind::Error && count > ERROR_CANCELLED) {
             return Err(WireError::Reserved("record count"));
@@ -224,6 +225,7 @@ impl Header {
             }),
             Kind::Done => Ok(()),
             Kind::LocalRam => batch(MAX_LOCAL_REGIONS, LOCAL_REGION_SIZE),
+            Kind::LocalDevices => batch(MAX_LOCAL_DEVICES, LOCAL_DEVICE_SIZE),
             Kind::EndOfPass
             | Kind::Complete
             | Kind::Postcopy
@@ -231,7 +233,8 @@ impl Header {
             | Kind::RamAdopted
             | Kind::Loaded
             | Kind::Go
-            | Kind::StateReady => match len {
+            | Kind::StateReady
+            | Kind::DevicesAdopted => match len {
                 0 => Ok(()),
                 _ => Err(WireError::NotEmpty { kind, len }),
             },

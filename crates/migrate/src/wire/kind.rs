@@ -116,6 +116,19 @@ wire_enum! {
         /// the switchover (QEMU's switchover-ack). The source does not pause the guest for a
         /// switchover before it came. No payload.
         StateReady = 22,
+        /// Source → destination, main, local only, once, right after the destination's
+        /// RamAdopted and before the device state, when
+        /// [`Capabilities::LOCAL_DEVICES`](super::Capabilities::LOCAL_DEVICES) was granted and
+        /// the source's VMM passes any: `count` [`LocalDevice`](super::LocalDevice)s, each
+        /// naming the device (by its state section's id and instance) one of the descriptors
+        /// riding on this record's bytes (`SCM_RIGHTS`) belongs to, at most
+        /// [`MAX_LOCAL_DEVICES`](super::MAX_LOCAL_DEVICES). The destination's VMM uses them
+        /// only once the state is loaded.
+        LocalDevices = 23,
+        /// Destination → source, local only, the answer to LocalDevices: the devices took
+        /// the descriptors (kept for the state load); the source may pause its guest. No
+        /// payload.
+        DevicesAdopted = 24,
     }
 }
 

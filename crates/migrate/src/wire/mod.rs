@@ -14,7 +14,9 @@
 //!
 //! Floors, each standing only on those below: `wire_enum.rs` (how an enum and its decoder are
 //! declared), `format.rs` (the numbers and the CRC), `kind.rs` (roles and record kinds),
-//! `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads), `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello` and so on.
+//! `error.rs`, `capabilities.rs`, `records.rs` (the fixed payloads), `local.rs` (a local
+//! handover's), `hello.rs` and `header.rs`. Everything is re-exported here, as `wire::Hello`
+//! and so on.
 
 mod capabilities;
 mod error;
@@ -22,6 +24,7 @@ mod format;
 mod header;
 mod hello;
 mod kind;
+mod local;
 mod records;
 mod wire_enum;
 
@@ -29,16 +32,17 @@ pub use capabilities::Capabilities;
 pub use error::WireError;
 pub use format::{
     DONE_SIZE, ERROR_CANCELLED, ERROR_FAILED, HEADER_SIZE, HELLO_SIZE, LATENCY_BUCKETS,
-    LOCAL_REGION_SIZE, MAGIC, MAIN_CHANNEL, MAX_CHANNELS, MAX_CONFIG_BYTES, MAX_ERROR_BYTES,
-    MAX_LOCAL_FDS, MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD, MAX_PART_NAME, MAX_SECTION_BYTES,
-    MAX_SECTIONS, MAX_STATE_BYTES, MAX_STATE_PARTS, MAX_ZERO_RUN_PAGES, MAX_ZERO_RUNS_PER_RECORD,
-    OLDEST_VERSION, PAGE_SIZE, PREEMPT_CHANNEL, RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE,
-    VERSION, crc, crc_append,
+    LOCAL_DEVICE_SIZE, LOCAL_REGION_SIZE, MAGIC, MAIN_CHANNEL, MAX_CHANNELS, MAX_CONFIG_BYTES,
+    MAX_ERROR_BYTES, MAX_LOCAL_DEVICES, MAX_LOCAL_FDS, MAX_LOCAL_REGIONS, MAX_PAGES_PER_RECORD,
+    MAX_PART_NAME, MAX_SECTION_BYTES, MAX_SECTIONS, MAX_STATE_BYTES, MAX_STATE_PARTS,
+    MAX_ZERO_RUN_PAGES, MAX_ZERO_RUNS_PER_RECORD, OLDEST_VERSION, PAGE_SIZE, PREEMPT_CHANNEL,
+    RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE, VERSION, crc, crc_append,
 };
 pub use header::{Header, decode_addresses, encode_runs, reseal_header};
 pub use hello::{HUGE_PAGE_SHIFT, Hello, Refusal, SMALL_PAGE_SHIFT, reseal_hello};
 pub use kind::{Kind, Role};
-pub use records::{Latencies, LocalRegion, Received, ResumedRecord, SectionHeader, SectionId};
+pub use local::{LocalDevice, LocalRegion};
+pub use records::{Latencies, Received, ResumedRecord, SectionHeader, SectionId};
 
 #[cfg(test)]
 mod tests;

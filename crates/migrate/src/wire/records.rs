@@ -1,12 +1,13 @@
 //! The fixed and bounded payloads the engine reads and writes whole: a device-state section's
-//! header, Received, the postcopy latencies (Done), Resumed and a LocalRam record's regions.
+//! header, Received, the postcopy latencies (Done), and Resumed (a local handover's
+//! payloads are in `local.rs`).
 
 #![forbid(unsafe_code)]
 
 use super::error::WireError;
 use super::format::{
-    DONE_SIZE, LATENCY_BUCKETS, LOCAL_REGION_SIZE, MAX_LOCAL_REGIONS, MAX_PART_NAME,
-    MAX_STATE_PARTS, PAGE_SIZE, PART_HEAD, RECEIVED_SIZE, RESUMED_SIZE, SECTION_HEADER_SIZE,
+    DONE_SIZE, LATENCY_BUCKETS, MAX_PART_NAME, MAX_STATE_PARTS, PART_HEAD, RECEIVED_SIZE,
+    RESUMED_SIZE, SECTION_HEADER_SIZE,
 };
 use super::header::{Header, decode_addresses};
 use super::kind::Kind;
@@ -252,68 +253,5 @@ impl ResumedRecord {
             });
         }
         Ok(r)
-    }
-}
-
-/// One region of guest RAM in a LocalRam record: `size` bytes at guest address `gpa`, backed by
-/// the record's `fd`-th file descriptor at `file_offset`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LocalRegion {
-    pub gpa: u64,
-    pub size: u64,
-    pub file_offset: u64,
-    /// Index into the descriptors the record carries.
-    pub fd: u32,
-}
-
-impl LocalRegion {
-    /// A LocalRam record of `regions`.
-    pub fn encode_all(regions: &[LocalRegion]) -> (Header, Vec<u8>) {
-        let mut b = Vec::with_capacity(regions.len() * LOCAL_REGION_SIZE as usize);
-        for r in regions {
-            b.extend_from_slice(&r.gpa.to_le_bytes());
-            b.extend_from_slice(&r.size.to_le_bytes());
-            b.extend_from_slice(&r.file_offset.to_le_bytes());
-            b.extend_from_slice(&r.fd.to_le_bytes());
-            b.extend_from_slice(&0u32.to_le_bytes());
-        }
-        let h = Header::new(Kind::LocalRam, regions.len() as u32, b.len() as u64).seal(&b);
-        (h, b)
-    }
-
-    /// A LocalRam payload's regions, each checked: page aligned, not empty, not wrapping, and
-    /// naming one of the `fds` descriptors that came with it.
-    pub fn decode_all(payload: &[u8], fds: usize) -> Result<Vec<LocalRegion>, WireError> {
-        let mut out = Vec::new();
-        for (index, c) in payload.chunks(LOCAL_REGION_SIZE as usize).enumerate() {
-            let bad = |why| WireError::LocalRegion { index, why };
-            if c.len() != LOCAL_REGION_SIZE as usize {
-                return Err(bad("the record's length is not a whole number of regions"));
-            }
-            if out.len() >= MAX_LOCAL_REGIONS as usize {
-                return Err(bad("more regions than a LocalRam record may carry"));
-            }
-            let u64_at = |at: usize| u64::from_le_bytes(c[at..at + 8].try_into().unwrap());
-            let r = LocalRegion {
-                gpa: u64_at(0),
-                size: u64_at(8),
-                file_offset: u64_at(16),
-                fd: u32::from_le_bytes(c[24..28].try_into().unwrap()),
-            };
-            if c[28..32] != [0; 4] {
-                return Err(WireError::Reserved("local region"));
-            }
-            if r.size == 0 || !(r.gpa | r.size | r.file_offset).is_multiple_of(PAGE_SIZE) {
-                return Err(bad("empty, or not on page boundaries"));
-            }
-            if r.gpa.checked_add(r.size).is_none() || r.file_offset.checked_add(r.size).is_none() {
-                return Err(bad("it runs past the end of the address space"));
-            }
-            if r.fd as usize >= fds {
-                return Err(bad("it names a file descriptor the record did not carry"));
-            }
-            out.push(r);
-        }
-        Ok(out)
     }
 }

@@ -301,7 +301,7 @@ fn received_round_trips_and_refuses_other_lengths() {
             "{len} bytes"
         );
     }
-    // Kind 8 is Received, 22 the last kind; the kind after it is unknown, and 0 invalid.
+    // Kind 8 is Received, 24 the last kind; the kind after it is unknown, and 0 invalid.
     assert_eq!(Kind::from_u16(8), Kind::Received);
     assert_eq!(Kind::from_u16(12), Kind::Done);
     assert_eq!(Kind::from_u16(13), Kind::Missing);
@@ -312,7 +312,9 @@ fn received_round_trips_and_refuses_other_lengths() {
     assert_eq!(Kind::from_u16(20), Kind::CompressedPages);
     assert_eq!(Kind::from_u16(21), Kind::StateChunk);
     assert_eq!(Kind::from_u16(22), Kind::StateReady);
-    assert_eq!(Kind::from_u16(23), Kind::Invalid);
+    assert_eq!(Kind::from_u16(23), Kind::LocalDevices);
+    assert_eq!(Kind::from_u16(24), Kind::DevicesAdopted);
+    assert_eq!(Kind::from_u16(25), Kind::Invalid);
     assert_eq!(Kind::from_u16(0), Kind::Invalid);
 }
 
@@ -497,6 +499,61 @@ fn resumed_records_carry_the_load_parts_and_refuse_malformed_ones() {
         ResumedRecord::decode(0, &[0; 23]).is_err(),
         "short, undecoded header"
     );
+}
+
+#[test]
+fn local_devices_round_trip_and_name_each_descriptor_once() {
+    let disk = LocalDevice {
+        id: SectionId(7),
+        instance: 1,
+        fd: 0,
+    };
+    let tap = LocalDevice {
+        id: SectionId(9),
+        instance: 0,
+        fd: 1,
+    };
+    let (h, payload) = LocalDevice::encode_all(&[disk, tap]);
+    assert_eq!(Header::decode(&h.encode()), Ok(h));
+    assert_eq!(h.len, 2 * LOCAL_DEVICE_SIZE);
+    assert_eq!(LocalDevice::decode_all(&payload, 2), Ok(vec![disk, tap]));
+    let bad = |devices: &[LocalDevice], fds| {
+        LocalDevice::decode_all(&LocalDevice::encode_all(devices).1, fds)
+    };
+    for (devices, fds) in [
+        // A descriptor that did not come, one that came and is named by nobody.
+        (&[disk, tap][..], 1),
+        (&[disk][..], 2),
+        // A device or a descriptor named twice, a section id that names nothing.
+        (&[disk, LocalDevice { fd: 1, ..disk }][..], 2),
+        (&[disk, LocalDevice { fd: 0, ..tap }][..], 2),
+        (
+            &[LocalDevice {
+                id: SectionId(0),
+                ..disk
+            }][..],
+            1,
+        ),
+    ] {
+        assert!(
+            matches!(bad(devices, fds), Err(WireError::LocalDevice { .. })),
+            "{devices:?} with {fds}"
+        );
+    }
+    let mut reserved = payload.clone();
+    reserved[12] = 1;
+    assert_eq!(
+        LocalDevice::decode_all(&reserved, 2),
+        Err(WireError::Reserved("local device"))
+    );
+    // Counted and bounded like any batch, never empty.
+    let too_many = Header::new(
+        Kind::LocalDevices,
+        MAX_LOCAL_DEVICES + 1,
+        u64::from(MAX_LOCAL_DEVICES + 1) * LOCAL_DEVICE_SIZE,
+    );
+    assert!(Header::decode(&too_many.encode()).is_err());
+    assert!(Header::decode(&Header::new(Kind::LocalDevices, 0, 0).encode()).is_err());
 }
 
 #[test]

@@ -98,6 +98,12 @@ impl VmHandle {
 // SAFETY: the regions are the GuestRam mappings, which `shared` keeps alive (an Arc held by
 // this adapter) for as long as the adapter lives; they are readable and backed by the memfd.
 unsafe impl SourceVm for SourceAdapter {
+    /// The disk's open image, for a local handover: the new process takes over the very file
+    /// (`vm/disk.rs`).
+    fn device_fds(&self) -> Result<Vec<ferry_migrate::DeviceFd>, VmError> {
+        self.shared.disk_descriptors()
+    }
+
     fn ram(&self) -> Vec<RamRegion> {
         ram_regions(&self.shared.ram)
     }

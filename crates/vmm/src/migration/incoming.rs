@@ -55,6 +55,16 @@ unsafe impl DestinationVm for IncomingVm {
         Ok(())
     }
 
+    /// The disk takes the source's open image in a local handover (`vm/disk.rs`).
+    fn takes_device_fds(&self) -> bool {
+        self.shared.disk.is_some()
+    }
+
+    /// Kept for the state load, which attaches the disk from it (`Block::pass_image`).
+    fn adopt_device_fds(&mut self, fds: Vec<ferry_migrate::DeviceFd>) -> Result<(), VmError> {
+        self.shared.adopt_device_fds(fds)
+    }
+
     /// Preallocated RAM, or several channels, take a copy into the mapping; one channel into
     /// sparse RAM writes through the memfd (measured in `PageLanding`'s doc).
     fn page_landing(&self, channels: u16) -> PageLanding {
@@ -68,7 +78,8 @@ unsafe impl DestinationVm for IncomingVm {
             })
     }
 
-    /// Also opens the disk's image (the source has flushed it and stopped writing), and draws
+    /// Also opens the disk's image, or takes over the one a local handover passed (the source
+    /// has flushed it and stopped writing), and draws
     /// a new VM generation ID for a clone (`Identity::Renewed`), after the state (which
     /// carries the snapshot's) and before the guest runs.
     fn load_state(&mut self, sections: &[Section]) -> Result<(), VmError> {

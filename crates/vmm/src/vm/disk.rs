@@ -7,6 +7,14 @@
 //! the load leaves the source the only VMM that ever opened the image for writing; one that
 //! fails after it leaves the destination stopped before its guest ran, so it wrote nothing.
 //!
+//! A local handover (one host) passes the source's open image instead, with guest RAM
+//! (`SourceVm::device_fds`, named as the disk's virtio-mmio state section): the destination's
+//! device keeps it and takes it over at the same state load, rather than opening its
+//! `--disk` path, so the guest keeps the very file it was using, whatever became of the path
+//! (renamed, unlinked, replaced: the descriptor wins, and a log line says when the path names
+//! another file). Same rule: the source stops writing at its pause, the destination starts
+//! after the load.
+//!
 //! A disk no host shares (`--disk-copy`, `disk_copy::`): the source's device marks what the
 //! guest writes while its image goes out in chunks; the destination writes them beside its
 //! image and makes that file the image at the same state load, so the rule above holds for
@@ -20,7 +28,7 @@
 
 #![forbid(unsafe_code)]
 
-use ferry_migrate::{Section, VmError};
+use ferry_migrate::{DeviceFd, Section, VmError};
 use serde::Serialize;
 
 use super::config::DISK_MMIO;
@@ -29,7 +37,7 @@ use crate::devices::virtio::blk::{BlockError, BlockStats, WriteLog};
 use crate::disk_copy::{
     Chunk, DiskCopyStatus, IncomingCopy, SourceCopy, Writeback, Written, chunk,
 };
-use crate::section_ids::DISK_BLOCKS;
+use crate::section_ids::{DISK_BLOCKS, VIRTIO_MMIO};
 
 /// The disk's instance among the virtio-mmio devices' sections (the balloon is 0), and of its
 /// copied blocks' chunks.
@@ -59,6 +67,55 @@ impl Shared {
             .unwrap()
             .attach()
             .map_err(|e| VmError::failed("open the disk's image", e))
+    }
+
+    /// The disk's open image as a local handover passes it (a `dup` of the device's file),
+    /// named as the disk's device state is; none without a disk or before its image is open.
+    pub(crate) fn disk_descriptors(&self) -> Result<Vec<DeviceFd>, VmError> {
+        let Some(disk) = &self.disk else {
+            return Ok(Vec::new());
+        };
+        let fd = disk
+            .lock()
+            .unwrap()
+            .device()
+            .image_descriptor()
+            .map_err(|e| VmError::failed("pass the disk's image", e))?;
+        Ok(fd
+            .map(|fd| DeviceFd {
+                id: VIRTIO_MMIO,
+                instance: DISK_INSTANCE,
+                fd,
+            })
+            .into_iter()
+            .collect())
+    }
+
+    /// Keeps the descriptors a local handover's source passed for the devices they name
+    /// (this VM's only taker is the disk), for the state load to attach; refuses one no
+    /// device takes.
+    pub(crate) fn adopt_device_fds(&self, fds: Vec<DeviceFd>) -> Result<(), VmError> {
+        for d in fds {
+            let disk = match &self.disk {
+                Some(disk) if (d.id, d.instance) == (VIRTIO_MMIO, DISK_INSTANCE) => disk,
+                _ => {
+                    return Err(VmError::failed(
+                        "take the source's device descriptors",
+                        format!(
+                            "the source passed a descriptor for {} instance {}, and no device \
+                             of this VM takes one (start it with the source's devices)",
+                            d.id, d.instance
+                        ),
+                    ));
+                }
+            };
+            disk.lock()
+                .unwrap()
+                .device_mut()
+                .pass_image(std::fs::File::from(d.fd))
+                .map_err(|e| VmError::failed("take the source's disk image", e))?;
+        }
+        Ok(())
     }
 
     /// Starts copying the disk: the device marks writes from now on, and the copy reads its

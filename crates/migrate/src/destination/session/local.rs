@@ -1,8 +1,11 @@
 //! A local handover received (`Capabilities::LOCAL`, a source on this host): guest RAM's
 //! descriptors come on the LocalRam record and the VMM maps them in place of its own RAM
-//! (`DestinationVm::adopt_ram`) while the guest still runs at the source; then the device
-//! state up to Complete, loaded with the vCPUs waiting; Loaded; and the guest resumes here only
-//! on the source's Go (`order::next_local` is the order). No data channel, no page.
+//! (`DestinationVm::adopt_ram`) while the guest still runs at the source; then, with
+//! `Capabilities::LOCAL_DEVICES`, the devices' descriptors on a LocalDevices record, handed to
+//! the VMM for its devices to use from the state load on (`DestinationVm::adopt_device_fds`)
+//! and answered DevicesAdopted; then the device state up to Complete, loaded with the vCPUs
+//! waiting; Loaded; and the guest resumes here only on the source's Go (`order::next_local`
+//! is the order). No data channel, no page.
 //!
 //! Invariant: the guest never runs here unless Go came, and the source never runs it once it
 //! sent Go, so it runs in one process at a time. A failure before Go leaves the adopted memory
@@ -16,16 +19,18 @@
 
 #![forbid(unsafe_code)]
 
+use std::os::fd::OwnedFd;
 use std::time::Instant;
 
 use super::super::order::{self, LocalStep};
 use super::super::progress::IncomingPhase;
 use super::super::sections::Sections;
 use super::{ReceiveStats, Session};
-use crate::error::{ConfigError, MigrateError, Side};
+use crate::error::{ConfigError, MigrateError, ProtocolError, Side};
 use crate::ram::Ram;
 use crate::transport::{PeerRole, peer};
-use crate::wire::{self, Header, Kind, LocalRegion};
+use crate::vm::DeviceFd;
+use crate::wire::{self, Capabilities, Header, Kind, LocalDevice, LocalRegion};
 
 impl Session<'_> {
     /// Receives a local handover, as the module says.
@@ -43,8 +48,13 @@ impl Session<'_> {
         let mut at = order::Local::Ram;
         let mut state = Sections::default();
         loop {
+            // Descriptors may ride on the first record, and on the one after RamAdopted (the
+            // source sends nothing between them, so nothing is buffered before either).
             let (h, fds) = match at {
                 order::Local::Ram => self.conn.read_header_with_fds("receiving guest RAM")?,
+                order::Local::Adopted if self.granted.contains(Capabilities::LOCAL_DEVICES) => self
+                    .conn
+                    .read_header_with_fds("receiving devices' descriptors")?,
                 _ => (
                     self.conn.read_header("receiving the device state")?,
                     Vec::new(),
@@ -52,7 +62,10 @@ impl Session<'_> {
             };
             let c = &self.control;
             c.add(&c.bytes, wire::HEADER_SIZE as u64 + h.len);
-            let (then, step) = order::next_local(at, h.kind)?;
+            let (then, step) = order::next_local(at, h.kind, self.granted)?;
+            if !fds.is_empty() && !matches!(step, LocalStep::Adopt | LocalStep::AdoptDevices) {
+                return Err(ProtocolError::StrayDescriptors { got: h.kind }.into());
+            }
             at = then;
             match step {
                 LocalStep::Adopt => {
@@ -64,6 +77,24 @@ impl Session<'_> {
                     self.vm.adopt_ram(&regions, fds)?;
                     self.ram = Ram::new(self.vm.ram())?;
                     self.answer(Kind::RamAdopted, "answering that guest RAM is mapped")?;
+                }
+                LocalStep::AdoptDevices => {
+                    let payload = self
+                        .conn
+                        .read_payload(&h, "receiving devices' descriptors")?;
+                    let named = LocalDevice::decode_all(&payload, fds.len())?;
+                    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+                    let devices = named
+                        .iter()
+                        .map(|d| DeviceFd {
+                            id: d.id,
+                            instance: d.instance,
+                            // Each index is named once (`decode_all`).
+                            fd: fds[d.fd as usize].take().expect("named once"),
+                        })
+                        .collect();
+                    self.vm.adopt_device_fds(devices)?;
+                    self.answer(Kind::DevicesAdopted, "answering that devices took theirs")?;
                 }
                 LocalStep::Section => {
                     let payload = self.conn.read_payload(&h, "receiving device state")?;

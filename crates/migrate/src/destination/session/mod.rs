@@ -224,9 +224,13 @@ impl<'a> Session<'a> {
         if self.vm.state_ready().is_err() || !hello.capabilities.contains(Capabilities::PROGRESS) {
             offered = Capabilities(offered.0 & !Capabilities::ITERATIVE_STATE.0);
         }
-        // Descriptors ride only on a Unix socket (not on TLS over one).
+        // Descriptors ride only on a Unix socket (not on TLS over one), and devices' go only
+        // to a VMM whose devices take them.
         if !self.conn.stream().carries_fds() {
             offered = Capabilities(offered.0 & !Capabilities::LOCAL.0);
+        }
+        if !offered.contains(Capabilities::LOCAL) || !self.vm.takes_device_fds() {
+            offered = Capabilities(offered.0 & !Capabilities::LOCAL_DEVICES.0);
         }
         let mut reply = Hello {
             role: Role::Main,

@@ -106,7 +106,13 @@ impl Session<'_, Live> {
         }
         match &p.mode {
             Mode::Precopy => {}
-            Mode::Local => c = c.with(Capabilities::LOCAL),
+            // Devices' descriptors too, where the destination's VMM takes them (else it opens
+            // its devices' files itself, as an older ferry does).
+            Mode::Local => {
+                c = c
+                    .with(Capabilities::LOCAL)
+                    .with(Capabilities::LOCAL_DEVICES)
+            }
             Mode::Postcopy(postcopy) => {
                 c = c.with(Capabilities::POSTCOPY);
                 if postcopy.preempt.is_on() {

@@ -1,6 +1,9 @@
 //! The local handover: the destination shares this host, so guest RAM is handed over instead of
 //! sent. Guest RAM's descriptors go first, on the LocalRam record's bytes (`SCM_RIGHTS`), and
-//! the destination maps them while the guest still runs here (RamAdopted); then the guest
+//! the destination maps them while the guest still runs here (RamAdopted); devices'
+//! descriptors follow on a LocalDevices record, where the destination takes them
+//! (`SourceVm::device_fds`: a disk's image, for its devices to use once the state is
+//! loaded), and it answers DevicesAdopted; then the guest
 //! pauses, its state goes with Complete, and the destination loads it and says Loaded; only then
 //! does Go hand the guest over, and the destination resumes it and says Resumed. No page is
 //! sent, no dirty page tracked, no data channel opened.
@@ -20,14 +23,15 @@
 
 #![forbid(unsafe_code)]
 
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use crate::error::{MigrateError, Rule, Side};
 use crate::source::reader::Awaiting;
 use crate::source::{GuestState, Session, ms};
 use crate::transport::{PeerRole, peer};
-use crate::vm::SourceVm;
-use crate::wire::{Header, Kind, LocalRegion, ResumedRecord};
+use crate::vm::{SourceVm, VmError};
+use crate::wire::{Header, Kind, LocalDevice, LocalRegion, ResumedRecord};
 
 /// How long the source waits for each of the destination's answers without a peer timeout:
 /// mapping RAM and loading the state take milliseconds, so this only bounds a hung destination.
@@ -36,6 +40,10 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 const MAPPED: Awaiting = Awaiting {
     during: "waiting for the destination to map guest RAM",
     expected: "RamAdopted",
+};
+const DEVICES: Awaiting = Awaiting {
+    during: "waiting for the destination to take devices' descriptors",
+    expected: "DevicesAdopted",
 };
 const LOADED: Awaiting = Awaiting {
     during: "waiting for the destination to load the state",
@@ -66,6 +74,7 @@ impl Session<'_> {
             .write_record_with_fds(&h, &payload, &fds, "handing guest RAM over")?;
         drop(fds);
         self.await_answer(Kind::RamAdopted, MAPPED)?;
+        self.hand_over_device_fds(vm)?;
         self.report.stats.setup_ms = ms(self.report.start.elapsed());
         self.refuse_if_cancelled()?;
         let (t0, t1) = self.pause_guest(vm)?;
@@ -90,6 +99,49 @@ impl Session<'_> {
             .map_err(|e| MigrateError::Unacknowledged(Box::new(e)))?;
         // No final sync and no final pages: those steps take no time.
         self.note_resumed([t0, t1, t1, t1, t4], resumed);
+        Ok(())
+    }
+
+    /// Passes the VMM's devices' descriptors (`SourceVm::device_fds`) on a LocalDevices
+    /// record, if the destination takes them and there are any, and waits for its
+    /// DevicesAdopted: before the pause, so they cost the downtime nothing and a destination
+    /// that refuses one does so while the guest runs on here. A destination that does not
+    /// take them opens its devices' files itself, as before they could travel.
+    fn hand_over_device_fds(&mut self, vm: &dyn SourceVm) -> Result<(), MigrateError> {
+        let fds = match vm.device_fds() {
+            Ok(fds) => fds,
+            Err(VmError::Unsupported { .. }) => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
+        if fds.is_empty() {
+            return Ok(());
+        }
+        if !self.peer.agreed.local_devices {
+            tracing::info!(
+                "the destination does not take devices' descriptors (an older ferry): it opens \
+                 its devices' files itself"
+            );
+            return Ok(());
+        }
+        let devices: Vec<LocalDevice> = (0..)
+            .zip(&fds)
+            .map(|(fd, d)| LocalDevice {
+                id: d.id,
+                instance: d.instance,
+                fd,
+            })
+            .collect();
+        let (h, payload) = LocalDevice::encode_all(&devices);
+        let borrowed: Vec<_> = fds.iter().map(|d| d.fd.as_fd()).collect();
+        self.peer.conn.write_record_with_fds(
+            &h,
+            &payload,
+            &borrowed,
+            "handing devices' descriptors over",
+        )?;
+        drop(fds);
+        self.await_answer(Kind::DevicesAdopted, DEVICES)?;
+        tracing::info!("handed {} device descriptor(s) over", devices.len());
         Ok(())
     }
 

@@ -26,6 +26,9 @@ use crate::memory::GuestRam;
 pub struct Block {
     options: DiskOptions,
     image: Option<Image>,
+    /// The source's open image, passed in a local handover, which [`Block::attach`] takes
+    /// over instead of opening the path.
+    passed: Option<std::fs::File>,
     /// What the driver reads; `None` until the capacity is known (a deferred device before
     /// its state is restored or its image attached).
     config: Option<BlkConfig>,
@@ -54,6 +57,7 @@ impl Block {
         Block {
             options: options.clone(),
             image: None,
+            passed: None,
             config: None,
             id: None,
             features: 0,
@@ -62,15 +66,34 @@ impl Block {
         }
     }
 
-    /// Opens the image. A device restored from a source's state refuses an image whose size
-    /// differs from the source's disk; a device never restored takes the image's size.
+    /// Keeps `file`, the image a local handover's source passed, for [`Block::attach`] to
+    /// take over instead of opening the path: the guest's disk is the file the source was
+    /// using, whatever became of its path. Kept, not used: until the state is loaded the
+    /// source may still write it, and runs on with it if the handover fails.
+    pub fn pass_image(&mut self, file: std::fs::File) -> Result<(), BlockError> {
+        if self.image.is_some() || self.passed.is_some() {
+            return Err(BlockError::AlreadyAttached {
+                path: self.options.path.clone(),
+            });
+        }
+        self.passed = Some(file);
+        Ok(())
+    }
+
+    /// Attaches the image: the one a local handover passed ([`Block::pass_image`]) if one
+    /// was, else the file the path names, opened. A device restored from a source's state
+    /// refuses an image whose size differs from the source's disk; a device never restored
+    /// takes the image's size.
     pub fn attach(&mut self) -> Result<(), BlockError> {
         if self.image.is_some() {
             return Err(BlockError::AlreadyAttached {
                 path: self.options.path.clone(),
             });
         }
-        let image = Image::open(&self.options)?;
+        let image = match self.passed.take() {
+            Some(file) => Image::take_over(file, &self.options)?,
+            None => Image::open(&self.options)?,
+        };
         if let Some(config) = self.config
             && config.capacity != image.sectors()
         {
@@ -169,6 +192,22 @@ impl Block {
             source,
         })?;
         Ok((file, config.capacity_bytes()))
+    }
+
+    /// A `dup` of the open image (the same open file description), for a local handover to
+    /// pass to the VMM that takes the guest over; `None` before the image is attached.
+    pub fn image_descriptor(&self) -> Result<Option<std::os::fd::OwnedFd>, BlockError> {
+        let Some(image) = &self.image else {
+            return Ok(None);
+        };
+        image
+            .descriptor()
+            .map(Some)
+            .map_err(|source| BlockError::Open {
+                path: self.options.path.clone(),
+                readonly: self.options.readonly,
+                source,
+            })
     }
 
     /// The device as one request sees it (`serve.rs`).

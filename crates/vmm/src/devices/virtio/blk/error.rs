@@ -74,6 +74,20 @@ pub enum BlockError {
         image_sectors: u64,
         expected_sectors: u64,
     },
+    #[error(
+        "the descriptor the source passed for disk image {} is not a regular file ({what}); the source VMM passed something else than a raw image",
+        path.display()
+    )]
+    PassedNotAFile { path: PathBuf, what: String },
+    #[error(
+        "cannot reopen the source's disk image (given here as {}) with this side's options ({source}); start the destination with the source's disk options",
+        path.display()
+    )]
+    Reopen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("disk image {} is already attached; attach a deferred device once", path.display())]
     AlreadyAttached { path: PathBuf },
     #[error(

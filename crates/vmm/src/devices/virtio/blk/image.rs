@@ -15,6 +15,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -64,6 +65,42 @@ impl std::fmt::Debug for Image {
     }
 }
 
+/// Opens the image at `path` as `options` say (read-write unless read-only, O_DIRECT with
+/// cache=none).
+fn open_as(path: &Path, options: &DiskOptions) -> std::io::Result<File> {
+    let direct = options.cache == Cache::None;
+    OpenOptions::new()
+        .read(true)
+        .write(!options.readonly)
+        .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+        .open(path)
+}
+
+/// An open file's status flags (`F_GETFL`), read from `/proc/self/fdinfo` (its `flags:`
+/// line, octal), which needs no `unsafe`.
+fn status_flags(file: &File) -> std::io::Result<i32> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", file.as_raw_fd()))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("flags:"))
+        .and_then(|v| i32::from_str_radix(v.trim(), 8).ok())
+        .ok_or_else(|| std::io::Error::other("no flags in fdinfo"))
+}
+
+/// Whether flags `flags` open the image as `options` ask: the access mode and O_DIRECT.
+fn flags_fit(flags: i32, options: &DiskOptions) -> bool {
+    let writes = flags & libc::O_ACCMODE == libc::O_RDWR;
+    let direct = flags & libc::O_DIRECT != 0;
+    (writes, direct) == (!options.readonly, options.cache == Cache::None)
+}
+
+/// The cache mode as `--disk` spells it.
+fn cache_name(options: &DiskOptions) -> &'static str {
+    match options.cache {
+        Cache::None => "cache=none",
+        Cache::Writeback => "cache=writeback",
+    }
+}
+
 /// The file's error as an `io::Error` (vmm-sys-util's carries only the errno).
 fn io(e: vmm_sys_util::errno::Error) -> std::io::Error {
     std::io::Error::from_raw_os_error(e.errno())
@@ -92,13 +129,87 @@ impl Image {
         if !meta.is_file() {
             return Err(BlockError::NotAFile { path: path.clone() });
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!options.readonly)
-            .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-            .open(&path)
-            .map_err(open_error)?;
-        let meta = file.metadata().map_err(open_error)?;
+        let file = open_as(&path, options).map_err(open_error)?;
+        Image::over(file, options)
+    }
+
+    /// The image over `file`, the descriptor a local handover's source passed for this disk
+    /// (the source's own open file, whatever became of its path): the same file, taken over,
+    /// not opened again by its name. It must be a regular file. Its access mode and `O_DIRECT`
+    /// are status flags of the open file description, which both processes share: where they
+    /// differ from `options` (the source ran cache=writeback and this side asks cache=none,
+    /// or the reverse), the file is reopened through `/proc/self/fd` with this side's flags, a
+    /// description of its own, the same inode; changing the shared one (`F_SETFL`) would
+    /// change the source's mode too, and the source runs its guest on if the handover fails.
+    /// The size is the device's to check (`Block::attach`).
+    pub(super) fn take_over(file: File, options: &DiskOptions) -> Result<Image, BlockError> {
+        let path = &options.path;
+        let meta = file.metadata().map_err(|source| BlockError::Open {
+            path: path.clone(),
+            readonly: options.readonly,
+            source,
+        })?;
+        if !meta.is_file() {
+            return Err(BlockError::PassedNotAFile {
+                path: path.clone(),
+                what: format!("{:?}", meta.file_type()),
+            });
+        }
+        let same = |m: &std::fs::Metadata| (m.dev(), m.ino()) == (meta.dev(), meta.ino());
+        match std::fs::metadata(path) {
+            Ok(m) if same(&m) => {}
+            Ok(_) => tracing::warn!(
+                "disk: {} names another file than the image the source passed (device {:#x}, \
+                 inode {}); the guest keeps the source's image, which it was using",
+                path.display(),
+                meta.dev(),
+                meta.ino()
+            ),
+            Err(e) => tracing::warn!(
+                "disk: {} cannot be read ({e}); the guest keeps the image the source passed \
+                 (device {:#x}, inode {}), which it was using",
+                path.display(),
+                meta.dev(),
+                meta.ino()
+            ),
+        }
+        let file = match status_flags(&file) {
+            Ok(flags) if flags_fit(flags, options) => file,
+            _ => {
+                let through = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+                tracing::info!(
+                    "disk: the source opened {} otherwise than {} asks here; reopened it, same \
+                     file, with this side's options",
+                    path.display(),
+                    cache_name(options)
+                );
+                open_as(&through, options).map_err(|source| {
+                    match (options.cache, source.raw_os_error()) {
+                        (Cache::None, Some(libc::EINVAL)) => BlockError::DirectUnsupported {
+                            path: path.clone(),
+                            source,
+                        },
+                        _ => BlockError::Reopen {
+                            path: path.clone(),
+                            source,
+                        },
+                    }
+                })?
+            }
+        };
+        Image::over(file, options)
+    }
+
+    /// The image over an open `file`, checked: with O_DIRECT, a storage that takes the
+    /// device's 512-byte sectors.
+    fn over(file: File, options: &DiskOptions) -> Result<Image, BlockError> {
+        let path = options.path.clone();
+        let direct = options.cache == Cache::None;
+        let meta = file.metadata().map_err(|source| BlockError::Open {
+            path: path.clone(),
+            readonly: options.readonly,
+            source,
+        })?;
         let mut image = Image {
             sectors: meta.len() / SECTOR_SIZE,
             id: disk_id(meta.dev(), meta.ino()),
@@ -122,6 +233,12 @@ impl Image {
             }
         }
         Ok(image)
+    }
+
+    /// A second descriptor of the image's open file description (`dup`), for a local
+    /// handover to pass to the VMM that takes the guest over.
+    pub(super) fn descriptor(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.file.try_clone().map(Into::into)
     }
 
     pub(super) fn path(&self) -> &Path {
@@ -168,15 +285,14 @@ impl Image {
         self.file.write_all_at(buf, offset)
     }
 
-    /// Makes written data durable (fdatasync).
     /// A second, read-only descriptor of the same file (reopened through `/proc/self/fd`, so
     /// the same inode whatever became of its path, and buffered whatever the cache mode: a
     /// copier's reads need no alignment).
     pub(super) fn try_clone(&self) -> std::io::Result<File> {
-        use std::os::fd::AsRawFd;
         File::open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
     }
 
+    /// Makes written data durable (fdatasync).
     pub(super) fn flush(&self) -> std::io::Result<()> {
         self.file.sync_data()
     }

@@ -37,7 +37,9 @@
 //!   its state is restored, and refuses an image whose size is not the source's: on a
 //!   migration's destination the image is opened after the hand-over, so two hosts never
 //!   write it at once. The VMM calls [`Block::flush`] after pausing the vCPUs and before
-//!   saving the state.
+//!   saving the state. In a local handover the source's open image may be passed instead
+//!   ([`Block::pass_image`]): kept until the attach, which takes it over (`image.rs`,
+//!   `Image::take_over`) rather than opening the path.
 //! - While tracking ([`Block::start_tracking`]) every OUT, DISCARD and WRITE_ZEROES marks the
 //!   4 KiB chunks it touched (`dirty.rs`), for a migration that copies the disk itself.
 

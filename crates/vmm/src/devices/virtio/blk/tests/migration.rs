@@ -191,3 +191,71 @@ fn malformed_block_states_are_refused_by_field() {
         "the driver negotiated RO on a read-write disk"
     );
 }
+
+/// A local handover's destination takes over the source's open image: the path it was given
+/// may name nothing any more (the image renamed or unlinked), and the guest still writes the
+/// source's file, the same inode.
+#[test]
+fn a_passed_image_is_taken_over_whatever_became_of_its_path() {
+    use std::os::unix::fs::MetadataExt;
+    let f = image(IMAGE);
+    let mut d = running(&options(&f));
+    assert_eq!(write(&mut d, 0, &[7; 512]), S_OK);
+    let passed = d.t.device().image_descriptor().unwrap().expect("open");
+    let inode = std::fs::metadata(f.path()).unwrap().ino();
+    let gone = options(&f);
+    let kept = f.into_temp_path().keep().unwrap();
+    std::fs::remove_file(&kept).unwrap();
+
+    let mut e = migrate(&d, Block::deferred(&gone)).unwrap();
+    assert!(
+        Block::open(&gone).is_err(),
+        "the path names nothing: opening it fails"
+    );
+    e.t.device_mut().pass_image(passed.into()).unwrap();
+    e.t.attach().unwrap();
+    assert_eq!(read(&mut e, 0, 512).data, [7; 512]);
+    assert_eq!(write(&mut e, 1, &[8; 512]), S_OK);
+    // The source's descriptor sees the destination's write: one file.
+    let mine = d.t.device().image_descriptor().unwrap().unwrap();
+    let mine = std::fs::File::from(mine);
+    assert_eq!(mine.metadata().unwrap().ino(), inode);
+    let mut back = [0u8; 512];
+    std::os::unix::fs::FileExt::read_exact_at(&mine, &mut back, 512).unwrap();
+    assert_eq!(back, [8; 512]);
+}
+
+/// A destination asked for another cache mode than the source's reopens the passed image
+/// with its own flags, and leaves the source's open file as it was (a status flag changed on
+/// the shared description would change the source's mode too).
+#[test]
+fn a_passed_image_in_another_cache_mode_is_reopened_not_changed() {
+    let f = image(IMAGE);
+    let d = running(&options(&f));
+    let passed = d.t.device().image_descriptor().unwrap().unwrap();
+    let direct = DiskOptions {
+        cache: Cache::None,
+        ..options(&f)
+    };
+    let mut e = migrate(&d, Block::deferred(&direct)).unwrap();
+    e.t.device_mut().pass_image(passed.into()).unwrap();
+    match e.t.attach() {
+        Ok(()) => {}
+        // A file system without O_DIRECT (tmpfs before Linux 6.6) is refused, with the fix.
+        Err(BlockError::DirectUnsupported { .. }) => return,
+        Err(err) => panic!("{err}"),
+    }
+    let flags = |fd: std::os::fd::OwnedFd| {
+        let info = std::fs::read_to_string(format!(
+            "/proc/self/fdinfo/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&fd)
+        ))
+        .unwrap();
+        let line = info.lines().find(|l| l.starts_with("flags:")).unwrap();
+        i32::from_str_radix(line["flags:".len()..].trim(), 8).unwrap()
+    };
+    let source = flags(d.t.device().image_descriptor().unwrap().unwrap());
+    let dest = flags(e.t.device().image_descriptor().unwrap().unwrap());
+    assert_eq!(source & libc::O_DIRECT, 0, "the source's mode is its own");
+    assert_ne!(dest & libc::O_DIRECT, 0, "the destination's is cache=none");
+}
