@@ -437,8 +437,14 @@ fn measure(args: &DiskBenchArgs, way: Way, image: &Path, copy: &Path) -> anyhow:
 /// Where a ferry row's downtime went, for its note.
 fn downtime_parts(d: &ferry_migrate::stats::Downtime) -> String {
     format!(
-        "  (downtime: final sync {:.1}, final pages and chunks {:.1}, state save {:.1}, transfer {:.1}, load {:.1}, resume {:.1} ms)",
-        d.final_sync_ms, d.final_pages_ms, d.state_save_ms, d.transfer_ms, d.load_ms, d.resume_ms
+        "  (downtime: vCPUs paused {:.1}, final sync {:.1}, final pages and chunks {:.1}, state save {:.1}, transfer {:.1}, load {:.1}, resume {:.1} ms)",
+        d.pause_ms,
+        d.final_sync_ms,
+        d.final_pages_ms,
+        d.state_save_ms,
+        d.transfer_ms,
+        d.load_ms,
+        d.resume_ms
     )
 }
 
