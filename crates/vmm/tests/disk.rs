@@ -236,25 +236,15 @@ fn a_disk_copy_cancelled_leaves_the_source_running_and_no_file_at_the_destinatio
         max_bandwidth: Some(2_000_000),
         ..forced_request(&listener)
     };
-    let received = std::thread::scope(|s| {
-        let (incoming, listener) = (&mut incoming, &listener);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let r = s.spawn(move || {
-            ferry_vmm::migration::receive(incoming, listener, &|| Instant::now() < deadline)
-        });
-        let control = src.handle().start_migration(req).unwrap();
-        let part = dir.path().join("copy.img.ferry-incoming");
-        let until = Instant::now() + Duration::from_secs(30);
-        while !part.exists() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(part.exists(), "the copy started arriving");
-        control.cancel();
-        r.join().unwrap()
-    });
-    assert!(received.is_err(), "the destination took no guest");
-    let progress = common::wait_migration(&src.handle(), Duration::from_secs(60));
-    assert_eq!(progress.phase, Phase::Cancelled, "{progress:?}");
+    let part = dir.path().join("copy.img.ferry-incoming");
+    cancel_when(
+        &src,
+        &mut incoming,
+        &listener,
+        req,
+        "the copy started arriving",
+        || part.exists(),
+    );
     drop(incoming);
     assert!(!copy.exists(), "no image appeared at the destination");
     assert!(
@@ -311,24 +301,14 @@ fn a_disk_copy_cancelled_while_the_mirror_holds_the_guest_lets_it_go() {
         ..over_a_slow_link(&listener)
     };
     let held = || src.handle().disk().expect("a disk").mirror_held_ms;
-    let received = std::thread::scope(|s| {
-        let (incoming, listener) = (&mut incoming, &listener);
-        let deadline = Instant::now() + Duration::from_secs(90);
-        let r = s.spawn(move || {
-            ferry_vmm::migration::receive(incoming, listener, &|| Instant::now() < deadline)
-        });
-        let control = src.handle().start_migration(req).unwrap();
-        let until = Instant::now() + Duration::from_secs(60);
-        while held() == 0.0 && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(held() > 0.0, "the mirror held the guest's writers");
-        control.cancel();
-        r.join().unwrap()
-    });
-    assert!(received.is_err(), "the destination took no guest");
-    let progress = common::wait_migration(&src.handle(), Duration::from_secs(60));
-    assert_eq!(progress.phase, Phase::Cancelled, "{progress:?}");
+    cancel_when(
+        &src,
+        &mut incoming,
+        &listener,
+        req,
+        "the mirror held the guest's writers",
+        || held() > 0.0,
+    );
     drop(incoming);
     assert!(!dir.path().join("copy.img.ferry-incoming").exists());
     assert_eq!(src.handle().state(), RunState::Running);
@@ -344,4 +324,34 @@ fn a_disk_copy_cancelled_while_the_mirror_holds_the_guest_lets_it_go() {
         "no writer is held once the copy ended"
     );
     assert_eq!(disk(&g).2, 0, "{:?}", g.disk);
+}
+
+/// Migrates `src` into `incoming` with `req`, cancels it once `ready` says so (within a
+/// minute, else the test fails naming `what`), and checks it ended cancelled with the
+/// destination taking no guest.
+fn cancel_when(
+    src: &TestVm,
+    incoming: &mut ferry_vmm::IncomingVm,
+    listener: &TcpListener,
+    req: MigrationRequest,
+    what: &str,
+    ready: impl Fn() -> bool,
+) {
+    let received = std::thread::scope(|s| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let r = s.spawn(move || {
+            ferry_vmm::migration::receive(incoming, listener, &|| Instant::now() < deadline)
+        });
+        let control = src.handle().start_migration(req).unwrap();
+        let until = Instant::now() + Duration::from_secs(60);
+        while !ready() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(ready(), "{what}");
+        control.cancel();
+        r.join().unwrap()
+    });
+    assert!(received.is_err(), "the destination took no guest");
+    let progress = common::wait_migration(&src.handle(), Duration::from_secs(60));
+    assert_eq!(progress.phase, Phase::Cancelled, "{progress:?}");
 }

@@ -430,22 +430,11 @@ fn measure(args: &DiskBenchArgs, way: Way, image: &Path, copy: &Path) -> anyhow:
         ],
         blocks_read_after: read_after,
         bad_blocks: bad,
-        note: Some(downtime_parts(&st.downtime)),
+        note: Some(format!(
+            "  (downtime ms: {}; final pages include the last chunks)",
+            crate::report::downtime_parts(&st.downtime)
+        )),
     })
-}
-
-/// Where a ferry row's downtime went, for its note.
-fn downtime_parts(d: &ferry_migrate::stats::Downtime) -> String {
-    format!(
-        "  (downtime: vCPUs paused {:.1}, final sync {:.1}, final pages and chunks {:.1}, state save {:.1}, transfer {:.1}, load {:.1}, resume {:.1} ms)",
-        d.pause_ms,
-        d.final_sync_ms,
-        d.final_pages_ms,
-        d.state_save_ms,
-        d.transfer_ms,
-        d.load_ms,
-        d.resume_ms
-    )
 }
 
 /// One migration of `way` by QEMU.

@@ -28,7 +28,8 @@ use ferry_migrate::MigrationStats;
 pub use live::{Live, PlainLines};
 pub use plot::Run;
 pub use text::{
-    disk_copy_line, phase_name, print_json, print_partial, print_stats, print_table, progress_line,
+    disk_copy_line, downtime_parts, phase_name, print_json, print_partial, print_stats,
+    print_table, progress_line,
 };
 
 use crate::exit::UsageError;

@@ -187,15 +187,9 @@ pub fn print_table(s: &MigrationStats) {
         s.total_ms, s.setup_ms
     );
     println!(
-        "downtime         {:>10.1} ms = pause {:.1} + final sync {:.1} + final pages {:.1} + state save {:.1} + transfer {:.1} + load {:.1} + resume {:.1}",
+        "downtime         {:>10.1} ms = {}",
         d.total_ms,
-        d.pause_ms,
-        d.final_sync_ms,
-        d.final_pages_ms,
-        d.state_save_ms,
-        d.transfer_ms,
-        d.load_ms,
-        d.resume_ms
+        downtime_parts(d)
     );
     if !d.save_parts.is_empty() || !d.load_parts.is_empty() {
         println!(
@@ -325,6 +319,20 @@ pub fn print_table(s: &MigrationStats) {
             );
         }
     }
+}
+
+/// Where a downtime went: "pause P + final sync S + ... + resume R" (ms).
+pub fn downtime_parts(d: &ferry_migrate::stats::Downtime) -> String {
+    format!(
+        "pause {:.1} + final sync {:.1} + final pages {:.1} + state save {:.1} + transfer {:.1} + load {:.1} + resume {:.1}",
+        d.pause_ms,
+        d.final_sync_ms,
+        d.final_pages_ms,
+        d.state_save_ms,
+        d.transfer_ms,
+        d.load_ms,
+        d.resume_ms
+    )
 }
 
 /// A copied disk's figures (`GET /migration`'s `disk`) in one line.

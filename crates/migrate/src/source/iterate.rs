@@ -59,14 +59,20 @@ impl<P: Target> Session<'_, P> {
         pacing: Pacing,
         bytes: u64,
     ) -> Result<(), MigrateError> {
-        let Some(it) = &self.iteration else {
-            return Ok(());
-        };
-        let room = match pacing {
+        match self.pass_room(pacing) {
+            Some(room) => self.send_chunks(vm, pacing, room.min(bytes)),
+            None => Ok(()),
+        }
+    }
+
+    /// What this pass may still send of the iteration (`None` without one): while the guest
+    /// runs, what was pending at the pass's start less what went; with it paused, all.
+    fn pass_room(&self, pacing: Pacing) -> Option<u64> {
+        let it = self.iteration.as_ref()?;
+        Some(match pacing {
             Pacing::Limited => it.pending.saturating_sub(it.pass_sent),
             Pacing::Unlimited => u64::MAX,
-        };
-        self.send_chunks(vm, pacing, room.min(bytes))
+        })
     }
 
     /// Ends a pass's state: sends the chunks pending now (while the guest runs, paced and
@@ -77,12 +83,8 @@ impl<P: Target> Session<'_, P> {
         vm: &mut dyn SourceVm,
         pacing: Pacing,
     ) -> Result<(), MigrateError> {
-        let Some(it) = &self.iteration else {
+        let Some(budget) = self.pass_room(pacing) else {
             return Ok(());
-        };
-        let budget = match pacing {
-            Pacing::Limited => it.pending.saturating_sub(it.pass_sent),
-            Pacing::Unlimited => u64::MAX,
         };
         self.send_chunks(vm, pacing, budget)?;
         let pending = vm.pending_state_bytes()?;
