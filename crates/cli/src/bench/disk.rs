@@ -55,6 +55,11 @@ pub struct DiskBenchArgs {
     /// directory in the working directory by default.
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// Where ferry's copied disk arrives, and the storage reference is measured: a directory
+    /// on another file system, as a second host's storage would be (QEMU's rows keep theirs
+    /// in `--dir`); `--dir` by default.
+    #[arg(long)]
+    copy_dir: Option<std::path::PathBuf>,
     /// The rows to run, comma-separated (all by default). The QEMU rows need
     /// qemu-system-x86_64 (6.0 or later; measured with 10.0) and are skipped, saying why,
     /// without it.
@@ -155,7 +160,12 @@ pub fn run(args: &DiskBenchArgs) -> anyhow::Result<ExitCode> {
         )
     })?;
     let image = dir.path().join("source.img");
-    let copy = dir.path().join("copy.img");
+    let arrive = match &args.copy_dir {
+        Some(d) => tempfile::tempdir_in(d)
+            .with_context(|| format!("cannot make a directory in {}", d.display()))?,
+        None => tempfile::tempdir_in(dir.path())?,
+    };
+    let copy = arrive.path().join("copy.img");
     fill_image(&image, args.image, args.data)?;
     println!(
         "ferry bench disk: {} GiB RAM (1 GiB written at 50 MB/s), {} GiB image with {} GiB of data, guest writing random 4 KiB blocks at {} MB/s (flat rows: as fast as it can); {} rounds",
@@ -196,7 +206,7 @@ pub fn run(args: &DiskBenchArgs) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     let mut storage = Vec::new();
     for round in 0..args.rounds {
-        let ms = storage_ms(dir.path(), args.data)?;
+        let ms = storage_ms(arrive.path(), args.data)?;
         println!(
             "storage: {} GiB written and synced every 50 ms, as a copy's destination does: {ms:.0} ms ({:.0} MB/s)",
             args.data / GIB,
