@@ -117,3 +117,39 @@ pub mod blk {
     pub const S_IOERR: u8 = 1;
     pub const S_UNSUPP: u8 = 2;
 }
+
+/// The network device (5.1): what the built-in guest's NIC driver and the VMM's virtio-net
+/// device both speak. One queue pair, no offloads: every frame is whole and its checksums are
+/// the sender's.
+pub mod net {
+    pub const DEVICE_ID: u32 = 1;
+    /// Feature bits (5.1.3): the device has a MAC address in config space, a link status, and
+    /// a maximum MTU.
+    pub const F_MTU: u32 = 3;
+    pub const F_MAC: u32 = 5;
+    pub const F_STATUS: u32 = 16;
+    /// Config offsets (5.1.4): the MAC (6 bytes), the status (`u16`), the most queue pairs
+    /// (`u16`), the MTU (`u16`).
+    pub const CONFIG_MAC: u64 = 0;
+    pub const CONFIG_STATUS: u64 = 6;
+    pub const CONFIG_MAX_VIRTQUEUE_PAIRS: u64 = 8;
+    pub const CONFIG_MTU: u64 = 10;
+    /// Bytes of config space the device has.
+    pub const CONFIG_SIZE: u64 = 12;
+    /// The status field's bit: the link is up.
+    pub const S_LINK_UP: u16 = 1;
+    /// The queues: receive 0, transmit 1 (one pair, no control queue).
+    pub const RX_QUEUE: u16 = 0;
+    pub const TX_QUEUE: u16 = 1;
+    /// Bytes of the header before every frame in both directions (5.1.6: `virtio_net_hdr` with
+    /// `num_buffers`, as a VERSION_1 device has it): flags, gso_type, hdr_len, gso_size,
+    /// csum_start, csum_offset, num_buffers. Without offloads the device writes it zeroed with
+    /// `num_buffers` 1, and a driver sends it zeroed.
+    pub const HEADER_SIZE: u32 = 12;
+    /// The offset of `num_buffers` (`u16`) in the header.
+    pub const HEADER_NUM_BUFFERS: u32 = 10;
+    /// The MTU the device reports and the largest frame it passes (an Ethernet header of 14
+    /// bytes and 1500 of payload; no VLAN tag, no FCS).
+    pub const MTU: u16 = 1500;
+    pub const MAX_FRAME: u32 = 1514;
+}
