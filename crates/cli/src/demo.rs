@@ -159,6 +159,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         serial: SerialOutput::Discard,
         balloon: true,
         disk: disk_at(&source_image)?,
+        net: None,
         dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,
@@ -193,6 +194,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let mut incoming = Vm::incoming(VmConfig {
         disk: disk_at(&destination_image)?,
+        net: None,
         ..config
     })?;
     println!("ferry demo: destination VM waiting on {to}; migrating");

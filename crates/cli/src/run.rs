@@ -115,6 +115,12 @@ pub struct RunArgs {
     /// the guest's state arrives, after the source flushed it and stopped writing.
     #[arg(long, value_name = "PATH[,readonly][,cache=none|writeback]")]
     pub disk: Option<ferry_vmm::DiskOptions>,
+    /// A virtio-net NIC (virtio-mmio) over a tap device: tap=NAME (attached, or made if none
+    /// exists) or fd=N (an inherited descriptor of a tap), and mac=MAC (random if not given;
+    /// a migrated guest keeps its source's). A migration's destination gives its own tap and
+    /// announces the guest's MAC once it runs there.
+    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]")]
+    pub net: Option<ferry_vmm::devices::virtio::net::NetOptions>,
     /// Track the pages a migration must send again with KVM's dirty ring, N entries per vCPU
     /// (a power of two, 256 to 65536), instead of the memory slots' dirty bitmaps: a sync
     /// reads what was dirtied rather than every logged slot's bitmap, and it knows which vCPU
@@ -412,6 +418,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         serial,
         balloon: args.balloon == crate::migrate::OnOff::On,
         disk: args.disk.clone(),
+        net: args.net.clone(),
         dirty_ring: args.dirty_ring,
         host_pages: if args.hugepages {
             HostPages::Huge2M

@@ -24,6 +24,7 @@ pub mod device_files;
 pub mod disk;
 pub mod fuzz;
 pub mod loopback;
+pub mod netns;
 pub mod proxy;
 pub mod stranger;
 

@@ -38,4 +38,6 @@ pub enum VmmError {
     GenerationId(#[from] crate::devices::vmgenid::EntropyError),
     #[error(transparent)]
     Disk(#[from] crate::devices::virtio::blk::BlockError),
+    #[error(transparent)]
+    Tap(#[from] crate::tap::TapError),
 }

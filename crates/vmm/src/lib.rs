@@ -28,7 +28,7 @@
 //!
 //! `unsafe` is denied here and allowed per module where it is argued: [`kvm`], [`memory`],
 //! [`migration`] (the engine's unsafe traits), `vm::shared` and `vm::runner` (kicks of vCPU
-//! threads), `devices::telemetry` (one clock read).
+//! threads), `devices::telemetry` (one clock read), [`tap`] (the tun driver's ioctls).
 
 #![deny(unsafe_code)]
 
@@ -53,6 +53,8 @@ pub mod request;
 pub mod section_ids;
 pub mod sections;
 pub mod snapshot;
+#[allow(unsafe_code)] // the tun driver's ioctls on a tap's descriptor
+pub mod tap;
 pub mod throttle;
 pub mod vm;
 pub mod vmconfig;

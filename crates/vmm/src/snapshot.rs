@@ -582,6 +582,7 @@ mod tests {
             serial: crate::SerialOutput::Discard,
             balloon: false,
             disk: None,
+            net: None,
             dirty_ring: None,
             host_pages: Default::default(),
             next_layout: false,

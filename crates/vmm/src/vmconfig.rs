@@ -22,6 +22,9 @@ pub struct VmDescription {
     /// Whether the VM has a disk (virtio-blk); false from a ferry older than disks.
     #[serde(default)]
     pub disk: bool,
+    /// Whether the VM has a NIC (virtio-net); false from a ferry older than NICs.
+    #[serde(default)]
+    pub net: bool,
     /// A digest of the CPU identity and features the vCPUs get (`kvm::vcpu::cpuid_digest`), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
@@ -94,6 +97,13 @@ impl VmDescription {
             }
             .into());
         }
+        if source.net != self.net {
+            return Err(match source.net {
+                true => "the source VM has a NIC and this one has none; start the destination with --net tap=NAME (its own tap)",
+                false => "the source VM has no NIC and this one has; start the destination without --net",
+            }
+            .into());
+        }
         if source.cpuid != self.cpuid {
             return Err(format!(
                 "the vCPUs' CPU features differ (CPUID digest {} on the source, {} here): migrate between hosts with the same CPU model and KVM",
@@ -143,6 +153,7 @@ mod tests {
             vcpus,
             balloon,
             disk: false,
+            net: false,
             cpuid: cpuid.into(),
             sections: vec![section(1, "vCPU", 1, 1), section(4, "telemetry port", 2, 2)],
         }

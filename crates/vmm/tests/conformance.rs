@@ -93,6 +93,7 @@ impl Kvm {
         let c = ferry_vmm::VmConfig {
             dirty_ring: self.dirty_ring,
             disk,
+            net: None,
             ..config(MEMORY, cmdline, &dir.path().join("serial.log"))
         };
         self.dirs.push(dir);

@@ -31,6 +31,7 @@ fn image(path: &Path, bytes: u64) -> PathBuf {
 fn with_disk(path: &Path, serial: &Path) -> VmConfig {
     VmConfig {
         disk: Some(path.to_str().unwrap().parse::<DiskOptions>().unwrap()),
+        net: None,
         ..config(MEMORY, GUEST, serial)
     }
 }
@@ -146,6 +147,7 @@ fn flat_out(dir: &Path, image: &Path, log: &str) -> VmConfig {
     let guest = "ws=4M rate=1 disk=32M disk-rate=max disk-read=20 verify-ms=200 log-ms=0";
     VmConfig {
         disk: Some(image.to_str().unwrap().parse::<DiskOptions>().unwrap()),
+        net: None,
         ..config(MEMORY, guest, &dir.join(log))
     }
 }

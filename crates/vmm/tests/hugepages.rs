@@ -27,6 +27,7 @@ fn huge(cmdline: &str, serial: &std::path::Path) -> VmConfig {
     VmConfig {
         balloon: true,
         disk: None,
+        net: None,
         dirty_ring: None,
         host_pages: HostPages::Huge2M,
         ..config(MEMORY, cmdline, serial)

@@ -505,6 +505,7 @@ pub(super) fn migrate_over(
             .as_ref()
             .map(|d| d.source.to_string_lossy().parse())
             .transpose()?,
+        net: None,
         dirty_ring: s.dirty_ring,
         host_pages: s.host_pages,
         next_layout: false,
@@ -534,6 +535,7 @@ pub(super) fn migrate_over(
     let mut incoming = Vm::incoming_with(
         VmConfig {
             disk: destination_disk,
+            net: None,
             ..config
         },
         preparation,

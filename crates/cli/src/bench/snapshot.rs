@@ -297,6 +297,7 @@ fn config(memory: u64, cmdline: &str) -> VmConfig {
         serial: SerialOutput::Discard,
         balloon: true,
         disk: None,
+        net: None,
         dirty_ring: None,
         host_pages: HostPages::Small,
         next_layout: false,

@@ -98,10 +98,12 @@ impl VmHandle {
 // SAFETY: the regions are the GuestRam mappings, which `shared` keeps alive (an Arc held by
 // this adapter) for as long as the adapter lives; they are readable and backed by the memfd.
 unsafe impl SourceVm for SourceAdapter {
-    /// The disk's open image, for a local handover: the new process takes over the very file
-    /// (`vm/disk.rs`).
+    /// The disk's open image and the NIC's tap, for a local handover: the new process takes
+    /// over the very file and the very tap (`vm/disk.rs`, `vm/net.rs`).
     fn device_fds(&self) -> Result<Vec<ferry_migrate::DeviceFd>, VmError> {
-        self.shared.disk_descriptors()
+        let mut fds = self.shared.disk_descriptors()?;
+        fds.extend(self.shared.net_descriptors()?);
+        Ok(fds)
     }
 
     fn ram(&self) -> Vec<RamRegion> {

@@ -57,7 +57,7 @@ unsafe impl DestinationVm for IncomingVm {
 
     /// The disk takes the source's open image in a local handover (`vm/disk.rs`).
     fn takes_device_fds(&self) -> bool {
-        self.shared.disk.is_some()
+        self.shared.disk.is_some() || self.shared.net.is_some()
     }
 
     /// Kept for the state load, which attaches the disk from it (`Block::pass_image`).
@@ -86,6 +86,7 @@ unsafe impl DestinationVm for IncomingVm {
         let parts =
             sections::load(&self.shared, sections).map_err(|e| VmError::failed("load_state", e))?;
         self.shared.attach_disk()?;
+        self.shared.attach_net()?;
         *self.shared.state_parts.lock().unwrap() = parts;
         if self.identity == crate::vm::build::Identity::Renewed {
             self.shared
@@ -119,6 +120,7 @@ unsafe impl DestinationVm for IncomingVm {
         let t = Instant::now();
         let step = self.start().map_err(|e| VmError::failed("resume", e))?;
         let took = t.elapsed();
+        self.shared.announce(self.announce);
         self.shared
             .state_parts
             .lock()

@@ -25,6 +25,7 @@ use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, Layout, TelemetryPort};
 use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::blk::Block;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::{MmioTransport, mmio};
 use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::{BusKind, Devices};
@@ -70,6 +71,8 @@ pub struct IncomingVm {
     /// Whether the guest keeps the VM generation ID its state carries (a migration) or gets a
     /// new one with its state (a restore: a clone).
     pub(crate) identity: Identity,
+    /// The announce the NIC sends for the guest's MAC once it runs here (`vm/net.rs`).
+    pub(crate) announce: super::net::Announce,
 }
 
 /// What becomes of the VM generation ID (`devices::vmgenid`) when an incoming VM loads its
@@ -136,6 +139,7 @@ impl Vm {
             resumed: false,
             landing: None,
             identity: Identity::Kept,
+            announce: super::net::Announce::default(),
         })
     }
 
@@ -169,6 +173,12 @@ impl IncomingVm {
         self.landing = Some(landing);
     }
 
+    /// Sets the announce the NIC sends once the guest runs here (QEMU's defaults unless set;
+    /// 0 rounds sends none).
+    pub fn set_announce(&mut self, plan: super::net::Announce) {
+        self.announce = plan;
+    }
+
     /// Whether the migration resumed the guest here (it may have stopped since: a postcopy
     /// failure after the resume stops it with its memory incomplete).
     pub fn guest_ran(&self) -> bool {
@@ -197,6 +207,7 @@ impl IncomingVm {
                 return Err(VmmError::Stopped(r.to_string()));
             }
             c.desired = RunState::Running;
+            self.shared.net_gate(true);
             self.shared.changed.notify_all();
         }
         self.resumed = true;
@@ -247,16 +258,18 @@ fn build(
         devices,
         balloon,
         disk,
+        net,
         generation,
     } = devices(config, &kvm_vm, &ram, &telemetry, arriving)?;
     let description = VmDescription {
         vcpus: config.vcpus,
         balloon: config.balloon,
         disk: config.disk.is_some(),
+        net: config.net.is_some(),
         cpuid: vcpu::cpuid_digest(&kvm_vm)?,
         sections: sections::versions(&devices),
     };
-    Ok(Arc::new(Shared {
+    let shared = Arc::new(Shared {
         control: Mutex::new(Control {
             desired: match incoming {
                 Some(_) => RunState::Incoming,
@@ -277,6 +290,7 @@ fn build(
             .map(|d| d.lock().unwrap().device().write_log()),
         disk,
         disk_path: config.disk.as_ref().map(|d| d.path.clone()),
+        net,
         disk_arriving: Mutex::new(None),
         disk_copy: Mutex::new(None),
         generation,
@@ -297,7 +311,9 @@ fn build(
         throttle: Throttle::default(),
         dirty_limit: crate::dirty_limit::DirtyLimit::new(usize::from(config.vcpus)),
         started: Instant::now(),
-    }))
+    });
+    super::net::start_receiver(&shared)?;
+    Ok(shared)
 }
 
 /// The devices of a VM built by `devices`, and the ones migrations and the API reach directly.
@@ -305,6 +321,7 @@ struct Parts {
     devices: Devices,
     balloon: Option<Arc<Mutex<MmioTransport<Balloon>>>>,
     disk: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    net: Option<Arc<Mutex<MmioTransport<Net>>>>,
     generation: Arc<Mutex<VmGenId>>,
 }
 
@@ -388,10 +405,21 @@ fn devices(
             Some(disk)
         }
     };
+    let net = match &config.net {
+        None => None,
+        Some(options) => Some(super::net::build(
+            options,
+            kvm_vm,
+            ram,
+            &mut devices,
+            arriving,
+        )?),
+    };
     Ok(Parts {
         devices,
         balloon,
         disk,
+        net,
         generation,
     })
 }
@@ -487,6 +515,7 @@ mod tests {
             serial: SerialOutput::Discard,
             balloon: true,
             disk: None,
+            net: None,
             dirty_ring: None,
             host_pages: Default::default(),
             next_layout,

@@ -9,6 +9,7 @@ use crate::boot::BootError;
 use crate::devices::serial::SerialOutput;
 use crate::devices::virtio::blk::DiskOptions;
 use crate::devices::virtio::mmio;
+use crate::devices::virtio::net::NetOptions;
 use crate::memory::{HostPages, MMIO_HOLE_START};
 
 /// What kind of kernel the VM boots.
@@ -38,6 +39,9 @@ pub struct VmConfig {
     /// A virtio-blk disk on virtio-mmio over a raw image file (`ferry run --disk`), announced
     /// on the command line after the balloon.
     pub disk: Option<DiskOptions>,
+    /// A virtio-net NIC on virtio-mmio over a tap (`ferry run --net`), announced on the
+    /// command line after the disk.
+    pub net: Option<NetOptions>,
     /// Track dirty pages with KVM's dirty ring of this many entries per vCPU instead of the
     /// slots' bitmaps (`ferry run --dirty-ring N`); `None`: the bitmap.
     pub dirty_ring: Option<u32>,
@@ -67,6 +71,9 @@ impl VmConfig {
         }
         if self.disk.is_some() {
             words.push(mmio::cmdline_fragment(DISK_MMIO, DISK_GSI));
+        }
+        if self.net.is_some() {
+            words.push(mmio::cmdline_fragment(NET_MMIO, NET_GSI));
         }
         words.join(" ")
     }
@@ -106,3 +113,7 @@ pub const BALLOON_GSI: u32 = 5;
 pub const DISK_MMIO: u64 = BALLOON_MMIO + mmio::MMIO_SIZE;
 /// Its interrupt: the next legacy line (a PC's floppy controller, which this VM has none of).
 pub const DISK_GSI: u32 = 6;
+/// Where the NIC's registers are: the page after the disk's.
+pub const NET_MMIO: u64 = DISK_MMIO + mmio::MMIO_SIZE;
+/// The NIC's interrupt line.
+pub const NET_GSI: u32 = 7;

@@ -92,10 +92,12 @@ impl Shared {
     }
 
     /// Keeps the descriptors a local handover's source passed for the devices they name
-    /// (this VM's only taker is the disk), for the state load to attach; refuses one no
-    /// device takes.
+    /// (the disk and the NIC), for the state load to attach; refuses one no device takes.
     pub(crate) fn adopt_device_fds(&self, fds: Vec<DeviceFd>) -> Result<(), VmError> {
         for d in fds {
+            let Some(d) = self.adopt_net_fd(d)? else {
+                continue;
+            };
             let disk = match &self.disk {
                 Some(disk) if (d.id, d.instance) == (VIRTIO_MMIO, DISK_INSTANCE) => disk,
                 _ => {

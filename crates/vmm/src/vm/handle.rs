@@ -80,6 +80,9 @@ pub struct VmStatus {
     /// The disk, if the VM has one: whether its driver runs, and its requests counted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk: Option<super::DiskStatus>,
+    /// The NIC, if the VM has one: its MAC and tap, whether frames pass, and its counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net: Option<super::NetStatus>,
 }
 
 impl VmHandle {
@@ -121,6 +124,8 @@ impl VmHandle {
         if let Some(r) = &c.stop_reason {
             return Err(ControlError::Stopped(r.clone()));
         }
+        // Every vCPU is parked: no frame reaches guest memory until they run again.
+        self.0.net_gate(false);
         start_port::start_asked(&self.0, &mut c);
         Ok(())
     }
@@ -134,6 +139,7 @@ impl VmHandle {
             return Err(ControlError::Incoming);
         }
         c.desired = RunState::Running;
+        self.0.net_gate(true);
         self.0.changed.notify_all();
         Ok(())
     }
@@ -241,6 +247,7 @@ impl VmHandle {
             preparing,
             ram_arriving: self.0.holds.still_arriving(),
             disk: self.disk(),
+            net: self.0.net_status(),
             stop_reason,
             memory_bytes: self.0.ram.size(),
             memory_allocated_bytes: self.0.ram.allocated_bytes().unwrap_or(0),

@@ -21,6 +21,7 @@ pub mod config;
 pub(crate) mod disk;
 pub mod handle;
 pub mod holds;
+pub(crate) mod net;
 #[allow(unsafe_code)] // registers the vCPU's kvm_run for kicks
 mod runner;
 #[allow(unsafe_code)] // kicks vCPU threads by id, under the rule that keeps the ids valid
@@ -37,4 +38,5 @@ pub use disk::DiskStatus;
 pub use handle::balloon::{BalloonStatus, BalloonTargetError};
 pub use handle::{ControlError, PAUSE_TIMEOUT, VmHandle, VmStatus};
 pub use holds::Arrival;
+pub use net::{Announce, NetStatus};
 pub use state::{RunState, StopReason};

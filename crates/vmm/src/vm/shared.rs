@@ -16,6 +16,7 @@ use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::blk::Block;
+use crate::devices::virtio::net::Net;
 use crate::devices::vmgenid::VmGenId;
 use crate::dirty_limit::DirtyLimit;
 use crate::error::VmmError;
@@ -99,6 +100,9 @@ pub(crate) struct Shared {
     /// Where the disk's image is (`--disk`), and on a destination the copy of a disk no host
     /// shares while it arrives (`disk.rs`).
     pub(crate) disk_path: Option<std::path::PathBuf>,
+    /// The NIC (also on the MMIO bus in `devices`): its gate follows the vCPUs, its tap is
+    /// attached at the state load on an arriving VM (`net.rs`).
+    pub(crate) net: Option<Arc<Mutex<MmioTransport<Net>>>>,
     pub(crate) disk_arriving: Mutex<Option<crate::disk_copy::IncomingCopy>>,
     /// The last disk copy from this VM, as `GET /migration` shows it (`disk.rs`).
     pub(crate) disk_copy: Mutex<Option<crate::disk_copy::DiskCopyStatus>>,

@@ -37,6 +37,7 @@ pub fn config(memory: u64, cmdline: &str, serial: &std::path::Path) -> VmConfig 
         serial: SerialOutput::File(serial.into()),
         balloon: true,
         disk: None,
+        net: None,
         dirty_ring: None,
         host_pages: Default::default(),
         next_layout: false,

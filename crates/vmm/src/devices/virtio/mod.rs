@@ -1,5 +1,5 @@
 //! virtio devices: the virtio-mmio transport ([`mmio`]) and the device models behind it
-//! ([`balloon`], [`blk`]), per the virtio 1.2 specification.
+//! ([`balloon`], [`blk`], [`net`]), per the virtio 1.2 specification.
 //!
 //! Who owns what: the transport ([`MmioTransport`]) owns everything the spec puts in the
 //! transport — device status, feature negotiation, the queues and their validation, the
@@ -26,6 +26,7 @@ pub mod chain;
 mod codec;
 pub mod device;
 pub mod mmio;
+pub mod net;
 #[cfg(test)]
 mod testdriver;
 

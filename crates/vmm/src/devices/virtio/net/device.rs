@@ -1,0 +1,403 @@
+//! The network device model: its tap, its MAC and what the driver reads in config space, the
+//! transmit queue written to the tap, and the receive queue filled from it (see the module
+//! doc of `net` for when). Its migrated state is in `state.rs`, the host's calls in
+//! `host.rs`.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use ferry_guest_abi::virtio::net::{self as spec, RX_QUEUE, S_LINK_UP, TX_QUEUE};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::options::{Mac, NetOptions, TapSource};
+use super::spec::{HEADER, MAX_FRAME, NAME, OFFERED, QUEUE_SIZE};
+use super::state::{NetState, NetStats};
+use crate::devices::device::DeviceStateError;
+use crate::devices::virtio::chain::{self, Chain};
+use crate::devices::virtio::device::{Disposition, Negotiated, VirtioDevice, VirtioError, drain};
+use crate::memory::{GuestRam, TrackedMemory};
+use crate::tap::{Tap, TapError};
+
+/// What one receive turn found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Receive {
+    /// The tap has no frame waiting (every one that was is in the guest).
+    TapEmpty { used: bool },
+    /// The driver has no buffer: frames wait in the tap until it gives some.
+    NoBuffer { used: bool },
+    /// The gate is closed (the VM is not running): nothing was read.
+    Closed,
+}
+
+impl Receive {
+    pub fn used(self) -> bool {
+        matches!(
+            self,
+            Receive::TapEmpty { used: true } | Receive::NoBuffer { used: true }
+        )
+    }
+}
+
+/// A virtio-net device over a tap.
+#[derive(Debug)]
+pub struct Net {
+    options: NetOptions,
+    /// `None` until attached: a deferred device (an arriving VM's) attaches its tap at the
+    /// state load, so that a local handover can pass the source's instead (a tap takes one
+    /// attachment at a time).
+    tap: Option<Arc<Tap>>,
+    /// The source's tap, passed in a local handover, which [`Net::attach`] takes.
+    passed: Option<Tap>,
+    mac: Mac,
+    /// The driver's accepted features (set at DRIVER_OK or restore; 0 after a reset).
+    features: u64,
+    /// Whether received frames may go into guest memory: open while the vCPUs run.
+    open: bool,
+    stats: NetStats,
+    /// Written whenever the receive thread should look again: the driver gave buffers, or the
+    /// gate opened.
+    wake: Arc<EventFd>,
+    /// One frame's bounce buffer: the header, the frame, and one byte more to tell a frame
+    /// too long from one that fits exactly.
+    buf: Vec<u8>,
+}
+
+impl Net {
+    /// A device over the tap `options` names, attached now, its gate open.
+    pub fn open(options: &NetOptions) -> Result<Net, TapError> {
+        let mut net = Net::deferred(options);
+        net.attach()?;
+        net.open = true;
+        Ok(net)
+    }
+
+    /// A device whose tap is attached later by [`Net::attach`], its gate closed until the VM
+    /// first runs (a migration's destination, a restore).
+    pub fn deferred(options: &NetOptions) -> Net {
+        Net {
+            options: options.clone(),
+            tap: None,
+            passed: None,
+            mac: options.mac.unwrap_or_else(Mac::random),
+            features: 0,
+            open: false,
+            stats: NetStats::default(),
+            wake: Arc::new(
+                EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+                    .expect("an eventfd (the process is out of descriptors)"),
+            ),
+            buf: vec![0; HEADER + MAX_FRAME + 1],
+        }
+    }
+
+    /// Keeps `tap`, the source's passed in a local handover, for [`Net::attach`].
+    pub fn pass_tap(&mut self, tap: Tap) {
+        self.passed = Some(tap);
+    }
+
+    /// Attaches the tap: the one a local handover passed, else the one the options name.
+    pub fn attach(&mut self) -> Result<(), TapError> {
+        if self.tap.is_some() {
+            return Ok(());
+        }
+        let tap = match self.passed.take() {
+            Some(tap) => tap,
+            None => match &self.options.tap {
+                TapSource::Name(name) => Tap::open(name)?,
+                TapSource::Fd(fd) => Tap::inherited(*fd)?,
+            },
+        };
+        self.tap = Some(Arc::new(tap));
+        self.poke();
+        Ok(())
+    }
+
+    pub fn mac(&self) -> Mac {
+        self.mac
+    }
+
+    /// The tap, once attached.
+    pub fn tap(&self) -> Option<&Arc<Tap>> {
+        self.tap.as_ref()
+    }
+
+    pub fn wake_fd(&self) -> Arc<EventFd> {
+        self.wake.clone()
+    }
+
+    pub fn stats(&self) -> NetStats {
+        self.stats
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.open
+    }
+
+    pub(super) fn set_open(&mut self, open: bool) {
+        self.open = open;
+        self.poke();
+    }
+
+    pub(super) fn count_announce(&mut self) {
+        self.stats.announces += 1;
+    }
+
+    fn poke(&self) {
+        // A full counter still wakes the thread; nothing else can fail on an eventfd.
+        let _ = self.wake.write(1);
+    }
+
+    pub(super) fn state(&self) -> NetState {
+        NetState {
+            mac: self.mac,
+            stats: self.stats,
+        }
+    }
+
+    /// Reads frames from the tap into the buffers the driver made available on the receive
+    /// `queue`, one frame a buffer, until either runs out, while the gate is open.
+    pub(super) fn receive(
+        &mut self,
+        queue: &mut Queue,
+        mem: &TrackedMemory,
+    ) -> Result<Receive, VirtioError> {
+        let Some(tap) = self.tap.clone().filter(|_| self.open) else {
+            return Ok(Receive::Closed);
+        };
+        let index = usize::from(RX_QUEUE);
+        let mut used = false;
+        loop {
+            let head = {
+                let mut avail = queue.iter(mem).map_err(|source| VirtioError::AvailRing {
+                    queue: index,
+                    source,
+                })?;
+                match avail.next() {
+                    Some(c) => c.head_index(),
+                    None => return Ok(Receive::NoBuffer { used }),
+                }
+            };
+            if head >= queue.size() {
+                return Err(VirtioError::Head {
+                    queue: index,
+                    head,
+                    size: queue.size(),
+                });
+            }
+            let n = match tap.recv(&mut self.buf[HEADER..]) {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    queue.go_to_previous_position();
+                    return Ok(Receive::TapEmpty { used });
+                }
+                Err(e) => {
+                    queue.go_to_previous_position();
+                    tracing::warn!("{NAME}: reading tap {}: {e}", tap.name());
+                    return Ok(Receive::TapEmpty { used });
+                }
+            };
+            if n > MAX_FRAME {
+                // Longer than the MTU the device announced: the guest could not take it.
+                queue.go_to_previous_position();
+                self.stats.rx_dropped += 1;
+                continue;
+            }
+            let len =
+                match chain::walk(mem, (queue.desc_table(), queue.size()), head, self.features) {
+                    Ok(chain) => self.put_frame(&chain, n, mem),
+                    Err(e) => {
+                        tracing::warn!("{NAME} receive queue: buffer {head} refused: {e}");
+                        self.stats.malformed += 1;
+                        0
+                    }
+                };
+            queue
+                .add_used(mem, head, len)
+                .map_err(|source| VirtioError::UsedRing {
+                    queue: index,
+                    head,
+                    source,
+                })?;
+            used = true;
+        }
+    }
+
+    /// Writes the header and the `n`-byte frame in the bounce buffer into `chain`'s writable
+    /// buffers; returns the bytes written (0: the frame was dropped).
+    fn put_frame(&mut self, chain: &Chain, n: usize, mem: &TrackedMemory) -> u32 {
+        let total = HEADER + n;
+        let room: u64 = chain.writable().map(|d| u64::from(d.len)).sum();
+        if chain.readable().next().is_some() || room < total as u64 {
+            self.stats.rx_dropped += 1;
+            return 0;
+        }
+        self.buf[..HEADER].fill(0);
+        let at = spec::HEADER_NUM_BUFFERS as usize;
+        self.buf[at..at + 2].copy_from_slice(&1u16.to_le_bytes());
+        let mut done = 0;
+        for d in chain.writable() {
+            let take = (d.len as usize).min(total - done);
+            if mem
+                .write_slice(&self.buf[done..done + take], GuestAddress(d.addr))
+                .is_err()
+            {
+                self.stats.malformed += 1;
+                return 0;
+            }
+            done += take;
+            if done == total {
+                break;
+            }
+        }
+        self.stats.rx_frames += 1;
+        self.stats.rx_bytes += n as u64;
+        total as u32
+    }
+
+    /// Sends the frame in one transmit chain.
+    fn transmit(&mut self, chain: &Chain, mem: &TrackedMemory) -> Disposition {
+        let head = chain.head;
+        let Some(bytes) = chain.read(mem, HEADER + MAX_FRAME + 1) else {
+            self.stats.malformed += 1;
+            return Disposition::Return { head, len: 0 };
+        };
+        let frame = bytes.get(HEADER..).unwrap_or_default();
+        if frame.is_empty() || frame.len() > MAX_FRAME {
+            self.stats.tx_errors += 1;
+            return Disposition::Return { head, len: 0 };
+        }
+        let Some(tap) = &self.tap else {
+            self.stats.tx_errors += 1;
+            return Disposition::Return { head, len: 0 };
+        };
+        match tap.send(frame) {
+            Ok(()) => {
+                self.stats.tx_frames += 1;
+                self.stats.tx_bytes += frame.len() as u64;
+            }
+            Err(e) => {
+                self.stats.tx_errors += 1;
+                tracing::debug!("{NAME}: tap {} refused a frame: {e}", tap.name());
+            }
+        }
+        Disposition::Return { head, len: 0 }
+    }
+
+    fn config(&self) -> [u8; spec::CONFIG_SIZE as usize] {
+        let mut c = [0u8; spec::CONFIG_SIZE as usize];
+        c[..6].copy_from_slice(&self.mac.0);
+        c[6..8].copy_from_slice(&S_LINK_UP.to_le_bytes());
+        c[8..10].copy_from_slice(&1u16.to_le_bytes());
+        c[10..12].copy_from_slice(&spec::MTU.to_le_bytes());
+        c
+    }
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        super::spec::DEVICE_TYPE
+    }
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn features(&self) -> u64 {
+        OFFERED
+    }
+
+    fn max_queues(&self) -> usize {
+        2
+    }
+
+    fn queue_count(&self, _features: u64) -> usize {
+        2
+    }
+
+    fn queue_max_size(&self, _features: u64, index: usize) -> u16 {
+        match index {
+            0 | 1 => QUEUE_SIZE,
+            _ => 0,
+        }
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let c = self.config();
+        for (i, b) in data.iter_mut().enumerate() {
+            let at = offset.saturating_add(i as u64);
+            *b = usize::try_from(at)
+                .ok()
+                .and_then(|at| c.get(at))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
+        // The MAC is writable only with VIRTIO_NET_F_CTRL_MAC_ADDR's legacy path, not offered.
+        tracing::debug!("{NAME}: driver write to its read-only config ignored");
+    }
+
+    fn activate(&mut self, features: u64) {
+        self.features = features;
+    }
+
+    fn reset(&mut self) {
+        self.features = 0;
+    }
+
+    fn process_queue(
+        &mut self,
+        index: usize,
+        queue: &mut Queue,
+        ram: &GuestRam,
+    ) -> Result<bool, VirtioError> {
+        let mem = ram.memory();
+        match u16::try_from(index) {
+            Ok(RX_QUEUE) => {
+                // The driver gave buffers: fill them now from what waits in the tap, and let
+                // the receive thread look at the tap again.
+                let r = self.receive(queue, mem)?;
+                self.poke();
+                Ok(r.used())
+            }
+            Ok(TX_QUEUE) => {
+                let features = self.features;
+                let drained = drain(index, queue, mem, features, |chain| {
+                    self.transmit(&chain, mem)
+                })?;
+                self.stats.malformed += drained.malformed;
+                Ok(drained.used)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn save(&self) -> Vec<u8> {
+        self.state().encode()
+    }
+
+    fn restore(
+        &mut self,
+        data: &[u8],
+        negotiated: &Negotiated<'_>,
+    ) -> Result<(), DeviceStateError> {
+        let s = NetState::decode(data)?;
+        if self.options.mac.is_some_and(|m| m != s.mac) {
+            return Err(DeviceStateError::Malformed {
+                device: NAME,
+                reason: format!(
+                    "the source's NIC has MAC {}, this one was given mac={}; give the source's MAC or none",
+                    s.mac, self.mac
+                ),
+            });
+        }
+        self.mac = s.mac;
+        self.stats = s.stats;
+        self.features = negotiated.features;
+        Ok(())
+    }
+}
