@@ -96,3 +96,32 @@ pub fn balloon(args: &BalloonArgs) -> anyhow::Result<ExitCode> {
     println!("{}", serde_json::to_string_pretty(&body)?);
     Ok(ExitCode::SUCCESS)
 }
+
+#[derive(Debug, Args)]
+pub struct AnnounceArgs {
+    /// The VM's API socket (`ferry run --api-socket PATH`).
+    #[arg(long)]
+    api_socket: PathBuf,
+    /// Rounds of frames (RARP for the guest's MAC, as QEMU's self-announce).
+    #[arg(long, default_value_t = 5)]
+    rounds: u32,
+    /// Milliseconds between the first round and the second.
+    #[arg(long, default_value_t = 50)]
+    initial_ms: u64,
+    /// Milliseconds each later wait adds to the one before.
+    #[arg(long, default_value_t = 100)]
+    step_ms: u64,
+}
+
+/// `ferry migrate-announce`: the guest's NIC announces its MAC again (`PUT /vm/announce`).
+pub fn announce(args: &AnnounceArgs) -> anyhow::Result<ExitCode> {
+    let body = serde_json::json!({
+        "rounds": args.rounds,
+        "initial_ms": args.initial_ms,
+        "step_ms": args.step_ms,
+    });
+    let answer =
+        client::request_with_body(&args.api_socket, "PUT", "/vm/announce", &body.to_string())?;
+    println!("{answer}");
+    Ok(ExitCode::SUCCESS)
+}

@@ -62,6 +62,9 @@ enum Command {
     /// On a destination in postcopy-paused: listen for the source's recovery (then run `ferry
     /// migrate --resume` on the source). Prints the address it listens on.
     MigrateRecover(migrate::RecoverArgs),
+    /// Announce the guest's MAC from its NIC again, as after a move (QEMU:
+    /// announce-self): rounds of RARP frames so that switches learn where it is.
+    MigrateAnnounce(control::AnnounceArgs),
     /// Print a running VM's state and the guest's counters as JSON.
     Status(control::ControlArgs),
     /// Ask the guest to give memory back (inflate the balloon) or take it back (deflate), or
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Command::MigratePostcopy(args) => migrate::start_postcopy(&args),
         Command::MigratePause(args) => migrate::pause(&args),
         Command::MigrateRecover(args) => migrate::recover(&args),
+        Command::MigrateAnnounce(args) => control::announce(&args),
         Command::Status(args) => control::status(&args),
         Command::Balloon(args) => control::balloon(&args),
         Command::Pause(args) => control::put(&args, "/vm/pause"),

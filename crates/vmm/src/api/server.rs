@@ -228,6 +228,22 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
                 },
             }
         }
+        (Method::Put, "/vm/announce") => {
+            let parsed = match body.trim() {
+                "" => Ok(crate::vm::Announce::default()),
+                b => serde_json::from_str::<crate::vm::Announce>(b),
+            };
+            match parsed {
+                Err(e) => (
+                    400,
+                    json!({ "error": format!("PUT /vm/announce takes no body or {{\"rounds\", \"initial_ms\", \"step_ms\"}}: {e}") }),
+                ),
+                Ok(plan) => match vm.announce(plan) {
+                    Ok(()) => (200, json!({ "announced": plan })),
+                    Err(e) => (409, json!({ "error": e })),
+                },
+            }
+        }
         (Method::Put, "/vm/shutdown") => {
             vm.stop(StopReason::Requested("API shutdown".into()));
             (200, json!({ "state": "stopped" }))

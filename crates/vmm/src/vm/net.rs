@@ -49,6 +49,7 @@ pub struct NetStatus {
 /// ms, `announce-step` 100 ms, `announce-rounds` 5): the first at once, then 50, 150, 250 and
 /// 350 ms after the one before.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Announce {
     pub rounds: u32,
     pub initial_ms: u64,
@@ -193,6 +194,22 @@ impl Shared {
         if let Err(e) = spawned {
             tracing::warn!("virtio-net: no thread for the announce's later rounds: {e}");
         }
+    }
+}
+
+impl super::VmHandle {
+    /// Announces the guest's MAC now, as after a move (`PUT /vm/announce`,
+    /// `ferry migrate-announce`): refused, naming the fix, for a VM without a NIC or whose
+    /// tap is not attached yet.
+    pub fn announce(&self, plan: Announce) -> Result<(), String> {
+        let Some(net) = &self.0.net else {
+            return Err("this VM has no NIC; start it with --net tap=NAME".into());
+        };
+        if net.lock().unwrap().device().tap().is_none() {
+            return Err("the NIC's tap is attached when the guest's state arrives; announce once the guest runs here".into());
+        }
+        self.0.announce(plan);
+        Ok(())
     }
 }
 

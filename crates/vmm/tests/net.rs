@@ -1,0 +1,136 @@
+//! A VM with a NIC (virtio-net over a tap) on real KVM, in a network namespace the test makes
+//! for itself: the NIC's MAC migrates, and the destination announces it on its own tap once
+//! the guest runs there.
+
+mod common;
+
+use std::net::TcpListener;
+use std::os::fd::IntoRawFd;
+use std::time::{Duration, Instant};
+
+use common::{boot_config, config, forced_request, receive_from};
+use ferry_migrate::Phase;
+use ferry_migrate_testkit::netns::{Netns, PacketSocket};
+use ferry_vmm::devices::virtio::net::{NetOptions, TapSource};
+use ferry_vmm::tap::Tap;
+use ferry_vmm::vm::Announce;
+use ferry_vmm::{Vm, VmConfig};
+
+const MEMORY: u64 = 128 << 20;
+const GUEST: &str = "ws=8M rate=20 verify-ms=200 log-ms=0";
+/// RARP's ethertype, which the announce sends (as QEMU's self-announce).
+const RARP: [u8; 2] = [0x80, 0x35];
+
+/// The tap `dev` of `ns`, opened inside it, as the descriptor a VMM inherits.
+fn tap_fd(ns: &Netns, dev: &str) -> NetOptions {
+    let fd = ns.enter(|| Tap::open(dev).unwrap().try_clone_fd().unwrap());
+    NetOptions {
+        tap: TapSource::Fd(fd.into_raw_fd()),
+        mac: None,
+    }
+}
+
+fn with_net(net: NetOptions, serial: &std::path::Path) -> VmConfig {
+    VmConfig {
+        net: Some(net),
+        ..config(MEMORY, GUEST, serial)
+    }
+}
+
+/// The first `n` announce frames `sock` sees within `within`, with when each came.
+fn announces(sock: &PacketSocket, n: usize, within: Duration) -> Vec<(Instant, [u8; 6])> {
+    let end = Instant::now() + within;
+    let mut seen = Vec::new();
+    while let Some(left) = end.checked_duration_since(Instant::now())
+        && seen.len() < n
+    {
+        let Some(f) = sock.recv(left).unwrap() else {
+            break;
+        };
+        if f.get(12..14) == Some(&RARP[..]) {
+            seen.push((Instant::now(), f[6..12].try_into().unwrap()));
+        }
+    }
+    seen
+}
+
+#[test]
+fn the_nic_keeps_its_mac_across_a_migration_and_the_destination_announces_it() {
+    let ns = Netns::new();
+    ns.tap("fsrc", None);
+    ns.tap("fdst", None);
+    let dir = tempfile::tempdir().unwrap();
+    let src = boot_config(with_net(
+        tap_fd(&ns, "fsrc"),
+        &dir.path().join("source.log"),
+    ));
+    let status = src.handle().status();
+    let net = status.net.expect("the VM has a NIC");
+    assert_eq!(net.tap.as_deref(), Some("fsrc"));
+    let mac = net.mac.clone();
+
+    let sock = ns.enter(|| PacketSocket::bind("fdst").unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut incoming = Vm::incoming(with_net(
+        tap_fd(&ns, "fdst"),
+        &dir.path().join("destination.log"),
+    ))
+    .unwrap();
+    let rounds = Announce::default().rounds as usize;
+    let (received, progress) = std::thread::scope(|s| {
+        let seen = s.spawn(|| announces(&sock, rounds, Duration::from_secs(30)));
+        let r = receive_from(
+            &src.handle(),
+            &mut incoming,
+            &listener,
+            forced_request(&listener),
+        );
+        let resumed = Instant::now();
+        (r, (seen.join().unwrap(), resumed))
+    });
+    let ((received, progress), (seen, resumed)) = (received, progress);
+    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+    let dst = incoming.into_running().expect("resumed");
+    let after = dst
+        .handle()
+        .status()
+        .net
+        .expect("the destination has a NIC");
+    assert_eq!(after.mac, mac, "the guest's MAC moved with it");
+    assert_eq!(
+        after.tap.as_deref(),
+        Some("fdst"),
+        "on the destination's own tap"
+    );
+
+    let macs: Vec<String> = seen
+        .iter()
+        .map(|(_, m)| {
+            m.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        })
+        .collect();
+    assert_eq!(macs, vec![mac.clone(); rounds], "{rounds} rounds for {mac}");
+    let first = seen[0].0;
+    assert!(
+        first <= resumed + Duration::from_millis(50),
+        "the first round goes at the resume"
+    );
+    let gaps: Vec<u128> = seen
+        .windows(2)
+        .map(|w| w[1].0.duration_since(w[0].0).as_millis())
+        .collect();
+    eprintln!("announce: rounds {gaps:?} ms apart");
+    for (k, gap) in gaps.iter().enumerate() {
+        let want = Announce::default().wait_before(k as u32 + 1).as_millis();
+        assert!(
+            *gap + 5 >= want,
+            "round {} came {gap} ms after the one before, before its {want} ms",
+            k + 1
+        );
+    }
+    assert_eq!(after.stats.announces, rounds as u64);
+}
