@@ -26,6 +26,8 @@ pub struct How {
 /// says when all of RAM is in place, or stops the guest if a page could not be read.
 pub fn restore(config: &VmConfig, file: &Path, how: &How) -> anyhow::Result<Vm> {
     let what = ferry_vmm::snapshot::describe(file).context("cannot restore the snapshot")?;
+    what.check_net(file, config.net.is_some())
+        .map_err(anyhow::Error::msg)?;
     let disk = config.disk.as_ref().map(|d| d.path.as_path());
     for note in what.check_disk(file, disk, how.changed_image)? {
         eprintln!("ferry: {note}");

@@ -149,6 +149,8 @@ pub struct SnapshotVm {
     pub vcpus: u8,
     pub balloon: bool,
     pub disk: SnapshotDisk,
+    /// Whether the VM had a NIC: its restore needs a tap (`--net`).
+    pub net: bool,
 }
 
 /// What a snapshot says of its VM's disk, which it does not hold: a restore needs the image
@@ -238,6 +240,22 @@ impl std::fmt::Display for DiskNote {
 }
 
 impl SnapshotVm {
+    /// Refuses a restore of `file` with a NIC (`given`) when the snapshot's VM had none, or
+    /// without one when it had one, naming the fix.
+    pub fn check_net(&self, file: &Path, given: bool) -> Result<(), String> {
+        match (self.net, given) {
+            (true, false) => Err(format!(
+                "{}: the snapshot's VM has a NIC; restore it with --net tap=NAME (the tap it comes up on; a clone gets a new MAC unless mac= is given)",
+                file.display()
+            )),
+            (false, true) => Err(format!(
+                "{}: the snapshot's VM has no NIC; restore it without --net",
+                file.display()
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Refuses a restore of `file` whose `--disk` (`given`, or none) does not match the VM the
     /// snapshot was taken of, or whose image differs from the one recorded (a changed mtime or
     /// allocated map is taken with [`ChangedImage::Accept`], another size never); else what
@@ -368,6 +386,7 @@ pub fn describe(path: &Path) -> Result<SnapshotVm, MigrateError> {
         vcpus: u8::try_from(h.vcpus).unwrap_or(u8::MAX),
         balloon: description.balloon,
         disk,
+        net: description.net,
     })
 }
 
@@ -437,7 +456,23 @@ mod tests {
             vcpus: 1,
             balloon: true,
             disk,
+            net: false,
         }
+    }
+
+    #[test]
+    fn a_nic_is_needed_exactly_when_the_snapshot_had_one() {
+        let file = Path::new("vm.snap");
+        let with = SnapshotVm {
+            net: true,
+            ..vm(SnapshotDisk::Absent)
+        };
+        assert!(with.check_net(file, true).is_ok());
+        let err = with.check_net(file, false).unwrap_err();
+        assert!(err.contains("--net tap=NAME"), "{err}");
+        assert!(vm(SnapshotDisk::Absent).check_net(file, false).is_ok());
+        let err = vm(SnapshotDisk::Absent).check_net(file, true).unwrap_err();
+        assert!(err.contains("without --net"), "{err}");
     }
 
     fn recorded() -> ImageCheck {
@@ -592,6 +627,7 @@ mod tests {
             vcpus: 4,
             balloon: true,
             disk: SnapshotDisk::Absent,
+            net: false,
         };
         let c = what.config(&base);
         assert_eq!(c.guest, crate::GuestKind::Foreign);

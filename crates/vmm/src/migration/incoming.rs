@@ -86,7 +86,8 @@ unsafe impl DestinationVm for IncomingVm {
         let parts =
             sections::load(&self.shared, sections).map_err(|e| VmError::failed("load_state", e))?;
         self.shared.attach_disk()?;
-        self.shared.attach_net()?;
+        self.shared
+            .attach_net(self.identity == crate::vm::build::Identity::Renewed)?;
         *self.shared.state_parts.lock().unwrap() = parts;
         if self.identity == crate::vm::build::Identity::Renewed {
             self.shared

@@ -18,7 +18,7 @@ use super::shared::Shared;
 use crate::devices::irq::IrqLine;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::mmio;
-use crate::devices::virtio::net::{Net, NetOptions, NetStats};
+use crate::devices::virtio::net::{Mac, Net, NetOptions, NetStats};
 use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
 use crate::kvm::{KvmVm, irqchip};
@@ -105,17 +105,36 @@ impl Shared {
         }
     }
 
-    /// Attaches the NIC's tap at the state load: the one a local handover passed, else its own.
-    pub(crate) fn attach_net(&self) -> Result<(), VmError> {
-        match &self.net {
-            Some(net) => net
-                .lock()
-                .unwrap()
-                .device_mut()
-                .attach()
-                .map_err(|e| VmError::failed("attach the NIC's tap", e)),
-            None => Ok(()),
+    /// At the state load: checks the MAC the state carries against the one the user gave,
+    /// and attaches the tap (the one a local handover passed, else its own). A migrated guest
+    /// keeps its MAC, and a `mac=` that differs is refused; a clone (`renewed`, a restore) gets
+    /// the one given, or a new random one, and its driver a config change.
+    pub(crate) fn attach_net(&self, renewed: bool) -> Result<(), VmError> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        let mut t = net.lock().unwrap();
+        let (carried, given) = (t.device().mac(), t.device().given_mac());
+        match (renewed, given) {
+            (false, Some(given)) if given != carried => {
+                return Err(VmError::failed(
+                    "load the NIC's state",
+                    format!(
+                        "the source's NIC has MAC {carried}, this one was given mac={given}; give the source's MAC or none"
+                    ),
+                ));
+            }
+            (false, _) => {}
+            (true, given) => {
+                let mac = given.unwrap_or_else(Mac::random);
+                if mac != carried {
+                    t.change_mac(mac);
+                }
+            }
         }
+        t.device_mut()
+            .attach()
+            .map_err(|e| VmError::failed("attach the NIC's tap", e))
     }
 
     /// The tap's descriptor for a local handover (a `dup`), named as the NIC's state is.

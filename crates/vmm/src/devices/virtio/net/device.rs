@@ -119,6 +119,16 @@ impl Net {
         self.mac
     }
 
+    /// The MAC the user gave (`mac=`), if any.
+    pub fn given_mac(&self) -> Option<Mac> {
+        self.options.mac
+    }
+
+    /// Gives the NIC another MAC (a clone's); the transport must signal the config change.
+    pub(crate) fn set_mac(&mut self, mac: Mac) {
+        self.mac = mac;
+    }
+
     /// The tap, once attached.
     pub fn tap(&self) -> Option<&Arc<Tap>> {
         self.tap.as_ref()
@@ -386,15 +396,6 @@ impl VirtioDevice for Net {
         negotiated: &Negotiated<'_>,
     ) -> Result<(), DeviceStateError> {
         let s = NetState::decode(data)?;
-        if self.options.mac.is_some_and(|m| m != s.mac) {
-            return Err(DeviceStateError::Malformed {
-                device: NAME,
-                reason: format!(
-                    "the source's NIC has MAC {}, this one was given mac={}; give the source's MAC or none",
-                    s.mac, self.mac
-                ),
-            });
-        }
         self.mac = s.mac;
         self.stats = s.stats;
         self.features = negotiated.features;

@@ -44,6 +44,12 @@ impl MmioTransport<Net> {
         self.device_mut().set_open(open);
     }
 
+    /// Gives the NIC `mac` (a clone's new one) and tells the driver its config changed.
+    pub fn change_mac(&mut self, mac: super::Mac) {
+        self.device_mut().set_mac(mac);
+        self.config_changed();
+    }
+
     /// Sends one round of announce frames for the guest's MAC on the tap.
     pub fn announce(&mut self) -> std::io::Result<()> {
         let net = self.device_mut();
