@@ -159,4 +159,16 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "20",
         "share of disk accesses that read a written block back and check it instead of writing",
     ),
+    (
+        "net",
+        "IPv4 address A.B.C.D",
+        "none",
+        "the guest's address on its virtio-net NIC: it answers ARP and echoes numbered UDP requests; none = no network workload; no NIC halts the guest",
+    ),
+    (
+        "net-port",
+        "UDP port 1-65535",
+        "7",
+        "the UDP port the network workload echoes requests on",
+    ),
 ];
