@@ -133,7 +133,7 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "virtio_mmio.device",
         "<size>@<addr>:<irq>",
         "none",
-        "a virtio-mmio device (the VMM sets it), repeated per device, at most 4; the guest drives a balloon and a virtio-blk disk found there",
+        "a virtio-mmio device (the VMM sets it), repeated per device, at most 4; the guest drives a balloon, a virtio-blk disk and a virtio-net NIC found there",
     ),
     (
         "disk",

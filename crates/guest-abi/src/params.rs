@@ -20,7 +20,7 @@
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
 //! | `hint-batch` | blocks, 0 = all | 0 | hint at most this many free blocks per heartbeat, so a round of hints spans many (a slow driver) |
 //! | `compute` | vCPU count | 0 | the last N vCPUs compute instead of writing and report work units in their heartbeats (what a vCPU that does not write loses to a migration) |
-//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the key repeats, once per device (at most [`MAX_MMIO_DEVICES`]); the guest reads each one's device ID at boot and drives a balloon (5) and a block device (2) found there |
+//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the key repeats, once per device (at most [`MAX_MMIO_DEVICES`]); the guest reads each one's device ID at boot and drives a balloon (5), a block device (2) and a network device (1) found there |
 //! | `disk` | size, a multiple of 4K | 0 | the part of the virtio-blk disk, from sector 0, that the disk workload writes and verifies in 4 KiB blocks; 0 = no disk workload. Larger than the disk (or no disk): the guest says so on its serial port and halts ([`crate::report::HaltReason::DiskTooSmall`]) |
 //! | `disk-rate` | `max` or MB/s (10^6 bytes) | 10 | how fast the disk workload accesses blocks ([`DEFAULT_DISK_RATE_MB_S`]) |
 //! | `disk-pattern` | `seq`, `random` | `random` | which block each disk write goes to |
