@@ -244,14 +244,20 @@ impl Nic {
         })
     }
 
-    /// The next frame the device filled, if there is one: a read of guest memory, no exit.
-    pub fn receive(&mut self) -> Option<Rx> {
-        let rx = addr_of_mut!(RX);
+    /// Whether the device has filled a frame not yet taken: one read of guest memory, no
+    /// exit, inlined into the workload's loops.
+    #[inline(always)]
+    pub fn pending(&self) -> bool {
         // SAFETY: the device's ring, read volatile since the device writes it.
-        let used = unsafe { read_volatile(addr_of!((*rx).used.idx)) };
-        if used == self.rx_seen {
+        unsafe { read_volatile(addr_of!((*addr_of!(RX)).used.idx)) != self.rx_seen }
+    }
+
+    /// The next frame the device filled, if there is one.
+    pub fn receive(&mut self) -> Option<Rx> {
+        if !self.pending() {
             return None;
         }
+        let rx = addr_of_mut!(RX);
         // The entry after the index that published it.
         fence(Ordering::SeqCst);
         let at = self.rx_seen as usize % RX_BUFFERS;
