@@ -13,9 +13,9 @@
 //! buffers waits for that notify. Looking for a frame is a read of the used index in guest
 //! memory, no exit, so the workload may look as often as it likes.
 //!
-//! Transmit: [`TX_BUFFERS`] buffers, one descriptor each (header and frame together). ferry's
-//! device sends a frame while the vCPU waits in the notify write; another device (QEMU's)
-//! later, so the driver takes back every buffer the device returned before it picks a free
+//! Transmit: [`TX_BUFFERS`] buffers, one descriptor each (header and frame together), a
+//! notify after each frame unless the device said it needs none. ferry's device sends a frame
+//! while the vCPU waits in the notify write; another device (QEMU's) later, so the driver takes back every buffer the device returned before it picks a free
 //! one, waits [`TX_WAIT_NS`] at most for one when none is, and then does not send the frame
 //! ([`TxError::Full`]).
 //!
@@ -353,7 +353,13 @@ impl Nic {
             write_volatile(addr_of_mut!((*q).avail.idx), self.tx_avail);
             fence(Ordering::SeqCst);
         }
-        self.t.notify(u32::from(net::TX_QUEUE));
+        // A device still sending the last frames (QEMU's, from its loop) says it needs no
+        // notify and finds this one too; ferry's never says so and sends inside the notify.
+        // SAFETY: the device's flags, read volatile since the device writes them.
+        let flags = unsafe { read_volatile(addr_of!((*q).used.flags)) };
+        if flags & USED_F_NO_NOTIFY == 0 {
+            self.t.notify(u32::from(net::TX_QUEUE));
+        }
         self.take_back_tx();
         Ok(())
     }
