@@ -133,7 +133,7 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "virtio_mmio.device",
         "<size>@<addr>:<irq>",
         "none",
-        "a virtio-mmio device (the VMM sets it), repeated per device, at most 4; the guest drives a balloon and a virtio-blk disk found there",
+        "a virtio-mmio device (the VMM sets it), repeated per device, at most 4; the guest drives a balloon, a virtio-blk disk and a virtio-net NIC found there",
     ),
     (
         "disk",
@@ -158,5 +158,17 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "percent 0-100",
         "20",
         "share of disk accesses that read a written block back and check it instead of writing",
+    ),
+    (
+        "net",
+        "IPv4 address A.B.C.D",
+        "none",
+        "the guest's address on its virtio-net NIC: it answers ARP and echoes numbered UDP requests; none = no network workload; no NIC halts the guest",
+    ),
+    (
+        "net-port",
+        "UDP port 1-65535",
+        "7",
+        "the UDP port the network workload echoes requests on",
     ),
 ];

@@ -1,7 +1,8 @@
 //! What ferry's host side and its built-in test guest agree on: I/O ports, the guest's
 //! command-line parameters, the page stamp that makes every written page checkable (and the
-//! block stamp that does the same for the disk), the telemetry report layout, the VM generation ID (`vmgenid`), and the arithmetic that sizes
-//! the guest's memory footprint.
+//! block stamp that does the same for the disk), the network workload's frames and echo
+//! (`net`), the telemetry report layout, the VM generation ID (`vmgenid`), and the arithmetic
+//! that sizes the guest's memory footprint.
 //!
 //! The ports: COM1 at 0x3f8, the telemetry port at 0x0fe4, the exit port at 0x0fe8, the start
 //! port at 0x0fec (`smp`), and the VM generation ID at 0x0ff0..0x1000 (`vmgenid`), read-only;
@@ -17,6 +18,7 @@
 pub mod disk;
 pub mod help;
 pub mod layout;
+pub mod net;
 pub mod params;
 pub mod report;
 pub mod smp;

@@ -20,16 +20,20 @@
 //! | `churn` | MB/s, 0 = none | 0 | keep allocating blocks from the free memory, writing, verifying and freeing them at this rate |
 //! | `hint-batch` | blocks, 0 = all | 0 | hint at most this many free blocks per heartbeat, so a round of hints spans many (a slow driver) |
 //! | `compute` | vCPU count | 0 | the last N vCPUs compute instead of writing and report work units in their heartbeats (what a vCPU that does not write loses to a migration) |
-//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the key repeats, once per device (at most [`MAX_MMIO_DEVICES`]); the guest reads each one's device ID at boot and drives a balloon (5) and a block device (2) found there |
+//! | `virtio_mmio.device` | `<size>@<addr>:<irq>` | none | a virtio-mmio device, as Linux takes it; the key repeats, once per device (at most [`MAX_MMIO_DEVICES`]); the guest reads each one's device ID at boot and drives a balloon (5), a block device (2) and a network device (1) found there |
 //! | `disk` | size, a multiple of 4K | 0 | the part of the virtio-blk disk, from sector 0, that the disk workload writes and verifies in 4 KiB blocks; 0 = no disk workload. Larger than the disk (or no disk): the guest says so on its serial port and halts ([`crate::report::HaltReason::DiskTooSmall`]) |
 //! | `disk-rate` | `max` or MB/s (10^6 bytes) | 10 | how fast the disk workload accesses blocks ([`DEFAULT_DISK_RATE_MB_S`]) |
 //! | `disk-pattern` | `seq`, `random` | `random` | which block each disk write goes to |
 //! | `disk-read` | percent, 0–100 | 20 | share of disk accesses that read a written block back and check it instead of writing |
+//! | `net` | IPv4 address `A.B.C.D` | none | the guest's address on the virtio-net NIC: it answers ARP for it and echoes the numbered UDP requests sent to it ([`crate::net`]); none = no network workload. No NIC: the guest says so on its serial port and halts ([`crate::report::HaltReason::NoNic`]) |
+//! | `net-port` | UDP port, 1–65535 | 7 | the port the guest echoes requests on ([`crate::net::DEFAULT_PORT`]) |
 //!
 //! The parser is pure and allocation-free: the guest runs it at CPL3 and the host runs it
 //! before boot so that a bad command line is refused with a message instead of a halted guest.
 
 use core::fmt;
+
+use crate::net::Ipv4;
 
 /// Share of writes that go to the hot part of the working set under `pattern=hotcold`: the
 /// classic 90/10 skew of a database buffer pool, hot enough that precopy must iterate on it.
@@ -156,6 +160,10 @@ pub struct Params {
     pub disk_pattern: Pattern,
     /// Share of disk accesses that read a written block back and check it.
     pub disk_read_percent: u8,
+    /// The guest's IPv4 address for the network workload (`net=`); `None` = no network workload.
+    pub net: Option<Ipv4>,
+    /// The UDP port it answers echo requests on.
+    pub net_port: u16,
     /// vCPUs the guest starts and runs its workload on.
     pub vcpus: u8,
     /// Every vCPU writes every page of the working set, each its own word (lane) of it, with a
@@ -193,6 +201,8 @@ impl Default for Params {
             disk_rate: Rate::MegabytesPerSecond(DEFAULT_DISK_RATE_MB_S),
             disk_pattern: Pattern::Random,
             disk_read_percent: 20,
+            net: None,
+            net_port: crate::net::DEFAULT_PORT,
             vcpus: 1,
             shared: false,
             fault_vcpu: 0,
@@ -387,6 +397,19 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             }
             "disk-read" => {
                 p.disk_read_percent = parse_percent(value, 0).ok_or(bad("a percentage 0-100"))?
+            }
+            "net" => {
+                p.net = Some(
+                    Ipv4::parse(value)
+                        .filter(|ip| ip.is_unicast())
+                        .ok_or(bad("a unicast IPv4 address such as 10.0.0.2"))?,
+                )
+            }
+            "net-port" => {
+                p.net_port = parse_u32(value)
+                    .and_then(|v| u16::try_from(v).ok())
+                    .filter(|v| *v > 0)
+                    .ok_or(bad("a UDP port from 1 to 65535"))?
             }
             _ => return Err(ParamError::UnknownKey(key)),
         }

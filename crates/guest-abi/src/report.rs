@@ -81,6 +81,11 @@ report_enum! {
         /// [`DiskCounters::to_detail`] writes them. A kind of its own, as `Work`, so that the
         /// heartbeat's layout stays as it was.
         Disk = 9,
+        /// The network workload's counters (`net=`), from the boot vCPU every `heartbeat-ms`
+        /// after its heartbeat (and its disk report), while a network workload runs. Detail:
+        /// [`net`] words, as [`NetCounters::to_detail`] writes them. A kind of its own, as
+        /// `Disk`.
+        Net = 10,
     }
 }
 
@@ -109,6 +114,9 @@ report_enum! {
         /// `disk=` asks for more than the VM's virtio-blk disk holds, or the VM has no disk
         /// the driver could use; the serial port says which.
         DiskTooSmall = 6,
+        /// `net=` asks for a network workload, and the VM has no virtio-net device the driver
+        /// could use; the serial port says why.
+        NoNic = 7,
     }
 }
 
@@ -129,6 +137,7 @@ impl HaltReason {
             HaltReason::DiskTooSmall => {
                 "disk= is larger than the VM's virtio-blk disk, or it has none"
             }
+            HaltReason::NoNic => "net= is given but the VM has no usable virtio-net device",
         }
     }
 }
@@ -256,6 +265,84 @@ impl DiskCounters {
             first_bad_block: Some(d[disk::FIRST_BAD]).filter(|b| *b != disk::NO_BAD_BLOCK),
             blocks: d[disk::BLOCKS],
             sweeps: d[disk::SWEEPS],
+        }
+    }
+}
+
+pub mod net {
+    /// Frames taken from the receive queue so far, whatever they held.
+    pub const FRAMES_RECEIVED: usize = 0;
+    /// Echoes sent so far, one per echo request ([`crate::net`]).
+    pub const ECHOES_SENT: usize = 1;
+    /// ARP replies sent so far, one per request for the guest's address.
+    pub const ARP_REPLIES: usize = 2;
+    /// Sequence numbers skipped so far: a request whose number is past the last one seen + 1
+    /// adds the numbers in between (frames lost before the guest, or still to come reordered).
+    pub const SEQ_GAPS: usize = 3;
+    /// Requests whose number was at or below the last one seen (a frame given twice, or late),
+    /// so far; each is still answered.
+    pub const DUPLICATES: usize = 4;
+    /// Frames that were not for the guest (another MAC, address or port; another protocol) or
+    /// were malformed (a bad checksum, a short frame), so far.
+    pub const IGNORED: usize = 5;
+    /// Frames the guest could not send because the device held every transmit buffer (it had
+    /// not returned them), so far.
+    pub const TX_ERRORS: usize = 6;
+    /// The highest request number seen; 0 before the first request.
+    pub const LAST_SEQ: usize = 7;
+}
+
+/// The network workload's cumulative counters, as a [`Kind::Net`] report carries them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    pub frames_received: u64,
+    pub echoes_sent: u64,
+    pub arp_replies: u64,
+    pub seq_gaps: u64,
+    pub duplicates: u64,
+    pub ignored: u64,
+    pub tx_errors: u64,
+    pub last_seq: u64,
+}
+
+impl NetCounters {
+    /// The report's detail words ([`net`]).
+    pub fn to_detail(&self) -> [u64; DETAIL_WORDS] {
+        let mut d = [0; DETAIL_WORDS];
+        d[net::FRAMES_RECEIVED] = self.frames_received;
+        d[net::ECHOES_SENT] = self.echoes_sent;
+        d[net::ARP_REPLIES] = self.arp_replies;
+        d[net::SEQ_GAPS] = self.seq_gaps;
+        d[net::DUPLICATES] = self.duplicates;
+        d[net::IGNORED] = self.ignored;
+        d[net::TX_ERRORS] = self.tx_errors;
+        d[net::LAST_SEQ] = self.last_seq;
+        d
+    }
+
+    pub fn from_detail(d: &[u64; DETAIL_WORDS]) -> NetCounters {
+        NetCounters {
+            frames_received: d[net::FRAMES_RECEIVED],
+            echoes_sent: d[net::ECHOES_SENT],
+            arp_replies: d[net::ARP_REPLIES],
+            seq_gaps: d[net::SEQ_GAPS],
+            duplicates: d[net::DUPLICATES],
+            ignored: d[net::IGNORED],
+            tx_errors: d[net::TX_ERRORS],
+            last_seq: d[net::LAST_SEQ],
+        }
+    }
+
+    /// Counts request `seq` against the last one seen: a jump past the next number adds the
+    /// numbers skipped to the gaps, a number at or below the last is a duplicate (the last
+    /// stays). The caller answers every request either way.
+    pub fn count_request(&mut self, seq: u64) {
+        match seq.checked_sub(self.last_seq) {
+            Some(0) | None => self.duplicates += 1,
+            Some(ahead) => {
+                self.seq_gaps += ahead - 1;
+                self.last_seq = seq;
+            }
         }
     }
 }
@@ -432,7 +519,7 @@ mod tests {
             id
         );
         assert_eq!(d[vm_generation::CHANGES], 2);
-        assert_eq!(Kind::from_u16(10), Kind::Invalid, "no kind past it");
+        assert_eq!(Kind::from_u16(11), Kind::Invalid, "no kind past it");
     }
 
     #[test]
@@ -462,6 +549,59 @@ mod tests {
         let d = DiskCounters::default().to_detail();
         assert_eq!(d[disk::FIRST_BAD], u64::MAX, "no bad block");
         assert_eq!(HaltReason::from_u64(6), HaltReason::DiskTooSmall);
+    }
+
+    #[test]
+    fn a_net_report_round_trips_its_counters() {
+        let c = NetCounters {
+            frames_received: 10_005,
+            echoes_sent: 10_000,
+            arp_replies: 3,
+            seq_gaps: 7,
+            duplicates: 1,
+            ignored: 2,
+            tx_errors: 4,
+            last_seq: 10_007,
+        };
+        let r = Report {
+            kind: Kind::Net as u16,
+            detail: c.to_detail(),
+            ..Report::default()
+        };
+        let b = r.to_bytes();
+        assert_eq!(&b[6..8], &[10, 0], "kind 10");
+        let back = Report::from_bytes(&b).unwrap();
+        assert_eq!(back.kind(), Kind::Net);
+        assert_eq!(NetCounters::from_detail(&back.detail), c);
+        assert_eq!(back.detail[net::LAST_SEQ], 10_007);
+        assert_eq!(HaltReason::from_u64(7), HaltReason::NoNic);
+    }
+
+    #[test]
+    fn requests_count_gaps_and_duplicates_against_the_last_seen() {
+        // (seq, gaps, duplicates, last) after each request, from a fresh count.
+        let table = [
+            (1, 0, 0, 1),
+            (2, 0, 0, 2),
+            (5, 2, 0, 5),
+            (5, 2, 1, 5),
+            (3, 2, 2, 5),
+            (6, 2, 2, 6),
+            (0, 2, 3, 6),
+            (106, 101, 3, 106),
+        ];
+        let mut c = NetCounters::default();
+        for (seq, gaps, dups, last) in table {
+            c.count_request(seq);
+            assert_eq!(
+                (c.seq_gaps, c.duplicates, c.last_seq),
+                (gaps, dups, last),
+                "{seq}"
+            );
+        }
+        let mut late_start = NetCounters::default();
+        late_start.count_request(4);
+        assert_eq!(late_start.seq_gaps, 3, "1 to 3 were never seen");
     }
 
     #[test]

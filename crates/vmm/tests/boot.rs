@@ -154,6 +154,23 @@ fn a_disk_workload_without_a_disk_halts_and_says_why() {
 }
 
 #[test]
+fn a_net_workload_without_a_nic_halts_and_says_why() {
+    // The test VM has no virtio-net device: net= cannot answer anything, and the guest says
+    // so rather than running as if frames would come.
+    let t = boot(128 * MIB, "ws=8M net=10.0.0.2 log-ms=0");
+    let reason = t.vm.handle().wait_stopped(Some(Duration::from_secs(60)));
+    let why = ferry_guest_abi::report::HaltReason::NoNic.describe();
+    assert_eq!(
+        reason,
+        Some(StopReason::GuestHalted(why.into())),
+        "{}",
+        t.serial_log()
+    );
+    t.wait_for_serial("the VM has no virtio-net NIC", Duration::from_secs(10));
+    assert_eq!(t.vm.handle().telemetry().net, None, "no net report");
+}
+
+#[test]
 fn guest_exception_prints_vector_and_rip_and_stops_the_vm() {
     let t = boot(128 * MIB, "ws=8M fault-after-ms=200 log-ms=0");
     let reason =

@@ -97,6 +97,21 @@ fn disk_keys_parse_and_default() {
 }
 
 #[test]
+fn net_keys_parse_and_default() {
+    let d = parse("").unwrap();
+    assert_eq!((d.net, d.net_port), (None, 7));
+    let p = parse("net=10.0.0.2").unwrap();
+    assert_eq!(
+        (p.net, p.net_port),
+        (Some(crate::net::Ipv4([10, 0, 0, 2])), 7)
+    );
+    let p = parse("net=192.168.100.7 net-port=65535").unwrap();
+    assert_eq!(p.net, Some(crate::net::Ipv4([192, 168, 100, 7])));
+    assert_eq!(p.net_port, 65535);
+    assert_eq!(parse("net-port=1").unwrap().net_port, 1);
+}
+
+#[test]
 fn vcpus_and_the_faulting_vcpu_parse_in_range() {
     let p = parse("vcpus=64 fault-vcpu=63").unwrap();
     assert_eq!((p.vcpus, p.fault_vcpu), (64, 63));
@@ -143,6 +158,13 @@ fn bad_values_name_key_and_expectation() {
         ("disk-pattern=hotcold", "seq or random"),
         ("disk-read=101", "a percentage 0-100"),
         ("virtio_mmio.device=4K", "<size>@<address>:<irq>"),
+        ("net=10.0.0", "a unicast IPv4 address"),
+        ("net=10.0.0.256", "a unicast IPv4 address"),
+        ("net=0.0.0.0", "a unicast IPv4 address"),
+        ("net=239.1.1.1", "a unicast IPv4 address"),
+        ("net=255.255.255.255", "a unicast IPv4 address"),
+        ("net-port=0", "a UDP port from 1 to 65535"),
+        ("net-port=65536", "a UDP port from 1 to 65535"),
         (
             "frobnicate=1",
             "unknown guest parameter 'frobnicate'; known keys are: ws rate",

@@ -3,6 +3,7 @@
 //! kernel's identity map, so a CPL3 write is enough; entries that go from not-present to
 //! present need no TLB flush.
 
+use ferry_guest_abi::CMDLINE_MAX;
 use ferry_guest_abi::layout::{LARGE_PAGE, MAX_RAM_TOP};
 
 use super::boot_info::{BootInfo, MAX_RAM_RANGES};
@@ -107,4 +108,16 @@ fn map_high_ram(boot: &mut BootInfo) {
                 .write_volatile(dir | PT_TABLE)
         };
     }
+}
+
+/// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
+pub fn command_line(addr: u64) -> &'static str {
+    if addr == 0 {
+        return "";
+    }
+    // SAFETY: the loader put a NUL-terminated string there; RAM is identity mapped, and the
+    // scan stops at CMDLINE_MAX + 1 bytes so an unterminated string is refused by the parser.
+    let bytes = unsafe { core::slice::from_raw_parts(addr as *const u8, CMDLINE_MAX + 1) };
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    core::str::from_utf8(&bytes[..len]).unwrap_or("\u{fffd}=not-utf8")
 }

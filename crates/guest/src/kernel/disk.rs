@@ -146,9 +146,11 @@ impl Disk {
     }
 
     /// Makes the accesses the rate allows, [`BATCH_BLOCKS`] at most, stopping once the clock
-    /// reads `until_ns`; flushes when one is due.
-    pub fn work(&mut self, clock: &Clock, until_ns: u64) {
+    /// reads `until_ns`; flushes when one is due. `between` runs before each request (the
+    /// network workload looks at its queue there: a request takes tens of µs).
+    pub fn work(&mut self, clock: &Clock, until_ns: u64, between: &mut dyn FnMut()) {
         for _ in 0..BATCH_BLOCKS {
+            between();
             let now = clock.now_ns();
             let granted = match &mut self.pace {
                 Some(pace) => pace.grant(now, 1),
@@ -181,7 +183,8 @@ impl Disk {
 
     /// Re-reads written blocks from where the sweep stands until the clock reads `until_ns`;
     /// true when the sweep reached the end of the disk (and starts over at the next call).
-    pub fn verify(&mut self, clock: &Clock, until_ns: u64) -> bool {
+    /// `between` runs before each read, as in [`Disk::work`].
+    pub fn verify(&mut self, clock: &Clock, until_ns: u64, between: &mut dyn FnMut()) -> bool {
         let mut skipped = 0u64;
         while let Some(&generation) = self.record.get(self.sweep as usize) {
             if generation == NEVER_WRITTEN {
@@ -195,6 +198,7 @@ impl Disk {
             if clock.now_ns() >= until_ns {
                 return false;
             }
+            between();
             self.read_and_check(self.sweep);
             self.sweep += 1;
         }

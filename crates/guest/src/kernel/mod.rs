@@ -1,9 +1,10 @@
-//! The guest kernel: CPL0 setup in assembly (`entry`), then at CPL3 the boot (`boot`), the
-//! workload (`workload`, or `compute` on a computing vCPU; `disk` beside it on the boot vCPU)
-//! and exception reporting (`exception`), with their leaf modules for instructions, memory,
-//! the clock, the UART, telemetry, the VM generation ID and the virtio devices (`virtio_mmio`,
-//! `balloon`, `blk`).
+//! The guest kernel: CPL0 setup in assembly (`entry`), then at CPL3 the boot (`boot`, and its
+//! first reports, `announce`), the workload (`workload`, or `compute` on a computing vCPU;
+//! `disk` and `net` beside it on the boot vCPU) and exception reporting (`exception`), with
+//! their leaf modules for instructions, memory, the clock, the UART, telemetry, the VM
+//! generation ID and the virtio devices (`virtio_mmio`, `balloon`, `blk`, `nic`).
 
+pub mod announce;
 pub mod arch;
 pub mod balloon;
 pub mod blk;
@@ -17,6 +18,8 @@ pub mod exception;
 pub mod freemem;
 pub mod libc;
 pub mod memory;
+pub mod net;
+pub mod nic;
 pub mod serial;
 pub mod smp;
 pub mod telemetry;

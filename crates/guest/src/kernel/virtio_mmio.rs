@@ -8,17 +8,18 @@
 use core::ptr::{read_volatile, write_volatile};
 
 use ferry_guest_abi::params::{MmioDevice, Params};
-use ferry_guest_abi::virtio::{self, balloon, blk, mmio, status};
+use ferry_guest_abi::virtio::{self, balloon, blk, mmio, net, status};
 
 /// The devices the guest drives, as found at boot.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Found {
     pub balloon: Option<MmioDevice>,
     pub blk: Option<MmioDevice>,
+    pub net: Option<MmioDevice>,
 }
 
-/// Reads each announced device's ID: a balloon and a block device are kept (the first of
-/// each), anything else is named on the serial port and left alone.
+/// Reads each announced device's ID: a balloon, a block device and a network device are kept
+/// (the first of each), anything else is named on the serial port and left alone.
 pub fn identify(p: &Params) -> Found {
     let mut found = Found::default();
     for dev in p.mmio_devices() {
@@ -30,9 +31,10 @@ pub fn identify(p: &Params) -> Found {
         let slot = match id {
             balloon::DEVICE_ID => &mut found.balloon,
             blk::DEVICE_ID => &mut found.blk,
+            net::DEVICE_ID => &mut found.net,
             _ => {
                 crate::sprintln!(
-                    "ferry-guest: virtio-mmio device at {:#x} has device ID {id} (not a version 2 balloon or block device): left alone",
+                    "ferry-guest: virtio-mmio device at {:#x} has device ID {id} (not a version 2 balloon, block or network device): left alone",
                     dev.addr
                 );
                 continue;
@@ -181,6 +183,24 @@ impl Transport {
             let value = u64::from(self.config(offset)) | u64::from(self.config(offset + 4)) << 32;
             if self.read(mmio::CONFIG_GENERATION) == before {
                 return value;
+            }
+        }
+    }
+
+    /// Bytes of the configuration space from `offset`, read one at a time (a field such as a
+    /// MAC is no whole number of 32-bit words) until the configuration generation says no
+    /// change came between them.
+    pub fn config_bytes<const N: usize>(&self, offset: u64) -> [u8; N] {
+        loop {
+            let before = self.read(mmio::CONFIG_GENERATION);
+            let mut out = [0u8; N];
+            for (i, b) in out.iter_mut().enumerate() {
+                let at = self.base + mmio::CONFIG + offset + i as u64;
+                // SAFETY: as for `read`, one byte of the device's configuration space.
+                *b = unsafe { read_volatile(at as *const u8) };
+            }
+            if self.read(mmio::CONFIG_GENERATION) == before {
+                return out;
             }
         }
     }

@@ -4,20 +4,19 @@
 use ferry_guest::pace::Pace;
 use ferry_guest::pattern::{Picker, Rng};
 use ferry_guest::plan::{self, Plan, PlanError};
-use ferry_guest::rate::{RateText, WriteRate};
+use ferry_guest::rate::WriteRate;
 use ferry_guest_abi::layout::{Footprint, MAX_EXTENTS, default_working_set};
 use ferry_guest_abi::params::{self, Fill, Params, Pattern, Rate};
 use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
 use ferry_guest_abi::stamp::{self, expected_word, next_generation};
-use ferry_guest_abi::{CMDLINE_MAX, PAGE_SIZE};
 
-use super::boot_info::BootInfo;
 use super::clock::{self, Clock};
 use super::disk::{self, Disk};
 use super::freemem::FreeMemory;
+use super::net::Net;
 use super::timer::Timer;
 use super::vmgenid::Watcher;
-use super::{arch, boot, memory, smp, telemetry, virtio_mmio};
+use super::{announce, arch, boot, memory, net, smp, telemetry, virtio_mmio};
 use crate::sprintln;
 
 /// Pages in a batch: ~100 us of flat-out writing into memory the host has mapped, fine enough
@@ -30,6 +29,11 @@ const BATCH_PAGES: u64 = 2048;
 /// the guest look paused when it was only slow. 64 pages keep the clock reads under 0.1% of
 /// flat-out writing.
 const CLOCK_EVERY_PAGES: u64 = 64;
+/// Pages written between looks at the NIC's receive queue (`net=`): a look is one read of
+/// guest memory, under 1% of 16 page writes, and 16 pages that each take a trip through the
+/// host (~20 µs, as above) still answer a frame within ~0.3 ms. Divides [`CLOCK_EVERY_PAGES`].
+const NET_EVERY_PAGES: u64 = 16;
+const _: () = assert!(CLOCK_EVERY_PAGES.is_multiple_of(NET_EVERY_PAGES));
 /// A paced guest writes in bursts this far apart and sleeps between them: finer than the
 /// migration's 25 ms progress samples, and as long as the pace lets a burst be
 /// ([`ferry_guest::pace::MAX_BURST_NS`]), because a wake-up is a trip through CPL0: on a
@@ -50,7 +54,7 @@ extern "C" fn user_main(start_info: u64) -> ! {
         }
     };
     let boot = &boot;
-    let cmdline = command_line(boot.cmdline);
+    let cmdline = boot::command_line(boot.cmdline);
     let params = match params::parse(cmdline) {
         Ok(p) => p,
         Err(e) => {
@@ -77,7 +81,7 @@ extern "C" fn user_main(start_info: u64) -> ! {
             halt_with(HaltReason::NotEnoughMemory, &Counters::default(), &clock);
         }
     };
-    announce(boot, &params, &plan, &clock);
+    announce::boot(boot, &params, &plan, &clock);
     let found = virtio_mmio::identify(&params);
     let free = match params.free > 0 || found.balloon.is_some() {
         false => None,
@@ -96,12 +100,17 @@ extern "C" fn user_main(start_info: u64) -> ! {
         Ok(disk) => disk,
         Err(reason) => halt_with(reason, &Counters::default(), &clock),
     };
+    let net = match net::start(&params, found.net, &clock) {
+        Ok(net) => net,
+        Err(reason) => halt_with(reason, &Counters::default(), &clock),
+    };
     smp::start_all(smp::Setup {
         params,
         plan,
         clock,
     });
-    Workload::new(params, vcpu_plan(&params, &plan, 0), clock, free, disk).run()
+    let own = BootDevices { free, disk, net };
+    Workload::new(params, vcpu_plan(&params, &plan, 0), clock, own).run()
 }
 
 /// What vCPU `k` writes: its share of the pages (among the vCPUs that write), or with
@@ -123,69 +132,7 @@ extern "C" fn ap_main(vcpu: u64) -> ! {
         super::compute::run(&setup.params, clock);
     }
     let plan = vcpu_plan(&setup.params, &setup.plan, vcpu);
-    Workload::new(setup.params, plan, clock, None, None).run()
-}
-
-/// The command line as text: empty when absent, cut at the first NUL or at `CMDLINE_MAX`.
-fn command_line(addr: u64) -> &'static str {
-    if addr == 0 {
-        return "";
-    }
-    // SAFETY: the loader put a NUL-terminated string there; RAM is identity mapped, and the
-    // scan stops at CMDLINE_MAX + 1 bytes so an unterminated string is refused by the parser.
-    let bytes = unsafe { core::slice::from_raw_parts(addr as *const u8, CMDLINE_MAX + 1) };
-    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    core::str::from_utf8(&bytes[..len]).unwrap_or("\u{fffd}=not-utf8")
-}
-
-fn announce(boot: &BootInfo, p: &Params, plan: &Plan, clock: &Clock) {
-    let mut detail = [0u64; report::DETAIL_WORDS];
-    detail[report::boot::RAM_BYTES] = boot.ram_bytes;
-    detail[report::boot::WS_PAGES] = plan.pages;
-    detail[report::boot::RATE] = match p.rate {
-        Rate::FlatOut => 0,
-        Rate::Idle => report::boot::RATE_IDLE,
-        Rate::MegabytesPerSecond(r) => u64::from(r),
-    };
-    detail[report::boot::PATTERN] = p.pattern as u64;
-    detail[report::boot::ZERO_PERCENT] = u64::from(p.zero_percent);
-    detail[report::boot::VERIFY_MS] = u64::from(p.verify_ms);
-    detail[report::boot::HEARTBEAT_MS] = u64::from(p.heartbeat_ms);
-    detail[report::boot::CLOCK] = clock.source() as u64;
-    detail[report::boot::HOT_PERCENT] = u64::from(p.hot_percent);
-    detail[report::boot::VCPUS] = u64::from(p.vcpus);
-    telemetry::send(&Report {
-        kind: Kind::Boot as u16,
-        guest_ns: clock.now_ns(),
-        detail,
-        ..Report::default()
-    });
-    let mut layout = [0u64; report::DETAIL_WORDS];
-    layout[report::layout::EXTENTS] = plan.extent_count as u64;
-    for (i, e) in plan.extents().iter().enumerate() {
-        layout[report::layout::FIRST + 2 * i] = e.first_pfn;
-        layout[report::layout::FIRST + 2 * i + 1] = e.pages;
-    }
-    layout[report::layout::RECORD] = plan.record;
-    telemetry::send(&Report {
-        kind: Kind::Layout as u16,
-        guest_ns: clock.now_ns(),
-        detail: layout,
-        ..Report::default()
-    });
-    sprintln!(
-        "ferry-guest: {} MiB RAM, working set {} MiB ({} pages at frame {:#x}), pattern {}, rate {}, zero {}%, verify every {} ms, clock {:?}, {} vCPU(s)",
-        boot.ram_bytes >> 20,
-        (plan.pages * PAGE_SIZE) >> 20,
-        plan.pages,
-        plan.extents[0].first_pfn,
-        p.pattern.name(),
-        RateText(p.rate),
-        p.zero_percent,
-        p.verify_ms,
-        clock.source(),
-        p.vcpus
-    );
+    Workload::new(setup.params, plan, clock, BootDevices::default()).run()
 }
 
 /// Cumulative counts, as every report carries them.
@@ -220,8 +167,17 @@ fn halt_with(reason: HaltReason, counters: &Counters, clock: &Clock) -> ! {
     arch::halt()
 }
 
-/// A verify pass looks at the clock every this many pages, for a heartbeat that is due.
+/// A verify pass looks at the clock every this many pages, for a heartbeat that is due, and
+/// at the NIC's receive queue: 256 pages are read and checked in ~0.1 ms.
 const HEARTBEAT_CHECK_PAGES: u64 = 256;
+
+/// What only the boot vCPU drives: free memory and the balloon, the disk, the NIC.
+#[derive(Default)]
+struct BootDevices {
+    free: Option<FreeMemory>,
+    disk: Option<Disk>,
+    net: Option<Net>,
+}
 
 struct Workload {
     p: Params,
@@ -253,6 +209,8 @@ struct Workload {
     vmgenid: Option<Watcher>,
     /// The disk workload (`disk=`); the boot vCPU's only.
     disk: Option<Disk>,
+    /// The network workload (`net=`); the boot vCPU's only.
+    net: Option<Net>,
     /// The clock's last reading: it must never go back, across a migration least of all.
     last_now: u64,
     /// When the next heartbeat is due (also looked at inside a verify pass, so that a pass
@@ -263,13 +221,7 @@ struct Workload {
 }
 
 impl Workload {
-    fn new(
-        p: Params,
-        plan: Plan,
-        clock: Clock,
-        free: Option<FreeMemory>,
-        disk: Option<Disk>,
-    ) -> Workload {
+    fn new(p: Params, plan: Plan, clock: Clock, own: BootDevices) -> Workload {
         // SAFETY: the plan puts the record in RAM of its own, apart from the working set.
         let record = unsafe { memory::record(plan.record, plan.pages) };
         let pace = match p.rate {
@@ -304,8 +256,9 @@ impl Workload {
             slow_batches: 0,
             slow_batch_ns: 0,
             owed: 0,
-            free,
-            disk,
+            free: own.free,
+            disk: own.disk,
+            net: own.net,
             // The boot vCPU's first look, reported after its Boot and Layout reports.
             vmgenid: (clock.vcpu() == 0).then(|| Watcher::boot(&clock)),
         }
@@ -390,6 +343,7 @@ impl Workload {
         // The first line's rate counts from here: not the boot's setup, nor `prefill=1`'s pages.
         let mut last_log = (self.clock.now_ns(), self.counters.pages_written);
         loop {
+            self.poll_net();
             let now = self.clock.now_ns();
             if now >= self.next_heartbeat {
                 self.heartbeat(now);
@@ -411,13 +365,14 @@ impl Workload {
                     ns: now - t0,
                 };
                 sprintln!(
-                    "ferry-guest: t={}.{:03}s written={} pages ({rate}) verify passes={} failures={}{}",
+                    "ferry-guest: t={}.{:03}s written={} pages ({rate}) verify passes={} failures={}{}{}",
                     now / 1_000_000_000,
                     now / MS % 1000,
                     self.counters.pages_written,
                     self.counters.verify_passes,
                     self.counters.verify_failures,
-                    disk::LogText(self.disk.as_ref())
+                    disk::LogText(self.disk.as_ref()),
+                    super::net::LogText(self.net.as_ref())
                 );
                 last_log = (now, self.counters.pages_written);
                 next_log = now + every(self.p.log_ms);
@@ -442,7 +397,8 @@ impl Workload {
                 }
             }
             if let Some(disk) = &mut self.disk {
-                disk.work(&self.clock, self.next_heartbeat);
+                let net = &mut self.net;
+                disk.work(&self.clock, self.next_heartbeat, &mut || poll(net));
             }
             if self.p.run_ms != 0 && now >= every(self.p.run_ms) {
                 self.stop_for_good();
@@ -486,9 +442,11 @@ impl Workload {
                         wake = wake.min(at);
                     }
                 }
-                match &self.timer {
-                    Some(timer) => timer.sleep_until(&self.clock, wake),
-                    None => core::hint::spin_loop(),
+                // A sleeping vCPU answers no frame: with a NIC it polls until then instead.
+                match (&mut self.net, &self.timer) {
+                    (Some(net), _) => net.wait_until(&self.clock, wake),
+                    (None, Some(timer)) => timer.sleep_until(&self.clock, wake),
+                    (None, None) => core::hint::spin_loop(),
                 }
                 continue;
             }
@@ -510,6 +468,7 @@ impl Workload {
             disk.flush(self.clock.now_ns());
         }
         self.send_disk();
+        self.send_net();
         let hb = self
             .counters
             .report(Kind::Heartbeat, &self.clock, [0; report::DETAIL_WORDS]);
@@ -531,19 +490,27 @@ impl Workload {
         halt_with(HaltReason::RunTimeElapsed, &self.counters, &self.clock)
     }
 
-    /// Writes `n` pages from the cursor on, in runs that stay inside one extent.
-    /// Writes up to `n` pages, looking at the clock every [`CLOCK_EVERY_PAGES`] and stopping
-    /// once it reads `until_ns` or later; returns the pages written.
+    /// Writes up to `n` pages from the cursor on, looking at the clock every
+    /// [`CLOCK_EVERY_PAGES`] and stopping once it reads `until_ns` or later, and at the NIC's
+    /// receive queue every [`NET_EVERY_PAGES`]; returns the pages written.
     fn write_batch(&mut self, n: u64, until_ns: u64) -> u64 {
+        let step = match self.net {
+            Some(_) => NET_EVERY_PAGES,
+            None => CLOCK_EVERY_PAGES,
+        };
         let mut written = 0;
         while written < n {
-            let k = CLOCK_EVERY_PAGES.min(n - written);
+            let k = step.min(n - written);
             match self.p.pattern {
                 Pattern::Sequential => self.write_sequential(k),
                 Pattern::Random | Pattern::HotCold => self.write_picked(k),
             }
             written += k;
-            if written < n && self.clock.now_ns() >= until_ns {
+            self.poll_net();
+            if written < n
+                && written.is_multiple_of(CLOCK_EVERY_PAGES)
+                && self.clock.now_ns() >= until_ns
+            {
                 break;
             }
         }
@@ -595,6 +562,7 @@ impl Workload {
         let hb = self.counters.report(Kind::Heartbeat, &self.clock, detail);
         telemetry::send(&hb);
         self.send_disk();
+        self.send_net();
         if let Some(vmgenid) = &mut self.vmgenid {
             vmgenid.look(&self.clock);
         }
@@ -609,12 +577,29 @@ impl Workload {
         }
     }
 
+    /// The network workload's report, after each heartbeat (and the disk's).
+    fn send_net(&self) {
+        if let Some(net) = &self.net {
+            let detail = net.counters().to_detail();
+            telemetry::send(&self.counters.report(Kind::Net, &self.clock, detail));
+        }
+    }
+
+    /// Answers the frames the NIC received, if there is one: a read of guest memory when
+    /// none came.
+    #[inline(always)]
+    fn poll_net(&mut self) {
+        poll(&mut self.net);
+    }
+
     /// The disk's share of a verify pass: its sweep goes on for [`disk::VERIFY_NS`] at most
     /// (or to the end of the disk), with heartbeats in between.
     fn verify_disk(&mut self) {
         let end = self.clock.now_ns() + disk::VERIFY_NS;
         while let Some(disk) = &mut self.disk {
-            let swept = disk.verify(&self.clock, self.next_heartbeat.min(end));
+            let net = &mut self.net;
+            let until = self.next_heartbeat.min(end);
+            let swept = disk.verify(&self.clock, until, &mut || poll(net));
             let now = self.clock.now_ns();
             if swept || now >= end {
                 break;
@@ -633,6 +618,7 @@ impl Workload {
         for e in plan.extents() {
             for k in 0..e.pages {
                 if k % HEARTBEAT_CHECK_PAGES == 0 {
+                    self.poll_net();
                     let now = self.clock.now_ns();
                     if now >= self.next_heartbeat {
                         self.heartbeat(now);
@@ -688,5 +674,13 @@ impl Workload {
                 want as u32
             );
         }
+    }
+}
+
+/// [`Workload::poll_net`] for a caller that holds another of the workload's fields.
+#[inline(always)]
+fn poll(net: &mut Option<Net>) {
+    if let Some(net) = net {
+        net.poll();
     }
 }

@@ -17,6 +17,8 @@ pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod telemetry;
 pub mod telemetry_disk;
+pub mod telemetry_free;
+pub mod telemetry_net;
 pub mod telemetry_port;
 pub mod virtio;
 pub mod vmgenid;

@@ -6,6 +6,8 @@ use std::collections::VecDeque;
 
 use super::device::DeviceStateError;
 use super::telemetry_disk::GuestDisk;
+use super::telemetry_free::GuestFreeMemory;
+use super::telemetry_net::GuestNet;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
 use ferry_guest_abi::vmgenid::GenerationId;
@@ -75,40 +77,6 @@ pub struct VerifyResult {
     pub first_bad_pfns: Vec<u64>,
     pub duration_ns: u64,
     pub host_ns: u64,
-}
-
-/// The guest's free memory (`free=`) and balloon driver, from its latest heartbeat, in 2 MiB
-/// blocks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct GuestFreeMemory {
-    /// Hint rounds the guest's driver answered, and blocks it hinted over all of them.
-    pub hint_rounds: u32,
-    pub blocks_hinted: u32,
-    /// Blocks held after hinting until the host says DONE.
-    pub blocks_held: u32,
-    /// Blocks given to the host by inflating the balloon.
-    pub blocks_ballooned: u32,
-    pub blocks_free: u32,
-    /// Blocks the churn workload holds now, and has written, verified and freed so far.
-    pub blocks_in_use: u32,
-    pub blocks_churned: u64,
-}
-
-impl GuestFreeMemory {
-    fn from_heartbeat(d: &[u64; report::DETAIL_WORDS]) -> GuestFreeMemory {
-        use report::heartbeat::*;
-        let hi = |w: u64| (w >> 32) as u32;
-        let lo = |w: u64| w as u32;
-        GuestFreeMemory {
-            hint_rounds: hi(d[HINTS]),
-            blocks_hinted: lo(d[HINTS]),
-            blocks_held: lo(d[HELD_BALLOONED]),
-            blocks_ballooned: hi(d[HELD_BALLOONED]),
-            blocks_free: lo(d[FREE_USED]),
-            blocks_in_use: hi(d[FREE_USED]),
-            blocks_churned: d[CHURNED],
-        }
-    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -216,6 +184,10 @@ pub struct GuestTelemetry {
     pub free_memory: Option<GuestFreeMemory>,
     /// The disk workload's counters (`disk=`), from its latest report, when it runs.
     pub disk: Option<GuestDisk>,
+    /// The network workload's counters (`net=`), from its latest report, when it runs. Not
+    /// served by `GET /vm` yet: the VM's NIC wires it there.
+    #[serde(skip)]
+    pub net: Option<GuestNet>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
     /// The VM generation ID the guest last reported reading (32 hex digits, all `f` for a VM
@@ -361,6 +333,7 @@ impl GuestTelemetry {
                 }
             }
             Kind::Disk => self.disk = Some(GuestDisk::from_detail(d)),
+            Kind::Net => self.net = Some(GuestNet::from_detail(d)),
             Kind::Work => {
                 v.heartbeats += 1;
                 v.work_units = v.work_units.max(d[report::work::UNITS]);

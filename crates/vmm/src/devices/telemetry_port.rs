@@ -215,6 +215,34 @@ mod tests {
     }
 
     #[test]
+    fn a_net_report_through_the_port_shows_on_the_telemetry() {
+        use ferry_guest_abi::report::NetCounters;
+        let mut port = port(Layout::Current);
+        assert_eq!(
+            port.telemetry.lock().unwrap().net,
+            None,
+            "no network workload"
+        );
+        let counters = NetCounters {
+            echoes_sent: 99,
+            last_seq: 100,
+            seq_gaps: 1,
+            ..NetCounters::default()
+        };
+        let r = Report {
+            kind: Kind::Net as u16,
+            detail: counters.to_detail(),
+            ..Report::default()
+        };
+        port.ram
+            .write(u64::from(REPORT_GPA), &r.to_bytes())
+            .unwrap();
+        port.write(0, &REPORT_GPA.to_le_bytes());
+        let net = port.telemetry.lock().unwrap().net.unwrap();
+        assert_eq!((net.echoes_sent, net.last_seq, net.seq_gaps), (99, 100, 1));
+    }
+
+    #[test]
     fn the_next_layout_loads_todays_and_today_refuses_the_next() {
         let mut old = port(Layout::Current);
         report(&mut old, 100);
