@@ -64,11 +64,35 @@ impl RunningVm {
     /// `ferry run` with a serial file and an API socket in a directory of its own, and the
     /// arguments `args` adds.
     fn spawn(args: impl FnOnce(&mut Command)) -> RunningVm {
+        RunningVm::spawn_in(None, args)
+    }
+
+    /// A `ferry run` (with `extra`) inside the network namespace `ns` (`ip netns exec`, which
+    /// becomes the process), so that its `--net tap=NAME` is that namespace's tap.
+    pub fn start_in(ns: &str, memory: &str, cmdline: &str, extra: &[&str]) -> RunningVm {
+        let vm = RunningVm::spawn_in(Some(ns), |c| {
+            c.args(["--memory", memory, "--cmdline", cmdline])
+                .args(extra);
+        });
+        vm.wait_until("the API socket", Duration::from_secs(60), |vm| {
+            vm.socket.exists()
+        });
+        vm
+    }
+
+    fn spawn_in(ns: Option<&str>, args: impl FnOnce(&mut Command)) -> RunningVm {
         require_kvm();
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("api.sock");
         let serial = dir.path().join("serial.log");
-        let mut command = ferry();
+        let mut command = match ns {
+            None => ferry(),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_ferry")]);
+                c
+            }
+        };
         command.arg("run");
         args(&mut command);
         let child = command

@@ -77,6 +77,23 @@ impl Netns {
         self.ip(&["link", "set", dev, "up"]);
     }
 
+    /// A permanent neighbour entry: `ip` is at `mac` on `dev`, so that the first frames of a
+    /// stream wait for no ARP (the kernel's queue of frames waiting for one can reorder them
+    /// with the next ones).
+    pub fn neighbour(&self, ip: &str, mac: &str, dev: &str) {
+        self.ip(&[
+            "neigh",
+            "replace",
+            ip,
+            "lladdr",
+            mac,
+            "dev",
+            dev,
+            "nud",
+            "permanent",
+        ]);
+    }
+
     /// Runs `f` on a thread of its own inside the namespace and returns what it returns.
     pub fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         let path = format!("/var/run/netns/{}", self.name);
@@ -193,5 +210,161 @@ impl PacketSocket {
         }
         buf.truncate(n as usize);
         Ok(Some(buf))
+    }
+}
+
+/// A stream of numbered echo requests (`ferry_guest_abi::net`) from a UDP socket made inside a
+/// namespace to the built-in guest's network workload, and the echoes that come back, each
+/// timed: what a test needs to say which frames a move lost or doubled, and when.
+#[derive(Debug)]
+pub struct EchoStream {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sender: std::thread::JoinHandle<Vec<std::time::Instant>>,
+    receiver: std::thread::JoinHandle<Vec<(u64, std::time::Instant)>>,
+    start: std::time::Instant,
+}
+
+/// What an [`EchoStream`] saw: when each request went (request `seq` at index `seq - 1`), and
+/// each echo's number and arrival, in arrival order.
+#[derive(Debug)]
+pub struct EchoRun {
+    pub start: std::time::Instant,
+    pub sent: Vec<std::time::Instant>,
+    pub echoes: Vec<(u64, std::time::Instant)>,
+}
+
+impl EchoStream {
+    /// Sends `rate` requests a second from `from` (an address of the namespace's) to the
+    /// guest at `to`, and collects the echoes, until [`EchoStream::stop`].
+    pub fn start(
+        ns: &Netns,
+        from: std::net::SocketAddrV4,
+        to: std::net::SocketAddrV4,
+        rate: u32,
+    ) -> EchoStream {
+        use std::sync::atomic::AtomicBool;
+        let socket = ns.enter(|| std::net::UdpSocket::bind(from).expect("bind the sender"));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let rx = socket.try_clone().unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let start = std::time::Instant::now();
+        let receiver = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut echoes = Vec::new();
+                let mut buf = [0u8; 2048];
+                let mut quiet_since = None;
+                loop {
+                    match rx.recv(&mut buf) {
+                        Ok(n) => {
+                            quiet_since = None;
+                            if let Some(e) = ferry_guest_abi::net::parse_echo(&buf[..n]) {
+                                echoes.push((e.seq, std::time::Instant::now()));
+                            }
+                        }
+                        Err(_) if stop.load(Ordering::Relaxed) => {
+                            // Stragglers: 300 ms of quiet after the stop ends the wait.
+                            let since = *quiet_since.get_or_insert_with(std::time::Instant::now);
+                            if since.elapsed() > Duration::from_millis(300) {
+                                return echoes;
+                            }
+                        }
+                        Err(_) => {}
+                    }
+                }
+            })
+        };
+        let sender = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut sent = Vec::new();
+                let period = Duration::from_secs(1) / rate.max(1);
+                while !stop.load(Ordering::Relaxed) {
+                    let seq = sent.len() as u64 + 1;
+                    let due = start + period * (seq as u32 - 1);
+                    let now = std::time::Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    let req = ferry_guest_abi::net::EchoRequest { seq }.to_bytes();
+                    // A refusal (no neighbour yet) is a request the guest never saw.
+                    let _ = socket.send_to(&req, to);
+                    sent.push(std::time::Instant::now());
+                }
+                sent
+            })
+        };
+        EchoStream {
+            stop,
+            sender,
+            receiver,
+            start,
+        }
+    }
+
+    /// Echoes received so far are not visible until the stop; this says how long it runs.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// Stops sending, waits for the last echoes, and returns what was seen.
+    pub fn stop(self) -> EchoRun {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = self.sender.join().expect("the sender");
+        let echoes = self.receiver.join().expect("the receiver");
+        EchoRun {
+            start: self.start,
+            sent,
+            echoes,
+        }
+    }
+}
+
+impl EchoRun {
+    /// Requests that got no echo, in order.
+    pub fn lost(&self) -> Vec<u64> {
+        let mut got = vec![false; self.sent.len() + 1];
+        for &(seq, _) in &self.echoes {
+            if let Some(g) = got.get_mut(seq as usize) {
+                *g = true;
+            }
+        }
+        (1..=self.sent.len() as u64)
+            .filter(|&s| !got[s as usize])
+            .collect()
+    }
+
+    /// Echoes beyond the first for any request.
+    pub fn duplicates(&self) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        self.echoes
+            .iter()
+            .filter(|(seq, _)| !seen.insert(*seq))
+            .count() as u64
+    }
+
+    /// Lost requests sent at or after `from` and before `to`.
+    pub fn lost_between(&self, from: std::time::Instant, to: std::time::Instant) -> Vec<u64> {
+        self.lost()
+            .into_iter()
+            .filter(|&s| {
+                let t = self.sent[s as usize - 1];
+                t >= from && t < to
+            })
+            .collect()
+    }
+
+    /// The span of send times from the first lost request to the last, if any was lost.
+    pub fn lost_span(&self) -> Option<Duration> {
+        let lost = self.lost();
+        let (first, last) = (lost.first()?, lost.last()?);
+        Some(self.sent[*last as usize - 1] - self.sent[*first as usize - 1])
+    }
+
+    /// The first echo that arrived at or after `t`.
+    pub fn first_echo_after(&self, t: std::time::Instant) -> Option<std::time::Instant> {
+        self.echoes.iter().map(|e| e.1).filter(|&e| e >= t).min()
     }
 }

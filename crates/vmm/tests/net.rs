@@ -1,6 +1,7 @@
 //! A VM with a NIC (virtio-net over a tap) on real KVM, in a network namespace the test makes
 //! for itself: the NIC's MAC migrates, and the destination announces it on its own tap once
-//! the guest runs there.
+//! the guest runs there; and a guest answering a stream of numbered frames through a
+//! migration loses none outside its pause and answers none twice.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{boot_config, config, forced_request, receive_from};
 use ferry_migrate::Phase;
-use ferry_migrate_testkit::netns::{Netns, PacketSocket};
+use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket};
 use ferry_vmm::devices::virtio::net::{NetOptions, TapSource};
 use ferry_vmm::tap::Tap;
 use ferry_vmm::vm::Announce;
@@ -133,4 +134,98 @@ fn the_nic_keeps_its_mac_across_a_migration_and_the_destination_announces_it() {
         );
     }
     assert_eq!(after.stats.announces, rounds as u64);
+}
+
+/// A bridge `br0` in `ns` with the host's address, and taps `taps` on it.
+fn segment(ns: &Netns, taps: &[&str]) {
+    ns.ip(&["link", "add", "br0", "type", "bridge"]);
+    ns.up("br0", Some("10.99.0.1/24"));
+    for t in taps {
+        ns.tap(t, None);
+        ns.ip(&["link", "set", t, "master", "br0"]);
+    }
+}
+
+const GUEST_IP: &str = "10.99.0.2";
+/// Frames a second the host sends: the stream.
+const RATE: u32 = 10_000;
+
+/// Waits until the guest says it has sent `n` echoes.
+fn wait_echoes(vm: &ferry_vmm::VmHandle, n: u64, what: &str) {
+    common::wait_for_telemetry(vm, what, Duration::from_secs(30), |g| {
+        g.net.as_ref().is_some_and(|c| c.echoes_sent >= n)
+    });
+}
+
+#[test]
+fn a_guest_answering_a_frame_stream_loses_none_outside_its_pause_and_answers_none_twice() {
+    let ns = Netns::new();
+    segment(&ns, &["fsrc", "fdst"]);
+    let dir = tempfile::tempdir().unwrap();
+    let guest = format!("{GUEST} net={GUEST_IP}");
+    let with = |net, log: &str| VmConfig {
+        net: Some(net),
+        ..config(MEMORY, &guest, &dir.path().join(log))
+    };
+    let src = boot_config(with(tap_fd(&ns, "fsrc"), "source.log"));
+    let mac = src.handle().status().net.unwrap().mac;
+    ns.neighbour(GUEST_IP, &mac, "br0");
+    wait_echoes(&src.handle(), 0, "the guest's network workload");
+    let stream = EchoStream::start(
+        &ns,
+        "10.99.0.1:0".parse().unwrap(),
+        format!("{GUEST_IP}:7").parse().unwrap(),
+        RATE,
+    );
+    wait_echoes(&src.handle(), 2000, "the guest answers on the source");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut incoming = Vm::incoming(with(tap_fd(&ns, "fdst"), "destination.log")).unwrap();
+    let before = Instant::now();
+    let (received, progress) = receive_from(
+        &src.handle(),
+        &mut incoming,
+        &listener,
+        forced_request(&listener),
+    );
+    let after = Instant::now();
+    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+    let dst = incoming.into_running().expect("resumed");
+    let answered = src.handle().telemetry().net.map_or(0, |c| c.echoes_sent);
+    wait_echoes(
+        &dst.handle(),
+        answered + 5000,
+        "the guest answers on the destination",
+    );
+    let run = stream.stop();
+    let downtime = progress.stats.as_ref().unwrap().downtime.total_ms;
+    let lost = run.lost();
+    let span = run.lost_span().unwrap_or_default();
+    eprintln!(
+        "echo: {} sent, {} echoes, {} lost (sent over {:.1} ms), {} duplicated; downtime {downtime:.1} ms",
+        run.sent.len(),
+        run.echoes.len(),
+        lost.len(),
+        span.as_secs_f64() * 1e3,
+        run.duplicates()
+    );
+    assert_eq!(run.duplicates(), 0, "no frame answered twice");
+    assert!(
+        run.lost_between(run.start, before).len() + run.lost_between(after, Instant::now()).len()
+            == 0,
+        "no frame lost before the migration or after it ended: {} lost, the first {:?}",
+        lost.len(),
+        &lost[..lost.len().min(20)]
+    );
+    assert!(
+        span.as_secs_f64() * 1e3 <= downtime + 20.0,
+        "the frames lost were sent within the pause (and the announce's first round): {:.1} ms of them against {downtime:.1} ms of downtime",
+        span.as_secs_f64() * 1e3
+    );
+    let g = dst
+        .handle()
+        .telemetry()
+        .net
+        .expect("the guest's Net report");
+    assert_eq!(g.duplicates, 0, "the guest saw no number twice: {g:?}");
 }

@@ -102,11 +102,13 @@ impl Net {
             let Some(len) = answer.frame_len() else {
                 continue;
             };
-            match self.nic.send(&out[..len]) {
+            match self.nic.queue(&out[..len]) {
                 Ok(()) => self.responder.sent(answer),
                 Err(e) => self.not_sent(answer, e),
             }
         }
+        // One notify for the batch's answers, one for its buffers given back.
+        self.nic.flush();
         self.nic.kick();
     }
 

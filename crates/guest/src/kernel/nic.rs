@@ -179,6 +179,8 @@ pub struct Nic {
     tx_seen: u16,
     /// Bit `i`: transmit buffer `i` is the driver's.
     tx_free: u64,
+    /// Frames queued since the last notify.
+    tx_queued: u16,
 }
 
 const _: () = assert!(TX_BUFFERS <= u64::BITS as usize);
@@ -241,6 +243,7 @@ impl Nic {
             tx_avail: 0,
             tx_seen: 0,
             tx_free: u64::MAX >> (u64::BITS as usize - TX_BUFFERS),
+            tx_queued: 0,
         })
     }
 
@@ -314,13 +317,15 @@ impl Nic {
         }
     }
 
-    /// Sends `frame` (the header is the driver's).
-    pub fn send(&mut self, frame: &[u8]) -> Result<(), TxError> {
+    /// Queues `frame` for sending (the header is the driver's); [`Nic::flush`] tells the
+    /// device. With every transmit buffer out, flushes first to get them back.
+    pub fn queue(&mut self, frame: &[u8]) -> Result<(), TxError> {
         if frame.len() > BUFFER_SIZE - HEADER {
             return Err(TxError::TooLong(frame.len()));
         }
         self.take_back_tx();
         if self.tx_free == 0 {
+            self.flush();
             let give_up = self.clock.now_ns().saturating_add(TX_WAIT_NS);
             while self.tx_free == 0 {
                 if self.clock.now_ns() >= give_up {
@@ -335,6 +340,7 @@ impl Nic {
         let q = addr_of_mut!(TX);
         let at = self.tx_avail as usize % TX_BUFFERS;
         self.tx_avail = self.tx_avail.wrapping_add(1);
+        self.tx_queued += 1;
         // SAFETY: buffer `id` and its descriptor are the driver's (its bit was free); the ring
         // slot too (at most TX_BUFFERS in flight). Volatile and fenced: the device reads them.
         unsafe {
@@ -353,15 +359,24 @@ impl Nic {
             write_volatile(addr_of_mut!((*q).avail.idx), self.tx_avail);
             fence(Ordering::SeqCst);
         }
+        Ok(())
+    }
+
+    /// Tells the device about the frames queued since the last flush: one notify for a batch
+    /// (each is a trip to the VMM), unless the device said it needs none.
+    pub fn flush(&mut self) {
+        if self.tx_queued == 0 {
+            return;
+        }
+        self.tx_queued = 0;
         // A device still sending the last frames (QEMU's, from its loop) says it needs no
-        // notify and finds this one too; ferry's never says so and sends inside the notify.
+        // notify and finds these too; ferry's never says so and sends inside the notify.
         // SAFETY: the device's flags, read volatile since the device writes them.
-        let flags = unsafe { read_volatile(addr_of!((*q).used.flags)) };
+        let flags = unsafe { read_volatile(addr_of!((*addr_of!(TX)).used.flags)) };
         if flags & USED_F_NO_NOTIFY == 0 {
             self.t.notify(u32::from(net::TX_QUEUE));
         }
         self.take_back_tx();
-        Ok(())
     }
 
     /// Marks free every transmit buffer the device returned.

@@ -184,9 +184,7 @@ pub struct GuestTelemetry {
     pub free_memory: Option<GuestFreeMemory>,
     /// The disk workload's counters (`disk=`), from its latest report, when it runs.
     pub disk: Option<GuestDisk>,
-    /// The network workload's counters (`net=`), from its latest report, when it runs. Not
-    /// served by `GET /vm` yet: the VM's NIC wires it there.
-    #[serde(skip)]
+    /// The network workload's counters (`net=`), from its latest report, when it runs.
     pub net: Option<GuestNet>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,

@@ -191,13 +191,16 @@ unsafe impl SourceVm for SourceAdapter {
     }
 
     /// Flushes the disk first on shared storage: the image is whole before the destination
-    /// may open it. A copied disk needs no flush: the destination has its blocks from the
+    /// may open it; a migration's NIC takes the frames waiting in its tap into its state. A copied disk needs no flush: the destination has its blocks from the
     /// copy, and the source's image stays this host's, as it was before the migration.
     fn save_state(&mut self) -> Result<Vec<Section>, VmError> {
         if !matches!(self.disk_copy, DiskCopy::Running(_)) {
             self.shared
                 .flush_disk()
                 .map_err(|e| VmError::failed("save_state", e))?;
+        }
+        if self.saving_for == SavingFor::Migration {
+            self.shared.take_waiting_frames();
         }
         let (mut sections, mut parts) =
             sections::save(&self.shared).map_err(|e| VmError::failed("save_state", e))?;

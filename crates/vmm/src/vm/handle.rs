@@ -234,6 +234,12 @@ impl VmHandle {
         &self.0.ram
     }
 
+    /// Announces the guest's MAC now, as after a move (`PUT /vm/announce`,
+    /// `ferry migrate-announce`).
+    pub fn announce(&self, plan: super::Announce) -> Result<(), String> {
+        self.0.announce_now(plan)
+    }
+
     pub fn status(&self) -> VmStatus {
         // Each of these takes the control lock; none may run while another holds it.
         let stop_reason = self.lock().stop_reason.clone();

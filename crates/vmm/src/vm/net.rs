@@ -105,6 +105,19 @@ impl Shared {
         }
     }
 
+    /// At a migration's save, the vCPUs paused: the frames waiting in the tap go into the
+    /// NIC, and with its state to the destination, whose guest gets them first, instead of
+    /// being lost with this host's tap. A snapshot takes none: the source runs on and reads
+    /// them itself.
+    pub(crate) fn take_waiting_frames(&self) {
+        if let Some(net) = &self.net {
+            let n = net.lock().unwrap().take_waiting();
+            if n > 0 {
+                tracing::debug!("virtio-net: {n} frames from the tap go with the state");
+            }
+        }
+    }
+
     /// At the state load: checks the MAC the state carries against the one the user gave,
     /// and attaches the tap (the one a local handover passed, else its own). A migrated guest
     /// keeps its MAC, and a `mac=` that differs is refused; a clone (`renewed`, a restore) gets
@@ -216,18 +229,17 @@ impl Shared {
     }
 }
 
-impl super::VmHandle {
-    /// Announces the guest's MAC now, as after a move (`PUT /vm/announce`,
-    /// `ferry migrate-announce`): refused, naming the fix, for a VM without a NIC or whose
-    /// tap is not attached yet.
-    pub fn announce(&self, plan: Announce) -> Result<(), String> {
-        let Some(net) = &self.0.net else {
+impl Shared {
+    /// Announces the guest's MAC now, as after a move: refused, naming the fix, for a VM
+    /// without a NIC or whose tap is not attached yet.
+    pub(crate) fn announce_now(self: &Arc<Self>, plan: Announce) -> Result<(), String> {
+        let Some(net) = &self.net else {
             return Err("this VM has no NIC; start it with --net tap=NAME".into());
         };
         if net.lock().unwrap().device().tap().is_none() {
             return Err("the NIC's tap is attached when the guest's state arrives; announce once the guest runs here".into());
         }
-        self.0.announce(plan);
+        self.announce(plan);
         Ok(())
     }
 }

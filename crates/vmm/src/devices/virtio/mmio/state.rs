@@ -32,9 +32,10 @@ use crate::devices::device::DeviceStateError;
 /// Queues a section may carry: more than any device here has (a balloon has 5), few enough
 /// that a corrupt count cannot make the decoder allocate much.
 pub const MAX_QUEUES: usize = 16;
-/// Bytes of device state a section may carry: a balloon's is under 1 KiB; the cap only
-/// bounds what a corrupt length can make the decoder accept.
-pub const MAX_DEVICE_STATE: usize = 64 << 10;
+/// Bytes of device state a section may carry: a balloon's is under 1 KiB, a NIC's up to its
+/// pending frames' 2 MiB; the cap only bounds what a corrupt length can make the decoder
+/// accept.
+pub const MAX_DEVICE_STATE: usize = 4 << 20;
 
 /// One queue as saved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

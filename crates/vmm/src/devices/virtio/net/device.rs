@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use ferry_guest_abi::virtio::net::{self as spec, RX_QUEUE, S_LINK_UP, TX_QUEUE};
@@ -13,7 +14,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::options::{Mac, NetOptions, TapSource};
-use super::spec::{HEADER, MAX_FRAME, NAME, OFFERED, QUEUE_SIZE};
+use super::spec::{HEADER, MAX_FRAME, MAX_PENDING, MAX_PENDING_BYTES, NAME, OFFERED, QUEUE_SIZE};
 use super::state::{NetState, NetStats};
 use crate::devices::device::DeviceStateError;
 use crate::devices::virtio::chain::{self, Chain};
@@ -60,6 +61,9 @@ pub struct Net {
     /// Written whenever the receive thread should look again: the driver gave buffers, or the
     /// gate opened.
     wake: Arc<EventFd>,
+    /// Frames taken from the tap for a migration's destination (read at the source's save,
+    /// carried in the state), given to the guest before any frame of the tap.
+    pending: VecDeque<Vec<u8>>,
     /// One frame's bounce buffer: the header, the frame, and one byte more to tell a frame
     /// too long from one that fits exactly.
     buf: Vec<u8>,
@@ -85,6 +89,7 @@ impl Net {
             features: 0,
             open: false,
             stats: NetStats::default(),
+            pending: VecDeque::new(),
             wake: Arc::new(
                 EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
                     .expect("an eventfd (the process is out of descriptors)"),
@@ -164,7 +169,43 @@ impl Net {
         NetState {
             mac: self.mac,
             stats: self.stats,
+            pending: self.pending.iter().cloned().collect(),
         }
+    }
+
+    /// Moves the frames waiting in the tap into the device, up to [`MAX_PENDING`] frames and
+    /// [`MAX_PENDING_BYTES`], so that the state carries them to a migration's destination
+    /// (whose guest gets them first) instead of their being lost with the source's tap.
+    /// Called at the source's save, the vCPUs paused and the gate closed. Returns how many
+    /// it took.
+    pub(super) fn take_waiting(&mut self) -> usize {
+        let Some(tap) = self.tap.clone() else {
+            return 0;
+        };
+        let mut bytes: usize = self.pending.iter().map(Vec::len).sum();
+        let before = self.pending.len();
+        while self.pending.len() < MAX_PENDING && bytes + MAX_FRAME <= MAX_PENDING_BYTES {
+            match tap.recv(&mut self.buf[HEADER..]) {
+                Ok(Some(n)) if n <= MAX_FRAME => {
+                    self.pending
+                        .push_back(self.buf[HEADER..HEADER + n].to_vec());
+                    bytes += n;
+                }
+                Ok(Some(_)) => self.stats.rx_dropped += 1,
+                Ok(None) | Err(_) => break,
+            }
+        }
+        self.pending.len() - before
+    }
+
+    /// The next frame for the guest into the bounce buffer (after the header): a pending
+    /// one first, else the tap's. `Ok(None)`: none waits.
+    fn next_frame(&mut self, tap: &Tap) -> std::io::Result<Option<usize>> {
+        if let Some(f) = self.pending.pop_front() {
+            self.buf[HEADER..HEADER + f.len()].copy_from_slice(&f);
+            return Ok(Some(f.len()));
+        }
+        tap.recv(&mut self.buf[HEADER..])
     }
 
     /// Reads frames from the tap into the buffers the driver made available on the receive
@@ -185,9 +226,22 @@ impl Net {
                     queue: index,
                     source,
                 })?;
-                match avail.next() {
-                    Some(c) => c.head_index(),
-                    None => return Ok(Receive::NoBuffer { used }),
+                avail.next().map(|c| c.head_index())
+            };
+            let Some(head) = head else {
+                // Out of buffers: ask the driver to notify when it gives more (it skips
+                // that notify while the device has some: the receive thread takes them
+                // when a frame comes). Buffers given meanwhile are taken now.
+                let more =
+                    queue
+                        .enable_notification(mem)
+                        .map_err(|source| VirtioError::AvailRing {
+                            queue: index,
+                            source,
+                        })?;
+                match more {
+                    true => continue,
+                    false => return Ok(Receive::NoBuffer { used }),
                 }
             };
             if head >= queue.size() {
@@ -197,10 +251,17 @@ impl Net {
                     size: queue.size(),
                 });
             }
-            let n = match tap.recv(&mut self.buf[HEADER..]) {
+            let n = match self.next_frame(&tap) {
                 Ok(Some(n)) => n,
                 Ok(None) => {
                     queue.go_to_previous_position();
+                    // Buffers wait for frames: the driver need not notify when it gives more.
+                    queue
+                        .disable_notification(mem)
+                        .map_err(|source| VirtioError::AvailRing {
+                            queue: index,
+                            source,
+                        })?;
                     return Ok(Receive::TapEmpty { used });
                 }
                 Err(e) => {
@@ -398,6 +459,7 @@ impl VirtioDevice for Net {
         let s = NetState::decode(data)?;
         self.mac = s.mac;
         self.stats = s.stats;
+        self.pending = s.pending.into();
         self.features = negotiated.features;
         Ok(())
     }

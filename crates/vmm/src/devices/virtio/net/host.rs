@@ -3,28 +3,11 @@
 
 #![forbid(unsafe_code)]
 
+use ferry_guest_abi::net;
 use ferry_guest_abi::virtio::net::RX_QUEUE;
 
 use super::device::{Net, Receive};
 use crate::devices::virtio::MmioTransport;
-
-/// The RARP frame QEMU's self-announce sends (ethertype 0x8035, "reverse request" for the
-/// MAC): from the guest's MAC to broadcast, so every switch on the way learns where it is.
-pub fn announce_frame(mac: [u8; 6]) -> [u8; 60] {
-    let mut f = [0u8; 60];
-    f[..6].fill(0xff);
-    f[6..12].copy_from_slice(&mac);
-    f[12..14].copy_from_slice(&0x8035u16.to_be_bytes());
-    // ARP header: Ethernet (1), IPv4 (0x0800), 6, 4, opcode 3 (reverse request).
-    f[14..16].copy_from_slice(&1u16.to_be_bytes());
-    f[16..18].copy_from_slice(&0x0800u16.to_be_bytes());
-    f[18] = 6;
-    f[19] = 4;
-    f[20..22].copy_from_slice(&3u16.to_be_bytes());
-    f[22..28].copy_from_slice(&mac);
-    f[32..38].copy_from_slice(&mac);
-    f
-}
 
 impl MmioTransport<Net> {
     /// The receive thread's turn: frames waiting in the tap into the driver's buffers, while
@@ -44,6 +27,12 @@ impl MmioTransport<Net> {
         self.device_mut().set_open(open);
     }
 
+    /// Takes the frames waiting in the tap into the device, for the state to carry (see
+    /// `Net::take_waiting`); returns how many.
+    pub fn take_waiting(&mut self) -> usize {
+        self.device_mut().take_waiting()
+    }
+
     /// Gives the NIC `mac` (a clone's new one) and tells the driver its config changed.
     pub fn change_mac(&mut self, mac: super::Mac) {
         self.device_mut().set_mac(mac);
@@ -52,12 +41,14 @@ impl MmioTransport<Net> {
 
     /// Sends one round of announce frames for the guest's MAC on the tap.
     pub fn announce(&mut self) -> std::io::Result<()> {
+        let mut frame = [0u8; net::MIN_FRAME];
+        let len = net::build_rarp_announce(net::Mac(self.device().mac().0), &mut frame)
+            .expect("a minimum frame holds a RARP announce");
         let net = self.device_mut();
-        let frame = announce_frame(net.mac().0);
         let Some(tap) = net.tap() else {
             return Err(std::io::Error::other("the NIC has no tap attached yet"));
         };
-        tap.send(&frame)?;
+        tap.send(&frame[..len])?;
         net.count_announce();
         Ok(())
     }

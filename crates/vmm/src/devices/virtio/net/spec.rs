@@ -20,3 +20,8 @@ pub const QUEUE_SIZE: u16 = 256;
 pub const MAX_FRAME: usize = net::MAX_FRAME as usize;
 /// The header before every frame in a buffer.
 pub const HEADER: usize = net::HEADER_SIZE as usize;
+/// Frames a migration's state may carry from the source's tap: its default queue (1000), so
+/// a guest that kept up loses none that came before the save.
+pub const MAX_PENDING: usize = 1024;
+/// Bytes they may take: bounds the state at a couple of MiB however large the frames.
+pub const MAX_PENDING_BYTES: usize = 2 << 20;

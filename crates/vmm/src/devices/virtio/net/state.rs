@@ -1,16 +1,18 @@
 //! The network device's own state, carried inside the transport's section: a plain value
 //! ([`NetState`]) and its byte layout (version [`STATE_VERSION`]).
 //!
-//! Layout (little-endian): version 4; MAC 6; counters 8 × 8.
+//! Layout (little-endian): version 4; MAC 6; counters 8 × 8; pending frames 4 (at most
+//! [`MAX_PENDING`]), then each frame's length 4 (1 to [`MAX_FRAME`]) and bytes.
 //!
-//! Not carried: the tap (the destination has its own, or the one a local handover passed),
-//! and frames: none waits in the device (see the module doc of `net`). The queues, with the
-//! buffers the driver gave and the device used, are the transport's.
+//! Not carried: the tap (the destination has its own, or the one a local handover passed).
+//! The pending frames are the ones the source took from its tap at its save, for the
+//! destination's guest (see the module doc of `net`). The queues, with the buffers the driver
+//! gave and the device used, are the transport's.
 
 #![forbid(unsafe_code)]
 
 use super::options::Mac;
-use super::spec::NAME;
+use super::spec::{MAX_FRAME, MAX_PENDING, NAME};
 use crate::devices::device::DeviceStateError;
 use crate::devices::virtio::codec::{Reader, Writer};
 
@@ -43,6 +45,8 @@ pub struct NetStats {
 pub struct NetState {
     pub mac: Mac,
     pub stats: NetStats,
+    /// Frames taken from the source's tap, oldest first, for the guest before any other.
+    pub pending: Vec<Vec<u8>>,
 }
 
 impl NetState {
@@ -64,6 +68,10 @@ impl NetState {
             s.announces,
         ] {
             w.u64(v);
+        }
+        w.u32(self.pending.len() as u32);
+        for f in &self.pending {
+            w.blob(f);
         }
         w.into_bytes()
     }
@@ -89,10 +97,25 @@ impl NetState {
             malformed: r.u64("malformed")?,
             announces: r.u64("announces")?,
         };
+        let count = r.u32("pending frames")? as usize;
+        if count > MAX_PENDING {
+            return Err(r.malformed(format!(
+                "{count} pending frames, more than the {MAX_PENDING} a source carries"
+            )));
+        }
+        let mut pending = Vec::with_capacity(count);
+        for _ in 0..count {
+            let f = r.blob("pending frame", MAX_FRAME)?;
+            if f.is_empty() {
+                return Err(r.malformed("an empty pending frame"));
+            }
+            pending.push(f.to_vec());
+        }
         r.finish()?;
         Ok(NetState {
             mac: Mac(mac),
             stats,
+            pending,
         })
     }
 }

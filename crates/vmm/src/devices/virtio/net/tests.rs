@@ -214,3 +214,57 @@ fn state_round_trips_bit_exact_and_a_cut_one_is_refused() {
     assert_eq!(fresh.mac(), MAC);
     assert!(NetState::decode(&saved[..saved.len() - 1]).is_err());
 }
+
+#[test]
+fn frames_waiting_in_the_tap_at_the_save_reach_the_destinations_guest_first() {
+    let ns = Netns::new();
+    let (mut d, sock) = setup(&ns);
+    d.t.set_open(false);
+    for tag in 1..=3 {
+        sock.send(&frame(tag, 64 + usize::from(tag))).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(d.t.take_waiting(), 3);
+    let saved = d.t.device().save();
+    assert_eq!(NetState::decode(&saved).unwrap().pending.len(), 3);
+    // The destination: its own tap, which holds a frame of its own already.
+    ns.tap("ft1", None);
+    let (t1, sock1) = ns.enter(|| {
+        (
+            Tap::open("ft1").unwrap(),
+            PacketSocket::bind("ft1").unwrap(),
+        )
+    });
+    let mut fresh = Net::deferred(&options(None));
+    fresh.pass_tap(t1);
+    fresh.attach().unwrap();
+    fresh.set_open(true);
+    let mut dst = Driver::running(fresh, ALL);
+    sock1.send(&frame(9, 64)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let negotiated = Negotiated {
+        features: ALL,
+        ready_sizes: &[64, 64],
+    };
+    dst.t.device_mut().restore(&saved, &negotiated).unwrap();
+    let bufs = give_rx(&mut dst, 8);
+    dst.notify(RX);
+    let used = dst.used(RX);
+    assert_eq!(used.len(), 4, "three carried, then the tap's own");
+    let tags: Vec<u8> = bufs[..4]
+        .iter()
+        .map(|&at| {
+            let mut b = [0u8; HEADER + 20];
+            dst.ram.read(at, &mut b).unwrap();
+            b[HEADER + 19]
+        })
+        .collect();
+    assert_eq!(tags, vec![1, 2, 3, 9], "in order, the carried ones first");
+    assert!(
+        NetState::decode(&dst.t.device().save())
+            .unwrap()
+            .pending
+            .is_empty(),
+        "none carried twice"
+    );
+}
