@@ -93,7 +93,12 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     let src = source("256M", &image(&images.path().join("source.img")));
     let copy = images.path().join("copy.img");
     let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
-    let migrate = start_migrate(&src, port, &["--disk-copy"]);
+    let stats = images.path().join("stats.json");
+    let migrate = start_migrate(
+        &src,
+        port,
+        &["--disk-copy", "--stats-out", stats.to_str().unwrap()],
+    );
     let out = migrate.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
@@ -101,6 +106,25 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     let err = stderr(&out);
     assert!(err.contains("disk copy: "), "the disk's own figures: {err}");
     assert!(copy.exists(), "the copy became the destination's image");
+    // The statistics file carries the disk's figures, and `ferry report` shows them.
+    let written: serde_json::Value = serde_json::from_str(&common::read(&stats)).unwrap();
+    assert!(
+        written["disk"]["stats"]["chunks"].as_u64() > Some(0),
+        "{}",
+        written["disk"]
+    );
+    let svg = images.path().join("report.svg");
+    let report = ferry_output(&[
+        "report",
+        stats.to_str().unwrap(),
+        "-o",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    assert!(
+        common::read(&svg).contains("disk copy: "),
+        "in the report's title"
+    );
     disk_verifies_clean(&dst);
 }
 
