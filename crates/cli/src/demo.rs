@@ -223,7 +223,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     if let Some(stats) = &progress.stats {
         report::print_stats(stats);
         if let Some(path) = &args.stats_out {
-            report::write_stats(path, stats)?;
+            report::write_stats(path, stats, None)?;
         }
     }
     // The source's last report came just before the switchover paused the guest.

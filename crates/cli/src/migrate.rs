@@ -1,7 +1,7 @@
 //! `ferry migrate` and `ferry cancel`: start a migration of a running VM through its API
-//! socket, follow it, print the result.
+//! socket, follow it (`follow.rs`), print the result.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,16 +12,16 @@ use clap::{Args, ValueEnum};
 use ferry_migrate::scan::ZeroDetection;
 use ferry_migrate::source::Preempt;
 use ferry_migrate::transport::tls::Side;
-use ferry_migrate::{Phase, Progress, TimeoutAction};
+use ferry_migrate::{Phase, TimeoutAction};
 use ferry_vmm::api::client;
 use ferry_vmm::request::{Checksum, MigrationMode, MigrationRequest, PostcopyRequest, TlsRequest};
 use serde_json::json;
 
-use crate::report::{self, Live, PlainLines};
+use crate::report;
 use crate::{UsageError, exit};
 
-/// How often `ferry migrate` polls the source for progress.
-const POLL: Duration = Duration::from_millis(200);
+mod follow;
+pub(crate) use follow::{Ended, OutputArg, Until, follow, print_stats};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum TimeoutActionArg {
@@ -100,13 +100,6 @@ fn postcopy_defaults() -> PostcopyRequest {
 /// Milliseconds as a duration flag shows and reads them (`300ms`, `30s`).
 pub fn ms(ms: u64) -> humantime::Duration {
     Duration::from_millis(ms).into()
-}
-
-/// `ferry migrate --output`.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub(crate) enum OutputArg {
-    Table,
-    Json,
 }
 
 #[derive(Debug, Args)]
@@ -416,16 +409,6 @@ fn mode(args: &MigrateArgs) -> MigrationMode {
     })
 }
 
-/// How long a follower follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Until {
-    /// The migration's end.
-    End,
-    /// Its end, or the failure of a resume (`ferry migrate --resume`): more recovery attempts
-    /// failed than the given count, and the migration is postcopy-paused again.
-    EndOrFailedResume(u32),
-}
-
 /// Follows the migration to its end, or with --detach says where to watch it and returns.
 fn follow_unless_detached(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Result<ExitCode> {
     if args.detach {
@@ -510,14 +493,24 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Resu
         }
     })
     .context("cannot install the Ctrl-C handler")?;
-    let Some((progress, moved_on)) = follow(&args.api_socket, &detach, until)? else {
+    let Some(Ended {
+        progress,
+        moved_on,
+        disk,
+    }) = follow(&args.api_socket, &detach, until)?
+    else {
         eprintln!(
             "ferry: stopped following; the migration cannot be cancelled any more (the guest may run on the destination) and goes on in the VMM: watch it with ferry status --api-socket {} or GET /migration",
             args.api_socket.display()
         );
         return Ok(ExitCode::from(exit::DETACHED));
     };
-    print_stats(&progress, args.output, args.stats_out.as_deref())?;
+    print_stats(
+        &progress,
+        disk.as_ref(),
+        args.output,
+        args.stats_out.as_deref(),
+    )?;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {
@@ -538,98 +531,6 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Resu
             "the resume failed: {error}; the migration is postcopy-paused again (the guest runs on the destination and waits for its pages): run ferry migrate-recover on the destination again, then ferry migrate --resume here"
         ),
         phase => anyhow::bail!("migration {}: {error}", report::phase_name(phase)),
-    }
-}
-
-/// Prints how a migration (or a snapshot) that ended went: a table for a person, or one JSON
-/// line; writes its statistics to `stats_out` if given.
-pub(crate) fn print_stats(
-    progress: &Progress,
-    output: OutputArg,
-    stats_out: Option<&Path>,
-) -> anyhow::Result<()> {
-    let Some(stats) = &progress.stats else {
-        return Ok(());
-    };
-    match output {
-        OutputArg::Table if progress.phase == Phase::Completed => report::print_table(stats),
-        // A migration that ended early has no downtime or final pass to show: one line.
-        OutputArg::Table => report::print_partial(stats, progress.phase),
-        OutputArg::Json => report::print_json(stats),
-    }
-    if let Some(path) = stats_out {
-        report::write_stats(path, stats)?;
-    }
-    Ok(())
-}
-
-/// Looks at `GET /migration` that fail in a row before the source counts as gone: a VMM that
-/// goes on to its next VM (`--then-incoming`) answers again within milliseconds, and one that
-/// hands its guest over locally stays until the end was read; ten looks, two seconds at
-/// [`POLL`], only keep a follower from calling a blink the source's end.
-const UNANSWERED: u32 = 10;
-
-/// Polls `GET /migration` until the migration ends, showing progress; says too whether the
-/// VMM went on to wait for another migration (`ferry run --then-incoming`). `None` once
-/// `detach` is set.
-pub(crate) fn follow(
-    socket: &Path,
-    detach: &AtomicBool,
-    until: Until,
-) -> anyhow::Result<Option<(Progress, bool)>> {
-    let mut live = Live::new(PlainLines::EveryUpdateToStderr);
-    let mut last: Option<Phase> = None;
-    let mut unanswered = 0;
-    loop {
-        if detach.load(Ordering::Acquire) {
-            live.finish();
-            return Ok(None);
-        }
-        let mut value = match (client::request(socket, "GET", "/migration"), last) {
-            (Ok(v), _) => v,
-            (Err(e), None) => return Err(e.into()),
-            // A VMM that hands its guest over and waits for the next migration
-            // (--then-incoming) answers for its next VM a moment later: look again.
-            (Err(_), Some(_)) if unanswered < UNANSWERED => {
-                unanswered += 1;
-                std::thread::sleep(POLL);
-                continue;
-            }
-            // The VMM went away under us: say what was last seen, not only that the socket
-            // is missing.
-            (Err(e), Some(phase)) => {
-                live.finish();
-                anyhow::bail!(
-                    "the source VMM stopped while the migration was in phase {} (its API answers no more: {e}); a VMM interrupted in precopy cancels the migration first and its guest is gone with it, see its own output",
-                    report::phase_name(phase)
-                );
-            }
-        };
-        unanswered = 0;
-        // A VMM started with --then-incoming went on to wait for the guest's return once
-        // this migration completed; it tells how that ended.
-        let moved_on = value["role"] == "destination" || value["then_incoming"].is_string();
-        if value["role"] == "destination" {
-            value = value["previous"].take();
-        }
-        let disk = value.get("disk").cloned();
-        let p: Progress = serde_json::from_value(value).context("unreadable progress")?;
-        live.update(&p);
-        last = Some(p.phase);
-        let resume_failed = match until {
-            Until::End => false,
-            Until::EndOrFailedResume(before) => {
-                p.phase == Phase::PostcopyPaused && p.recovery_failures > before
-            }
-        };
-        if !p.phase.is_active() || resume_failed {
-            live.finish();
-            if let Some(disk) = disk {
-                eprintln!("{}", report::disk_copy_line(&disk));
-            }
-            return Ok(Some((p, moved_on)));
-        }
-        std::thread::sleep(POLL);
     }
 }
 

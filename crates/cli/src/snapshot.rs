@@ -91,7 +91,7 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
         let _ = client::request(&socket, "PUT", "/migration/cancel");
     })
     .context("cannot install the Ctrl-C handler")?;
-    let Some((progress, _)) = follow(
+    let Some(ended) = follow(
         &args.api_socket,
         &Arc::new(AtomicBool::new(false)),
         Until::End,
@@ -99,7 +99,13 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<ExitCode> {
     else {
         unreachable!("nothing detaches a snapshot's follower")
     };
-    print_stats(&progress, OutputArg::Table, args.stats_out.as_deref())?;
+    print_stats(
+        &ended.progress,
+        ended.disk.as_ref(),
+        OutputArg::Table,
+        args.stats_out.as_deref(),
+    )?;
+    let progress = ended.progress;
     let error = progress.error.unwrap_or_default();
     match progress.phase {
         Phase::Completed => {

@@ -1,8 +1,9 @@
 //! A VM with a disk through the `ferry` binary: `ferry run --disk`, and `ferry migrate
 //! --disk-copy` between two `ferry run` processes whose images are files of their own, the
 //! destination's guest re-reading every block it wrote; a snapshot's image check at restore;
-//! and a disk copy's failures (a destination killed, the link cut, in the disk pass and at the
-//! switchover), each leaving the source's guest reading its image back clean.
+//! and a disk copy's failures (a destination killed, the link cut, in the disk pass, while the
+//! mirror holds the guest, and at the switchover), each leaving the source's guest reading its
+//! image back clean.
 
 mod common;
 
@@ -28,11 +29,21 @@ fn image(path: &std::path::Path) -> std::path::PathBuf {
 
 /// A `ferry run` of `memory` with `image` as its disk, once its guest wrote 200 blocks.
 fn source(memory: &str, image: &std::path::Path) -> RunningVm {
-    let src = RunningVm::start_with(
-        memory,
+    source_of(
         "ws=16M rate=20 disk=16M disk-rate=4 verify-ms=200 log-ms=0",
-        &["--disk", image.to_str().unwrap()],
-    );
+        memory,
+        image,
+    )
+}
+
+/// A guest that, its RAM nearly idle, writes its disk as fast as the device answers (about
+/// 8 MB/s of 4 KiB requests): faster than [`mirrored_disk_copy`]'s link.
+const FLAT_OUT: &str = "ws=4M rate=1 disk=32M disk-rate=max disk-read=20 verify-ms=200 log-ms=0";
+
+/// A `ferry run` of `memory` whose guest runs `guest` with `image` as its disk, once it wrote
+/// 200 blocks.
+fn source_of(guest: &str, memory: &str, image: &std::path::Path) -> RunningVm {
+    let src = RunningVm::start_with(memory, guest, &["--disk", image.to_str().unwrap()]);
     src.wait_until("the API socket", Duration::from_secs(30), |vm| {
         vm.socket.exists()
     });
@@ -82,7 +93,12 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     let src = source("256M", &image(&images.path().join("source.img")));
     let copy = images.path().join("copy.img");
     let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
-    let migrate = start_migrate(&src, port, &["--disk-copy"]);
+    let stats = images.path().join("stats.json");
+    let migrate = start_migrate(
+        &src,
+        port,
+        &["--disk-copy", "--stats-out", stats.to_str().unwrap()],
+    );
     let out = migrate.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
@@ -90,6 +106,25 @@ fn ferry_migrate_disk_copy_moves_a_disk_between_two_ferry_processes() {
     let err = stderr(&out);
     assert!(err.contains("disk copy: "), "the disk's own figures: {err}");
     assert!(copy.exists(), "the copy became the destination's image");
+    // The statistics file carries the disk's figures, and `ferry report` shows them.
+    let written: serde_json::Value = serde_json::from_str(&common::read(&stats)).unwrap();
+    assert!(
+        written["disk"]["stats"]["chunks"].as_u64() > Some(0),
+        "{}",
+        written["disk"]
+    );
+    let svg = images.path().join("report.svg");
+    let report = ferry_output(&[
+        "report",
+        stats.to_str().unwrap(),
+        "-o",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    assert!(
+        common::read(&svg).contains("disk copy: "),
+        "in the report's title"
+    );
     disk_verifies_clean(&dst);
 }
 
@@ -391,6 +426,108 @@ fn a_link_cut_at_a_disk_copys_switchover_leaves_the_source_resumable_and_its_ima
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     source_runs_on(&src);
+}
+
+/// A disk copy from a [`FLAT_OUT`] `src` through `to_port` at 6 MB/s, with no throttle and a
+/// downtime limit no pass meets, so that only the mirror can slow the guest (as in
+/// `vmm/tests/disk.rs`); returned once `GET /migration` shows the mirror on and `GET /vm`
+/// shows it holding the guest's writers.
+fn mirrored_disk_copy(src: &RunningVm, to_port: u16) -> std::process::Child {
+    let migrate = start_migrate(
+        src,
+        to_port,
+        &[
+            "--disk-copy",
+            "--max-bandwidth",
+            "6M",
+            "--auto-converge",
+            "off",
+            "--downtime-limit",
+            "1ms",
+            "--peer-timeout",
+            "5s",
+        ],
+    );
+    src.wait_until("the mirror on", Duration::from_secs(60), |vm| {
+        // 404 until `ferry migrate` started it.
+        ferry_vmm::api::client::request(&vm.socket, "GET", "/migration")
+            .is_ok_and(|m| m["disk"]["stats"]["mirror"] == true)
+    });
+    src.wait_until(
+        "the mirror holding the guest's writers",
+        Duration::from_secs(30),
+        |vm| held_ms(vm) > 0.0,
+    );
+    migrate
+}
+
+/// How long the mirror of `vm`'s last disk copy held its guest's writers, ms (`GET /vm`).
+fn held_ms(vm: &RunningVm) -> f64 {
+    vm.status_of("/vm")["disk"]["mirror_held_ms"]
+        .as_f64()
+        .unwrap_or(0.0)
+}
+
+/// The source, its copy failed while the mirror held its guest, lets its writers go: the
+/// guest writes its disk on, flat out, while the time held stays where it was.
+fn mirror_lets_go(src: &RunningVm) {
+    let (written, held) = (disk(src, "blocks_written"), held_ms(src));
+    src.wait_until(
+        "the source's guest writing its disk on, flat out",
+        Duration::from_secs(60),
+        |vm| disk(vm, "blocks_written") > written + 2000,
+    );
+    assert_eq!(held_ms(src), held, "no writer is held once the copy ended");
+}
+
+/// Issue 50: a destination killed while the mirror holds the source's guest: the source's
+/// copy fails, its writers are let go and its guest writes on, reading its image back clean;
+/// no image appears (the killed process leaves its partial file).
+#[test]
+fn a_destination_killed_while_the_mirror_holds_the_guest_lets_it_go() {
+    let images = tempfile::tempdir().unwrap();
+    let src = source_of(FLAT_OUT, "256M", &image(&images.path().join("source.img")));
+    let copy = images.path().join("copy.img");
+    let (mut dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let migrate = mirrored_disk_copy(&src, port);
+    let fault = std::time::Instant::now();
+    dst.child.kill().unwrap();
+    dst.child.wait().unwrap();
+    migration_fails(migrate);
+    eprintln!("the copy failed {:?} after the kill", fault.elapsed());
+    assert_eq!(src.status()["state"], "running");
+    mirror_lets_go(&src);
+    disk_verifies_clean(&src);
+    assert!(!copy.exists(), "no image appeared");
+    assert!(
+        incoming_part(&copy).exists(),
+        "a killed process leaves its file"
+    );
+}
+
+/// Issue 50: every connection cut while the mirror holds the source's guest: the source's
+/// copy fails, its writers are let go and its guest writes on, reading its image back clean;
+/// the destination gives up and removes its partial file.
+#[test]
+fn a_link_cut_while_the_mirror_holds_the_guest_lets_it_go_and_leaves_no_file() {
+    let images = tempfile::tempdir().unwrap();
+    let src = source_of(FLAT_OUT, "256M", &image(&images.path().join("source.img")));
+    let copy = images.path().join("copy.img");
+    let (dst, port) = destination_with("256M", &["--disk", copy.to_str().unwrap()]);
+    let proxy = Proxy::start(&format!("127.0.0.1:{port}"), 10 << 30);
+    let migrate = mirrored_disk_copy(&src, proxy_port(&proxy));
+    let fault = std::time::Instant::now();
+    assert!(proxy.cut_all() > 0, "connections to cut");
+    migration_fails(migrate);
+    eprintln!("the copy failed {:?} after the cut", fault.elapsed());
+    let out = dst.finish(Duration::from_secs(30));
+    eprintln!("the destination exited {:?} after the cut", fault.elapsed());
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(!incoming_part(&copy).exists(), "the partial copy went");
+    assert!(!copy.exists(), "no image appeared");
+    assert_eq!(src.status()["state"], "running");
+    mirror_lets_go(&src);
+    disk_verifies_clean(&src);
 }
 
 fn proxy_port(proxy: &Proxy) -> u16 {

@@ -4,8 +4,9 @@
 //!
 //! 1. the destination QEMU starts paused (`-incoming defer -S`) on an empty sparse image of
 //!    the same size, with `late-block-activate` (its disk is taken over only when it runs);
-//! 2. it serves that disk over NBD (`nbd-server-start` on loopback TCP, `block-export-add`
-//!    writable);
+//! 2. it serves that disk over NBD (`nbd-server-start` on a Unix socket in the run's own
+//!    directory, which only its user may enter: a writable export on loopback TCP would be
+//!    any local user's to write; `block-export-add` writable);
 //! 3. the source opens the export as a block node (`blockdev-add`, driver `nbd`) and mirrors
 //!    its disk into it (`blockdev-mirror`, `sync: full`), in the background (libvirt's
 //!    default) or with `write-blocking` (libvirt's `--copy-storage-synchronous-writes`);
@@ -129,7 +130,9 @@ pub(super) fn migrate(setup: &QemuDiskSetup<'_>) -> anyhow::Result<QemuDiskRun> 
     let work = setup
         .dir
         .join(format!("ferry-bench-qemu-disk-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
+    // Its user's alone (0700): it holds the QMP sockets and the writable NBD export's.
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(&work)?;
     let _cleanup = RemoveDir(work.clone());
     let run = Paths::new(&work);
     migrate_in(setup, &run).map_err(|e| {
@@ -223,10 +226,10 @@ fn migrate_in(setup: &QemuDiskSetup<'_>, run: &Paths) -> anyhow::Result<QemuDisk
         "migrate-set-parameters",
         json!({ "max-bandwidth": 1u64 << 40, "downtime-limit": 300 }),
     )?;
-    let nbd_port = free_port()?;
+    let nbd = run.file("destination", "nbd");
     dst.execute(
         "nbd-server-start",
-        json!({ "addr": { "type": "inet", "data": { "host": "127.0.0.1", "port": nbd_port.to_string() } } }),
+        json!({ "addr": { "type": "unix", "data": { "path": nbd } } }),
     )?;
     dst.execute(
         "block-export-add",
@@ -240,7 +243,7 @@ fn migrate_in(setup: &QemuDiskSetup<'_>, run: &Paths) -> anyhow::Result<QemuDisk
     src.execute(
         "blockdev-add",
         json!({ "driver": "nbd", "node-name": "mirror-target", "export": "disk0",
-                "server": { "type": "inet", "host": "127.0.0.1", "port": nbd_port.to_string() } }),
+                "server": { "type": "unix", "path": nbd } }),
     )?;
     src.execute(
         "blockdev-mirror",

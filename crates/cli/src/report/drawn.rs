@@ -149,9 +149,14 @@ impl Drawn {
             .map(|(name, stats)| Run {
                 name: name.to_string(),
                 stats: stats.clone(),
+                disk: None,
             })
             .collect();
-        let svg = render(&runs).expect("the report renders");
+        Drawn::of_runs(&runs)
+    }
+
+    fn of_runs(runs: &[Run]) -> Drawn {
+        let svg = render(runs).expect("the report renders");
         let elements = elements(&svg);
         let width = elements
             .iter()
@@ -449,6 +454,31 @@ fn no_two_texts_of_a_run_overlap() {
             for b in &texts[i + 1..] {
                 assert!(!a.overlaps(b), "{name}: {a:?} overlaps {b:?}");
             }
+        }
+    }
+}
+
+#[test]
+fn a_disk_copy_run_names_its_disk_figures_in_its_title() {
+    let run = Run {
+        name: "disk copy".into(),
+        stats: fixtures::precopy(),
+        disk: Some(fixtures::disk_copy()),
+    };
+    let drawn = Drawn::of_runs(&[run]);
+    for piece in [
+        "disk copy: 24.0 MB of data and 8.0 MB as zeros in 12 chunks",
+        "3 dirty passes (700 blocks sent again)",
+        "0.1 MB left",
+        "the mirror on, holding the guest's writes 40 ms",
+    ] {
+        assert!(drawn.has_text(piece), "{piece:?} in the title");
+    }
+    assert_text_within_columns(&drawn);
+    let texts = drawn.texts();
+    for (i, a) in texts.iter().enumerate() {
+        for b in &texts[i + 1..] {
+            assert!(!a.overlaps(b), "{a:?} overlaps {b:?}");
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
-//! `ferry report`, which draws statistics written with `--stats-out` as SVG charts
+//! `ferry report`, which draws statistics written with `--stats-out` (with a copied disk's
+//! figures beside them under `disk`, where `GET /migration` shows them) as SVG charts
 //! (`plot.rs` arranges `timeline.rs`, `charts.rs` and `latency.rs`, which draw with
 //! `canvas.rs`, their text fitted by `layout.rs`),
 //! alone or side by side. `drawn.rs` tests what is drawn for every kind of run
@@ -24,12 +25,13 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use ferry_migrate::MigrationStats;
+use ferry_vmm::disk_copy::DiskCopyStatus;
 
 pub use live::{Live, PlainLines};
 pub use plot::Run;
 pub use text::{
-    disk_copy_line, downtime_parts, phase_name, print_json, print_partial, print_stats,
-    print_table, progress_line,
+    disk_copy_line, downtime_parts, phase_name, print_partial, print_stats, print_table,
+    progress_line,
 };
 
 use crate::exit::UsageError;
@@ -89,7 +91,7 @@ fn load(path: &Path) -> anyhow::Result<Run> {
     // Statistics themselves, or something that carries them under "stats".
     let stats = match value.get("stats") {
         Some(inner) if inner.is_object() => inner.clone(),
-        _ => value,
+        _ => value.clone(),
     };
     let stats: MigrationStats = serde_json::from_value(stats).with_context(|| {
         format!(
@@ -97,17 +99,51 @@ fn load(path: &Path) -> anyhow::Result<Run> {
             path.display()
         )
     })?;
+    // A copied disk's figures, beside the statistics in a file and in a GET /migration
+    // answer alike.
+    let disk = match value.get("disk") {
+        Some(disk) => Some(
+            serde_json::from_value(disk.clone())
+                .with_context(|| format!("{}: unreadable disk copy figures", path.display()))?,
+        ),
+        None => None,
+    };
     let name = path.file_stem().map_or_else(
         || path.display().to_string(),
         |s| s.to_string_lossy().into(),
     );
-    Ok(Run { name, stats })
+    Ok(Run { name, stats, disk })
 }
 
-/// Writes `stats` as JSON for `ferry report`.
-pub fn write_stats(path: &Path, stats: &MigrationStats) -> anyhow::Result<()> {
-    let json = serde_json::to_string(stats)?;
+/// A run's statistics as JSON: the engine's, with a copied disk's figures under `disk`.
+fn stats_json(stats: &MigrationStats, disk: Option<&DiskCopyStatus>) -> serde_json::Value {
+    let mut json = serde_json::to_value(stats).unwrap_or_default();
+    if let (Some(disk), Some(map)) = (disk, json.as_object_mut()) {
+        map.insert(
+            "disk".into(),
+            serde_json::to_value(disk).unwrap_or_default(),
+        );
+    }
+    json
+}
+
+/// Writes `stats`, and a copied disk's figures, as JSON for `ferry report`.
+pub fn write_stats(
+    path: &Path,
+    stats: &MigrationStats,
+    disk: Option<&DiskCopyStatus>,
+) -> anyhow::Result<()> {
+    let json = stats_json(stats, disk).to_string();
     std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Prints `stats`, and a copied disk's figures, as one JSON line without the timeline.
+pub fn print_json(stats: &MigrationStats, disk: Option<&DiskCopyStatus>) {
+    let mut line = stats_json(stats, disk);
+    if let Some(map) = line.as_object_mut() {
+        map.remove("timeline");
+    }
+    println!("{line}");
 }
 
 /// Draws one benchmark scenario's migration to `dir/<scenario>.svg` (`ferry bench --report`).
@@ -121,6 +157,7 @@ pub fn write_scenario_svg(
     let run = Run {
         name: scenario.to_string(),
         stats: stats.clone(),
+        disk: None,
     };
     std::fs::write(&path, plot::render(&[run])?)
         .with_context(|| format!("cannot write {}", path.display()))?;
@@ -173,7 +210,41 @@ mod tests {
         let path = dir.path().join("old.json");
         std::fs::write(&path, json.to_string()).unwrap();
         let run = load(&path).unwrap();
-        assert_eq!((run.name.as_str(), run.stats), ("old", stats));
+        assert_eq!(
+            (run.name.as_str(), run.stats, run.disk),
+            ("old", stats, None)
+        );
+    }
+
+    #[test]
+    fn a_copied_disks_figures_go_into_the_statistics_file_and_come_back() {
+        let (stats, disk) = (super::fixtures::precopy(), super::fixtures::disk_copy());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("with-disk.json");
+        write_stats(&path, &stats, Some(&disk)).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(written["disk"]["stats"]["dirty_passes"], 3, "{written}");
+        assert_eq!(written["disk"]["writers_held_ms"], 40.2, "{written}");
+        let run = load(&path).unwrap();
+        assert_eq!((run.stats, run.disk), (stats, Some(disk)));
+    }
+
+    #[test]
+    fn a_migration_answer_with_a_disk_loads_its_disk_too() {
+        // GET /migration: the statistics under "stats", the disk beside them.
+        let answer = serde_json::json!({
+            "phase": "completed",
+            "stats": super::fixtures::precopy(),
+            "disk": super::fixtures::disk_copy(),
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("answer.json");
+        std::fs::write(&path, answer.to_string()).unwrap();
+        assert_eq!(
+            load(&path).unwrap().disk,
+            Some(super::fixtures::disk_copy())
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! tall as the tallest of its cells, so that the charts of the runs line up.
 
 use ferry_migrate::MigrationStats;
+use ferry_vmm::disk_copy::DiskCopyStatus;
 use plotters::prelude::*;
 
 use super::canvas::{Area, LABEL_FONT, LINE_HEIGHT, Scales, TITLE_FONT, dirty_mb_s};
@@ -11,11 +12,13 @@ use super::layout::{flow, truncate};
 use super::timeline::spans;
 use super::{charts, latency, timeline};
 
-/// One migration to draw, named (by its file, or its benchmark scenario).
+/// One migration to draw, named (by its file, or its benchmark scenario), with its copied
+/// disk's figures if it copied one.
 #[derive(Clone, Debug)]
 pub struct Run {
     pub name: String,
     pub stats: MigrationStats,
+    pub disk: Option<DiskCopyStatus>,
 }
 
 /// A column wide enough for a timeline of a few hundred samples and the downtime legend's
@@ -150,8 +153,10 @@ fn outcome(s: &MigrationStats) -> String {
     out
 }
 
-/// The title's second line, in pieces: the headline figures and how the run ended.
-fn summary(s: &MigrationStats) -> Vec<String> {
+/// The title's second line, in pieces: the headline figures, how the run ended, and a copied
+/// disk's figures.
+fn summary(run: &Run) -> Vec<String> {
+    let s = &run.stats;
     let mut pieces = vec![
         format!("total {:.0} ms", s.total_ms),
         format!("downtime {:.1} ms", s.downtime.total_ms),
@@ -172,6 +177,11 @@ fn summary(s: &MigrationStats) -> Vec<String> {
     if s.throttle_unsupported {
         pieces.push("auto-converge unsupported by the VMM".into());
     }
+    if let Some(disk) = &run.disk {
+        let mut disk = super::text::disk_copy_pieces(disk);
+        disk[0].insert_str(0, "disk copy: ");
+        pieces.extend(disk);
+    }
     pieces
 }
 
@@ -180,7 +190,7 @@ fn title_lines(run: &Run) -> (String, Vec<String>) {
     let width = COLUMN_WIDTH as i32 - 2 * SIDE_MARGIN;
     (
         truncate(&run.name, width, TITLE_FONT),
-        flow(&summary(&run.stats), " · ", width, 0, SUMMARY_FONT),
+        flow(&summary(run), " · ", width, 0, SUMMARY_FONT),
     )
 }
 

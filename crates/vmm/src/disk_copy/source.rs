@@ -37,7 +37,7 @@ pub trait Written {
 const LAG_LEAST: u64 = 16;
 
 /// What a copy sent, counted.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CopyStats {
     /// Chunks sent, and the bytes of the ranges they carried with data and as zeros.
     pub chunks: u64,
@@ -53,8 +53,9 @@ pub struct CopyStats {
 }
 
 /// A disk copy (`disk_copy`) from this VM, as `GET /migration` shows it under `disk`: while
-/// it runs, and its last figures once it ended.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+/// it runs, and its last figures once it ended; read back from `ferry migrate --stats-out`'s
+/// file by `ferry report`.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DiskCopyStatus {
     /// What went: chunks, bytes with data and as zeros, granules sent again, dirty passes,
     /// whether the mirror is on.

@@ -167,17 +167,6 @@ impl Block {
         self.writes.clone()
     }
 
-    /// The indices of the chunks ([`DIRTY_CHUNK`](super::DIRTY_CHUNK) bytes each) written
-    /// since tracking started or the last take, ascending; empty when not tracking.
-    pub fn take_dirty(&mut self) -> Vec<u64> {
-        self.writes.take()
-    }
-
-    /// How many chunks are marked as written now; 0 when not tracking.
-    pub fn dirty_count(&self) -> u64 {
-        self.writes.count()
-    }
-
     /// A descriptor of the image of its own, for a copy that reads it while the guest runs,
     /// and the disk's size in bytes.
     pub fn image_for_copy(&self) -> Result<(std::fs::File, u64), BlockError> {

@@ -86,7 +86,7 @@ fn a_deferred_device_answers_io_errors_until_attached() {
         "the driver hears of the capacity"
     );
     assert_eq!(write(&mut d, SECTORS - 1, &[1; 512]), S_OK);
-    assert_eq!(d.t.device_mut().take_dirty(), [IMAGE / DIRTY_CHUNK - 1]);
+    assert_eq!(d.t.device().write_log().take(), [IMAGE / DIRTY_CHUNK - 1]);
     assert_eq!(read(&mut d, SECTORS - 1, 512).data, [1; 512]);
     assert!(matches!(
         d.t.attach(),

@@ -428,7 +428,7 @@ fn tracking_marks_the_chunks_that_writes_touch() {
     let f = image(IMAGE);
     let mut d = running(&options(&f));
     write(&mut d, 0, &[1; 512]);
-    assert!(d.t.device_mut().take_dirty().is_empty(), "not tracking");
+    assert!(d.t.device().write_log().take().is_empty(), "not tracking");
     d.t.device_mut().start_tracking();
     let per_chunk = DIRTY_CHUNK / 512;
     write(&mut d, 0, &[1; 512]);
@@ -443,9 +443,9 @@ fn tracking_marks_the_chunks_that_writes_touch() {
     );
     read(&mut d, 20 * per_chunk, 512);
     assert_eq!(write(&mut d, SECTORS, &[1; 512]), S_IOERR);
-    assert_eq!(d.t.device_mut().take_dirty(), [0, 3, 4, 8, 9]);
-    assert!(d.t.device_mut().take_dirty().is_empty(), "taken");
+    assert_eq!(d.t.device().write_log().take(), [0, 3, 4, 8, 9]);
+    assert!(d.t.device().write_log().take().is_empty(), "taken");
     d.t.device_mut().stop_tracking();
     write(&mut d, 0, &[1; 512]);
-    assert!(d.t.device_mut().take_dirty().is_empty());
+    assert!(d.t.device().write_log().take().is_empty());
 }
