@@ -13,9 +13,11 @@
 //! still in the available ring, and the ring's `next_avail` migrates with the transport.
 //!
 //! **Receive fills a buffer the driver made available with one frame read from the tap,
-//! read only once the buffer is there**: a frame never waits in the device, so the device
-//! state holds none, and a frame the guest was given is in its memory and in the used ring
-//! (both migrate) or still in the tap. Receive runs on the vCPU thread at an rx notify (the
+//! read only once the buffer is there**: a frame the guest was given is in its memory and in
+//! the used ring (both migrate) or still in the tap. The one exception: at a migration's save
+//! the frames waiting in the source's tap are taken into the device (`Net::take_waiting`) and
+//! carried in its state, and the destination gives them to the guest before its own tap's,
+//! so that none that came before the save is lost with the source's tap. Receive runs on the vCPU thread at an rx notify (the
 //! driver gave buffers) and on the VMM's receive thread when the tap has a frame
 //! (`vm::net`), always under the transport's lock, and only while the device's gate is open:
 //! the VM closes it, under that lock, once its vCPUs are paused, and opens it when they run
@@ -28,7 +30,10 @@
 //! - A chain too short for the header and a frame, or with no writable buffer, is returned
 //!   unused and counted; a frame longer than [`MAX_FRAME`] is dropped and counted.
 //! - The MAC is the device's and migrates; the destination's own `mac=`, if given, must be
-//!   the same.
+//!   the same (`vm::net`), and a clone (a restore) gets the one given or a new one.
+//! - The driver is asked to notify the receive queue only when the device ran out of buffers
+//!   (`VIRTQ_USED_F_NO_NOTIFY` otherwise): the receive thread takes buffers when a frame
+//!   comes, so a guest answering frames makes one exit per batch, for its transmit notify.
 
 #![forbid(unsafe_code)]
 
