@@ -80,6 +80,18 @@ impl RunningVm {
         vm
     }
 
+    /// A `ferry run --restore FILE` (with `extra`) inside the network namespace `ns`; waits
+    /// for the API socket.
+    pub fn restore_in(ns: &str, file: &Path, extra: &[&str]) -> RunningVm {
+        let vm = RunningVm::spawn_in(Some(ns), |c| {
+            c.arg("--restore").arg(file).args(extra);
+        });
+        vm.wait_until("the API socket", Duration::from_secs(60), |vm| {
+            vm.socket.exists()
+        });
+        vm
+    }
+
     fn spawn_in(ns: Option<&str>, args: impl FnOnce(&mut Command)) -> RunningVm {
         require_kvm();
         let dir = tempfile::tempdir().unwrap();

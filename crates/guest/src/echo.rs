@@ -57,6 +57,11 @@ impl Responder {
         self.counters
     }
 
+    /// Answers as `mac` from now on (a clone's NIC was given a new one).
+    pub fn set_mac(&mut self, mac: Mac) {
+        self.me.mac = mac;
+    }
+
     /// Takes one received frame and writes the answer to it, if any, into `out` (at least
     /// [`ANSWER_MAX`] bytes). The answer counts as sent once [`Responder::sent`] says so.
     pub fn receive(&mut self, frame: &[u8], out: &mut [u8]) -> Answer {

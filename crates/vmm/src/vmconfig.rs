@@ -25,6 +25,10 @@ pub struct VmDescription {
     /// Whether the VM has a NIC (virtio-net); false from a ferry older than NICs.
     #[serde(default)]
     pub net: bool,
+    /// The NIC's MAC: a running VM's own, an arriving VM's `mac=` if given (else none), so
+    /// that a destination given another MAC than its source's is refused before the pause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_mac: Option<String>,
     /// A digest of the CPU identity and features the vCPUs get (`kvm::vcpu::cpuid_digest`), so that
     /// a guest never meets a CPU that lacks a feature it booted with.
     pub cpuid: String,
@@ -104,6 +108,13 @@ impl VmDescription {
             }
             .into());
         }
+        if let (Some(theirs), Some(ours)) = (&source.net_mac, &self.net_mac)
+            && theirs != ours
+        {
+            return Err(format!(
+                "the source's NIC has MAC {theirs}, this one was given mac={ours}; give the source's MAC or none (a migrated guest keeps its MAC)"
+            ));
+        }
         if source.cpuid != self.cpuid {
             return Err(format!(
                 "the vCPUs' CPU features differ (CPUID digest {} on the source, {} here): migrate between hosts with the same CPU model and KVM",
@@ -154,6 +165,7 @@ mod tests {
             balloon,
             disk: false,
             net: false,
+            net_mac: None,
             cpuid: cpuid.into(),
             sections: vec![section(1, "vCPU", 1, 1), section(4, "telemetry port", 2, 2)],
         }
@@ -167,6 +179,20 @@ mod tests {
             oldest,
             need: SectionNeed::Mandatory,
         }
+    }
+
+    #[test]
+    fn a_destination_given_another_mac_is_refused_and_one_given_none_takes_the_sources() {
+        let nic = |mac: Option<&str>| VmDescription {
+            net: true,
+            net_mac: mac.map(String::from),
+            ..vm(4, true, "ab")
+        };
+        let source = nic(Some("52:54:00:12:34:56")).encode();
+        assert_eq!(nic(None).accepts(&source), Ok(()));
+        assert_eq!(nic(Some("52:54:00:12:34:56")).accepts(&source), Ok(()));
+        let err = nic(Some("52:54:00:00:00:01")).accepts(&source).unwrap_err();
+        assert!(err.contains("give the source's MAC or none"), "{err}");
     }
 
     /// `vm(4, true, "ab")` whose telemetry port section is `telemetry`.
@@ -196,6 +222,13 @@ mod tests {
                     ..vm(4, true, "ab")
                 },
                 "has a disk and this one has none; start the destination with --disk",
+            ),
+            (
+                VmDescription {
+                    net: true,
+                    ..vm(4, true, "ab")
+                },
+                "has a NIC and this one has none; start the destination with --net tap=NAME",
             ),
             (vm(4, true, "cd"), "CPUID digest cd on the source, ab here"),
             (

@@ -78,6 +78,14 @@ impl Net {
         self.responder.counters()
     }
 
+    /// Answers as the NIC's new MAC if its config changed (a clone's); at each heartbeat.
+    pub fn look_at_config(&mut self) {
+        if let Some(mac) = self.nic.mac_changed() {
+            crate::sprintln!("ferry-guest: the NIC's MAC is now {mac}; answering as it");
+            self.responder.set_mac(mac);
+        }
+    }
+
     /// Answers the frames the device has filled, if any: when none came, one read of guest
     /// memory, inlined where the workload looks.
     #[inline(always)]

@@ -179,6 +179,8 @@ pub struct Nic {
     tx_seen: u16,
     /// Bit `i`: transmit buffer `i` is the driver's.
     tx_free: u64,
+    /// The config generation the MAC was read at.
+    config_generation: u32,
     /// Frames queued since the last notify.
     tx_queued: u16,
 }
@@ -235,6 +237,7 @@ impl Nic {
         Ok(Nic {
             t,
             clock,
+            config_generation: t.read(virtio::mmio::CONFIG_GENERATION),
             mac: Mac(t.config_bytes(net::CONFIG_MAC)),
             link,
             rx_avail: RX_BUFFERS as u16,
@@ -244,6 +247,21 @@ impl Nic {
             tx_seen: 0,
             tx_free: u64::MAX >> (u64::BITS as usize - TX_BUFFERS),
             tx_queued: 0,
+        })
+    }
+
+    /// The MAC again if the device's config changed since it was read (a restored clone's
+    /// NIC gets a new one): one register read, a trip to the VMM.
+    pub fn mac_changed(&mut self) -> Option<Mac> {
+        let generation = self.t.read(virtio::mmio::CONFIG_GENERATION);
+        if generation == self.config_generation {
+            return None;
+        }
+        self.config_generation = generation;
+        let mac = Mac(self.t.config_bytes(net::CONFIG_MAC));
+        (mac != self.mac).then(|| {
+            self.mac = mac;
+            mac
         })
     }
 

@@ -577,9 +577,11 @@ impl Workload {
         }
     }
 
-    /// The network workload's report, after each heartbeat (and the disk's).
-    fn send_net(&self) {
-        if let Some(net) = &self.net {
+    /// The network workload's report, after each heartbeat (and the disk's), and a look at
+    /// the NIC's MAC.
+    fn send_net(&mut self) {
+        if let Some(net) = &mut self.net {
+            net.look_at_config();
             let detail = net.counters().to_detail();
             telemetry::send(&self.counters.report(Kind::Net, &self.clock, detail));
         }

@@ -266,6 +266,13 @@ fn build(
         balloon: config.balloon,
         disk: config.disk.is_some(),
         net: config.net.is_some(),
+        net_mac: net.as_ref().and_then(|n| {
+            let t = n.lock().unwrap();
+            match arriving {
+                false => Some(t.device().mac().to_string()),
+                true => t.device().given_mac().map(|m| m.to_string()),
+            }
+        }),
         cpuid: vcpu::cpuid_digest(&kvm_vm)?,
         sections: sections::versions(&devices),
     };
