@@ -101,6 +101,19 @@ pub trait VirtioDevice: Send {
     -> Result<(), DeviceStateError>;
 }
 
+/// Reads `data.len()` bytes of a device's config space `config` at `offset`; bytes beyond
+/// it read as zero (what [`VirtioDevice::read_config`] promises).
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        let at = offset.saturating_add(i as u64);
+        *b = usize::try_from(at)
+            .ok()
+            .and_then(|at| config.get(at))
+            .copied()
+            .unwrap_or(0);
+    }
+}
+
 /// What a device does with one buffer it took from a queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Disposition {

@@ -17,7 +17,9 @@ use super::state::BalloonState;
 use super::stats::StatsSlot;
 use crate::devices::device::DeviceStateError;
 use crate::devices::virtio::chain::Chain;
-use crate::devices::virtio::device::{Disposition, Negotiated, VirtioDevice, VirtioError, drain};
+use crate::devices::virtio::device::{
+    Disposition, Negotiated, VirtioDevice, VirtioError, drain, read_config_bytes,
+};
 use crate::memory::GuestRam;
 
 /// The balloon device model.
@@ -154,14 +156,7 @@ impl VirtioDevice for Balloon {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let c = self.config();
-        for (i, b) in data.iter_mut().enumerate() {
-            let at = offset.saturating_add(i as u64);
-            *b = usize::try_from(at)
-                .ok()
-                .and_then(|at| c.get(at))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_bytes(&c, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

@@ -18,7 +18,9 @@ use super::spec::{BlkConfig, DEVICE_TYPE, DiskId, F_RO, NAME, OFFERED, QUEUE_SIZ
 use super::state::BlockState;
 use super::stats::BlockStats;
 use crate::devices::device::DeviceStateError;
-use crate::devices::virtio::device::{Negotiated, VirtioDevice, VirtioError, drain};
+use crate::devices::virtio::device::{
+    Negotiated, VirtioDevice, VirtioError, drain, read_config_bytes,
+};
 use crate::memory::GuestRam;
 
 /// A virtio-blk device over a raw image file.
@@ -255,14 +257,7 @@ impl VirtioDevice for Block {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let c = self.config.map_or([0; CONFIG_SIZE as usize], |c| c.bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            let at = offset.saturating_add(i as u64);
-            *b = usize::try_from(at)
-                .ok()
-                .and_then(|at| c.get(at))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_bytes(&c, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {

@@ -18,7 +18,9 @@ use super::spec::{HEADER, MAX_FRAME, MAX_PENDING, MAX_PENDING_BYTES, NAME, OFFER
 use super::state::{NetState, NetStats};
 use crate::devices::device::DeviceStateError;
 use crate::devices::virtio::chain::{self, Chain};
-use crate::devices::virtio::device::{Disposition, Negotiated, VirtioDevice, VirtioError, drain};
+use crate::devices::virtio::device::{
+    Disposition, Negotiated, VirtioDevice, VirtioError, drain, read_config_bytes,
+};
 use crate::memory::{GuestRam, TrackedMemory};
 use crate::tap::{Tap, TapError};
 
@@ -397,14 +399,7 @@ impl VirtioDevice for Net {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let c = self.config();
-        for (i, b) in data.iter_mut().enumerate() {
-            let at = offset.saturating_add(i as u64);
-            *b = usize::try_from(at)
-                .ok()
-                .and_then(|at| c.get(at))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_bytes(&c, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
