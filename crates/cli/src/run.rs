@@ -569,6 +569,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 d.blocks_written, d.blocks_read, d.verify_failures, d.request_errors
             );
         }
+        if let Some(n) = &t.net {
+            eprintln!(
+                "ferry: guest network: {} frames received, {} echoes sent; {} numbers skipped, {} out of order",
+                n.frames_received, n.echoes_sent, n.seq_gaps, n.duplicates
+            );
+        }
         if interrupt.cancelled_migration.load(Ordering::Relaxed) {
             eprintln!("ferry: the migration away was cancelled, then the VM stopped");
             return Ok(ExitCode::from(crate::exit::CANCELLED));
