@@ -276,6 +276,8 @@ fn table(rows: &[(&str, RowRun)], args: &NetBenchArgs) {
                 "downtime_ms": j(cols[5]), "pause_ms": j(cols[6]),
                 "lost_total": total(|f| f.lost), "lost_outside_total": total(|f| f.lost_outside),
                 "duplicates_total": total(|f| f.duplicates),
+                "outside_before_ms_max": j(of(|f| f.outside_before_ms)).get("max"),
+                "outside_after_ms_max": j(of(|f| f.outside_after_ms)).get("max"),
                 "rtt_ms_no_move": r.rtt_ms, "lost_no_move": r.lost_before,
                 "sent": r.sent, "echoes": r.echoes})
         );

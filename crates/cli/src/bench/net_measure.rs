@@ -49,6 +49,10 @@ pub(super) struct Figures {
     pub first_echo_ms: Option<f64>,
     /// From the resume to the first announce frame seen at the bridge (negative: before it).
     pub announce_ms: Option<f64>,
+    /// Where the frames lost outside the window were sent: the earliest's lead on the pause's
+    /// start, and the latest's lag behind the window's end (ms; `None` when none was).
+    pub outside_before_ms: Option<f64>,
+    pub outside_after_ms: Option<f64>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -91,7 +95,11 @@ pub(super) fn figures(run: &EchoRun, moves: &[Marks], end: Instant) -> Vec<Figur
                 .filter(|&(&seq, _)| within(sent_at(seq)))
                 .map(|(_, &n)| n - 1)
                 .sum();
+            let before = lost_here.iter().filter(|&&t| t < m.paused).min();
+            let after = lost_here.iter().filter(|&&t| t > m.window_end()).max();
             Figures {
+                outside_before_ms: before.map(|&t| ms(m.paused - t)),
+                outside_after_ms: after.map(|&t| ms(t - m.window_end())),
                 lost: lost_here.len() as f64,
                 lost_outside: (lost_here.len() - inside) as f64,
                 duplicates: duplicates as f64,
@@ -206,6 +214,10 @@ mod tests {
         );
         assert_eq!(f[0].pause_ms, 10.0);
         assert_eq!(f[0].announce_ms, Some(4.0));
+        assert_eq!(
+            (f[0].outside_before_ms, f[0].outside_after_ms),
+            (None, Some(6.0))
+        );
         let first = f[0].first_echo_ms.unwrap();
         assert!((0.0..=1.0).contains(&first), "{first}");
     }
