@@ -14,6 +14,10 @@ mod hostile;
 mod ingest;
 mod link;
 mod local;
+mod net;
+mod net_measure;
+mod net_qemu;
+mod net_segment;
 mod postcopy;
 mod precopy;
 mod process;
@@ -80,6 +84,11 @@ pub enum BenchCommand {
     /// An idle guest that touched 256 MiB migrated at 8, 64, 256 and 511 GiB of RAM: what
     /// grows with configured memory (time, setup, steps, CPU, each process's peak memory).
     Scale(scale::ScaleBenchArgs),
+    /// A guest answering a stream of numbered frames (10,000/s) moved across two taps on a
+    /// bridge, handed over locally on one, and under QEMU across the same taps, in a network
+    /// namespace of its own: frames lost (outside the pause window), duplicated, the first
+    /// echo and the announce after the resume, against the echo round trip with no move.
+    Net(net::NetBenchArgs),
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -100,5 +109,6 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Snapshot(args) => snapshot::run(&args),
         BenchCommand::Hostile(args) => hostile::run(&args),
         BenchCommand::Local(args) => local::run(&args),
+        BenchCommand::Net(args) => net::run(&args),
     }
 }

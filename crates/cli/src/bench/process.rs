@@ -29,9 +29,28 @@ pub struct Vmm {
 
 impl Vmm {
     pub fn spawn(name: &'static str, dir: &Path, args: &[String]) -> anyhow::Result<Vmm> {
+        Vmm::spawn_in(None, name, dir, args)
+    }
+
+    /// [`Vmm::spawn`] inside the network namespace `netns` when given (`ip netns exec`, which
+    /// becomes the process), so that its `--net tap=NAME` is that namespace's tap.
+    pub fn spawn_in(
+        netns: Option<&str>,
+        name: &'static str,
+        dir: &Path,
+        args: &[String],
+    ) -> anyhow::Result<Vmm> {
         let socket = dir.join(format!("{name}.sock"));
         let log = dir.join(format!("{name}.log"));
-        let child = Command::new(std::env::current_exe()?)
+        let mut command = match netns {
+            None => Command::new(std::env::current_exe()?),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(std::env::current_exe()?);
+                c
+            }
+        };
+        let child = command
             .arg("run")
             .args(args)
             .args(["--serial", "none", "--api-socket"])

@@ -198,6 +198,9 @@ pub struct GuestTelemetry {
     /// On a migration destination: the gap between the last report the source VMM received
     /// and the first this VMM received, i.e. the pause the guest saw across the migration.
     pub migration_pause_ns: Option<u64>,
+    /// When that first report came (the host's `CLOCK_MONOTONIC`, as every `host_ns`): the
+    /// guest's resume on the host clock, and less the pause, the last report before it.
+    pub migration_resumed_host_ns: Option<u64>,
     /// Each reporting vCPU's own counters, by vCPU index.
     pub vcpus: Vec<VcpuTelemetry>,
     #[serde(skip)]
@@ -249,6 +252,7 @@ impl GuestTelemetry {
             self.max_report_gap_ns = self.max_report_gap_ns.max(gap);
             if std::mem::take(&mut self.awaiting_first_report_after_migration) {
                 self.migration_pause_ns = Some(gap);
+                self.migration_resumed_host_ns = Some(host_ns);
             }
         }
         self.first_report_host_ns.get_or_insert(host_ns);
@@ -609,12 +613,14 @@ mod tests {
             Some(100),
             "first report after the migration"
         );
+        assert_eq!(back.migration_resumed_host_ns, Some(110));
         back.record(&heartbeat(3, 3000), 500);
         assert_eq!(
             back.migration_pause_ns,
             Some(100),
             "only the first gap counts"
         );
+        assert_eq!(back.migration_resumed_host_ns, Some(110));
         assert!(GuestTelemetry::decode_state(&[0; 7]).is_err());
     }
 
