@@ -10,6 +10,11 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+/// Frames a test's tap holds for its reader (the kernel's default is 1,000): a second of a
+/// 10,000 frames/s stream, so that a host busy with a test's VMs and builds on two cores drops
+/// none before the VMM reads them; what a test measures is the move, not the host's queue.
+pub const TAP_QUEUE: u32 = 10_000;
+
 /// A named network namespace, deleted (with its interfaces) when dropped.
 #[derive(Debug)]
 pub struct Netns {
@@ -58,9 +63,11 @@ impl Netns {
         ip(&all);
     }
 
-    /// A persistent tap `dev` in the namespace, up, with `addr` (CIDR) if given.
+    /// A persistent tap `dev` in the namespace, up, with `addr` (CIDR) if given, and a queue
+    /// of [`TAP_QUEUE`] frames toward its reader.
     pub fn tap(&self, dev: &str, addr: Option<&str>) {
         self.ip(&["tuntap", "add", "dev", dev, "mode", "tap"]);
+        self.ip(&["link", "set", dev, "txqueuelen", &TAP_QUEUE.to_string()]);
         self.up(dev, addr);
     }
 

@@ -86,7 +86,7 @@ pub(super) fn build(
 ) -> Result<Arc<Mutex<MmioTransport<Net>>>, VmmError> {
     let device = match arriving {
         false => Net::open(options)?,
-        true => Net::deferred(options),
+        true => Net::arriving(options)?,
     };
     let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
     irqchip::connect(&kvm_vm.vm, &line, NET_GSI)?;

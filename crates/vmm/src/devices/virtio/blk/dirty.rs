@@ -244,7 +244,10 @@ mod tests {
         let writer = held_writer(&log);
         assert_eq!(log.take().len() as u64, MIRROR_LAG + 1);
         writer.join().unwrap();
-        assert!(log.held() > Duration::ZERO, "the time it was held is counted");
+        assert!(
+            log.held() > Duration::ZERO,
+            "the time it was held is counted"
+        );
 
         log.mark(0, MIRROR_LAG * DIRTY_CHUNK);
         let before = log.held();

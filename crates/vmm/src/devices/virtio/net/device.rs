@@ -54,6 +54,9 @@ pub struct Net {
     tap: Option<Arc<Tap>>,
     /// The source's tap, passed in a local handover, which [`Net::attach`] takes.
     passed: Option<Tap>,
+    /// An arriving VM's own tap, opened at build ([`Net::arriving`]) so that its link is up
+    /// by the resume; [`Net::attach`] takes it unless a tap was passed.
+    early: Option<Tap>,
     mac: Mac,
     /// The driver's accepted features (set at DRIVER_OK or restore; 0 after a reset).
     features: u64,
@@ -87,6 +90,7 @@ impl Net {
             options: options.clone(),
             tap: None,
             passed: None,
+            early: None,
             mac: options.mac.unwrap_or_else(Mac::random),
             features: 0,
             open: false,
@@ -100,6 +104,26 @@ impl Net {
         }
     }
 
+    /// A migration's or a restore's device ([`Net::deferred`]) whose own tap is opened now, if
+    /// no other process holds it: a tap's link comes up when it is opened, and a bridge takes
+    /// a while to forward on a port that just came up, so a tap opened only at the state load
+    /// would drop the announce sent at the resume. A tap held elsewhere (`EBUSY`: a local
+    /// handover's source, which passes its own) is left for [`Net::attach`]; any other
+    /// failure is this VM's to report now, before a source pauses for it.
+    pub fn arriving(options: &NetOptions) -> Result<Net, TapError> {
+        let mut net = Net::deferred(options);
+        let early = match &options.tap {
+            TapSource::Name(name) => Tap::open(name),
+            TapSource::Fd(fd) => Tap::inherited(*fd),
+        };
+        match early {
+            Ok(tap) => net.early = Some(tap),
+            Err(TapError::Attach { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(net)
+    }
+
     /// Keeps `tap`, the source's passed in a local handover, for [`Net::attach`].
     pub fn pass_tap(&mut self, tap: Tap) {
         self.passed = Some(tap);
@@ -110,9 +134,21 @@ impl Net {
         if self.tap.is_some() {
             return Ok(());
         }
-        let tap = match self.passed.take() {
-            Some(tap) => tap,
-            None => match &self.options.tap {
+        let tap = match (self.passed.take(), self.early.take()) {
+            (Some(tap), _) => tap,
+            (None, Some(tap)) => {
+                // What came before the guest's state did is not the guest's to take: a bridge
+                // floods a copy of what the source's guest got until the announce.
+                let mut stale = 0;
+                while let Ok(Some(_)) = tap.recv(&mut self.buf[HEADER..]) {
+                    stale += 1;
+                }
+                if stale > 0 {
+                    tracing::debug!("{NAME}: {stale} frames that came before the guest dropped");
+                }
+                tap
+            }
+            (None, None) => match &self.options.tap {
                 TapSource::Name(name) => Tap::open(name)?,
                 TapSource::Fd(fd) => Tap::inherited(*fd)?,
             },
