@@ -12,6 +12,7 @@
 pub mod bus;
 pub mod device;
 pub mod irq;
+pub mod pit;
 mod registry;
 pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
