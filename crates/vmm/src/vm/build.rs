@@ -319,6 +319,7 @@ fn build(
         then_incoming: Mutex::new(None),
         throttle: Throttle::default(),
         dirty_limit: crate::dirty_limit::DirtyLimit::new(usize::from(config.vcpus)),
+        tsc_host_hz: OnceLock::new(),
         started: Instant::now(),
     });
     super::net::start_receiver(&shared)?;
