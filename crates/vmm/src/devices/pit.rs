@@ -7,7 +7,9 @@
 //!
 //! One fact, one place: the gate lives in KVM's PIT (`channels[2].gate`), set there when a
 //! write changes it and read from there; the speaker bit and the refresh toggle, which KVM does
-//! not have, live here.
+//! not have, live here. A gate change reads KVM's PIT and writes it back whole (`kvm::pit`:
+//! there is no call for the gate alone); a count the guest loads on another vCPU between the
+//! two would be lost, as under QEMU's in-kernel PIT, which does the same.
 //!
 //! Channel 2's output is computed, not read: KVM has no call that reports it, and the guest's
 //! own way (a read-back command on port 0x43) would change the latches the guest sees. It is
@@ -250,6 +252,34 @@ mod tests {
             gate: true,
             loaded_ns: 1_000 * MS as i64,
         }
+    }
+
+    /// A stream from a source older than the PIT (no section 11) loads, the PIT staying as
+    /// it was built; one with the section loads it.
+    #[test]
+    fn a_stream_without_the_pit_section_loads_and_one_with_it_restores_it() {
+        use crate::devices::{BusKind, Devices};
+        use crate::part_timer::PartTimer;
+        let devices = |p: PitPort| {
+            let mut d = Devices::default();
+            let at = (BusKind::Pio, u64::from(PORT), LEN);
+            d.register("PIT", 0, at, Arc::new(std::sync::Mutex::new(p)))
+                .unwrap();
+            d
+        };
+        let mut source = port();
+        source.write(0, &[SPEAKER]);
+        let saved = devices(source).save(&mut PartTimer::start());
+        assert_eq!(saved.len(), 1);
+        assert_eq!((saved[0].id, saved[0].version), (section_ids::PIT, VERSION));
+        let destination = devices(port());
+        destination.load(&[], &mut PartTimer::start()).unwrap();
+        let mut r = [0u8];
+        destination.io_in(PORT, &mut r);
+        assert_eq!(r[0] & SPEAKER, 0, "as built");
+        destination.load(&saved, &mut PartTimer::start()).unwrap();
+        destination.io_in(PORT, &mut r);
+        assert_eq!(r[0] & SPEAKER, SPEAKER, "the source's");
     }
 
     /// Mode 0 with a 50 ms count (59,659 ticks): low until 50 ms have passed, high after;

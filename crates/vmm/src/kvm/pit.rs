@@ -12,7 +12,9 @@
 //! again give the same bytes. What this costs: a count in progress restarts whole at the
 //! load (channel 0's period, at most 55 ms; a one-shot on channel 2).
 //!
-//! Must be created after the interrupt controller (KVM refuses a PIT without one).
+//! Must be created after the interrupt controller (KVM refuses a PIT without one). A fresh PIT
+//! does not tick: KVM resets channel 0 to mode 0xff ("never programmed"), which arms no timer,
+//! until the guest programs it; so a guest that never does (ferry's) is woken by no IRQ 0.
 
 #![forbid(unsafe_code)]
 
