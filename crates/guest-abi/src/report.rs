@@ -284,6 +284,11 @@ pub mod clock {
     pub const OUTCOME: usize = 3;
     /// Calibrations the guest made so far, this one included.
     pub const CALIBRATIONS: usize = 4;
+    /// How far the TSC ticks may be off, in parts per million: half the spans of TSC readings
+    /// the window's two edges fell in.
+    pub const UNCERTAINTY_PPM: usize = 5;
+    /// Windows timed for this calibration (the best one reported).
+    pub const WINDOWS: usize = 6;
     /// Channel 2's output rose when the count had elapsed: the figure is good.
     pub const OUTCOME_OK: u64 = 1;
     /// The output was already high right after the count was loaded: no PIT or no port 0x61

@@ -48,6 +48,7 @@ fn the_guest_calibrates_its_tsc_against_the_pit_within_1_percent_before_and_afte
     let c = g.tsc_calibration.unwrap();
     assert_eq!(c.outcome, "ok", "{c:?}\nserial:\n{}", src.serial_log());
     assert_eq!(c.pit_ticks, 59_659, "a 50 ms window");
+    eprintln!("at boot: {c:?}");
     within_1_percent(calibrated(&g, 1).unwrap(), "at boot");
     src.wait_for_serial("TSC calibrated against the PIT", Duration::from_secs(5));
 
@@ -72,5 +73,6 @@ fn the_guest_calibrates_its_tsc_against_the_pit_within_1_percent_before_and_afte
         Duration::from_secs(10),
         |g| calibrated(g, before + 2).is_some(),
     );
+    eprintln!("after the move: {:?}", after.tsc_calibration);
     within_1_percent(calibrated(&after, before + 2).unwrap(), "after the move");
 }

@@ -18,6 +18,10 @@ pub struct GuestTscCalibration {
     pub outcome: &'static str,
     /// Calibrations the guest made since it booted, this one included.
     pub calibrations: u64,
+    /// How far `tsc_ticks` may be off (ppm), and the windows of 50 ms the guest timed to get
+    /// the best of them.
+    pub uncertainty_ppm: u64,
+    pub windows: u64,
 }
 
 impl GuestTscCalibration {
@@ -34,6 +38,8 @@ impl GuestTscCalibration {
                 _ => "unknown",
             },
             calibrations: d[CALIBRATIONS],
+            uncertainty_ppm: d[UNCERTAINTY_PPM],
+            windows: d[WINDOWS],
         }
     }
 }
@@ -49,9 +55,11 @@ mod tests {
         d[TSC_CALIBRATED_HZ] = 2_100_000_000;
         (d[PIT_TICKS], d[TSC_TICKS]) = (59_659, 105_000_000);
         (d[OUTCOME], d[CALIBRATIONS]) = (OUTCOME_OK, 3);
+        (d[UNCERTAINTY_PPM], d[WINDOWS]) = (120, 2);
         let c = GuestTscCalibration::from_detail(&d);
         assert_eq!(c.tsc_calibrated_hz, Some(2_100_000_000));
         assert_eq!((c.outcome, c.calibrations, c.pit_ticks), ("ok", 3, 59_659));
+        assert_eq!((c.uncertainty_ppm, c.windows), (120, 2));
         (d[TSC_CALIBRATED_HZ], d[OUTCOME]) = (0, OUTCOME_HIGH_AT_LOAD);
         let c = GuestTscCalibration::from_detail(&d);
         assert_eq!(
