@@ -64,6 +64,12 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "halt the guest after this long",
     ),
     (
+        "calibrate-ms",
+        "ms, 0 = at boot only",
+        "0",
+        "calibrate the TSC against the PIT again this often (a 50 ms pause of the boot vCPU each)",
+    ),
+    (
         "fault-after-ms",
         "ms, 0 = never",
         "0",

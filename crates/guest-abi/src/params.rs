@@ -137,6 +137,9 @@ pub struct Params {
     pub heartbeat_ms: u32,
     pub log_ms: u32,
     pub run_ms: u32,
+    /// The boot vCPU calibrates its TSC against the PIT at boot, then every this many ms
+    /// (0 = at boot only).
+    pub calibrate_ms: u32,
     pub fault_after_ms: u32,
     pub seed: u64,
     pub fill: Fill,
@@ -189,6 +192,7 @@ impl Default for Params {
             heartbeat_ms: 10,
             log_ms: 1000,
             run_ms: 0,
+            calibrate_ms: 0,
             fault_after_ms: 0,
             seed: 1,
             fill: Fill::Stamp,
@@ -308,6 +312,9 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             }
             "log-ms" => p.log_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?,
             "run-ms" => p.run_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = forever"))?,
+            "calibrate-ms" => {
+                p.calibrate_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = at boot only"))?
+            }
             "fault-after-ms" => {
                 p.fault_after_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?
             }

@@ -86,6 +86,10 @@ report_enum! {
         /// [`net`] words, as [`NetCounters::to_detail`] writes them. A kind of its own, as
         /// `Disk`.
         Net = 10,
+        /// The boot vCPU's calibration of its TSC against PIT channel 2: once at boot, then
+        /// every `calibrate-ms` when given. Detail: [`clock`] words. A kind of its own, as
+        /// `Disk`.
+        Clock = 11,
     }
 }
 
@@ -267,6 +271,31 @@ impl DiskCounters {
             sweeps: d[disk::SWEEPS],
         }
     }
+}
+
+pub mod clock {
+    /// The TSC's frequency measured against the PIT (Hz); 0 when the calibration failed.
+    pub const TSC_CALIBRATED_HZ: usize = 0;
+    /// The PIT ticks the window lasted (the count loaded on channel 2).
+    pub const PIT_TICKS: usize = 1;
+    /// The TSC ticks counted over the window.
+    pub const TSC_TICKS: usize = 2;
+    /// How the calibration ended: one of [`OUTCOME_OK`] and the failures below.
+    pub const OUTCOME: usize = 3;
+    /// Calibrations the guest made so far, this one included.
+    pub const CALIBRATIONS: usize = 4;
+    /// How far the TSC ticks may be off, in parts per million: half the spans of TSC readings
+    /// the window's two edges fell in.
+    pub const UNCERTAINTY_PPM: usize = 5;
+    /// Windows timed for this calibration (the best one reported).
+    pub const WINDOWS: usize = 6;
+    /// Channel 2's output rose when the count had elapsed: the figure is good.
+    pub const OUTCOME_OK: u64 = 1;
+    /// The output was already high right after the count was loaded: no PIT or no port 0x61
+    /// (an unassigned port reads all-ones).
+    pub const OUTCOME_HIGH_AT_LOAD: u64 = 2;
+    /// The output never rose within the bound: a port 0x61 without a PIT behind it.
+    pub const OUTCOME_NEVER_ROSE: u64 = 3;
 }
 
 pub mod net {
@@ -519,7 +548,8 @@ mod tests {
             id
         );
         assert_eq!(d[vm_generation::CHANGES], 2);
-        assert_eq!(Kind::from_u16(11), Kind::Invalid, "no kind past it");
+        assert_eq!(Kind::from_u16(11), Kind::Clock);
+        assert_eq!(Kind::from_u16(12), Kind::Invalid, "no kind past the last");
     }
 
     #[test]

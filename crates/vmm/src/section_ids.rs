@@ -15,6 +15,7 @@
 //! | 8 | the VM generation ID (`devices::vmgenid`), optional on load | 0 |
 //! | 9 | a copied disk's blocks (`disk_copy::chunk`): iterative state, chunks sent while the guest runs, never a section of the pause | the disk's virtio-mmio instance |
 //! | 10 | a snapshot's record of its disk image (`snapshot::image`): written only into a snapshot file, checked before a restore, skipped by the state load | the disk's virtio-mmio instance |
+//! | 11 | KVM's in-kernel PIT and port 0x61 (`devices::pit`), optional on load | 0 |
 //!
 //! Invariant: the ids of [`ALL`] are distinct and none is 0 (the wire's invalid id), checked
 //! when this file compiles; `Devices::register` refuses a device whose id is not listed here as
@@ -35,6 +36,7 @@ pub const VIRTIO_MMIO: SectionId = SectionId(7);
 pub const VM_GENERATION_ID: SectionId = SectionId(8);
 pub const DISK_BLOCKS: SectionId = SectionId(9);
 pub const DISK_IMAGE: SectionId = SectionId(10);
+pub const PIT: SectionId = SectionId(11);
 
 /// Who saves and loads a section.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +64,7 @@ const fn listed(id: SectionId, name: &'static str, owner: Owner) -> Listed {
 }
 
 /// Every id of this VMM, in id order.
-pub const ALL: [Listed; 10] = [
+pub const ALL: [Listed; 11] = [
     listed(VCPU, "vCPU", Owner::Vm),
     listed(VM_CLOCK, "VM clock", Owner::Vm),
     listed(SERIAL, "serial port", Owner::Device),
@@ -73,6 +75,7 @@ pub const ALL: [Listed; 10] = [
     listed(VM_GENERATION_ID, "VM generation ID", Owner::Device),
     listed(DISK_BLOCKS, "disk blocks", Owner::Chunks),
     listed(DISK_IMAGE, "disk image check", Owner::Snapshot),
+    listed(PIT, "PIT", Owner::Device),
 ];
 
 /// The first id that `table` lists twice or that is 0, if any: the check [`ALL`] passes at

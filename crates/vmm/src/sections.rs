@@ -6,9 +6,10 @@
 //! The VM's own parts (vCPUs, clock, interrupt controller, local APICs) are here; devices on
 //! the buses are saved and loaded by `Devices`. Every section but one is mandatory both ways: a
 //! destination refuses an id or instance it has no part for and a stream that lacks one of its
-//! parts. The exception is the VM generation ID's (8), which a destination loads a stream
-//! without (a source older than the device; `devices::vmgenid` says why that is safe); a
-//! destination that does not know 8 refuses it like any unknown id. A snapshot's record of its
+//! parts. The exceptions are the VM generation ID's (8) and the PIT's (11), which a
+//! destination loads a stream without (a source older than the device; `devices::vmgenid` and
+//! `devices::pit` say why that is safe); a destination that does not know one refuses it like
+//! any unknown id. A snapshot's record of its
 //! disk image (10, `snapshot::image`) is not state: a load of a VM with a disk skips it.
 //!
 //! Each kind has a range of layout versions, the oldest this VMM loads to the one it writes

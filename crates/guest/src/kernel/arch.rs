@@ -7,8 +7,9 @@ use core::arch::asm;
 /// Writes a byte to an I/O port.
 pub fn outb(port: u16, value: u8) {
     // SAFETY: the workload runs with IOPL=3 and the kernel at CPL0, so `out` never faults;
-    // the only ports written are the UART and the telemetry port, whose side effects are the
-    // point of writing them, and which touch no memory this program relies on.
+    // the only ports written are the UART, the telemetry port and the PIT's (0x42, 0x43, 0x61:
+    // `pit.rs`), whose side effects are the point of writing them, and which touch no memory
+    // this program relies on.
     unsafe {
         asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
     }
@@ -21,6 +22,17 @@ pub fn outl(port: u16, value: u32) {
     unsafe {
         asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
     }
+}
+
+/// Reads a byte from an I/O port.
+pub fn inb(port: u16) -> u8 {
+    let value: u8;
+    // SAFETY: as for `outb`, `in` never faults; the one port read is 0x61 (`pit.rs`), whose
+    // reads change nothing but its refresh toggle.
+    unsafe {
+        asm!("in al, dx", in("dx") port, out("al") value, options(nomem, nostack, preserves_flags))
+    }
+    value
 }
 
 /// Reads a 32-bit value from an I/O port (`in eax, dx`, one of the forms the #GP handler of

@@ -14,6 +14,7 @@ use super::clock::{self, Clock};
 use super::disk::{self, Disk};
 use super::freemem::FreeMemory;
 use super::net::Net;
+use super::pit::Calibrator;
 use super::timer::Timer;
 use super::vmgenid::Watcher;
 use super::{announce, arch, boot, memory, net, smp, telemetry, virtio_mmio};
@@ -207,6 +208,8 @@ struct Workload {
     free: Option<FreeMemory>,
     /// The VM generation ID, looked at every heartbeat; the boot vCPU's only.
     vmgenid: Option<Watcher>,
+    /// The TSC's calibrations against the PIT (`calibrate-ms`); the boot vCPU's only.
+    pit: Option<Calibrator>,
     /// The disk workload (`disk=`); the boot vCPU's only.
     disk: Option<Disk>,
     /// The network workload (`net=`); the boot vCPU's only.
@@ -261,6 +264,7 @@ impl Workload {
             net: own.net,
             // The boot vCPU's first look, reported after its Boot and Layout reports.
             vmgenid: (clock.vcpu() == 0).then(|| Watcher::boot(&clock)),
+            pit: (clock.vcpu() == 0).then(|| Calibrator::boot(&p, &clock)),
         }
     }
 
@@ -565,6 +569,9 @@ impl Workload {
         self.send_net();
         if let Some(vmgenid) = &mut self.vmgenid {
             vmgenid.look(&self.clock);
+        }
+        if let Some(pit) = &mut self.pit {
+            pit.look(&self.clock, now);
         }
         self.next_heartbeat = now + u64::from(self.p.heartbeat_ms) * MS;
     }

@@ -12,10 +12,12 @@
 pub mod bus;
 pub mod device;
 pub mod irq;
+pub mod pit;
 mod registry;
 pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod telemetry;
+pub mod telemetry_clock;
 pub mod telemetry_disk;
 pub mod telemetry_free;
 pub mod telemetry_net;

@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 
 use super::device::DeviceStateError;
+use super::telemetry_clock::GuestTscCalibration;
 use super::telemetry_disk::GuestDisk;
 use super::telemetry_free::GuestFreeMemory;
 use super::telemetry_net::GuestNet;
@@ -186,6 +187,10 @@ pub struct GuestTelemetry {
     pub disk: Option<GuestDisk>,
     /// The network workload's counters (`net=`), from its latest report, when it runs.
     pub net: Option<GuestNet>,
+    /// The guest's latest calibration of its TSC against the PIT, and the TSC frequency KVM
+    /// gives the guest (`KVM_GET_TSC_KHZ`; filled in by `VmHandle::telemetry`, not the guest).
+    pub tsc_calibration: Option<GuestTscCalibration>,
+    pub tsc_host_hz: Option<u64>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
     /// The VM generation ID the guest last reported reading (32 hex digits, all `f` for a VM
@@ -336,6 +341,7 @@ impl GuestTelemetry {
             }
             Kind::Disk => self.disk = Some(GuestDisk::from_detail(d)),
             Kind::Net => self.net = Some(GuestNet::from_detail(d)),
+            Kind::Clock => self.tsc_calibration = Some(GuestTscCalibration::from_detail(d)),
             Kind::Work => {
                 v.heartbeats += 1;
                 v.work_units = v.work_units.max(d[report::work::UNITS]);

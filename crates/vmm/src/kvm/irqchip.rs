@@ -3,8 +3,7 @@
 //! state migrates as sections: each PIC and the IOAPIC as one (the raw `kvm_irqchip` KVM
 //! reports), each local APIC as one (the raw `kvm_lapic_state`, 1 KiB of registers).
 //!
-//! No PIT is created: neither ferry's guest nor any other device uses it, and a PIT that ticks
-//! would wake a halted guest 18 times a second for nothing.
+//! The PIT (`pit.rs`) is created after it: KVM's PIT raises IRQ 0 through this controller.
 
 #![forbid(unsafe_code)]
 

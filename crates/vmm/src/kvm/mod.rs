@@ -6,6 +6,7 @@
 //! - `vcpu.rs`: configure a vCPU for PVH entry and run it, turning exits into device calls.
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
+//! - `pit.rs`: the in-kernel PIT, its channel 2 as port 0x61 reaches it, and its state.
 //! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log;
 //!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled,
 //!   over `rings.rs`, the mapped rings themselves.
@@ -19,6 +20,7 @@ pub mod dirty;
 pub mod host;
 pub mod irqchip;
 pub mod kick;
+pub mod pit;
 pub mod ring;
 pub mod rings;
 pub mod state;
@@ -72,6 +74,8 @@ pub enum KvmError {
     Signal(vmm_sys_util::errno::Error),
     #[error("cannot create the in-kernel interrupt controller: {0}")]
     Irqchip(vmm_sys_util::errno::Error),
+    #[error("cannot create the in-kernel PIT: {0}")]
+    Pit(vmm_sys_util::errno::Error),
     #[error("cannot connect an interrupt line to GSI {gsi}: {source}")]
     Irqfd {
         gsi: u32,

@@ -34,6 +34,12 @@ pub fn create(vm: &KvmVm, id: u8) -> Result<VcpuFd, KvmError> {
     Ok(vcpu)
 }
 
+/// The TSC frequency KVM gives `vcpu`'s guest (`KVM_GET_TSC_KHZ`), in Hz; `None` where KVM
+/// does not say.
+pub fn tsc_hz(vcpu: &VcpuFd) -> Option<u64> {
+    vcpu.get_tsc_khz().ok().map(|khz| u64::from(khz) * 1000)
+}
+
 /// The CPUID vCPU `id` gets: the host's supported CPUID (which includes KVM's paravirtual
 /// leaves, so the guest finds kvmclock), with its APIC id and TSC-deadline timer.
 fn cpuid(vm: &KvmVm, id: u8) -> Result<CpuId, KvmError> {

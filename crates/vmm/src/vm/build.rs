@@ -20,6 +20,7 @@ use super::shared::{Control, Shared};
 use super::state::{RunState, StopReason};
 use crate::boot;
 use crate::devices::irq::IrqLine;
+use crate::devices::pit::{self, PitPort};
 use crate::devices::serial::{SerialDevice, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, Layout, TelemetryPort};
@@ -250,6 +251,7 @@ fn build(
         kvm_vm.enable_dirty_ring(entries)?;
     }
     irqchip::create(&kvm_vm.vm)?;
+    let kvm_vm = Arc::new(kvm_vm);
     kick::install_handler().map_err(kvm::KvmError::Signal)?;
     crate::file_size_limit::catch_file_size_limit()?;
     let telemetry = Arc::new(Mutex::new(GuestTelemetry::default()));
@@ -303,7 +305,7 @@ fn build(
         generation,
         telemetry,
         ram,
-        kvm: Arc::new(kvm_vm),
+        kvm: kvm_vm,
         vcpu_fds: OnceLock::new(),
         description,
         msrs: OnceLock::new(),
@@ -317,6 +319,7 @@ fn build(
         then_incoming: Mutex::new(None),
         throttle: Throttle::default(),
         dirty_limit: crate::dirty_limit::DirtyLimit::new(usize::from(config.vcpus)),
+        tsc_host_hz: OnceLock::new(),
         started: Instant::now(),
     });
     super::net::start_receiver(&shared)?;
@@ -332,14 +335,15 @@ struct Parts {
     generation: Arc<Mutex<VmGenId>>,
 }
 
-/// The serial ports, the telemetry port and the VM generation ID on the port bus, and the
+/// The serial ports, the telemetry port, the VM generation ID and the PIT's port 0x61 (KVM's
+/// PIT created with it, after the interrupt controller) on the port bus, and the
 /// balloon and the disk on the MMIO bus, their interrupts wired; the generation ID after the
 /// telemetry port, whose state it loads into (`devices::registry`). An `arriving` VM (a
 /// migration's destination, a restore) opens its disk's image only when the guest's state
 /// is loaded, after the source paused and flushed it, so two VMMs never write one image.
 fn devices(
     config: &VmConfig,
-    kvm_vm: &KvmVm,
+    kvm_vm: &Arc<KvmVm>,
     ram: &Arc<GuestRam>,
     telemetry: &Arc<Mutex<GuestTelemetry>>,
     arriving: bool,
@@ -382,6 +386,9 @@ fn devices(
         vmgenid::LEN,
     );
     devices.register("VM generation ID", 0, at, generation.clone())?;
+    let pit = PitPort::create(kvm_vm.clone())?;
+    let at = (BusKind::Pio, u64::from(pit::PORT), pit::LEN);
+    devices.register("PIT", 0, at, Arc::new(Mutex::new(pit)))?;
     let balloon = match config.balloon {
         false => None,
         true => {

@@ -226,8 +226,11 @@ impl VmHandle {
         self.0.disk_copy_status()
     }
 
+    /// The guest's telemetry, with the TSC frequency KVM gives it beside its calibration.
     pub fn telemetry(&self) -> GuestTelemetry {
-        self.0.telemetry.lock().unwrap().clone()
+        let mut t = self.0.telemetry.lock().unwrap().clone();
+        t.tsc_host_hz = self.0.tsc_host_hz.get().copied();
+        t
     }
 
     pub fn ram(&self) -> &GuestRam {

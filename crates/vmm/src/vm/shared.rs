@@ -136,6 +136,8 @@ pub(crate) struct Shared {
     pub(super) throttle: Throttle,
     /// The per-vCPU dirty limit (see `dirty_limit.rs`).
     pub(crate) dirty_limit: DirtyLimit,
+    /// The TSC frequency KVM gives the guest, once the vCPUs exist (`create_vcpus`).
+    pub(super) tsc_host_hz: OnceLock<u64>,
     pub(super) started: Instant,
 }
 
@@ -167,6 +169,9 @@ impl Shared {
         let msrs = crate::kvm::state::readable_msrs(&self.kvm.kvm, &fds[0].lock().unwrap())?;
         // Only the state load or a boot creates them, on one thread, before any vCPU runs.
         let _ = self.msrs.set(msrs);
+        if let Some(hz) = vcpu::tsc_hz(&fds[0].lock().unwrap()) {
+            let _ = self.tsc_host_hz.set(hz);
+        }
         let _ = self.vcpu_fds.set(fds);
         Ok(true)
     }
