@@ -153,7 +153,7 @@ impl Device for TelemetryPort {
 
 #[cfg(test)]
 mod tests {
-    use ferry_guest_abi::report::{Kind, Report};
+    use ferry_guest_abi::report::{DETAIL_WORDS, Kind, Report};
 
     use super::*;
 
@@ -184,6 +184,19 @@ mod tests {
         port.telemetry.lock().unwrap().pages_written
     }
 
+    /// A report of `kind` with `detail`, written where the guest writes one and sent.
+    fn deliver(port: &mut TelemetryPort, kind: Kind, detail: [u64; DETAIL_WORDS]) {
+        let r = Report {
+            kind: kind as u16,
+            detail,
+            ..Report::default()
+        };
+        port.ram
+            .write(u64::from(REPORT_GPA), &r.to_bytes())
+            .unwrap();
+        port.write(0, &REPORT_GPA.to_le_bytes());
+    }
+
     #[test]
     fn a_disk_report_through_the_port_shows_on_the_telemetry() {
         use ferry_guest_abi::report::DiskCounters;
@@ -198,15 +211,7 @@ mod tests {
             blocks: 256,
             ..DiskCounters::default()
         };
-        let r = Report {
-            kind: Kind::Disk as u16,
-            detail: counters.to_detail(),
-            ..Report::default()
-        };
-        port.ram
-            .write(u64::from(REPORT_GPA), &r.to_bytes())
-            .unwrap();
-        port.write(0, &REPORT_GPA.to_le_bytes());
+        deliver(&mut port, Kind::Disk, counters.to_detail());
         let disk = port.telemetry.lock().unwrap().disk.unwrap();
         assert_eq!(
             (disk.blocks_written, disk.blocks, disk.first_bad_block),
@@ -229,15 +234,7 @@ mod tests {
             seq_gaps: 1,
             ..NetCounters::default()
         };
-        let r = Report {
-            kind: Kind::Net as u16,
-            detail: counters.to_detail(),
-            ..Report::default()
-        };
-        port.ram
-            .write(u64::from(REPORT_GPA), &r.to_bytes())
-            .unwrap();
-        port.write(0, &REPORT_GPA.to_le_bytes());
+        deliver(&mut port, Kind::Net, counters.to_detail());
         let net = port.telemetry.lock().unwrap().net.unwrap();
         assert_eq!((net.echoes_sent, net.last_seq, net.seq_gaps), (99, 100, 1));
     }
