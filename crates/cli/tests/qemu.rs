@@ -39,7 +39,7 @@ fn three_heartbeats(machine: &str, append: &str) -> String {
     if Command::new(qemu).arg("--version").output().is_err() {
         panic!(
             "\n\n*** THIS TEST NEEDS {qemu} AND CANNOT RUN IT ***\n\
-             *** install Debian's qemu-system-x86 (.ci/run does) ***\n\n"
+             *** run scripts/test-setup (it installs Debian's qemu-system-x86) ***\n\n"
         );
     }
     let dir = tempfile::tempdir().unwrap();
