@@ -83,6 +83,14 @@ impl BandwidthWindow {
         }
     }
 
+    /// Bytes carried between the window's oldest and newest sample.
+    pub fn window_bytes(&self) -> u64 {
+        match (self.samples.front(), self.samples.back()) {
+            (Some(&(_, b0)), Some(&(_, b1))) => b1 - b0,
+            _ => 0,
+        }
+    }
+
     /// Bytes per second over the window; 0 until two samples lie apart in busy time.
     pub fn rate(&self) -> f64 {
         match (self.samples.front(), self.samples.back()) {

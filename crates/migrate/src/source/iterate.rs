@@ -108,7 +108,7 @@ impl<P: Target> Session<'_, P> {
             };
             let bytes = chunk.data.len() as u64;
             if pacing == Pacing::Limited {
-                self.pace(bytes)?;
+                self.pace()?;
             }
             self.link_busy();
             self.peer.send_state_chunk(&chunk)?;

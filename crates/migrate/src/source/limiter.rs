@@ -55,6 +55,12 @@ impl Limiter {
         self.bytes += bytes;
     }
 
+    /// Counts `bytes` handed over since the limit was set, as measured: unlike [`Limiter::add`]
+    /// it may lower the count, when what was counted ahead cost less than counted.
+    pub fn set(&mut self, bytes: u64) {
+        self.bytes = bytes;
+    }
+
     /// How long to wait, `elapsed` after the start, before what was counted may go out: the
     /// time the counted bytes take at the limit, less the time already spent. Zero when the
     /// average is already at or under the limit.

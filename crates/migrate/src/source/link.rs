@@ -13,8 +13,19 @@ use crate::compress::WireShare;
 pub(super) struct Link {
     /// `None` without a bandwidth limit.
     pub(super) limiter: Option<Limiter>,
+    /// Bytes written on all connections when the limit was set: the limiter counts from there
+    /// (`Session::pace`).
+    pub(super) limit_base: u64,
     /// The send rate over the recent busy window (`bandwidth.rs`).
     pub(super) bandwidth: BandwidthWindow,
+    /// The walk's rate, in page bytes the senders finished (data or zero) over the same busy
+    /// clock: what a pass's remaining pages go at, where the send rate of a guest of zeros
+    /// is a few KB/s of runs.
+    pub(super) walk: BandwidthWindow,
+    /// Pages handed to the senders so far (the walk's count is these less those pending).
+    pub(super) handed_pages: u64,
+    /// The walk's count when last taken, in page bytes (it only grows).
+    pub(super) walked: u64,
     /// What a data page costs on the wire lately, with compression (`compress.rs`).
     pub(super) wire: WireShare,
 }

@@ -65,9 +65,24 @@ impl<P: Target> Session<'_, P> {
     pub(super) fn link_busy(&mut self) {
         let now = Instant::now();
         self.link.bandwidth.busy(now, self.bytes_written());
+        let walked = self.walked_bytes();
+        self.link.walk.busy(now, walked);
         if let Some(acks) = self.peer.acks_mut() {
             acks.absorbed.busy(now, acks.acked);
         }
+    }
+
+    /// Page bytes the senders finished so far, data or zero (the walk's rate counts them):
+    /// the pages the session handed over less those pending. Never less than last time (pages
+    /// the preempt connection's reader queues itself are pending but not handed here).
+    pub(super) fn walked_bytes(&mut self) -> u64 {
+        let done = self
+            .link
+            .handed_pages
+            .saturating_sub(self.peer.pending_pages())
+            * PAGE_SIZE;
+        self.link.walked = self.link.walked.max(done);
+        self.link.walked
     }
 
     /// Stops a rate clock whose pipeline is empty: the senders wrote every page queued on
@@ -76,6 +91,8 @@ impl<P: Target> Session<'_, P> {
         let now = Instant::now();
         if self.peer.pending_pages() == 0 {
             self.link.bandwidth.idle(now, self.bytes_written());
+            let walked = self.walked_bytes();
+            self.link.walk.idle(now, walked);
         }
         let in_flight = self.in_flight();
         if let Some(acks) = self.peer.acks_mut()

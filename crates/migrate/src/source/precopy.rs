@@ -19,7 +19,7 @@ use crate::stats::{PassStats, PostcopyTrigger, SampleKind};
 use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, PAGE_SIZE};
 
-/// What a record costs the link per page: its 8-byte address and the page.
+/// What a queued page may cost the link before it is written: its 8-byte address and the page.
 const BYTES_PER_PAGE: u64 = 8 + PAGE_SIZE;
 
 impl<P: Target> Session<'_, P> {
@@ -128,6 +128,8 @@ impl<P: Target> Session<'_, P> {
         self.peer.max_bandwidth_changed(rate);
         let now = self.report.start.elapsed();
         self.link.limiter = rate.map(|r| Limiter::from(r, now));
+        // The new limit counts from now: what was written before is not its to charge.
+        self.link.limit_base = self.bytes_written();
     }
 
     /// Lowers a throttle in force to the auto-converge cap now in force, or lifts it when
@@ -335,12 +337,12 @@ impl<P: Target> Session<'_, P> {
         if !gpas.is_empty() {
             self.link_busy();
         }
-        let share = self.wire_share();
         for batch in gpas.chunks(self.params.packet_pages as usize) {
             if pacing == Pacing::Limited {
-                self.pace((batch.len() as f64 * BYTES_PER_PAGE as f64 * share) as u64)?;
+                self.pace()?;
             }
             self.peer.queue_pages(batch.to_vec())?;
+            self.link.handed_pages += batch.len() as u64;
         }
         self.after_batch();
         Ok(gpas.len() as u64)
@@ -356,16 +358,21 @@ impl<P: Target> Session<'_, P> {
         self.link.wire.update(pages, wire)
     }
 
-    /// Sleeps, in slices that look at cancellation, until sending `bytes` more keeps the
-    /// average at or under `max_bandwidth`.
-    pub(super) fn pace(&mut self, bytes: u64) -> Result<(), MigrateError> {
-        let Some(limiter) = &mut self.link.limiter else {
-            return Ok(());
-        };
-        limiter.add(bytes);
-        let limiter = *limiter;
+    /// Sleeps, in slices that look at cancellation, until what the link carried keeps the
+    /// average at or under `max_bandwidth`. What is charged is measured, not guessed per
+    /// batch: the bytes written on every connection since the limit was set, and the pages
+    /// queued on the senders and not written yet at a whole page each (re-counted every slice
+    /// as they go out). A zero page then costs the link the few bytes of its run and a
+    /// compressed page what it compressed to, so a guest of zeros is walked at the senders'
+    /// speed, and a cap limits the link, as it says.
+    pub(super) fn pace(&mut self) -> Result<(), MigrateError> {
         loop {
             self.check_control()?;
+            let carried = self.bytes_written() + self.peer.pending_pages() * BYTES_PER_PAGE;
+            let Some(limiter) = &mut self.link.limiter else {
+                return Ok(());
+            };
+            limiter.set(carried.saturating_sub(self.link.limit_base));
             let wait = limiter.wait(self.report.start.elapsed());
             if wait.is_zero() {
                 return Ok(());

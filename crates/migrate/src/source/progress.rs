@@ -22,12 +22,18 @@ use crate::wire::PAGE_SIZE;
 /// batches.
 const PUBLISH_INTERVAL: Duration = Duration::from_millis(50);
 
+/// Bytes the send rate's window must have carried before a pause predicted from it is
+/// published: 1 MiB, what a few hundred data pages make; a window of zero runs carries KBs.
+const MEASURED_BYTES: u64 = 1 << 20;
+
 impl<P: Target> Session<'_, P> {
     /// After a batch went to the channels: samples the send rate, the destination's
     /// acknowledgements and the timeline, and now and then publishes progress.
     pub(super) fn after_batch(&mut self) {
         let now = Instant::now();
         self.link.bandwidth.record(now, self.bytes_written());
+        let walked = self.walked_bytes();
+        self.link.walk.record(now, walked);
         self.note_acks();
         self.report.samples += 1;
         self.sample(SampleKind::Tick);
@@ -51,14 +57,15 @@ impl<P: Target> Session<'_, P> {
             self.report.start.elapsed(),
         );
         let state = self.pending_state();
-        let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE + state;
+        let pages = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        let eta = self.eta_ms(pages, state);
         self.control.update(|p| {
             p.state_remaining_bytes = state;
             p.bytes_sent = sent;
             p.bandwidth_mb_s = bandwidth / 1e6;
             p.elapsed_ms = ms(elapsed);
-            p.remaining_bytes = remaining;
-            p.eta_ms = eta_ms(remaining, bandwidth);
+            p.remaining_bytes = pages + state;
+            p.eta_ms = eta;
             if let Some(pc) = postcopy {
                 p.postcopy_requests = pc.requests;
                 p.postcopy_pages_requested = pc.pages_requested;
@@ -70,6 +77,13 @@ impl<P: Target> Session<'_, P> {
     pub(super) fn publish_pass(&mut self, pass: u32, now: &Observation, dirty_rate: f64) {
         let sent = self.bytes_written();
         let state = self.pending_state();
+        let eta = self.eta_ms(self.bitmap.count() * PAGE_SIZE, state);
+        // A rate measured over a few KB (runs of zero pages) predicts no pause worth showing.
+        let downtime = if self.link.bandwidth.window_bytes() >= MEASURED_BYTES {
+            now.expected_downtime().map(ms)
+        } else {
+            None
+        };
         self.control.update(|p| {
             p.pass = pass;
             p.state_remaining_bytes = state;
@@ -77,10 +91,19 @@ impl<P: Target> Session<'_, P> {
             p.remaining_bytes = now.remaining_bytes;
             p.bandwidth_mb_s = now.bandwidth / 1e6;
             p.dirty_rate_pages_per_s = dirty_rate;
-            p.expected_downtime_ms = now.expected_downtime().map(ms);
-            p.eta_ms = eta_ms(now.remaining_bytes, now.bandwidth);
+            p.expected_downtime_ms = downtime;
+            p.eta_ms = eta;
             p.elapsed_ms = ms(now.elapsed);
         });
+    }
+
+    /// When what is left should be sent: its pages at the walk's rate (zero pages go at the
+    /// senders' speed, data at the link's), its device state at the send rate. `None` until
+    /// the rates it needs are measured.
+    fn eta_ms(&self, page_bytes: u64, state_bytes: u64) -> Option<f64> {
+        let pages = eta_ms(page_bytes, self.link.walk.rate())?;
+        let state = eta_ms(state_bytes, self.link.bandwidth.rate())?;
+        Some(pages + state)
     }
 
     /// Publishes a new phase and marks it on the timeline. Past precopy, the pause a dirty
@@ -139,6 +162,9 @@ impl<P: Target> Session<'_, P> {
 
 /// How long `remaining` bytes take at `rate` bytes per second; `None` before a rate is known.
 fn eta_ms(remaining: u64, rate: f64) -> Option<f64> {
+    if remaining == 0 {
+        return Some(0.0);
+    }
     (rate > 0.0).then(|| remaining as f64 / rate * 1e3)
 }
 
@@ -149,5 +175,10 @@ mod tests {
         assert_eq!(super::eta_ms(100_000_000, 50e6), Some(2000.0));
         assert_eq!(super::eta_ms(0, 50e6), Some(0.0));
         assert_eq!(super::eta_ms(100, 0.0), None);
+        assert_eq!(
+            super::eta_ms(0, 0.0),
+            Some(0.0),
+            "nothing left needs no rate"
+        );
     }
 }

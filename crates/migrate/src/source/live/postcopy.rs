@@ -346,6 +346,7 @@ impl Session<'_> {
             match self.peer.pool.try_queue_pages(std::mem::take(&mut held))? {
                 None => {
                     pc.pages_background += n;
+                    self.link.handed_pages += n;
                     held.reserve(packet);
                     self.after_batch();
                 }
