@@ -29,6 +29,21 @@ impl std::error::Error for UsageError {}
 /// An error and its causes in one line, each cause once: most of ferry's errors already say
 /// their cause's words (`cannot listen on ...: Address in use`), which anyhow's `{:#}` would
 /// print a second time.
+/// Whether `e` refuses a value the user gave before anything was done: the CLI's own
+/// [`UsageError`], a VM refused for its configuration, or an address that is not one.
+pub fn is_usage(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause.is::<UsageError>()
+            || cause
+                .downcast_ref::<ferry_vmm::VmmError>()
+                .is_some_and(ferry_vmm::VmmError::is_usage)
+            || matches!(
+                cause.downcast_ref::<ferry_migrate::transport::AddressError>(),
+                Some(ferry_migrate::transport::AddressError::Syntax(_))
+            )
+    })
+}
+
 pub fn error_text(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {

@@ -136,7 +136,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("ferry: error: {}", exit::error_text(&e));
-            if e.downcast_ref::<UsageError>().is_some() {
+            if exit::is_usage(&e) {
                 ExitCode::from(exit::USAGE)
             } else {
                 ExitCode::from(exit::FAILED)

@@ -41,3 +41,27 @@ pub enum VmmError {
     #[error(transparent)]
     Tap(#[from] crate::tap::TapError),
 }
+
+impl VmmError {
+    /// Whether the VM was refused for a value the user gave (`--memory`, `--vcpus`, the guest's
+    /// command line, a tap's name) before anything was set up: a usage error, which `ferry run`
+    /// exits with as it does for a flag its parser refuses.
+    pub fn is_usage(&self) -> bool {
+        use crate::memory::MemoryError as M;
+        match self {
+            VmmError::Vcpus(_) => true,
+            VmmError::Memory(e) => matches!(
+                e,
+                M::TooSmall { .. } | M::TooLarge { .. } | M::Unaligned { .. }
+            ),
+            VmmError::Boot(e) => matches!(
+                e,
+                BootError::Cmdline(_)
+                    | BootError::CmdlineText { .. }
+                    | BootError::MemoryTooSmall { .. }
+            ),
+            VmmError::Tap(e) => matches!(e, crate::tap::TapError::BadName { .. }),
+            _ => false,
+        }
+    }
+}

@@ -343,14 +343,9 @@ impl VmHandle {
     }
 }
 
-/// `tcp:HOST:PORT`, `unix:PATH`, or a bare `HOST:PORT`.
+/// `tcp:HOST:PORT`, `unix:PATH`, or a bare `HOST:PORT` (the address's own syntax).
 fn address_of(to: &str) -> Result<Address, ferry_migrate::transport::AddressError> {
-    let spelled = if to.starts_with("tcp:") || to.starts_with("unix:") {
-        to.to_string()
-    } else {
-        format!("tcp:{to}")
-    };
-    spelled.parse()
+    to.parse()
 }
 
 fn connect(to: &Dialer) -> Result<Box<dyn Stream>, MigrateError> {

@@ -68,14 +68,29 @@ impl std::fmt::Display for Address {
     }
 }
 
+/// Whether `a` is `HOST:PORT`: a host, and a port that is a number.
+fn host_port(a: &str) -> bool {
+    a.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+}
+
+/// `tcp:HOST:PORT`, `unix:PATH`, or a bare `HOST:PORT` (TCP), as the API takes them: a bare
+/// host holds no `:` unless bracketed (`[::1]:4444`), so `udp:h:1` is not read as a host.
 impl std::str::FromStr for Address {
     type Err = AddressError;
     fn from_str(s: &str) -> Result<Address, AddressError> {
         if let Some(a) = s.strip_prefix("tcp:")
-            && a.rsplit_once(':')
-                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+            && host_port(a)
         {
             return Ok(Address::Tcp(a.to_string()));
+        }
+        if !s.starts_with("tcp:")
+            && !s.starts_with("unix:")
+            && host_port(s)
+            && s.rsplit_once(':')
+                .is_some_and(|(h, _)| !h.contains(':') || h.starts_with('['))
+        {
+            return Ok(Address::Tcp(s.to_string()));
         }
         if let Some(p) = s.strip_prefix("unix:")
             && !p.is_empty()

@@ -36,8 +36,19 @@ fn addresses_parse_and_print_back() {
         let a: Address = ok.parse().unwrap();
         assert_eq!(a.to_string(), ok);
     }
+    for (bare, spelled) in [
+        ("127.0.0.1:4444", "tcp:127.0.0.1:4444"),
+        ("localhost:1", "tcp:localhost:1"),
+        ("[::1]:4444", "tcp:[::1]:4444"),
+    ] {
+        let a: Address = bare.parse().unwrap();
+        assert_eq!(a.to_string(), spelled, "a bare HOST:PORT is TCP");
+    }
     for bad in [
-        "127.0.0.1:4444",
+        "127.0.0.1",
+        "::1:4444",
+        "h:port",
+        "/run/ferry.sock",
         "tcp:4444",
         "tcp:h:port",
         "unix:",
