@@ -221,7 +221,8 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let (progress, received) = received;
     let progress = progress?;
     if let Some(stats) = &progress.stats {
-        report::print_stats(stats);
+        // The table only: the same figures as JSON go to --stats-out.
+        report::print_table(stats);
         if let Some(path) = &args.stats_out {
             report::write_stats(path, stats, None)?;
         }

@@ -516,9 +516,11 @@ fn follow_to_the_end(args: &MigrateArgs, to: &str, until: Until) -> anyhow::Resu
         Phase::Completed => {
             eprintln!(
                 "ferry: migration completed; the guest runs on {to}, {}",
-                match moved_on {
-                    true => "and the source VMM waits for the next migration (--then-incoming)",
-                    false => "the source VM is paused",
+                match (moved_on, progress.local) {
+                    (true, _) =>
+                        "and the source VMM waits for the next migration (--then-incoming)",
+                    (false, true) => "and the old VMM process, which handed it over, exits",
+                    (false, false) => "the source VM is paused",
                 }
             );
             Ok(ExitCode::from(exit::COMPLETED))

@@ -46,6 +46,9 @@ pub(crate) fn print_stats(
         return Ok(());
     };
     match output {
+        OutputArg::Table if progress.phase == Phase::Completed && progress.local => {
+            report::print_local_table(stats)
+        }
         OutputArg::Table if progress.phase == Phase::Completed => report::print_table(stats),
         // A migration that ended early has no downtime or final pass to show: one line.
         OutputArg::Table => report::print_partial(stats, progress.phase),

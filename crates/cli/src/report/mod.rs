@@ -30,7 +30,7 @@ use ferry_vmm::disk_copy::DiskCopyStatus;
 pub use live::{Live, PlainLines};
 pub use plot::Run;
 pub use text::{
-    disk_copy_line, downtime_parts, phase_name, print_partial, print_stats, print_table,
+    disk_copy_line, downtime_parts, phase_name, print_local_table, print_partial, print_table,
     progress_line,
 };
 

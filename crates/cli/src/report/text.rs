@@ -23,6 +23,7 @@ pub fn progress_figures(p: &Progress) -> String {
         None => "eta -".into(),
     };
     let line = match p.phase {
+        Phase::Setup if p.local => "connecting, passing guest RAM's descriptor".into(),
         Phase::Setup => "connecting, opening the data channels, starting the dirty log".into(),
         Phase::Precopy => {
             let dirty = match p.pass {
@@ -61,6 +62,7 @@ pub fn progress_figures(p: &Progress) -> String {
             p.postcopy_requests,
             p.postcopy_pages_requested
         ),
+        Phase::Completed if p.local => "guest RAM handed over, no page sent".into(),
         Phase::Completed | Phase::Failed | Phase::Cancelled => sent,
     };
     line + &throttled(p.throttle_percent) + &recovered(p)
@@ -149,22 +151,6 @@ pub fn trigger_name(trigger: PostcopyTrigger) -> &'static str {
     }
 }
 
-/// The statistics as a table, then as one JSON line (`ferry demo`).
-pub fn print_stats(s: &MigrationStats) {
-    print_table(s);
-    print_json(s);
-}
-
-/// The statistics as one JSON line for scripts: the timeline (up to a few hundred KiB) goes
-/// only to --stats-out.
-pub fn print_json(s: &MigrationStats) {
-    let mut line = serde_json::to_value(s).unwrap_or_default();
-    if let Some(map) = line.as_object_mut() {
-        map.remove("timeline");
-    }
-    println!("{line}");
-}
-
 /// What a migration that did not complete had done, in one line: no downtime, no final pass.
 pub fn print_partial(s: &MigrationStats, phase: ferry_migrate::Phase) {
     let when = match s.timeline.last().map_or(s.passes.len() as u32, |x| x.pass) {
@@ -177,6 +163,34 @@ pub fn print_partial(s: &MigrationStats, phase: ferry_migrate::Phase) {
         s.total_ms / 1000.0,
         s.bytes_sent as f64 / 1e6,
         s.bandwidth_mb_s
+    );
+}
+
+/// A local handover's statistics for a person: its time and pause, and the state that moved;
+/// no page was sent and no dirty page tracked, so a copy's figures (sent, passes, dirty
+/// syncs) would all read zero.
+pub fn print_local_table(s: &MigrationStats) {
+    let d = &s.downtime;
+    println!(
+        "total            {:>10.1} ms (setup {:.1} ms: guest RAM's descriptor passed, no page copied)",
+        s.total_ms, s.setup_ms
+    );
+    println!(
+        "downtime         {:>10.1} ms = {}",
+        d.total_ms,
+        downtime_parts(d)
+    );
+    if !d.save_parts.is_empty() || !d.load_parts.is_empty() {
+        println!(
+            "state            {:>10.1} KB; save: {}",
+            d.state_bytes as f64 / 1024.0,
+            parts_summary(&d.save_parts)
+        );
+        println!("                 load: {}", parts_summary(&d.load_parts));
+    }
+    println!(
+        "CPU              {:>10.3} s old process, {:.3} s new process",
+        s.cpu_seconds_source, s.cpu_seconds_destination
     );
 }
 
