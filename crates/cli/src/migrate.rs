@@ -112,22 +112,27 @@ pub struct MigrateArgs {
     #[arg(long, value_name = "tcp:HOST:PORT|unix:PATH")]
     to: String,
     /// Longest pause the switchover may cause at the measured bandwidth (QEMU: downtime-limit).
-    #[arg(long, default_value_t = ms(defaults().downtime_limit_ms))]
+    #[arg(help_heading = "Convergence", long, default_value_t = ms(defaults().downtime_limit_ms))]
     downtime_limit: humantime::Duration,
     /// Cap on the send rate in bytes per second, e.g. 1G (QEMU: max-bandwidth). Default: none.
-    #[arg(long, value_parser = crate::sizes::parse_size)]
+    #[arg(help_heading = "Convergence", long, value_parser = crate::sizes::parse_size)]
     max_bandwidth: Option<u64>,
     /// Cap each vCPU's dirty rate at this many bytes per second for the whole migration,
     /// e.g. 50M: a vCPU that dirties faster sleeps in proportion, the others run freely
     /// (QEMU: set-vcpu-dirty-limit). Needs the VM's dirty ring (`ferry run --dirty-ring`).
-    #[arg(long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S")]
+    #[arg(help_heading = "Convergence", long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S")]
     dirty_limit: Option<u64>,
     /// Give up converging after this long, e.g. 60s. Default: no timeout.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(help_heading = "Convergence", long, value_parser = humantime::parse_duration)]
     timeout: Option<Duration>,
     /// What to do at the timeout: cancel (the source keeps running), force the switchover,
     /// or switch to postcopy (needs --postcopy).
-    #[arg(long, value_enum, default_value = "cancel")]
+    #[arg(
+        help_heading = "Convergence",
+        long,
+        value_enum,
+        default_value = "cancel"
+    )]
     timeout_action: TimeoutActionArg,
     /// Throttle the guest's vCPUs when precopy stalls (the guest dirties more than half of
     /// what each pass sends, two passes in a row): 20% of their time asleep, 10 points more
@@ -137,21 +142,26 @@ pub struct MigrateArgs {
     /// half of what the link carries, halved per further stalled pass down to 1 MB/s, and
     /// vCPUs that only compute run freely (QEMU: dirty-limit). It needs the VM's dirty ring
     /// (`ferry run --dirty-ring`); without it auto-converge throttles.
-    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off|dirty-limit")]
+    #[arg(help_heading = "Convergence", long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off|dirty-limit")]
     auto_converge: AutoConvergeArg,
     /// Auto-converge's highest throttle, percent of vCPU time asleep (1 to 99).
-    #[arg(long, default_value_t = defaults().max_throttle, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
+    #[arg(help_heading = "Convergence", long, default_value_t = defaults().max_throttle, value_parser = clap::value_parser!(u8).range(1..=99), value_name = "PERCENT")]
     max_throttle: u8,
     /// Data channels, each a TCP connection with a sender and a receiver thread (QEMU:
     /// multifd-channels).
-    #[arg(long, default_value_t = defaults().channels)]
+    #[arg(help_heading = "Data channels", long, default_value_t = defaults().channels)]
     channels: u16,
     /// Bytes of pages per batch on a data channel, a multiple of 4K up to 2M.
-    #[arg(long, default_value_t = defaults().packet_size, value_parser = crate::sizes::parse_size)]
+    #[arg(help_heading = "Data channels", long, default_value_t = defaults().packet_size, value_parser = crate::sizes::parse_size)]
     packet_size: u64,
     /// Where zero pages are found: inline (sender threads), offload (a scanning thread per
     /// channel), none (every page sent as data, for measurements).
-    #[arg(long, value_enum, default_value = "inline")]
+    #[arg(
+        help_heading = "Data channels",
+        long,
+        value_enum,
+        default_value = "inline"
+    )]
     zero_detection: ZeroDetectionArg,
     /// Write the statistics, with their timeline, as JSON here (for `ferry report`), whether
     /// the migration completed or not.
@@ -171,28 +181,34 @@ pub struct MigrateArgs {
     /// after --postcopy-after-passes passes, on a stall with --postcopy-on-stall, or on `ferry
     /// migrate-postcopy`. Once the guest ran on the destination the migration cannot be
     /// cancelled.
-    #[arg(long)]
+    #[arg(help_heading = "Postcopy", long)]
     postcopy: bool,
     /// With --postcopy: switch after this many precopy passes (1 = right after the first).
-    #[arg(long, value_name = "N", requires = "postcopy")]
+    #[arg(
+        help_heading = "Postcopy",
+        long,
+        value_name = "N",
+        requires = "postcopy"
+    )]
     postcopy_after_passes: Option<u32>,
     /// With --postcopy: send the pages the destination's guest waits for on a connection of
     /// their own, never behind the background stream (QEMU: postcopy-preempt).
-    #[arg(long, requires = "postcopy")]
+    #[arg(help_heading = "Postcopy", long, requires = "postcopy")]
     postcopy_preempt: bool,
     /// With --postcopy: switch to postcopy when precopy stalls, before throttling the guest.
-    #[arg(long, requires = "postcopy")]
+    #[arg(help_heading = "Postcopy", long, requires = "postcopy")]
     postcopy_on_stall: bool,
     /// With --postcopy: for this long after the guest resumed on the destination, send only the
     /// pages it asks for, before the background stream starts sharing the cores with its
     /// first faults (0s: start at once).
-    #[arg(long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(postcopy_defaults().quiet_start_ms))]
+    #[arg(help_heading = "Postcopy", long, value_name = "DURATION", requires = "postcopy", default_value_t = ms(postcopy_defaults().quiet_start_ms))]
     postcopy_quiet_start: humantime::Duration,
     /// With --postcopy: the background push's order after the switch: `hot` sends the memory
     /// the guest dirtied most recently and most often first (from the dirty syncs' history,
     /// per 2 MiB) and follows a vCPU that faults in order; `address` goes from the lowest
     /// address, each request moving it to just after the page asked for.
     #[arg(
+        help_heading = "Postcopy",
         long,
         value_enum,
         default_value = "hot",
@@ -203,35 +219,41 @@ pub struct MigrateArgs {
     /// With --postcopy: the most pages (4 KiB) a vCPU faulting in order pulls forward after
     /// the page it asked for; the window starts at 16 and doubles with each fault in order.
     /// 0 sends only the pages asked for.
-    #[arg(long, value_name = "PAGES", requires = "postcopy", default_value_t = postcopy_defaults().prefetch_pages)]
+    #[arg(help_heading = "Postcopy", long, value_name = "PAGES", requires = "postcopy", default_value_t = postcopy_defaults().prefetch_pages)]
     postcopy_prefetch: u64,
     /// With --postcopy: cap the send rate from the switch on, in bytes per second, e.g. 200M
     /// (QEMU: max-postcopy-bandwidth); it paces the background push only, never the pages the
     /// destination's guest waits for. Default: --max-bandwidth carries on.
-    #[arg(long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S", requires = "postcopy")]
+    #[arg(help_heading = "Postcopy", long, value_parser = crate::sizes::parse_size, value_name = "BYTES_PER_S", requires = "postcopy")]
     postcopy_max_bandwidth: Option<u64>,
     /// With --postcopy: when a connection breaks in postcopy, both sides pause instead of
     /// failing (the guest keeps running on the destination and waits for missing pages)
     /// until `ferry migrate-recover` on the destination and `ferry migrate --resume` here
     /// (QEMU: postcopy recovery). On by default: without it a broken connection loses the VM.
-    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
+    #[arg(help_heading = "Postcopy", long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     postcopy_recover: OnOff,
     /// Ask the guest's balloon for free page hints and skip the memory it reports free (virtio
     /// free page hinting): memory a guest used once and freed is not sent. On by default; a VM
     /// without a balloon, or a guest without its driver, sends every page.
-    #[arg(long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
+    #[arg(help_heading = "Convergence", long, value_enum, default_value = "on", num_args = 0..=1, default_missing_value = "on", value_name = "on|off")]
     free_page_hints: OnOff,
     /// Copy the VM's disk to the destination beside RAM, for a disk no host shares: its
     /// allocated ranges go while the guest runs, then what it wrote since, and the rest in
     /// the pause. Start the destination with --disk and a new (missing or empty) file; it
     /// becomes the image only when the migration completes. Without it the destination opens
     /// the same image (shared storage).
-    #[arg(long)]
+    #[arg(help_heading = "Data channels", long)]
     disk_copy: bool,
     /// What the CRC32C checksums cover: device state, control records, record headers and page
     /// addresses always (`state`); `pages` checksums page data too, at a cost `ferry bench
     /// channels` measures.
-    #[arg(long, value_enum, default_value = "state", value_name = "state|pages")]
+    #[arg(
+        help_heading = "Data channels",
+        long,
+        value_enum,
+        default_value = "state",
+        value_name = "state|pages"
+    )]
     checksum: ChecksumArg,
     /// Compress the pages of precopy's passes with zstd (at LEVEL, 1-19, default 1), batch by
     /// batch, after the zero scan; a batch that compresses poorly goes raw. `auto` compresses
@@ -240,6 +262,7 @@ pub struct MigrateArgs {
     /// costs CPU. With it on, --max-bandwidth counts a page at what data pages lately cost on
     /// the wire.
     #[arg(
+        help_heading = "Data channels",
         long,
         default_value = "off",
         value_name = "off|zstd[:LEVEL]|auto[:LEVEL]"
@@ -255,25 +278,29 @@ pub struct MigrateArgs {
     /// `0s` tries once.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     connect_timeout: Duration,
-    /// Hand the guest over to a destination on this host (--to unix:PATH) instead of copying
-    /// it: guest RAM's memfd goes over the socket, no page is sent, and the guest pauses only
-    /// for its device state (a live update of the VMM under a running guest).
-    #[arg(long, conflicts_with = "postcopy")]
-    local: bool,
-    #[command(flatten)]
-    allow: crate::peers::AllowUidArgs,
     /// Resume a migration in postcopy-paused: reconnect to the destination, which listens at
     /// --to after `ferry migrate-recover`, and follow the migration to its end. Only
     /// --api-socket, --to and --stats-out count with it: the rest was set at the start.
     #[arg(long)]
     resume: bool,
+    /// Hand the guest over to a destination on this host (--to unix:PATH) instead of copying
+    /// it: guest RAM's memfd goes over the socket, no page is sent, and the guest pauses only
+    /// for its device state (a live update of the VMM under a running guest).
+    #[arg(long, conflicts_with = "postcopy")]
+    local: bool,
+    #[command(flatten, next_help_heading = "Security (TLS, local peers)")]
+    allow: crate::peers::AllowUidArgs,
     /// TLS on every connection (see --tls-dir); with --resume the migration's own TLS is
     /// used again and these are ignored.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Security (TLS, local peers)")]
     tls: crate::tls::TlsArgs,
     /// With TLS: the name the destination's certificate must carry, when it is not the host
     /// in --to (always needed for unix:PATH).
-    #[arg(long, value_name = "NAME")]
+    #[arg(
+        help_heading = "Security (TLS, local peers)",
+        long,
+        value_name = "NAME"
+    )]
     tls_name: Option<String>,
 }
 
