@@ -516,7 +516,11 @@ impl GuestTelemetry {
             self.window.pop_front();
         }
         let (t0, p0) = self.window[0];
-        if host_ns > t0 {
+        // Each vCPU's report carries its own total, so a window of a few reports (after a
+        // start, or a migration cleared it) may hold one vCPU's whole backlog over the
+        // microseconds between two vCPUs' reports: no rate until it spans a quarter of its
+        // length, whatever the last rate was until then.
+        if host_ns >= t0 + RATE_WINDOW_NS / 4 {
             let rate = (self.pages_written - p0) as f64 * 1e9 / (host_ns - t0) as f64;
             self.write_rate_pages_per_s = rate;
             self.write_rate_mb_s = rate * ferry_guest_abi::PAGE_SIZE as f64 / 1e6;
@@ -559,6 +563,19 @@ mod tests {
             "{}",
             t.write_rate_pages_per_s
         );
+    }
+
+    #[test]
+    fn no_rate_from_two_vcpus_reports_microseconds_apart() {
+        let mut t = GuestTelemetry::default();
+        let mut second = heartbeat(0, 1_000_000);
+        second.vcpu = 1;
+        t.record(&heartbeat(0, 10), 1_000_000_000);
+        // vCPU 1's first report, 10 µs later, brings the million pages it wrote since boot.
+        t.record(&second, 1_000_010_000);
+        assert_eq!(t.write_rate_pages_per_s, 0.0, "no rate over 10 µs");
+        t.record(&heartbeat(1, 20), 1_300_000_000);
+        assert!(t.write_rate_pages_per_s > 0.0, "a rate once 300 ms passed");
     }
 
     #[test]
