@@ -279,6 +279,13 @@ impl<'a, P: Target> Session<'a, P> {
                 let s = self.finish_stats();
                 self.control.update(|p| {
                     p.phase = Phase::Completed;
+                    // The final figures, as the statistics give them: the last publish came
+                    // before the pause.
+                    p.bytes_sent = s.bytes_sent;
+                    p.remaining_bytes = 0;
+                    p.state_remaining_bytes = 0;
+                    p.eta_ms = Some(0.0);
+                    p.elapsed_ms = s.total_ms;
                     p.stats = Some(s.clone());
                 });
                 Ok(s)
