@@ -424,9 +424,21 @@ fn every_failure_ends_as_the_protocol_promises() {
     ];
     // FERRY_FAILURE_ROWS=TEXT walks only the rows whose "Fault at Phase" name contains it.
     let only = std::env::var("FERRY_FAILURE_ROWS").unwrap_or_default();
-    for (at, fault, outcome) in matrix {
-        if format!("{fault:?} at {at:?}").contains(&only) {
+    let rows = matrix.len();
+    for (n, (at, fault, outcome)) in matrix.into_iter().enumerate() {
+        let name = format!("{fault:?} at {at:?}");
+        if name.contains(&only) {
+            let started = Instant::now();
             row(at, fault, outcome);
+            // The rows take minutes in all: a line per row, past the test harness's capture
+            // (which takes only the print macros), says the walk goes on.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "failure matrix: row {}/{rows} ({name}: {outcome:?}) held in {:.1} s",
+                n + 1,
+                started.elapsed().as_secs_f64()
+            );
         }
     }
 }
