@@ -6,8 +6,10 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
+
+use crate::events::{EventKind, EventLog};
 
 use serde::{Deserialize, Serialize};
 
@@ -168,9 +170,21 @@ pub struct Control {
     /// New settings not yet taken by the migration.
     tuning: Mutex<Option<Tuning>>,
     progress: Mutex<Progress>,
+    /// Where phase changes and pass ends are logged for watchers, if the VMM keeps a log.
+    events: Option<Arc<EventLog>>,
 }
 
 impl Control {
+    /// A control whose phase changes and pass ends go to `events` as they are published,
+    /// starting with its first phase (setup) now.
+    pub fn with_events(events: Arc<EventLog>) -> Control {
+        log_change(&events, (Phase::Failed, 0), &Progress::default());
+        Control {
+            events: Some(events),
+            ..Control::default()
+        }
+    }
+
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::Relaxed);
     }
@@ -256,14 +270,68 @@ impl Control {
         self.progress.lock().unwrap().clone()
     }
 
+    /// Changes the published progress; a phase entered or a pass ended is logged in the same
+    /// moment, under the same lock, so a watcher never sees the event before the figures.
     pub fn update(&self, f: impl FnOnce(&mut Progress)) {
-        f(&mut self.progress.lock().unwrap());
+        let mut p = self.progress.lock().unwrap();
+        let before = (p.phase, p.pass);
+        f(&mut p);
+        if let Some(events) = &self.events {
+            log_change(events, before, &p);
+        }
+    }
+}
+
+/// Logs in `events` what changed on the source between `before` (its phase and pass) and
+/// `now`: a pass that ended in precopy, a phase entered (with the end's figures or cause).
+fn log_change(events: &EventLog, before: (Phase, u32), now: &Progress) {
+    if now.pass != before.1 && now.pass > 0 && now.phase == Phase::Precopy {
+        events.push(EventKind::Pass {
+            pass: now.pass,
+            remaining_bytes: now.remaining_bytes,
+            bytes_sent: now.bytes_sent,
+            bandwidth_mb_s: now.bandwidth_mb_s,
+            dirty_rate_pages_per_s: now.dirty_rate_pages_per_s,
+            expected_downtime_ms: now.expected_downtime_ms,
+            elapsed_ms: now.elapsed_ms,
+        });
+    }
+    if now.phase != before.0 {
+        let stats = now.stats.as_ref().filter(|_| now.phase == Phase::Completed);
+        events.push(EventKind::Source {
+            phase: now.phase,
+            error: now.error.clone().filter(|_| !now.phase.is_active()),
+            total_ms: stats.map(|s| s.total_ms),
+            downtime_ms: stats.map(|s| s.downtime.total_ms),
+            bytes_sent: stats.map(|s| s.bytes_sent),
+        });
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pass_and_a_phase_are_logged_as_they_change() {
+        let log = Arc::new(EventLog::default());
+        let control = Control::with_events(log.clone());
+        control.update(|p| p.phase = Phase::Precopy);
+        control.update(|p| p.bytes_sent = 1);
+        control.update(|p| p.pass = 1);
+        control.update(|p| p.phase = Phase::Completed);
+        let what: Vec<String> = log
+            .since(0, Duration::ZERO)
+            .events
+            .iter()
+            .map(|e| match &e.what {
+                EventKind::Source { phase, .. } => format!("{phase:?}"),
+                EventKind::Pass { pass, .. } => format!("pass {pass}"),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(what, ["Setup", "Precopy", "pass 1", "Completed"]);
+    }
 
     /// Issue 48 (review): a snapshot paused on a hung file system could not be cancelled: only
     /// a migration's phases before the pause took a cancel. A snapshot hands nothing over, so

@@ -12,7 +12,8 @@
 //!   [`scan`] and [`zero`]: zero-page detection, inline, offloaded, or the VMM's own
 //!   ([`scan::ZeroDetectorFactory`] in [`SourceParams::zero`]).
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
-//!   [`destination::IncomingControl`] is the destination's counterpart.
+//!   [`destination::IncomingControl`] is the destination's counterpart; [`events`]: the log
+//!   of both sides' events a watcher waits on.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
 //! - [`snapshot`]: snapshots to a file (`docs/snapshot.md`): its format, pure; the writer and
 //!   the reader; a live save through a migration session; eager and lazy restores.
@@ -26,6 +27,7 @@ mod conn;
 pub mod control;
 pub mod destination;
 pub mod error;
+pub mod events;
 pub mod pagebits;
 mod phase;
 pub mod policy;

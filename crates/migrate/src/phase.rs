@@ -1,4 +1,5 @@
-//! Where a migration is: the phases both sides report, in the order they pass through them.
+//! Where a migration is: the phases both sides report (the source's [`Phase`], the
+//! destination's [`IncomingPhase`]), in the order they pass through them.
 //! Plain data with no dependency in the crate, so the handle ([`crate::control`]) and the
 //! figures ([`crate::stats`]) both stand on it.
 
@@ -42,4 +43,34 @@ impl Phase {
     pub fn is_cancellable(self) -> bool {
         matches!(self, Phase::Setup | Phase::Precopy | Phase::Discarding)
     }
+}
+
+/// Where an incoming migration is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IncomingPhase {
+    /// Not listening yet: the VMM readies what it needs to take pages first (preallocating
+    /// guest RAM; see [`IncomingProgress::preparing`]), or has not reached its listener. A
+    /// source that connects now is refused by the host and may retry (`ferry migrate` does,
+    /// for its `--connect-timeout`). Where every incoming migration starts: a watcher that
+    /// sees `waiting` may connect.
+    #[default]
+    Preparing,
+    /// Listening; no source has completed a valid hello yet.
+    Waiting,
+    /// A source's main hello was accepted; its data channels connect.
+    Handshake,
+    /// Pages arrive.
+    Precopy,
+    /// Device state is loading and the guest is being resumed.
+    Loading,
+    /// The guest runs here while its remaining pages arrive (those it waits for first).
+    Postcopy,
+    /// A connection broke in postcopy: the guest runs here and waits for missing pages until
+    /// a recovery (`ferry migrate-recover`, then `ferry migrate --resume` on the source).
+    PostcopyPaused,
+    /// The guest runs here.
+    Completed,
+    Failed,
+    Cancelled,
 }

@@ -117,7 +117,7 @@ impl VmHandle {
             .map_err(MigrateError::from)?;
         let stream = connect(&dialer)?;
         *self.0.migration_tls.lock().unwrap() = tls;
-        let control = Arc::new(Control::default());
+        let control = Arc::new(Control::with_events(self.0.events.clone()));
         *slot = Some(control.clone());
         // Whoever read how an earlier migration ended has not read this one's.
         self.0
@@ -186,6 +186,11 @@ impl VmHandle {
     /// See [`VmHandle::set_previous_migration`].
     pub fn previous_migration(&self) -> Option<Progress> {
         self.0.previous_migration.lock().unwrap().clone()
+    }
+
+    /// The log of this VM's migration events, both sides (`GET /events`).
+    pub fn events(&self) -> Arc<ferry_migrate::events::EventLog> {
+        self.0.events.clone()
     }
 
     /// The current or last migration's progress.

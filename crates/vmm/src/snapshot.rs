@@ -125,7 +125,7 @@ impl VmHandle {
     pub fn start_snapshot(&self, req: SnapshotRequest) -> Result<Arc<Control>, StartError> {
         let mut slot = self.migration_slot()?;
         let params = req.params(self.0.vcpus().len() as u32)?;
-        let control = Arc::new(Control::default());
+        let control = Arc::new(Control::with_events(self.0.events.clone()));
         *slot = Some(control.clone());
         let mut adapter = self.snapshot_source();
         let thread_control = control.clone();

@@ -12,35 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::transport::Stream;
 
-/// Where an incoming migration is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IncomingPhase {
-    /// Not listening yet: the VMM readies what it needs to take pages first (preallocating
-    /// guest RAM; see [`IncomingProgress::preparing`]), or has not reached its listener. A
-    /// source that connects now is refused by the host and may retry (`ferry migrate` does,
-    /// for its `--connect-timeout`). Where every incoming migration starts: a watcher that
-    /// sees `waiting` may connect.
-    #[default]
-    Preparing,
-    /// Listening; no source has completed a valid hello yet.
-    Waiting,
-    /// A source's main hello was accepted; its data channels connect.
-    Handshake,
-    /// Pages arrive.
-    Precopy,
-    /// Device state is loading and the guest is being resumed.
-    Loading,
-    /// The guest runs here while its remaining pages arrive (those it waits for first).
-    Postcopy,
-    /// A connection broke in postcopy: the guest runs here and waits for missing pages until
-    /// a recovery (`ferry migrate-recover`, then `ferry migrate --resume` on the source).
-    PostcopyPaused,
-    /// The guest runs here.
-    Completed,
-    Failed,
-    Cancelled,
-}
+pub use crate::phase::IncomingPhase;
 
 /// What `GET /migration` shows on a destination.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -128,6 +100,8 @@ pub struct IncomingControl {
     state_ready: AtomicBool,
     /// Where a paused postcopy migration listens for its recovery, once given.
     recovery: Mutex<Option<Box<dyn crate::transport::Listener>>>,
+    /// Where phase changes are logged for watchers, if the VMM keeps a log.
+    events: Option<Arc<crate::events::EventLog>>,
 }
 
 impl Default for IncomingControl {
@@ -145,11 +119,30 @@ impl Default for IncomingControl {
             bytes: AtomicU64::new(0),
             recovery: Mutex::new(None),
             streams: Mutex::default(),
+            events: None,
         }
     }
 }
 
 impl IncomingControl {
+    /// The log its phase changes go to, if it has one.
+    pub fn events(&self) -> Option<Arc<crate::events::EventLog>> {
+        self.events.clone()
+    }
+
+    /// A control whose phase changes go to `events` as they are published, starting with its
+    /// first phase now.
+    pub fn with_events(events: Arc<crate::events::EventLog>) -> IncomingControl {
+        events.push(crate::events::EventKind::Destination {
+            phase: IncomingPhase::default(),
+            error: None,
+        });
+        IncomingControl {
+            events: Some(events),
+            ..IncomingControl::default()
+        }
+    }
+
     /// Stops waiting or receiving: no guest will run from this migration, and the source is
     /// told so (it keeps running). Has no effect once the guest was resumed.
     pub fn cancel(&self) {
@@ -312,8 +305,17 @@ impl IncomingControl {
         p
     }
 
+    /// Changes the published progress; a phase entered is logged in the same moment.
     pub(crate) fn update(&self, f: impl FnOnce(&mut IncomingProgress)) {
-        f(&mut self.progress.lock().unwrap());
+        let mut p = self.progress.lock().unwrap();
+        let before = p.phase;
+        f(&mut p);
+        if let Some(events) = self.events.as_ref().filter(|_| p.phase != before) {
+            events.push(crate::events::EventKind::Destination {
+                phase: p.phase,
+                error: p.error.clone(),
+            });
+        }
     }
 
     /// Counts a connection that was dropped, with why.

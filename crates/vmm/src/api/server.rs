@@ -430,13 +430,66 @@ const ENDPOINTS: &str = "GET /vm, PUT /vm/pause|resume|shutdown, GET|PUT|PATCH /
 /// Longest request body read: a migration request is a few hundred bytes.
 const MAX_BODY: u64 = 64 * 1024;
 
+/// Longest a `GET /events` waits for an event before it answers with none.
+const MAX_EVENTS_WAIT: Duration = Duration::from_secs(60);
+
+/// `GET /events?after=N&wait_ms=M`: the VM's migration events after number `N` (0: all it
+/// keeps), waiting up to `M` ms (at most a minute; 0 by default) for one if there is none
+/// yet. The wait runs on a thread of its own, so the API answers other requests meanwhile.
+fn answer_events(request: Request, query: &str, vm: &VmHandle) {
+    let mut after = 0;
+    let mut wait = Duration::ZERO;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let parsed = match pair.split_once('=') {
+            Some(("after", n)) => n.parse().map(|n| after = n).is_ok(),
+            Some(("wait_ms", ms)) => ms
+                .parse()
+                .map(|ms| wait = Duration::from_millis(ms).min(MAX_EVENTS_WAIT))
+                .is_ok(),
+            _ => false,
+        };
+        if !parsed {
+            let error = json!({ "error": format!("GET /events takes after=N (the last event number read) and wait_ms=MS, not {pair:?}") });
+            return respond(request, 400, &error);
+        }
+    }
+    let events = vm.events();
+    let waiter = std::thread::Builder::new()
+        .name("api-events".into())
+        .spawn(move || {
+            let found = events.since(after, wait);
+            respond(
+                request,
+                200,
+                &serde_json::to_value(found).unwrap_or_default(),
+            );
+        });
+    if let Err(e) = waiter {
+        tracing::warn!("cannot start a thread for GET /events: {e}");
+    }
+}
+
 fn answer(mut request: Request, vm: &VmHandle) {
+    if *request.method() == Method::Get
+        && let Some(query) = request
+            .url()
+            .strip_prefix("/events")
+            .and_then(|rest| rest.strip_prefix('?').or(rest.is_empty().then_some("")))
+    {
+        let query = query.to_string();
+        return answer_events(request, &query, vm);
+    }
     let mut body = String::new();
     let _ = std::io::Read::read_to_string(
         &mut std::io::Read::take(request.as_reader(), MAX_BODY),
         &mut body,
     );
     let (code, body) = route(request.method(), request.url(), &body, vm);
+    respond(request, code, &body);
+}
+
+/// Sends `body` as JSON with status `code`.
+fn respond(request: Request, code: u16, body: &serde_json::Value) {
     let header = Header::from_bytes("Content-Type", "application/json").expect("static header");
     // Always a Content-Length, never chunked: tiny_http chunks bodies over 32 KiB, which a
     // long migration's statistics exceed, and the CLI's client (like most one-shot clients)

@@ -125,7 +125,9 @@ impl Vm {
             config.memory_bytes,
             config.host_pages,
         )?);
-        let control = Arc::new(ferry_migrate::destination::IncomingControl::default());
+        let control = Arc::new(ferry_migrate::destination::IncomingControl::with_events(
+            Arc::default(),
+        ));
         let shared = build(&config, ram, Some(control))?;
         let threads = match preparation {
             Preparation::Prepared => {
@@ -311,6 +313,10 @@ fn build(
         msrs: OnceLock::new(),
         state_parts: Mutex::new(Vec::new()),
         migration: Mutex::new(None),
+        events: incoming
+            .as_ref()
+            .and_then(|c| c.events())
+            .unwrap_or_default(),
         incoming,
         migration_tls: Mutex::new(None),
         incoming_tls: Mutex::new(None),

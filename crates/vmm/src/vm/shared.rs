@@ -117,6 +117,8 @@ pub(crate) struct Shared {
     /// What a migration's destination must match (`vmconfig.rs`).
     pub(crate) description: crate::vmconfig::VmDescription,
     pub(crate) migration: Mutex<Option<Arc<ferry_migrate::Control>>>,
+    /// The events of this VM's migrations, both sides, for `GET /events`.
+    pub(crate) events: Arc<ferry_migrate::events::EventLog>,
     /// On a migration destination: the incoming migration's progress and cancel.
     pub(crate) incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
     /// The TLS of the last migration from here, for its postcopy recovery's connections.
