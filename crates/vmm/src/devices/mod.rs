@@ -14,6 +14,7 @@ pub mod device;
 pub mod irq;
 pub mod pit;
 mod registry;
+pub mod rtc;
 pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod telemetry;
