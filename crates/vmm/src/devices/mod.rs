@@ -23,6 +23,7 @@ pub mod telemetry_disk;
 pub mod telemetry_free;
 pub mod telemetry_net;
 pub mod telemetry_port;
+pub mod telemetry_rtc;
 pub mod virtio;
 pub mod vmgenid;
 

@@ -4,8 +4,9 @@
 //! - `model.rs`: the chip as a pure value: the time of day (the host's wall clock plus the
 //!   offset the guest's writes set), registers A-D, the periodic, alarm and update-ended
 //!   interrupts' flags, UIP; every call takes the wall clock as an argument.
-//! - `calendar.rs`: seconds since 1970 to and from the time registers, BCD or binary,
-//!   12- or 24-hour, per register B.
+//! - `ferry_guest_abi::rtc`: the ports, the registers' bits, and seconds since 1970 to and
+//!   from the time registers, BCD or binary, 12- or 24-hour, per register B (the guest reads
+//!   them with the same code).
 //! - `cmos.rs`: the bytes a PC guest reads at boot (memory sizes, equipment, vCPUs).
 //! - `state.rs`: the section (`section_ids::RTC`, instance 0), optional on load.
 //!
@@ -27,7 +28,6 @@
 
 #![forbid(unsafe_code)]
 
-pub mod calendar;
 pub mod cmos;
 pub mod model;
 pub mod state;
@@ -44,7 +44,7 @@ use crate::section_ids;
 use model::Rtc;
 
 /// The index port and the data port after it.
-pub const PORT: u16 = 0x70;
+pub const PORT: u16 = ferry_guest_abi::rtc::INDEX_PORT;
 pub const LEN: u64 = 2;
 /// The PC's RTC interrupt: pin 8 of the IOAPIC and the slave PIC's first.
 pub const IRQ: u32 = 8;

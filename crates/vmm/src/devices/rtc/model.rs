@@ -30,35 +30,18 @@
 
 #![forbid(unsafe_code)]
 
-use super::calendar::{self, TIME_REGISTERS, Time};
+use ferry_guest_abi::rtc::{self as calendar, TIME_REGISTERS, Time};
+pub use ferry_guest_abi::rtc::{
+    AF, AIE, IRQF, NMI_MASK, PF, PIE, REG_A, REG_B, REG_C, REG_D, SET, UF, UIE, UIP, VRT,
+};
 
 pub const CMOS_BYTES: usize = 128;
-pub const REG_A: usize = 0x0a;
-pub const REG_B: usize = 0x0b;
-pub const REG_C: usize = 0x0c;
-pub const REG_D: usize = 0x0d;
 const SECONDS_ALARM: usize = 0x01;
 const MINUTES_ALARM: usize = 0x03;
 const HOURS_ALARM: usize = 0x05;
-
-/// Register A: update in progress (read only), and the rate select bits.
-pub const UIP: u8 = 1 << 7;
+/// Register A's rate select bits.
 const RATE: u8 = 0x0f;
-/// Register B.
-pub const SET: u8 = 1 << 7;
-pub const PIE: u8 = 1 << 6;
-pub const AIE: u8 = 1 << 5;
-pub const UIE: u8 = 1 << 4;
-/// Register C: PF, AF and UF sit at the bits of their enables in B.
-pub const IRQF: u8 = 1 << 7;
-pub const PF: u8 = PIE;
-pub const AF: u8 = AIE;
-pub const UF: u8 = UIE;
 const FLAGS: u8 = PF | AF | UF;
-/// Register D: valid RAM and time (the battery is good), always.
-pub const VRT: u8 = 1 << 7;
-/// The index port's bit 7: NMI disabled. Kept as written; this VMM has no NMI source to mask.
-pub const NMI_MASK: u8 = 1 << 7;
 
 /// Register A at power on as a PC BIOS leaves it: the 32.768 kHz divider (DV = 010) and a
 /// 1024 Hz periodic rate (RS = 6). Register B: 24-hour, BCD, no interrupt.

@@ -1,8 +1,8 @@
 //! The RTC model on a clock the tests move by hand, and the device on the wall clock.
 
-use super::calendar::{DM_BINARY, HOURS_24, Time};
 use super::model::*;
 use super::*;
+use ferry_guest_abi::rtc::{self as calendar, DM_BINARY, HOURS_24, Time};
 
 const NS: i128 = 1_000_000_000;
 const MS: i128 = 1_000_000;

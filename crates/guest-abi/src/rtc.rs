@@ -1,6 +1,8 @@
-//! The RTC's time registers and the calendar behind them: a count of seconds since the Unix
-//! epoch turned into the MC146818's fields (seconds, minutes, hours, weekday, day of month,
-//! month, year, century) in the format register B names, and back.
+//! The PC's RTC (an MC146818 and its CMOS) as host and guest both see it: its ports, its
+//! registers and their bits, and the calendar behind the time registers: a count of seconds
+//! since the Unix epoch turned into the chip's fields (seconds, minutes, hours, weekday, day
+//! of month, month, year, century) in the format register B names, and back. The VMM's
+//! device (`devices::rtc` in ferry-vmm) writes them; the guest (`kernel/rtc.rs`) reads them.
 //!
 //! Dates are the proleptic Gregorian calendar, days counted from 1970-01-01 by the civil-date
 //! arithmetic of eras of 400 years (146,097 days each). Register B's DM bit chooses binary or
@@ -8,7 +10,31 @@
 //! field a guest wrote out of range (a BCD digit over 9, month 13, an hour 25) is clamped into
 //! range when the time is decoded, so a garbled write gives a defined time, never an error.
 
-#![forbid(unsafe_code)]
+/// The index port (bits 6-0: the register; bit 7: NMI disabled) and the data port.
+pub const INDEX_PORT: u16 = 0x70;
+pub const DATA_PORT: u16 = 0x71;
+/// The index port's bit 7: NMI disabled.
+pub const NMI_MASK: u8 = 1 << 7;
+
+pub const REG_A: usize = 0x0a;
+pub const REG_B: usize = 0x0b;
+pub const REG_C: usize = 0x0c;
+pub const REG_D: usize = 0x0d;
+/// Register A: update in progress (read only).
+pub const UIP: u8 = 1 << 7;
+/// Register B: SET (the clock stopped for the guest to write), and the interrupt enables.
+pub const SET: u8 = 1 << 7;
+pub const PIE: u8 = 1 << 6;
+pub const AIE: u8 = 1 << 5;
+pub const UIE: u8 = 1 << 4;
+/// Register C: an enabled flag is set; the periodic, alarm and update-ended flags, at the
+/// bits of their enables in B.
+pub const IRQF: u8 = 1 << 7;
+pub const PF: u8 = PIE;
+pub const AF: u8 = AIE;
+pub const UF: u8 = UIE;
+/// Register D: valid RAM and time (the battery is good).
+pub const VRT: u8 = 1 << 7;
 
 /// Register B's bits that shape a field: DM (1 = binary) and 24/12 (1 = 24-hour).
 pub const DM_BINARY: u8 = 1 << 2;
