@@ -3,6 +3,7 @@
 use super::model::*;
 use super::*;
 use ferry_guest_abi::rtc::{self as calendar, DM_BINARY, HOURS_24, Time};
+use std::sync::Mutex;
 
 const NS: i128 = 1_000_000_000;
 const MS: i128 = 1_000_000;
@@ -273,4 +274,78 @@ fn the_device_raises_its_line_at_the_periodic_rate_and_its_state_round_trips() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("RTC state is malformed: 100 bytes"), "{e}");
+}
+
+/// A stream from a source older than the RTC (no section 12) loads, the RTC staying as it
+/// was built; one with the section loads it. A state whose line was high raises the line
+/// again at the load (the source's edge may have missed the saved interrupt controller).
+#[test]
+fn a_stream_without_the_rtc_section_loads_and_a_high_line_is_raised_again() {
+    use crate::devices::{BusKind, Devices};
+    use crate::part_timer::PartTimer;
+    let build = || {
+        let line = IrqLine::unconnected().unwrap();
+        let edges = line.try_clone().unwrap();
+        let device = RtcDevice::new(line, cmos::at_boot(64 << 20, 1)).unwrap();
+        let mut d = Devices::default();
+        let at = (BusKind::Pio, u64::from(PORT), LEN);
+        d.register("RTC", 0, at, Arc::new(Mutex::new(device)))
+            .unwrap();
+        (d, edges)
+    };
+    let (source, _) = build();
+    source.io_out(PORT, &[0x40]);
+    source.io_out(PORT + 1, &[0x5a]);
+    // The update-ended flag, enabled and not yet read: the line is high.
+    source.io_out(PORT, &[REG_B as u8]);
+    source.io_out(PORT + 1, &[UIE | HOURS_24]);
+    std::thread::sleep(Duration::from_millis(1100));
+    let saved = source.save(&mut PartTimer::start());
+    assert_eq!((saved[0].id, saved[0].version), (section_ids::RTC, VERSION));
+    assert!(state::decode(&saved[0].data).unwrap().line, "{saved:?}");
+
+    let (destination, edges) = build();
+    destination.load(&[], &mut PartTimer::start()).unwrap();
+    let mut r = [0u8];
+    destination.io_out(PORT, &[0x40]);
+    destination.io_in(PORT + 1, &mut r);
+    assert_eq!(r[0], 0, "as built");
+    assert!(edges.eventfd().read().is_err(), "no edge yet");
+    destination.load(&saved, &mut PartTimer::start()).unwrap();
+    destination.io_in(PORT + 1, &mut r);
+    assert_eq!(
+        r[0],
+        UIE | HOURS_24,
+        "register B, the index the source's guest left"
+    );
+    destination.io_out(PORT, &[0x40]);
+    destination.io_in(PORT + 1, &mut r);
+    assert_eq!(r[0], 0x5a, "the source's");
+    assert_eq!(
+        edges.eventfd().read().unwrap(),
+        1,
+        "the high line raised again"
+    );
+}
+
+/// On real KVM: the RTC's line connected to GSI 8 as the VMM connects it; with PIE set the
+/// periodic interrupt lands in the slave PIC's request register, bit 0 (IRQ 8).
+#[test]
+fn the_periodic_interrupt_reaches_irq_8_of_the_in_kernel_controller() {
+    use crate::kvm::{KvmVm, irqchip};
+    use crate::memory::{GuestRam, MIN_MEMORY};
+    crate::kvm::require_for_tests();
+    let ram = GuestRam::new(MIN_MEMORY).unwrap();
+    let vm = KvmVm::new(crate::kvm::open().unwrap(), &ram).unwrap();
+    irqchip::create(&vm.vm).unwrap();
+    let line = IrqLine::unconnected().unwrap();
+    irqchip::connect(&vm.vm, &line, IRQ).unwrap();
+    let mut d = RtcDevice::new(line, cmos::at_boot(MIN_MEMORY, 1)).unwrap();
+    let slave_irr = || irqchip::pic_irr(&vm.vm, irqchip::Chip::PicSlave) & 1;
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(slave_irr(), 0, "nothing enabled, nothing raised");
+    d.write(0, &[REG_B as u8]);
+    d.write(1, &[PIE | HOURS_24]);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(slave_irr(), 1, "IRQ 8 requested within 20 ms at 1024 Hz");
 }
