@@ -136,11 +136,18 @@ impl RtcDevice {
 }
 
 /// The timer thread: brings the model up to date when an enabled event is due, else sleeps
-/// until it is or until an access or a load changes the model.
+/// until it is or until an access or a load changes the model. A wall clock stepped back
+/// (the guest's time now before the time its flags were brought up to) is taken at once, or
+/// the next event would wait for the clock to come back; a sleep is at most a second (the
+/// longest event apart, the update), so a step is seen within one.
 fn timer(shared: &Shared) {
     let mut locked = shared.locked.lock().unwrap();
     while !locked.stop {
         let now = wall_clock_ns();
+        if locked.rtc.time_ns(now) < locked.rtc.seen_ns {
+            let edge = locked.rtc.update(now);
+            shared.raise(edge);
+        }
         locked = match locked.rtc.next_event(now) {
             None => shared.changed.wait(locked).unwrap(),
             Some(at) if at <= now => {

@@ -3,7 +3,8 @@
 //! wall clock (`now`, ns since the Unix epoch) as an argument, so the model is tested without
 //! a clock or a thread.
 //!
-//! Time. The guest's time is `now + offset` (ns). While register B's SET bit is clear the time
+//! Time. The guest's time is `now + offset` (ns): it follows the host's wall clock, a step of
+//! it (NTP setting the host's clock) included, as a guest's RTC kept by a host would. While register B's SET bit is clear the time
 //! registers read that time in B's format; setting SET freezes them (the clock's value copied
 //! into CMOS, the update cycle stopped) for the guest to write; clearing SET makes the written
 //! time the clock's, from that instant: `offset` becomes the written time minus `now`. A time

@@ -349,3 +349,18 @@ fn the_periodic_interrupt_reaches_irq_8_of_the_in_kernel_controller() {
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(slave_irr(), 1, "IRQ 8 requested within 20 ms at 1024 Hz");
 }
+
+/// The host's wall clock stepped back an hour: the flags are brought to the earlier time at
+/// once, and the next periodic event is one period after it, not an hour away.
+#[test]
+fn a_wall_clock_stepped_back_is_taken_at_once() {
+    let mut r = rtc();
+    write(&mut r, REG_B as u8, PIE | HOURS_24, T0);
+    read(&mut r, REG_C as u8, T0);
+    let back = T0 - 3600 * NS;
+    assert!(r.time_ns(back) < r.seen_ns);
+    r.update(back);
+    assert_eq!(r.seen_ns, back);
+    let next = r.next_event(back).unwrap();
+    assert!(next > back && next - back <= 976_563, "{}", next - back);
+}
