@@ -58,6 +58,8 @@ pub struct Calibrator {
     calibrations: u64,
     /// The last calibration's uncertainty (ppm) and windows timed.
     last: (u64, u64),
+    /// The RTC's time (s since 1970) and register B, as the last calibration read them.
+    rtc: Option<(u64, u8)>,
 }
 
 impl Calibrator {
@@ -68,6 +70,7 @@ impl Calibrator {
             next_ns: 0,
             calibrations: 0,
             last: (0, 0),
+            rtc: None,
         };
         if p.rtc_set != 0 {
             super::rtc::set(p.rtc_set);
@@ -84,6 +87,14 @@ impl Calibrator {
                 c.last.1,
                 clock.source()
             ),
+        }
+        match c.rtc {
+            None => sprintln!(
+                "ferry-guest: no RTC answers on ports 0x70-0x71 (its update-in-progress bit never cleared)"
+            ),
+            Some((seconds, b)) => {
+                sprintln!("ferry-guest: the RTC reads {seconds} s since 1970 (register B {b:#04x})")
+            }
         }
         c
     }
@@ -123,7 +134,8 @@ impl Calibrator {
         detail[report::clock::CALIBRATIONS] = self.calibrations;
         detail[report::clock::UNCERTAINTY_PPM] = best.ppm();
         detail[report::clock::WINDOWS] = windows;
-        if let Some((seconds, b)) = super::rtc::read() {
+        self.rtc = super::rtc::read();
+        if let Some((seconds, b)) = self.rtc {
             detail[report::clock::RTC_UNIX_SECONDS] = seconds;
             detail[report::clock::RTC_REGISTER_B] = u64::from(b);
         }
