@@ -4,7 +4,7 @@
 //! a clock or a thread.
 //!
 //! Time. The guest's time is `now + offset` (ns): it follows the host's wall clock, a step of
-//! it (NTP setting the host's clock) included, as a guest's RTC kept by a host would. While register B's SET bit is clear the time
+//! it (NTP setting the host's clock) included. While register B's SET bit is clear the time
 //! registers read that time in B's format; setting SET freezes them (the clock's value copied
 //! into CMOS, the update cycle stopped) for the guest to write; clearing SET makes the written
 //! time the clock's, from that instant: `offset` becomes the written time minus `now`. A time
@@ -13,7 +13,8 @@
 //! Divider. The periodic interrupt and the second's update count the same 32.768 kHz divider,
 //! which runs on the guest's time: a periodic flag is set each time the guest's time crosses a
 //! multiple of the period (register A's rate: 2^(RS-1) ticks of 32.768 kHz, RS 1 and 2 being
-//! 128 and 256 ticks, RS 0 none), and the update-ended flag each time it crosses a second. So
+//! 128 and 256 ticks, RS 0 none), and the update-ended flag each time it crosses a second
+//! (not while SET is set; the divider, and so the periodic flag, runs on under SET). So
 //! the phase of both follows from the time and needs no state of its own. Register A's divider
 //! bits (DV) are kept and read back, but do not stop or reset the divider.
 //!
