@@ -227,7 +227,7 @@ fn the_state_round_trips_and_malformed_state_is_refused_by_cause() {
 }
 
 /// The device on the wall clock with its timer thread: PIE at 1024 Hz raises IRQ 8's line
-/// (an eventfd here) each time the guest reads register C, for as long as it does; a state
+/// (an eventfd here) again after each read of register C, at most once a period; a state
 /// saved loads into another RTC and saves the same; a newer layout or a malformed one is
 /// refused with the device named.
 #[test]
@@ -252,12 +252,17 @@ fn the_device_raises_its_line_at_the_periodic_rate_and_its_state_round_trips() {
         }
         std::thread::sleep(Duration::from_micros(100));
     }
-    let hz = edges as f64 / started.elapsed().as_secs_f64();
-    eprintln!("periodic interrupt at rate 6: {edges} edges in 200 ms, {hz:.0} Hz");
+    let elapsed = started.elapsed().as_secs_f64();
+    let hz = edges as f64 / elapsed;
+    eprintln!("periodic interrupt at rate 6: {edges} edges in {elapsed:.3} s, {hz:.0} Hz");
+    // Never more than one edge a period (a hard bound, whatever the host's load: the periods
+    // the window spans, one more for its ends, one for the flag pending at the start); and the line
+    // rises again after each read of C (how often depends on how soon this thread reads it).
     assert!(
-        (100.0..=1100.0).contains(&hz),
-        "about 1024 Hz at most, {hz:.0} Hz"
+        edges as f64 <= 1024.0 * elapsed + 3.0,
+        "at most 1024 Hz, {hz:.0} Hz"
     );
+    assert!(edges >= 10, "the line rose again after each read: {edges}");
 
     out(&mut d, REG_B as u8, HOURS_24);
     d.write(0, &[REG_C as u8]);
