@@ -1,6 +1,7 @@
 //! The built-in guest ELF boots under QEMU too, from `ferry guest --write`, with the command
 //! line the issue gives: same file, same workload, heartbeats on the serial port; it
-//! calibrates its TSC against QEMU's PIT, and on a machine without one says so and goes on.
+//! calibrates its TSC against QEMU's PIT, and on a machine without one says so and goes on;
+//! it reads QEMU's RTC as the host's time of day.
 
 mod common;
 
@@ -20,6 +21,27 @@ fn builtin_guest_boots_under_qemu() {
     assert!(log.contains("working set 64 MiB (16384 pages"), "{log}");
     assert!(log.contains("pattern random"), "{log}");
     assert!(log.contains("TSC calibrated against the PIT: "), "{log}");
+    rtc_reads_the_host_s_time(&log);
+}
+
+/// The guest's boot line about the RTC, read from QEMU's MC146818 (another implementation
+/// than ferry's, in the same BCD 24-hour format a PC's firmware leaves): the host's time of
+/// day, to within the seconds the boot and the heartbeats took.
+fn rtc_reads_the_host_s_time(log: &str) {
+    let said = log
+        .lines()
+        .find_map(|l| l.split("the RTC reads ").nth(1))
+        .unwrap_or_else(|| panic!("no RTC line: {log}"));
+    let seconds: u64 = said.split(' ').next().unwrap().parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    eprintln!("the guest read QEMU's RTC as {said}; the host's clock is {host} now");
+    assert!(
+        seconds <= host + 2 && host - seconds < 60,
+        "QEMU's RTC read as {seconds}, the host's clock {host}"
+    );
 }
 
 /// Issue 53: a machine without a PIT (port 0x61 unassigned, reading all-ones): the guest's

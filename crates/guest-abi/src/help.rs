@@ -70,6 +70,12 @@ pub const HELP: &[(&str, &str, &str, &str)] = &[
         "calibrate the TSC against the PIT again this often (a 50 ms pause of the boot vCPU each)",
     ),
     (
+        "rtc-set",
+        "seconds since 1970, 0 = leave it",
+        "0",
+        "set the RTC to this time at boot (SET in register B), then read it back with each calibration",
+    ),
+    (
         "fault-after-ms",
         "ms, 0 = never",
         "0",

@@ -21,6 +21,7 @@ pub mod layout;
 pub mod net;
 pub mod params;
 pub mod report;
+pub mod rtc;
 pub mod smp;
 pub mod stamp;
 pub mod virtio;

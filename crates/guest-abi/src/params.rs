@@ -140,6 +140,9 @@ pub struct Params {
     /// The boot vCPU calibrates its TSC against the PIT at boot, then every this many ms
     /// (0 = at boot only).
     pub calibrate_ms: u32,
+    /// The boot vCPU sets the RTC to this many seconds since the Unix epoch at boot, before
+    /// its first calibration reads it back (0 = leaves it as the VMM gave it).
+    pub rtc_set: u64,
     pub fault_after_ms: u32,
     pub seed: u64,
     pub fill: Fill,
@@ -193,6 +196,7 @@ impl Default for Params {
             log_ms: 1000,
             run_ms: 0,
             calibrate_ms: 0,
+            rtc_set: 0,
             fault_after_ms: 0,
             seed: 1,
             fill: Fill::Stamp,
@@ -314,6 +318,9 @@ pub fn parse(cmdline: &str) -> Result<Params, ParamError<'_>> {
             "run-ms" => p.run_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = forever"))?,
             "calibrate-ms" => {
                 p.calibrate_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = at boot only"))?
+            }
+            "rtc-set" => {
+                p.rtc_set = parse_u64(value).ok_or(bad("seconds since 1970, 0 = leave it"))?
             }
             "fault-after-ms" => {
                 p.fault_after_ms = parse_u32(value).ok_or(bad("milliseconds, 0 = never"))?

@@ -296,6 +296,13 @@ pub mod clock {
     pub const OUTCOME_HIGH_AT_LOAD: u64 = 2;
     /// The output never rose within the bound: a port 0x61 without a PIT behind it.
     pub const OUTCOME_NEVER_ROSE: u64 = 3;
+    /// The RTC's register B as the guest read it with the time (its format: BCD or binary,
+    /// 12- or 24-hour); 0 with [`RTC_UNIX_SECONDS`] 0.
+    pub const RTC_REGISTER_B: usize = 8;
+    /// The RTC's time of day as the guest read it (ports 0x70-0x71, `crate::rtc`) just before
+    /// sending the report, as seconds since the Unix epoch; 0 when no RTC answered (its
+    /// update-in-progress bit never cleared, or its time kept changing under the reads).
+    pub const RTC_UNIX_SECONDS: usize = 9;
 }
 
 pub mod net {

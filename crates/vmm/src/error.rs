@@ -30,6 +30,8 @@ pub enum VmmError {
     FileSizeSignal(#[source] vmm_sys_util::errno::Error),
     #[error("cannot start the vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot start the RTC's timer thread: {0}")]
+    RtcTimer(std::io::Error),
     #[error(transparent)]
     DirtyLog(#[from] crate::kvm::dirty::DirtyLogError),
     #[error(transparent)]

@@ -16,6 +16,7 @@
 //! | 9 | a copied disk's blocks (`disk_copy::chunk`): iterative state, chunks sent while the guest runs, never a section of the pause | the disk's virtio-mmio instance |
 //! | 10 | a snapshot's record of its disk image (`snapshot::image`): written only into a snapshot file, checked before a restore, skipped by the state load | the disk's virtio-mmio instance |
 //! | 11 | KVM's in-kernel PIT and port 0x61 (`devices::pit`), optional on load | 0 |
+//! | 12 | the RTC and its CMOS (`devices::rtc`), optional on load | 0 |
 //!
 //! Invariant: the ids of [`ALL`] are distinct and none is 0 (the wire's invalid id), checked
 //! when this file compiles; `Devices::register` refuses a device whose id is not listed here as
@@ -37,6 +38,7 @@ pub const VM_GENERATION_ID: SectionId = SectionId(8);
 pub const DISK_BLOCKS: SectionId = SectionId(9);
 pub const DISK_IMAGE: SectionId = SectionId(10);
 pub const PIT: SectionId = SectionId(11);
+pub const RTC: SectionId = SectionId(12);
 
 /// Who saves and loads a section.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,7 +66,7 @@ const fn listed(id: SectionId, name: &'static str, owner: Owner) -> Listed {
 }
 
 /// Every id of this VMM, in id order.
-pub const ALL: [Listed; 11] = [
+pub const ALL: [Listed; 12] = [
     listed(VCPU, "vCPU", Owner::Vm),
     listed(VM_CLOCK, "VM clock", Owner::Vm),
     listed(SERIAL, "serial port", Owner::Device),
@@ -76,6 +78,7 @@ pub const ALL: [Listed; 11] = [
     listed(DISK_BLOCKS, "disk blocks", Owner::Chunks),
     listed(DISK_IMAGE, "disk image check", Owner::Snapshot),
     listed(PIT, "PIT", Owner::Device),
+    listed(RTC, "RTC", Owner::Device),
 ];
 
 /// The first id that `table` lists twice or that is 0, if any: the check [`ALL`] passes at

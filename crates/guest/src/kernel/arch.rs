@@ -7,8 +7,8 @@ use core::arch::asm;
 /// Writes a byte to an I/O port.
 pub fn outb(port: u16, value: u8) {
     // SAFETY: the workload runs with IOPL=3 and the kernel at CPL0, so `out` never faults;
-    // the only ports written are the UART, the telemetry port and the PIT's (0x42, 0x43, 0x61:
-    // `pit.rs`), whose side effects are the point of writing them, and which touch no memory
+    // the only ports written are the UART, the telemetry port, the PIT's (0x42, 0x43, 0x61:
+    // `pit.rs`) and the RTC's index port (0x70: `rtc.rs`), whose side effects are the point of writing them, and which touch no memory
     // this program relies on.
     unsafe {
         asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
@@ -27,8 +27,9 @@ pub fn outl(port: u16, value: u32) {
 /// Reads a byte from an I/O port.
 pub fn inb(port: u16) -> u8 {
     let value: u8;
-    // SAFETY: as for `outb`, `in` never faults; the one port read is 0x61 (`pit.rs`), whose
-    // reads change nothing but its refresh toggle.
+    // SAFETY: as for `outb`, `in` never faults; the ports read are 0x61 (`pit.rs`), whose
+    // reads change nothing but its refresh toggle, and the RTC's data port 0x71 (`rtc.rs`),
+    // whose reads change nothing but register C's flags, which this program does not use.
     unsafe {
         asm!("in al, dx", in("dx") port, out("al") value, options(nomem, nostack, preserves_flags))
     }

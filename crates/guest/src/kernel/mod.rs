@@ -2,7 +2,7 @@
 //! first reports, `announce`), the workload (`workload`, or `compute` on a computing vCPU;
 //! `disk` and `net` beside it on the boot vCPU) and exception reporting (`exception`), with
 //! their leaf modules for instructions, memory, the clock and its calibration against the PIT
-//! (`pit`), the UART, telemetry, the VM generation ID and the virtio devices (`virtio_mmio`, `balloon`, `blk`, `nic`).
+//! (`pit`), the RTC's time of day (`rtc`), the UART, telemetry, the VM generation ID and the virtio devices (`virtio_mmio`, `balloon`, `blk`, `nic`).
 
 pub mod announce;
 pub mod arch;
@@ -21,6 +21,7 @@ pub mod memory;
 pub mod net;
 pub mod nic;
 pub mod pit;
+pub mod rtc;
 pub mod serial;
 pub mod smp;
 pub mod telemetry;

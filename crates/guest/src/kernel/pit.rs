@@ -3,8 +3,8 @@
 //! of a known length loaded, and the TSC read when port 0x61's bit 5 (the channel's output)
 //! rises, which it does when the count has elapsed. The boot vCPU does it at CPL3 (each read
 //! of port 0x61 is one exit to the VMM), once at boot and then every `calibrate-ms`, and
-//! reports each result (`report::clock`). The figure is reported, not used: the clock keeps
-//! the source `clock.rs` picked.
+//! reports each result (`report::clock`), with the RTC's time of day read just before
+//! (`rtc.rs`). The figure is reported, not used: the clock keeps the source `clock.rs` picked.
 //!
 //! Under a VMM without port 0x61 (it reads all-ones) or without a PIT behind it (bit 5 never
 //! rises) the calibration fails within [`GIVE_UP_NS`] and says so on the serial port; the
@@ -58,6 +58,8 @@ pub struct Calibrator {
     calibrations: u64,
     /// The last calibration's uncertainty (ppm) and windows timed.
     last: (u64, u64),
+    /// The RTC's time (s since 1970) and register B, as the last calibration read them.
+    rtc: Option<(u64, u8)>,
 }
 
 impl Calibrator {
@@ -68,7 +70,11 @@ impl Calibrator {
             next_ns: 0,
             calibrations: 0,
             last: (0, 0),
+            rtc: None,
         };
+        if p.rtc_set != 0 {
+            super::rtc::set(p.rtc_set);
+        }
         let hz = c.calibrate(clock);
         match hz {
             0 => sprintln!(
@@ -81,6 +87,14 @@ impl Calibrator {
                 c.last.1,
                 clock.source()
             ),
+        }
+        match c.rtc {
+            None => sprintln!(
+                "ferry-guest: no RTC answers on ports 0x70-0x71 (its update-in-progress bit never cleared)"
+            ),
+            Some((seconds, b)) => {
+                sprintln!("ferry-guest: the RTC reads {seconds} s since 1970 (register B {b:#04x})")
+            }
         }
         c
     }
@@ -120,6 +134,11 @@ impl Calibrator {
         detail[report::clock::CALIBRATIONS] = self.calibrations;
         detail[report::clock::UNCERTAINTY_PPM] = best.ppm();
         detail[report::clock::WINDOWS] = windows;
+        self.rtc = super::rtc::read();
+        if let Some((seconds, b)) = self.rtc {
+            detail[report::clock::RTC_UNIX_SECONDS] = seconds;
+            detail[report::clock::RTC_REGISTER_B] = u64::from(b);
+        }
         let now = clock.now_ns();
         telemetry::send(&Report {
             kind: Kind::Clock as u16,

@@ -14,6 +14,7 @@ pub mod device;
 pub mod irq;
 pub mod pit;
 mod registry;
+pub mod rtc;
 pub mod serial;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod telemetry;
@@ -22,6 +23,7 @@ pub mod telemetry_disk;
 pub mod telemetry_free;
 pub mod telemetry_net;
 pub mod telemetry_port;
+pub mod telemetry_rtc;
 pub mod virtio;
 pub mod vmgenid;
 

@@ -9,6 +9,7 @@ use super::telemetry_clock::GuestTscCalibration;
 use super::telemetry_disk::GuestDisk;
 use super::telemetry_free::GuestFreeMemory;
 use super::telemetry_net::GuestNet;
+use super::telemetry_rtc::GuestRtc;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
 use ferry_guest_abi::vmgenid::GenerationId;
@@ -191,6 +192,8 @@ pub struct GuestTelemetry {
     /// gives the guest (`KVM_GET_TSC_KHZ`; filled in by `VmHandle::telemetry`, not the guest).
     pub tsc_calibration: Option<GuestTscCalibration>,
     pub tsc_host_hz: Option<u64>,
+    /// The RTC's time of day the guest read with its latest calibration.
+    pub rtc: Option<GuestRtc>,
     pub exception: Option<GuestException>,
     pub halt_reason: Option<String>,
     /// The VM generation ID the guest last reported reading (32 hex digits, all `f` for a VM
@@ -341,7 +344,10 @@ impl GuestTelemetry {
             }
             Kind::Disk => self.disk = Some(GuestDisk::from_detail(d)),
             Kind::Net => self.net = Some(GuestNet::from_detail(d)),
-            Kind::Clock => self.tsc_calibration = Some(GuestTscCalibration::from_detail(d)),
+            Kind::Clock => {
+                self.tsc_calibration = Some(GuestTscCalibration::from_detail(d));
+                self.rtc = GuestRtc::from_detail(d, super::rtc::wall_clock_ns());
+            }
             Kind::Work => {
                 v.heartbeats += 1;
                 v.work_units = v.work_units.max(d[report::work::UNITS]);

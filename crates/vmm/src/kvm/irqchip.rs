@@ -48,12 +48,18 @@ pub fn connect(vm: &VmFd, line: &IrqLine, gsi: u32) -> Result<(), KvmError> {
         .map_err(|source| KvmError::Irqfd { gsi, source })
 }
 
-/// The master PIC's interrupt request register, read from its saved bytes (the chip union
-/// holds a `kvm_pic_state` for chip 0).
+/// The master PIC's interrupt request register.
 #[cfg(test)]
 pub(crate) fn pic_master_irr(vm: &VmFd) -> u8 {
+    pic_irr(vm, Chip::PicMaster)
+}
+
+/// A PIC's interrupt request register (the slave's bit 0 is IRQ 8, the RTC's), read from its
+/// saved bytes (the chip union holds a `kvm_pic_state` for chips 0 and 1).
+#[cfg(test)]
+pub(crate) fn pic_irr(vm: &VmFd, pic: Chip) -> u8 {
     use std::mem::offset_of;
-    let bytes = save_chip(vm, Chip::PicMaster).unwrap();
+    let bytes = save_chip(vm, pic).unwrap();
     bytes[offset_of!(kvm_irqchip, chip) + offset_of!(kvm_bindings::kvm_pic_state, irr)]
 }
 

@@ -21,6 +21,7 @@ use super::state::{RunState, StopReason};
 use crate::boot;
 use crate::devices::irq::IrqLine;
 use crate::devices::pit::{self, PitPort};
+use crate::devices::rtc::{self, RtcDevice};
 use crate::devices::serial::{SerialDevice, SerialOutput};
 use crate::devices::telemetry::GuestTelemetry;
 use crate::devices::telemetry_port::{self, Layout, TelemetryPort};
@@ -341,8 +342,8 @@ struct Parts {
     generation: Arc<Mutex<VmGenId>>,
 }
 
-/// The serial ports, the telemetry port, the VM generation ID and the PIT's port 0x61 (KVM's
-/// PIT created with it, after the interrupt controller) on the port bus, and the
+/// The serial ports, the telemetry port, the VM generation ID, the PIT's port 0x61 (KVM's
+/// PIT created with it, after the interrupt controller) and the RTC (IRQ 8) on the port bus, and the
 /// balloon and the disk on the MMIO bus, their interrupts wired; the generation ID after the
 /// telemetry port, whose state it loads into (`devices::registry`). An `arriving` VM (a
 /// migration's destination, a restore) opens its disk's image only when the guest's state
@@ -395,6 +396,12 @@ fn devices(
     let pit = PitPort::create(kvm_vm.clone())?;
     let at = (BusKind::Pio, u64::from(pit::PORT), pit::LEN);
     devices.register("PIT", 0, at, Arc::new(Mutex::new(pit)))?;
+    let line = IrqLine::unconnected().map_err(VmmError::Eventfd)?;
+    irqchip::connect(&kvm_vm.vm, &line, rtc::IRQ)?;
+    let cmos = rtc::cmos::at_boot(config.memory_bytes, config.vcpus);
+    let clock = RtcDevice::new(line, cmos).map_err(VmmError::RtcTimer)?;
+    let at = (BusKind::Pio, u64::from(rtc::PORT), rtc::LEN);
+    devices.register("RTC", 0, at, Arc::new(Mutex::new(clock)))?;
     let balloon = match config.balloon {
         false => None,
         true => {
