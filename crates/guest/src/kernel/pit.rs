@@ -58,6 +58,8 @@ pub struct Calibrator {
     calibrations: u64,
     /// The last calibration's uncertainty (ppm) and windows timed.
     last: (u64, u64),
+    /// The latest good calibration's frequency (Hz); 0 before one.
+    hz: u64,
 }
 
 impl Calibrator {
@@ -68,6 +70,7 @@ impl Calibrator {
             next_ns: 0,
             calibrations: 0,
             last: (0, 0),
+            hz: 0,
         };
         let hz = c.calibrate(clock);
         match hz {
@@ -83,6 +86,11 @@ impl Calibrator {
             ),
         }
         c
+    }
+
+    /// The TSC's frequency the latest good calibration measured (Hz); 0 before one.
+    pub fn hz(&self) -> u64 {
+        self.hz
     }
 
     /// Calibrates again if `calibrate-ms` says it is time.
@@ -130,6 +138,9 @@ impl Calibrator {
         });
         self.next_ns = now + self.every_ns;
         self.last = (best.ppm(), windows);
+        if hz != 0 {
+            self.hz = hz;
+        }
         hz
     }
 }

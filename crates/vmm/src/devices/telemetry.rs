@@ -8,6 +8,7 @@ use super::device::DeviceStateError;
 use super::telemetry_clock::GuestTscCalibration;
 use super::telemetry_disk::GuestDisk;
 use super::telemetry_free::GuestFreeMemory;
+use super::telemetry_move::{GuestClockGap, MoveClocks};
 use super::telemetry_net::GuestNet;
 use ferry_guest_abi::params::Pattern;
 use ferry_guest_abi::report::{self, HaltReason, Kind, REPORT_SIZE, Report};
@@ -206,6 +207,10 @@ pub struct GuestTelemetry {
     /// When that first report came (the host's `CLOCK_MONOTONIC`, as every `host_ns`): the
     /// guest's resume on the host clock, and less the pause, the last report before it.
     pub migration_resumed_host_ns: Option<u64>,
+    /// On a destination: the guest's clocks across the move (the clock jump, the guest's gap).
+    pub migration_clocks: Option<MoveClocks>,
+    /// The boot vCPU's latest report of a gap in its clocks.
+    pub clock_gap: Option<GuestClockGap>,
     /// Each reporting vCPU's own counters, by vCPU index.
     pub vcpus: Vec<VcpuTelemetry>,
     #[serde(skip)]
@@ -258,6 +263,12 @@ impl GuestTelemetry {
             if std::mem::take(&mut self.awaiting_first_report_after_migration) {
                 self.migration_pause_ns = Some(gap);
                 self.migration_resumed_host_ns = Some(host_ns);
+                let before = self.vcpus.iter().map(|v| v.last_guest_ns).max();
+                if let Some(m) = &mut self.migration_clocks {
+                    m.first_report((before.unwrap_or(0), last), r.guest_ns, host_ns);
+                }
+            } else if let Some(m) = &mut self.migration_clocks {
+                m.report(r.guest_ns, host_ns);
             }
         }
         self.first_report_host_ns.get_or_insert(host_ns);
@@ -342,6 +353,13 @@ impl GuestTelemetry {
             Kind::Disk => self.disk = Some(GuestDisk::from_detail(d)),
             Kind::Net => self.net = Some(GuestNet::from_detail(d)),
             Kind::Clock => self.tsc_calibration = Some(GuestTscCalibration::from_detail(d)),
+            Kind::ClockGap => {
+                let gap = GuestClockGap::from_detail(d);
+                self.clock_gap = Some(gap);
+                if let Some(m) = &mut self.migration_clocks {
+                    m.gap(gap);
+                }
+            }
             Kind::Work => {
                 v.heartbeats += 1;
                 v.work_units = v.work_units.max(d[report::work::UNITS]);
@@ -507,6 +525,7 @@ impl GuestTelemetry {
         t.sum_vcpus();
         t.window.clear();
         t.awaiting_first_report_after_migration = true;
+        t.migration_clocks = Some(MoveClocks::arrived());
         Ok(t)
     }
 

@@ -277,6 +277,11 @@ fn build(
         }),
         cpuid: vcpu::cpuid_digest(&kvm_vm)?,
         sections: sections::versions(&devices),
+        tsc: kvm::tsc::vm_khz(&kvm_vm.vm).map(|khz| crate::vmconfig::TscDescription {
+            khz,
+            scales: kvm::tsc::can_scale(&kvm_vm.vm),
+            tolerance_ppm: kvm::tsc::tolerance_ppm(),
+        }),
     };
     let shared = Arc::new(Shared {
         control: Mutex::new(Control {
