@@ -5,7 +5,7 @@
 //! mismatch is refused before anything is sent, and before the source pauses, with the flag
 //! or update that fixes it; the state load would refuse it too, but only after the pause. The
 //! guest's TSC frequency is one of them: a destination that cannot give the source's refuses
-//! it here (`kvm::clock::frequency`).
+//! it here (`kvm::tsc::frequency`).
 //!
 //! The bytes are JSON: small, readable in a packet capture, and extensible by adding fields
 //! (a field an older ferry does not send takes its default, and is then not checked).
@@ -47,7 +47,7 @@ pub struct VmDescription {
 }
 
 /// A VM's guest TSC: its frequency (kHz), whether the host's CPU scales the TSC, and KVM's
-/// tolerance there (`kvm::clock::frequency` is the rule they feed).
+/// tolerance there (`kvm::tsc::frequency` is the rule they feed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TscDescription {
     pub khz: u32,
@@ -138,7 +138,7 @@ impl VmDescription {
             ));
         }
         if let (Some(theirs), Some(ours)) = (source.tsc, self.tsc) {
-            crate::kvm::clock::frequency(theirs.khz, ours.khz, ours.scales, ours.tolerance_ppm)
+            crate::kvm::tsc::frequency(theirs.khz, ours.khz, ours.scales, ours.tolerance_ppm)
                 .map_err(|e| e.to_string())?;
         }
         self.loads(&source.sections)

@@ -9,7 +9,7 @@
 //! TSC offset (guest TSC = host TSC + offset) and the guest's TSC frequency go with them.
 //!
 //! At the load (`restore`), before the vCPUs' registers: the guest's TSC frequency is given to
-//! the vCPUs when it differs from this host's, or refused ([`frequency`]); `KVM_SET_CLOCK` with
+//! the vCPUs when it differs from this host's, or refused (`tsc::frequency`); `KVM_SET_CLOCK` with
 //! `KVM_CLOCK_REALTIME` sets kvmclock to the saved value plus the wall-clock time since the save
 //! (KVM adds it; a KVM without the flag gets the sum computed here), so a migration's, a
 //! handover's and a restore's guest all see the time that passed, however long ago the
@@ -35,10 +35,6 @@ pub const CLOCK_STATE_VERSION: u32 = 2;
 pub const CLOCK_STATE_OLDEST: u32 = 1;
 /// Fixed bytes of a version 2 section before its offsets.
 const V2_HEAD: usize = 8 + 4 + 4 + 8 + 8 + 4;
-/// KVM's default `tsc_tolerance_ppm`: a guest TSC frequency this close to the host's is taken
-/// by `KVM_SET_TSC_KHZ` without scaling (the guest's TSC then runs at the host's rate).
-pub const KVM_TSC_TOLERANCE_PPM: u32 = 250;
-
 /// The VM's clocks at the pause (layout version 2): `clock_ns`, `flags` (u32: KVM's
 /// `KVM_GET_CLOCK` flags, saying whether `realtime_ns` and `host_tsc` are KVM's or the VMM's
 /// readings), `tsc_khz` (u32), `realtime_ns`, `host_tsc`, the vCPU count (u32) and each
@@ -122,47 +118,6 @@ impl Saved {
             offsets: (0..count).map(|k| u64_at(V2_HEAD + 8 * k)).collect(),
         }))
     }
-}
-
-/// A guest TSC frequency this host cannot give.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the guest's TSC runs at {source_khz} kHz on the source and would run at {own_khz} kHz here, {ppm} ppm apart: more than KVM's tolerance of {tolerance_ppm} ppm, and this host's CPU cannot scale the TSC (no KVM_CAP_TSC_CONTROL); move the guest to a host with the same TSC frequency, or to one whose CPU scales the TSC"
-)]
-pub struct TscFrequencyError {
-    pub source_khz: u32,
-    pub own_khz: u32,
-    pub ppm: u64,
-    pub tolerance_ppm: u32,
-}
-
-/// What a destination running its guest TSC at `own_khz` does with a guest whose TSC ran at
-/// `source_khz`: nothing (the same), `Some(source_khz)` for `KVM_SET_TSC_KHZ` (the host scales
-/// the TSC, or the difference is within KVM's tolerance, where KVM takes it unscaled), or a
-/// refusal. KVM itself would take a higher frequency beyond its tolerance on a host that cannot
-/// scale, by moving the TSC forward at each guest entry; a guest reading the TSC between
-/// entries would see it run at the wrong rate, so that is refused here.
-pub fn frequency(
-    source_khz: u32,
-    own_khz: u32,
-    can_scale: bool,
-    tolerance_ppm: u32,
-) -> Result<Option<u32>, TscFrequencyError> {
-    if source_khz == own_khz || source_khz == 0 || own_khz == 0 {
-        return Ok(None);
-    }
-    let bound = |sign: i64| {
-        (i64::from(own_khz) * (1_000_000 + sign * i64::from(tolerance_ppm)) / 1_000_000) as u32
-    };
-    if can_scale || (bound(-1)..=bound(1)).contains(&source_khz) {
-        return Ok(Some(source_khz));
-    }
-    Err(TscFrequencyError {
-        source_khz,
-        own_khz,
-        ppm: u64::from(source_khz.abs_diff(own_khz)) * 1_000_000 / u64::from(own_khz),
-        tolerance_ppm,
-    })
 }
 
 /// TSC ticks at `khz` in `ns` nanoseconds.
@@ -273,7 +228,7 @@ pub fn restore(vm: &VmFd, vcpus: &[&VcpuFd], saved: &Saved) -> Result<TscPlan, S
             .get_tsc_khz()
             .map_err(kvm("read the guest's TSC frequency"))?;
         let tolerance = tsc::tolerance_ppm();
-        if let Some(khz) = frequency(s.tsc_khz, own, tsc::can_scale(vm), tolerance)? {
+        if let Some(khz) = tsc::frequency(s.tsc_khz, own, tsc::can_scale(vm), tolerance)? {
             for v in vcpus {
                 v.set_tsc_khz(khz)
                     .map_err(kvm("set the guest's TSC frequency"))?;
@@ -356,36 +311,6 @@ mod tests {
             Saved::Stopped { clock_ns: 42 }
         );
         assert!(Saved::decode(1, &b).is_err());
-    }
-
-    #[test]
-    fn a_frequency_within_tolerance_or_scaled_is_set_and_else_refused_naming_both() {
-        let own = 2_445_406;
-        // (source kHz, host scales) -> what the destination does
-        let table = [
-            (own, false, Ok(None)),
-            (0, false, Ok(None)),
-            (own + 600, false, Ok(Some(own + 600))),
-            (own - 600, false, Ok(Some(own - 600))),
-            (own + own / 100, true, Ok(Some(own + own / 100))),
-        ];
-        for (source, scale, want) in table {
-            assert_eq!(
-                frequency(source, own, scale, KVM_TSC_TOLERANCE_PPM).map_err(|_| ()),
-                want,
-                "{source}"
-            );
-        }
-        for source in [own + own / 100, own - own / 100, own + 700] {
-            let e = frequency(source, own, false, KVM_TSC_TOLERANCE_PPM).unwrap_err();
-            let text = e.to_string();
-            assert!(
-                text.contains(&format!("{source} kHz on the source")),
-                "{text}"
-            );
-            assert!(text.contains(&format!("{own} kHz here")), "{text}");
-            assert!(text.contains("cannot scale"), "{text}");
-        }
     }
 
     /// On real KVM: a forged section whose guest TSC ran 1% off this host's is refused by the

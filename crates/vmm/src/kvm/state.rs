@@ -46,7 +46,7 @@ pub enum StateError {
     #[error("the host's XSAVE state ({0} bytes) does not fit the 4 KiB KVM_GET_XSAVE buffer")]
     XsaveTooLarge(i32),
     #[error(transparent)]
-    TscFrequency(#[from] super::clock::TscFrequencyError),
+    TscFrequency(#[from] super::tsc::TscFrequencyError),
 }
 
 pub(super) fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> StateError {
