@@ -354,6 +354,13 @@ mod tests {
             assert!(text.contains(&format!("{} kHz", own + own / 100)), "{text}");
             assert!(text.contains(&format!("{own} kHz here")), "{text}");
         }
+        // A version 1 section restores as it did: kvmclock where it was, the TSC kept.
+        let v1 = Saved::Stopped {
+            clock_ns: s.clock_ns,
+        };
+        assert_eq!(restore(&fresh, &fresh_vcpus, &v1).unwrap(), TscPlan::Keep);
+        let kept = fresh.get_clock().unwrap().clock - s.clock_ns;
+        assert!(kept < 100_000_000, "{kept} ns: the pause is not added");
         let near = ClockState {
             tsc_khz: own + own / 10_000,
             ..s
