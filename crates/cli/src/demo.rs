@@ -279,7 +279,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let clean = after.verify_failures == 0 && disk_clean;
     println!(
-        "guest verdict: {} — {} verify passes on the destination after the migration ({} in all), {} bad pages; heartbeats {} -> {}; pause the guest saw across the migration {:.1} ms",
+        "guest verdict: {} — {} verify passes on the destination after the migration ({} in all), {} bad pages; heartbeats {} -> {}; pause the guest saw across the migration {:.1} ms, its clocks {}",
         match (clean, after.verify_failures) {
             (true, _) => "CLEAN",
             (false, 0) => "BLOCKS LOST",
@@ -291,12 +291,35 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         resumed.heartbeats,
         after.heartbeats,
         after.migration_pause_ns.unwrap_or(0) as f64 / 1e6,
+        clocks_across(&after),
     );
     Ok(if clean {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The guest's clocks across the migration, as its destination saw them: the clock jump
+/// against the host's clock (0 when they advanced by the pause and no more) and the gap the
+/// guest itself saw on kvmclock and on its TSC.
+fn clocks_across(g: &GuestTelemetry) -> String {
+    let Some(m) = g.migration_clocks else {
+        return "not measured".into();
+    };
+    let jump = m
+        .clock_jump_ns
+        .map_or("unknown".into(), |j| format!("{:+.3} ms", j as f64 / 1e6));
+    let gap = match m.guest_gap {
+        Some(gap) => format!(
+            "; its own gap {:.1} ms on kvmclock, {} on its TSC",
+            gap.kvmclock_ns as f64 / 1e6,
+            gap.tsc_ns
+                .map_or("unknown".into(), |ns| format!("{:.1} ms", ns as f64 / 1e6))
+        ),
+        None => String::new(),
+    };
+    format!("jumped {jump} against the host's{gap}")
 }
 
 fn follow(src: &VmHandle) -> anyhow::Result<ferry_migrate::Progress> {

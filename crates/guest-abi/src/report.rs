@@ -90,6 +90,11 @@ report_enum! {
         /// every `calibrate-ms` when given. Detail: [`clock`] words. A kind of its own, as
         /// `Disk`.
         Clock = 11,
+        /// The boot vCPU's longest gap between two looks at its clocks (kvmclock and the TSC)
+        /// since the previous such report, after a heartbeat, when there was one (a pause, a
+        /// move, a vCPU the host put aside). Detail: [`clock_gap`] words. A kind of its own,
+        /// as `Disk`.
+        ClockGap = 12,
     }
 }
 
@@ -303,6 +308,26 @@ pub mod clock {
     /// sending the report, as seconds since the Unix epoch; 0 when no RTC answered (its
     /// update-in-progress bit never cleared, or its time kept changing under the reads).
     pub const RTC_UNIX_SECONDS: usize = 9;
+}
+
+pub mod clock_gap {
+    /// The gap on kvmclock (ns): its length as the guest's clock saw it; across a move, the
+    /// pause (the clocks advance by it) plus the loop's turn it fell in.
+    pub const KVMCLOCK_NS: usize = 0;
+    /// The same gap on the TSC, made ns with the guest's calibration against the PIT; 0 when
+    /// the guest has none. Within the calibration's error of `KVMCLOCK_NS`: the TSC agrees.
+    pub const TSC_NS: usize = 1;
+    /// The TSC ticks it lasted.
+    pub const TSC_TICKS: usize = 2;
+    /// kvmclock when it ended.
+    pub const ENDED_NS: usize = 3;
+    /// Gaps past the threshold seen so far.
+    pub const GAPS: usize = 4;
+    /// Looks that found kvmclock or the TSC behind the look before, so far (each also a verify
+    /// failure): a clock that went back.
+    pub const BACKWARDS: usize = 5;
+    /// What makes a gap (ns): longer than the workload loop leaves between two looks.
+    pub const THRESHOLD_NS: usize = 6;
 }
 
 pub mod net {
@@ -556,7 +581,8 @@ mod tests {
         );
         assert_eq!(d[vm_generation::CHANGES], 2);
         assert_eq!(Kind::from_u16(11), Kind::Clock);
-        assert_eq!(Kind::from_u16(12), Kind::Invalid, "no kind past the last");
+        assert_eq!(Kind::from_u16(12), Kind::ClockGap);
+        assert_eq!(Kind::from_u16(13), Kind::Invalid, "no kind past the last");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 #![no_std]
 #![forbid(unsafe_code)]
 
+pub mod clockgap;
 pub mod disk;
 pub mod echo;
 pub mod pace;

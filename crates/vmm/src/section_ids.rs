@@ -6,7 +6,7 @@
 //! | id | what | instances |
 //! | --- | --- | --- |
 //! | 1 | a vCPU's registers, FPU, MSRs, events, MP state | vCPU id |
-//! | 2 | the VM's kvmclock | 0 |
+//! | 2 | the VM's clocks: kvmclock, the host's wall clock and TSC with it, the guest TSC's kHz, each vCPU's TSC offset (`kvm::clock`) | 0 |
 //! | 3 | a 16550 UART (`devices::serial`) | 0 = COM1, 1 = COM2 |
 //! | 4 | the telemetry port (`devices::telemetry_port`) | 0 |
 //! | 5 | the in-kernel PICs and IOAPIC | 0 = PIC master, 1 = PIC slave, 2 = IOAPIC |

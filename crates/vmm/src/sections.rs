@@ -21,6 +21,7 @@ use ferry_migrate::wire::SectionId;
 use ferry_migrate::{Section, StatePart};
 
 use crate::devices::{self, DeviceStateError, Devices, SectionKind, SectionNeed};
+use crate::kvm::clock;
 use crate::kvm::irqchip::{self, Chip};
 use crate::kvm::state::{self, StateError};
 use crate::part_timer::PartTimer;
@@ -54,8 +55,8 @@ const CLOCK_PART: Part = Part {
     name: section_ids::name(VM_CLOCK),
     kind: SectionKind {
         id: VM_CLOCK,
-        version: state::CLOCK_STATE_VERSION,
-        oldest: state::CLOCK_STATE_OLDEST,
+        version: clock::CLOCK_STATE_VERSION,
+        oldest: clock::CLOCK_STATE_OLDEST,
     },
 };
 const IRQCHIP_PART: Part = Part {
@@ -138,7 +139,10 @@ pub(crate) fn save(shared: &Shared) -> Result<(Vec<Section>, Vec<StatePart>), Se
         out.push(section(&VCPU_PART, id, vcpu_state));
         out.push(section(&LAPIC_PART, id, lapic));
     }
-    let clock = state::save_clock(vm)?;
+    let clock = {
+        let vcpus: Vec<_> = shared.vcpus().iter().map(|v| v.lock().unwrap()).collect();
+        clock::save(vm, &vcpus.iter().map(|v| &**v).collect::<Vec<_>>())?
+    };
     timer.mark(|| "vm clock".into(), clock.len());
     out.push(section(&CLOCK_PART, 0, clock));
     for chip in Chip::ALL {
@@ -150,8 +154,9 @@ pub(crate) fn save(shared: &Shared) -> Result<(Vec<Section>, Vec<StatePart>), Se
     Ok((out, timer.finish()))
 }
 
-/// Loads `sections` into a VM whose vCPUs have not run: the clock, the interrupt controller,
-/// then each vCPU with its local APIC, then the devices; returns where the time went.
+/// Loads `sections` into a VM whose vCPUs have not run: the clock (and the guest's TSC
+/// frequency), the interrupt controller, then each vCPU with its local APIC and its TSC offset
+/// (after its MSRs, `kvm::clock`), then the devices; returns where the time went.
 pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePart>, SectionError> {
     for s in sections {
         let known = match s.id {
@@ -174,8 +179,12 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePar
         timer.mark(|| "create vCPUs".into(), 0);
     }
     let vm = &shared.kvm.vm;
-    let clock = find(sections, &CLOCK_PART, 0)?;
-    state::restore_clock(vm, clock)?;
+    let (clock, clock_version) = find_versioned(sections, &CLOCK_PART, 0)?;
+    let saved = clock::Saved::decode(clock_version, clock)?;
+    let tsc = {
+        let vcpus: Vec<_> = shared.vcpus().iter().map(|v| v.lock().unwrap()).collect();
+        clock::restore(vm, &vcpus.iter().map(|v| &**v).collect::<Vec<_>>(), &saved)?
+    };
     timer.mark(|| "vm clock".into(), clock.len());
     for chip in Chip::ALL {
         let data = find(sections, &IRQCHIP_PART, instance(chip))?;
@@ -187,7 +196,9 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePar
         let vcpu_state = find(sections, &VCPU_PART, id)?;
         let lapic_bytes = find(sections, &LAPIC_PART, id)?;
         let lapic = irqchip::decode_lapic(lapic_bytes)?;
-        state::restore_vcpu(vm, &vcpu.lock().unwrap(), vcpu_state, &lapic)?;
+        let vcpu = vcpu.lock().unwrap();
+        state::restore_vcpu(vm, &vcpu, vcpu_state, &lapic, tsc.msr_advance())?;
+        tsc.apply(id as usize, &vcpu)?;
         timer.mark(
             || format!("vcpu {id}"),
             vcpu_state.len() + lapic_bytes.len(),
@@ -204,6 +215,15 @@ pub(crate) fn load(shared: &Shared, sections: &[Section]) -> Result<Vec<StatePar
 
 /// The data of the one section of `part` and `instance`, checked to be of a layout it loads.
 fn find<'a>(sections: &'a [Section], part: &Part, instance: u32) -> Result<&'a [u8], SectionError> {
+    Ok(find_versioned(sections, part, instance)?.0)
+}
+
+/// [`find`], with the layout version the section is in.
+fn find_versioned<'a>(
+    sections: &'a [Section],
+    part: &Part,
+    instance: u32,
+) -> Result<(&'a [u8], u32), SectionError> {
     let id = part.kind.id;
     let s = sections
         .iter()
@@ -214,5 +234,5 @@ fn find<'a>(sections: &'a [Section], part: &Part, instance: u32) -> Result<&'a [
             instance,
         })?;
     DeviceStateError::check_version(part.name, s.version, part.kind.loads())?;
-    Ok(&s.data)
+    Ok((&s.data, s.version))
 }

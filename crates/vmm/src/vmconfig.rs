@@ -3,7 +3,9 @@
 //! check_config`): the vCPU count, whether there is a balloon and a disk, the CPU features the vCPUs
 //! were given, and the state sections the source writes with their layout versions. A
 //! mismatch is refused before anything is sent, and before the source pauses, with the flag
-//! or update that fixes it; the state load would refuse it too, but only after the pause.
+//! or update that fixes it; the state load would refuse it too, but only after the pause. The
+//! guest's TSC frequency is one of them: a destination that cannot give the source's refuses
+//! it here (`kvm::tsc::frequency`).
 //!
 //! The bytes are JSON: small, readable in a packet capture, and extensible by adding fields
 //! (a field an older ferry does not send takes its default, and is then not checked).
@@ -37,6 +39,20 @@ pub struct VmDescription {
     /// then checked only by the state load, after the pause.
     #[serde(default)]
     pub sections: Vec<SectionVersion>,
+    /// The guest TSC frequency this VM gives and whether its host can give another; none from
+    /// a ferry older than the field (or a KVM that does not say), then checked only by the
+    /// state load, after the pause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tsc: Option<TscDescription>,
+}
+
+/// A VM's guest TSC: its frequency (kHz), whether the host's CPU scales the TSC, and KVM's
+/// tolerance there (`kvm::tsc::frequency` is the rule they feed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TscDescription {
+    pub khz: u32,
+    pub scales: bool,
+    pub tolerance_ppm: u32,
 }
 
 /// A kind of state section a VM writes: its id, the name a refusal gives it, the layout
@@ -121,6 +137,10 @@ impl VmDescription {
                 source.cpuid, self.cpuid
             ));
         }
+        if let (Some(theirs), Some(ours)) = (source.tsc, self.tsc) {
+            crate::kvm::tsc::frequency(theirs.khz, ours.khz, ours.scales, ours.tolerance_ppm)
+                .map_err(|e| e.to_string())?;
+        }
         self.loads(&source.sections)
     }
 
@@ -168,7 +188,51 @@ mod tests {
             net_mac: None,
             cpuid: cpuid.into(),
             sections: vec![section(1, "vCPU", 1, 1), section(4, "telemetry port", 2, 2)],
+            tsc: Some(TscDescription {
+                khz: 2_445_406,
+                scales: false,
+                tolerance_ppm: 250,
+            }),
         }
+    }
+
+    /// Issue 53: a source whose guest TSC runs 1% faster or slower than a destination that
+    /// cannot scale the TSC is refused before the pause, naming both frequencies and the fix;
+    /// within KVM's tolerance, or on a host that scales, it is taken.
+    #[test]
+    fn a_guest_tsc_frequency_the_destination_cannot_give_is_refused() {
+        let here = vm(4, true, "ab");
+        let at = |khz: u32| VmDescription {
+            tsc: Some(TscDescription {
+                khz,
+                ..here.tsc.unwrap()
+            }),
+            ..vm(4, true, "ab")
+        };
+        for khz in [2_445_406 + 24_454, 2_445_406 - 24_454] {
+            let e = here.accepts(&at(khz).encode()).unwrap_err();
+            assert!(e.contains(&format!("{khz} kHz on the source")), "{e}");
+            assert!(e.contains("2445406 kHz here"), "{e}");
+            assert!(e.contains("to one whose CPU scales the TSC"), "{e}");
+        }
+        assert_eq!(here.accepts(&at(2_445_406 + 500).encode()), Ok(()));
+        let scaling = VmDescription {
+            tsc: Some(TscDescription {
+                scales: true,
+                ..here.tsc.unwrap()
+            }),
+            ..vm(4, true, "ab")
+        };
+        assert_eq!(scaling.accepts(&at(2_469_860).encode()), Ok(()));
+        let older = VmDescription {
+            tsc: None,
+            ..at(2_469_860)
+        };
+        assert_eq!(
+            here.accepts(&older.encode()),
+            Ok(()),
+            "left to the state load"
+        );
     }
 
     fn section(id: u32, name: &str, oldest: u32, version: u32) -> SectionVersion {

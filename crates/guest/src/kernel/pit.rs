@@ -60,6 +60,8 @@ pub struct Calibrator {
     last: (u64, u64),
     /// The RTC's time (s since 1970) and register B, as the last calibration read them.
     rtc: Option<(u64, u8)>,
+    /// The latest good calibration's frequency (Hz); 0 before one.
+    hz: u64,
 }
 
 impl Calibrator {
@@ -71,6 +73,7 @@ impl Calibrator {
             calibrations: 0,
             last: (0, 0),
             rtc: None,
+            hz: 0,
         };
         if p.rtc_set != 0 {
             super::rtc::set(p.rtc_set);
@@ -97,6 +100,11 @@ impl Calibrator {
             }
         }
         c
+    }
+
+    /// The TSC's frequency the latest good calibration measured (Hz); 0 before one.
+    pub fn hz(&self) -> u64 {
+        self.hz
     }
 
     /// Calibrates again if `calibrate-ms` says it is time.
@@ -149,6 +157,9 @@ impl Calibrator {
         });
         self.next_ns = now + self.every_ns;
         self.last = (best.ppm(), windows);
+        if hz != 0 {
+            self.hz = hz;
+        }
         hz
     }
 }

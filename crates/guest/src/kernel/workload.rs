@@ -11,6 +11,7 @@ use ferry_guest_abi::report::{self, HaltReason, Kind, Report};
 use ferry_guest_abi::stamp::{self, expected_word, next_generation};
 
 use super::clock::{self, Clock};
+use super::clockgap::ClockWatch;
 use super::disk::{self, Disk};
 use super::freemem::FreeMemory;
 use super::net::Net;
@@ -214,8 +215,9 @@ struct Workload {
     disk: Option<Disk>,
     /// The network workload (`net=`); the boot vCPU's only.
     net: Option<Net>,
-    /// The clock's last reading: it must never go back, across a migration least of all.
-    last_now: u64,
+    /// The clocks' last readings and their gaps: they must never go back, across a migration
+    /// least of all, and must advance by a pause (`clockgap.rs`).
+    clocks: ClockWatch,
     /// When the next heartbeat is due (also looked at inside a verify pass, so that a pass
     /// never reads as a pause to the host).
     next_heartbeat: u64,
@@ -244,7 +246,7 @@ impl Workload {
             pace,
             timer: Timer::start(),
             reads: Rng::new(seed ^ 0x7265_6164),
-            last_now: 0,
+            clocks: ClockWatch::new(p.heartbeat_ms),
             next_heartbeat: 0,
             lane: p.shared.then_some(usize::from(clock.vcpu())),
             // vCPUs sharing the pages start apart, so that they do not write in lockstep.
@@ -349,19 +351,11 @@ impl Workload {
         loop {
             self.poll_net();
             let now = self.clock.now_ns();
+            // Before the heartbeat, so that a gap ending here is in the report it sends.
+            self.look_at_clocks(now);
             if now >= self.next_heartbeat {
                 self.heartbeat(now);
             }
-            if now < self.last_now {
-                self.counters.verify_failures += 1;
-                sprintln!(
-                    "ferry-guest: VERIFY FAILED: vCPU {}'s clock went back from {} to {} ns",
-                    self.clock.vcpu(),
-                    self.last_now,
-                    now
-                );
-            }
-            self.last_now = now;
             if self.p.log_ms != 0 && now >= next_log && self.clock.vcpu() == 0 {
                 let (t0, w0) = last_log;
                 let rate = WriteRate {
@@ -549,7 +543,13 @@ impl Workload {
         }
     }
 
-    /// Checks every working-set page against its recorded generation and reports the pass.
+    /// A look at the clocks; one that went back is a verify failure.
+    fn look_at_clocks(&mut self, now: u64) {
+        if self.clocks.look(&self.clock, now) {
+            self.counters.verify_failures += 1;
+        }
+    }
+
     /// Sends a heartbeat with the workload's figures, and sets when the next is due.
     fn heartbeat(&mut self, now: u64) {
         let mut detail = [0; report::DETAIL_WORDS];
@@ -573,6 +573,8 @@ impl Workload {
         if let Some(pit) = &mut self.pit {
             pit.look(&self.clock, now);
         }
+        let tsc_hz = self.pit.as_ref().map_or(0, Calibrator::hz);
+        self.clocks.report(&self.clock, tsc_hz);
         self.next_heartbeat = now + u64::from(self.p.heartbeat_ms) * MS;
     }
 
@@ -629,6 +631,7 @@ impl Workload {
                 if k % HEARTBEAT_CHECK_PAGES == 0 {
                     self.poll_net();
                     let now = self.clock.now_ns();
+                    self.look_at_clocks(now);
                     if now >= self.next_heartbeat {
                         self.heartbeat(now);
                     }

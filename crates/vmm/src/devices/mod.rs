@@ -21,6 +21,7 @@ pub mod telemetry;
 pub mod telemetry_clock;
 pub mod telemetry_disk;
 pub mod telemetry_free;
+pub mod telemetry_move;
 pub mod telemetry_net;
 pub mod telemetry_port;
 pub mod telemetry_rtc;

@@ -7,7 +7,9 @@
 //! - `kick.rs`: get a vCPU thread out of `KVM_RUN` without racing it.
 //! - `irqchip.rs`: the in-kernel interrupt controller, its irqfds and its state.
 //! - `pit.rs`: the in-kernel PIT, its channel 2 as port 0x61 reaches it, and its state.
-//! - `state.rs`: a vCPU's and the VM clock's state as bytes; `dirty.rs`: the dirty log;
+//! - `state.rs`: a vCPU's state as bytes; `clock.rs`: the VM's kvmclock and the vCPUs' TSCs
+//!   across a move, over `tsc.rs` (the TSC offset, frequency and readings); `dirty.rs`: the
+//!   dirty log;
 //!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled,
 //!   over `rings.rs`, the mapped rings themselves.
 //! - `host.rs`: what the host's KVM offers guests (the guest physical address width).
@@ -16,6 +18,7 @@
 //! registered, never by a position in some other list (RAM regions, the engine's sorted
 //! regions) that would have to stay numbered alike.
 
+pub mod clock;
 pub mod dirty;
 pub mod host;
 pub mod irqchip;
@@ -24,6 +27,7 @@ pub mod pit;
 pub mod ring;
 pub mod rings;
 pub mod state;
+pub mod tsc;
 pub mod vcpu;
 
 use kvm_bindings::kvm_userspace_memory_region;

@@ -1,14 +1,11 @@
 //! A vCPU's and the VM's KVM state as versioned byte sections for migration: registers,
 //! special registers, XSAVE (FPU/SSE/AVX), XCRs, MSRs (TSC and kvmclock among them), pending
-//! events, MP state, debug registers, and the VM's kvmclock value.
-//!
-//! The TSC and kvmclock are taken at pause and written back unchanged on the destination, so
-//! the guest's clocks continue from where they stopped: it sees no jump, and the downtime is
-//! time it never saw pass (the guest-observed pause is measured on the host instead).
+//! events, MP state, debug registers. The VM's clock, and the TSC's advance across the pause
+//! that a restored `IA32_TSC` gets, are `clock.rs`'s.
 
 use kvm_bindings::{
-    Msrs, kvm_clock_data, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
-    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    Msrs, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use zerocopy::{FromBytes, IntoBytes};
@@ -18,10 +15,8 @@ pub const VCPU_STATE_VERSION: u32 = 1;
 /// The oldest vCPU layout it loads: the one it writes, no layout having changed since the
 /// first (a change raises the version and keeps a loader for this one).
 pub const VCPU_STATE_OLDEST: u32 = VCPU_STATE_VERSION;
-/// Version of the VM clock section layout this VMM writes, and the oldest it loads (the same,
-/// as for the vCPU's).
-pub const CLOCK_STATE_VERSION: u32 = 1;
-pub const CLOCK_STATE_OLDEST: u32 = CLOCK_STATE_VERSION;
+/// `IA32_TSC`: the vCPU's TSC, which a restore advances by the pause (`clock::TscPlan`).
+const IA32_TSC: u32 = 0x10;
 /// Most MSRs a section may carry (the host's save list has ~40).
 const MAX_MSRS: u32 = 256;
 
@@ -50,6 +45,8 @@ pub enum StateError {
     Msrs { set: usize, total: usize, msr: u32 },
     #[error("the host's XSAVE state ({0} bytes) does not fit the 4 KiB KVM_GET_XSAVE buffer")]
     XsaveTooLarge(i32),
+    #[error(transparent)]
+    TscFrequency(#[from] super::tsc::TscFrequencyError),
 }
 
 pub(super) fn kvm(what: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> StateError {
@@ -143,14 +140,16 @@ pub fn save_vcpu(vm: &VmFd, vcpu: &VcpuFd, msrs: &[u32]) -> Result<Vec<u8>, Stat
 }
 
 /// Writes a captured state, and its local APIC's, into a vCPU that has its CPUID set and has
-/// not run. The order is KVM's: the APIC after the special registers (which hold its base
-/// address), the MSRs after the APIC (the TSC-deadline MSR means something only once the
-/// timer's mode is set), MP state and pending events last.
+/// not run, its `IA32_TSC` advanced by `tsc_advance` ticks (the pause, `clock::TscPlan`). The
+/// order is KVM's: the APIC after the special registers (which hold its base address), the
+/// MSRs after the APIC (the TSC-deadline MSR means something only once the timer's mode is
+/// set), MP state and pending events last.
 pub fn restore_vcpu(
     vm: &VmFd,
     vcpu: &VcpuFd,
     bytes: &[u8],
     lapic: &kvm_lapic_state,
+    tsc_advance: u64,
 ) -> Result<(), StateError> {
     let mut r = Reader(bytes);
     let regs: kvm_regs = r.value()?;
@@ -166,9 +165,12 @@ pub fn restore_vcpu(
             "{count} MSRs, more than {MAX_MSRS}"
         )));
     }
-    let entries = (0..count)
+    let mut entries = (0..count)
         .map(|_| r.raw::<kvm_msr_entry>())
         .collect::<Result<Vec<_>, _>>()?;
+    for e in entries.iter_mut().filter(|e| e.index == IA32_TSC) {
+        e.data = e.data.wrapping_add(tsc_advance);
+    }
     if !r.0.is_empty() {
         return Err(StateError::Malformed(format!(
             "{} trailing bytes",
@@ -234,28 +236,6 @@ fn restore_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateErr
         i += 1;
     }
     Ok(())
-}
-
-/// The VM's kvmclock, taken at pause.
-pub fn save_clock(vm: &VmFd) -> Result<Vec<u8>, StateError> {
-    Ok(vm
-        .get_clock()
-        .map_err(kvm("read the VM clock"))?
-        .clock
-        .to_le_bytes()
-        .to_vec())
-}
-
-/// Sets the destination VM's kvmclock to the source's value at pause.
-pub fn restore_clock(vm: &VmFd, bytes: &[u8]) -> Result<(), StateError> {
-    let clock = u64::from_le_bytes(bytes.try_into().map_err(|_| {
-        StateError::Malformed(format!("clock section of {} bytes, want 8", bytes.len()))
-    })?);
-    vm.set_clock(&kvm_clock_data {
-        clock,
-        ..Default::default()
-    })
-    .map_err(kvm("write the VM clock"))
 }
 
 fn put(out: &mut Vec<u8>, bytes: &[u8]) {

@@ -1,0 +1,148 @@
+//! The guest's clocks across a move as the telemetry shows them: the gaps the boot vCPU saw in
+//! its clocks (its [`Kind::ClockGap`](ferry_guest_abi::report::Kind::ClockGap) reports,
+//! `clockgap.rs` in the guest), and on a destination (a migration's, a local handover's, a
+//! restore's) the clock jump across the move and the guest's own gap for it.
+//!
+//! The clock jump is how far the guest's kvmclock moved against the host's clock across the
+//! move: `(guest_after - guest_before) - (host_after - host_before)`, between the last report
+//! the source's VMM received before the pause and a report this VMM received after it, each
+//! with the guest's clock read just before it was sent and the host's `CLOCK_MONOTONIC` when
+//! its port write was handled. A report written late (its vCPU put aside by the host, or
+//! waiting for a page a lazy restore had still to read) only lowers the figure, so it is the
+//! largest over the reports of [`SETTLE_NS`] after the first. A guest whose clocks advance by
+//! the pause and no more shows about 0; one whose clocks stopped for the pause shows minus the
+//! pause.
+
+use ferry_guest_abi::report;
+use serde::Serialize;
+
+/// How long after the first report after a move the clock jump is still refined: dozens of
+/// heartbeats, enough for one that was not late.
+pub const SETTLE_NS: u64 = 1_000_000_000;
+
+/// The boot vCPU's longest gap in its clocks since its report before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct GuestClockGap {
+    /// Its length on kvmclock, and on the TSC at the guest's calibration against the PIT
+    /// (`None` before the guest has one), and the TSC ticks it lasted.
+    pub kvmclock_ns: u64,
+    pub tsc_ns: Option<u64>,
+    pub tsc_ticks: u64,
+    /// kvmclock when it ended.
+    pub ended_ns: u64,
+    /// Gaps the guest saw since it booted, and the looks that found a clock gone back.
+    pub gaps: u64,
+    pub backwards: u64,
+    /// What the guest takes for a gap (ns).
+    pub threshold_ns: u64,
+}
+
+impl GuestClockGap {
+    pub(super) fn from_detail(d: &[u64; report::DETAIL_WORDS]) -> GuestClockGap {
+        use report::clock_gap::*;
+        GuestClockGap {
+            kvmclock_ns: d[KVMCLOCK_NS],
+            tsc_ns: Some(d[TSC_NS]).filter(|&ns| ns != 0),
+            tsc_ticks: d[TSC_TICKS],
+            ended_ns: d[ENDED_NS],
+            gaps: d[GAPS],
+            backwards: d[BACKWARDS],
+            threshold_ns: d[THRESHOLD_NS],
+        }
+    }
+}
+
+/// What a destination saw of the guest's clocks across the move that brought the guest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MoveClocks {
+    /// The clock jump (see the module doc), once the guest reported after the move.
+    pub clock_jump_ns: Option<i64>,
+    /// The guest's first gap report after the move: the pause as its clocks saw it.
+    pub guest_gap: Option<GuestClockGap>,
+    #[serde(skip)]
+    awaiting_gap: bool,
+    /// The last report before the move and the first after it: (guest, host) ns.
+    #[serde(skip)]
+    before: (u64, u64),
+    #[serde(skip)]
+    first_host_ns: u64,
+}
+
+impl MoveClocks {
+    /// A guest arrived, no report from it yet.
+    pub(super) fn arrived() -> MoveClocks {
+        MoveClocks {
+            awaiting_gap: true,
+            ..MoveClocks::default()
+        }
+    }
+
+    /// The first report after the move, read `guest_ns` on the guest's clock and received at
+    /// `host_ns`; `before` is the last one before the move, (guest, host) ns (a guest time of
+    /// 0: none).
+    pub(super) fn first_report(&mut self, before: (u64, u64), guest_ns: u64, host_ns: u64) {
+        (self.before, self.first_host_ns) = (before, host_ns);
+        self.report(guest_ns, host_ns);
+    }
+
+    /// A report after the first, within [`SETTLE_NS`] of it, refines the jump.
+    pub(super) fn report(&mut self, guest_ns: u64, host_ns: u64) {
+        let (guest_before, host_before) = self.before;
+        if guest_before == 0 || host_ns.saturating_sub(self.first_host_ns) > SETTLE_NS {
+            return;
+        }
+        let jump =
+            guest_ns.wrapping_sub(guest_before) as i64 - host_ns.wrapping_sub(host_before) as i64;
+        self.clock_jump_ns = Some(self.clock_jump_ns.map_or(jump, |j| j.max(jump)));
+    }
+
+    /// A gap report: the first after the move is the move's.
+    pub(super) fn gap(&mut self, gap: GuestClockGap) {
+        if std::mem::take(&mut self.awaiting_gap) {
+            self.guest_gap = Some(gap);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The clock jump across a move: 0 for a guest whose clock advanced by the pause, minus
+    /// the pause for one whose clock stopped for it; the first gap report is the move's.
+    #[test]
+    fn the_clock_jump_is_the_guests_gap_less_the_hosts_and_the_first_gap_is_the_moves() {
+        let before = (105_000_000, 1_000_000_000);
+        for (guest_after, jump) in [(405_000_000, 0), (105_500_000, -299_500_000)] {
+            let mut m = MoveClocks::arrived();
+            m.first_report(before, guest_after, 1_300_000_000);
+            assert_eq!(m.clock_jump_ns, Some(jump));
+        }
+        // A first report 8 ms late, then one on time: the jump is the on-time one's; a report
+        // past the settling time is not looked at.
+        let mut m = MoveClocks::arrived();
+        m.first_report(before, 405_000_000, 1_308_000_000);
+        assert_eq!(m.clock_jump_ns, Some(-8_000_000));
+        m.report(415_000_000, 1_310_000_000);
+        assert_eq!(m.clock_jump_ns, Some(0));
+        m.report(2_415_000_000, 3_000_000_000);
+        assert_eq!(m.clock_jump_ns, Some(0));
+        let mut m = MoveClocks::arrived();
+        m.first_report((0, 0), 5, 300);
+        assert_eq!(m.clock_jump_ns, None, "no report before the move");
+        let mut d = [0; report::DETAIL_WORDS];
+        (
+            d[report::clock_gap::KVMCLOCK_NS],
+            d[report::clock_gap::TSC_NS],
+        ) = (310, 0);
+        m.gap(GuestClockGap::from_detail(&d));
+        d[report::clock_gap::KVMCLOCK_NS] = 20;
+        m.gap(GuestClockGap::from_detail(&d));
+        let g = m.guest_gap.unwrap();
+        assert_eq!(
+            (g.kvmclock_ns, g.tsc_ns),
+            (310, None),
+            "the first, uncalibrated"
+        );
+    }
+}
