@@ -116,8 +116,10 @@ fn api_reports_the_guest_and_pauses_resumes_and_shuts_down() {
         Duration::from_secs(30),
         |vm| {
             let s = vm.status();
+            // The write rate is published once its window spans 250 ms.
             s["guest"]["heartbeats"].as_u64() > Some(5)
                 && s["guest"]["verify_passes"].as_u64() > Some(0)
+                && s["guest"]["write_rate_pages_per_s"].as_f64() > Some(0.0)
         },
     );
     let s = vm.status();
