@@ -170,37 +170,19 @@ pub fn print_partial(s: &MigrationStats, phase: ferry_migrate::Phase) {
 /// no page was sent and no dirty page tracked, so a copy's figures (sent, passes, dirty
 /// syncs) would all read zero.
 pub fn print_local_table(s: &MigrationStats) {
-    let d = &s.downtime;
     println!(
         "total            {:>10.1} ms (setup {:.1} ms: guest RAM's descriptor passed, no page copied)",
         s.total_ms, s.setup_ms
     );
-    println!(
-        "downtime         {:>10.1} ms = {}",
-        d.total_ms,
-        downtime_parts(d)
-    );
-    if !d.save_parts.is_empty() || !d.load_parts.is_empty() {
-        println!(
-            "state            {:>10.1} KB; save: {}",
-            d.state_bytes as f64 / 1024.0,
-            parts_summary(&d.save_parts)
-        );
-        println!("                 load: {}", parts_summary(&d.load_parts));
-    }
+    print_pause(&s.downtime);
     println!(
         "CPU              {:>10.3} s old process, {:.3} s new process",
         s.cpu_seconds_source, s.cpu_seconds_destination
     );
 }
 
-/// The statistics as a table for a person.
-pub fn print_table(s: &MigrationStats) {
-    let d = &s.downtime;
-    println!(
-        "total            {:>10.1} ms (setup {:.1} ms)",
-        s.total_ms, s.setup_ms
-    );
+/// The pause's lines of a table: its parts, and the state that moved in it.
+fn print_pause(d: &ferry_migrate::stats::Downtime) {
     println!(
         "downtime         {:>10.1} ms = {}",
         d.total_ms,
@@ -214,6 +196,15 @@ pub fn print_table(s: &MigrationStats) {
         );
         println!("                 load: {}", parts_summary(&d.load_parts));
     }
+}
+
+/// The statistics as a table for a person.
+pub fn print_table(s: &MigrationStats) {
+    println!(
+        "total            {:>10.1} ms (setup {:.1} ms)",
+        s.total_ms, s.setup_ms
+    );
+    print_pause(&s.downtime);
     println!(
         "sent             {:>10.1} MB at {:.1} MB/s: {} pages, {} zero pages, {} skipped as holes",
         s.bytes_sent as f64 / 1e6,
