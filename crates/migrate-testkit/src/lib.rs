@@ -16,6 +16,7 @@
 //! `tests/conformance.rs` runs it on this fake. The fake as a source is here, as a destination
 //! in `destination.rs`.
 
+pub mod all_set;
 mod balloon;
 pub mod conformance;
 pub mod craft;

@@ -13,7 +13,7 @@ use ferry_migrate::destination::{self, ReceiveStats};
 use ferry_migrate::source::{self, SourceParams, TestHooks};
 use ferry_migrate::transport::Stream;
 use ferry_migrate::wire::Role;
-use ferry_migrate::{Control, MigrateError, MigrationStats};
+use ferry_migrate::{Control, MigrateError, MigrationStats, SourceVm};
 
 use crate::FakeVm;
 
@@ -194,7 +194,7 @@ pub fn migrate_flipping(
 
 /// Migrates `src` into `dst` over loopback; returns both sides' results.
 pub fn migrate(
-    src: &mut FakeVm,
+    src: &mut dyn SourceVm,
     dst: &mut FakeVm,
     p: &SourceParams,
     control: &Control,
@@ -207,7 +207,7 @@ pub fn migrate(
 
 /// [`migrate`] with faults injected into the source.
 pub fn migrate_with_hooks(
-    src: &mut FakeVm,
+    src: &mut dyn SourceVm,
     dst: &mut FakeVm,
     p: &SourceParams,
     control: &Control,
@@ -222,7 +222,7 @@ pub fn migrate_with_hooks(
 /// A whole migration over loopback TCP, the destination's connections (main, then data)
 /// wrapped by `wrap`.
 fn over_loopback<S: Stream + 'static>(
-    src: &mut FakeVm,
+    src: &mut dyn SourceVm,
     dst: &mut FakeVm,
     p: &SourceParams,
     control: &Control,

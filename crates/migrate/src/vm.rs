@@ -91,8 +91,25 @@ pub unsafe trait SourceVm: Send {
     /// before is not (pass 1 reads every populated page after this call, so it sees those
     /// writes). Its cost should follow the memory the guest has populated, not the memory it
     /// is configured with: pass 1 walks only populated memory, and nothing else in the
-    /// engine touches the rest.
+    /// engine touches the rest. A VMM whose tracking of a page starts only when the page is
+    /// armed ([`SourceVm::arm_dirty`]) may return before anything is tracked.
     fn start_dirty_log(&mut self) -> Result<(), VmError>;
+
+    /// Pass 1 is about to look for populated pages in `[gpa, gpa + len)` and read them: a VMM
+    /// whose dirty tracking starts without watching pages (KVM's
+    /// `KVM_DIRTY_LOG_INITIALLY_SET`, which spares the guest the stall of write-protecting all
+    /// its memory at once) starts watching these now, so that a write after this call is in a
+    /// later fetch, and the next fetch does not report them for the log's start. Pass 1 arms
+    /// the slices that hold data, in address order, each once, before it reads them; the
+    /// next [`SourceVm::fetch_dirty`] must report what was never armed and may have been
+    /// written (its populated pages), as the VMM cannot tell. A VMM whose tracking starts
+    /// whole keeps this default, and the engine stops asking.
+    fn arm_dirty(&mut self, gpa: u64, len: u64) -> Result<(), VmError> {
+        let _ = (gpa, len);
+        Err(VmError::Unsupported {
+            operation: "arming dirty tracking a range at a time",
+        })
+    }
 
     /// Fetch-and-clear: ORs into `into` every page written since tracking started or the
     /// last fetch, by the guest or by the VMM itself, and re-arms tracking for them. A VMM may

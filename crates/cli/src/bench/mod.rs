@@ -14,6 +14,7 @@ mod hinting;
 mod hostile;
 mod ingest;
 mod link;
+mod live_gap;
 mod local;
 mod net;
 mod net_measure;

@@ -10,7 +10,8 @@
 //! the data the guest holds), its eager and its lazy restore (time to the guest running, the
 //! rate RAM comes in at); a live save while the guest dirties a hot 1 GiB of its working set
 //! at 400 MB/s (the pause the guest saw, and the peak memory the save added to this process),
-//! and that file's lazy restore with and without its hot set (the guest's demand faults).
+//! and that file's lazy restore with and without its hot set (the guest's demand faults); the
+//! same live guest migrated over loopback (`live_gap.rs`: its longest stall).
 //! Every restored guest must then finish a verify pass of its whole working set, clean. The same idle guest is also saved and restored by the
 //! QEMU installed here (`qemu.rs`), on the same file system: the peer a user would compare.
 //!
@@ -215,7 +216,10 @@ fn live_rows(
     data: u64,
     rows: &mut Vec<serde_json::Value>,
 ) -> anyhow::Result<()> {
-    println!("\nthe same guest dirtying a hot 1 GiB of its data at 400 MB/s:");
+    println!(
+        "\nthe same guest dirtying a hot 1 GiB of its data at 400 MB/s (dirty log start: {}):",
+        super::live_gap::dirty_log_start()
+    );
     let hot = (GIB * 100 / data).clamp(1, 100);
     let config = config_with(
         config,
@@ -239,8 +243,10 @@ fn live_rows(
         "passes": stats.passes.len(), "pause_ms": stats.downtime.total_ms,
         "guest_gap_ms": seen.gap_ms, "guest_gap_before_ms": seen.baseline_ms,
         "throttle_max": stats.throttle_max_percent, "dirty_start_ms": stats.dirty_start_ms,
-        "peak_rss_added_mib": seen.peak_added_mib, "staged_bytes": stats.staged_bytes}),
+        "peak_rss_added_mib": seen.peak_added_mib, "staged_bytes": stats.staged_bytes,
+        "dirty_log_start": super::live_gap::dirty_log_start()}),
     );
+    super::live_gap::migration_row(config.memory_bytes, &config.cmdline, rows)?;
     let with = restore(&config, file, Loading::Lazy, true)?;
     let without = restore(&config, file, Loading::Lazy, false)?;
     println!(

@@ -4,15 +4,17 @@
 use ferry_migrate::SourceVm;
 
 use crate::conformance::fixture::Fixture;
-use crate::conformance::support::{fetch, ok, touch_each_region, tracking_paused_source};
+use crate::conformance::support::{
+    fetch, ok, start_tracking, touch_each_region, tracking_paused_source,
+};
 
-/// Tracking starts empty: a page nobody wrote since is not reported, whatever was written
-/// before.
+/// Tracking starts empty once armed: a page nobody wrote since is not reported, whatever was
+/// written before.
 pub fn dirty_log_starts_empty<F: Fixture>(f: &mut F) {
     let mut src = f.source();
     ok("pause", src.pause());
     touch_each_region(f, &mut src);
-    ok("start_dirty_log", src.start_dirty_log());
+    start_tracking(&mut src, "start_dirty_log");
     assert_eq!(
         fetch(&mut src),
         Vec::<u64>::new(),
@@ -60,7 +62,7 @@ pub fn dirty_log_restarts<F: Fixture>(f: &mut F) {
     let mut src = tracking_paused_source(f);
     src.stop_dirty_log();
     touch_each_region(f, &mut src);
-    ok("start_dirty_log (again)", src.start_dirty_log());
+    start_tracking(&mut src, "start_dirty_log (again)");
     assert_eq!(
         fetch(&mut src),
         Vec::<u64>::new(),

@@ -26,7 +26,8 @@
 //!   `takes_device_fds`, `adopt_device_fds`, a local handover's device files): a source passes
 //!   open files, each device named once; a destination that takes them takes the source's and
 //!   refuses one for a device it does not have, and one that does not takes none.
-//! - Dirty tracking (`dirty.rs`: `start_dirty_log`, `fetch_dirty`, `stop_dirty_log`).
+//! - Dirty tracking (`dirty.rs`: `start_dirty_log`, `arm_dirty` over all of RAM as pass 1
+//!   arms what it reads, `fetch_dirty`, `stop_dirty_log`).
 //!   [`dirty_log_starts_empty`]: a page nobody wrote since tracking started is not reported
 //!   (pass 1 sends populated memory once; a log that reported all of RAM would send it
 //!   again), and [`vmm_writes_are_reported`], [`guest_writes_are_reported`]: one written

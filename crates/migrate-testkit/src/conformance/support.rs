@@ -81,8 +81,20 @@ pub(crate) fn touch_each_region<F: Fixture>(f: &mut F, src: &mut F::Source) -> V
 pub(crate) fn tracking_paused_source<F: Fixture>(f: &mut F) -> F::Source {
     let mut src = f.source();
     ok("pause", src.pause());
-    ok("start_dirty_log", src.start_dirty_log());
+    start_tracking(&mut src, "start_dirty_log");
     src
+}
+
+/// Starts dirty tracking and arms all of RAM, as the engine's pass 1 arms what it reads
+/// (`SourceVm::arm_dirty`; a VMM whose log starts whole answers unsupported).
+pub(crate) fn start_tracking<S: SourceVm>(src: &mut S, what: &str) {
+    ok(what, src.start_dirty_log());
+    for r in src.ram() {
+        match src.arm_dirty(r.gpa, r.size) {
+            Ok(()) | Err(VmError::Unsupported { .. }) => {}
+            Err(e) => panic!("arm_dirty({:#x}, {:#x}): {e}", r.gpa, r.size),
+        }
+    }
 }
 
 pub(crate) fn saved_state<F: Fixture>(f: &mut F) -> Vec<Section> {

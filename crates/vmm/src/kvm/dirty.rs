@@ -1,10 +1,30 @@
 //! KVM's dirty log: `KVM_MEM_LOG_DIRTY_PAGES` on the RAM slots that hold populated memory,
 //! with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` so that fetching the log does not re-protect
 //! memory, and `KVM_CLEAR_DIRTY_LOG` (declared here; kvm-ioctls lacks it) to re-protect exactly
-//! the pages a fetch reported, in bounded chunks. The log starts empty (no
-//! `KVM_DIRTY_LOG_INITIALLY_SET`): turning it on write-protects what the slot maps, which
-//! costs what the guest has mapped, and re-arming pages that were never populated, the cost
-//! that grew with configured RAM, is never needed.
+//! the pages a fetch reported, in bounded chunks.
+//!
+//! **The log starts without stalling the guest.** Turning logging on the old way
+//! ([`LogStart::WriteProtect`]) write-protects every page a slot maps in one ioctl, under
+//! KVM's MMU lock: with 4 GiB mapped, tens of milliseconds in which a vCPU that touches memory
+//! waits (issue 52). Where KVM offers it, and without the dirty ring, the log starts with
+//! `KVM_DIRTY_LOG_INITIALLY_SET` instead ([`LogStart::AllSet`]): turning logging on protects
+//! nothing and KVM's bitmap of the slot starts all set. A page whose bit is still set from
+//! that start is *unarmed*: not write-protected, so a write to it is not logged, and the slot
+//! remembers it (`log_state.rs`). Pass 1 arms memory a slice at a time just before it looks
+//! for populated pages in it and reads them ([`KvmVm::arm_dirty_log`]: clear the slice's
+//! unarmed bits, which write-protects those pages, as QEMU clears its log in chunks as it
+//! sends): a write before the arm is read by pass 1, one after it is logged. The next fetch
+//! arms whatever is still unarmed (slices pass 1 found empty, or a VMM that never armed) and
+//! then reports every populated page among it, as for a slot that just started logging (see
+//! the holes below): what it cannot tell was written, it reports. A bit of an armed page is a
+//! write; a bit of an unarmed page is never reported as one, so the all-set start never
+//! makes a never-populated page travel. Arming clears only bits that are still unarmed, so a
+//! logged write is never cleared unreported, however often a range is armed.
+//! `FERRY_DIRTY_LOG_START=write-protect` selects the old way (for benches that measure both).
+//! Measured on the 8 GiB guest with 4 GiB populated (docs/benchmarks.md, "The dirty log's
+//! start"): the start took 2.6-5.4 ms against 62-72 ms (medians), an arm 0.7 ms; what is left
+//! of the start is one memslot update per slot (an SRCU grace period for this thread, a kick
+//! for each vCPU), and the guest then pays its first write to each armed page as a fault.
 //!
 //! **Cost follows populated memory.** A slot whose range of the guest RAM memfd is a hole
 //! holds no page anyone wrote, so its log is not turned on and not fetched: a 512 GiB guest
@@ -14,13 +34,15 @@
 //! **How a hole stays correct.** A guest (or VMM) write to a hole populates it in the memfd
 //! (RAM is `MAP_SHARED` on it; the balloon gives no page back while a migration tracks). So at
 //! every fetch, a slot not yet logged is looked at again: if it has data now, its log is
-//! turned on first and then every populated page in it is reported dirty. A write before the
-//! log was on went to a page populated by then (reported); a write after it is in the log (a
-//! later fetch). Reporting a page that was only read (a read populates shmem too) costs one
-//! zero page on the wire, never a wrong one.
+//! turned on (and, started all set, armed whole) first and then every populated page in it is
+//! reported dirty. A write before the log was on (or armed) went to a page populated by then
+//! (reported); a write after it is in the log (a later fetch). Reporting a page that was only
+//! read (a read populates shmem too) costs one zero page on the wire, never a wrong one.
 //!
 //! **With the dirty ring** (`ring.rs`), slots turn logging on and off the same way, but a
-//! fetch harvests the vCPUs' rings instead of each logging slot's bitmap.
+//! fetch harvests the vCPUs' rings instead of each logging slot's bitmap. The ring has no
+//! bitmap to start set: KVM pushes a page on the first write after write-protection, so the
+//! log starts the old way, write-protecting each slot as it turns on.
 //!
 //! Slots are found by guest address in the VM's [`super::SlotTable`], and a slot's log is
 //! merged into the engine's bitmap at the slot's guest address: nothing here assumes that slot
@@ -28,18 +50,21 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
 
 use ferry_migrate::bitmap::DirtyBitmap;
 use ferry_migrate::ram::{RamError, next_data_in_file, next_data_offset};
+use ferry_migrate::wire::PAGE_SIZE;
 use kvm_bindings::{
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
-    KVM_MEM_LOG_DIRTY_PAGES, KVMIO, kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1,
-    kvm_enable_cap,
+    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVMIO, kvm_clear_dirty_log,
+    kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
 };
 #[allow(unused_imports)] // used inside ioctl_iowr_nr!'s expansion
 use vmm_sys_util::ioctl_ioc_nr;
 use vmm_sys_util::ioctl_iowr_nr;
 
+use super::log_state::{self, LogStart, SlotLog};
 use super::{KvmError, KvmVm, MemorySlot};
 
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
@@ -116,33 +141,54 @@ pub enum RingError {
 }
 
 impl KvmVm {
-    /// Turns on manual protection (fetching the log does not re-protect; clearing does);
-    /// done once, at VM creation.
-    pub fn enable_manual_dirty_protect(&self) -> Result<(), DirtyLogError> {
+    /// Turns on manual protection (fetching the log does not re-protect; clearing does), and
+    /// with [`LogStart::AllSet`] the all-set start where KVM reports it (else the log starts
+    /// the old way, said in the log); done once, at VM creation, before any dirty ring.
+    pub fn enable_manual_dirty_protect(&mut self, start: LogStart) -> Result<(), DirtyLogError> {
         let supported = self
             .vm
             .check_extension_raw(u64::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2))
             as u32;
-        let wanted = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
-        if supported & wanted != wanted {
+        let needed = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
+        if supported & needed != needed {
             return Err(DirtyLogError::Unsupported);
         }
+        let start = match start {
+            LogStart::AllSet if supported & KVM_DIRTY_LOG_INITIALLY_SET == 0 => {
+                tracing::info!(
+                    "this KVM cannot start a dirty log all set (KVM_DIRTY_LOG_INITIALLY_SET, Linux 5.8+): starting one write-protects the guest's memory at once"
+                );
+                LogStart::WriteProtect
+            }
+            start => start,
+        };
         let mut cap = kvm_enable_cap {
             cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
             ..Default::default()
         };
-        cap.args[0] = u64::from(wanted);
+        cap.args[0] = u64::from(match start {
+            LogStart::WriteProtect => needed,
+            LogStart::AllSet => needed | KVM_DIRTY_LOG_INITIALLY_SET,
+        });
         self.vm
             .enable_cap(&cap)
             .map_err(|source| DirtyLogError::Kvm {
                 what: "enable",
                 slot: 0,
                 source,
-            })
+            })?;
+        self.logging.get_mut().unwrap().start = start;
+        Ok(())
     }
 
-    /// Starts dirty logging, empty, on every slot that holds populated memory in `memfd`
-    /// (guest RAM's); the others are looked at again by each fetch. Returns the slots logged.
+    /// How this VM's dirty log starts.
+    pub fn dirty_log_start(&self) -> LogStart {
+        self.logging.lock().unwrap().start
+    }
+
+    /// Starts dirty logging on every slot that holds populated memory in `memfd` (guest
+    /// RAM's); the others are looked at again by each fetch. Returns the slots logged. Started
+    /// all set, nothing is write-protected yet: see [`KvmVm::arm_dirty_log`].
     pub fn start_dirty_log(&self, memfd: &File) -> Result<usize, DirtyLogError> {
         let mut logging = self.logging.lock().unwrap();
         if let Some(rings) = self.dirty_rings() {
@@ -152,22 +198,56 @@ impl KvmVm {
             rings.set_logging(true);
         }
         let mut skip = Populated::default();
+        let (started, mut longest) = (Instant::now(), Duration::ZERO);
         for (i, s) in self.slots.slots().iter().enumerate() {
             if skip.has_data(memfd, s)? {
+                let t = Instant::now();
                 self.set_slot_logging(s, true)?;
-                logging[i] = true;
+                longest = longest.max(t.elapsed());
+                logging.slots[i] = logging.turned_on(s.pages());
             }
         }
-        Ok(logging.iter().filter(|&&on| on).count())
+        tracing::debug!(
+            "dirty log started ({:?}) on {} slots in {:.2} ms, the longest slot {:.2} ms",
+            logging.start,
+            logging.count_on(),
+            ms(started.elapsed()),
+            ms(longest)
+        );
+        Ok(logging.count_on())
+    }
+
+    /// Arms the guest range `[gpa, gpa + len)`: its pages still unarmed since the log started
+    /// all set are write-protected (their bits cleared in KVM), so a write from now on is
+    /// logged. Pass 1 calls it before it looks at the range. Nothing to do for a slot that
+    /// does not log (its log starts armed, see the module doc) or a log started empty.
+    pub fn arm_dirty_log(&self, gpa: u64, len: u64) -> Result<(), DirtyLogError> {
+        let mut logging = self.logging.lock().unwrap();
+        let t = Instant::now();
+        for (i, s) in self.slots.slots().iter().enumerate() {
+            let (from, to) = (gpa.max(s.gpa), (gpa + len).min(s.gpa + s.size));
+            let SlotLog::On { unarmed } = &mut logging.slots[i] else {
+                continue;
+            };
+            if from >= to || unarmed.is_empty() {
+                continue;
+            }
+            let page = |a: u64| (a - s.gpa) / PAGE_SIZE;
+            let (first, words) = log_state::bits_in(unarmed, page(from), page(to));
+            self.clear_dirty_log(s.slot, s.pages(), first as u64 * 64, &words)?;
+            log_state::clear_bits(unarmed, first, &words);
+        }
+        tracing::trace!("armed {gpa:#x}+{len:#x} in {:.3} ms", ms(t.elapsed()));
+        Ok(())
     }
 
     /// Turns dirty logging off on every slot that logs.
     pub fn stop_dirty_log(&self) -> Result<(), DirtyLogError> {
         let mut logging = self.logging.lock().unwrap();
         for (i, s) in self.slots.slots().iter().enumerate() {
-            if logging[i] {
+            if logging.slots[i].is_on() {
                 self.set_slot_logging(s, false)?;
-                logging[i] = false;
+                logging.slots[i] = SlotLog::Off;
             }
         }
         if let Some(rings) = self.dirty_rings() {
@@ -179,7 +259,8 @@ impl KvmVm {
     }
 
     /// Fetch-and-clear of KVM's log: ORs every logging slot's dirty bits into `into` at the
-    /// slot's guest address and re-protects the pages it reported. A slot that did not log
+    /// slot's guest address and re-protects the pages it reported; a slot's pages still
+    /// unarmed are armed and its populated ones among them reported. A slot that did not log
     /// and now holds populated memory starts logging, and all its populated pages are
     /// reported (see the module doc). With the dirty ring, returns what this fetch read from
     /// each vCPU's ring, by vCPU id (empty with the bitmap).
@@ -195,24 +276,34 @@ impl KvmVm {
             None => Vec::new(),
         };
         let mut skip = Populated::default();
+        let t = Instant::now();
         for (i, s) in self.slots.slots().iter().enumerate() {
-            if logging[i] {
+            if let SlotLog::On { unarmed } = &mut logging.slots[i] {
                 if rings.is_none() {
-                    self.fetch_slot(s, into)?;
+                    self.fetch_slot(memfd, s, unarmed, into)?;
                 }
             } else if skip.has_data(memfd, s)? {
                 self.set_slot_logging(s, true)?;
                 // Marked as logging only once its pages are reported: a fetch that failed
                 // half way looks at the slot again (and reports its pages) the next time.
-                report_populated(memfd, s, into)?;
-                logging[i] = true;
+                match logging.turned_on(s.pages()) {
+                    SlotLog::On { mut unarmed } if !unarmed.is_empty() => {
+                        self.fetch_slot(memfd, s, &mut unarmed, into)?;
+                    }
+                    _ => report_populated(memfd, s, 0, s.pages(), into)?,
+                }
+                logging.slots[i] = SlotLog::On {
+                    unarmed: Vec::new(),
+                };
             }
         }
+        tracing::trace!("dirty log fetched in {:.3} ms", ms(t.elapsed()));
         Ok(per_vcpu)
     }
 
     /// Re-registers `slot` with dirty logging on or off. On, it write-protects what the slot
-    /// maps; its log starts empty.
+    /// maps and its log starts empty, or (started all set) it protects nothing and its log
+    /// starts with every page set.
     fn set_slot_logging(&self, s: &MemorySlot, on: bool) -> Result<(), DirtyLogError> {
         let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
         // SAFETY: the same live mapping the slot was created with; only the flags change.
@@ -228,10 +319,17 @@ impl KvmVm {
         })
     }
 
-    /// One slot's log: fetched, merged at its guest address, and re-protected where it was
-    /// set.
-    fn fetch_slot(&self, s: &MemorySlot, into: &mut DirtyBitmap) -> Result<(), DirtyLogError> {
-        let words = self
+    /// One slot's log: fetched, its armed pages' bits merged at its guest address and
+    /// re-protected; then what is still `unarmed` armed, and the populated pages among it
+    /// reported (after the arm: a write before it populated the page, one after is logged).
+    fn fetch_slot(
+        &self,
+        memfd: &File,
+        s: &MemorySlot,
+        unarmed: &mut Vec<u64>,
+        into: &mut DirtyBitmap,
+    ) -> Result<(), DirtyLogError> {
+        let mut words = self
             .vm
             .get_dirty_log(s.slot, s.size as usize)
             .map_err(|source| DirtyLogError::Kvm {
@@ -239,21 +337,40 @@ impl KvmVm {
                 slot: s.slot,
                 source,
             })?;
+        // An unarmed page's bit is the log's start, not a write.
+        log_state::clear_bits(&mut words, 0, unarmed);
         into.merge_at(s.gpa, s.pages(), &words)
             .map_err(|source| DirtyLogError::Merge {
                 slot: s.slot,
                 source,
             })?;
-        self.clear_dirty_log(s.slot, s.pages(), &words)
+        self.clear_dirty_log(s.slot, s.pages(), 0, &words)?;
+        if unarmed.is_empty() {
+            return Ok(());
+        }
+        self.clear_dirty_log(s.slot, s.pages(), 0, unarmed)?;
+        for (from, to) in log_state::runs(unarmed) {
+            report_populated(memfd, s, from, to, into)?;
+        }
+        unarmed.clear();
+        Ok(())
     }
 
-    /// Re-protects the pages of slot `slot` set in `bits` (bit `i`: page `i` of the slot),
-    /// in chunks of [`CLEAR_CHUNK_PAGES`], skipping chunks with no bit set.
-    fn clear_dirty_log(&self, slot: u32, pages: u64, bits: &[u64]) -> Result<(), DirtyLogError> {
-        let mut at = 0;
-        while at < pages {
-            let n = (pages - at).min(CLEAR_CHUNK_PAGES);
-            let words = &bits[(at / 64) as usize..(at + n).div_ceil(64) as usize];
+    /// Re-protects the pages of slot `slot` (of `pages` pages) set in `bits`, bit `i` being
+    /// page `first + i` of the slot (`first` a multiple of 64, as KVM wants it), in chunks of
+    /// [`CLEAR_CHUNK_PAGES`], skipping chunks with no bit set.
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        pages: u64,
+        first: u64,
+        bits: &[u64],
+    ) -> Result<(), DirtyLogError> {
+        let end = (first + bits.len() as u64 * 64).min(pages);
+        let mut at = first;
+        while at < end {
+            let n = (end - at).min(CLEAR_CHUNK_PAGES);
+            let words = &bits[((at - first) / 64) as usize..(at - first + n).div_ceil(64) as usize];
             if words.iter().any(|&w| w != 0) {
                 let arg = kvm_clear_dirty_log {
                     slot,
@@ -280,6 +397,10 @@ impl KvmVm {
         }
         Ok(())
     }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 /// Walks slots asking whether each holds populated memory, with one `SEEK_DATA` for a whole
@@ -321,14 +442,16 @@ impl Populated {
     }
 }
 
-/// Marks every populated page of slot `s` in `into`.
+/// Marks every populated page of slot `s` from its page `from` to its page `to` in `into`.
 fn report_populated(
     memfd: &File,
     s: &MemorySlot,
+    from: u64,
+    to: u64,
     into: &mut DirtyBitmap,
 ) -> Result<(), DirtyLogError> {
-    let end = s.file_offset + s.size;
-    let mut at = s.file_offset;
+    let end = s.file_offset + to * PAGE_SIZE;
+    let mut at = s.file_offset + from * PAGE_SIZE;
     while let Some((data, hole)) =
         next_data_in_file(memfd.as_raw_fd(), at, end).map_err(looking(s))?
     {

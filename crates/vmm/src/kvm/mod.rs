@@ -9,7 +9,7 @@
 //! - `pit.rs`: the in-kernel PIT, its channel 2 as port 0x61 reaches it, and its state.
 //! - `state.rs`: a vCPU's state as bytes; `clock.rs`: the VM's kvmclock and the vCPUs' TSCs
 //!   across a move, over `tsc.rs` (the TSC offset, frequency and readings); `dirty.rs`: the
-//!   dirty log;
+//!   dirty log, over `log_state.rs`, what it knows of each slot (logging, pages not yet armed);
 //!   `ring.rs`: the dirty ring, which the log reads instead of the slots' bitmaps when enabled,
 //!   over `rings.rs`, the mapped rings themselves.
 //! - `host.rs`: what the host's KVM offers guests (the guest physical address width).
@@ -23,6 +23,7 @@ pub mod dirty;
 pub mod host;
 pub mod irqchip;
 pub mod kick;
+pub mod log_state;
 pub mod pit;
 pub mod ring;
 pub mod rings;
@@ -267,8 +268,9 @@ pub struct KvmVm {
     pub vm: VmFd,
     /// The slots registered in [`KvmVm::new`]; the dirty log finds them here by address.
     slots: SlotTable,
-    /// Which slots log dirty pages now (`dirty.rs`), by index in `slots`.
-    logging: std::sync::Mutex<Vec<bool>>,
+    /// Which slots log dirty pages now, and what each still holds from the log's start
+    /// (`dirty.rs`, `log_state.rs`), by index in `slots`.
+    logging: std::sync::Mutex<log_state::Logging>,
     /// Entries per vCPU of the dirty ring, when it is enabled (`ring.rs`).
     ring_entries: Option<u32>,
     /// The vCPUs' rings, mapped once the vCPUs exist.
@@ -304,7 +306,7 @@ impl KvmVm {
                 }
             })?;
         }
-        let logging = std::sync::Mutex::new(vec![false; slots.slots().len()]);
+        let logging = std::sync::Mutex::new(log_state::Logging::new(slots.slots().len()));
         Ok(KvmVm {
             kvm,
             vm,

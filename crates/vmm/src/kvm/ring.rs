@@ -8,7 +8,10 @@
 //! vCPU's ring is mapped when the vCPUs are created ([`KvmVm::map_dirty_rings`]). Slots still
 //! turn logging on and off as with the bitmap (`dirty.rs`): KVM pushes a page only for a slot
 //! with `KVM_MEM_LOG_DIRTY_PAGES`, once per write-protection, and `KVM_RESET_DIRTY_RINGS`
-//! re-protects the pages harvested.
+//! re-protects the pages harvested. A ring has no bitmap to start all set, so with it the
+//! log starts the old way (`KVM_DIRTY_LOG_INITIALLY_SET` is not enabled, and
+//! `SourceVm::arm_dirty` answers unsupported): turning a slot's logging on write-protects
+//! what it maps at once, the stall issue 52 measured.
 //!
 //! **Two harvesters.** The migration thread harvests every ring at a sync. A vCPU whose ring
 //! fills exits to the VMM (`KVM_EXIT_DIRTY_RING_FULL`) and may not run again until entries are

@@ -11,6 +11,7 @@ use ferry_migrate::{Section, SourceVm, VmError};
 use super::regions::ram_regions;
 use crate::devices::virtio::MmioTransport;
 use crate::devices::virtio::balloon::Balloon;
+use crate::kvm::log_state::LogStart;
 use crate::sections;
 use crate::vm::handle::VmHandle;
 use crate::vm::shared::Shared;
@@ -129,6 +130,22 @@ unsafe impl SourceVm for SourceAdapter {
             self.shared.kvm.slots().slots().len()
         );
         Ok(())
+    }
+
+    /// Write-protects what KVM's all-set log start left unprotected in the range (`kvm/dirty.rs`);
+    /// the VMM's own writes are recorded from the start and need nothing. A log started
+    /// write-protected (the old way, or the dirty ring) has nothing to arm: the engine is told
+    /// so once and stops asking.
+    fn arm_dirty(&mut self, gpa: u64, len: u64) -> Result<(), VmError> {
+        if self.shared.kvm.dirty_log_start() == LogStart::WriteProtect {
+            return Err(VmError::Unsupported {
+                operation: "arming a dirty log that started write-protected",
+            });
+        }
+        self.shared
+            .kvm
+            .arm_dirty_log(gpa, len)
+            .map_err(|e| VmError::failed("arm_dirty", e))
     }
 
     /// KVM's log (the guest's writes) ∪ the VMM's own writes, both placed by guest address.

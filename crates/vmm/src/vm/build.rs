@@ -32,6 +32,7 @@ use crate::devices::virtio::{MmioTransport, mmio};
 use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::{BusKind, Devices};
 use crate::error::VmmError;
+use crate::kvm::log_state::LogStart;
 use crate::kvm::{self, KvmVm, irqchip, kick, vcpu};
 use crate::limit::MemoryLimit;
 use crate::memory::{self, GuestRam};
@@ -249,7 +250,12 @@ fn build(
     incoming: Option<Arc<ferry_migrate::destination::IncomingControl>>,
 ) -> Result<Arc<Shared>, VmmError> {
     let mut kvm_vm = KvmVm::new(kvm::open()?, &ram)?;
-    kvm_vm.enable_manual_dirty_protect()?;
+    // The ring has no bitmap to start all set (`kvm/dirty.rs`).
+    let log_start = match config.dirty_ring {
+        Some(_) => LogStart::WriteProtect,
+        None => LogStart::from_env(),
+    };
+    kvm_vm.enable_manual_dirty_protect(log_start)?;
     if let Some(entries) = config.dirty_ring {
         kvm_vm.enable_dirty_ring(entries)?;
     }
