@@ -190,7 +190,7 @@ fn bad_report_and_migrate_requests_exit_with_status_2() {
         ),
         (vec!["report", "-o", "out.svg"], "required"),
         (
-            vec!["migrate", "--api-socket", socket, "--to", "127.0.0.1:1"],
+            vec!["migrate", "--api-socket", socket, "--to", "udp:127.0.0.1:1"],
             "write tcp:HOST:PORT",
         ),
         (
