@@ -11,7 +11,9 @@ use common::{RunningVm, ferry, stderr};
 
 const GUEST: &str = "ws=64M pattern=random rate=40 verify-ms=200 log-ms=0";
 const LIMIT: Duration = Duration::from_secs(60);
-/// The telemetry port's layouts (`devices::telemetry_port`): today's, and the next one.
+/// The telemetry port's layouts (`devices::telemetry_port`): the oldest today's ferry loads,
+/// today's, and the next one.
+const OLDEST: u32 = ferry_vmm::devices::telemetry_port::OLDEST;
 const TODAY: u32 = ferry_vmm::devices::telemetry_port::VERSION;
 const NEXT: u32 = ferry_vmm::devices::telemetry_port::NEXT_VERSION;
 
@@ -50,7 +52,7 @@ fn a_newer_ferry_takes_an_older_ones_guest_and_an_older_one_refuses_it_before_th
     assert!(!out.status.success(), "the older ferry took the guest");
     let err = stderr(&out);
     let want = format!(
-        "telemetry port state version {NEXT} is outside the versions {TODAY} to {TODAY} this ferry loads"
+        "telemetry port state version {NEXT} is outside the versions {OLDEST} to {TODAY} this ferry loads"
     );
     assert!(err.contains(&want), "{err}");
     // The refusal answers the hello (`MigrateError::Refused`), which comes before the pause.

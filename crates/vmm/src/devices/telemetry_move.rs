@@ -7,11 +7,16 @@
 //! move: `(guest_after - guest_before) - (host_after - host_before)`, between the last report
 //! the source's VMM received before the pause and a report this VMM received after it, each
 //! with the guest's clock read just before it was sent and the host's `CLOCK_MONOTONIC` when
-//! its port write was handled. A report written late (its vCPU put aside by the host, or
-//! waiting for a page a lazy restore had still to read) only lowers the figure, so it is the
-//! largest over the reports of [`SETTLE_NS`] after the first. A guest whose clocks advance by
-//! the pause and no more shows about 0; one whose clocks stopped for the pause shows minus the
-//! pause.
+//! its port write was handled. A report handled late (its vCPU put aside by the host between
+//! reading the clock and writing the port, or waiting for a page a lazy restore had still to
+//! read) shows the guest's clock behind the host's by the delay: after the move that lowers the
+//! figure, so it is the largest over the reports of [`SETTLE_NS`] after the first; before the
+//! move it would raise it, so the report before is the one of the last [`BEFORE_NS`] that
+//! showed the guest's clock furthest ahead ([`ClockMark`]), carried in the telemetry section. A
+//! guest whose clocks advance by the pause and no more shows about 0; one whose clocks stopped
+//! for the pause shows minus the pause.
+
+use std::collections::VecDeque;
 
 use ferry_guest_abi::report;
 use serde::Serialize;
@@ -19,6 +24,54 @@ use serde::Serialize;
 /// How long after the first report after a move the clock jump is still refined: dozens of
 /// heartbeats, enough for one that was not late.
 pub const SETTLE_NS: u64 = 1_000_000_000;
+
+/// How far back before a move the reports are looked at for the least late one: a few
+/// heartbeats of every vCPU, short enough that the guest's clock and the host's cannot drift
+/// apart measurably over it.
+pub const BEFORE_NS: u64 = 300_000_000;
+
+/// The reports of the last [`BEFORE_NS`] that may still be the least late one, as (guest, host)
+/// ns: a sliding-window maximum of the guest's clock less the host's, oldest first, each
+/// entry further ahead than the ones after it.
+#[derive(Clone, Debug, Default)]
+pub struct ClockMark {
+    window: VecDeque<(u64, u64)>,
+}
+
+impl ClockMark {
+    /// The guest's clock less the host's at a report (wrapping: only differences matter).
+    fn ahead((guest, host): (u64, u64)) -> i64 {
+        guest.wrapping_sub(host) as i64
+    }
+
+    /// A report read `guest_ns` on the guest's clock and was handled at `host_ns`.
+    pub fn report(&mut self, guest_ns: u64, host_ns: u64) {
+        if guest_ns == 0 || host_ns == 0 {
+            return;
+        }
+        let mark = (guest_ns, host_ns);
+        while self
+            .window
+            .back()
+            .is_some_and(|&m| Self::ahead(m) <= Self::ahead(mark))
+        {
+            self.window.pop_back();
+        }
+        self.window.push_back(mark);
+        while self
+            .window
+            .front()
+            .is_some_and(|&(_, host)| host_ns.saturating_sub(host) > BEFORE_NS)
+        {
+            self.window.pop_front();
+        }
+    }
+
+    /// The least late report of the last [`BEFORE_NS`], (guest, host) ns.
+    pub fn best(&self) -> Option<(u64, u64)> {
+        self.window.front().copied()
+    }
+}
 
 /// The boot vCPU's longest gap in its clocks since its report before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -110,6 +163,41 @@ mod tests {
 
     /// The clock jump across a move: 0 for a guest whose clock advanced by the pause, minus
     /// the pause for one whose clock stopped for it; the first gap report is the move's.
+    #[test]
+    fn the_report_before_a_move_is_the_least_late_of_the_last_window() {
+        let mut m = ClockMark::default();
+        assert_eq!(m.best(), None);
+        // On time (guest 100 ms ahead of the host's clock), then one 8 ms late, then on time
+        // again: the late one is never the best.
+        m.report(1_100_000_000, 1_000_000_000);
+        m.report(1_120_000_000, 1_028_000_000);
+        assert_eq!(m.best(), Some((1_100_000_000, 1_000_000_000)));
+        m.report(1_140_000_000, 1_040_000_000);
+        assert_eq!(
+            m.best(),
+            Some((1_140_000_000, 1_040_000_000)),
+            "the newer of equals"
+        );
+        // A report 1 ms early is impossible, but a clock that drifts ahead wins while it is
+        // within the window, and is forgotten after it.
+        m.report(1_201_000_000, 1_100_000_000);
+        m.report(1_300_000_000, 1_205_000_000);
+        assert_eq!(m.best(), Some((1_201_000_000, 1_100_000_000)));
+        m.report(1_480_000_000, 1_380_000_000);
+        assert_eq!(m.best(), Some((1_201_000_000, 1_100_000_000)));
+        m.report(1_700_000_000, 1_600_000_000 + BEFORE_NS / 2);
+        assert_eq!(
+            m.best(),
+            Some((1_700_000_000, 1_600_000_000 + BEFORE_NS / 2)),
+            "older than the window"
+        );
+        m.report(0, 2_000_000_000);
+        assert_eq!(
+            m.best(),
+            Some((1_700_000_000, 1_600_000_000 + BEFORE_NS / 2))
+        );
+    }
+
     #[test]
     fn the_clock_jump_is_the_guests_gap_less_the_hosts_and_the_first_gap_is_the_moves() {
         let before = (105_000_000, 1_000_000_000);

@@ -21,13 +21,19 @@ use super::telemetry::{GuestTelemetry, host_monotonic_ns};
 use crate::memory::GuestRam;
 use crate::section_ids::{self, TELEMETRY_PORT};
 
-/// Version of the telemetry section layout (2: counters per vCPU), the one this ferry writes
-/// and the oldest it loads.
-pub const VERSION: u32 = 2;
+/// Version of the telemetry section layout this ferry writes (3: version 2's bytes, then the
+/// least late report before the move as guest and host ns, two little-endian u64, zero for
+/// none, which the clock jump across the move is measured from).
+pub const VERSION: u32 = 3;
+/// The oldest layout it loads (2: counters per vCPU; the clock jump is then measured from the
+/// source's latest report).
+pub const OLDEST: u32 = 2;
 /// The next layout ([`Layout::Next`]): [`VERSION`]'s bytes, then the port's bad writes.
 pub const NEXT_VERSION: u32 = VERSION + 1;
 /// The port takes one 32-bit write.
 pub const LEN: u64 = 4;
+/// Bytes version 3 appends to version 2: the least late report before the move.
+const MARK_TAIL: usize = 16;
 /// Bytes the next layout appends: the bad-write count as one little-endian u64.
 const NEXT_TAIL: usize = 8;
 const NAME: &str = section_ids::name(TELEMETRY_PORT);
@@ -110,17 +116,25 @@ impl Device for TelemetryPort {
 
     fn kind(&self) -> SectionKind {
         match self.layout {
-            Layout::Current => SectionKind::single(TELEMETRY_PORT, VERSION),
+            Layout::Current => SectionKind {
+                id: TELEMETRY_PORT,
+                version: VERSION,
+                oldest: OLDEST,
+            },
             Layout::Next => SectionKind {
                 id: TELEMETRY_PORT,
                 version: NEXT_VERSION,
-                oldest: VERSION,
+                oldest: OLDEST,
             },
         }
     }
 
     fn save(&self) -> Vec<u8> {
-        let mut state = self.telemetry.lock().unwrap().encode_state();
+        let telemetry = self.telemetry.lock().unwrap();
+        let mut state = telemetry.encode_state();
+        let (guest, host) = telemetry.clock_mark().unwrap_or((0, 0));
+        state.extend_from_slice(&guest.to_le_bytes());
+        state.extend_from_slice(&host.to_le_bytes());
         if self.layout == Layout::Next {
             state.extend_from_slice(&self.bad_writes.to_le_bytes());
         }
@@ -129,26 +143,47 @@ impl Device for TelemetryPort {
 
     fn restore(&mut self, version: u32, data: &[u8]) -> Result<(), DeviceStateError> {
         DeviceStateError::check_version(NAME, version, self.kind().loads())?;
-        let (telemetry, bad_writes) = match version {
+        let (data, bad_writes) = match version {
             NEXT_VERSION => {
-                let at = data.len().checked_sub(NEXT_TAIL).ok_or_else(|| {
-                    DeviceStateError::Malformed {
-                        device: NAME,
-                        reason: format!(
-                            "{} bytes, fewer than the {NEXT_TAIL} of the bad-write count",
-                            data.len()
-                        ),
-                    }
-                })?;
-                let (head, tail) = data.split_at(at);
+                let (head, tail) = split_tail(data, NEXT_TAIL, "the bad-write count")?;
                 (head, u64::from_le_bytes(tail.try_into().unwrap()))
             }
             _ => (data, 0),
         };
-        *self.telemetry.lock().unwrap() = GuestTelemetry::decode_state(telemetry)?;
+        let (data, mark) = match version {
+            OLDEST => (data, None),
+            _ => {
+                let (head, tail) = split_tail(data, MARK_TAIL, "the report before the move")?;
+                let word =
+                    |i: usize| u64::from_le_bytes(tail[8 * i..8 * i + 8].try_into().unwrap());
+                (
+                    head,
+                    Some((word(0), word(1))).filter(|&(g, h)| g != 0 && h != 0),
+                )
+            }
+        };
+        let mut telemetry = GuestTelemetry::decode_state(data)?;
+        telemetry.set_carried_mark(mark);
+        *self.telemetry.lock().unwrap() = telemetry;
         self.bad_writes = bad_writes;
         Ok(())
     }
+}
+
+/// `data` less its last `len` bytes, and those bytes, which hold `what`.
+fn split_tail<'a>(
+    data: &'a [u8],
+    len: usize,
+    what: &str,
+) -> Result<(&'a [u8], &'a [u8]), DeviceStateError> {
+    let at = data
+        .len()
+        .checked_sub(len)
+        .ok_or_else(|| DeviceStateError::Malformed {
+            device: NAME,
+            reason: format!("{} bytes, fewer than the {len} of {what}", data.len()),
+        })?;
+    Ok(data.split_at(at))
 }
 
 #[cfg(test)]
@@ -240,6 +275,39 @@ mod tests {
     }
 
     #[test]
+    fn the_report_before_the_move_goes_with_the_guest_and_version_2_loads_without_it() {
+        let source = port(Layout::Current);
+        for (guest_ns, host_ns) in [(5_000_000, 1_000_000_000), (15_000_000, 1_013_000_000)] {
+            let r = Report {
+                kind: Kind::Heartbeat as u16,
+                guest_ns,
+                ..Report::default()
+            };
+            let mut t = source.telemetry.lock().unwrap();
+            t.record_bytes(&r.to_bytes(), host_ns).unwrap();
+        }
+        let saved = source.save();
+        let mark = Some((5_000_000, 1_000_000_000));
+        assert_eq!(
+            source.telemetry.lock().unwrap().clock_mark(),
+            mark,
+            "the second was late"
+        );
+        let mut dest = port(Layout::Current);
+        dest.restore(VERSION, &saved).unwrap();
+        assert_eq!(dest.telemetry.lock().unwrap().clock_mark(), mark);
+        let mut old = port(Layout::Current);
+        old.restore(OLDEST, &saved[..saved.len() - MARK_TAIL])
+            .unwrap();
+        assert_eq!(old.telemetry.lock().unwrap().clock_mark(), None);
+        assert_eq!(old.telemetry.lock().unwrap().reports, 2);
+        assert!(matches!(
+            dest.restore(VERSION, &saved[..MARK_TAIL - 1]),
+            Err(DeviceStateError::Malformed { .. })
+        ));
+    }
+
+    #[test]
     fn the_next_layout_loads_todays_and_today_refuses_the_next() {
         let mut old = port(Layout::Current);
         report(&mut old, 100);
@@ -269,7 +337,7 @@ mod tests {
             DeviceStateError::Version {
                 device: NAME.into(),
                 got: NEXT_VERSION,
-                oldest: VERSION,
+                oldest: OLDEST,
                 newest: VERSION
             }
         );

@@ -8,7 +8,7 @@ use super::device::DeviceStateError;
 use super::telemetry_clock::GuestTscCalibration;
 use super::telemetry_disk::GuestDisk;
 use super::telemetry_free::GuestFreeMemory;
-use super::telemetry_move::{GuestClockGap, MoveClocks};
+use super::telemetry_move::{ClockMark, GuestClockGap, MoveClocks};
 use super::telemetry_net::GuestNet;
 use super::telemetry_rtc::GuestRtc;
 use ferry_guest_abi::params::Pattern;
@@ -218,6 +218,12 @@ pub struct GuestTelemetry {
     pub vcpus: Vec<VcpuTelemetry>,
     #[serde(skip)]
     awaiting_first_report_after_migration: bool,
+    /// The least late of the latest reports, for the clock jump of a move away from here, and
+    /// on a destination the one the source carried over ([`ClockMark`]).
+    #[serde(skip)]
+    clock_mark: ClockMark,
+    #[serde(skip)]
+    carried_mark: Option<(u64, u64)>,
     #[serde(skip)]
     window: VecDeque<(u64, u64)>,
     /// The Boot and Layout reports as received, carried along when the VM migrates.
@@ -266,9 +272,13 @@ impl GuestTelemetry {
             if std::mem::take(&mut self.awaiting_first_report_after_migration) {
                 self.migration_pause_ns = Some(gap);
                 self.migration_resumed_host_ns = Some(host_ns);
-                let before = self.vcpus.iter().map(|v| v.last_guest_ns).max();
+                // A source too old to carry its least late report: its latest.
+                let before = self.carried_mark.take().unwrap_or_else(|| {
+                    let guest = self.vcpus.iter().map(|v| v.last_guest_ns).max();
+                    (guest.unwrap_or(0), last)
+                });
                 if let Some(m) = &mut self.migration_clocks {
-                    m.first_report((before.unwrap_or(0), last), r.guest_ns, host_ns);
+                    m.first_report(before, r.guest_ns, host_ns);
                 }
             } else if let Some(m) = &mut self.migration_clocks {
                 m.report(r.guest_ns, host_ns);
@@ -276,6 +286,7 @@ impl GuestTelemetry {
         }
         self.first_report_host_ns.get_or_insert(host_ns);
         self.last_report_host_ns = Some(host_ns);
+        self.clock_mark.report(r.guest_ns, host_ns);
         let v = self.vcpu_mut(r.vcpu);
         v.reports += 1;
         v.lost_reports += r.seq.saturating_sub(v.next_seq);
@@ -446,6 +457,17 @@ impl GuestTelemetry {
         self.slow_batch_ns = sum(|v| v.slow_batch_ns);
         self.max_batch_ns = max(|v| v.max_batch_ns);
         self.last_guest_ns = max(|v| v.last_guest_ns);
+    }
+
+    /// The least late report of the last moments, (guest, host) ns: what a destination
+    /// measures the clock jump across a move from (the telemetry section carries it).
+    pub fn clock_mark(&self) -> Option<(u64, u64)> {
+        self.clock_mark.best().or(self.carried_mark)
+    }
+
+    /// On a destination: the source's [`GuestTelemetry::clock_mark`].
+    pub fn set_carried_mark(&mut self, mark: Option<(u64, u64)>) {
+        self.carried_mark = mark;
     }
 
     /// The state a destination VMM needs to continue this telemetry seamlessly: the report

@@ -127,9 +127,13 @@ fn the_description_announces_the_layouts_saved_and_a_newer_layout_goes_one_way()
         s.map(|s| (s.name.clone(), s.oldest, s.version)).unwrap()
     };
     let name = String::from("telemetry port");
-    let (current, newer) = (telemetry_port::VERSION, telemetry_port::NEXT_VERSION);
-    assert_eq!(telemetry(&today), (name.clone(), current, current));
-    assert_eq!(telemetry(&next), (name, current, newer));
+    let (oldest, current, newer) = (
+        telemetry_port::OLDEST,
+        telemetry_port::VERSION,
+        telemetry_port::NEXT_VERSION,
+    );
+    assert_eq!(telemetry(&today), (name.clone(), oldest, current));
+    assert_eq!(telemetry(&next), (name, oldest, newer));
 
     // Older to newer: accepted at the hello and loaded.
     let to_next = incoming_with(Preparation::Prepared, true);
@@ -144,7 +148,7 @@ fn the_description_announces_the_layouts_saved_and_a_newer_layout_goes_one_way()
         .accepts(&next.shared.description.encode())
         .unwrap_err();
     let want = format!(
-        "telemetry port state version {newer} is outside the versions {current} to {current}"
+        "telemetry port state version {newer} is outside the versions {oldest} to {current}"
     );
     assert!(e.contains(&want), "{e}");
     let e = load(&to_today.shared, &save(&next.shared).unwrap().0)
