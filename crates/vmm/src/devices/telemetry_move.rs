@@ -110,8 +110,13 @@ impl GuestClockGap {
 pub struct MoveClocks {
     /// The clock jump (see the module doc), once the guest reported after the move.
     pub clock_jump_ns: Option<i64>,
-    /// The guest's first gap report after the move: the pause as its clocks saw it.
+    /// The guest's first gap report after the move: the pause as its clocks saw it when
+    /// [`MoveClocks::gap_spans_move`], else a later gap (the pause was shorter than the gap
+    /// the guest takes note of).
     pub guest_gap: Option<GuestClockGap>,
+    /// Whether that gap spans the move: it ended after the latest clock reading the source
+    /// received and began before the first this VMM received.
+    pub gap_spans_move: Option<bool>,
     #[serde(skip)]
     awaiting_gap: bool,
     /// The last report before the move and the first after it: (guest, host) ns.
@@ -119,6 +124,9 @@ pub struct MoveClocks {
     before: (u64, u64),
     #[serde(skip)]
     first_host_ns: u64,
+    /// The latest guest clock reading before the move, and the first after it.
+    #[serde(skip)]
+    around: (u64, u64),
 }
 
 impl MoveClocks {
@@ -131,10 +139,17 @@ impl MoveClocks {
     }
 
     /// The first report after the move, read `guest_ns` on the guest's clock and received at
-    /// `host_ns`; `before` is the last one before the move, (guest, host) ns (a guest time of
-    /// 0: none).
-    pub(super) fn first_report(&mut self, before: (u64, u64), guest_ns: u64, host_ns: u64) {
+    /// `host_ns`; `before` is the least late one before the move, (guest, host) ns (a guest
+    /// time of 0: none), and `latest_guest_ns` the latest guest time read before it.
+    pub(super) fn first_report(
+        &mut self,
+        before: (u64, u64),
+        latest_guest_ns: u64,
+        guest_ns: u64,
+        host_ns: u64,
+    ) {
         (self.before, self.first_host_ns) = (before, host_ns);
+        self.around = (latest_guest_ns, guest_ns);
         self.report(guest_ns, host_ns);
     }
 
@@ -152,6 +167,9 @@ impl MoveClocks {
     /// A gap report: the first after the move is the move's.
     pub(super) fn gap(&mut self, gap: GuestClockGap) {
         if std::mem::take(&mut self.awaiting_gap) {
+            let (latest, first) = self.around;
+            let start = gap.ended_ns.saturating_sub(gap.kvmclock_ns);
+            self.gap_spans_move = Some(gap.ended_ns >= latest && start <= first);
             self.guest_gap = Some(gap);
         }
     }
@@ -203,20 +221,20 @@ mod tests {
         let before = (105_000_000, 1_000_000_000);
         for (guest_after, jump) in [(405_000_000, 0), (105_500_000, -299_500_000)] {
             let mut m = MoveClocks::arrived();
-            m.first_report(before, guest_after, 1_300_000_000);
+            m.first_report(before, before.0, guest_after, 1_300_000_000);
             assert_eq!(m.clock_jump_ns, Some(jump));
         }
         // A first report 8 ms late, then one on time: the jump is the on-time one's; a report
         // past the settling time is not looked at.
         let mut m = MoveClocks::arrived();
-        m.first_report(before, 405_000_000, 1_308_000_000);
+        m.first_report(before, before.0, 405_000_000, 1_308_000_000);
         assert_eq!(m.clock_jump_ns, Some(-8_000_000));
         m.report(415_000_000, 1_310_000_000);
         assert_eq!(m.clock_jump_ns, Some(0));
         m.report(2_415_000_000, 3_000_000_000);
         assert_eq!(m.clock_jump_ns, Some(0));
         let mut m = MoveClocks::arrived();
-        m.first_report((0, 0), 5, 300);
+        m.first_report((0, 0), 0, 5, 300);
         assert_eq!(m.clock_jump_ns, None, "no report before the move");
         let mut d = [0; report::DETAIL_WORDS];
         (
@@ -232,5 +250,25 @@ mod tests {
             (310, None),
             "the first, uncalibrated"
         );
+    }
+
+    /// A gap spans the move when it ends after the last clock reading before the move and
+    /// begins before the first after it; a gap the guest saw later (a pause shorter than its
+    /// threshold) does not.
+    #[test]
+    fn the_gap_spans_the_move_only_when_it_holds_the_pause() {
+        let gap = |start: u64, end: u64| {
+            let mut d = [0; report::DETAIL_WORDS];
+            d[report::clock_gap::KVMCLOCK_NS] = end - start;
+            d[report::clock_gap::ENDED_NS] = end;
+            GuestClockGap::from_detail(&d)
+        };
+        // The latest reading before the move at 100 ms, the first after it at 160 ms.
+        for (start, end, spans) in [(102, 155, true), (300, 500, false), (40, 90, false)] {
+            let mut m = MoveClocks::arrived();
+            m.first_report((100_000_000, 1), 100_000_000, 160_000_000, 61);
+            m.gap(gap(start * 1_000_000, end * 1_000_000));
+            assert_eq!(m.gap_spans_move, Some(spans), "{start}..{end} ms");
+        }
     }
 }

@@ -272,13 +272,12 @@ impl GuestTelemetry {
             if std::mem::take(&mut self.awaiting_first_report_after_migration) {
                 self.migration_pause_ns = Some(gap);
                 self.migration_resumed_host_ns = Some(host_ns);
+                let latest = self.vcpus.iter().map(|v| v.last_guest_ns).max();
+                let latest = latest.unwrap_or(0);
                 // A source too old to carry its least late report: its latest.
-                let before = self.carried_mark.take().unwrap_or_else(|| {
-                    let guest = self.vcpus.iter().map(|v| v.last_guest_ns).max();
-                    (guest.unwrap_or(0), last)
-                });
+                let before = self.carried_mark.take().unwrap_or((latest, last));
                 if let Some(m) = &mut self.migration_clocks {
-                    m.first_report(before, r.guest_ns, host_ns);
+                    m.first_report(before, latest, r.guest_ns, host_ns);
                 }
             } else if let Some(m) = &mut self.migration_clocks {
                 m.report(r.guest_ns, host_ns);
