@@ -196,8 +196,8 @@ fn report(rows: &[(&str, Vec<Move>)]) {
         "clock jump ms p50/p99/worst",
         "past 1 ms",
         "spanning",
-        "TSC-kvmclock ms p50/max",
-        "at KVM's kHz p50/max"
+        "TSC-kvmclock ms p50/worst",
+        "at KVM's kHz p50/worst"
     );
     for (kind, moves) in rows {
         let mut pause: Vec<f64> = moves.iter().map(|m| m.pause_ns as f64 / 1e6).collect();
@@ -213,12 +213,16 @@ fn report(rows: &[(&str, Vec<Move>)]) {
         // The TSC against kvmclock over the gaps that span a move: the guest's calibration,
         // and KVM's frequency.
         let spanning: Vec<&Move> = moves.iter().filter(|m| m.gap_spans_move).collect();
+        // The median of the difference's size, and the largest with its sign (+: the TSC
+        // advanced further than kvmclock).
         let against = |tsc: fn(&Move) -> Option<u64>| -> (f64, f64) {
             let mut d: Vec<f64> = spanning
                 .iter()
-                .filter_map(|m| Some(tsc(m)?.abs_diff(m.gap_kvmclock_ns) as f64 / 1e6))
+                .filter_map(|m| Some((tsc(m)? as i64 - m.gap_kvmclock_ns as i64) as f64 / 1e6))
                 .collect();
-            (quantile(&mut d, 0.5), quantile(&mut d, 1.0))
+            let worst = d.iter().copied().max_by(|a, b| a.abs().total_cmp(&b.abs()));
+            let mut size: Vec<f64> = d.iter_mut().map(|x| x.abs()).collect();
+            (quantile(&mut size, 0.5), worst.unwrap_or(0.0))
         };
         let (p50, pmax) = (quantile(&mut pause, 0.5), quantile(&mut pause, 1.0));
         let (j50, j99) = (quantile(&mut jump, 0.5), quantile(&mut size, 0.99));
@@ -230,8 +234,8 @@ fn report(rows: &[(&str, Vec<Move>)]) {
             format!("{p50:.1}/{pmax:.1}"),
             format!("{j50:+.3}/{j99:.3}/{worst:+.3}"),
             spanning.len(),
-            format!("{t50:.3}/{tmax:.3}"),
-            format!("{k50:.3}/{kmax:.3}"),
+            format!("{t50:.3}/{tmax:+.3}"),
+            format!("{k50:.3}/{kmax:+.3}"),
         );
         println!(
             "{}",
@@ -239,8 +243,8 @@ fn report(rows: &[(&str, Vec<Move>)]) {
                 "pause_ms": {"p50": p50, "max": pmax},
                 "clock_jump_ms": {"p50": j50, "abs_p99": j99, "worst": worst},
                 "past_1ms": past, "gaps_spanning_move": spanning.len(),
-                "tsc_vs_kvmclock_ms": {"p50": t50, "max": tmax},
-                "tsc_at_kvm_khz_vs_kvmclock_ms": {"p50": k50, "max": kmax}})
+                "tsc_vs_kvmclock_ms": {"p50": t50, "worst": tmax},
+                "tsc_at_kvm_khz_vs_kvmclock_ms": {"p50": k50, "worst": kmax}})
         );
     }
 }
