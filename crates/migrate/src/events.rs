@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::JobStats;
 use crate::phase::{IncomingPhase, Phase};
 
 /// Events kept for readers that fall behind: a migration logs a few per pass.
@@ -50,6 +51,9 @@ pub enum EventKind {
         downtime_ms: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         bytes_sent: Option<u64>,
+        /// The completed job's statistics, named as libvirt's ([`JobStats`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<JobStats>,
     },
     /// A precopy pass ended (with its dirty sync): libvirt's iteration event, with what the
     /// next decision stands on.
@@ -62,6 +66,9 @@ pub enum EventKind {
         #[serde(skip_serializing_if = "Option::is_none")]
         expected_downtime_ms: Option<f64>,
         elapsed_ms: f64,
+        /// The job's statistics at the pass end, named as libvirt's ([`JobStats`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<JobStats>,
     },
     /// The destination entered `phase`.
     Destination {
@@ -150,6 +157,7 @@ mod tests {
             total_ms: None,
             downtime_ms: None,
             bytes_sent: None,
+            job: None,
         }
     }
 
