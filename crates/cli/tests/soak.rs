@@ -41,6 +41,39 @@ fn a_guest_migrated_back_and_forth_verifies_after_every_hop_and_no_descriptor_le
     }
 }
 
+/// The soak as a control plane drives it: every hop started with `PUT /migration` and followed
+/// on both processes' `GET /events` alone; the completions' job statistics agree with their
+/// figures (the bench fails otherwise), every hop verifies, no descriptor is kept.
+#[test]
+fn a_soak_followed_on_the_events_alone_verifies_every_hop_and_keeps_no_descriptor() {
+    require_kvm();
+    let out = ferry()
+        .args(["bench", "soak", "--round-trips", "3", "--follow-events"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let of = |bench: &str| -> Vec<&serde_json::Value> {
+        rows.iter().filter(|r| r["bench"] == bench).collect()
+    };
+    let soak = of("soak");
+    assert_eq!(soak[0]["hops"], 6, "{text}");
+    assert_eq!(soak[0]["verify_failures"], 0, "{text}");
+    let events = of("soak_events");
+    assert_eq!(events.len(), 1, "{text}");
+    assert!(
+        events[0]["events_awaited"].as_u64() >= Some(6),
+        "the source's end at least, every hop: {text}"
+    );
+    for p in of("soak_process") {
+        assert_eq!(p["fd_growth"], 0, "{text}");
+    }
+}
+
 #[test]
 fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_back() {
     let port_a = free_port();
