@@ -76,20 +76,17 @@ fn until_stalled(plane: &mut Plane) -> u32 {
     }
 }
 
-/// How late each event's answer came after the event was logged, ms: printed as the
-/// harness's measure of event latency (an answer waits on the log, so this is the wake-up).
+/// How late each awaited event's answer came after the event was logged, ms: the harness's
+/// measure of event latency (the state change and its event are one moment, `events.rs`, so
+/// this is the watcher's wake-up and the answer's way back).
 fn print_latency(name: &str, plane: &Plane) {
-    let mut lags: Vec<f64> = plane
-        .seen
-        .iter()
-        .map(|(e, at)| at.saturating_sub(e["host_ns"].as_u64().unwrap()) as f64 / 1e6)
-        .collect();
+    let mut lags = plane.lags_ms.clone();
     if lags.is_empty() {
         return;
     }
     lags.sort_by(f64::total_cmp);
     eprintln!(
-        "{name}: {} events, event to answer median {:.2} ms, max {:.2} ms",
+        "{name}: {} events awaited, logged to answered median {:.2} ms, max {:.2} ms",
         lags.len(),
         lags[lags.len() / 2],
         lags[lags.len() - 1]

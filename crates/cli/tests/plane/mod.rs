@@ -22,6 +22,9 @@ pub struct Plane {
     after: u64,
     /// Every event read so far, with the host time its answer arrived (ns).
     pub seen: Vec<(Value, u64)>,
+    /// How late each answer came after its event was logged, ms, for the events logged while
+    /// the plane waited for them (an event logged between two requests is read, not awaited).
+    pub lags_ms: Vec<f64>,
 }
 
 impl Plane {
@@ -32,6 +35,7 @@ impl Plane {
             socket: socket.into(),
             after: now["last"].as_u64().unwrap(),
             seen: Vec::new(),
+            lags_ms: Vec::new(),
         }
     }
 
@@ -64,6 +68,7 @@ impl Plane {
 
     /// The events logged since the last call, waiting up to `wait` for one.
     pub fn next(&mut self, wait: Duration) -> Vec<Value> {
+        let asked = now_ns();
         let got = self.get(&format!(
             "/events?after={}&wait_ms={}",
             self.after,
@@ -74,6 +79,13 @@ impl Plane {
         self.after = got["last"].as_u64().unwrap();
         let events = got["events"].as_array().unwrap().clone();
         self.seen.extend(events.iter().map(|e| (e.clone(), at)));
+        self.lags_ms.extend(
+            events
+                .iter()
+                .filter_map(|e| e["host_ns"].as_u64())
+                .filter(|&logged| logged >= asked)
+                .map(|logged| at.saturating_sub(logged) as f64 / 1e6),
+        );
         events
     }
 
