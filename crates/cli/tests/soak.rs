@@ -96,6 +96,7 @@ fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_b
         vm.socket.exists()
     });
 
+    let before = a.status_of("/events?after=0")["last"].as_u64().unwrap();
     let out = start_migrate(&a, port_b, &[]).wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
@@ -111,6 +112,29 @@ fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_b
     assert_eq!(waiting["phase"], "waiting", "{waiting:#}");
     assert_eq!(waiting["previous"]["phase"], "completed", "{waiting:#}");
     assert_eq!(a.status()["state"], "incoming");
+    // Issue 55 (regression): the VM that waits now had a log of its own, numbered from 1
+    // again, so a watcher asking after its last number saw none of the next migration's
+    // events. The process's numbers run on: the source's events, then the waiting VM's.
+    let log = a.status_of("/events?after=0");
+    let seqs: Vec<u64> = log["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_u64().unwrap())
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{log}");
+    let newest = log["events"].as_array().unwrap().last().unwrap();
+    assert_eq!(newest["event"], "destination", "{log}");
+    assert!(newest["seq"].as_u64() > Some(before), "{log}");
+    let waiting = a.status_of(&format!("/events?after={before}&wait_ms=0"));
+    assert!(
+        waiting["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["event"] == "destination"),
+        "a watcher reading on from before the hop sees the wait: {waiting}"
+    );
 
     let out = start_migrate(&b, port_a, &[]).wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));

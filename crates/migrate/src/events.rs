@@ -6,7 +6,9 @@
 //! destination's [`crate::destination::IncomingControl`] compare the phase and pass before and
 //! after each update and log what changed, so an event is in the log, and its waiters woken,
 //! in the same moment the state it reports is published. A VMM gives one log to every
-//! migration of a VM (`Control::with_events`), so the numbers run on across migrations.
+//! migration of a VM (`Control::with_events`), so the numbers run on across migrations; a
+//! process that replaces its VM (one that received a guest again after it migrated away)
+//! carries the old log's numbering into the new one ([`EventLog::carry_on_from`]).
 //!
 //! Invariant: sequence numbers start at 1 and rise by one per event; the log keeps the last
 //! [`KEPT`] of them, and a reader that fell further behind is told how many it missed.
@@ -119,6 +121,27 @@ impl EventLog {
         self.arrived.notify_all();
     }
 
+    /// Carries on `earlier`'s numbering: this log's events are renumbered after `earlier`'s
+    /// last, and `earlier`'s kept events come before them, so that a watcher of a process
+    /// whose VM is replaced (a VMM that received a guest again after it migrated away) sees
+    /// one log whose numbers only rise. Meant for a log that has logged only its VM's first
+    /// events, before anyone watches it.
+    pub fn carry_on_from(&self, earlier: &EventLog) {
+        let old = earlier.log.lock().unwrap();
+        let mut log = self.log.lock().unwrap();
+        let base = old.last;
+        let mine = std::mem::take(&mut log.kept);
+        log.kept = old.kept.clone();
+        for mut e in mine {
+            e.seq += base;
+            if log.kept.len() == KEPT {
+                log.kept.pop_front();
+            }
+            log.kept.push_back(e);
+        }
+        log.last += base;
+    }
+
     /// The events after `after`, waiting up to `wait` for one if there is none yet.
     pub fn since(&self, after: u64, wait: Duration) -> Events {
         let deadline = Instant::now() + wait;
@@ -191,6 +214,29 @@ mod tests {
             "woken by the event, not the wait's end"
         );
         assert!(log.since(1, Duration::from_millis(10)).events.is_empty());
+    }
+
+    #[test]
+    fn a_log_that_carries_on_from_an_earlier_one_numbers_after_it() {
+        let earlier = EventLog::default();
+        earlier.push(phase(Phase::Setup));
+        earlier.push(phase(Phase::Completed));
+        let next = EventLog::default();
+        next.push(phase(Phase::Precopy));
+        next.carry_on_from(&earlier);
+        next.push(phase(Phase::Failed));
+        let all = next.since(0, Duration::ZERO);
+        assert_eq!(
+            all.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        assert_eq!(all.events[2].what, phase(Phase::Precopy));
+        assert_eq!(all.last, 4);
+        assert_eq!(
+            next.since(2, Duration::ZERO).events.len(),
+            2,
+            "a watcher of the earlier log reads on"
+        );
     }
 
     #[test]
