@@ -156,7 +156,7 @@ impl EventLog {
         let oldest = log.kept.front().map_or(log.last + 1, |e| e.seq);
         Events {
             events: log.kept.iter().filter(|e| e.seq > after).cloned().collect(),
-            missed: oldest.saturating_sub(after + 1),
+            missed: oldest.saturating_sub(after.saturating_add(1)),
             last: log.last,
         }
     }
@@ -214,6 +214,17 @@ mod tests {
             "woken by the event, not the wait's end"
         );
         assert!(log.since(1, Duration::from_millis(10)).events.is_empty());
+    }
+
+    /// Issue 55 (review): `after + 1` overflowed for the largest number a query can give
+    /// (`after=18446744073709551615`), a panic on the API's thread in a debug build.
+    #[test]
+    fn regression_a_reader_past_every_number_is_answered_without_overflow() {
+        let log = EventLog::default();
+        log.push(phase(Phase::Setup));
+        let got = log.since(u64::MAX, Duration::ZERO);
+        assert!(got.events.is_empty());
+        assert_eq!((got.last, got.missed), (1, 0));
     }
 
     #[test]

@@ -32,14 +32,16 @@ pub struct Followed {
     pub event_lags_ms: Vec<f64>,
 }
 
-/// Where a watcher left off in a VMM's event log.
-struct Watch {
+/// Where a watcher left off in a VMM process's event log. One per process for the whole
+/// soak, as a control plane keeps one: the numbers run on across the process's VMs (a
+/// `--then-incoming` VMM carries them on), so a watcher never reads the whole log again.
+pub struct Watch {
     after: u64,
 }
 
 impl Watch {
     /// Watches `vmm`'s log from now on.
-    fn start(vmm: &Vmm) -> anyhow::Result<Watch> {
+    pub fn start(vmm: &Vmm) -> anyhow::Result<Watch> {
         let now = vmm
             .get("/events?after=0&wait_ms=0")
             .with_context(|| format!("{} does not answer GET /events", vmm.name))?;
@@ -92,8 +94,12 @@ impl Watch {
 /// Migrates from `src` to `dst` with `request`, following both on their events; fails unless
 /// the migration completed, its job statistics agree with its figures, and the guest verifies
 /// clean on `dst`.
-pub fn hop(src: &mut Vmm, dst: &mut Vmm, request: &MigrationRequest) -> anyhow::Result<Followed> {
-    let (mut theirs, mut ours) = (Watch::start(dst)?, Watch::start(src)?);
+/// `ours` and `theirs` are the watchers of `src` and `dst`.
+pub fn hop(
+    (src, ours): (&mut Vmm, &mut Watch),
+    (dst, theirs): (&mut Vmm, &mut Watch),
+    request: &MigrationRequest,
+) -> anyhow::Result<Followed> {
     let body = serde_json::to_string(request).context("encoding the migration request")?;
     client::request_with_body(&src.socket, "PUT", "/migration", &body)
         .context("could not start the migration")?;
@@ -121,7 +127,13 @@ pub fn hop(src: &mut Vmm, dst: &mut Vmm, request: &MigrationRequest) -> anyhow::
     let (_, dst_lag) = theirs.until(dst, "the guest's arrival", |e| {
         e["event"] == "destination" && e["phase"] == "completed"
     })?;
-    let arrived = dst.wait_for("the guest running", "/vm", |s| s["state"] == "running")?;
+    // The destination logs its completion before it lets go of the hold that keeps a copy
+    // from starting while its RAM arrives (`vm/holds.rs`): a migration started from it at
+    // once is refused ("RAM is not complete yet ... retry"), so the hop ends once `GET /vm`
+    // no longer shows `ram_arriving`, as that refusal says to wait for.
+    let arrived = dst.wait_for("the guest running, its RAM complete", "/vm", |s| {
+        s["state"] == "running" && s["ram_arriving"].is_null()
+    })?;
     let passes = arrived["guest"]["verify_passes"].as_u64().unwrap_or(0);
     let guest = dst.wait_for("a verify pass after the migration", "/vm", |s| {
         s["guest"]["verify_passes"].as_u64() > Some(passes)

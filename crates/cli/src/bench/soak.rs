@@ -14,6 +14,7 @@ use ferry_migrate::source::Preempt;
 use ferry_vmm::request::{MigrationMode, MigrationRequest, PostcopyRequest};
 use serde_json::json;
 
+use super::plane::Watch;
 use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
 
 #[derive(Debug, Args)]
@@ -97,6 +98,11 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
         args.mode,
         if args.local { ", local handovers" } else { "" }
     );
+    // One watcher per process for the whole run, as a control plane keeps one.
+    let mut watches = match args.follow_events {
+        true => Some([Watch::start(&a)?, Watch::start(&b)?]),
+        false => None,
+    };
     let mut hops = Vec::new();
     let mut samples: Vec<[(usize, u64); 2]> = Vec::new();
     let started = Instant::now();
@@ -123,7 +129,11 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
                 (false, true) => MigrationMode::Local,
                 (false, false) => MigrationMode::Precopy,
             };
-            let hop = hop(src, dst, to, mode, args.follow_events).with_context(|| {
+            let watch = watches.as_mut().map(|[wa, wb]| match leg {
+                0 => (wa, wb),
+                _ => (wb, wa),
+            });
+            let hop = hop(src, dst, to, mode, watch).with_context(|| {
                 format!("round trip {}, {} to {}", trip + 1, src.name, dst.name)
             })?;
             if args.every_hop {
@@ -155,13 +165,14 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 
 /// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
 /// there, and waits for `src` to listen again.
-/// With `follow_events`, followed on the events as a control plane does (`plane.rs`).
+/// With `watch` (the watchers of `src` and `dst`), followed on the events as a control plane
+/// does (`plane.rs`).
 fn hop(
     src: &mut Vmm,
     dst: &mut Vmm,
     to: &str,
     mode: MigrationMode,
-    follow_events: bool,
+    watch: Option<(&mut Watch, &mut Watch)>,
 ) -> anyhow::Result<Hop> {
     let postcopy = mode.postcopy().is_some();
     let body = MigrationRequest {
@@ -169,12 +180,15 @@ fn hop(
         mode,
         ..MigrationRequest::to(to)
     };
-    let (total_ms, downtime_ms, guest, event_lags_ms) = if follow_events {
-        let f = super::plane::hop(src, dst, &body)?;
-        (f.total_ms, f.downtime_ms, f.guest, Some(f.event_lags_ms))
-    } else {
-        let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;
-        (stats.total_ms, stats.downtime.total_ms, guest, None)
+    let (total_ms, downtime_ms, guest, event_lags_ms) = match watch {
+        Some((ours, theirs)) => {
+            let f = super::plane::hop((src, ours), (dst, theirs), &body)?;
+            (f.total_ms, f.downtime_ms, f.guest, Some(f.event_lags_ms))
+        }
+        None => {
+            let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;
+            (stats.total_ms, stats.downtime.total_ms, guest, None)
+        }
     };
     src.waiting()?;
     Ok(Hop {
