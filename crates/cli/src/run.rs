@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use ferry_migrate::events::EventLog;
 use ferry_migrate::transport::Address;
 use ferry_migrate::transport::tls::{DestinationTls, Side};
 use ferry_migrate::{MigrateError, Phase, Progress};
@@ -244,6 +245,7 @@ fn receive(
     interrupt: &Interrupt,
     api: &mut Api,
     previous: Option<Progress>,
+    earlier_events: Option<Arc<EventLog>>,
 ) -> Result<Vm, NoGuest> {
     let Wait {
         ready,
@@ -262,6 +264,10 @@ fn receive(
     let handle = incoming.handle();
     if let Some(previous) = previous {
         handle.set_previous_migration(previous);
+    }
+    // One log for the process's VMs, as a watcher of its API sees them: the numbers run on.
+    if let Some(earlier) = earlier_events {
+        handle.events().carry_on_from(&earlier);
     }
     *interrupt.vm.lock().unwrap() = Some(handle.clone());
     // Preallocation comes before the listener, as QEMU's: a destination that accepted a
@@ -460,6 +466,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut wait_on = args.incoming.clone();
     let mut restore_from = args.restore.clone();
     let mut previous = None;
+    let mut earlier_events = None;
     let mut api = Api {
         path: args.api_socket.clone(),
         mode: args.api_socket_mode,
@@ -493,6 +500,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 &interrupt,
                 &mut api,
                 previous.take(),
+                earlier_events.take(),
             ) {
                 Ok(got) => got,
                 Err(NoGuest::Stopped(why)) => {
@@ -531,6 +539,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     // Every reference to the VM goes (the API's when it answers for the
                     // next), so that its memory and descriptors are given back hop after hop.
                     *interrupt.vm.lock().unwrap() = None;
+                    earlier_events = Some(handle.events());
                     drop(handle);
                     eprintln!(
                         "ferry: the guest migrated away; this VMM waits for the next migration"

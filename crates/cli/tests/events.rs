@@ -131,3 +131,120 @@ fn a_bad_events_query_is_refused_with_what_it_takes() {
         "no migration, no events: {none}"
     );
 }
+
+/// Checks a job statistics object (`job` in `GET /migration` and the events) adds up: what was
+/// processed is within the total, the rest is what remains.
+fn assert_job_adds_up(job: &serde_json::Value) {
+    let n = |k: &str| job[k].as_u64().unwrap_or_else(|| panic!("no {k} in {job}"));
+    for part in ["data", "memory"] {
+        let (total, processed, remaining) = (
+            n(&format!("{part}_total_bytes")),
+            n(&format!("{part}_processed_bytes")),
+            n(&format!("{part}_remaining_bytes")),
+        );
+        assert!(processed <= total, "{part}: {job}");
+        assert_eq!(remaining, total - processed, "{part}: {job}");
+    }
+    assert_eq!(n("memory_page_size_bytes"), 4096, "{job}");
+    if let (Some(normal), Some(bytes)) = (
+        job["memory_normal_pages"].as_u64(),
+        job["memory_normal_bytes"].as_u64(),
+    ) {
+        assert_eq!(bytes, normal * 4096, "{job}");
+    }
+}
+
+#[test]
+fn job_statistics_named_as_libvirt_s_add_up_during_and_after_a_migration() {
+    let src = RunningVm::start("256M", "ws=64M rate=20 verify-ms=200 log-ms=0");
+    src.wait_until("a verify pass", Duration::from_secs(60), |vm| {
+        vm.status()["guest"]["verify_passes"].as_u64() >= Some(1)
+    });
+    let (dst, port) = common::destination("256M");
+    let (watched, polled) = std::thread::scope(|s| {
+        let watcher = s.spawn(|| watch_until_the_end(&src));
+        let poller = s.spawn(|| {
+            let mut seen = Vec::new();
+            for _ in 0..2000 {
+                let m = ferry_vmm::api::client::request(&src.socket, "GET", "/migration");
+                let Ok(m) = m else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let active = !["completed", "failed", "cancelled"]
+                    .contains(&m["phase"].as_str().unwrap_or(""));
+                seen.push(m);
+                if !active {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            seen
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        // 40 MB/s: precopy lasts a few seconds, so the poller sees it run.
+        let out = start_migrate(&src, port, &["--max-bandwidth", "40M"])
+            .wait_with_output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        (watcher.join().unwrap(), poller.join().unwrap())
+    });
+    // During: every figure the poller saw adds up, and time runs forward.
+    let running: Vec<&serde_json::Value> = polled
+        .iter()
+        .filter(|m| m["phase"] == "precopy" && !m["job"].is_null())
+        .map(|m| &m["job"])
+        .collect();
+    assert!(running.len() >= 3, "few precopy samples: {}", running.len());
+    for job in &running {
+        assert_job_adds_up(job);
+    }
+    assert!(
+        running
+            .windows(2)
+            .all(|w| w[0]["time_elapsed_ms"].as_u64() <= w[1]["time_elapsed_ms"].as_u64())
+    );
+    assert!(
+        running.iter().any(|j| j["memory_bps"].as_u64() > Some(0)),
+        "a measured rate shows"
+    );
+    // Each pass event carries the job at that pass end: its iteration is the pass.
+    let passes: Vec<&serde_json::Value> = watched
+        .iter()
+        .map(|(e, _)| e)
+        .filter(|e| e["event"] == "pass")
+        .collect();
+    for p in &passes {
+        assert_job_adds_up(&p["job"]);
+        assert_eq!(p["job"]["memory_iteration"], p["pass"], "{p}");
+        assert_eq!(p["job"]["data_processed_bytes"], p["bytes_sent"], "{p}");
+    }
+    // After: the completion event and GET /migration carry the same job, from the statistics.
+    let end = &watched.last().unwrap().0;
+    let after = src.status_of("/migration");
+    assert_eq!(end["job"], after["job"], "the event and the status agree");
+    let (job, stats) = (&after["job"], &after["stats"]);
+    assert_job_adds_up(job);
+    assert_eq!(job["data_remaining_bytes"], 0, "{job}");
+    assert_eq!(job["time_remaining_ms"], 0, "{job}");
+    assert_eq!(job["data_processed_bytes"], stats["bytes_sent"]);
+    assert_eq!(job["memory_normal_pages"], stats["pages_normal"]);
+    assert_eq!(job["memory_constant_pages"], stats["pages_zero"]);
+    let f = |v: &serde_json::Value| v.as_f64().unwrap().round() as u64;
+    assert_eq!(
+        job["downtime_ms"].as_u64(),
+        Some(f(&stats["downtime"]["total_ms"]))
+    );
+    assert_eq!(job["setup_time_ms"].as_u64(), Some(f(&stats["setup_ms"])));
+    assert_eq!(job["time_elapsed_ms"].as_u64(), Some(f(&stats["total_ms"])));
+    let rows = stats["passes"].as_array().unwrap();
+    assert_eq!(job["memory_iteration"].as_u64(), Some(rows.len() as u64));
+    assert_eq!(
+        rows.iter().filter(|r| r["paused"] == false).count(),
+        passes.len(),
+        "a pass event per pass the guest ran through"
+    );
+    assert!(job["downtime_net_ms"].as_u64() <= job["downtime_ms"].as_u64());
+    eprintln!("job at the end: {job}");
+    dst.assert_verifies_clean();
+}

@@ -41,6 +41,39 @@ fn a_guest_migrated_back_and_forth_verifies_after_every_hop_and_no_descriptor_le
     }
 }
 
+/// The soak as a control plane drives it: every hop started with `PUT /migration` and followed
+/// on both processes' `GET /events` alone; the completions' job statistics agree with their
+/// figures (the bench fails otherwise), every hop verifies, no descriptor is kept.
+#[test]
+fn a_soak_followed_on_the_events_alone_verifies_every_hop_and_keeps_no_descriptor() {
+    require_kvm();
+    let out = ferry()
+        .args(["bench", "soak", "--round-trips", "3", "--follow-events"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let of = |bench: &str| -> Vec<&serde_json::Value> {
+        rows.iter().filter(|r| r["bench"] == bench).collect()
+    };
+    let soak = of("soak");
+    assert_eq!(soak[0]["hops"], 6, "{text}");
+    assert_eq!(soak[0]["verify_failures"], 0, "{text}");
+    let events = of("soak_events");
+    assert_eq!(events.len(), 1, "{text}");
+    assert!(
+        events[0]["events_awaited"].as_u64() >= Some(6),
+        "the source's end at least, every hop: {text}"
+    );
+    for p in of("soak_process") {
+        assert_eq!(p["fd_growth"], 0, "{text}");
+    }
+}
+
 #[test]
 fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_back() {
     let port_a = free_port();
@@ -63,6 +96,7 @@ fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_b
         vm.socket.exists()
     });
 
+    let before = a.status_of("/events?after=0")["last"].as_u64().unwrap();
     let out = start_migrate(&a, port_b, &[]).wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
@@ -78,6 +112,29 @@ fn ferry_migrate_follows_a_then_incoming_source_to_the_end_and_the_guest_comes_b
     assert_eq!(waiting["phase"], "waiting", "{waiting:#}");
     assert_eq!(waiting["previous"]["phase"], "completed", "{waiting:#}");
     assert_eq!(a.status()["state"], "incoming");
+    // Issue 55 (regression): the VM that waits now had a log of its own, numbered from 1
+    // again, so a watcher asking after its last number saw none of the next migration's
+    // events. The process's numbers run on: the source's events, then the waiting VM's.
+    let log = a.status_of("/events?after=0");
+    let seqs: Vec<u64> = log["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_u64().unwrap())
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{log}");
+    let newest = log["events"].as_array().unwrap().last().unwrap();
+    assert_eq!(newest["event"], "destination", "{log}");
+    assert!(newest["seq"].as_u64() > Some(before), "{log}");
+    let waiting = a.status_of(&format!("/events?after={before}&wait_ms=0"));
+    assert!(
+        waiting["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["event"] == "destination"),
+        "a watcher reading on from before the hop sees the wait: {waiting}"
+    );
 
     let out = start_migrate(&b, port_a, &[]).wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));

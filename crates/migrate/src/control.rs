@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::events::{EventKind, EventLog};
+use crate::job::JobStats;
 
 use serde::{Deserialize, Serialize};
 
@@ -80,6 +81,10 @@ pub struct Progress {
     /// is taken in its pause too (the guest resumes here).
     #[serde(default)]
     pub snapshot: bool,
+    /// The figures as libvirt's job statistics name them (`virDomainGetJobStats`), as of
+    /// the last publish; once completed, from the statistics. `None` before the first.
+    #[serde(default)]
+    pub job: Option<JobStats>,
     /// Filled when the migration ends.
     pub stats: Option<MigrationStats>,
     pub error: Option<String>,
@@ -294,6 +299,7 @@ fn log_change(events: &EventLog, before: (Phase, u32), now: &Progress) {
             dirty_rate_pages_per_s: now.dirty_rate_pages_per_s,
             expected_downtime_ms: now.expected_downtime_ms,
             elapsed_ms: now.elapsed_ms,
+            job: now.job,
         });
     }
     if now.phase != before.0 {
@@ -304,6 +310,7 @@ fn log_change(events: &EventLog, before: (Phase, u32), now: &Progress) {
             total_ms: stats.map(|s| s.total_ms),
             downtime_ms: stats.map(|s| s.downtime.total_ms),
             bytes_sent: stats.map(|s| s.bytes_sent),
+            job: now.job.filter(|_| now.phase == Phase::Completed),
         });
     }
 }

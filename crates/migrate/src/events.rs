@@ -6,7 +6,9 @@
 //! destination's [`crate::destination::IncomingControl`] compare the phase and pass before and
 //! after each update and log what changed, so an event is in the log, and its waiters woken,
 //! in the same moment the state it reports is published. A VMM gives one log to every
-//! migration of a VM (`Control::with_events`), so the numbers run on across migrations.
+//! migration of a VM (`Control::with_events`), so the numbers run on across migrations; a
+//! process that replaces its VM (one that received a guest again after it migrated away)
+//! carries the old log's numbering into the new one ([`EventLog::carry_on_from`]).
 //!
 //! Invariant: sequence numbers start at 1 and rise by one per event; the log keeps the last
 //! [`KEPT`] of them, and a reader that fell further behind is told how many it missed.
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::JobStats;
 use crate::phase::{IncomingPhase, Phase};
 
 /// Events kept for readers that fall behind: a migration logs a few per pass.
@@ -50,6 +53,9 @@ pub enum EventKind {
         downtime_ms: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         bytes_sent: Option<u64>,
+        /// The completed job's statistics, named as libvirt's ([`JobStats`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<JobStats>,
     },
     /// A precopy pass ended (with its dirty sync): libvirt's iteration event, with what the
     /// next decision stands on.
@@ -62,6 +68,9 @@ pub enum EventKind {
         #[serde(skip_serializing_if = "Option::is_none")]
         expected_downtime_ms: Option<f64>,
         elapsed_ms: f64,
+        /// The job's statistics at the pass end, named as libvirt's ([`JobStats`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<JobStats>,
     },
     /// The destination entered `phase`.
     Destination {
@@ -112,6 +121,27 @@ impl EventLog {
         self.arrived.notify_all();
     }
 
+    /// Carries on `earlier`'s numbering: this log's events are renumbered after `earlier`'s
+    /// last, and `earlier`'s kept events come before them, so that a watcher of a process
+    /// whose VM is replaced (a VMM that received a guest again after it migrated away) sees
+    /// one log whose numbers only rise. Meant for a log that has logged only its VM's first
+    /// events, before anyone watches it.
+    pub fn carry_on_from(&self, earlier: &EventLog) {
+        let old = earlier.log.lock().unwrap();
+        let mut log = self.log.lock().unwrap();
+        let base = old.last;
+        let mine = std::mem::take(&mut log.kept);
+        log.kept = old.kept.clone();
+        for mut e in mine {
+            e.seq += base;
+            if log.kept.len() == KEPT {
+                log.kept.pop_front();
+            }
+            log.kept.push_back(e);
+        }
+        log.last += base;
+    }
+
     /// The events after `after`, waiting up to `wait` for one if there is none yet.
     pub fn since(&self, after: u64, wait: Duration) -> Events {
         let deadline = Instant::now() + wait;
@@ -126,7 +156,7 @@ impl EventLog {
         let oldest = log.kept.front().map_or(log.last + 1, |e| e.seq);
         Events {
             events: log.kept.iter().filter(|e| e.seq > after).cloned().collect(),
-            missed: oldest.saturating_sub(after + 1),
+            missed: oldest.saturating_sub(after.saturating_add(1)),
             last: log.last,
         }
     }
@@ -150,6 +180,7 @@ mod tests {
             total_ms: None,
             downtime_ms: None,
             bytes_sent: None,
+            job: None,
         }
     }
 
@@ -183,6 +214,40 @@ mod tests {
             "woken by the event, not the wait's end"
         );
         assert!(log.since(1, Duration::from_millis(10)).events.is_empty());
+    }
+
+    /// Issue 55 (review): `after + 1` overflowed for the largest number a query can give
+    /// (`after=18446744073709551615`), a panic on the API's thread in a debug build.
+    #[test]
+    fn regression_a_reader_past_every_number_is_answered_without_overflow() {
+        let log = EventLog::default();
+        log.push(phase(Phase::Setup));
+        let got = log.since(u64::MAX, Duration::ZERO);
+        assert!(got.events.is_empty());
+        assert_eq!((got.last, got.missed), (1, 0));
+    }
+
+    #[test]
+    fn a_log_that_carries_on_from_an_earlier_one_numbers_after_it() {
+        let earlier = EventLog::default();
+        earlier.push(phase(Phase::Setup));
+        earlier.push(phase(Phase::Completed));
+        let next = EventLog::default();
+        next.push(phase(Phase::Precopy));
+        next.carry_on_from(&earlier);
+        next.push(phase(Phase::Failed));
+        let all = next.since(0, Duration::ZERO);
+        assert_eq!(
+            all.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        assert_eq!(all.events[2].what, phase(Phase::Precopy));
+        assert_eq!(all.last, 4);
+        assert_eq!(
+            next.since(2, Duration::ZERO).events.len(),
+            2,
+            "a watcher of the earlier log reads on"
+        );
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //!   ([`scan::ZeroDetectorFactory`] in [`SourceParams::zero`]).
 //! - [`control`], [`stats`]: cancelling and observing a migration, and what it measured;
 //!   [`destination::IncomingControl`] is the destination's counterpart; [`events`]: the log
-//!   of both sides' events a watcher waits on.
+//!   of both sides' events a watcher waits on; [`job`]: the figures named as libvirt's job
+//!   statistics.
 //! - [`transport`]: the streams and listeners a migration runs over, and the address parser.
 //! - [`snapshot`]: snapshots to a file (`docs/snapshot.md`): its format, pure; the writer and
 //!   the reader; a live save through a migration session; eager and lazy restores.
@@ -28,6 +29,7 @@ pub mod control;
 pub mod destination;
 pub mod error;
 pub mod events;
+pub mod job;
 pub mod pagebits;
 mod phase;
 pub mod policy;

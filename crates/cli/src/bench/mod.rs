@@ -20,6 +20,7 @@ mod net;
 mod net_measure;
 mod net_qemu;
 mod net_segment;
+mod plane;
 mod postcopy;
 mod precopy;
 mod process;
@@ -72,7 +73,8 @@ pub enum BenchCommand {
     /// longest dirty sync, the guest's longest stall.
     Vcpus(vcpus::VcpusBenchArgs),
     /// One dirtying guest migrated back and forth between two VMM processes, N round trips:
-    /// per-hop time, downtime and guest pause; each process's descriptors and memory.
+    /// per-hop time, downtime and guest pause; each process's descriptors and memory
+    /// (`--follow-events`: each hop followed on `GET /events`, as a control plane does).
     Soak(soak::SoakBenchArgs),
     /// Strangers (garbage, HTTP, TLS, trickled and silent hellos, other migrations) at a
     /// waiting destination and during a migration into it, against the migration alone.

@@ -101,6 +101,18 @@ impl Vmm {
         }
     }
 
+    /// Fails, naming `what` it was waiting for and the process's log, if the process exited.
+    pub fn alive(&mut self, what: &str) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "{} exited ({status}) while waiting for {what}:\n{}",
+                self.name,
+                self.log_text()
+            );
+        }
+        Ok(())
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

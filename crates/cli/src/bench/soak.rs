@@ -14,6 +14,7 @@ use ferry_migrate::source::Preempt;
 use ferry_vmm::request::{MigrationMode, MigrationRequest, PostcopyRequest};
 use serde_json::json;
 
+use super::plane::Watch;
 use super::process::{HopPair, Migrated, PairSpec, STEP_LIMIT, Vmm, migrate_and_verify, quantile};
 
 #[derive(Debug, Args)]
@@ -41,6 +42,12 @@ pub struct SoakBenchArgs {
     /// guest RAM's memfd goes back and forth, no page is copied (with --mode precopy only).
     #[arg(long)]
     local: bool,
+    /// Drive each hop as a control plane does: `PUT /migration`, then wait on `GET /events` on
+    /// both processes for the source's end and the destination's completion (never polling
+    /// `GET /migration`), check the completion's job statistics, and time how late the
+    /// events' answers came (`bench/plane.rs`).
+    #[arg(long)]
+    follow_events: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -60,6 +67,9 @@ struct Hop {
     /// The guest's own counts after the hop, since it booted.
     verify_passes: u64,
     verify_failures: u64,
+    /// With `--follow-events`: how late the source's end and the destination's completion
+    /// came after they were logged, ms.
+    event_lags_ms: Option<Vec<f64>>,
 }
 
 pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
@@ -88,6 +98,11 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
         args.mode,
         if args.local { ", local handovers" } else { "" }
     );
+    // One watcher per process for the whole run, as a control plane keeps one.
+    let mut watches = match args.follow_events {
+        true => Some([Watch::start(&a)?, Watch::start(&b)?]),
+        false => None,
+    };
     let mut hops = Vec::new();
     let mut samples: Vec<[(usize, u64); 2]> = Vec::new();
     let started = Instant::now();
@@ -114,7 +129,11 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
                 (false, true) => MigrationMode::Local,
                 (false, false) => MigrationMode::Precopy,
             };
-            let hop = hop(src, dst, to, mode).with_context(|| {
+            let watch = watches.as_mut().map(|[wa, wb]| match leg {
+                0 => (wa, wb),
+                _ => (wb, wa),
+            });
+            let hop = hop(src, dst, to, mode, watch).with_context(|| {
                 format!("round trip {}, {} to {}", trip + 1, src.name, dst.name)
             })?;
             if args.every_hop {
@@ -146,22 +165,40 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 
 /// Migrates the guest from `src` to `dst` (listening on `to`), checks that it verifies clean
 /// there, and waits for `src` to listen again.
-fn hop(src: &mut Vmm, dst: &mut Vmm, to: &str, mode: MigrationMode) -> anyhow::Result<Hop> {
+/// With `watch` (the watchers of `src` and `dst`), followed on the events as a control plane
+/// does (`plane.rs`).
+fn hop(
+    src: &mut Vmm,
+    dst: &mut Vmm,
+    to: &str,
+    mode: MigrationMode,
+    watch: Option<(&mut Watch, &mut Watch)>,
+) -> anyhow::Result<Hop> {
     let postcopy = mode.postcopy().is_some();
     let body = MigrationRequest {
         timeout_ms: Some(STEP_LIMIT.as_millis() as u64),
         mode,
         ..MigrationRequest::to(to)
     };
-    let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;
+    let (total_ms, downtime_ms, guest, event_lags_ms) = match watch {
+        Some((ours, theirs)) => {
+            let f = super::plane::hop((src, ours), (dst, theirs), &body)?;
+            (f.total_ms, f.downtime_ms, f.guest, Some(f.event_lags_ms))
+        }
+        None => {
+            let Migrated { stats, guest, .. } = migrate_and_verify(src, dst, &body)?;
+            (stats.total_ms, stats.downtime.total_ms, guest, None)
+        }
+    };
     src.waiting()?;
     Ok(Hop {
         postcopy,
-        total_ms: stats.total_ms,
-        downtime_ms: stats.downtime.total_ms,
+        total_ms,
+        downtime_ms,
         guest_pause_ms: guest["migration_pause_ns"].as_u64().unwrap_or(0) as f64 / 1e6,
         verify_passes: guest["verify_passes"].as_u64().unwrap_or(0),
         verify_failures: guest["verify_failures"].as_u64().unwrap_or(0),
+        event_lags_ms,
     })
 }
 
@@ -243,6 +280,28 @@ fn report(hops: &[Hop], samples: &[[(usize, u64); 2]], took: Duration, local: bo
                 "rss_kib_mid": rmid, "rss_kib_last": r1, "rss_kib_max": rmax,
                 "rss_growth_kib": r1 as i64 - r0 as i64,
                 "rss_growth_second_half_kib": r1 as i64 - rmid as i64})
+        );
+    }
+    let mut lags: Vec<f64> = hops
+        .iter()
+        .filter_map(|h| h.event_lags_ms.as_ref())
+        .flatten()
+        .copied()
+        .collect();
+    if hops.iter().any(|h| h.event_lags_ms.is_some()) {
+        let (p50, p99, max) = (
+            quantile(&mut lags, 0.5),
+            quantile(&mut lags, 0.99),
+            quantile(&mut lags, 1.0),
+        );
+        let lags = lags.len();
+        println!(
+            "events awaited: {lags}, logged to answered ms p50/p99/max {p50:.2}/{p99:.2}/{max:.2}"
+        );
+        println!(
+            "{}",
+            json!({"bench": "soak_events", "events_awaited": lags,
+                "lag_ms": {"p50": p50, "p99": p99, "max": max}})
         );
     }
     let last = hops.last();

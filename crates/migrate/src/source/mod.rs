@@ -102,6 +102,7 @@ use crate::bitmap::DirtyBitmap;
 use crate::conn::Conn;
 use crate::control::{Control, Phase};
 use crate::error::MigrateError;
+use crate::job::JobStats;
 use crate::ram::Ram;
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
@@ -286,6 +287,7 @@ impl<'a, P: Target> Session<'a, P> {
                     p.state_remaining_bytes = 0;
                     p.eta_ms = Some(0.0);
                     p.elapsed_ms = s.total_ms;
+                    p.job = Some(JobStats::completed(&s));
                     p.stats = Some(s.clone());
                 });
                 Ok(s)

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use super::target::Target;
 use super::{Session, ms};
-use crate::control::Phase;
+use crate::control::{Phase, Progress};
+use crate::job::{JobStats, Running};
 use crate::policy::Observation;
 use crate::stats::{self, MigrationStats, PostcopyStats, Sample, SampleKind};
 use crate::wire::PAGE_SIZE;
@@ -59,6 +60,7 @@ impl<P: Target> Session<'_, P> {
         let state = self.pending_state();
         let pages = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
         let eta = self.eta_ms(pages, state);
+        let counted = self.counted();
         self.control.update(|p| {
             p.state_remaining_bytes = state;
             p.bytes_sent = sent;
@@ -70,6 +72,7 @@ impl<P: Target> Session<'_, P> {
                 p.postcopy_requests = pc.requests;
                 p.postcopy_pages_requested = pc.pages_requested;
             }
+            p.job = Some(running_job(p, &counted));
         });
     }
 
@@ -84,6 +87,7 @@ impl<P: Target> Session<'_, P> {
         } else {
             None
         };
+        let counted = self.counted();
         self.control.update(|p| {
             p.pass = pass;
             p.state_remaining_bytes = state;
@@ -94,7 +98,18 @@ impl<P: Target> Session<'_, P> {
             p.expected_downtime_ms = downtime;
             p.eta_ms = eta;
             p.elapsed_ms = ms(now.elapsed);
+            p.job = Some(running_job(p, &counted));
         });
+    }
+
+    /// What the job statistics take from the session rather than the progress.
+    fn counted(&mut self) -> Counted {
+        let setup_ms = self.report.stats.setup_ms;
+        Counted {
+            pages_sent: self.walked_bytes() / PAGE_SIZE,
+            data_page_bytes: self.peer.data_totals().0,
+            setup_ms: (setup_ms > 0.0).then_some(setup_ms),
+        }
     }
 
     /// When what is left should be sent: its pages at the walk's rate (zero pages go at the
@@ -111,6 +126,7 @@ impl<P: Target> Session<'_, P> {
     pub(super) fn set_phase(&mut self, phase: Phase) {
         // Precopy is shown with what it has left from its first look on, never a stale 0.
         let remaining = self.report.first_pass_left + self.bitmap.count() * PAGE_SIZE;
+        let counted = self.counted();
         self.control.update(|p| {
             p.phase = phase;
             if phase == Phase::Precopy {
@@ -118,6 +134,7 @@ impl<P: Target> Session<'_, P> {
             } else {
                 p.expected_downtime_ms = None;
             }
+            p.job = Some(running_job(p, &counted));
         });
         self.mark(phase);
     }
@@ -158,6 +175,34 @@ impl<P: Target> Session<'_, P> {
         s.acked_bytes = self.peer.acks().map_or(0, |a| a.acked());
         s
     }
+}
+
+/// The figures a running source counts beside its progress, for [`running_job`].
+struct Counted {
+    pages_sent: u64,
+    data_page_bytes: u64,
+    setup_ms: Option<f64>,
+}
+
+/// The job statistics of a running source: its published progress `p` and what it counted.
+fn running_job(p: &Progress, c: &Counted) -> JobStats {
+    JobStats::running(&Running {
+        elapsed_ms: p.elapsed_ms,
+        eta_ms: p.eta_ms,
+        bytes_sent: p.bytes_sent,
+        memory_remaining_bytes: p.remaining_bytes.saturating_sub(p.state_remaining_bytes),
+        state_remaining_bytes: p.state_remaining_bytes,
+        pages_sent: c.pages_sent,
+        // A snapshot's file counts no data records while it runs (its statistics do at the end).
+        data_page_bytes: (!p.snapshot).then_some(c.data_page_bytes),
+        send_rate: p.bandwidth_mb_s * 1e6,
+        passes: p.pass,
+        dirty_rate_pages_per_s: p.dirty_rate_pages_per_s,
+        expected_downtime_ms: p.expected_downtime_ms,
+        setup_ms: c.setup_ms,
+        throttle_percent: p.throttle_percent,
+        postcopy_requests: p.postcopy_requests,
+    })
 }
 
 /// How long `remaining` bytes take at `rate` bytes per second; `None` before a rate is known.

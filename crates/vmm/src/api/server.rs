@@ -249,13 +249,17 @@ pub fn route(method: &Method, url: &str, body: &str, vm: &VmHandle) -> (u16, ser
             (200, json!({ "state": "stopped" }))
         }
         (Method::Get, "/migration") => match (vm.migration(), vm.incoming()) {
-            (Some(p), _) => {
+            (Some(mut p), _) => {
                 vm.note_read(&p);
+                let disk = vm.disk_copy();
+                if let (Some(job), Some(disk)) = (p.job.as_mut(), &disk) {
+                    disk.fill_job(job);
+                }
                 let mut v = serde_json::to_value(p).unwrap_or_default();
                 if let Some(at) = vm.then_incoming() {
                     v["then_incoming"] = json!(at);
                 }
-                if let Some(disk) = vm.disk_copy() {
+                if let Some(disk) = disk {
                     v["disk"] = serde_json::to_value(disk).unwrap_or_default();
                 }
                 (200, v)

@@ -66,6 +66,19 @@ pub struct DiskCopyStatus {
     pub writers_held_ms: f64,
 }
 
+impl DiskCopyStatus {
+    /// Fills a migration's job statistics' `disk_*` (libvirt's `VIR_DOMAIN_JOB_DISK_*`) with
+    /// this copy's figures: the ranges sent (with data or as zeros), what is pending, their
+    /// sum. `disk_bps` stays `null`: the copy shares the migration's connections and its rate
+    /// is not measured apart.
+    pub fn fill_job(&self, job: &mut ferry_migrate::job::JobStats) {
+        let processed = self.stats.data_bytes + self.stats.zero_bytes;
+        job.disk_processed_bytes = Some(processed);
+        job.disk_remaining_bytes = Some(self.pending_bytes);
+        job.disk_total_bytes = Some(processed + self.pending_bytes);
+    }
+}
+
 /// The source's copy of one disk.
 #[derive(Debug)]
 pub struct SourceCopy {

@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::{ConfigError, MigrateError, ProtocolError};
@@ -26,6 +27,9 @@ const REQUESTED: Capabilities =
 /// VMM checks the guest's configuration first, in milliseconds), so a peer silent this long is
 /// something else listening there.
 const HELLO_WAIT: Duration = Duration::from_secs(10);
+/// How often the hello's wait looks for a cancel: well under what a control plane would notice
+/// (its own polls are hundreds of ms apart), and a look is one atomic load.
+const CANCEL_LOOK: Duration = Duration::from_millis(10);
 
 impl Session<'_, Live> {
     /// With the preempt connection, lets the main connection's reader queue requested pages
@@ -146,6 +150,40 @@ impl Session<'_, Live> {
         }
     }
 
+    /// Reads the destination's answer to the hello within `within`. A cancel asked meanwhile
+    /// ends the wait within [`CANCEL_LOOK`]: a watcher shuts the connection down under the
+    /// read, and the failed read is the cancel (a control plane's cancel in setup is not held
+    /// for the whole wait; issue 55).
+    fn await_hello(&mut self, within: Duration) -> Result<Hello, MigrateError> {
+        let closer = self
+            .peer
+            .conn
+            .stream()
+            .try_clone_stream()
+            .map_err(|e| MigrateError::io("watching the hello's wait for a cancel", e))?;
+        let (done, control) = (AtomicBool::new(false), self.control);
+        let done = &done;
+        let conn = &mut self.peer.conn;
+        let read = std::thread::scope(|s| {
+            s.spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    if control.cancelled() {
+                        let _ = closer.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                    std::thread::sleep(CANCEL_LOOK);
+                }
+            });
+            let read = conn.read_hello(Some(within));
+            done.store(true, Ordering::Release);
+            read
+        });
+        match read {
+            Err(_) if self.control.cancelled() => Err(MigrateError::Cancelled),
+            read => read,
+        }
+    }
+
     /// Greets the destination on the main connection, with the VM's configuration when the
     /// VMM describes it; a refusal names the cause and the fix.
     fn handshake(&mut self, config: Option<&[u8]>) -> Result<(), MigrateError> {
@@ -167,7 +205,7 @@ impl Session<'_, Live> {
             .params
             .peer_timeout
             .map_or(HELLO_WAIT, |t| t.min(HELLO_WAIT));
-        let reply = self.peer.conn.read_hello(Some(within)).map_err(|e| match e {
+        let reply = self.await_hello(within).map_err(|e| match e {
             MigrateError::Stalled { .. } => MigrateError::Stalled {
                 during: "waiting for the answer to the hello (a ferry destination answers at once: is --to its --incoming address, and not, say, its API socket?)",
             },
