@@ -225,6 +225,24 @@ impl PacketSocket {
         buf.truncate(n as usize);
         Ok(Some(buf))
     }
+
+    /// When the kernel received the frame [`PacketSocket::recv`] returned last (its
+    /// `CLOCK_REALTIME`, from `SIOCGSTAMPNS`): the gap between two frames as they arrived,
+    /// whenever the test's thread got to read them.
+    pub fn last_stamp(&self) -> io::Result<Duration> {
+        /// `SIOCGSTAMPNS` on x86_64 (`asm-generic/sockios.h`'s old-time variant).
+        const SIOCGSTAMPNS: libc::c_ulong = 0x8907;
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: the ioctl writes one timespec into `ts`, which we own, for a socket we hold.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), SIOCGSTAMPNS, &mut ts) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
 }
 
 /// A stream of numbered echo requests (`ferry_guest_abi::net`) from a UDP socket made inside a

@@ -4,11 +4,9 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{boot, config, forced_request, receive_from, require_kvm, wait_for_telemetry};
-use ferry_migrate::Phase;
+use common::{boot, config, migrate_into, require_kvm, wait_for_telemetry};
 use ferry_vmm::Vm;
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 
@@ -52,18 +50,9 @@ fn the_guest_calibrates_its_tsc_against_the_pit_within_1_percent_before_and_afte
     within_1_percent(calibrated(&g, 1).unwrap(), "at boot");
     src.wait_for_serial("TSC calibrated against the PIT", Duration::from_secs(5));
 
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut incoming = Vm::incoming(config(128 * MIB, "", &dir.path().join("serial"))).unwrap();
-    let (received, progress) = receive_from(
-        &src.handle(),
-        &mut incoming,
-        &listener,
-        forced_request(&listener),
-    );
-    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
-    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
-    let dst = incoming.into_running().expect("resumed");
+    let incoming = Vm::incoming(config(128 * MIB, "", &dir.path().join("serial"))).unwrap();
+    let (dst, _) = migrate_into(&src.handle(), incoming, |_| {});
     // The guest's count goes on across the move; the source saw the last before the pause.
     let source_saw = src.handle().telemetry().tsc_calibration;
     let before = source_saw.map_or(0, |c| c.calibrations);

@@ -5,14 +5,10 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{
-    TestVm, boot, config, forced_request, receive_from, require_kvm, verifies_clean,
-    wait_for_telemetry,
-};
-use ferry_migrate::{MigrationStats, Phase};
+use common::{TestVm, boot, config, migrate_into, require_kvm, verifies_clean, wait_for_telemetry};
+use ferry_migrate::MigrationStats;
 use ferry_vmm::Vm;
 use ferry_vmm::devices::telemetry::GuestTelemetry;
 
@@ -41,14 +37,11 @@ fn freed_guest(memory: u64, params: &str) -> TestVm {
 fn migrate(src: &TestVm, memory: u64, hints: bool) -> (Vm, MigrationStats) {
     require_kvm();
     let dir = tempfile::tempdir().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut incoming = Vm::incoming(config(memory, "", &dir.path().join("serial.log"))).unwrap();
-    let mut req = forced_request(&listener);
-    req.free_page_hints = hints;
-    let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
-    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
-    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
-    (incoming.into_running().unwrap(), progress.stats.unwrap())
+    let incoming = Vm::incoming(config(memory, "", &dir.path().join("serial.log"))).unwrap();
+    let (dst, progress) = migrate_into(&src.handle(), incoming, |req| {
+        req.free_page_hints = hints;
+    });
+    (dst, progress.stats.unwrap())
 }
 
 /// The destination's guest verifies clean and frees the blocks it held for hinting.

@@ -4,11 +4,10 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{boot, config, forced_request, receive_from, require_kvm, wait_for_telemetry};
-use ferry_migrate::{DestinationVm, Phase, Section, SourceVm};
+use common::{boot, config, migrate_into, require_kvm, wait_for_telemetry};
+use ferry_migrate::{DestinationVm, Section, SourceVm};
 use ferry_vmm::Vm;
 use ferry_vmm::devices::rtc::state;
 use ferry_vmm::devices::telemetry::GuestTelemetry;
@@ -65,18 +64,9 @@ fn a_migrated_rtc_keeps_the_time_of_day_the_guest_set() {
     let since_set = before.unix_seconds - SET_TO;
     assert!(since_set <= 5, "the time set, run on since: {before:?}");
 
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut incoming = Vm::incoming(config(64 * MIB, "", &dir.path().join("serial"))).unwrap();
-    let (received, progress) = receive_from(
-        &src.handle(),
-        &mut incoming,
-        &listener,
-        forced_request(&listener),
-    );
-    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
-    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
-    let dst = incoming.into_running().expect("resumed");
+    let incoming = Vm::incoming(config(64 * MIB, "", &dir.path().join("serial"))).unwrap();
+    let (dst, _) = migrate_into(&src.handle(), incoming, |_| {});
     let seen = src
         .handle()
         .telemetry()

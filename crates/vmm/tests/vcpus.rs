@@ -9,9 +9,7 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{
-    boot_config, config, forced_request, receive_from, require_kvm, verifies_clean, wait_migration,
-};
+use common::{boot_config, config, migrate_into, require_kvm, verifies_clean, wait_migration};
 use ferry_migrate::Phase;
 use ferry_vmm::migration::{self, MigrationRequest};
 use ferry_vmm::{RunState, Vm, VmConfig};
@@ -41,13 +39,8 @@ fn migrate_forced(
     n: u8,
     serial: &std::path::Path,
 ) -> (ferry_vmm::Vm, ferry_migrate::Progress) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut incoming = Vm::incoming(with_vcpus(n, "", serial)).unwrap();
-    let req = forced_request(&listener);
-    let (received, progress) = receive_from(&src.handle(), &mut incoming, &listener, req);
-    received
-        .unwrap_or_else(|e| panic!("{n} vCPUs: destination: {e}; source: {:?}", progress.error));
-    (incoming.into_running().unwrap(), progress)
+    let incoming = Vm::incoming(with_vcpus(n, "", serial)).unwrap();
+    migrate_into(&src.handle(), incoming, |_| {})
 }
 
 #[test]

@@ -185,6 +185,23 @@ pub fn receive_from(
     (received, wait_migration(src, Duration::from_secs(60)))
 }
 
+/// Migrates `src` into `incoming` over loopback TCP with a [`forced_request`] that `adjust`
+/// may change: the destination running, and the source's last progress, once the migration
+/// completed (anything else panics, naming both sides' words).
+pub fn migrate_into(
+    src: &VmHandle,
+    mut incoming: IncomingVm,
+    adjust: impl FnOnce(&mut MigrationRequest),
+) -> (Vm, Progress) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut req = forced_request(&listener);
+    adjust(&mut req);
+    let (received, progress) = receive_from(src, &mut incoming, &listener, req);
+    received.unwrap_or_else(|e| panic!("destination: {e}; source: {progress:?}"));
+    assert_eq!(progress.phase, Phase::Completed, "{progress:?}");
+    (incoming.into_running().expect("resumed"), progress)
+}
+
 /// Polls a VM's telemetry until `done` holds, or panics after `timeout`.
 pub fn wait_for_telemetry(
     h: &ferry_vmm::VmHandle,
