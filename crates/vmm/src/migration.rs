@@ -159,10 +159,26 @@ impl VmHandle {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
         }
-        match self.0.holds.still_arriving() {
+        match self.ram_arriving() {
             Some(from) => Err(StartError::RamArriving(from)),
             None => Ok(slot),
         }
+    }
+
+    /// What this VM's RAM is still arriving from, if anything. An incoming migration that
+    /// completed has placed every page in the moment it says so, a little before its receive
+    /// lets its hold go: a control plane that migrates the guest on at the completion it was
+    /// told of is not refused.
+    pub(crate) fn ram_arriving(&self) -> Option<crate::vm::Arrival> {
+        let completed = || {
+            self.0
+                .incoming
+                .as_ref()
+                .is_some_and(|c| c.progress().phase == IncomingPhase::Completed)
+        };
+        self.0
+            .holds
+            .still_arriving_but(|a| a == crate::vm::Arrival::IncomingMigration && completed())
     }
 
     /// Records how the last migration away from this VMM ended, on the VM it then made to

@@ -127,10 +127,9 @@ pub fn hop(
     let (_, dst_lag) = theirs.until(dst, "the guest's arrival", |e| {
         e["event"] == "destination" && e["phase"] == "completed"
     })?;
-    // The destination logs its completion before it lets go of the hold that keeps a copy
-    // from starting while its RAM arrives (`vm/holds.rs`): a migration started from it at
-    // once is refused ("RAM is not complete yet ... retry"), so the hop ends once `GET /vm`
-    // no longer shows `ram_arriving`, as that refusal says to wait for.
+    // Once the destination logged its completion its RAM is complete: `GET /vm` shows no
+    // `ram_arriving`, and a migration away from it may start at once (before the VMM let go
+    // of the hold, `VmHandle::ram_arriving`, it was refused for a moment). Checked here.
     let arrived = dst.wait_for("the guest running, its RAM complete", "/vm", |s| {
         s["state"] == "running" && s["ram_arriving"].is_null()
     })?;

@@ -254,7 +254,7 @@ impl VmHandle {
                 s => s,
             },
             preparing,
-            ram_arriving: self.0.holds.still_arriving(),
+            ram_arriving: self.ram_arriving(),
             disk: self.disk(),
             net: self.0.net_status(),
             stop_reason,

@@ -105,9 +105,11 @@ impl RamHolds {
         ArrivalHold { holds: self, from }
     }
 
-    /// What RAM is still arriving from, if anything: an outgoing copy must wait.
-    pub(crate) fn still_arriving(&self) -> Option<Arrival> {
-        self.inner.lock().unwrap().arriving.first().copied()
+    /// What RAM is still arriving from, if anything (an outgoing copy must wait), not counting what `done` says has all arrived though
+    /// its hold is not let go yet (an incoming migration that published its completion).
+    pub(crate) fn still_arriving_but(&self, done: impl Fn(Arrival) -> bool) -> Option<Arrival> {
+        let c = self.inner.lock().unwrap();
+        c.arriving.iter().copied().find(|&a| !done(a))
     }
 
     fn tell_balloon(&self, d: Discard) {
@@ -138,7 +140,7 @@ mod tests {
     fn regression_the_last_hold_given_back_lifts_the_ban_not_the_first() {
         let h = RamHolds::new(None);
         h.arriving(Arrival::LazyRestore);
-        assert_eq!(h.still_arriving(), Some(Arrival::LazyRestore));
+        assert_eq!(h.still_arriving_but(|_| false), Some(Arrival::LazyRestore));
         h.ban_discard(); // a snapshot starts
         h.lift_discard(); // and ends
         assert_eq!(
@@ -147,7 +149,24 @@ mod tests {
             "the restore's ban holds"
         );
         h.arrived(Arrival::LazyRestore);
-        assert_eq!(h.still_arriving(), None);
+        assert_eq!(h.still_arriving_but(|_| false), None);
         assert_eq!(h.inner.lock().unwrap().discard_bans, 0);
+    }
+
+    /// Issue 55 (the API soak): an incoming migration that said it completed no longer counts
+    /// as arriving, though its hold is let go a moment later; its discard ban holds till then.
+    #[test]
+    fn regression_a_completed_arrival_does_not_hold_an_outgoing_copy_back() {
+        let h = RamHolds::new(None);
+        let hold = h.arrival(Arrival::IncomingMigration);
+        let completed = |a| a == Arrival::IncomingMigration;
+        assert_eq!(
+            h.still_arriving_but(|_| false),
+            Some(Arrival::IncomingMigration)
+        );
+        assert_eq!(h.still_arriving_but(completed), None);
+        assert_eq!(h.inner.lock().unwrap().discard_bans, 1);
+        drop(hold);
+        assert_eq!(h.still_arriving_but(|_| false), None);
     }
 }
