@@ -56,7 +56,7 @@ pub struct PushStages {
 /// The destination's side of the background stream, from the switch on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct IntakeStages {
-    /// The receivers waiting for a record (nothing in their sockets).
+    /// The data channels' receivers waiting for a record (nothing in their sockets).
     pub idle: StageTime,
     /// Reading the records' page data out of the sockets.
     pub read: StageTime,

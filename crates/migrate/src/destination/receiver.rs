@@ -285,7 +285,10 @@ impl Receiver {
         loop {
             let waiting = std::time::Instant::now();
             let header = self.read_header()?;
-            if let Some(pc) = &self.postcopy {
+            // The background stream's receivers: the preempt connection's waits for requests.
+            if let Some(pc) = &self.postcopy
+                && self.channel != wire::PREEMPT_CHANNEL
+            {
                 pc.intake.idle.since(waiting);
             }
             let Some(h) = header else {

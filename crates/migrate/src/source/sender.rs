@@ -146,7 +146,7 @@ impl Sender {
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let thread = std::thread::Builder::new()
             .name(format!("send-{channel}"))
-            .spawn(move || run(conn, ram, rx, config, hooks))
+            .spawn(move || run(channel, conn, ram, rx, config, hooks))
             .map_err(|e| MigrateError::io("starting a sender thread", e))?;
         Ok(Sender {
             tx: Arc::new(Mutex::new(Some(tx))),
@@ -196,6 +196,7 @@ impl Drop for Sender {
 }
 
 fn run(
+    channel: u16,
     mut conn: Conn,
     ram: Ram,
     rx: Receiver<ChannelMsg>,
@@ -235,7 +236,8 @@ fn run(
             break;
         };
         config.room.ring();
-        if postcopy {
+        // The background stream's senders: the preempt connection's waits for requests.
+        if postcopy && channel != wire::PREEMPT_CHANNEL {
             config.clock.sender_idle.since(waited);
         }
         match msg {
