@@ -6,7 +6,10 @@
 //! latency, how many faults found a page the push had not reached, the postcopy phase against
 //! the time its bytes take at raw loopback TCP measured in the same run (idle, and beside a
 //! thread that spins, as a guest's vCPU writing flat out holds a core), and the guest's own
-//! view: its time in write batches over 1 ms from the switch on (the pause included).
+//! view: its time in write batches over 1 ms from the switch on (the pause included). Each
+//! row runs three times, the two orders alternating, and each group prints its medians; under
+//! each run, where the push's time went stage by stage on both sides (`stage_clock.rs`), and
+//! the push against raw TCP measured right before that run.
 
 use std::net::TcpListener;
 

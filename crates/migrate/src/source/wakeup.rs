@@ -3,6 +3,9 @@
 //! rings it) or room in a queue (a sender rings it as it takes a batch). A wait for room alone,
 //! polled every millisecond, left a sender idle for most of a millisecond each time its queue
 //! ran dry: at ~2.5 GB/s a channel drains its queue of four 512 KiB batches in ~0.8 ms.
+//! Measured (`ferry bench postcopy --blocktime`, in order, its push stages): with the poll the
+//! migration thread's waits averaged 1.35-1.72 ms and the senders were idle 40-47% of the
+//! push; with this wake, 20-32%.
 //!
 //! A counter under the lock makes the wait lose no ring: the waiter reads the count before it
 //! looks at the queues, and waits only while the count is still what it read.
