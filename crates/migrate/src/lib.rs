@@ -38,6 +38,7 @@ pub mod ram;
 pub mod scan;
 pub mod snapshot;
 pub mod source;
+pub mod stage_clock;
 mod state_part;
 #[allow(unsafe_code)] // one clock_gettime call
 pub mod stats;

@@ -266,6 +266,9 @@ pub struct PostcopyStats {
     /// a wait on a page another vCPU asked for first is not counted).
     #[serde(default)]
     pub vcpu_blocktime_ms: f64,
+    /// Where the background push's time went on this side (`stage_clock.rs`).
+    #[serde(default)]
+    pub push: crate::stage_clock::PushStages,
 }
 
 /// The migration at one moment, for `ferry report`'s timeline.

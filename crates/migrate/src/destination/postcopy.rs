@@ -49,7 +49,6 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::outbox::Outbox;
@@ -57,9 +56,12 @@ use crate::error::{Internal, MigrateError, ProtocolError, Twice};
 use crate::pagebits::PageBits;
 use crate::ram::Ram;
 use crate::ram::alias::Alias;
+use crate::stage_clock::IntakeClock;
 use crate::transport::Stream;
-use crate::uffd::{CopyOutcome, Fault, Faults, Uffd, Wake};
-use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
+use crate::uffd::{CopyOutcome, Faults, Uffd, Wake};
+use crate::wire::{self, Header, Latencies, PAGE_SIZE};
+
+pub(crate) mod faults;
 
 /// Runs of pages: `(host address, pages)`.
 type Runs = Vec<(usize, usize)>;
@@ -124,6 +126,8 @@ pub(crate) struct Postcopy {
     recoverable: bool,
     /// Fault messages read.
     faults: AtomicU64,
+    /// Where the receivers' time goes from the switch on (`stage_clock.rs`).
+    pub(crate) intake: IntakeClock,
 }
 
 impl Postcopy {
@@ -174,6 +178,7 @@ impl Postcopy {
             zero_fills: AtomicU64::new(0),
             recoverable,
             faults: AtomicU64::new(0),
+            intake: IntakeClock::default(),
         })
     }
 
@@ -345,24 +350,43 @@ impl Postcopy {
             .iter()
             .map(|&gpa| self.needed_index(gpa))
             .collect::<Result<Vec<u64>, MigrateError>>()?;
-        let len = gpas.len() * PAGE_SIZE as usize;
-        if buffer.len() < len {
-            buffer.resize(len, 0);
-        }
-        stream
-            .read_exact(&mut buffer[..len])
-            .map_err(|e| MigrateError::io("receiving postcopy pages", e))?;
         // A record that brings a page a vCPU waits for times its install and its wakes.
-        let read = indices
+        let awaited = indices
             .iter()
-            .any(|&i| self.requested.get(i) && !self.installed.get(i))
-            .then(Instant::now);
-        let page = PAGE_SIZE as usize;
-        let (runs, mine) = match &self.alias {
-            Some(alias) => self.write_into(alias, gpas, &indices, Some(&buffer[..len]))?,
+            .any(|&i| self.requested.get(i) && !self.installed.get(i));
+        let reading = Instant::now();
+        let (runs, mine, read) = match &self.alias {
+            Some(alias) => {
+                // Claimed before the read, which lands the claimed pages in the file itself.
+                let claims: Vec<bool> = indices.iter().map(|&i| !self.claimed.set(i)).collect();
+                if let Err(e) = alias.read_pages(stream, gpas, &claims, buffer) {
+                    // None of them was written: a later copy (a recovery's) claims them again.
+                    for (&i, _) in indices.iter().zip(&claims).filter(|(_, c)| **c) {
+                        self.claimed.clear(i);
+                    }
+                    return Err(MigrateError::io("receiving postcopy pages", e));
+                }
+                let read = Instant::now();
+                self.intake.read.add(read - reading, 0);
+                for (&i, _) in indices.iter().zip(&claims).filter(|(_, c)| **c) {
+                    self.written.set(i);
+                }
+                let (runs, mapped) = self.map_written(gpas, &indices)?;
+                (runs, mapped, read)
+            }
             None => {
+                let len = gpas.len() * PAGE_SIZE as usize;
+                if buffer.len() < len {
+                    buffer.resize(len, 0);
+                }
+                stream
+                    .read_exact(&mut buffer[..len])
+                    .map_err(|e| MigrateError::io("receiving postcopy pages", e))?;
+                let read = Instant::now();
+                self.intake.read.add(read - reading, 0);
                 // One copy per run of adjacent pages (adjacent in the record too, whose
                 // addresses increase), each without waking.
+                let page = PAGE_SIZE as usize;
                 let mut runs = Runs::new();
                 for &gpa in gpas {
                     extend_runs(&mut runs, self.ram.page(gpa)?);
@@ -373,14 +397,18 @@ impl Postcopy {
                     placed(self.uffd.copy(host, data, Wake::Later))?;
                     first += n;
                 }
-                (runs, indices)
+                (runs, indices, read)
             }
         };
+        let installing = read;
+        let read = awaited.then_some(read);
         let copied = Instant::now();
+        self.intake.install.add(copied - installing, 0);
         // One wake per run.
         for &(host, n) in &runs {
             self.wake(host, n)?;
         }
+        self.intake.wake.since(copied);
         if let Some(read) = read {
             let mut s = self.stages.lock().unwrap();
             s.install.add((copied - read).as_micros() as u64);
@@ -408,8 +436,6 @@ impl Postcopy {
         data: Option<&[u8]>,
     ) -> Result<(Runs, Vec<u64>), MigrateError> {
         let page = PAGE_SIZE as usize;
-        let mut runs = Runs::new();
-        let mut mapped = Vec::with_capacity(indices.len());
         for (k, (&gpa, &i)) in gpas.iter().zip(indices).enumerate() {
             if !self.claimed.set(i) {
                 match data {
@@ -417,15 +443,29 @@ impl Postcopy {
                     None => alias.zero(gpa, 1)?,
                 }
                 self.written.set(i);
-            } else if !self.written.get(i) {
-                // The other copy is writing it, and maps it right after.
-                continue;
             }
-            mapped.push(i);
-            extend_runs(&mut runs, self.ram.page(gpa)?);
+        }
+        self.map_written(gpas, indices)
+    }
+
+    /// Over held memory: maps every run of the pages of `gpas` whose bytes are in the file
+    /// (`written`; a page another copy claimed and still writes is left to it, which maps it
+    /// right after), without waking. Returns the runs `(host, pages)` and the indices of the
+    /// pages now mapped (mapping twice is harmless).
+    fn map_written(&self, gpas: &[u64], indices: &[u64]) -> Result<(Runs, Vec<u64>), MigrateError> {
+        let mut runs = Runs::new();
+        let mut mapped = Vec::with_capacity(indices.len());
+        for (&gpa, &i) in gpas.iter().zip(indices) {
+            if self.written.get(i) {
+                mapped.push(i);
+                extend_runs(&mut runs, self.ram.page(gpa)?);
+            }
         }
         for &(host, n) in &runs {
-            placed(self.uffd.continue_range(host, n * page, Wake::Later))?;
+            placed(
+                self.uffd
+                    .continue_range(host, n * PAGE_SIZE as usize, Wake::Later),
+            )?;
         }
         Ok((runs, mapped))
     }
@@ -552,91 +592,6 @@ impl Postcopy {
         }
         Ok(())
     }
-
-    /// Handles one fault by the state of its host page (see the module doc); returns the
-    /// start of a unit to ask for.
-    fn on_fault(&self, f: &Fault) -> Result<Option<(u64, Instant)>, MigrateError> {
-        // Units are aligned in guest and host address alike (regions start on one).
-        let host = f.addr & !(self.unit as usize - 1);
-        let Some(gpa) = self.ram.gpa_of_host(host) else {
-            return Err(Internal::FaultOutsideRam { addr: f.addr }.into());
-        };
-        let i = self.ram.page_index(gpa)?;
-        if !self.needed.get(i) {
-            if f.minor {
-                // Held here and final, only not mapped (written through the file).
-                placed(
-                    self.uffd
-                        .continue_range(host, self.unit as usize, Wake::Now),
-                )?;
-                return Ok(None);
-            }
-            self.zero_fills.fetch_add(1, Ordering::Relaxed);
-            self.zero_fill(host)?;
-            return Ok(None);
-        }
-        if self.installed.get(i) {
-            self.wake_bytes(host, self.unit as usize)?;
-            return Ok(None);
-        }
-        if self.written.get(i) {
-            // In the file, its copy not mapped yet (its receiver busy or descheduled): mapped
-            // here, the vCPU waits for nobody.
-            placed(
-                self.uffd
-                    .continue_range(host, self.unit as usize, Wake::Now),
-            )?;
-            return Ok(None);
-        }
-        if self.requested.set(i) {
-            return Ok(None);
-        }
-        let now = Instant::now();
-        self.first_fault.lock().unwrap().insert(i, now);
-        // Installed between the two looks: the copy woke the waiter already, and the source
-        // ignores a request for a page it sent.
-        Ok(Some((gpa, now)))
-    }
-
-    /// The fault thread's loop: read faults, answer or ask, until stopped.
-    fn run_faults(&self) -> Result<(), MigrateError> {
-        let mut faults = Vec::new();
-        while !self.stop.load(Ordering::Acquire) {
-            faults.clear();
-            self.uffd.read_faults(&mut faults, FAULT_POLL)?;
-            self.faults
-                .fetch_add(faults.len() as u64, Ordering::Relaxed);
-            let mut ask: Vec<(u64, u64)> = Vec::new();
-            let mut since = Vec::new();
-            for f in &faults {
-                if let Some((gpa, at)) = self.on_fault(f)? {
-                    ask.push((gpa, self.unit_pages()));
-                    since.push(at);
-                }
-            }
-            for chunk in ask.chunks(wire::MAX_ZERO_RUNS_PER_RECORD as usize) {
-                let asked = self.write(
-                    &Header::runs(Kind::PageRequest, chunk.len() as u32),
-                    &wire::encode_runs(chunk),
-                );
-                match asked {
-                    // Paused: the recovery asks again for every requested page still missing.
-                    Err(e) if self.recoverable => {
-                        tracing::debug!("a page request waits for the recovery: {e}");
-                        break;
-                    }
-                    r => r?,
-                }
-            }
-            if !ask.is_empty() {
-                let mut s = self.stages.lock().unwrap();
-                for at in since {
-                    s.ask.add(at.elapsed().as_micros() as u64);
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Adds the page at `host` to `runs`: to the last run if it follows it, else as a new one.
@@ -651,39 +606,4 @@ fn extend_runs(runs: &mut Runs, host: usize) {
 /// page it is the other copy of a page sent twice; for a hole, a page someone placed first.
 fn placed(r: Result<CopyOutcome, crate::uffd::UffdError>) -> Result<(), MigrateError> {
     r.map(|_| ()).map_err(MigrateError::from)
-}
-
-/// The fault thread of a postcopy phase.
-#[derive(Debug)]
-pub(crate) struct FaultThread {
-    pc: Arc<Postcopy>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl FaultThread {
-    pub(crate) fn start(pc: Arc<Postcopy>) -> Result<FaultThread, MigrateError> {
-        let shared = pc.clone();
-        let thread = std::thread::Builder::new()
-            .name("postcopy-faults".into())
-            .spawn(move || {
-                if let Err(e) = shared.run_faults() {
-                    *shared.failure.lock().unwrap() = Some(Arc::new(e));
-                    let _guard = shared.all_in.0.lock().unwrap();
-                    shared.all_in.1.notify_all();
-                }
-            })
-            .map_err(|e| MigrateError::io("starting the postcopy fault thread", e))?;
-        Ok(FaultThread {
-            pc,
-            thread: Some(thread),
-        })
-    }
-
-    /// Stops the thread and waits for it.
-    pub(crate) fn stop(mut self) {
-        self.pc.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }

@@ -283,7 +283,15 @@ impl Receiver {
     fn run(mut self) -> Result<ReceiverStats, MigrateError> {
         let cpu_start = crate::stats::thread_cpu_ns();
         loop {
-            let Some(h) = self.read_header()? else {
+            let waiting = std::time::Instant::now();
+            let header = self.read_header()?;
+            // The background stream's receivers: the preempt connection's waits for requests.
+            if let Some(pc) = &self.postcopy
+                && self.channel != wire::PREEMPT_CHANNEL
+            {
+                pc.intake.idle.since(waiting);
+            }
+            let Some(h) = header else {
                 // A clean end of stream is the source's way to close a channel after its last
                 // pass; whether that pass was the last is for the barrier and the main channel
                 // to judge, so say how far this channel got. The preempt connection is no party

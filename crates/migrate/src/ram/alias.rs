@@ -83,6 +83,63 @@ impl Alias {
         Ok(())
     }
 
+    /// Reads one page per address of `gpas` (strictly increasing) from `stream`: those `mine`
+    /// marks straight into the file through the alias, as [`Alias::write`] would write them,
+    /// the others into `scratch` and dropped (another copy of them is the one written). One
+    /// `readv` per as many pages as the stream has ready: a page is copied once, from the
+    /// socket into the file, where a read into a buffer and [`Alias::write`] copy it twice.
+    ///
+    /// Contract (crate-internal): the pages `mine` marks are the caller's alone (claimed) and
+    /// no guest mapping shows them, as for [`Alias::write`]; on an error they hold any bytes.
+    pub(crate) fn read_pages(
+        &self,
+        stream: &mut dyn io::Read,
+        gpas: &[u64],
+        mine: &[bool],
+        scratch: &mut Vec<u8>,
+    ) -> io::Result<()> {
+        assert_eq!(gpas.len(), mine.len());
+        let page = PAGE_SIZE as usize;
+        let mut hosts = Vec::with_capacity(gpas.len());
+        for (w, &gpa) in gpas.iter().enumerate() {
+            if w > 0 && gpas[w - 1] >= gpa {
+                return Err(io::Error::other(
+                    "page addresses must be strictly increasing",
+                ));
+            }
+            hosts.push(self.at(gpa, 1).map_err(io::Error::other)?);
+        }
+        let others = mine.iter().filter(|m| !**m).count();
+        if scratch.len() < others * page {
+            scratch.resize(others * page, 0);
+        }
+        let mut spare = scratch.chunks_exact_mut(page);
+        let mut slices: Vec<io::IoSliceMut<'_>> = Vec::with_capacity(gpas.len());
+        for (&host, &m) in hosts.iter().zip(mine) {
+            if !m {
+                slices.push(io::IoSliceMut::new(spare.next().expect("sized above")));
+                continue;
+            }
+            // SAFETY: one page of the alias (checked by `at`), mapped writable while `self`
+            // lives; the addresses are distinct (strictly increasing), so no two slices
+            // overlap, and none overlaps `scratch`; the page is the caller's alone and no
+            // guest mapping shows it (this function's contract), so no other reference to
+            // it exists while the slice lives.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(host as *mut u8, page) };
+            slices.push(io::IoSliceMut::new(bytes));
+        }
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            match stream.read_vectored(rest) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => io::IoSliceMut::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Writes zeros over `pages` pages at `gpa`, as [`Alias::write`].
     pub(crate) fn zero(&self, gpa: u64, pages: u64) -> Result<(), RamError> {
         let addr = self.at(gpa, pages)?;

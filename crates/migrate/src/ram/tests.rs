@@ -99,3 +99,55 @@ fn a_zero_run_of_u64_max_pages_is_refused_not_overflowed() {
         })
     );
 }
+
+/// Postcopy over held memory reads a record's pages from the socket straight into the file
+/// through the alias: the pages this copy claimed land in the file, the others (another
+/// copy's) are read and dropped, and the stream is left just after the record.
+#[test]
+fn the_alias_reads_claimed_pages_into_the_file_and_drops_the_others() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::fs::FileExt;
+    // SAFETY: memfd_create with a valid name; the result is checked and owned below.
+    let fd = unsafe { libc::memfd_create(c"ferry-alias-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` was just created and nothing else owns it.
+    let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    file.set_len(16 * PAGE_SIZE).unwrap();
+    let ram = layout_only(vec![RamRegion {
+        fd: file.as_raw_fd(),
+        ..RamRegion::for_test(0, 16 * PAGE_SIZE)
+    }])
+    .unwrap();
+    let alias = alias::Alias::new(&ram).unwrap();
+    let gpas = [PAGE_SIZE, 2 * PAGE_SIZE, 7 * PAGE_SIZE];
+    let mine = [true, false, true];
+    let mut record: Vec<u8> = Vec::new();
+    for k in 1..=3u8 {
+        record.extend(std::iter::repeat_n(k, PAGE_SIZE as usize));
+    }
+    record.extend(b"next record");
+    let mut stream = &record[..];
+    let mut scratch = Vec::new();
+    alias
+        .read_pages(&mut stream, &gpas, &mine, &mut scratch)
+        .unwrap();
+    assert_eq!(stream, b"next record", "the record read whole, no further");
+    let page = |n: u64| {
+        let mut b = vec![0u8; PAGE_SIZE as usize];
+        file.read_exact_at(&mut b, n * PAGE_SIZE).unwrap();
+        b
+    };
+    assert!(page(1).iter().all(|&b| b == 1));
+    assert!(
+        page(2).iter().all(|&b| b == 0),
+        "another copy's page untouched"
+    );
+    assert!(page(7).iter().all(|&b| b == 3));
+    // A record cut short fails (the caller gives its claims back).
+    let mut short = &record[..PAGE_SIZE as usize + 10];
+    assert!(
+        alias
+            .read_pages(&mut short, &gpas, &mine, &mut scratch)
+            .is_err()
+    );
+}

@@ -82,6 +82,7 @@ mod report;
 mod sender;
 mod switchover;
 pub(crate) mod target;
+mod wakeup;
 
 use std::time::{Duration, Instant};
 

@@ -22,9 +22,11 @@ use std::time::Instant;
 use super::forward::Lane;
 use super::params::{Preempt, SourceParams, TestHooks};
 use super::sender::{ChannelMsg, Sender, SenderConfig};
+use super::wakeup::Wakeup;
 use crate::conn::Conn;
 use crate::error::{Connection, MigrateError, ProtocolError};
 use crate::ram::Ram;
+use crate::stage_clock::PushClock;
 use crate::stats::MigrationStats;
 use crate::transport::Stream;
 use crate::wire::{self, Hello, Latencies, Role};
@@ -56,6 +58,11 @@ pub struct ChannelPool {
     link_cap: Arc<AtomicU64>,
     data_pages: Arc<AtomicU64>,
     data_wire: Arc<AtomicU64>,
+    /// Where the postcopy push's time goes, the senders' stages and the session's.
+    clock: Arc<PushClock>,
+    /// Rung by the senders as they take a batch, and by the reader for a request once the
+    /// push waits on it (`wakeup.rs`).
+    wakeup: Wakeup,
 }
 
 impl ChannelPool {
@@ -121,6 +128,8 @@ impl ChannelPool {
                 data_pages: self.data_pages.clone(),
                 data_wire: self.data_wire.clone(),
                 turnaround: self.turnaround.clone(),
+                clock: self.clock.clone(),
+                room: self.wakeup.clone(),
             };
             let sender = Sender::start(channel, stream, ram.clone(), config, hooks)?;
             match role {
@@ -166,6 +175,16 @@ impl ChannelPool {
         *self.turnaround.lock().unwrap()
     }
 
+    /// What the push waits on for room in a queue or a request (`wakeup.rs`).
+    pub(crate) fn wakeup(&self) -> Wakeup {
+        self.wakeup.clone()
+    }
+
+    /// The push's stage clocks (the senders keep theirs in it; the session its own).
+    pub(crate) fn clock(&self) -> &PushClock {
+        &self.clock
+    }
+
     /// Pages the main connection's reader queued on the preempt connection itself.
     pub(crate) fn forwarded_pages(&self) -> u64 {
         self.forwarded.load(Ordering::Relaxed)
@@ -205,24 +224,35 @@ impl ChannelPool {
 
     /// Queues a batch on the next data channel if its queue has room; gives the batch back if
     /// it has none (the caller does something else and tries again).
-    pub fn try_queue_pages(&mut self, gpas: Vec<u64>) -> Result<Option<Vec<u64>>, MigrateError> {
+    /// Each channel is tried in turn from the next one's: a batch goes to the first with room
+    /// (a channel whose socket drains slower gets fewer, and none waits while another idles).
+    pub fn try_queue_pages(
+        &mut self,
+        mut gpas: Vec<u64>,
+    ) -> Result<Option<Vec<u64>>, MigrateError> {
         let n = gpas.len() as u64;
-        match self.senders[self.next].try_send(ChannelMsg::Pages(gpas)) {
-            Ok(None) => {
-                self.queued_pages += n;
-                self.next = (self.next + 1) % self.senders.len();
-                Ok(None)
-            }
-            Ok(Some(ChannelMsg::Pages(gpas))) => Ok(Some(gpas)),
-            Ok(Some(_)) => unreachable!("try_send gives back what it was given"),
-            Err(_) => Err(match self.senders[self.next].finish() {
-                Err(e) => e,
-                Ok(_) => ProtocolError::StoppedEarly {
-                    connection: Connection(self.next as u16 + 1),
+        for _ in 0..self.senders.len() {
+            match self.senders[self.next].try_send(ChannelMsg::Pages(gpas)) {
+                Ok(None) => {
+                    self.queued_pages += n;
+                    self.next = (self.next + 1) % self.senders.len();
+                    return Ok(None);
                 }
-                .into(),
-            }),
+                Ok(Some(ChannelMsg::Pages(back))) => gpas = back,
+                Ok(Some(_)) => unreachable!("try_send gives back what it was given"),
+                Err(_) => {
+                    return Err(match self.senders[self.next].finish() {
+                        Err(e) => e,
+                        Ok(_) => ProtocolError::StoppedEarly {
+                            connection: Connection(self.next as u16 + 1),
+                        }
+                        .into(),
+                    });
+                }
+            }
+            self.next = (self.next + 1) % self.senders.len();
         }
+        Ok(Some(gpas))
     }
 
     /// Ends `pass` on every data channel, after the batches already queued.

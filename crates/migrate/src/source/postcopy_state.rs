@@ -5,6 +5,8 @@
 
 #![forbid(unsafe_code)]
 
+use std::time::Instant;
+
 use super::heat::Heat;
 use super::params::Postcopy;
 use crate::wire::Latencies;
@@ -17,6 +19,8 @@ pub(super) struct PostcopyState {
     pub(super) heat: Heat,
     /// Requests, from read to taken by the sending thread (`PostcopyStats::source_handoff`).
     pub(super) handoff: Latencies,
+    /// When the background push took its first batch, and the bytes written by then.
+    pub(super) push_began: Option<(Instant, u64)>,
 }
 
 impl PostcopyState {
@@ -25,6 +29,7 @@ impl PostcopyState {
             settings,
             heat: Heat::default(),
             handoff: Latencies::default(),
+            push_began: None,
         }
     }
 }

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use super::agreement::Agreement;
 use super::forward::{Lane, Requested};
+use super::wakeup::Wakeup;
 use crate::conn::Conn;
 use crate::error::{Bound, MigrateError, ProtocolError, Rule};
 use crate::transport::Stream;
@@ -217,6 +218,12 @@ impl InboundReader {
         *self.requests.lane.lock().unwrap() = Some(lane);
     }
 
+    /// From now on the reader also rings `wakeup` for every request it queues (the postcopy
+    /// push waits on it for a request or room in a channel's queue, `wakeup.rs`).
+    pub(crate) fn ring_on_requests(&self, wakeup: Wakeup) {
+        *self.requests.wakeup.lock().unwrap() = Some(wakeup);
+    }
+
     /// From now on the reader leaves every request to the migration thread.
     pub(crate) fn clear_lane(&self) {
         *self.requests.lane.lock().unwrap() = None;
@@ -274,6 +281,8 @@ struct Requests {
     /// Where the reader sends requested pages itself (`forward.rs`): the preempt connection,
     /// or the main connection during the push without one.
     lane: Mutex<Option<Lane>>,
+    /// Rung, besides `arrived`, for every request queued, once the push waits on it.
+    wakeup: Mutex<Option<Wakeup>>,
 }
 
 /// Where the reader puts what it folds and queues.
@@ -341,6 +350,10 @@ fn read_until_end(
                 q.0.extend(requested);
                 q.1.get_or_insert(now);
                 into.requests.arrived.notify_all();
+                drop(q);
+                if let Some(w) = &*into.requests.wakeup.lock().unwrap() {
+                    w.ring();
+                }
             }
             Inbound::Resumed(_) if seen_resumed => {
                 return Err(MigrateError::misplaced(Kind::Resumed, Rule::OneResumed));

@@ -30,11 +30,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::params::TestHooks;
+use super::wakeup::Wakeup;
 use crate::compress::{Compression, CompressionStats, PageCompressor};
 use crate::conn::Conn;
 use crate::error::{Internal, MigrateError};
 use crate::ram::Ram;
 use crate::scan::{Batch, Completion, FailEvery, ZeroDetector, ZeroDetectorFactory};
+use crate::stage_clock::PushClock;
 use crate::stats;
 use crate::transport::Stream;
 use crate::wire::{self, Header, Kind, Latencies, PAGE_SIZE};
@@ -121,6 +123,12 @@ pub struct SenderConfig {
     pub data_wire: Arc<AtomicU64>,
     /// Request to pages written, for every [`ChannelMsg::Urgent`] (shared by the senders).
     pub turnaround: Arc<Mutex<Latencies>>,
+    /// Where the postcopy push's time goes: each sender's waits, scans and writes after the
+    /// postcopy marker (`stage_clock.rs`).
+    pub clock: Arc<PushClock>,
+    /// Rung as a batch leaves the queue: the postcopy push waits on it for room
+    /// (`wakeup.rs`).
+    pub room: Wakeup,
 }
 
 impl Sender {
@@ -138,7 +146,7 @@ impl Sender {
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let thread = std::thread::Builder::new()
             .name(format!("send-{channel}"))
-            .spawn(move || run(conn, ram, rx, config, hooks))
+            .spawn(move || run(channel, conn, ram, rx, config, hooks))
             .map_err(|e| MigrateError::io("starting a sender thread", e))?;
         Ok(Sender {
             tx: Arc::new(Mutex::new(Some(tx))),
@@ -188,6 +196,7 @@ impl Drop for Sender {
 }
 
 fn run(
+    channel: u16,
     mut conn: Conn,
     ram: Ram,
     rx: Receiver<ChannelMsg>,
@@ -221,7 +230,16 @@ fn run(
     };
     // After the postcopy marker every batch goes out whole at once, not pipelined.
     let mut postcopy = false;
-    for msg in rx {
+    loop {
+        let waited = Instant::now();
+        let Ok(msg) = rx.recv() else {
+            break;
+        };
+        config.room.ring();
+        // The background stream's senders: the preempt connection's waits for requests.
+        if postcopy && channel != wire::PREEMPT_CHANNEL {
+            config.clock.sender_idle.since(waited);
+        }
         match msg {
             ChannelMsg::Urgent(gpas, asked) => {
                 detector.submit(Batch::new(gpas));
@@ -230,15 +248,30 @@ fn run(
                 let us = asked.elapsed().as_micros() as u64;
                 config.turnaround.lock().unwrap().add(us);
             }
+            ChannelMsg::Pages(gpas) if postcopy => {
+                // A vCPU may be waiting for any of these pages: nothing stays behind, and
+                // the batch is timed stage by stage.
+                let scanning = Instant::now();
+                detector.submit(Batch::new(gpas));
+                let mut done = Vec::with_capacity(detector.outstanding);
+                while let Some(c) = detector.complete() {
+                    done.push(c);
+                }
+                config.clock.scan.since(scanning);
+                let (writing, cpu) = (Instant::now(), stats::thread_cpu_ns());
+                for c in done {
+                    out.send(c)?;
+                }
+                out.conn.flush("sending postcopy pages")?;
+                config
+                    .clock
+                    .write
+                    .add(writing.elapsed(), stats::thread_cpu_ns() - cpu);
+            }
             ChannelMsg::Pages(gpas) => {
                 detector.submit(Batch::new(gpas));
                 while detector.outstanding > PIPELINE {
                     out.send(detector.complete().expect("outstanding batch"))?;
-                }
-                if postcopy {
-                    // A vCPU may be waiting for any of these pages: nothing stays behind.
-                    drain(&mut detector, &mut out)?;
-                    out.conn.flush("sending postcopy pages")?;
                 }
             }
             ChannelMsg::EndOfPass(pass) => {

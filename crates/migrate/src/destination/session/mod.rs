@@ -92,6 +92,8 @@ pub struct PostcopyReceived {
     /// file and mapped, none freed and allocated again); else over holes punched at the
     /// discard (missing faults).
     pub over_held: bool,
+    /// Where the receivers' time went (`stage_clock.rs`).
+    pub intake: crate::stage_clock::IntakeStages,
 }
 
 /// A receiver thread and a handle to shut its socket down.

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{PostcopyReceived, ReceiveStats, Session};
-use crate::destination::postcopy::{FaultThread, Postcopy};
+use crate::destination::postcopy::Postcopy;
+use crate::destination::postcopy::faults::FaultThread;
 use crate::destination::progress::IncomingPhase;
 use crate::destination::receiver;
 use crate::error::{MigrateError, Rule};
@@ -119,6 +120,7 @@ impl Session<'_> {
             recoveries: self.recoveries,
             paused: self.paused,
             over_held: pc.over_held(),
+            intake: pc.intake.stages(),
         });
         // Every page is here; a lost Done leaves the source waiting, then failing, with the
         // guest safe here.

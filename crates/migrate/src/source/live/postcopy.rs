@@ -187,6 +187,7 @@ impl Session<'_> {
             }
             Err(e) => return Err(e),
         }
+        let mut written_at = None;
         let latencies = loop {
             // After a recovery the walk starts over the destination's list.
             let from = walk.take().unwrap_or_else(|| {
@@ -200,6 +201,7 @@ impl Session<'_> {
                     pushed
                 })
                 .and_then(|()| self.peer.pool.close(&mut self.report.stats))
+                .inspect(|()| written_at = Some(Instant::now()))
                 .and_then(|()| {
                     self.peer
                         .conn
@@ -224,6 +226,12 @@ impl Session<'_> {
         pc.pages_forwarded += self.peer.pool.forwarded_pages();
         pc.source_handoff = (&self.postcopy_state().handoff).into();
         pc.vcpu_blocktime_ms = latencies.sum_us as f64 / 1e3;
+        pc.push = self.peer.pool.clock().stages();
+        if let Some((began, bytes)) = self.postcopy_state().push_began {
+            pc.push.ms = ms(began.elapsed());
+            pc.push.written_ms = written_at.map_or(0.0, |w| ms(w - began));
+            pc.push.bytes = self.bytes_written() - bytes;
+        }
         self.report.stats.postcopy = Some(pc);
         Ok(())
     }
@@ -307,10 +315,21 @@ impl Session<'_> {
         let packet = self.batch_pages();
         // The background batch taken from the bitmap and not queued yet.
         let mut held: Vec<u64> = Vec::with_capacity(packet);
+        let wakeup = self.peer.pool.wakeup();
+        self.peer
+            .acks
+            .reader
+            .as_ref()
+            .expect("the reader runs")
+            .ring_on_requests(wakeup.clone());
         loop {
+            // Read before anything is looked at: a ring after it ends the wait for room.
+            let seen = wakeup.seen();
             self.check_ended()?;
             self.retune();
+            let serving = Instant::now();
             self.serve_requests(&mut walk, pc, &mut held, listed)?;
+            self.peer.pool.clock().serve.since(serving);
             self.publish_running(Instant::now(), Some(pc));
             if held.is_empty() {
                 if self.bitmap.count() == 0 {
@@ -328,7 +347,11 @@ impl Session<'_> {
                     walk = walk.again(&self.bitmap, &self.postcopy_state().heat);
                 }
                 // Whole units: a chunk holds whole units, and a batch is one unit or more.
+                let (walking, bytes) = (Instant::now(), self.bytes_written());
+                let state = self.postcopy.as_mut().expect("postcopy's mode");
+                state.push_began.get_or_insert((walking, bytes));
                 walk.take(&mut self.bitmap, packet, &mut held);
+                self.peer.pool.clock().walk.since(walking);
                 if let Some(l) = &mut self.link.limiter {
                     l.add(held.len() as u64 * (8 + PAGE_SIZE));
                 }
@@ -352,7 +375,10 @@ impl Session<'_> {
                 }
                 Some(back) => {
                     held = back;
-                    self.wait_requests(REQUEST_POLL);
+                    // Every queue full: until a sender takes a batch or a request comes.
+                    let waiting = Instant::now();
+                    wakeup.wait(seen, REQUEST_POLL);
+                    self.peer.pool.clock().room_wait.since(waiting);
                 }
             }
         }
