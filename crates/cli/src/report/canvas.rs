@@ -4,6 +4,7 @@
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::layout::text_width;
 
@@ -135,4 +136,28 @@ pub(super) fn header<'a>(
         top.draw_text(name, &label(), (x + 22, y - 6))?;
     }
     Ok(rest)
+}
+
+/// Room above a chart's plot for its vertical axes' units.
+pub(super) const UNIT_ROOM: u32 = 18;
+
+/// The units of a chart's vertical axes, level above them (left of the left axis, right of
+/// the right one), where a chart of plotters would write them turned a quarter: rotated text
+/// ImageMagick's renderer turns the wrong way and does not anchor (`portable.rs`).
+pub(super) fn axis_units<C: CoordTranslate>(
+    area: &Area<'_>,
+    plot: &DrawingArea<SVGBackend<'_>, C>,
+    left: &str,
+    right: Option<&str>,
+) -> anyhow::Result<()> {
+    let (ax, ay) = area.get_base_pixel();
+    let (px, py) = plot.get_base_pixel();
+    let (width, _) = plot.dim_in_pixel();
+    let (x, y) = (px - ax, py - ay - UNIT_ROOM as i32 + 2);
+    let style = |h| label().pos(Pos::new(h, VPos::Top));
+    area.draw_text(left, &style(HPos::Right), (x - 4, y))?;
+    if let Some(right) = right {
+        area.draw_text(right, &style(HPos::Left), (x + width as i32 + 4, y))?;
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 
 use super::canvas::{
     Area, BLUE, BROWN, GREEN, HEADER_HEIGHT, LABEL_FONT, LINE_HEIGHT, ORANGE, PINK, PLOT_LEFT,
-    PURPLE, RED, RIGHT_MARGIN, Scales, Swatch, header, headroom, label,
+    PURPLE, RED, RIGHT_MARGIN, Scales, Swatch, UNIT_ROOM, axis_units, header, headroom, label,
 };
 use super::layout::{flow, text_width};
 
@@ -170,7 +170,7 @@ pub(super) fn passes(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyhow
     )?;
     let mut chart = ChartBuilder::on(&area)
         .margin(10)
-        .margin_top(4)
+        .margin_top(UNIT_ROOM)
         .margin_right(16)
         .x_label_area_size(36)
         .y_label_area_size(58)
@@ -190,7 +190,6 @@ pub(super) fn passes(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyhow
         .x_labels(sc.passes_max.clamp(1, 24))
         .x_label_formatter(&label_of)
         .x_desc("pass")
-        .y_desc("MB")
         .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(label())
         .axis_desc_style(label())
@@ -198,11 +197,11 @@ pub(super) fn passes(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyhow
         .draw()?;
     chart
         .configure_secondary_axes()
-        .y_desc("ms")
         .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(label())
         .axis_desc_style(label())
         .draw()?;
+    axis_units(&area, chart.plotting_area(), "MB", Some("ms"))?;
     let at = |i: usize| i as f64;
     chart.draw_series(s.passes.iter().enumerate().map(|(i, p)| {
         Rectangle::new(

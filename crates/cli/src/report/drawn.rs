@@ -12,6 +12,7 @@ use super::canvas::CAPTION_FONT;
 use super::fixtures;
 use super::layout::{SVG_FONT_SCALE, em_width};
 use super::plot::{COLUMN_WIDTH, Run, render};
+use super::portable::blend;
 
 /// One SVG element: its name, attributes and text content.
 #[derive(Clone, Debug)]
@@ -99,24 +100,9 @@ impl TextBox {
             Some("end") => x - width,
             _ => x,
         };
-        // plotters puts the top of the text at y ("0.76em" down to the baseline), its middle
-        // ("0.5ex"), or its baseline.
-        let top = match e.attr("dy") {
-            Some("0.76em") => y,
-            Some("0.5ex") => y - 0.5 * size,
-            _ => y - 0.76 * size,
-        };
+        // `portable.rs` writes every text's y as its baseline, 0.76 em under its top.
+        let top = y - 0.76 * size;
         let text = e.text.clone();
-        if e.attr("transform").is_some_and(|t| t.starts_with("rotate")) {
-            // The axis descriptions, turned a quarter: the run of text is vertical.
-            return TextBox {
-                text,
-                x0: x - 0.24 * size,
-                x1: x + size,
-                y0: y - width / 2.0,
-                y1: y + width / 2.0,
-            };
-        }
         TextBox {
             text,
             x0: start,
@@ -187,7 +173,7 @@ impl Drawn {
             .iter()
             .filter(in_column)
             .filter(|e| e.name == "text" && e.num("font-size") == caption_size)
-            .map(|e| (e.num("y"), e.text.as_str()))
+            .map(|e| (TextBox::of(e).y0, e.text.as_str()))
             .collect();
         let (i, &(top, _)) = titles
             .iter()
@@ -199,19 +185,22 @@ impl Drawn {
             .iter()
             .filter(in_column)
             .filter(|e| {
-                let y = e.attr("y").and_then(|y| y.parse::<f64>().ok());
+                // A text by its top, as the titles are.
+                let y = match e.name.as_str() {
+                    "text" => Some(TextBox::of(e).y0),
+                    _ => e.attr("y").and_then(|y| y.parse::<f64>().ok()),
+                };
                 y.is_some_and(|y| y >= top && y < bottom)
             })
             .collect()
     }
 
-    /// Rectangles of a chart filled with `fill` (`#RRGGBB`), translucent or opaque.
-    fn rects<'a>(chart: &[&'a Element], fill: &str, opaque: bool) -> Vec<&'a Element> {
+    /// Rectangles of a chart filled with `fill` (`#RRGGBB`).
+    fn rects<'a>(chart: &[&'a Element], fill: &str) -> Vec<&'a Element> {
         chart
             .iter()
             .copied()
             .filter(|e| e.name == "rect" && e.attr("fill") == Some(fill))
-            .filter(|e| (e.num("opacity") == 1.0) == opaque)
             .collect()
     }
 
@@ -221,7 +210,6 @@ impl Drawn {
         let ticks: Vec<(f64, f64)> = chart
             .iter()
             .filter(|e| e.name == "text" && e.attr("text-anchor") == Some("middle"))
-            .filter(|e| e.attr("transform").is_none())
             .filter_map(|e| Some((e.text.parse::<f64>().ok()?, e.num("x"))))
             .collect();
         let (first, last) = (ticks[0], ticks[ticks.len() - 1]);
@@ -232,6 +220,16 @@ impl Drawn {
     fn has_text(&self, part: &str) -> bool {
         self.texts().iter().any(|t| t.text.contains(part))
     }
+}
+
+/// A band of the timeline: its colour as `timeline.rs` mixes it, blended with the page.
+fn band(color: &str) -> String {
+    let opacity = match color {
+        RED => 0.25,
+        TEAL => 0.15,
+        _ => 0.3,
+    };
+    blend(color, opacity).expect("a #RRGGBB colour")
 }
 
 const RED: &str = "#D62728";
@@ -316,11 +314,30 @@ fn the_state_lines_wrap_under_the_downtime_bar() {
 }
 
 #[test]
+fn a_histogram_of_few_requests_labels_each_count_once() {
+    // Issue 55: counts up to 3 put a tick every half request, and each was rounded, so the
+    // axis read "0 0 1 2 2 2 3".
+    let mut stats = fixtures::postcopy();
+    let pc = stats.postcopy.as_mut().expect("postcopy");
+    pc.latency_buckets = vec![0; 32];
+    pc.latency_buckets[6..9].copy_from_slice(&[1, 3, 2]);
+    let drawn = Drawn::of(&[("few", stats)]);
+    let counts: Vec<&str> = drawn
+        .chart("Postcopy fault to page", 0)
+        .iter()
+        .filter(|e| e.name == "text" && e.attr("text-anchor") == Some("end"))
+        .map(|e| e.text.as_str())
+        .filter(|text| !text.is_empty())
+        .collect();
+    assert_eq!(counts, ["0", "1", "2", "3", "requests"]);
+}
+
+#[test]
 fn the_latency_histogram_has_one_bar_per_non_empty_bucket() {
     let stats = fixtures::postcopy();
     let drawn = Drawn::of(&[("postcopy", stats.clone())]);
     let chart = drawn.chart("Postcopy fault to page", 0);
-    let mut bars = Drawn::rects(&chart, BLUE, true);
+    let mut bars = Drawn::rects(&chart, BLUE);
     // The legend's swatch is the 12 px square in the header.
     bars.retain(|r| r.num("width") != 12.0 || r.num("height") != 12.0);
     let buckets = &stats.postcopy.unwrap().latency_buckets;
@@ -370,7 +387,7 @@ fn the_paused_band_spans_the_downtime_and_postcopy_has_a_band_of_its_own() {
         let chart = drawn.chart("Timeline", 0);
         let px_per_s = drawn.px_per_s(0);
         let width_of = |fill| {
-            Drawn::rects(&chart, fill, false)
+            Drawn::rects(&chart, &band(fill))
                 .iter()
                 // The legend's swatch is 18 px wide, in the header above the plot.
                 .filter(|r| r.num("height") > 40.0)

@@ -7,7 +7,7 @@
 use ferry_migrate::MigrationStats;
 use plotters::prelude::*;
 
-use super::canvas::{Area, BLUE, Scales, Swatch, header, headroom, label};
+use super::canvas::{Area, BLUE, Scales, Swatch, UNIT_ROOM, axis_units, header, headroom, label};
 
 /// Space per x-axis label ("131 ms" at 13 px and a gap): fewer labels than buckets when the
 /// buckets are narrower.
@@ -32,7 +32,7 @@ pub(super) fn histogram(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> any
     let area = header(area, &title, &[("requests", BLUE, Swatch::Block)])?;
     let mut chart = ChartBuilder::on(&area)
         .margin(10)
-        .margin_top(4)
+        .margin_top(UNIT_ROOM)
         // Room for half of the last edge's label ("8.2 ms") past the plot.
         .margin_right(32)
         .x_label_area_size(36)
@@ -53,12 +53,17 @@ pub(super) fn histogram(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> any
         .x_labels((plot_px / LABEL_SPACING_PX).clamp(2, (hi - lo + 2) as u32) as usize)
         .x_label_formatter(&edge)
         .x_desc("fault to page, log scale (each bar: from its left edge to twice that)")
-        .y_desc("requests")
-        .y_label_formatter(&|v| format!("{v:.0}"))
+        // Counts are whole: a tick between two (a short axis has them every half) is left
+        // unlabelled, not rounded to repeat its neighbour's label.
+        .y_label_formatter(&|v| match v.fract() == 0.0 {
+            true => format!("{v:.0}"),
+            false => String::new(),
+        })
         .label_style(label())
         .axis_desc_style(label())
         .light_line_style(WHITE)
         .draw()?;
+    axis_units(&area, chart.plotting_area(), "requests", None)?;
     let buckets = pc.map_or(&[][..], |pc| &pc.latency_buckets);
     if !buckets.iter().any(|&c| c > 0) {
         let (width, height) = area.dim_in_pixel();

@@ -2,7 +2,8 @@
 //! `ferry report`, which draws statistics written with `--stats-out` (with a copied disk's
 //! figures beside them under `disk`, where `GET /migration` shows them) as SVG charts
 //! (`plot.rs` arranges `timeline.rs`, `charts.rs` and `latency.rs`, which draw with
-//! `canvas.rs`, their text fitted by `layout.rs`),
+//! `canvas.rs`, their text fitted by `layout.rs`, the SVG made one that every renderer draws
+//! alike by `portable.rs`),
 //! alone or side by side. `drawn.rs` tests what is drawn for every kind of run
 //! (`fixtures.rs`), read back from the SVG.
 
@@ -16,6 +17,7 @@ mod latency;
 mod layout;
 mod live;
 mod plot;
+mod portable;
 mod text;
 mod timeline;
 

@@ -113,7 +113,7 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
         }
         root.present()?;
     }
-    Ok(svg)
+    Ok(super::portable::portable(&svg))
 }
 
 /// How a run ended, in a few words: converged, forced, postcopy and why, cancelled or failed

@@ -9,8 +9,8 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::canvas::{
-    Area, BLUE, GREEN, GREY, LABEL_FONT, ORANGE, PURPLE, RED, Scales, Swatch, TEAL, dirty_mb_s,
-    header, headroom, label,
+    Area, BLUE, GREEN, GREY, LABEL_FONT, ORANGE, PURPLE, RED, Scales, Swatch, TEAL, UNIT_ROOM,
+    axis_units, dirty_mb_s, header, headroom, label,
 };
 use super::layout::text_width;
 
@@ -96,7 +96,7 @@ pub(super) fn timeline(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyh
     let area = header(area, "Timeline", &legend)?;
     let mut chart = ChartBuilder::on(&area)
         .margin(10)
-        .margin_top(4)
+        .margin_top(UNIT_ROOM)
         .margin_right(16)
         .x_label_area_size(36)
         .y_label_area_size(58)
@@ -106,7 +106,6 @@ pub(super) fn timeline(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyh
     chart
         .configure_mesh()
         .x_desc("time (s)")
-        .y_desc("MB")
         .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(label())
         .axis_desc_style(label())
@@ -114,11 +113,11 @@ pub(super) fn timeline(area: &Area<'_>, s: &MigrationStats, sc: &Scales) -> anyh
         .draw()?;
     chart
         .configure_secondary_axes()
-        .y_desc("MB/s")
         .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(label())
         .axis_desc_style(label())
         .draw()?;
+    axis_units(&area, chart.plotting_area(), "MB", Some("MB/s"))?;
     let t = |x: &Sample| x.t_ms / 1000.0;
     if s.timeline.is_empty() {
         chart.draw_series(std::iter::once(Text::new(
