@@ -8,19 +8,22 @@ use std::time::Duration;
 
 use common::{RunningVm, ferry, free_port, require_kvm, start_migrate, stderr};
 
-#[test]
-fn a_guest_migrated_back_and_forth_verifies_after_every_hop_and_no_descriptor_leaks() {
+/// `ferry bench soak` with `args` on real KVM: its output, and the JSON rows in it.
+fn soak(args: &[&str]) -> (String, Vec<serde_json::Value>) {
     require_kvm();
-    let out = ferry()
-        .args(["bench", "soak", "--round-trips", "4"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let out = ferry().args(["bench", "soak"]).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{}\n{text}", stderr(&out));
-    let rows: Vec<serde_json::Value> = text
+    let rows = text
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
+    (text, rows)
+}
+
+#[test]
+fn a_guest_migrated_back_and_forth_verifies_after_every_hop_and_no_descriptor_leaks() {
+    let (text, rows) = soak(&["--round-trips", "4"]);
     let of = |bench: &str| -> Vec<&serde_json::Value> {
         rows.iter().filter(|r| r["bench"] == bench).collect()
     };
@@ -46,17 +49,7 @@ fn a_guest_migrated_back_and_forth_verifies_after_every_hop_and_no_descriptor_le
 /// figures (the bench fails otherwise), every hop verifies, no descriptor is kept.
 #[test]
 fn a_soak_followed_on_the_events_alone_verifies_every_hop_and_keeps_no_descriptor() {
-    require_kvm();
-    let out = ferry()
-        .args(["bench", "soak", "--round-trips", "3", "--follow-events"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}\n{text}", stderr(&out));
-    let rows: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let (text, rows) = soak(&["--round-trips", "3", "--follow-events"]);
     let of = |bench: &str| -> Vec<&serde_json::Value> {
         rows.iter().filter(|r| r["bench"] == bench).collect()
     };

@@ -20,6 +20,7 @@ use ferry_migrate::source::PostcopyOrder;
 use ferry_migrate::stage_clock::{IntakeStages, PushStages, StageTime};
 
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
+use super::process::median;
 use super::raw_tcp::raw_tcp_streams;
 
 const GIB: u64 = 1 << 30;
@@ -132,17 +133,6 @@ struct Run {
     x_link: f64,
     x_busy: f64,
     push_x: f64,
-}
-
-/// The middle value (the mean of the two middle ones for an even count).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// `f` while another thread spins, as a vCPU that writes flat out holds a core.

@@ -11,7 +11,7 @@ use ferry_vmm::api::client;
 use ferry_vmm::request::MigrationRequest;
 use serde_json::Value;
 
-use super::process::{STEP_LIMIT, Vmm};
+use super::process::{STEP_LIMIT, Vmm, verified_again};
 
 /// Longest one `GET /events` waits: the step's deadline and the process's exit are looked at
 /// between waits, and an answer comes as soon as an event is logged anyway.
@@ -133,14 +133,7 @@ pub fn hop(
     let arrived = dst.wait_for("the guest running, its RAM complete", "/vm", |s| {
         s["state"] == "running" && s["ram_arriving"].is_null()
     })?;
-    let passes = arrived["guest"]["verify_passes"].as_u64().unwrap_or(0);
-    let guest = dst.wait_for("a verify pass after the migration", "/vm", |s| {
-        s["guest"]["verify_passes"].as_u64() > Some(passes)
-    })?["guest"]
-        .clone();
-    if guest["verify_failures"] != 0 || guest["bad_reads"] != 0 {
-        bail!("the guest found bad pages after the migration: {guest:#}");
-    }
+    let guest = verified_again(dst, &arrived)?;
     Ok(Followed {
         total_ms,
         downtime_ms,

@@ -29,6 +29,7 @@ use ferry_vmm::memory::{HostPages, HugePagePool};
 
 use super::link::{CappedLink, LINK_BYTES_PER_S, Queue};
 use super::precopy::{DestinationSetup, Scenario, migrate_over};
+use super::process::median;
 
 #[derive(Debug, Args)]
 pub struct PostcopyBenchArgs {
@@ -257,17 +258,6 @@ fn pause_rows() -> anyhow::Result<Vec<serde_json::Value>> {
             "median_downtime_ms": median(&down), "median_guest_pause_ms": median(&pause)}));
     }
     Ok(rows)
-}
-
-/// The middle value (the mean of the two middle ones for an even count).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// The link with priority bands under its cap.

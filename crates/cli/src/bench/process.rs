@@ -254,6 +254,17 @@ impl HopPair {
     }
 }
 
+/// The middle value (the mean of the two middle ones for an even count).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
 /// `values`' value at `q` (0..=1), sorting them.
 pub fn quantile(values: &mut [f64], q: f64) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -320,6 +331,13 @@ pub fn migrate_and_verify(
         .stats
         .context("a completed migration has statistics")?;
     let arrived = dst.wait_for("the guest running", "/vm", |s| s["state"] == "running")?;
+    let guest = verified_again(dst, &arrived)?;
+    Ok(Migrated { stats, guest, took })
+}
+
+/// The guest's counters on `dst` once it finished a verify pass after a migration, `arrived`
+/// being `dst`'s status when the guest ran there; fails on a bad page.
+pub(super) fn verified_again(dst: &mut Vmm, arrived: &Value) -> anyhow::Result<Value> {
     let passes = arrived["guest"]["verify_passes"].as_u64().unwrap_or(0);
     let guest = dst.wait_for("a verify pass after the migration", "/vm", |s| {
         s["guest"]["verify_passes"].as_u64() > Some(passes)
@@ -328,5 +346,5 @@ pub fn migrate_and_verify(
     if guest["verify_failures"] != 0 || guest["bad_reads"] != 0 {
         bail!("the guest found bad pages after the migration: {guest:#}");
     }
-    Ok(Migrated { stats, guest, took })
+    Ok(guest)
 }
