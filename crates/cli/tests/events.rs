@@ -130,6 +130,49 @@ fn a_bad_events_query_is_refused_with_what_it_takes() {
         serde_json::json!([]),
         "no migration, no events: {none}"
     );
+
+    // At most 32 requests wait at once, each holding a thread of the VMM: the 33rd is refused
+    // at once, saying why, and one that does not wait is still answered.
+    let socket = vm.socket.clone();
+    let waiting: Vec<_> = (0..32)
+        .map(|_| {
+            let socket = socket.clone();
+            // Refused only while a probe below held the last slot for its millisecond.
+            std::thread::spawn(move || {
+                loop {
+                    let got = ferry_vmm::api::client::request(
+                        &socket,
+                        "GET",
+                        "/events?after=0&wait_ms=5000",
+                    );
+                    match got {
+                        Err(e) if format!("{e:?}").contains("429") => {
+                            std::thread::sleep(Duration::from_millis(5))
+                        }
+                        got => break got,
+                    }
+                }
+            })
+        })
+        .collect();
+    // A probe that waits 1 ms takes a slot too, one at a time: asked until the 32 hold theirs.
+    let deadline = std::time::Instant::now() + Duration::from_secs(4);
+    let err = loop {
+        let probe = ferry_vmm::api::client::request(&vm.socket, "GET", "/events?wait_ms=1");
+        if probe.is_err() || std::time::Instant::now() > deadline {
+            break format!("{probe:?}");
+        }
+    };
+    assert!(
+        err.contains("32 GET /events requests already wait"),
+        "{err}"
+    );
+    vm.status_of("/events?after=0&wait_ms=0");
+    for w in waiting {
+        let answer = w.join().unwrap().expect("a waiter answered");
+        assert_eq!(answer["events"], serde_json::json!([]), "{answer}");
+    }
+    vm.status_of("/events?after=0&wait_ms=10");
 }
 
 /// Checks a job statistics object (`job` in `GET /migration` and the events) adds up: what was

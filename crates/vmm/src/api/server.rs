@@ -1,6 +1,7 @@
 //! The API server: one thread answering requests against a [`VmHandle`].
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -437,9 +438,50 @@ const MAX_BODY: u64 = 64 * 1024;
 /// Longest a `GET /events` waits for an event before it answers with none.
 const MAX_EVENTS_WAIT: Duration = Duration::from_secs(60);
 
+/// `GET /events` requests that may wait at once in this process, each on a thread of its own:
+/// a client of the socket cannot make the VMM hold more threads than this (a request past it
+/// is answered 429 at once). A control plane needs one per VM.
+const MAX_EVENT_WAITERS: usize = 32;
+
+static EVENT_WAITERS: Slots = Slots::new(MAX_EVENT_WAITERS);
+
+/// A count of things held at once, up to a bound.
+struct Slots {
+    used: AtomicUsize,
+    max: usize,
+}
+
+/// One of [`Slots`], given back when dropped.
+struct Slot<'a>(&'a Slots);
+
+impl Slots {
+    const fn new(max: usize) -> Slots {
+        Slots {
+            used: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    fn take(&self) -> Option<Slot<'_>> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(self))
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.used.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// `GET /events?after=N&wait_ms=M`: the VM's migration events after number `N` (0: all it
 /// keeps), waiting up to `M` ms (at most a minute; 0 by default) for one if there is none
-/// yet. The wait runs on a thread of its own, so the API answers other requests meanwhile.
+/// yet. A wait runs on a thread of its own, so the API answers other requests meanwhile; at
+/// most [`MAX_EVENT_WAITERS`] wait at once.
 fn answer_events(request: Request, query: &str, vm: &VmHandle) {
     let mut after = 0;
     let mut wait = Duration::ZERO;
@@ -458,15 +500,26 @@ fn answer_events(request: Request, query: &str, vm: &VmHandle) {
         }
     }
     let events = vm.events();
+    let answer = move |request: Request, wait| {
+        let found = events.since(after, wait);
+        respond(
+            request,
+            200,
+            &serde_json::to_value(found).unwrap_or_default(),
+        );
+    };
+    if wait.is_zero() {
+        return answer(request, wait);
+    }
+    let Some(slot) = EVENT_WAITERS.take() else {
+        let error = json!({ "error": format!("{MAX_EVENT_WAITERS} GET /events requests already wait on this VMM; retry when one has been answered, or ask with wait_ms=0") });
+        return respond(request, 429, &error);
+    };
     let waiter = std::thread::Builder::new()
         .name("api-events".into())
         .spawn(move || {
-            let found = events.since(after, wait);
-            respond(
-                request,
-                200,
-                &serde_json::to_value(found).unwrap_or_default(),
-            );
+            let _slot = slot;
+            answer(request, wait);
         });
     if let Err(e) = waiter {
         tracing::warn!("cannot start a thread for GET /events: {e}");
@@ -510,6 +563,20 @@ fn respond(request: Request, code: u16, body: &serde_json::Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bound on `GET /events` waiters: a slot past it is refused, and one given back is
+    /// there to take again.
+    #[test]
+    fn no_more_waiters_than_the_bound_and_a_slot_given_back_is_free_again() {
+        let slots = Slots::new(2);
+        let (a, b) = (slots.take().unwrap(), slots.take().unwrap());
+        assert!(slots.take().is_none(), "a third past a bound of 2");
+        drop(a);
+        let c = slots.take().expect("the slot given back");
+        assert!(slots.take().is_none());
+        drop((b, c));
+        assert_eq!(slots.used.load(Ordering::Acquire), 0);
+    }
 
     #[test]
     fn a_recovery_body_holds_exactly_its_one_address_field() {
