@@ -158,7 +158,13 @@ fn a_downtime_limit_raised_step_by_step_lets_precopy_converge() {
     assert_eq!(end["phase"], "completed", "{end}");
     assert!(raised.len() >= 2, "raised {raised:?}");
     let after = plane.get("/migration");
-    assert_eq!(after["settings"]["downtime_limit_ms"], limit, "{after}");
+    // The last raise takes effect at the migration's next step, which may not come: the
+    // pass the harness judged by can converge under the limit before it (seen in CI).
+    let set = after["settings"]["downtime_limit_ms"].as_u64().unwrap();
+    assert!(
+        set == limit || 2 * set == limit,
+        "{set} ms in force, {limit} asked: {after}"
+    );
     assert_eq!(after["stats"]["converged"], true, "{after}");
     let passes = plane
         .events()
