@@ -29,21 +29,38 @@ const JUMP_BOUND_NS: i64 = 1_000_000;
 /// from KVM's before is not established.
 const TSC_BOUND_NS: u64 = 10_000_000;
 
-/// The destination's clock jump and pause (ns), and the guest's own gap on kvmclock, once the
-/// guest reported after the move; its gap on the TSC agrees with kvmclock's, and neither clock
-/// went back.
-fn jump_and_pause(vm: &RunningVm, what: &str) -> (i64, u64, u64) {
+/// The destination's clock jump and pause (ns), once the guest reported after the move, and
+/// the guest's own gap across the move on kvmclock when it saw one (a pause shorter than its
+/// 15 ms threshold leaves none; `need_gap` waits for it): its gap on the TSC agrees with
+/// kvmclock's, and neither clock went back.
+fn jump_and_pause(vm: &RunningVm, what: &str, need_gap: bool) -> (i64, u64, Option<u64>) {
     vm.wait_until("the guest's reports after the move", LIMIT, |vm| {
         let m = &vm.status()["guest"]["migration_clocks"];
-        m["clock_jump_ns"].is_i64() && m["guest_gap"].is_object()
+        m["clock_jump_ns"].is_i64() && (m["guest_gap"].is_object() || !need_gap)
     });
+    // The jump is refined, and the guest's gap across the move comes, within the first second
+    // of reports after it (`telemetry_move.rs`).
+    std::thread::sleep(Duration::from_millis(1100));
     let g = &vm.status()["guest"];
     let m = &g["migration_clocks"];
     let (jump, pause) = (
         m["clock_jump_ns"].as_i64().unwrap(),
         g["migration_pause_ns"].as_u64().unwrap(),
     );
+    assert!(
+        jump.abs() <= JUMP_BOUND_NS,
+        "{what}: the guest's clock moved {jump} ns against the host's across a pause of {pause} ns"
+    );
+    assert_eq!(g["verify_failures"], 0, "{what}: {g:#}");
     let gap = &m["guest_gap"];
+    if !gap.is_object() {
+        eprintln!(
+            "{what}: pause {:.3} ms, clock jump {:+.3} ms; the guest saw no gap across it",
+            pause as f64 / 1e6,
+            jump as f64 / 1e6,
+        );
+        return (jump, pause, None);
+    }
     let (kvmclock, tsc) = (gap["kvmclock_ns"].as_u64().unwrap(), gap["tsc_ns"].as_u64());
     let tsc = tsc.unwrap_or_else(|| panic!("{what}: the guest has a calibrated TSC: {g:#}"));
     eprintln!(
@@ -54,16 +71,11 @@ fn jump_and_pause(vm: &RunningVm, what: &str) -> (i64, u64, u64) {
         tsc as f64 / 1e6,
     );
     assert!(
-        jump.abs() <= JUMP_BOUND_NS,
-        "{what}: the guest's clock moved {jump} ns against the host's across a pause of {pause} ns"
-    );
-    assert!(
         kvmclock.abs_diff(tsc) <= TSC_BOUND_NS + kvmclock / 1000,
         "{what}: the TSC saw {tsc} ns where kvmclock saw {kvmclock} ns"
     );
     assert_eq!(gap["backwards"], 0, "{what}: a clock went back: {g:#}");
-    assert_eq!(g["verify_failures"], 0, "{what}: {g:#}");
-    (jump, pause, kvmclock)
+    (jump, pause, Some(kvmclock))
 }
 
 fn source() -> RunningVm {
@@ -91,8 +103,10 @@ fn a_migrated_guests_clocks_advance_by_the_pause() {
     let src = source();
     let (dst, port) = destination_with("256M", &["--vcpus", "2"]);
     migrate(&src, &format!("tcp:127.0.0.1:{port}"), &[]);
-    let (_, pause, gap) = jump_and_pause(&dst, "migration");
-    assert!(gap <= pause + 30_000_000, "{gap} ns, a pause of {pause} ns");
+    let (_, pause, gap) = jump_and_pause(&dst, "migration", false);
+    if let Some(gap) = gap {
+        assert!(gap <= pause + 30_000_000, "{gap} ns, a pause of {pause} ns");
+    }
     dst.assert_verifies_clean();
 }
 
@@ -101,7 +115,7 @@ fn a_guest_handed_over_locally_keeps_its_clocks() {
     let src = source();
     let (dst, to) = unix_destination("256M", &["--vcpus", "2"]);
     migrate(&src, &to, &["--local"]);
-    jump_and_pause(&dst, "local handover");
+    jump_and_pause(&dst, "local handover", false);
     dst.assert_verifies_clean();
 }
 
@@ -118,7 +132,8 @@ fn a_restored_guest_sees_the_time_since_its_snapshot() {
     std::thread::sleep(Duration::from_secs(3));
     for extra in [&[][..], &["--lazy"][..]] {
         let vm = RunningVm::restore(&file, extra);
-        let (_, pause, gap) = jump_and_pause(&vm, &format!("restore {extra:?}"));
+        let (_, pause, gap) = jump_and_pause(&vm, &format!("restore {extra:?}"), true);
+        let gap = gap.expect("a gap of seconds");
         assert!(pause >= 3_000_000_000, "{pause} ns");
         assert!(gap >= 3_000_000_000, "the guest saw the 3 s pass: {gap} ns");
         vm.assert_verifies_clean();
