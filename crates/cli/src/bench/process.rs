@@ -24,7 +24,7 @@ pub struct Vmm {
     pub name: &'static str,
     child: Child,
     pub socket: PathBuf,
-    log: PathBuf,
+    pub log: PathBuf,
 }
 
 impl Vmm {

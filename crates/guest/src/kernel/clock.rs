@@ -125,6 +125,13 @@ impl Clock {
         self.raw_ns().saturating_sub(self.origin)
     }
 
+    /// [`Clock::now_ns`] and the TSC read at the same instant.
+    #[inline]
+    pub fn now_and_tsc(&self) -> (u64, u64) {
+        let (ns, tsc) = self.raw_and_tsc();
+        (ns.saturating_sub(self.origin), tsc)
+    }
+
     /// TSC ticks in `ns` nanoseconds (for a deadline a short while ahead): from kvmclock's
     /// scale when it is the source (ns = ticks × mul / 2^32, shifted), else from the TSC rate.
     pub fn tsc_ticks(&self, ns: u64) -> u64 {
@@ -157,15 +164,24 @@ impl Clock {
 
     #[inline]
     fn raw_ns(&self) -> u64 {
+        self.raw_and_tsc().0
+    }
+
+    /// The clock (ns, before `origin` is taken off) and the TSC reading it was made from: one
+    /// instant, however long the vCPU is put aside around the read (a move's pause that fell
+    /// between a clock read and a separate TSC read would show as a gap on one clock only).
+    #[inline]
+    fn raw_and_tsc(&self) -> (u64, u64) {
         if self.info.source != Source::KvmClock {
-            return (u128::from(arch::rdtsc()) * 1_000_000_000 / u128::from(self.info.tsc_hz))
-                as u64;
+            let tsc = arch::rdtsc();
+            let ns = u128::from(tsc) * 1_000_000_000 / u128::from(self.info.tsc_hz);
+            return (ns as u64, tsc);
         }
         let p = self.pvclock();
         loop {
             // SAFETY: `pvclock` is memory the hypervisor updates; the version protocol (odd =
             // update in progress, changed = torn read) makes the volatile reads consistent.
-            let (v0, ts, sys, mul, shift, v1) = unsafe {
+            let (v0, ts, sys, mul, shift, tsc, v1) = unsafe {
                 let v0 = addr_of!((*p).version).read_volatile();
                 let ts = addr_of!((*p).tsc_timestamp).read_volatile();
                 let sys = addr_of!((*p).system_time).read_volatile();
@@ -173,11 +189,17 @@ impl Clock {
                 let shift = addr_of!((*p).tsc_shift).read_volatile();
                 let tsc = arch::rdtsc();
                 let v1 = addr_of!((*p).version).read_volatile();
-                (v0, tsc.wrapping_sub(ts), sys, mul, shift, v1)
+                (v0, ts, sys, mul, shift, tsc, v1)
             };
             if v0 & 1 == 0 && v0 == v1 {
-                let delta = if shift < 0 { ts >> -shift } else { ts << shift };
-                return sys.wrapping_add(((u128::from(delta) * u128::from(mul)) >> 32) as u64);
+                let elapsed = tsc.wrapping_sub(ts);
+                let delta = if shift < 0 {
+                    elapsed >> -shift
+                } else {
+                    elapsed << shift
+                };
+                let ns = sys.wrapping_add(((u128::from(delta) * u128::from(mul)) >> 32) as u64);
+                return (ns, tsc);
             }
             core::hint::spin_loop();
         }

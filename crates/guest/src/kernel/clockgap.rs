@@ -8,7 +8,7 @@ use ferry_guest::clockgap::Gaps;
 use ferry_guest_abi::report::{Kind, Report};
 
 use super::clock::Clock;
-use super::{arch, telemetry};
+use super::telemetry;
 use crate::sprintln;
 
 /// Past the loop's longest wait between two looks (it sleeps at most until the next
@@ -24,9 +24,9 @@ impl ClockWatch {
         ClockWatch(Gaps::new(u64::from(heartbeat_ms) * 1_000_000 + MARGIN_NS))
     }
 
-    /// A look, `now` being kvmclock just read; whether a clock went back (said on COM1).
-    pub fn look(&mut self, clock: &Clock, now: u64) -> bool {
-        let tsc = arch::rdtsc();
+    /// A look at both clocks, read at one instant; whether a clock went back (said on COM1).
+    pub fn look(&mut self, clock: &Clock) -> bool {
+        let (now, tsc) = clock.now_and_tsc();
         let Some((ns0, tsc0)) = self.0.look(now, tsc) else {
             return false;
         };

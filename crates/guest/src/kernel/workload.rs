@@ -352,7 +352,7 @@ impl Workload {
             self.poll_net();
             let now = self.clock.now_ns();
             // Before the heartbeat, so that a gap ending here is in the report it sends.
-            self.look_at_clocks(now);
+            self.look_at_clocks();
             if now >= self.next_heartbeat {
                 self.heartbeat(now);
             }
@@ -544,8 +544,8 @@ impl Workload {
     }
 
     /// A look at the clocks; one that went back is a verify failure.
-    fn look_at_clocks(&mut self, now: u64) {
-        if self.clocks.look(&self.clock, now) {
+    fn look_at_clocks(&mut self) {
+        if self.clocks.look(&self.clock) {
             self.counters.verify_failures += 1;
         }
     }
@@ -631,7 +631,7 @@ impl Workload {
                 if k % HEARTBEAT_CHECK_PAGES == 0 {
                     self.poll_net();
                     let now = self.clock.now_ns();
-                    self.look_at_clocks(now);
+                    self.look_at_clocks();
                     if now >= self.next_heartbeat {
                         self.heartbeat(now);
                     }

@@ -204,6 +204,10 @@ impl TscPlan {
             && let Some(&offset) = offsets.get(id)
         {
             tsc::set_offset(vcpu, offset).map_err(kvm("set a vCPU's TSC offset"))?;
+            tracing::debug!(
+                "vCPU {id}: TSC offset {offset:#x} set, reads back {:#x?}",
+                tsc::offset(vcpu).ok()
+            );
         }
         Ok(())
     }
@@ -262,6 +266,16 @@ pub fn restore(vm: &VmFd, vcpus: &[&VcpuFd], saved: &Saved) -> Result<TscPlan, S
             (true, true) => "set",
             _ => "not offered: IA32_TSC advanced instead",
         }
+    );
+    tracing::debug!(
+        "clocks at the save: kvmclock {} ns, host TSC {}, offsets {:#x?}; here: kvmclock {} ns, host TSC {}, realtime {} ns (saved {} ns)",
+        s.clock_ns,
+        s.host_tsc,
+        s.offsets,
+        here.clock,
+        here.host_tsc,
+        here.realtime,
+        s.realtime_ns
     );
     if s.offsets.len() != vcpus.len() || !offsets_here {
         return Ok(TscPlan::Advance { ticks });

@@ -373,7 +373,7 @@ impl GuestTelemetry {
                 let gap = GuestClockGap::from_detail(d);
                 self.clock_gap = Some(gap);
                 if let Some(m) = &mut self.migration_clocks {
-                    m.gap(gap);
+                    m.gap(gap, host_ns);
                 }
             }
             Kind::Work => {
