@@ -1,6 +1,7 @@
 //! The RTC on real KVM with the built-in guest (issue 53): the guest reads the host's time
 //! of day from it; a time the guest set with SET goes with it across a migration; and the
-//! PIT's and the RTC's state sections save, load into a fresh VM and save again bit for bit.
+//! PIT's and the RTC's state sections save, load into a fresh VM and save again bit for bit
+//! (the PIT's but for its channel 2 count's age and the wall clock, which move on).
 
 mod common;
 
@@ -131,8 +132,15 @@ fn the_pit_and_rtc_state_save_load_into_a_fresh_vm_and_save_again_bit_exact() {
             "the fresh VM's {id} differs before the load"
         );
         assert_eq!(a.version, b.version);
+        // The PIT's channel 2 count's age and the wall clock after its state move on.
+        let exact = match id {
+            PIT => ferry_vmm::devices::pit::EXACT_BYTES,
+            _ => a.data.len(),
+        };
+        assert_eq!(a.data.len(), b.data.len());
         assert_eq!(
-            a.data, b.data,
+            a.data[..exact],
+            b.data[..exact],
             "{id}: save, load, save gives the same bytes"
         );
     }

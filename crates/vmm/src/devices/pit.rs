@@ -20,15 +20,28 @@
 //! guest reads reaches 0, to within the exit's own latency.
 //!
 //! The section (`section_ids::PIT`, instance 0) holds KVM's PIT state (as `kvm::pit` saves it)
-//! then one byte of port 0x61 (bits 1 and 4). It is optional on load: a source older than
-//! the PIT writes none, and its guest never programmed a PIT (it had none), so the fresh PIT
-//! this VM was built with is the state it would have had.
+//! then one byte of port 0x61 (bits 1 and 4); layout 2 adds how long channel 2's count had
+//! been running at the save (u64 ns) and the host's wall clock then (u64 ns since 1970). It is
+//! optional on load: a source older than the PIT writes none, and its guest never programmed
+//! a PIT (it had none), so the fresh PIT this VM was built with is the state it would have had.
+//!
+//! **Channel 2's one-shot goes on across a move.** KVM restarts every count at a load, so a
+//! guest timing a TSC calibration window across a move would see the window last the pause
+//! longer on its TSC than on the PIT, and calibrate that far wrong. For channel 2 in mode 0 (a
+//! calibration's), the load gives KVM what is left of the count: the count less the ticks of
+//! its age at the save plus the wall-clock time since (the pause, which the guest's TSC and
+//! kvmclock advance by too, `kvm::clock`); a count already run out is loaded as 1 tick, so the
+//! output is high within a microsecond (KVM has no way to load a count that has finished). The
+//! count the guest loaded is kept ([`Carried`]) and saved again in its place while KVM's
+//! channel is still that load, so the state round-trips bit-exact. Channel 0's period (at most
+//! 55 ms) restarts, as under QEMU's in-kernel PIT.
 
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
 use super::device::{Device, DeviceStateError, SectionKind, SectionNeed};
+use super::rtc::wall_clock_ns;
 use super::telemetry::host_monotonic_ns;
 use crate::kvm::pit::{self, Channel2, PIT_HZ};
 use crate::kvm::{KvmError, KvmVm};
@@ -38,8 +51,18 @@ use crate::section_ids;
 pub const PORT: u16 = 0x61;
 pub const LEN: u64 = 1;
 
-/// Layout version of the section this VMM writes and the oldest it loads.
-pub const VERSION: u32 = 1;
+/// Layout version of the section this VMM writes, and the oldest it loads.
+pub const VERSION: u32 = 2;
+pub const OLDEST: u32 = 1;
+/// Bytes after KVM's state: port 0x61's, then (layout 2) channel 2's age and the wall clock.
+const TAIL_V1: usize = 1;
+const TAIL_V2: usize = 1 + 8 + 8;
+/// The bytes of a layout 2 section that a save, a load into a fresh VM and a save again give
+/// back exactly: KVM's state and port 0x61's byte. The count's age and the wall clock after
+/// them move on with time.
+pub const EXACT_BYTES: usize = pit::STATE_BYTES + TAIL_V1;
+/// Channel 2's mode that is carried on: 0, interrupt on terminal count (a one-shot).
+const ONE_SHOT: u8 = 0;
 
 const GATE: u8 = 1 << 0;
 const SPEAKER: u8 = 1 << 1;
@@ -47,12 +70,33 @@ const REFRESH: u8 = 1 << 4;
 const OUTPUT: u8 = 1 << 5;
 /// The bits this device keeps (the gate is KVM's).
 const OWN: u8 = SPEAKER | REFRESH;
+/// The channel port 0x61 gates and reads.
+const CHANNEL_2: usize = 2;
 
 /// Port 0x61 over KVM's PIT.
 pub struct PitPort {
     kvm: Arc<KvmVm>,
     /// `SPEAKER` and `REFRESH` as last written or toggled.
     bits: u8,
+    /// Channel 2's count as the guest loaded it, where a move's load gave KVM what was left.
+    carried: Option<Carried>,
+}
+
+/// Channel 2's one-shot carried on across a move (module doc): the count the guest loaded and
+/// how long it had run when KVM was given `left` of it at `loaded_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Carried {
+    count: u32,
+    ran_ns: u64,
+    left: u32,
+    loaded_ns: i64,
+}
+
+/// What is left of a count of `count` ticks that has run `ran_ns`: at least 1 tick, KVM's
+/// shortest (a count run out is loaded as one that runs out at once).
+fn left_of(count: u32, ran_ns: u64) -> u32 {
+    let ran = u128::from(ran_ns) * u128::from(PIT_HZ) / 1_000_000_000;
+    (u128::from(count).saturating_sub(ran)).max(1) as u32
 }
 
 impl std::fmt::Debug for PitPort {
@@ -68,7 +112,11 @@ impl PitPort {
     /// PIT exists for as long as this device does, which is what its `save` counts on.
     pub fn create(kvm: Arc<KvmVm>) -> Result<PitPort, KvmError> {
         pit::create(&kvm.vm)?;
-        Ok(PitPort { kvm, bits: 0 })
+        Ok(PitPort {
+            kvm,
+            bits: 0,
+            carried: None,
+        })
     }
 
     fn read_port(&mut self) -> u8 {
@@ -132,7 +180,11 @@ impl Device for PitPort {
     }
 
     fn kind(&self) -> SectionKind {
-        SectionKind::single(section_ids::PIT, VERSION)
+        SectionKind {
+            id: section_ids::PIT,
+            version: VERSION,
+            oldest: OLDEST,
+        }
     }
 
     fn need(&self) -> SectionNeed {
@@ -142,9 +194,20 @@ impl Device for PitPort {
     fn save(&self) -> Vec<u8> {
         // The PIT was created with this device (`create`), so KVM_GET_PIT2 has one to read:
         // it fails only on a VM descriptor that is not one, which this VM's is.
-        let state = pit::save(&self.kvm.vm).expect("the PIT created with its port is there");
-        let mut out = state.to_vec();
+        let mut state = pit::state(&self.kvm.vm).expect("the PIT created with its port is there");
+        let now = host_monotonic_ns() as i64;
+        let c = &mut state.channels[CHANNEL_2];
+        let ran_ns = match self.carried {
+            Some(k) if c.count == k.left && c.count_load_time == k.loaded_ns => {
+                c.count = k.count;
+                k.ran_ns + (now - k.loaded_ns).max(0) as u64
+            }
+            _ => (now - c.count_load_time).max(0) as u64,
+        };
+        let mut out = pit::encode(state).to_vec();
         out.push(self.bits);
+        out.extend_from_slice(&ran_ns.to_le_bytes());
+        out.extend_from_slice(&(wall_clock_ns().max(0) as u64).to_le_bytes());
         out
     }
 
@@ -154,15 +217,53 @@ impl Device for PitPort {
             device: "PIT",
             reason,
         };
-        let [state @ .., bits] = data else {
-            return Err(malformed("no bytes".into()));
+        let tail = match version {
+            1 => TAIL_V1,
+            _ => TAIL_V2,
         };
+        if data.len() != pit::STATE_BYTES + tail {
+            return Err(malformed(format!(
+                "{} bytes, want {}",
+                data.len(),
+                pit::STATE_BYTES + tail
+            )));
+        }
+        let (state, tail) = data.split_at(pit::STATE_BYTES);
+        let bits = tail[0];
         if bits & !OWN != 0 {
             return Err(malformed(format!("port 0x61 byte {bits:#04x}")));
         }
-        pit::decode(state).map_err(malformed)?;
-        pit::restore(&self.kvm.vm, state).map_err(|e| malformed(e.to_string()))?;
-        self.bits = *bits;
+        let mut s = pit::decode(state).map_err(malformed)?;
+        let u64_at = |at: usize| u64::from_le_bytes(tail[at..at + 8].try_into().unwrap());
+        let c = &mut s.channels[CHANNEL_2];
+        let carried = match (version, c.mode) {
+            (1, _) => None,
+            (_, ONE_SHOT) => {
+                let since = wall_clock_ns() - i128::from(u64_at(9));
+                let ran_ns = u64_at(1).saturating_add(since.clamp(0, i128::from(u64::MAX)) as u64);
+                let count = c.count;
+                c.count = left_of(count, ran_ns);
+                Some((count, ran_ns, c.count))
+            }
+            _ => None,
+        };
+        let vm = &self.kvm.vm;
+        pit::load(vm, &s).map_err(|e| malformed(e.to_string()))?;
+        self.carried = match carried {
+            Some((count, ran_ns, left)) => {
+                let loaded_ns = pit::channel_2(vm)
+                    .map_err(|e| malformed(e.to_string()))?
+                    .loaded_ns;
+                Some(Carried {
+                    count,
+                    ran_ns,
+                    left,
+                    loaded_ns,
+                })
+            }
+            None => None,
+        };
+        self.bits = bits;
         Ok(())
     }
 }
@@ -192,18 +293,14 @@ mod tests {
 
     /// The goal: a PIT programmed (channel 2 in mode 0 with a 1 ms count, the gate
     /// and the speaker set through port 0x61) saves, loads into a fresh VM and saves again
-    /// bit for bit; on both, port 0x61's output bit rises once the count has elapsed.
+    /// bit for bit (the count's age and the wall clock after it move on); on both, port
+    /// 0x61's output bit rises once the count has elapsed.
     #[test]
     fn the_pit_round_trips_bit_exact_and_port_0x61_gates_and_reads_channel_2() {
         let mut a = port();
         let fresh = a.save();
-        assert_eq!(fresh.len(), pit::STATE_BYTES + 1);
-        let mut s = state(&fresh);
-        let c = &mut s.channels[2];
-        (c.mode, c.count, c.rw_mode, c.read_state, c.write_state) = (0, 1193, 3, 3, 3);
-        let mut programmed = s.as_bytes().to_vec();
-        programmed.push(0);
-        a.restore(VERSION, &programmed).unwrap();
+        assert_eq!(fresh.len(), pit::STATE_BYTES + TAIL_V2);
+        a.restore(1, &layout_1(0, 1193)).unwrap();
         a.write(0, &[GATE | SPEAKER]);
         let saved = a.save();
         assert_eq!(
@@ -214,9 +311,23 @@ mod tests {
         assert_eq!(saved[pit::STATE_BYTES], SPEAKER);
 
         let mut b = port();
-        assert_ne!(b.save(), saved, "a fresh PIT differs");
+        assert_ne!(
+            b.save()[..EXACT_BYTES],
+            saved[..EXACT_BYTES],
+            "a fresh PIT differs"
+        );
         b.restore(VERSION, &saved).unwrap();
-        assert_eq!(b.save(), saved, "save, load, save: the same bytes");
+        let again = b.save();
+        assert_eq!(
+            again[..EXACT_BYTES],
+            saved[..EXACT_BYTES],
+            "save, load, save: the same bytes"
+        );
+        let ((age, wall), (age_after, wall_after)) = (tail(&saved), tail(&again));
+        assert!(
+            age_after >= age && wall_after >= wall,
+            "the age and the clock go on"
+        );
 
         for p in [&mut a, &mut b] {
             std::thread::sleep(std::time::Duration::from_millis(2));
@@ -237,10 +348,72 @@ mod tests {
         assert_eq!(r[0] & (GATE | SPEAKER), 0);
 
         let mut bad = saved.clone();
-        *bad.last_mut().unwrap() = 0x80;
+        bad[pit::STATE_BYTES] = 0x80;
         assert!(b.restore(VERSION, &bad).is_err());
         assert!(b.restore(VERSION + 1, &saved).is_err());
         assert!(b.restore(VERSION, &saved[1..]).is_err());
+        assert!(
+            b.restore(1, &saved).is_err(),
+            "layout 2's bytes as layout 1"
+        );
+    }
+
+    /// A layout 1 section with channel 2 in `mode` with `count` ticks, the gate low.
+    fn layout_1(mode: u8, count: u32) -> Vec<u8> {
+        let mut s = kvm_pit_state2::default();
+        let c = &mut s.channels[2];
+        (c.mode, c.count, c.rw_mode, c.read_state, c.write_state) = (mode, count, 3, 3, 3);
+        let mut out = s.as_bytes().to_vec();
+        out.push(0);
+        out
+    }
+
+    /// A layout 2 section's channel 2 age and wall clock.
+    fn tail(saved: &[u8]) -> (u64, u64) {
+        let at = |k: usize| u64::from_le_bytes(saved[k..k + 8].try_into().unwrap());
+        (at(EXACT_BYTES), at(EXACT_BYTES + 8))
+    }
+
+    /// A 50 ms one-shot on channel 2 that ran 20 ms before the save and waited 10 ms more
+    /// before the load (a move's pause) goes on with what is left of it, at most 20 ms, where
+    /// a layout 1 load restarts it whole; a save after gives the guest's count again.
+    #[test]
+    fn channel_2s_one_shot_goes_on_across_a_move_with_what_was_left_of_it() {
+        let mut a = port();
+        a.restore(1, &layout_1(0, 59_659)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let saved = a.save();
+        assert!(tail(&saved).0 >= 20 * MS, "{:?}", tail(&saved));
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let mut b = port();
+        b.restore(VERSION, &saved).unwrap();
+        let loaded = pit::channel_2(&b.kvm.vm).unwrap().count;
+        let ran = u32::try_from(30 * PIT_HZ / 1000).unwrap();
+        assert!((1..=59_659 - ran).contains(&loaded), "{loaded} ticks left");
+        let again = b.save();
+        assert_eq!(state(&again).channels[2].count, 59_659, "the guest's count");
+        assert!(tail(&again).0 >= 30 * MS, "{:?}", tail(&again));
+        let mut c = port();
+        c.restore(1, &saved[..EXACT_BYTES]).unwrap();
+        assert_eq!(
+            pit::channel_2(&c.kvm.vm).unwrap().count,
+            59_659,
+            "restarted"
+        );
+        // Another mode is not carried on: its count restarts whole.
+        let mut d = port();
+        d.restore(1, &layout_1(2, 1193)).unwrap();
+        let saved = d.save();
+        b.restore(VERSION, &saved).unwrap();
+        assert_eq!(pit::channel_2(&b.kvm.vm).unwrap().count, 1193);
+    }
+
+    #[test]
+    fn what_is_left_of_a_count_is_at_least_one_tick() {
+        assert_eq!(left_of(59_659, 0), 59_659);
+        assert_eq!(left_of(1193, 500_000), 1193 - 596);
+        assert_eq!(left_of(59_659, 50 * MS), 1, "run out");
+        assert_eq!(left_of(59_659, u64::MAX), 1);
     }
 
     const MS: u64 = 1_000_000;

@@ -9,8 +9,9 @@
 //! `KVM_SET_PIT2` ignores it (it reloads every channel's count at the call, the load time
 //! becoming the host's now: `kvm_vm_ioctl_set_pit2` → `kvm_pit_load_count`), and a reading of
 //! one host's clock means nothing on another; so a save, a load into a fresh VM and a save
-//! again give the same bytes. What this costs: a count in progress restarts whole at the
-//! load (channel 0's period, at most 55 ms; a one-shot on channel 2).
+//! again give the same bytes. A count in progress would so restart whole at the load:
+//! `devices::pit` carries channel 2's one-shot on by loading what was left of it; channel 0's
+//! period (at most 55 ms) restarts.
 //!
 //! Must be created after the interrupt controller (KVM refuses a PIT without one). A fresh PIT
 //! does not tick: KVM resets channel 0 to mode 0xff ("never programmed"), which arms no timer,
@@ -43,21 +44,29 @@ pub fn create(vm: &VmFd) -> Result<(), KvmError> {
         .map_err(KvmError::Pit)
 }
 
-/// The PIT's state as saved (see the module doc: load times zeroed).
-pub fn save(vm: &VmFd) -> Result<[u8; STATE_BYTES], StateError> {
-    let mut s = vm.get_pit2().map_err(kvm("read the PIT"))?;
+/// The PIT's state as KVM holds it, load times and all.
+pub fn state(vm: &VmFd) -> Result<kvm_pit_state2, StateError> {
+    vm.get_pit2().map_err(kvm("read the PIT"))
+}
+
+/// A state's bytes as saved (see the module doc: load times zeroed).
+pub fn encode(mut s: kvm_pit_state2) -> [u8; STATE_BYTES] {
     for c in &mut s.channels {
         c.count_load_time = 0;
     }
     let mut out = [0; STATE_BYTES];
     out.copy_from_slice(s.as_bytes());
-    Ok(out)
+    out
 }
 
-/// Loads a saved state, checked by [`decode`].
-pub fn restore(vm: &VmFd, bytes: &[u8]) -> Result<(), StateError> {
-    let s = decode(bytes).map_err(StateError::Malformed)?;
-    vm.set_pit2(&s).map_err(kvm("write the PIT"))
+/// The PIT's state as saved.
+pub fn save(vm: &VmFd) -> Result<[u8; STATE_BYTES], StateError> {
+    Ok(encode(state(vm)?))
+}
+
+/// Loads a state: every channel's count (re)starts now.
+pub fn load(vm: &VmFd, s: &kvm_pit_state2) -> Result<(), StateError> {
+    vm.set_pit2(s).map_err(kvm("write the PIT"))
 }
 
 /// A saved state's bytes as KVM's struct, refusing another size or reserved words not zero
