@@ -49,6 +49,27 @@ fn next_test_frame(s: &PacketSocket) -> Option<Vec<u8>> {
 /// A running device on tap `ft0` of a fresh namespace, and a packet socket on the tap.
 fn setup(ns: &Netns) -> (Driver<Net>, PacketSocket) {
     ns.tap("ft0", None);
+    // No queueing discipline: a frame the test sends is in the tap's queue when `send`
+    // returns, not left for the kernel's transmit softirq, which a loaded host runs late (50
+    // ms was once not enough for three frames).
+    let tc = std::process::Command::new("tc")
+        .args([
+            "-n",
+            ns.name(),
+            "qdisc",
+            "replace",
+            "dev",
+            "ft0",
+            "root",
+            "noqueue",
+        ])
+        .output()
+        .expect("run tc (iproute2)");
+    assert!(
+        tc.status.success(),
+        "tc: {}",
+        String::from_utf8_lossy(&tc.stderr)
+    );
     let (tap, sock) = ns.enter(|| {
         (
             Tap::open("ft0").unwrap(),
