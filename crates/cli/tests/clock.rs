@@ -20,14 +20,12 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// its vCPU put aside by this busy 2-core host or faulting on a page a lazy restore had still
 /// to read (8.5 ms seen), only lowers it. Measured here: within 0.1 ms.
 const JUMP_BOUND_NS: i64 = 1_000_000;
-/// How far the guest's TSC gap may be from its kvmclock gap: 10 ms, and 0.1% of the gap for
-/// the guest's calibration against the PIT (0.075% off kvmclock's rate measured here across a
-/// 3 s pause in place). The 10 ms: the two agreed within 1.2 ms across most moves here, but
-/// one local handover's gap was 4.2 ms longer on kvmclock than on the TSC while the clock jump
-/// against the host was 0.04 ms; the guest's kvmclock is re-anchored to KVM's when the
-/// destination first updates its kvmclock page, and how far the guest's view had drifted
-/// from KVM's before is not established.
-const TSC_BOUND_NS: u64 = 10_000_000;
+/// How far the guest's TSC gap, made ns at the frequency KVM gives the guest, may be from its
+/// kvmclock gap: 1 ms and 0.01% of the gap. (`ferry bench clock`: within 0.001 ms over 128
+/// gaps that spanned a move, once the guest read both clocks at one instant.) The TSC made ns
+/// at the guest's own calibration is printed, not bounded: a calibration on this busy host
+/// was 1.5% off once (its windows all preempted at an edge), 60 ms over a 4 s restore.
+const TSC_BOUND_NS: u64 = 1_000_000;
 
 /// The destination's clock jump and pause (ns), once the guest reported after the move, and
 /// the guest's own gap across the move on kvmclock when it saw one (a pause shorter than its
@@ -61,17 +59,25 @@ fn jump_and_pause(vm: &RunningVm, what: &str, need_gap: bool) -> (i64, u64, Opti
         );
         return (jump, pause, None);
     }
-    let (kvmclock, tsc) = (gap["kvmclock_ns"].as_u64().unwrap(), gap["tsc_ns"].as_u64());
-    let tsc = tsc.unwrap_or_else(|| panic!("{what}: the guest has a calibrated TSC: {g:#}"));
+    let kvmclock = gap["kvmclock_ns"].as_u64().unwrap();
+    let calibrated = gap["tsc_ns"].as_u64();
+    let calibrated =
+        calibrated.unwrap_or_else(|| panic!("{what}: the guest has a calibrated TSC: {g:#}"));
+    let (ticks, hz) = (
+        gap["tsc_ticks"].as_u64().unwrap(),
+        g["tsc_host_hz"].as_u64().unwrap(),
+    );
+    let tsc = (u128::from(ticks) * 1_000_000_000 / u128::from(hz)) as u64;
     eprintln!(
-        "{what}: pause {:.3} ms, clock jump {:+.3} ms; the guest's gap {:.3} ms on kvmclock, {:.3} ms on its TSC",
+        "{what}: pause {:.3} ms, clock jump {:+.3} ms; the guest's gap {:.3} ms on kvmclock, {:.3} ms on its TSC at KVM's frequency ({:.3} ms at its own calibration)",
         pause as f64 / 1e6,
         jump as f64 / 1e6,
         kvmclock as f64 / 1e6,
         tsc as f64 / 1e6,
+        calibrated as f64 / 1e6,
     );
     assert!(
-        kvmclock.abs_diff(tsc) <= TSC_BOUND_NS + kvmclock / 1000,
+        kvmclock.abs_diff(tsc) <= TSC_BOUND_NS + kvmclock / 10_000,
         "{what}: the TSC saw {tsc} ns where kvmclock saw {kvmclock} ns"
     );
     assert_eq!(gap["backwards"], 0, "{what}: a clock went back: {g:#}");
