@@ -9,7 +9,8 @@
 //! view: its time in write batches over 1 ms from the switch on (the pause included). Each
 //! row runs three times, the two orders alternating, and each group prints its medians; under
 //! each run, where the push's time went stage by stage on both sides (`stage_clock.rs`), and
-//! the push against raw TCP measured right before that run.
+//! the push against raw TCP measured right before that run. Each group then runs QEMU 10
+//! with the same guest (`blocktime_qemu.rs`), three times, its median beside ferry's.
 
 use std::net::TcpListener;
 
@@ -87,6 +88,15 @@ pub(super) fn rows(only: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>>
                     }
                 }
             }
+            let address = runs
+                .iter()
+                .filter(|(o, _)| *o == PostcopyOrder::Address)
+                .map(|(_, r)| r.blocktime_ms)
+                .collect::<Vec<_>>();
+            let qemu_name = format!("{group}, qemu 10");
+            if only.is_none_or(|o| qemu_name.contains(o)) {
+                rows.extend(qemu_rows(&qemu_name, pattern, preempt, &address)?);
+            }
             for order in [PostcopyOrder::Address, PostcopyOrder::Hot] {
                 let of: Vec<&Run> = runs
                     .iter()
@@ -123,6 +133,76 @@ pub(super) fn rows(only: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>>
         }
     }
     Ok(rows)
+}
+
+/// QEMU 10 migrating the same guest in the same pattern, [`RUNS`] times (`blocktime_qemu.rs`),
+/// each run printed and then the median, with ferry's address-order median blocktime against
+/// QEMU's when the group ran it (`ferry_address_blocktime_ms`).
+fn qemu_rows(
+    name: &str,
+    pattern: &str,
+    preempt: bool,
+    ferry_address_blocktime_ms: &[f64],
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    if let Some(why) = super::blocktime_qemu::missing() {
+        println!("{name}: no row: {why}");
+        return Ok(Vec::new());
+    }
+    let cmdline = cmdline(pattern);
+    let mut rows = Vec::new();
+    let mut runs = Vec::new();
+    for run in 1..=RUNS {
+        let q = super::blocktime_qemu::migrate(8 * GIB, &cmdline, preempt)
+            .with_context(|| format!("{name}, run {run}"))?;
+        println!(
+            "{:<44} {:>12.1} {:>8.0} {:>9} {:>8} {:>7} {:>8.0}",
+            format!("{name}, run {run}"),
+            q.blocktime_ms,
+            q.requests,
+            "",
+            "",
+            "",
+            q.post_ms
+        );
+        rows.push(
+            json!({"bench": "postcopy_blocktime_qemu", "pattern": pattern,
+            "preempt": preempt, "run": run, "vcpu_blocktime_ms": q.blocktime_ms,
+            "requests": q.requests, "postcopy_ms": q.post_ms}),
+        );
+        runs.push(q);
+    }
+    let med = |f: fn(&super::blocktime_qemu::QemuPostcopy) -> f64| {
+        median(&runs.iter().map(f).collect::<Vec<_>>())
+    };
+    let blocktime = med(|q| q.blocktime_ms);
+    let ours = (!ferry_address_blocktime_ms.is_empty()).then(|| median(ferry_address_blocktime_ms));
+    println!(
+        "{:<44} {:>12.1} {:>8.0} {:>9} {:>8} {:>7} {:>8.0}{}",
+        format!("{name}, median of {RUNS}"),
+        blocktime,
+        med(|q| q.requests),
+        "",
+        "",
+        "",
+        med(|q| q.post_ms),
+        match ours {
+            Some(f) => format!("   ferry (address order) / QEMU: {:.2}", f / blocktime),
+            None => String::new(),
+        }
+    );
+    rows.push(
+        json!({"bench": "postcopy_blocktime_qemu_median", "pattern": pattern,
+        "preempt": preempt, "runs": RUNS, "vcpu_blocktime_ms": blocktime,
+        "requests": med(|q| q.requests), "postcopy_ms": med(|q| q.post_ms),
+        "ferry_address_vs_qemu": ours.map(|f| f / blocktime)}),
+    );
+    Ok(rows)
+}
+
+/// The guest of every row, ferry's and QEMU's: a 1 GiB working set written flat out in
+/// `pattern`, filled first.
+fn cmdline(pattern: &str) -> String {
+    format!("ws=1G pattern={pattern} rate=max prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2")
 }
 
 /// One run's figures that the medians are taken of.
@@ -163,14 +243,7 @@ fn row(
     let s = Scenario {
         postcopy: Some(preempt),
         postcopy_order: order,
-        ..Scenario::new(
-            &format!("blocktime, {name}"),
-            8 * GIB,
-            &format!(
-                "ws=1G pattern={pattern} rate=max prefill=1 verify-ms=0 log-ms=0 heartbeat-ms=2"
-            ),
-            2,
-        )
+        ..Scenario::new(&format!("blocktime, {name}"), 8 * GIB, &cmdline(pattern), 2)
     };
     // The link as it is right before this run (the machine's load drifts over a section):
     // raw loopback TCP beside a spinning thread, as the guest's vCPU spins beside the push.

@@ -3,6 +3,7 @@
 //! nested machines drift.
 
 mod blocktime;
+mod blocktime_qemu;
 mod channels;
 mod clock;
 mod compression;
