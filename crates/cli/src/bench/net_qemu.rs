@@ -69,7 +69,7 @@ pub(super) fn row(
         .wait_answering(STEP)
         .map_err(|e| e.context(qemu.said(0)))?;
     let mac = parse_mac(MAC)?;
-    streamed(segment, spec.rate, || {
+    streamed(segment, spec.rate, None, || {
         std::thread::sleep(WARM);
         let mut marks = Vec::new();
         for i in 1..=spec.moves {
@@ -105,6 +105,8 @@ pub(super) fn row(
                 resumed,
                 announce: announces.first_after(mac, paused),
                 downtime_ms: status["downtime"].as_f64().unwrap_or(f64::NAN),
+                steps: Vec::new(),
+                rx_on: None,
             });
             src = dst;
         }

@@ -15,6 +15,7 @@ use ferry_guest_abi::net::{ETHERTYPE_RARP, EchoRequest, parse_echo};
 use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket};
 
 use super::net_measure::{Figures, Marks, figures, no_move};
+use super::net_trace::Trace;
 
 /// The bridge, with the host's address; the guest's address and echo port on it.
 pub(super) const BRIDGE: &str = "br0";
@@ -167,10 +168,12 @@ pub(super) struct RowRun {
 
 /// Runs a stream of `rate` requests a second to the guest (which answers already) while
 /// `moves` makes the row's moves and returns their marks, then stops it and takes each move's
-/// figures. The stream stops whether or not the moves succeeded.
+/// figures (and writes each move's line to `trace`, named as the row). The stream stops
+/// whether or not the moves succeeded.
 pub(super) fn streamed(
     segment: &Segment,
     rate: u32,
+    trace: Option<(&Trace, &str)>,
     moves: impl FnOnce() -> anyhow::Result<Vec<Marks>>,
 ) -> anyhow::Result<RowRun> {
     let stream = EchoStream::start(
@@ -185,6 +188,9 @@ pub(super) fn streamed(
     let marks = marks?;
     let first = marks.first().map_or(end, |m| m.begun);
     let (rtt_ms, lost_before) = no_move(&run, first);
+    if let Some((trace, row)) = trace {
+        trace.moves(row, &run, &marks, end);
+    }
     Ok(RowRun {
         figures: figures(&run, &marks, end),
         rtt_ms,
