@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ferry_guest_abi::net::{ETHERTYPE_RARP, EchoRequest, parse_echo};
-use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket};
+use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket, WallToInstant};
 
 use super::net_measure::{Figures, Marks, figures, no_move};
 use super::net_trace::Trace;
@@ -89,7 +89,9 @@ impl Segment {
 /// Announce frames seen: when, and the MAC each announces.
 type Seen = Arc<Mutex<Vec<(Instant, [u8; 6])>>>;
 
-/// The announce frames (RARP) the bridge sees, each with when it came and the MAC it announces,
+/// The announce frames (RARP) the bridge sees, each with when it came (the kernel's stamp, not
+/// when the watching thread got to it: a late stamp would end a move's pause window late) and
+/// the MAC it announces,
 /// collected on a thread of their own until dropped.
 pub(super) struct Announces {
     stop: Arc<AtomicBool>,
@@ -107,13 +109,19 @@ impl Announces {
         let seen: Seen = Arc::default();
         let thread = {
             let (stop, seen) = (stop.clone(), seen.clone());
+            // Asking for a stamp once turns the kernel's stamping on for every later frame.
+            let _ = socket.last_stamp();
             std::thread::spawn(move || {
+                let clocks = WallToInstant::now();
                 while !stop.load(Ordering::Relaxed) {
                     if let Ok(Some(f)) = socket.recv(Duration::from_millis(100))
                         && let Some(mac) = f.get(6..12)
                     {
                         let mac = mac.try_into().expect("six bytes");
-                        seen.lock().unwrap().push((Instant::now(), mac));
+                        let at = socket
+                            .last_stamp()
+                            .map_or_else(|_| Instant::now(), |s| clocks.instant(s));
+                        seen.lock().unwrap().push((at, mac));
                     }
                 }
             })

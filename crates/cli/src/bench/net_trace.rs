@@ -53,6 +53,8 @@ impl TapWatch {
                 .ns
                 .enter(|| PacketSocket::bind(tap))
                 .with_context(|| format!("a packet socket on {tap}"))?;
+            // Asking for a stamp once turns the kernel's stamping on for every later frame.
+            let _ = socket.last_stamp();
             let seen: Arc<Mutex<Given>> = Arc::default();
             let (stop, into) = (stop.clone(), seen.clone());
             threads.push(std::thread::spawn(move || watch(&socket, &stop, &into)));
@@ -99,7 +101,6 @@ fn watch(socket: &PacketSocket, stop: &AtomicBool, into: &Mutex<Given>) {
         let Some(kind) = f.get(12..14).map(|b| u16::from_be_bytes([b[0], b[1]])) else {
             continue;
         };
-        // The kernel stamps frames once a socket asked (its first one has none).
         let stamp = socket
             .last_stamp()
             .map_or_else(|_| Instant::now(), |s| clocks.instant(s));
