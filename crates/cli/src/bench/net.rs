@@ -174,7 +174,12 @@ fn ferry_row(
         Ferry::Migrate => "migrate",
         Ferry::Local => "local",
     };
-    streamed(segment, args.rate, trace.as_ref().map(|t| (t, row)), || {
+    let seen = |run: &_, marks: &[Marks], end| {
+        if let Some(t) = trace {
+            t.moves(row, run, marks, end);
+        }
+    };
+    streamed(segment, args.rate, seen, || {
         let warm = Instant::now() + WARM;
         src.wait_for("the guest answering", "/vm", |v| echoes(v) >= 1)?;
         sleep_until(warm);

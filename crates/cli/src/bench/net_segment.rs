@@ -14,8 +14,9 @@ use anyhow::{Context, bail};
 use ferry_guest_abi::net::{ETHERTYPE_RARP, EchoRequest, parse_echo};
 use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket, WallToInstant};
 
+use ferry_migrate_testkit::netns::EchoRun;
+
 use super::net_measure::{Figures, Marks, figures, no_move};
-use super::net_trace::Trace;
 
 /// The bridge, with the host's address; the guest's address and echo port on it.
 pub(super) const BRIDGE: &str = "br0";
@@ -176,12 +177,12 @@ pub(super) struct RowRun {
 
 /// Runs a stream of `rate` requests a second to the guest (which answers already) while
 /// `moves` makes the row's moves and returns their marks, then stops it and takes each move's
-/// figures (and writes each move's line to `trace`, named as the row). The stream stops
-/// whether or not the moves succeeded.
+/// figures, after showing `seen` the run, the marks and the stream's stop (`--trace`). The
+/// stream stops whether or not the moves succeeded.
 pub(super) fn streamed(
     segment: &Segment,
     rate: u32,
-    trace: Option<(&Trace, &str)>,
+    seen: impl FnOnce(&EchoRun, &[Marks], Instant),
     moves: impl FnOnce() -> anyhow::Result<Vec<Marks>>,
 ) -> anyhow::Result<RowRun> {
     let stream = EchoStream::start(
@@ -196,9 +197,7 @@ pub(super) fn streamed(
     let marks = marks?;
     let first = marks.first().map_or(end, |m| m.begun);
     let (rtt_ms, lost_before) = no_move(&run, first);
-    if let Some((trace, row)) = trace {
-        trace.moves(row, &run, &marks, end);
-    }
+    seen(&run, &marks, end);
     Ok(RowRun {
         figures: figures(&run, &marks, end),
         rtt_ms,
