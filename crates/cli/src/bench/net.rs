@@ -219,8 +219,8 @@ fn ferry_row(
             let resumed = from_monotonic_ns(resumed);
             let paused = resumed - Duration::from_nanos(pause);
             sleep_until(resumed + SETTLE);
-            let nic = dst.get("/vm").map(|v| v["net"]["since_open"].clone());
-            let (steps, rx_on) = nic.as_ref().map(nic_steps).unwrap_or_default();
+            let vm = dst.get("/vm").unwrap_or_default();
+            let (steps, rx_on) = nic_steps(&vm["net"]["since_open"]);
             marks.push(Marks {
                 begun,
                 paused,
@@ -229,6 +229,7 @@ fn ferry_row(
                 downtime_ms: m.stats.downtime.total_ms,
                 steps,
                 rx_on,
+                counters: json!({"nic": vm["net"], "guest": vm["guest"]["net"]}),
             });
             src = dst;
         }

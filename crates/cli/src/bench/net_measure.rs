@@ -32,6 +32,9 @@ pub(super) struct Marks {
     /// and the thread that gave the guest its first frame; for `--trace`.
     pub steps: Vec<(String, Instant)>,
     pub rx_on: Option<String>,
+    /// The destination's NIC and its guest's network counters a second after the resume
+    /// (`GET /vm`'s `net` and `guest.net`); for `--trace`.
+    pub counters: serde_json::Value,
 }
 
 impl Marks {
@@ -225,6 +228,7 @@ mod tests {
             downtime_ms: 9.0,
             steps: vec![],
             rx_on: None,
+            counters: serde_json::Value::Null,
         };
         let f = figures(&r, &[m], at(t0, 200));
         assert_eq!(f.len(), 1);
@@ -261,6 +265,7 @@ mod tests {
             downtime_ms: 9.0,
             steps: vec![],
             rx_on: None,
+            counters: serde_json::Value::Null,
         };
         let f = figures(&r, &[m], at(t0, 200));
         assert_eq!((f[0].lost, f[0].lost_outside), (3.0, 2.0));
@@ -280,6 +285,7 @@ mod tests {
             downtime_ms: 5.0,
             steps: vec![],
             rx_on: None,
+            counters: serde_json::Value::Null,
         };
         // Frame 5 (4 ms) comes before any move; 15 (14 ms) within the first's pause; 60
         // (59 ms) in the second's segment, outside its pause (70..75 ms).
@@ -303,6 +309,7 @@ mod tests {
             downtime_ms: 0.0,
             steps: vec![],
             rx_on: None,
+            counters: serde_json::Value::Null,
         };
         assert_eq!(m.window_end(), at(t0, 5));
         assert_eq!(signed_ms(at(t0, 5), at(t0, 3)), -2.0);

@@ -111,6 +111,7 @@ pub(super) fn row(
                     downtime_ms: status["downtime"].as_f64().unwrap_or(f64::NAN),
                     steps: Vec::new(),
                     rx_on: None,
+                    counters: serde_json::Value::Null,
                 });
                 src = dst;
             }

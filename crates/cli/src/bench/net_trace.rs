@@ -244,6 +244,7 @@ impl Trace {
                 "first_echo_ms": first_echo.map(|t| ms(m.resumed, t)),
                 "run_queue": self.run_queue.between(m.paused, first_echo.unwrap_or(m.resumed)),
                 "lost": lost_here,
+                "counters": m.counters,
             });
             let _ = writeln!(out, "{line}");
         }
