@@ -2,7 +2,8 @@
 //! move. For each move, the NIC's first steps after the resume (`since_open` in `GET /vm`:
 //! the gate opened, the first receive turn, the first frame given to the guest and the thread
 //! that gave it, the first frame the guest sent), then the first echo the stream saw, all in
-//! ms from the guest's resume; and each lost frame: its send against the pause window, and
+//! ms from the guest's resume; the destination's NIC and guest counters a second after it;
+//! and each lost frame: its send against the pause window, and
 //! where the bridge delivered it, watched on both taps ([`TapWatch`]: the kernel's stamp of
 //! each echo request it passes to a tap, and of each announce it floods to one).
 //!
