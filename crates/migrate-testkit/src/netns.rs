@@ -230,18 +230,46 @@ impl PacketSocket {
     /// `CLOCK_REALTIME`, from `SIOCGSTAMPNS`): the gap between two frames as they arrived,
     /// whenever the test's thread got to read them.
     pub fn last_stamp(&self) -> io::Result<Duration> {
-        /// `SIOCGSTAMPNS` on x86_64 (`asm-generic/sockios.h`'s old-time variant).
-        const SIOCGSTAMPNS: libc::c_ulong = 0x8907;
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: the ioctl writes one timespec into `ts`, which we own, for a socket we hold.
-        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), SIOCGSTAMPNS, &mut ts) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
+        socket_stamp(self.fd.as_raw_fd())
+    }
+}
+
+/// When the kernel received the last datagram or frame read from socket `fd` (its
+/// `CLOCK_REALTIME`, from `SIOCGSTAMPNS`; the first read asks the kernel to stamp, so it has
+/// none).
+fn socket_stamp(fd: std::os::fd::RawFd) -> io::Result<Duration> {
+    /// `SIOCGSTAMPNS` on x86_64 (`asm-generic/sockios.h`'s old-time variant).
+    const SIOCGSTAMPNS: libc::c_ulong = 0x8907;
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: the ioctl writes one timespec into `ts`, which we own, for a socket the caller holds.
+    let r = unsafe { libc::ioctl(fd, SIOCGSTAMPNS, &mut ts) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+/// A `CLOCK_REALTIME` stamp as an `Instant` (`CLOCK_MONOTONIC`), by the clocks' offset taken
+/// when made.
+#[derive(Clone, Copy, Debug)]
+pub struct WallToInstant(Duration, std::time::Instant);
+
+impl WallToInstant {
+    pub fn now() -> WallToInstant {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        WallToInstant(wall, std::time::Instant::now())
+    }
+
+    pub fn instant(&self, stamp: Duration) -> std::time::Instant {
+        match stamp >= self.0 {
+            true => self.1 + (stamp - self.0),
+            false => self.1 - (self.0 - stamp),
         }
-        Ok(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
     }
 }
 
@@ -251,7 +279,7 @@ impl PacketSocket {
 #[derive(Debug)]
 pub struct EchoStream {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    sender: std::thread::JoinHandle<Vec<std::time::Instant>>,
+    sender: std::thread::JoinHandle<(Vec<std::time::Instant>, Vec<std::time::Instant>)>,
     receiver: std::thread::JoinHandle<Vec<(u64, std::time::Instant)>>,
     start: std::time::Instant,
 }
@@ -261,7 +289,12 @@ pub struct EchoStream {
 #[derive(Debug)]
 pub struct EchoRun {
     pub start: std::time::Instant,
+    /// Just before each request's `send_to`, and just after it returned: the kernel passed
+    /// the request to the bridge in between (a thread the host put aside after the call, at
+    /// its return to user space, would otherwise stamp the request late by as long).
     pub sent: Vec<std::time::Instant>,
+    pub sent_done: Vec<std::time::Instant>,
+    /// Each echo and when the kernel received it (not when the reading thread got to it).
     pub echoes: Vec<(u64, std::time::Instant)>,
 }
 
@@ -281,6 +314,8 @@ impl EchoStream {
             .unwrap();
         deep_receive_buffer(&socket);
         let rx = socket.try_clone().unwrap();
+        // Asking for a stamp once turns the kernel's stamping on for every later echo.
+        let _ = socket_stamp(rx.as_raw_fd());
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let start = std::time::Instant::now();
         let receiver = {
@@ -289,12 +324,16 @@ impl EchoStream {
                 let mut echoes = Vec::new();
                 let mut buf = [0u8; 2048];
                 let mut quiet_since = None;
+                let clocks = WallToInstant::now();
                 loop {
                     match rx.recv(&mut buf) {
                         Ok(n) => {
                             quiet_since = None;
+                            // When the kernel took the echo, not when this thread got to it.
+                            let at = socket_stamp(rx.as_raw_fd())
+                                .map_or_else(|_| std::time::Instant::now(), |s| clocks.instant(s));
                             if let Some(e) = ferry_guest_abi::net::parse_echo(&buf[..n]) {
-                                echoes.push((e.seq, std::time::Instant::now()));
+                                echoes.push((e.seq, at));
                             }
                         }
                         Err(_) if stop.load(Ordering::Relaxed) => {
@@ -312,7 +351,7 @@ impl EchoStream {
         let sender = {
             let stop = stop.clone();
             std::thread::spawn(move || {
-                let mut sent = Vec::new();
+                let (mut sent, mut sent_done) = (Vec::new(), Vec::new());
                 let period = Duration::from_secs(1) / rate.max(1);
                 while !stop.load(Ordering::Relaxed) {
                     let seq = sent.len() as u64 + 1;
@@ -322,11 +361,12 @@ impl EchoStream {
                         std::thread::sleep(due - now);
                     }
                     let req = ferry_guest_abi::net::EchoRequest { seq }.to_bytes();
+                    sent.push(std::time::Instant::now());
                     // A refusal (no neighbour yet) is a request the guest never saw.
                     let _ = socket.send_to(&req, to);
-                    sent.push(std::time::Instant::now());
+                    sent_done.push(std::time::Instant::now());
                 }
-                sent
+                (sent, sent_done)
             })
         };
         EchoStream {
@@ -345,11 +385,12 @@ impl EchoStream {
     /// Stops sending, waits for the last echoes, and returns what was seen.
     pub fn stop(self) -> EchoRun {
         self.stop.store(true, Ordering::Relaxed);
-        let sent = self.sender.join().expect("the sender");
+        let (sent, sent_done) = self.sender.join().expect("the sender");
         let echoes = self.receiver.join().expect("the receiver");
         EchoRun {
             start: self.start,
             sent,
+            sent_done,
             echoes,
         }
     }

@@ -21,6 +21,7 @@ mod net;
 mod net_measure;
 mod net_qemu;
 mod net_segment;
+mod net_trace;
 mod plane;
 mod postcopy;
 mod precopy;

@@ -30,6 +30,7 @@ use super::net_qemu::{self, QemuRow};
 use super::net_segment::{
     Announces, BRIDGE, GUEST, RowRun, SETTLE, Segment, TAPS, WARM, parse_mac, sleep_until, streamed,
 };
+use super::net_trace::Trace;
 use super::process::{STEP_LIMIT, Vmm, migrate_and_verify};
 
 #[derive(Debug, Args)]
@@ -54,6 +55,11 @@ pub struct NetBenchArgs {
     /// Rows to run, comma separated: migrate, local, qemu.
     #[arg(long, default_value = "migrate,local,qemu")]
     rows: String,
+    /// Writes one JSON line a ferry move to FILE: the destination NIC's first steps after
+    /// the resume, the first echo, and each lost frame's send against the pause window and
+    /// the tap the bridge gave it to (both taps watched, a thread each, while it runs).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
 }
 
 /// How a ferry row moves its guest.
@@ -84,12 +90,16 @@ pub fn run(args: &NetBenchArgs) -> anyhow::Result<ExitCode> {
     );
     let segment = Segment::new()?;
     let announces = Announces::watch(&segment)?;
+    let trace = match &args.trace {
+        Some(path) => Some(Trace::start(&segment, path)?),
+        None => None,
+    };
     let mut done: Vec<(&str, RowRun)> = Vec::new();
     let mut failed = false;
     for row in rows {
         let result = match row {
-            "migrate" => ferry_row(&segment, &announces, args, memory, Ferry::Migrate),
-            "local" => ferry_row(&segment, &announces, args, memory, Ferry::Local),
+            "migrate" => ferry_row(&segment, &announces, &trace, args, memory, Ferry::Migrate),
+            "local" => ferry_row(&segment, &announces, &trace, args, memory, Ferry::Local),
             _ => match net_qemu::usable() {
                 Ok(()) => net_qemu::row(
                     &segment,
@@ -116,6 +126,7 @@ pub fn run(args: &NetBenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     drop(announces);
+    drop(trace);
     drop(segment);
     table(&done, args);
     println!(
@@ -140,6 +151,7 @@ fn run_args(memory: u64, first: [&str; 2], tap: &str) -> Vec<String> {
 fn ferry_row(
     segment: &Segment,
     announces: &Announces,
+    trace: &Option<Trace>,
     args: &NetBenchArgs,
     memory: u64,
     how: Ferry,
@@ -158,7 +170,16 @@ fn ferry_row(
     let mac = vm["net"]["mac"].as_str().context("GET /vm shows no MAC")?;
     segment.ns.neighbour(GUEST, mac, BRIDGE);
     let mac = parse_mac(mac)?;
-    streamed(segment, args.rate, || {
+    let row = match how {
+        Ferry::Migrate => "migrate",
+        Ferry::Local => "local",
+    };
+    let seen = |run: &_, marks: &[Marks], end| {
+        if let Some(t) = trace {
+            t.moves(row, run, marks, end);
+        }
+    };
+    streamed(segment, args.rate, seen, || {
         let warm = Instant::now() + WARM;
         src.wait_for("the guest answering", "/vm", |v| echoes(v) >= 1)?;
         sleep_until(warm);
@@ -198,17 +219,36 @@ fn ferry_row(
             let resumed = from_monotonic_ns(resumed);
             let paused = resumed - Duration::from_nanos(pause);
             sleep_until(resumed + SETTLE);
+            let vm = dst.get("/vm").unwrap_or_default();
+            let (steps, rx_on) = nic_steps(&vm["net"]["since_open"]);
             marks.push(Marks {
                 begun,
                 paused,
                 resumed,
                 announce: announces.first_after(mac, paused),
                 downtime_ms: m.stats.downtime.total_ms,
+                steps,
+                rx_on,
+                counters: json!({"nic": vm["net"], "guest": vm["guest"]["net"]}),
             });
             src = dst;
         }
         Ok(marks)
     })
+}
+
+/// The NIC's first steps since its gate opened (`since_open` in `GET /vm`) on the host's
+/// clock, and the thread that gave the guest its first frame.
+fn nic_steps(since_open: &Value) -> (Vec<(String, Instant)>, Option<String>) {
+    let steps = ["opened_ns", "first_turn_ns", "first_rx_ns", "first_tx_ns"]
+        .into_iter()
+        .filter_map(|k| {
+            let ns = since_open[k].as_u64()?;
+            Some((k.trim_end_matches("_ns").to_string(), from_monotonic_ns(ns)))
+        })
+        .collect();
+    let on = since_open["first_rx_on"].as_str().map(String::from);
+    (steps, on)
 }
 
 /// The guest's echoes so far, in a `GET /vm`.

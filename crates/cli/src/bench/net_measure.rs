@@ -7,7 +7,9 @@
 //! window** runs from the pause's start to the later of the resume and the first announce frame
 //! seen at the bridge after the pause began: a frame sent in it may be lost (the guest runs
 //! nowhere, or the bridge still sends its frames to the old tap until the announce teaches it
-//! the new one), a frame sent outside it may not.
+//! the new one), a frame sent outside it may not. A frame's send is the span of its `send_to`
+//! call (the bridge chose its port within it, see [`EchoRun::sent`]): it is outside the window
+//! only when that whole span is.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ferry_migrate_testkit::netns::EchoRun;
 
 /// One move's marks on the host's clock.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct Marks {
     /// The migration's request.
     pub begun: Instant,
@@ -26,6 +28,13 @@ pub(super) struct Marks {
     pub announce: Option<Instant>,
     /// The downtime the source computed.
     pub downtime_ms: f64,
+    /// The destination NIC's first steps after its gate opened (`since_open` in `GET /vm`),
+    /// and the thread that gave the guest its first frame; for `--trace`.
+    pub steps: Vec<(String, Instant)>,
+    pub rx_on: Option<String>,
+    /// The destination's NIC and its guest's network counters a second after the resume
+    /// (`GET /vm`'s `net` and `guest.net`); for `--trace`.
+    pub counters: serde_json::Value,
 }
 
 impl Marks {
@@ -75,31 +84,41 @@ pub(super) fn figures(run: &EchoRun, moves: &[Marks], end: Instant) -> Vec<Figur
         *echoes.entry(seq).or_default() += 1;
     }
     let sent_at = |seq: u64| run.sent[seq as usize - 1];
+    let sent_by = |seq: u64| run.sent_done.get(seq as usize - 1).copied();
     moves
         .iter()
         .enumerate()
         .map(|(i, m)| {
             let until = moves.get(i + 1).map_or(end, |n| n.begun);
             let within = |t: Instant| t >= m.begun && t < until;
-            let lost_here: Vec<Instant> = lost
+            // Each lost frame's send: from the call to its return.
+            let lost_here: Vec<(Instant, Instant)> = lost
                 .iter()
-                .map(|&s| sent_at(s))
-                .filter(|&t| within(t))
+                .map(|&s| (sent_at(s), sent_by(s).unwrap_or(sent_at(s))))
+                .filter(|&(t, _)| within(t))
                 .collect();
             let inside = lost_here
                 .iter()
-                .filter(|&&t| t >= m.paused && t <= m.window_end())
+                .filter(|&&(t, by)| by >= m.paused && t <= m.window_end())
                 .count();
             let duplicates: u64 = echoes
                 .iter()
                 .filter(|&(&seq, _)| within(sent_at(seq)))
                 .map(|(_, &n)| n - 1)
                 .sum();
-            let before = lost_here.iter().filter(|&&t| t < m.paused).min();
-            let after = lost_here.iter().filter(|&&t| t > m.window_end()).max();
+            let before = lost_here
+                .iter()
+                .map(|&(_, by)| by)
+                .filter(|&by| by < m.paused)
+                .min();
+            let after = lost_here
+                .iter()
+                .map(|&(t, _)| t)
+                .filter(|&t| t > m.window_end())
+                .max();
             Figures {
-                outside_before_ms: before.map(|&t| ms(m.paused - t)),
-                outside_after_ms: after.map(|&t| ms(t - m.window_end())),
+                outside_before_ms: before.map(|by| ms(m.paused - by)),
+                outside_after_ms: after.map(|t| ms(t - m.window_end())),
                 lost: lost_here.len() as f64,
                 lost_outside: (lost_here.len() - inside) as f64,
                 duplicates: duplicates as f64,
@@ -181,9 +200,11 @@ mod tests {
                 echoes.push((seq, at + Duration::from_micros(10)));
             }
         }
+        let sent_done = sent.iter().map(|&t| t + Duration::from_micros(5)).collect();
         EchoRun {
             start: t0,
             sent,
+            sent_done,
             echoes,
         }
     }
@@ -205,6 +226,9 @@ mod tests {
             resumed: at(t0, 30),
             announce: Some(at(t0, 34)),
             downtime_ms: 9.0,
+            steps: vec![],
+            rx_on: None,
+            counters: serde_json::Value::Null,
         };
         let f = figures(&r, &[m], at(t0, 200));
         assert_eq!(f.len(), 1);
@@ -223,6 +247,33 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_frame_is_outside_the_window_only_if_its_whole_send_is() {
+        let t0 = Instant::now();
+        // Pause 20..30 ms, announce at 34 ms. Frame 36's call began at 33.5 ms and returned
+        // at 35 ms (its thread put aside on the way back): the bridge may have chosen its port
+        // before the announce, so it is inside. Frame 19's returned at 18.5 ms, frame 42's
+        // began at 41 ms: both wholly outside, one each side.
+        let mut r = run(t0, 100, &[19, 36, 42], &[]);
+        r.sent[35] = at(t0, 33) + Duration::from_micros(500);
+        r.sent_done[35] = at(t0, 35);
+        r.sent_done[18] = at(t0, 18) + Duration::from_micros(500);
+        let m = Marks {
+            begun: at(t0, 10),
+            paused: at(t0, 20),
+            resumed: at(t0, 30),
+            announce: Some(at(t0, 34)),
+            downtime_ms: 9.0,
+            steps: vec![],
+            rx_on: None,
+            counters: serde_json::Value::Null,
+        };
+        let f = figures(&r, &[m], at(t0, 200));
+        assert_eq!((f[0].lost, f[0].lost_outside), (3.0, 2.0));
+        assert_eq!(f[0].outside_before_ms, Some(1.5));
+        assert_eq!(f[0].outside_after_ms, Some(7.0));
+    }
+
+    #[test]
     fn each_lost_frame_counts_in_the_segment_it_was_sent_in() {
         let t0 = Instant::now();
         let r = run(t0, 100, &[5, 15, 60], &[]);
@@ -232,6 +283,9 @@ mod tests {
             resumed: at(t0, paused + 5),
             announce: None,
             downtime_ms: 5.0,
+            steps: vec![],
+            rx_on: None,
+            counters: serde_json::Value::Null,
         };
         // Frame 5 (4 ms) comes before any move; 15 (14 ms) within the first's pause; 60
         // (59 ms) in the second's segment, outside its pause (70..75 ms).
@@ -253,6 +307,9 @@ mod tests {
             resumed: at(t0, 5),
             announce: Some(at(t0, 3)),
             downtime_ms: 0.0,
+            steps: vec![],
+            rx_on: None,
+            counters: serde_json::Value::Null,
         };
         assert_eq!(m.window_end(), at(t0, 5));
         assert_eq!(signed_ms(at(t0, 5), at(t0, 3)), -2.0);

@@ -69,47 +69,55 @@ pub(super) fn row(
         .wait_answering(STEP)
         .map_err(|e| e.context(qemu.said(0)))?;
     let mac = parse_mac(MAC)?;
-    streamed(segment, spec.rate, || {
-        std::thread::sleep(WARM);
-        let mut marks = Vec::new();
-        for i in 1..=spec.moves {
-            let mut dst = qemu.start(i, TAPS[i as usize % 2], true)?;
-            let uri = format!("tcp:127.0.0.1:{}", 5000 + i);
-            for q in [&mut src.1, &mut dst.1] {
-                q.execute(
-                    "migrate-set-parameters",
-                    json!({ "max-bandwidth": 1u64 << 40, "downtime-limit": 300 }),
-                )?;
+    streamed(
+        segment,
+        spec.rate,
+        |_, _, _| {},
+        || {
+            std::thread::sleep(WARM);
+            let mut marks = Vec::new();
+            for i in 1..=spec.moves {
+                let mut dst = qemu.start(i, TAPS[i as usize % 2], true)?;
+                let uri = format!("tcp:127.0.0.1:{}", 5000 + i);
+                for q in [&mut src.1, &mut dst.1] {
+                    q.execute(
+                        "migrate-set-parameters",
+                        json!({ "max-bandwidth": 1u64 << 40, "downtime-limit": 300 }),
+                    )?;
+                }
+                dst.1.execute("migrate-incoming", json!({ "uri": uri }))?;
+                let begun = Instant::now();
+                src.1.execute("migrate", json!({ "uri": uri }))?;
+                let status = src
+                    .1
+                    .wait_completed(STEP)
+                    .map_err(|e| e.context(qemu.said(i)))?;
+                dst.1
+                    .wait_for("query-status", Duration::from_millis(1), STEP, |s| {
+                        s["running"] == true
+                    })?;
+                let (Some(stop), Some(resume)) =
+                    (src.1.event_seconds("STOP"), dst.1.event_seconds("RESUME"))
+                else {
+                    anyhow::bail!("move {i}: QEMU sent no STOP or RESUME event");
+                };
+                let (paused, resumed) = (from_epoch_seconds(stop), from_epoch_seconds(resume));
+                sleep_until(resumed + SETTLE);
+                marks.push(Marks {
+                    begun,
+                    paused,
+                    resumed,
+                    announce: announces.first_after(mac, paused),
+                    downtime_ms: status["downtime"].as_f64().unwrap_or(f64::NAN),
+                    steps: Vec::new(),
+                    rx_on: None,
+                    counters: serde_json::Value::Null,
+                });
+                src = dst;
             }
-            dst.1.execute("migrate-incoming", json!({ "uri": uri }))?;
-            let begun = Instant::now();
-            src.1.execute("migrate", json!({ "uri": uri }))?;
-            let status = src
-                .1
-                .wait_completed(STEP)
-                .map_err(|e| e.context(qemu.said(i)))?;
-            dst.1
-                .wait_for("query-status", Duration::from_millis(1), STEP, |s| {
-                    s["running"] == true
-                })?;
-            let (Some(stop), Some(resume)) =
-                (src.1.event_seconds("STOP"), dst.1.event_seconds("RESUME"))
-            else {
-                anyhow::bail!("move {i}: QEMU sent no STOP or RESUME event");
-            };
-            let (paused, resumed) = (from_epoch_seconds(stop), from_epoch_seconds(resume));
-            sleep_until(resumed + SETTLE);
-            marks.push(Marks {
-                begun,
-                paused,
-                resumed,
-                announce: announces.first_after(mac, paused),
-                downtime_ms: status["downtime"].as_f64().unwrap_or(f64::NAN),
-            });
-            src = dst;
-        }
-        Ok(marks)
-    })
+            Ok(marks)
+        },
+    )
 }
 
 /// How the row starts its QEMUs.

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ferry_guest_abi::net::{ETHERTYPE_RARP, EchoRequest, parse_echo};
-use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket};
+use ferry_migrate_testkit::netns::{EchoStream, Netns, PacketSocket, WallToInstant};
+
+use ferry_migrate_testkit::netns::EchoRun;
 
 use super::net_measure::{Figures, Marks, figures, no_move};
 
@@ -88,7 +90,9 @@ impl Segment {
 /// Announce frames seen: when, and the MAC each announces.
 type Seen = Arc<Mutex<Vec<(Instant, [u8; 6])>>>;
 
-/// The announce frames (RARP) the bridge sees, each with when it came and the MAC it announces,
+/// The announce frames (RARP) the bridge sees, each with when it came (the kernel's stamp, not
+/// when the watching thread got to it: a late stamp would end a move's pause window late) and
+/// the MAC it announces,
 /// collected on a thread of their own until dropped.
 pub(super) struct Announces {
     stop: Arc<AtomicBool>,
@@ -106,13 +110,19 @@ impl Announces {
         let seen: Seen = Arc::default();
         let thread = {
             let (stop, seen) = (stop.clone(), seen.clone());
+            // Asking for a stamp once turns the kernel's stamping on for every later frame.
+            let _ = socket.last_stamp();
             std::thread::spawn(move || {
+                let clocks = WallToInstant::now();
                 while !stop.load(Ordering::Relaxed) {
                     if let Ok(Some(f)) = socket.recv(Duration::from_millis(100))
                         && let Some(mac) = f.get(6..12)
                     {
                         let mac = mac.try_into().expect("six bytes");
-                        seen.lock().unwrap().push((Instant::now(), mac));
+                        let at = socket
+                            .last_stamp()
+                            .map_or_else(|_| Instant::now(), |s| clocks.instant(s));
+                        seen.lock().unwrap().push((at, mac));
                     }
                 }
             })
@@ -167,10 +177,12 @@ pub(super) struct RowRun {
 
 /// Runs a stream of `rate` requests a second to the guest (which answers already) while
 /// `moves` makes the row's moves and returns their marks, then stops it and takes each move's
-/// figures. The stream stops whether or not the moves succeeded.
+/// figures, after showing `seen` the run, the marks and the stream's stop (`--trace`). The
+/// stream stops whether or not the moves succeeded.
 pub(super) fn streamed(
     segment: &Segment,
     rate: u32,
+    seen: impl FnOnce(&EchoRun, &[Marks], Instant),
     moves: impl FnOnce() -> anyhow::Result<Vec<Marks>>,
 ) -> anyhow::Result<RowRun> {
     let stream = EchoStream::start(
@@ -185,6 +197,7 @@ pub(super) fn streamed(
     let marks = marks?;
     let first = marks.first().map_or(end, |m| m.begun);
     let (rtt_ms, lost_before) = no_move(&run, first);
+    seen(&run, &marks, end);
     Ok(RowRun {
         figures: figures(&run, &marks, end),
         rtt_ms,

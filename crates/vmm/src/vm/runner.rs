@@ -46,6 +46,7 @@ impl VcpuRunner {
         let mut asleep_until = None;
         // Whether the sleep being taken is the dirty limit's (else the throttle's).
         let mut limited = false;
+        let mut first = true;
         loop {
             // Before parking: a vCPU started just before a pause must be saved started.
             if let Some(reason) = start_port::start_if_asked(&self.shared, self.index, vcpu) {
@@ -53,8 +54,15 @@ impl VcpuRunner {
             }
             let asleep = asleep_until.take();
             let parked_at = Instant::now();
-            if let Some(reason) = self.wait_while_paused(asleep, &mut running_since) {
-                return reason;
+            let parked = match self.wait_while_paused(asleep, &mut running_since) {
+                Ok(parked) => parked,
+                Err(reason) => return reason,
+            };
+            if parked || first {
+                // Leaving a pause (or starting): the frames that waited in the tap go to the
+                // guest now, not when the receive thread next runs.
+                self.shared.net_first_turn();
+                first = false;
             }
             if asleep.is_some() {
                 let slept = parked_at.elapsed();
@@ -117,12 +125,12 @@ impl VcpuRunner {
     /// Parks while the VM is paused, and while running until `asleep_until` (a throttle's
     /// sleep, which counts as parked, so that a pause does not wait for it to end); returns a
     /// reason when it must stop. A vCPU that parked starts its next timeslice when it leaves
-    /// (`running_since`), so time paused is never taken for time run.
+    /// (`running_since`), so time paused is never taken for time run. Says whether it parked.
     fn wait_while_paused(
         &self,
         asleep_until: Option<Instant>,
         running_since: &mut Instant,
-    ) -> Option<StopReason> {
+    ) -> Result<bool, StopReason> {
         let mut c = self.shared.control.lock().unwrap();
         let mut parked = false;
         loop {
@@ -144,11 +152,10 @@ impl VcpuRunner {
                     if parked {
                         c.vcpus_parked -= 1;
                     }
-                    return Some(
-                        c.stop_reason
-                            .clone()
-                            .unwrap_or(StopReason::Requested("stop".into())),
-                    );
+                    return Err(c
+                        .stop_reason
+                        .clone()
+                        .unwrap_or(StopReason::Requested("stop".into())));
                 }
                 // An incoming VM's vCPU is started only once its state loaded (the desired
                 // state is Running by then); were it not, it must not run.
@@ -166,7 +173,7 @@ impl VcpuRunner {
             c.vcpus_parked -= 1;
             *running_since = Instant::now();
         }
-        None
+        Ok(parked)
     }
 
     fn halted(&self, vcpu: &VcpuFd) -> StopReason {

@@ -13,6 +13,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::marks::OpenMarks;
 use super::options::{Mac, NetOptions, TapSource};
 use super::spec::{HEADER, MAX_FRAME, MAX_PENDING, MAX_PENDING_BYTES, NAME, OFFERED, QUEUE_SIZE};
 use super::state::{NetState, NetStats};
@@ -62,6 +63,8 @@ pub struct Net {
     features: u64,
     /// Whether received frames may go into guest memory: open while the vCPUs run.
     open: bool,
+    /// What the device did first since the gate last opened.
+    marks: OpenMarks,
     stats: NetStats,
     /// Written whenever the receive thread should look again: the driver gave buffers, or the
     /// gate opened.
@@ -94,6 +97,7 @@ impl Net {
             mac: options.mac.unwrap_or_else(Mac::random),
             features: 0,
             open: false,
+            marks: OpenMarks::default(),
             stats: NetStats::default(),
             pending: VecDeque::new(),
             wake: Arc::new(
@@ -189,7 +193,15 @@ impl Net {
         self.open
     }
 
+    /// What the device did first since the gate last opened.
+    pub fn open_marks(&self) -> &OpenMarks {
+        &self.marks
+    }
+
     pub(super) fn set_open(&mut self, open: bool) {
+        if open && !self.open {
+            self.marks = OpenMarks::opened();
+        }
         self.open = open;
         self.poke();
     }
@@ -256,6 +268,7 @@ impl Net {
         let Some(tap) = self.tap.clone().filter(|_| self.open) else {
             return Ok(Receive::Closed);
         };
+        self.marks.turn();
         let index = usize::from(RX_QUEUE);
         let mut used = false;
         loop {
@@ -363,6 +376,7 @@ impl Net {
         }
         self.stats.rx_frames += 1;
         self.stats.rx_bytes += n as u64;
+        self.marks.received();
         total as u32
     }
 
@@ -384,6 +398,7 @@ impl Net {
         };
         match tap.send(frame) {
             Ok(()) => {
+                self.marks.sent();
                 self.stats.tx_frames += 1;
                 self.stats.tx_bytes += frame.len() as u64;
             }

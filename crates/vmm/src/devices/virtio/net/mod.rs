@@ -18,8 +18,9 @@
 //! the frames waiting in the source's tap are taken into the device (`Net::take_waiting`) and
 //! carried in its state, and the destination gives them to the guest before its own tap's,
 //! so that none that came before the save is lost with the source's tap. Receive runs on the vCPU thread at an rx notify (the
-//! driver gave buffers) and on the VMM's receive thread when the tap has a frame
-//! (`vm::net`), always under the transport's lock, and only while the device's gate is open:
+//! driver gave buffers), on the VMM's receive thread when the tap has a frame (`vm::net`),
+//! and once on the first vCPU thread to run after the gate opened, unless the receive
+//! thread took a turn first (the frames that waited during a pause need not wait for it), always under the transport's lock, and only while the device's gate is open:
 //! the VM closes it, under that lock, once its vCPUs are paused, and opens it when they run
 //! again. So no frame reaches guest memory while the VM is paused, after the final pass
 //! looked at it.
@@ -39,6 +40,7 @@
 
 mod device;
 mod host;
+mod marks;
 mod options;
 mod spec;
 mod state;
@@ -46,6 +48,7 @@ mod state;
 mod tests;
 
 pub use device::{Net, Receive};
+pub use marks::OpenMarks;
 pub use options::{Mac, NetError, NetOptions, TapSource};
 pub use spec::{DEVICE_TYPE, F_MAC, F_MTU, F_STATUS, HEADER, MAX_FRAME, QUEUE_SIZE};
 pub use state::{NetState, NetStats, STATE_VERSION};

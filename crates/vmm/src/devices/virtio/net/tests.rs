@@ -161,6 +161,34 @@ fn a_closed_gate_leaves_frames_in_the_tap_until_it_opens() {
 }
 
 #[test]
+fn the_gate_opening_starts_its_marks_again_and_the_first_turn_and_frame_set_them() {
+    let ns = Netns::new();
+    let (mut d, sock) = setup(&ns);
+    give_rx(&mut d, 2);
+    sock.send(&frame(1, 64)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(d.t.receive(), Some(Receive::TapEmpty { used: true }));
+    let before = d.t.device().open_marks().clone();
+    d.t.set_open(false);
+    d.t.set_open(true);
+    let m = d.t.device().open_marks().clone();
+    assert!(m.opened_ns.is_some() && m.opened_ns >= before.first_rx_ns);
+    assert_eq!(
+        (m.first_turn_ns, m.first_rx_ns, m.first_tx_ns),
+        (None, None, None)
+    );
+    sock.send(&frame(2, 64)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(d.t.receive().is_some_and(Receive::used));
+    let m = d.t.device().open_marks().clone();
+    assert!(m.first_turn_ns >= m.opened_ns && m.first_rx_ns >= m.first_turn_ns);
+    assert!(
+        m.first_rx_on.is_some(),
+        "the thread that gave the frame is named"
+    );
+}
+
+#[test]
 fn frames_wait_in_the_tap_for_buffers_and_arrive_at_the_notify() {
     let ns = Netns::new();
     let (mut d, sock) = setup(&ns);
