@@ -5,6 +5,7 @@
 mod blocktime;
 mod channels;
 mod clock;
+mod clones;
 mod compression;
 mod dirty_limit;
 mod disk;
