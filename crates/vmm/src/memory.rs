@@ -206,7 +206,15 @@ pub struct GuestRam {
     populated_bytes: AtomicU64,
     pages: HostPages,
     /// The snapshot file RAM is mapped from, after a mapped restore (`memory/mapped.rs`).
-    mapped: std::sync::OnceLock<mapped::Mapped>,
+    mapped: std::sync::OnceLock<Mapped>,
+}
+
+/// The snapshot file behind a mapped VM's RAM (`memory/mapped.rs`): open read-only for as
+/// long as the VM lives, and each of the VM's regions' place in it, in region order.
+#[derive(Debug)]
+struct Mapped {
+    file: File,
+    regions: Vec<ferry_migrate::FileRegion>,
 }
 
 /// The host pages guest RAM is made of.

@@ -472,7 +472,7 @@ fn restore(
     let started_ns = host_monotonic_ns();
     let (vm, restored) = ferry_vmm::snapshot::restore(config.clone(), file, loading, hot_first)?;
     let h = vm.handle();
-    let first_report_ms = first_report_ms(&h, started_ns)?;
+    let first_report_ms = super::clones::first_report_ms(&h, started_ns)?;
     let s = &restored.stats;
     let mut r = Restored {
         first_report_ms,
@@ -513,20 +513,6 @@ fn restore(
         );
     }
     Ok(r)
-}
-
-/// Milliseconds from `started_ns` (the host's monotonic clock) to the restored guest's first
-/// report, as the telemetry port stamped it on arrival.
-pub(super) fn first_report_ms(h: &VmHandle, started_ns: u64) -> anyhow::Result<f64> {
-    wait(h, Duration::from_secs(60), |h| {
-        h.telemetry().migration_resumed_host_ns.is_some()
-    })
-    .context("no report from the restored guest")?;
-    let first = h
-        .telemetry()
-        .migration_resumed_host_ns
-        .unwrap_or(started_ns);
-    Ok(first.saturating_sub(started_ns) as f64 / 1e6)
 }
 
 /// Bytes per second the file system takes `bytes` of data at in `dir`, written sequentially

@@ -30,17 +30,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use ferry_migrate::FileRegion;
 use ferry_migrate::ram::next_data_in_file;
 
-use super::{GuestRam, Size};
-
-/// The snapshot file behind a mapped VM's RAM.
-#[derive(Debug)]
-pub struct Mapped {
-    /// The file, open read-only for as long as the VM lives: the discard asks it where it
-    /// holds data.
-    file: File,
-    /// Each of the VM's regions' place in the file, in the VM's region order.
-    regions: Vec<FileRegion>,
-}
+use super::{GuestRam, Mapped, Size};
 
 /// Why a snapshot file could not be mapped as guest RAM, each with the fix.
 #[derive(Debug, thiserror::Error)]
