@@ -21,8 +21,11 @@
 //! own writes from the file, not a writer of the file from the guest: a page the guest has
 //! not written yet shows what the file holds when it is first touched, and a file cut short
 //! makes the guest's next touch past its end fail. Nothing here can stop another process
-//! from writing the file; `map_file` only keeps it open (a file removed or renamed stays
-//! mapped) and the README says to treat the file as read-only for as long as its VMs run.
+//! from writing the file later; `map_file` refuses a file that some process holds open for
+//! writing when it maps it (a read lease taken and let go at once: `F_SETLEASE` fails then;
+//! where a lease cannot be taken at all, not this process's file without `CAP_LEASE`, or a
+//! file system without leases, it is not checked), keeps it open (a file removed or renamed
+//! stays mapped), and the README says to treat the file as read-only while its VMs run.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -45,6 +48,10 @@ pub enum MapError {
         Size(*needs)
     )]
     Short { len: u64, needs: u64 },
+    #[error(
+        "the snapshot file is open for writing in another process, and a VM mapped from it would see what it writes: restore once it is closed, or without --map"
+    )]
+    Written,
     #[error("guest RAM is already mapped from a snapshot file: a VM is restored once")]
     Twice,
     #[error("cannot {what} the snapshot file as guest RAM: {source}; restore it without --map")]
@@ -60,6 +67,20 @@ fn describe(regions: impl Iterator<Item = (u64, u64)>) -> String {
         .map(|(gpa, size)| format!("{} at {gpa:#x}", Size(size)))
         .collect();
     parts.join(", ")
+}
+
+/// Whether some process holds `file` open for writing: a read lease cannot be taken then
+/// (`EAGAIN`). One that is taken is let go at once (held, a writer's open would signal this
+/// process). Any other failure (no right to a lease, a file system without them) says no.
+fn open_for_writing(file: &File) -> bool {
+    // SAFETY: fcntl on a descriptor this function borrows; F_SETLEASE takes an int.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_RDLCK) };
+    if r < 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN);
+    }
+    // SAFETY: as above; F_UNLCK lets the lease just taken go.
+    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) };
+    false
 }
 
 impl GuestRam {
@@ -84,6 +105,9 @@ impl GuestRam {
             .unwrap_or(0);
         if len < needs {
             return Err(MapError::Short { len, needs });
+        }
+        if open_for_writing(&file) {
+            return Err(MapError::Written);
         }
         for (ours, theirs) in self.regions.iter().zip(regions) {
             // SAFETY: replaces exactly this VM's own mapping of the region (`host_addr`,
@@ -173,12 +197,19 @@ mod tests {
 
     /// A 64 MiB VM's RAM and a file holding it at `at`: the page at 0x1000 of RAM is data
     /// (0xaa), the rest a hole.
+    /// (The file is opened read-only, as a restore opens it: a descriptor open for writing
+    /// would be refused as a writer.)
     fn mapped(at: u64) -> (GuestRam, File) {
         let ram = GuestRam::new(64 * MIB).unwrap();
-        let file = tempfile::tempfile().unwrap();
-        file.set_len(at + 64 * MIB).unwrap();
-        file.write_all_at(&[0xaa; PAGE as usize], at + 0x1000)
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vm.snap");
+        let writer = File::create(&path).unwrap();
+        writer.set_len(at + 64 * MIB).unwrap();
+        writer
+            .write_all_at(&[0xaa; PAGE as usize], at + 0x1000)
             .unwrap();
+        drop(writer);
+        let file = File::open(&path).unwrap();
         let regions = [FileRegion {
             gpa: 0,
             size: 64 * MIB,
@@ -262,5 +293,26 @@ mod tests {
             .to_string();
         assert!(e.contains("cut short"), "{e}");
         assert!(!ram.is_mapped());
+    }
+
+    #[test]
+    fn a_file_open_for_writing_elsewhere_is_refused_naming_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vm.snap");
+        let writer = File::create(&path).unwrap();
+        writer.set_len(64 * MIB).unwrap();
+        let regions = [FileRegion {
+            gpa: 0,
+            size: 64 * MIB,
+            file_offset: 0,
+        }];
+        let reader = File::open(&path).unwrap();
+        let ram = GuestRam::new(64 * MIB).unwrap();
+        let e = ram.map_file(reader.as_fd(), &regions).unwrap_err();
+        assert!(matches!(e, MapError::Written), "{e}");
+        assert!(e.to_string().contains("without --map"), "{e}");
+        drop(writer);
+        ram.map_file(reader.as_fd(), &regions).unwrap();
+        assert!(ram.is_mapped());
     }
 }
