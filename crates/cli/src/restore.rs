@@ -1,5 +1,6 @@
 //! `ferry run --restore FILE`: the VM made from a snapshot, its `--disk` checked against the
-//! image the snapshot recorded (`ferry_vmm::snapshot::image`), and a lazy restore's follower.
+//! image the snapshot recorded (`ferry_vmm::snapshot::image`), and a lazy restore's follower;
+//! `--map` maps its RAM instead (`ferry_vmm::memory::mapped`).
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,8 +14,9 @@ use ferry_vmm::{StopReason, Vm, VmConfig};
 /// How to restore, from `ferry run`'s flags.
 #[derive(Clone, Copy, Debug)]
 pub struct How {
-    /// `--lazy`: the guest runs once its state is loaded, RAM follows.
-    pub lazy: bool,
+    /// Eager by default; `--lazy`: the guest runs once its state is loaded, RAM follows;
+    /// `--map`: RAM is the file's, mapped copy-on-write.
+    pub loading: Loading,
     /// Load the snapshot's hot set first (`--no-hot-set` turns it off).
     pub hot_first: bool,
     /// `--disk-changed-ok`.
@@ -33,11 +35,7 @@ pub fn restore(config: &VmConfig, file: &Path, how: &How) -> anyhow::Result<Vm> 
         eprintln!("ferry: {note}");
     }
     let config = what.config(config);
-    let loading = if how.lazy {
-        Loading::Lazy
-    } else {
-        Loading::Eager
-    };
+    let loading = how.loading;
     let (vm, restored) = ferry_vmm::snapshot::restore(config, file, loading, how.hot_first)
         .context("cannot restore the snapshot")?;
     let s = &restored.stats;
@@ -48,6 +46,13 @@ pub fn restore(config: &VmConfig, file: &Path, how: &How) -> anyhow::Result<Vm> 
             s.bytes_read >> 20,
             s.ram_ms,
             s.bytes_read as f64 / 1e3 / s.ram_ms.max(1e-3),
+            s.state_load_ms,
+            s.to_running_ms
+        ),
+        Loading::Mapped => eprintln!(
+            "ferry: restored {} mapped: {:.1} ms to map its RAM, state loaded in {:.1} ms; the guest runs {:.1} ms after the start, its pages read from the file as it touches them",
+            file.display(),
+            s.ram_ms,
             s.state_load_ms,
             s.to_running_ms
         ),

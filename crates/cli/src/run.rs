@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use ferry_migrate::events::EventLog;
+use ferry_migrate::snapshot::Loading;
 use ferry_migrate::transport::Address;
 use ferry_migrate::transport::tls::{DestinationTls, Side};
 use ferry_migrate::{MigrateError, Phase, Progress};
@@ -60,6 +61,12 @@ pub struct RunArgs {
     /// rest, the pages the snapshot found hottest first.
     #[arg(long, requires = "restore")]
     lazy: bool,
+    /// With --restore: map the snapshot's RAM into the guest copy-on-write instead of reading
+    /// it: the guest runs at once, its pages come from the page cache on first touch, and
+    /// VMs mapped from one file share them. Its pages are not checked against their CRCs, the
+    /// file must not change while the VM runs, and the VM cannot be migrated or snapshotted.
+    #[arg(long, requires = "restore", conflicts_with = "lazy")]
+    map: bool,
     /// With --restore --lazy: ignore the snapshot's hot set (to measure what it saves).
     #[arg(long, requires = "lazy", hide = true)]
     no_hot_set: bool,
@@ -477,7 +484,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             None if restore_from.is_some() => {
                 let file = restore_from.take().expect("checked");
                 let how = crate::restore::How {
-                    lazy: args.lazy,
+                    loading: match (args.lazy, args.map) {
+                        (true, _) => Loading::Lazy,
+                        (_, true) => Loading::Mapped,
+                        _ => Loading::Eager,
+                    },
                     hot_first: !args.no_hot_set,
                     changed_image: match args.disk_changed_ok {
                         true => ChangedImage::Accept,

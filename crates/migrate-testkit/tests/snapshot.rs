@@ -405,3 +405,20 @@ fn regression_a_lazy_restore_whose_reads_hang_abandons_the_guest_with_the_cause(
     assert_eq!(abandoned.take(), Some(e.to_string()));
     assert!(took < Duration::from_millis(1500), "{took:?}");
 }
+
+/// A VMM that keeps `DestinationVm::map_file`'s default cannot take a mapped restore: it is
+/// refused before any state loads or the guest runs, naming what is unsupported.
+#[test]
+fn a_mapped_restore_into_a_vmm_that_cannot_map_is_refused_before_the_guest_runs() {
+    let dir = Dir::new("mapped");
+    saved(&dir, 16 * MIB, 2);
+    let mut dst = FakeVm::new(16 * MIB, 2);
+    let e = snapshot::restore(&mut dst, &dir.file(), &restore_params(Loading::Mapped))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("mapped restore") && e.contains("not supported"),
+        "{e}"
+    );
+    assert!(!dst.resumed);
+}

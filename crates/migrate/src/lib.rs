@@ -60,4 +60,4 @@ pub use error::MigrateError;
 pub use policy::{AutoConverge, ConvergeBy, Policy, TimeoutAction};
 pub use source::SourceParams;
 pub use stats::{MigrationStats, StatePart, VcpuDirty};
-pub use vm::{DestinationVm, DeviceFd, PageLanding, Section, SourceVm, VmError};
+pub use vm::{DestinationVm, DeviceFd, FileRegion, PageLanding, Section, SourceVm, VmError};

@@ -5,7 +5,7 @@
 //! Methods a VMM cannot support return [`VmError::Unsupported`]; the engine never assumes a
 //! silent success.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::bitmap::DirtyBitmap;
@@ -24,6 +24,16 @@ pub struct DeviceFd {
     /// The same open file description as the source device's (a `dup`, not a reopen): its
     /// offset and status flags (`O_DIRECT`, `O_APPEND`) are shared by both processes.
     pub fd: OwnedFd,
+}
+
+/// A region of guest RAM that lies in a file at a page-aligned offset: what a mapped restore
+/// asks a VMM to map ([`DestinationVm::map_file`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileRegion {
+    pub gpa: u64,
+    pub size: u64,
+    /// Where the region's first page lies in the file, a multiple of the page size.
+    pub file_offset: u64,
 }
 
 /// A piece of non-RAM state: a vCPU, a device, the VM clock. The VMM chooses the id and
@@ -363,6 +373,21 @@ pub unsafe trait DestinationVm: Send {
         let _ = (regions, fds);
         Err(VmError::Unsupported {
             operation: "adopting the source's guest RAM (a local handover)",
+        })
+    }
+
+    /// A mapped restore (`snapshot::Loading::Mapped`): makes guest RAM, laid out as `regions`,
+    /// a private (copy-on-write) mapping of `file` at each region's offset, in place of this
+    /// VM's own RAM, so the guest reads the file's pages (through the page cache, shared with
+    /// every other mapping of the file) and its writes stay its own. `file` is open read-only;
+    /// keep a duplicate if the VM needs it later. Refuse a layout this VM's configuration
+    /// does not match, and a file that does not hold every region. Called before the state
+    /// is loaded, on a VM that never ran. A VMM that cannot map its RAM from a file keeps
+    /// this default, and a mapped restore into it is refused before anything is loaded.
+    fn map_file(&mut self, file: BorrowedFd<'_>, regions: &[FileRegion]) -> Result<(), VmError> {
+        let _ = (file, regions);
+        Err(VmError::Unsupported {
+            operation: "mapping guest RAM from a snapshot file (a mapped restore)",
         })
     }
 

@@ -47,6 +47,7 @@ use ferry_migrate::pagebits::TakenWords;
 use crate::writes::WriteBitmap;
 
 pub mod adopt;
+pub mod mapped;
 
 /// Guest memory as vm-memory sees it, every region with its write bitmap.
 pub type TrackedMemory = GuestMemoryMmap<WriteBitmap>;
@@ -204,6 +205,16 @@ pub struct GuestRam {
     /// Bytes the population under way populated so far ([`GuestRam::populated_bytes`]).
     populated_bytes: AtomicU64,
     pages: HostPages,
+    /// The snapshot file RAM is mapped from, after a mapped restore (`memory/mapped.rs`).
+    mapped: std::sync::OnceLock<Mapped>,
+}
+
+/// The snapshot file behind a mapped VM's RAM (`memory/mapped.rs`): open read-only for as
+/// long as the VM lives, and each of the VM's regions' place in it, in region order.
+#[derive(Debug)]
+struct Mapped {
+    file: File,
+    regions: Vec<ferry_migrate::FileRegion>,
 }
 
 /// The host pages guest RAM is made of.
@@ -282,6 +293,7 @@ impl GuestRam {
             populated: AtomicBool::new(false),
             populated_bytes: AtomicU64::new(0),
             pages,
+            mapped: std::sync::OnceLock::new(),
         })
     }
 
@@ -337,16 +349,20 @@ impl GuestRam {
     }
 
     /// Returns `len` bytes of guest RAM at `gpa` (page aligned, inside one region) to the host:
-    /// they read as zero afterwards and occupy no memory until touched again.
+    /// they read as zero afterwards and occupy no memory until touched again (mapped from a
+    /// snapshot, those the file has data for hold zeros: `memory/mapped.rs`).
     pub fn punch_hole(&self, gpa: u64, len: u64) -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let r = self
+        let index = self
             .regions
             .iter()
-            .find(|r| gpa >= r.gpa && gpa + len <= r.gpa + r.size)
+            .position(|r| gpa >= r.gpa && gpa + len <= r.gpa + r.size)
             .ok_or_else(|| {
                 std::io::Error::other(format!("{len} bytes at {gpa:#x} are not in one RAM region"))
             })?;
+        if let Some(m) = self.mapped.get() {
+            return self.discard_mapped(m, index, gpa, len);
+        }
+        let r = &self.regions[index];
         // SAFETY: fallocate on our own memfd over a range inside this region; the mapping then
         // reads zeros there, which is the point.
         let ret = unsafe {

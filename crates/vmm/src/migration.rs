@@ -49,6 +49,10 @@ pub enum StartError {
         "this VM's RAM is not complete yet ({0}): a copy taken now would miss the pages still to come. Retry once `ferry status` no longer shows \"ram_arriving\""
     )]
     RamArriving(crate::vm::Arrival),
+    #[error(
+        "this VM's RAM is mapped from its snapshot file (ferry run --restore FILE --map), and a migration, local handover or snapshot finds guest memory in the VM's own memory, which a mapped VM does not use: restore the snapshot without --map (eagerly, or with --lazy) to move or snapshot its VM"
+    )]
+    Mapped,
     #[error(transparent)]
     Connect(#[from] MigrateError),
 }
@@ -158,6 +162,9 @@ impl VmHandle {
         match self.state() {
             RunState::Running => {}
             s => return Err(StartError::NotRunning(s)),
+        }
+        if self.0.ram.is_mapped() {
+            return Err(StartError::Mapped);
         }
         match self.ram_arriving() {
             Some(from) => Err(StartError::RamArriving(from)),

@@ -6,6 +6,7 @@ mod blocktime;
 mod blocktime_qemu;
 mod channels;
 mod clock;
+mod clones;
 mod compression;
 mod dirty_limit;
 mod disk;

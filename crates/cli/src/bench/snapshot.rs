@@ -7,8 +7,9 @@
 //!   many threads as an eager restore reads with), which bounds an eager restore.
 //!
 //! Rows: a save with `stop` of the idle guest (time, rate, the file's allocated blocks against
-//! the data the guest holds), its eager and its lazy restore (time to the guest running, the
-//! rate RAM comes in at); a live save while the guest dirties a hot 1 GiB of its working set
+//! the data the guest holds), its eager, lazy and mapped restores (time to the guest running
+//! and to its first report, the rate RAM comes in at), and `--clones` VMs mapped from that
+//! file at once (`clones.rs`: their memory against one guest's); a live save while the guest dirties a hot 1 GiB of its working set
 //! at 400 MB/s (the pause the guest saw, and the peak memory the save added to this process),
 //! and that file's lazy restore with and without its hot set (the guest's demand faults); the
 //! same live guest migrated over loopback (`live_gap.rs`: its longest stall).
@@ -30,6 +31,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use ferry_migrate::snapshot::{AfterSave, Loading};
 use ferry_migrate::{MigrationStats, Phase};
+use ferry_vmm::devices::telemetry::host_monotonic_ns;
 use ferry_vmm::memory::{GuestRam, HostPages};
 use ferry_vmm::snapshot::SnapshotRequest;
 use ferry_vmm::{GuestKind, SerialOutput, StopReason, Vm, VmConfig, VmHandle};
@@ -49,6 +51,10 @@ pub struct SnapshotBenchArgs {
     /// installed here, the same guest on the same file system).
     #[arg(long)]
     no_qemu: bool,
+    /// Clones mapped from the idle guest's snapshot at once (`--map`), whose memory is
+    /// measured together against one guest's; 0 leaves them out.
+    #[arg(long, default_value_t = 10)]
+    clones: usize,
     /// Guest RAM (the data is half of it).
     #[arg(long, default_value = "8G", value_parser = crate::sizes::parse_size)]
     memory: u64,
@@ -95,7 +101,7 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
     let _cleanup = Remove(file.clone());
     let config = config(args.memory, &format!("{ws} rate=1 verify-ms=3000"));
     if args.only.as_deref() != Some("live") {
-        idle_rows(&config, &file, data, fs, fresh, !args.no_qemu, &mut rows)?;
+        idle_rows(&config, &file, data, (fs, fresh), args, &mut rows)?;
     }
     if args.only.as_deref() != Some("idle") {
         live_rows(&config, &file, &ws, data, &mut rows)?;
@@ -107,14 +113,14 @@ pub fn run(args: &SnapshotBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The idle guest: a save with `stop`, its eager and its lazy restore.
+/// The idle guest: a save with `stop`, its eager, lazy and mapped restores, and its clones;
+/// `fs` and `fresh` are the references.
 fn idle_rows(
     config: &VmConfig,
     file: &Path,
     data: u64,
-    fs: f64,
-    fresh: f64,
-    qemu: bool,
+    (fs, fresh): (f64, f64),
+    args: &SnapshotBenchArgs,
     rows: &mut Vec<serde_json::Value>,
 ) -> anyhow::Result<()> {
     println!(
@@ -147,35 +153,53 @@ fn idle_rows(
     let eager_ms = r.to_running_ms;
     let rate = r.bytes as f64 / (r.ram_ms / 1e3);
     println!(
-        "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory (the better reference)  RAM {:.0} ms, state {:.1} ms; verify clean",
+        "  eager restore      {:>8.0} ms  {:>6.0} MB/s = {:.2} of fresh memory (the better reference)  RAM {:.0} ms, state {:.1} ms; first report {:.1} ms; verify clean",
         r.to_running_ms,
         rate / 1e6,
         rate / fresh,
         r.ram_ms,
-        r.state_ms
+        r.state_ms,
+        r.first_report_ms
     );
     rows.push(
         json!({"bench": "snapshot", "row": "restore_eager", "to_running_ms": r.to_running_ms,
+        "first_report_ms": r.first_report_ms,
         "ram_ms": r.ram_ms, "mb_s": rate / 1e6, "ratio_fresh": rate / fresh}),
     );
     // Lazy restore.
     let r = restore(config, file, Loading::Lazy, true)?;
     println!(
-        "  lazy restore       {:>8.1} ms to the guest running (open {:.1} ms, state {:.1} ms, resume {:.1} ms); all of RAM in {:.0} ms at {:.2} GB/s; {} demand faults; verify clean",
+        "  lazy restore       {:>8.1} ms to the guest running (open {:.1} ms, state {:.1} ms, resume {:.1} ms), first report {:.1} ms; all of RAM in {:.0} ms at {:.2} GB/s; {} demand faults; verify clean",
         r.to_running_ms,
         r.open_ms,
         r.state_ms,
         r.resume_ms,
+        r.first_report_ms,
         r.load_ms,
         r.bytes as f64 / 1e6 / r.load_ms,
         r.faults
     );
     rows.push(
         json!({"bench": "snapshot", "row": "restore_lazy", "to_running_ms": r.to_running_ms,
+        "first_report_ms": r.first_report_ms,
         "state_load_ms": r.state_ms, "resume_ms": r.resume_ms, "load_ms": r.load_ms,
         "gb_s": r.bytes as f64 / 1e6 / r.load_ms, "demand_faults": r.faults}),
     );
-    if !qemu {
+    // Mapped restore: the file's RAM mapped copy-on-write, nothing read.
+    let r = restore(config, file, Loading::Mapped, true)?;
+    println!(
+        "  mapped restore     {:>8.1} ms to the guest running (open {:.1} ms, map {:.1} ms, state {:.1} ms, resume {:.1} ms), first report {:.1} ms (goal 10 ms); verify clean",
+        r.to_running_ms, r.open_ms, r.ram_ms, r.state_ms, r.resume_ms, r.first_report_ms
+    );
+    rows.push(
+        json!({"bench": "snapshot", "row": "restore_mapped", "to_running_ms": r.to_running_ms,
+        "first_report_ms": r.first_report_ms, "open_ms": r.open_ms, "map_ms": r.ram_ms,
+        "state_load_ms": r.state_ms, "resume_ms": r.resume_ms}),
+    );
+    if args.clones > 0 {
+        super::clones::rows(config, file, data, args.clones, rows)?;
+    }
+    if args.no_qemu {
         return Ok(());
     }
     let dir = file.parent().unwrap_or(Path::new("."));
@@ -422,8 +446,10 @@ fn prefilled(h: &VmHandle) -> anyhow::Result<()> {
 }
 
 /// What one restore measured.
-struct Restored {
+pub(super) struct Restored {
     to_running_ms: f64,
+    /// From the restore's start to the guest's first report after it (host clock stamps).
+    pub(super) first_report_ms: f64,
     open_ms: f64,
     ram_ms: f64,
     state_ms: f64,
@@ -443,10 +469,13 @@ fn restore(
     loading: Loading,
     hot_first: bool,
 ) -> anyhow::Result<Restored> {
+    let started_ns = host_monotonic_ns();
     let (vm, restored) = ferry_vmm::snapshot::restore(config.clone(), file, loading, hot_first)?;
     let h = vm.handle();
+    let first_report_ms = super::clones::first_report_ms(&h, started_ns)?;
     let s = &restored.stats;
     let mut r = Restored {
+        first_report_ms,
         to_running_ms: s.to_running_ms,
         open_ms: s.open_ms,
         ram_ms: s.ram_ms,

@@ -66,6 +66,16 @@ pub enum SnapshotError {
         gpa: u64,
         waited: std::time::Duration,
     },
+    #[error(
+        "{}: guest RAM at {gpa:#x} lies at file offset {offset:#x}, not a multiple of the {page}-byte page a mapping needs, so it cannot be restored with --map (ferry writes every region page aligned: the file was not written by ferry, or is damaged); restore it without --map",
+        path.display()
+    )]
+    Unmappable {
+        path: PathBuf,
+        gpa: u64,
+        offset: u64,
+        page: u64,
+    },
     #[error("a snapshot writer thread panicked (a bug in ferry)")]
     WriterPanicked,
     #[error("{gpa:#x} is not guest RAM in this snapshot")]

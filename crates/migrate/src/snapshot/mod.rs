@@ -8,7 +8,8 @@
 //! - [`state`] and [`hot`]: the device state area and the hot set.
 //! - `target.rs`: the file as a migration session's target (writer threads); [`save()`] runs a
 //!   live snapshot through it ([`mod@save`]).
-//! - [`restore()`]: eager and lazy restores into any [`DestinationVm`](crate::DestinationVm).
+//! - [`restore()`]: eager, lazy and mapped restores into any [`DestinationVm`](crate::DestinationVm);
+//!   [`map`](mod@map): where a mapped restore's regions lie in the file.
 
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ pub mod error;
 pub mod file;
 pub mod format;
 pub mod hot;
+pub mod map;
 pub mod read;
 pub mod restore;
 pub mod save;

@@ -141,6 +141,11 @@ impl Reader {
         &self.header
     }
 
+    /// The open file (read-only): what a mapped restore maps guest RAM from.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// The VMM's configuration of the VM.
     pub fn config(&self) -> &[u8] {
         &self.config

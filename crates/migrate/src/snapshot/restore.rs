@@ -12,8 +12,13 @@
 //!   those next), and loader threads place the rest, the hot set first. Once every data
 //!   run is placed the userfaultfd is closed: what is still missing then is a hole, which
 //!   reads as zeros.
+//! - **Mapped** ([`Loading::Mapped`]): nothing of RAM is read. The VMM maps the file's RAM
+//!   area copy-on-write in place of its own ([`DestinationVm::map_file`]), the state is loaded
+//!   and the guest resumes; its pages come from the page cache on first touch, shared by
+//!   every VM mapped from the file. Its pages are not checked against their CRCs (`map.rs`).
 //!
-//! Invariants: nothing of the file reaches guest RAM before its CRC matched; the guest never
+//! Invariants: nothing of the file reaches guest RAM before its CRC matched (but for a mapped
+//! restore, which says so); the guest never
 //! resumes before every section was loaded. A page that fails its CRC while the guest runs
 //! (lazy) fails the loader, and the VMM stops the guest ([`LazyLoad::wait`] says why): its
 //! memory is incomplete. So does a read of the file that has not returned within
@@ -22,6 +27,7 @@
 //! go, and end when their reads return.
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -60,6 +66,8 @@ pub enum Loading {
     Eager,
     /// On demand and in the background after the guest resumed.
     Lazy,
+    /// Never: guest RAM is the file, mapped copy-on-write ([`DestinationVm::map_file`]).
+    Mapped,
 }
 
 /// How to restore.
@@ -86,7 +94,7 @@ pub struct RestoreParams {
 pub struct RestoreStats {
     /// Opening the file and checking its metadata and every CRC but the pages'.
     pub open_ms: f64,
-    /// Eager: reading guest RAM in (0 for a lazy restore).
+    /// Eager: reading guest RAM in; mapped: mapping it (0 for a lazy restore).
     pub ram_ms: f64,
     pub state_load_ms: f64,
     pub resume_ms: f64,
@@ -268,7 +276,10 @@ pub fn restore(
     }
     let opened = started.elapsed();
     let sections = state::decode(reader.state())?;
-    let runs = reader.data_runs(RUN_PAGES)?;
+    let runs = match params.loading {
+        Loading::Mapped => Vec::new(),
+        Loading::Eager | Loading::Lazy => reader.data_runs(RUN_PAGES)?,
+    };
     tracing::debug!(
         "snapshot opened and checked in {:.1} ms, its data runs found in {:.1} ms",
         ms(opened),
@@ -287,6 +298,13 @@ pub fn restore(
             None
         }
         Loading::Lazy => Some(Lazy::start(reader, ram, runs, params)?),
+        Loading::Mapped => {
+            let t = Instant::now();
+            let regions = super::map::file_regions(reader.header(), reader.path())?;
+            vm.map_file(reader.file().as_fd(), &regions)?;
+            stats.ram_ms = ms(t.elapsed());
+            None
+        }
     };
     let t = Instant::now();
     let loaded = vm.load_state(&sections);

@@ -16,7 +16,10 @@ use crate::vm::state::StopReason;
 
 // SAFETY: as for SourceAdapter: the mappings live as long as `shared`; the vCPU thread is not
 // started before `resume`, so nothing runs while the engine writes guest memory; `fd` is the
-// read-write memfd the mappings are made from, so pages written through it show in them.
+// read-write memfd the mappings are made from, so pages written through it show in them. A
+// mapped restore (`map_file`) ends that: RAM is then the snapshot file's, and the engine's
+// restore writes none of it; the VM it makes is never a destination, and its outgoing copies
+// are refused (`StartError::Mapped`), so no one is handed the memfd as RAM's file after it.
 unsafe impl DestinationVm for IncomingVm {
     fn check_config(&self, config: &[u8]) -> Result<(), VmError> {
         self.shared
@@ -50,6 +53,26 @@ unsafe impl DestinationVm for IncomingVm {
         tracing::debug!(
             "adopted {} of guest RAM in {:.2} ms",
             crate::memory::Size(shared.ram.size()),
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    }
+
+    /// A mapped restore: the snapshot file mapped copy-on-write over this VM's RAM
+    /// (`memory/mapped.rs`), as `adopt_ram` maps a memfd.
+    fn map_file(
+        &mut self,
+        file: std::os::fd::BorrowedFd<'_>,
+        regions: &[ferry_migrate::FileRegion],
+    ) -> Result<(), VmError> {
+        let t = Instant::now();
+        self.shared
+            .ram
+            .map_file(file, regions)
+            .map_err(|e| VmError::failed("mapping guest RAM from the snapshot", e))?;
+        tracing::debug!(
+            "mapped {} of guest RAM from the snapshot in {:.2} ms",
+            crate::memory::Size(self.shared.ram.size()),
             t.elapsed().as_secs_f64() * 1e3
         );
         Ok(())
