@@ -7,10 +7,9 @@
 //! (it does not take multifd with postcopy before 10.1), ferry's on two.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::{Value, json};
 
 use super::qmp::{Kill, Qmp, RemoveDir};
@@ -42,23 +41,8 @@ pub(super) fn migrate(memory: u64, cmdline: &str, preempt: bool) -> anyhow::Resu
     let elf = work.join("guest.elf");
     std::fs::write(&elf, ferry_guest_image::ELF)?;
     let serial = work.join("serial.log");
-    let qemu = |sock: &Path, extra: &[&str]| -> anyhow::Result<Child> {
-        Command::new("qemu-system-x86_64")
-            .args(["-M", "pc", "-enable-kvm", "-cpu", "host,-arch-capabilities"])
-            .args(["-m", &format!("{}M", memory >> 20), "-display", "none"])
-            .arg("-serial")
-            .arg(format!("file:{}", serial.display()))
-            .arg("-kernel")
-            .arg(&elf)
-            .args(["-append", cmdline])
-            .arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", sock.display()))
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting qemu-system-x86_64")
-    };
+    let qemu =
+        |sock: &Path, extra: &[&str]| super::qmp::boot(memory, &elf, cmdline, &serial, sock, extra);
     let mut caps = vec!["postcopy-ram", "postcopy-blocktime"];
     if preempt {
         caps.push("postcopy-preempt");
@@ -66,16 +50,7 @@ pub(super) fn migrate(memory: u64, cmdline: &str, preempt: bool) -> anyhow::Resu
     let src_sock = work.join("source.qmp");
     let _source = Kill(qemu(&src_sock, &[])?);
     let mut src = Qmp::connect(&src_sock)?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !std::fs::read_to_string(&serial)
-        .unwrap_or_default()
-        .contains("prefilled")
-    {
-        if Instant::now() > deadline {
-            bail!("the guest under QEMU did not finish its prefill");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    super::qmp::wait_prefilled(&serial)?;
     let dst_sock = work.join("destination.qmp");
     let _destination = Kill(qemu(&dst_sock, &["-incoming", "defer"])?);
     let mut dst = Qmp::connect(&dst_sock)?;

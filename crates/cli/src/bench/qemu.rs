@@ -6,10 +6,8 @@
 //! `file:` existed.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
 use serde_json::json;
 
 use super::qmp::{Kill, Qmp, RemoveDir};
@@ -44,37 +42,13 @@ pub(super) fn save_and_restore(
     std::fs::write(&elf, ferry_guest_image::ELF)?;
     let file = work.join("vm.qemu");
     let serial = work.join("serial.log");
-    let qemu = |sock: &Path, extra: &[&str]| -> anyhow::Result<Child> {
-        Command::new("qemu-system-x86_64")
-            .args(["-M", "pc", "-enable-kvm", "-cpu", "host,-arch-capabilities"])
-            .args(["-m", &format!("{}M", memory >> 20), "-display", "none"])
-            .arg("-serial")
-            .arg(format!("file:{}", serial.display()))
-            .arg("-kernel")
-            .arg(&elf)
-            .args(["-append", cmdline])
-            .arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", sock.display()))
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting qemu-system-x86_64")
-    };
+    let qemu =
+        |sock: &Path, extra: &[&str]| super::qmp::boot(memory, &elf, cmdline, &serial, sock, extra);
     // Save.
     let sock = work.join("save.qmp");
     let child = Kill(qemu(&sock, &[])?);
     let mut q = Qmp::connect(&sock)?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !std::fs::read_to_string(&serial)
-        .unwrap_or_default()
-        .contains("prefilled")
-    {
-        if Instant::now() > deadline {
-            bail!("the guest under QEMU did not finish its prefill");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    super::qmp::wait_prefilled(&serial)?;
     let caps = q.execute("query-migrate-capabilities", json!({}))?;
     let mapped_ram = caps
         .as_array()

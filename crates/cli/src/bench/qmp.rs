@@ -50,6 +50,49 @@ pub(super) fn parse_version(text: &str) -> Option<QemuVersion> {
     })
 }
 
+/// Starts QEMU (`-M pc`, KVM) on the built-in guest's ELF `elf` with `cmdline`, `memory`
+/// bytes of RAM, its serial port into `serial`, QMP on `sock`, and `extra` arguments.
+pub(super) fn boot(
+    memory: u64,
+    elf: &Path,
+    cmdline: &str,
+    serial: &Path,
+    sock: &Path,
+    extra: &[&str],
+) -> anyhow::Result<Child> {
+    Command::new("qemu-system-x86_64")
+        .args(["-M", "pc", "-enable-kvm", "-cpu", "host,-arch-capabilities"])
+        .args(["-m", &format!("{}M", memory >> 20), "-display", "none"])
+        .arg("-serial")
+        .arg(format!("file:{}", serial.display()))
+        .arg("-kernel")
+        .arg(elf)
+        .args(["-append", cmdline])
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", sock.display()))
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting qemu-system-x86_64")
+}
+
+/// Waits until the guest under QEMU says on `serial` that it filled its working set
+/// (`prefill=1`), for at most five minutes.
+pub(super) fn wait_prefilled(serial: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !std::fs::read_to_string(serial)
+        .unwrap_or_default()
+        .contains("prefilled")
+    {
+        if Instant::now() > deadline {
+            bail!("the guest under QEMU did not finish its prefill");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 /// Kills and reaps a QEMU when dropped.
 pub(super) struct Kill(pub Child);
 
