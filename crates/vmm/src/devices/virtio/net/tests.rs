@@ -317,3 +317,33 @@ fn frames_waiting_in_the_tap_at_the_save_reach_the_destinations_guest_first() {
         "none carried twice"
     );
 }
+
+/// A backlog of full-size frames in the source's tap at the save: the device takes what fits
+/// its bound, and the whole NIC section (transport and device) stays within what a destination
+/// takes for one section. (The bound was 2 MiB: past about 690 full-size frames, the section
+/// was one a destination refuses, at the switchover.)
+#[test]
+fn a_backlog_of_full_size_frames_at_the_save_fits_one_section() {
+    use crate::devices::device::Device;
+    let ns = Netns::new();
+    let (mut d, sock) = setup(&ns);
+    d.t.set_open(false);
+    for k in 0..1024 {
+        sock.send(&frame(k as u8, MAX_FRAME)).unwrap();
+    }
+    let taken = d.t.take_waiting();
+    assert_eq!(
+        taken,
+        spec::MAX_PENDING_BYTES / MAX_FRAME,
+        "as many as the bytes bound takes"
+    );
+    let section = Device::save(&d.t);
+    assert!(
+        section.len() as u64 <= ferry_migrate::wire::MAX_SECTION_BYTES,
+        "{} bytes",
+        section.len()
+    );
+    let pending = NetState::decode(&d.t.device().save()).unwrap().pending;
+    assert_eq!(pending.len(), taken);
+    assert!(pending.iter().all(|f| f.len() == MAX_FRAME));
+}
