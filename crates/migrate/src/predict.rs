@@ -273,6 +273,12 @@ fn own_dirty_rate(m: &Measured) -> f64 {
     m.dirty_rate / (1.0 - f64::from(m.throttle.min(99)) / 100.0)
 }
 
+/// The rate the guest dirties at, from its own `base`, under `throttle` and `limit`.
+fn own_pace(base: f64, throttle: u8, limit: Option<u64>) -> f64 {
+    let paced = base * (1.0 - f64::from(throttle) / 100.0);
+    limit.map_or(paced, |l| paced.min(l as f64))
+}
+
 /// Replays the policy of `allowed` over simulated passes from `m`: how it ends, and by which
 /// way (auto-converge once it slows the guest, postcopy once it switches).
 fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
@@ -280,9 +286,13 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
     let base = own_dirty_rate(m);
     let (mut throttle, mut limit, mut stalled) = (m.throttle, m.dirty_limit, m.stalled_passes);
     let mut slowed = m.throttle > 0 || m.dirty_limit.is_some();
-    let mut elapsed = m.elapsed;
-    let mut remaining = m.remaining_bytes as f64;
-    let mut in_flight = m.in_flight_bytes as f64;
+    // What is in flight goes first, whatever comes next: in front of the next pass, or
+    // drained before a pause (time, not downtime). The guest dirties meanwhile.
+    let drain = secs(m.in_flight_bytes as f64, rate);
+    let mut elapsed = m.elapsed + Duration::from_secs_f64(drain);
+    let mut remaining = (m.remaining_bytes as f64
+        + own_pace(base, m.throttle, m.dirty_limit) * drain)
+        .min(m.dirty_cap_bytes.max(m.remaining_bytes) as f64);
     let way = |slowed: bool| {
         if slowed {
             Way::AutoConverge
@@ -292,7 +302,7 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
     };
     for pass in m.pass..m.pass + MAX_PASSES {
         let now = Observation {
-            remaining_bytes: (remaining + in_flight) as u64,
+            remaining_bytes: remaining as u64,
             in_flight_bytes: 0,
             bandwidth: rate,
             elapsed,
@@ -310,8 +320,10 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
             policy::decide(p, &now)
         };
         match decision {
+            // Nothing is in flight in the replay, so a drain is one for want of a rate, which
+            // the replay has: not a case it meets.
             Decision::Switchover | Decision::AwaitReady | Decision::Drain => {
-                let pause = pause_s(m, remaining + in_flight, rate);
+                let pause = pause_s(m, remaining, rate);
                 let forecast = Forecast {
                     total_ms: Some((elapsed.as_secs_f64() + pause) * 1e3),
                     downtime_ms: Some(pause * 1e3),
@@ -320,26 +332,18 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
                 return (forecast, way(slowed));
             }
             Decision::Postcopy => {
-                return (
-                    postcopy_at(m, rate, elapsed, remaining, in_flight),
-                    Way::Postcopy,
-                );
+                return (postcopy_at(m, rate, elapsed, remaining, 0.0), Way::Postcopy);
             }
             Decision::Cancel => return (Forecast::NEVER, way(slowed)),
             Decision::Throttle(percent) => (throttle, slowed) = (percent, true),
             Decision::LimitDirty(rate) => (limit, slowed) = (Some(rate), true),
             Decision::Iterate => {}
         }
-        let sent = remaining + in_flight;
-        let took = secs(sent, rate) + m.sync.as_secs_f64();
-        let mut dirtying = base * (1.0 - f64::from(throttle) / 100.0);
-        if let Some(l) = limit {
-            dirtying = dirtying.min(l as f64);
-        }
-        let dirtied = (dirtying * took).min(m.dirty_cap_bytes as f64);
-        stalled = policy::stall_count(stalled, sent as u64, dirtied as u64);
+        let took = secs(remaining, rate) + m.sync.as_secs_f64();
+        let dirtied = (own_pace(base, throttle, limit) * took).min(m.dirty_cap_bytes as f64);
+        stalled = policy::stall_count(stalled, remaining as u64, dirtied as u64);
         elapsed += Duration::from_secs_f64(took);
-        (remaining, in_flight) = (dirtied, 0.0);
+        remaining = dirtied;
     }
     (Forecast::NEVER, way(slowed))
 }

@@ -40,6 +40,7 @@ fn pass(pass: u32, mb: u64, ms: f64, throttle_percent: u8) -> PassStats {
         duration_ms: ms,
         dirty_rate_pages_per_s: 20_000.0,
         throttle_percent,
+        predicted: None,
     }
 }
 

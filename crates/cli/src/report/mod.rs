@@ -18,6 +18,7 @@ mod layout;
 mod live;
 mod plot;
 mod portable;
+mod predicted;
 mod text;
 mod timeline;
 

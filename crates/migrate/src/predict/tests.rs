@@ -224,3 +224,19 @@ fn the_throttle_in_force_is_taken_out_of_the_measured_dirty_rate() {
     assert!(p.auto_converge.unwrap().converges, "{p:?}");
     assert_eq!(p.chosen, Way::AutoConverge);
 }
+
+#[test]
+fn what_is_in_flight_costs_time_before_the_pause_not_downtime() {
+    // 0.3 MB dirty, 100 MB in flight on a 100 MB/s link, the guest at rest: a second of
+    // drain, then a pause with 3 ms of pages.
+    let m = Measured {
+        in_flight_bytes: 100_000_000,
+        ..at_pass_1(0.3, 100.0, 0.0)
+    };
+    let p = predict(&m, &allowed(true, true, Choose::Prediction)).unwrap();
+    let total = 2000.0 + 3.0 + PAUSE_MS;
+    assert!(close(p.precopy.downtime_ms, 3.0 + PAUSE_MS), "{p:?}");
+    assert!(close(p.precopy.total_ms, total), "{p:?}");
+    assert!(close(p.postcopy.unwrap().total_ms, total), "{p:?}");
+    assert_eq!(p.chosen, Way::Precopy, "3 ms saved is a tie");
+}
