@@ -207,8 +207,8 @@ pub fn predict(m: &Measured, allowed: &Allowed) -> Option<Prediction> {
         .auto_converge
         .map(|_| replay(m, rate, &alone).0);
     let postcopy = allowed.postcopy.then(|| {
-        let (dirty, in_flight) = (m.remaining_bytes as f64, m.in_flight_bytes as f64);
-        postcopy_at(m, rate, m.elapsed, dirty, in_flight)
+        let (at, dirty) = drained(m, rate);
+        postcopy_at(m, rate, at, dirty)
     });
     let chosen = match allowed.choose {
         Choose::Policy => replay(m, rate, allowed).1,
@@ -249,12 +249,24 @@ fn pause_s(m: &Measured, bytes: f64, rate: f64) -> f64 {
     secs(bytes, rate) + m.sync.as_secs_f64() + STATE_AND_RESUME.as_secs_f64()
 }
 
-/// Postcopy started `at` with `dirty` bytes left and `in_flight` still on the way (which the
-/// switch drains before its pause): the pause carries no pages, the rest follows at the link's
-/// rate while the guest runs on the destination.
-fn postcopy_at(m: &Measured, rate: f64, at: Duration, dirty: f64, in_flight: f64) -> Forecast {
+/// When what is in flight has gone, and what is dirty then. It goes first, whatever comes
+/// next: in front of the next pass, or drained before a pause (time, not downtime); the guest
+/// dirties meanwhile.
+fn drained(m: &Measured, rate: f64) -> (Duration, f64) {
+    let drain = secs(m.in_flight_bytes as f64, rate);
+    let dirtied = own_pace(own_dirty_rate(m), m.throttle, m.dirty_limit) * drain;
+    let cap = m.dirty_cap_bytes.max(m.remaining_bytes) as f64;
+    (
+        m.elapsed + Duration::from_secs_f64(drain),
+        (m.remaining_bytes as f64 + dirtied).min(cap),
+    )
+}
+
+/// Postcopy started `at` with `dirty` bytes left: the pause carries no pages, the rest
+/// follows at the link's rate while the guest runs on the destination.
+fn postcopy_at(m: &Measured, rate: f64, at: Duration, dirty: f64) -> Forecast {
     let pause = pause_s(m, 0.0, rate);
-    let total = at.as_secs_f64() + secs(in_flight, rate) + pause + secs(dirty, rate);
+    let total = at.as_secs_f64() + pause + secs(dirty, rate);
     Forecast {
         total_ms: Some(total * 1e3),
         downtime_ms: Some(pause * 1e3),
@@ -288,11 +300,7 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
     let mut slowed = m.throttle > 0 || m.dirty_limit.is_some();
     // What is in flight goes first, whatever comes next: in front of the next pass, or
     // drained before a pause (time, not downtime). The guest dirties meanwhile.
-    let drain = secs(m.in_flight_bytes as f64, rate);
-    let mut elapsed = m.elapsed + Duration::from_secs_f64(drain);
-    let mut remaining = (m.remaining_bytes as f64
-        + own_pace(base, m.throttle, m.dirty_limit) * drain)
-        .min(m.dirty_cap_bytes.max(m.remaining_bytes) as f64);
+    let (mut elapsed, mut remaining) = drained(m, rate);
     let way = |slowed: bool| {
         if slowed {
             Way::AutoConverge
@@ -332,7 +340,7 @@ fn replay(m: &Measured, rate: f64, allowed: &Allowed) -> (Forecast, Way) {
                 return (forecast, way(slowed));
             }
             Decision::Postcopy => {
-                return (postcopy_at(m, rate, elapsed, remaining, 0.0), Way::Postcopy);
+                return (postcopy_at(m, rate, elapsed, remaining), Way::Postcopy);
             }
             Decision::Cancel => return (Forecast::NEVER, way(slowed)),
             Decision::Throttle(percent) => (throttle, slowed) = (percent, true),

@@ -206,12 +206,27 @@ fn row(c: &Case, policy: &str, run: usize, s: &MigrationStats) -> Score {
             "bench": "predict", "scenario": c.name, "policy": policy, "run": run,
             "cap_mb_s": c.cap_mb_s, "first": first, "last": last,
             "actual": {"way": s.way_taken(), "total_ms": s.total_ms, "downtime_ms": actual_down,
-                       "bytes_sent": s.bytes_sent, "passes": s.passes.len()},
+                       "bytes_sent": s.bytes_sent, "passes": s.passes.len(),
+                       "postcopy_ms": s.postcopy.as_ref().map(|p| p.duration_ms),
+                       "final_pages_ms": s.downtime.final_pages_ms, "setup_ms": s.setup_ms,
+                       "phases": phase_starts(s)},
+            "passes": s.passes.iter().map(|p| json!([p.pass, p.bytes, p.duration_ms, p.dirty_rate_pages_per_s])).collect::<Vec<_>>(),
             "total_err": score.total_err, "downtime_err_ms": score.downtime_err_ms,
             "way_right": score.way_right, "cap_ratio": cap_ratio,
         })
     );
     score
+}
+
+/// When each phase began, ms from the start (the timeline's first sample in it).
+fn phase_starts(s: &MigrationStats) -> Vec<(ferry_migrate::Phase, f64)> {
+    let mut out: Vec<(ferry_migrate::Phase, f64)> = Vec::new();
+    for t in &s.timeline {
+        if out.last().is_none_or(|l| l.0 != t.phase) {
+            out.push((t.phase, t.t_ms));
+        }
+    }
+    out
 }
 
 /// The value at quantile `q` of `v` (nearest rank), `None` when empty.
