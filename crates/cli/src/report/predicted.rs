@@ -1,15 +1,13 @@
 //! The prediction as text: the live line's "will finish by" and the final table's predicted
-//! against actual, pass by pass (`ferry_migrate::predict`).
+//! against actual, pass by pass (`ferry_migrate::predict`). Below `text.rs`, which shows it.
 
 use ferry_migrate::MigrationStats;
 use ferry_migrate::predict::{Forecast, Prediction};
 
-use super::text::duration;
-
 /// A forecast's total time and downtime, `-` for what does not end.
 fn figures(f: &Forecast) -> String {
     match (f.total_ms, f.downtime_ms) {
-        (Some(t), Some(d)) => format!("total {}, downtime {d:.1} ms", duration(t)),
+        (Some(t), Some(d)) => format!("total {t:.0} ms, downtime {d:.1} ms"),
         _ => "does not converge".into(),
     }
 }
@@ -35,9 +33,9 @@ pub fn print_predicted(s: &MigrationStats) {
         return;
     }
     println!(
-        "predicted        by pass end; actual: {} in {}, downtime {:.1} ms",
+        "predicted        by pass end; actual: {} in {:.0} ms, downtime {:.1} ms",
         s.way_taken().name(),
-        duration(s.total_ms),
+        s.total_ms,
         s.downtime.total_ms
     );
     println!(

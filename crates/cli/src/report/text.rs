@@ -73,7 +73,7 @@ pub fn progress_figures(p: &Progress) -> String {
 }
 
 /// A duration for a person: "850 ms", "12.3 s", "4 min 05 s".
-pub(super) fn duration(ms: f64) -> String {
+fn duration(ms: f64) -> String {
     match ms {
         ms if ms < 1000.0 => format!("{ms:.0} ms"),
         ms if ms < 60_000.0 => format!("{:.1} s", ms / 1000.0),
