@@ -198,6 +198,11 @@ pub struct MigrateArgs {
     /// With --postcopy: switch to postcopy when precopy stalls, before throttling the guest.
     #[arg(help_heading = "Postcopy", long, requires = "postcopy")]
     postcopy_on_stall: bool,
+    /// With --postcopy: let the prediction choose. After each pass ferry predicts each way to
+    /// finish and switches to postcopy when it pauses least among the ways within 1.1x of the
+    /// fastest (a guest writing faster than the link); otherwise precopy goes on as set.
+    #[arg(help_heading = "Postcopy", long, requires = "postcopy")]
+    postcopy_auto: bool,
     /// With --postcopy: for this long after the guest resumed on the destination, send only the
     /// pages it asks for, before the background stream starts sharing the cores with its
     /// first faults (0s: start at once).
@@ -432,6 +437,7 @@ fn mode(args: &MigrateArgs) -> MigrationMode {
         prefetch_pages: args.postcopy_prefetch,
         max_bandwidth: args.postcopy_max_bandwidth,
         on_stall: args.postcopy_on_stall,
+        auto: args.postcopy_auto,
         recover: args.postcopy_recover == OnOff::On,
     })
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::phase::Phase;
 use crate::policy::AutoConverge;
+use crate::predict::Prediction;
 use crate::stats::MigrationStats;
 
 /// What `GET /migration` and `ferry migrate` show while a migration runs.
@@ -39,6 +40,10 @@ pub struct Progress {
     pub dirty_rate_pages_per_s: f64,
     /// What the last dirty sync predicts the pause would cost; only in precopy.
     pub expected_downtime_ms: Option<f64>,
+    /// What the last pass end predicts for each way to finish, and the way chosen
+    /// (`crate::predict`); `None` before a rate was measured.
+    #[serde(default)]
+    pub prediction: Option<Prediction>,
     /// `remaining_bytes` at the current send rate: when the pass (or postcopy's background
     /// stream) should end. Precopy then syncs and may find more to send.
     #[serde(default)]
@@ -298,6 +303,7 @@ fn log_change(events: &EventLog, before: (Phase, u32), now: &Progress) {
             bandwidth_mb_s: now.bandwidth_mb_s,
             dirty_rate_pages_per_s: now.dirty_rate_pages_per_s,
             expected_downtime_ms: now.expected_downtime_ms,
+            prediction: now.prediction,
             elapsed_ms: now.elapsed_ms,
             job: now.job,
         });

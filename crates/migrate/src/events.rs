@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::JobStats;
 use crate::phase::{IncomingPhase, Phase};
+use crate::predict::Prediction;
 
 /// Events kept for readers that fall behind: a migration logs a few per pass.
 pub const KEPT: usize = 4096;
@@ -67,6 +68,9 @@ pub enum EventKind {
         dirty_rate_pages_per_s: f64,
         #[serde(skip_serializing_if = "Option::is_none")]
         expected_downtime_ms: Option<f64>,
+        /// What this pass end predicts for each way to finish (`crate::predict`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prediction: Option<Prediction>,
         elapsed_ms: f64,
         /// The job's statistics at the pass end, named as libvirt's ([`JobStats`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -33,6 +33,7 @@ pub mod job;
 pub mod pagebits;
 mod phase;
 pub mod policy;
+pub mod predict;
 #[allow(unsafe_code)]
 pub mod ram;
 pub mod scan;

@@ -5,6 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::phase::Phase;
+use crate::predict::{Prediction, Way};
 use crate::wire::Latencies;
 
 /// One stage of the way a postcopy page request goes (`ferry bench postcopy` prints them):
@@ -46,6 +47,30 @@ pub struct PassStats {
     /// The auto-converge throttle in force while this pass ran, percent.
     #[serde(default)]
     pub throttle_percent: u8,
+    /// What the end of this pass predicted for each way to finish (`crate::predict`), to set
+    /// beside the migration's actual `total_ms` and downtime; `None` before a rate was
+    /// measured, for the final pass, and in statistics written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<Prediction>,
+}
+
+impl MigrationStats {
+    /// The way this migration finished: postcopy if it switched, auto-converge if it slowed
+    /// the guest, else precopy.
+    pub fn way_taken(&self) -> Way {
+        if self.postcopy.is_some() {
+            Way::Postcopy
+        } else if self.throttle_max_percent > 0 || self.dirty_limit_min.is_some() {
+            Way::AutoConverge
+        } else {
+            Way::Precopy
+        }
+    }
+
+    /// The last prediction made before the way was taken (the last pass's that has one).
+    pub fn last_prediction(&self) -> Option<&Prediction> {
+        self.passes.iter().rev().find_map(|p| p.predicted.as_ref())
+    }
 }
 
 /// Where the downtime went, as the source measures it (and the destination reports its part).
@@ -193,6 +218,9 @@ pub enum PostcopyTrigger {
     AfterPasses,
     /// The policy: precopy stalled, or the timeout's action.
     Policy,
+    /// The prediction chose it (`--postcopy-auto`): the least downtime within 1.1x of the
+    /// fastest way.
+    Prediction,
 }
 
 /// A migration's postcopy phase, from the pause to the destination's Done.

@@ -145,6 +145,9 @@ pub struct PostcopyRequest {
     pub max_bandwidth: Option<u64>,
     /// Switch to postcopy when precopy stalls, before throttling.
     pub on_stall: bool,
+    /// Let the prediction choose: after each pass, switch to postcopy when it pauses least
+    /// among the ways within 1.1x of the fastest predicted.
+    pub auto: bool,
     /// A connection that breaks in postcopy pauses both sides until a recovery instead of
     /// failing and losing the guest. On by default in this VMM, which can be told to recover
     /// on both sides.
@@ -162,6 +165,7 @@ impl Default for PostcopyRequest {
             prefetch_pages: engine.prefetch_pages,
             max_bandwidth: engine.max_bandwidth,
             on_stall: engine.on_stall,
+            auto: engine.auto,
             recover: true,
         }
     }
@@ -182,6 +186,7 @@ impl MigrationMode {
                 max_bandwidth: p.max_bandwidth,
                 recover: p.recover,
                 on_stall: p.on_stall,
+                auto: p.auto,
             }),
         }
     }

@@ -26,6 +26,7 @@ mod net_trace;
 mod plane;
 mod postcopy;
 mod precopy;
+mod predict;
 mod process;
 mod qemu;
 mod qemu_disk;
@@ -47,6 +48,10 @@ pub enum BenchCommand {
     Guest(guest::GuestBenchArgs),
     /// Precopy scenarios on the built-in guest, against raw loopback TCP.
     Precopy(precopy::PrecopyBenchArgs),
+    /// The prediction against what happened: a matrix of small migrations (idle, filled,
+    /// dirtying, flat out, capped), with the default policy and with `--postcopy-auto`; the
+    /// errors' medians and 90th percentiles, and capped time against bytes at the cap.
+    Predict(predict::PredictBenchArgs),
     /// Zero scan, channel scaling and sparse memory, against memory bandwidth and raw TCP.
     Channels(channels::ChannelsBenchArgs),
     /// Destination ingest: migrations into sparse and preallocated RAM, against raw TCP and
@@ -106,6 +111,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Guest(args) => guest::run(&args),
         BenchCommand::Precopy(args) => precopy::run(&args),
+        BenchCommand::Predict(args) => predict::run(&args),
         BenchCommand::Channels(args) => channels::run(&args),
         BenchCommand::Ingest(args) => ingest::run(&args),
         BenchCommand::Compression(args) => compression::run(&args),

@@ -116,6 +116,8 @@ pub(super) enum Finish {
     Careful,
     /// Postcopy (with its preempt connection) when precopy stalls; else the default policy.
     PostcopyOnStall,
+    /// Postcopy allowed, the prediction choosing (`--postcopy-auto`); else the default policy.
+    PostcopyAuto,
 }
 
 impl Scenario {
@@ -582,6 +584,7 @@ pub(super) fn migrate_over(
             },
             order: s.postcopy_order,
             on_stall: s.finish == Finish::PostcopyOnStall,
+            auto: s.finish == Finish::PostcopyAuto,
             ..PostcopyRequest::default()
         });
     }
@@ -660,7 +663,7 @@ fn request(s: &Scenario, to: String) -> MigrationRequest {
         },
         Finish::Careful => forced(60),
         // Postcopy on the stall itself is asked for with the rest of postcopy's settings.
-        Finish::PostcopyOnStall => forced(60),
+        Finish::PostcopyOnStall | Finish::PostcopyAuto => forced(60),
     }
 }
 

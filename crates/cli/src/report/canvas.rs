@@ -33,6 +33,9 @@ pub(super) struct Scales {
     /// The postcopy latency buckets, lowest and highest, that any run counted requests in.
     pub latency_buckets: Option<(usize, usize)>,
     pub latency_count_max: u64,
+    /// The longest total any run's prediction or run took, ms; 0 when no run has a
+    /// prediction (no prediction chart then).
+    pub predicted_ms_max: f64,
 }
 
 pub(super) const PAGE_SIZE: f64 = 4096.0;

@@ -366,6 +366,15 @@ fn a_precopy_only_report_has_no_latency_chart() {
 }
 
 #[test]
+fn a_run_with_predictions_draws_them_against_its_total_and_one_without_does_not() {
+    let drawn = Drawn::of(&[("precopy", fixtures::precopy())]);
+    assert!(drawn.has_text("Predicted total (actual 3030 ms)"));
+    assert!(drawn.has_text("predicted at the pass end"));
+    let drawn = Drawn::of(&[("throttled", fixtures::throttled())]);
+    assert!(!drawn.has_text("Predicted total (actual 3030 ms)"));
+}
+
+#[test]
 fn a_postcopy_run_is_labelled_postcopy_with_its_trigger_not_forced_switchover() {
     for (name, stats) in [
         ("postcopy", fixtures::postcopy()),

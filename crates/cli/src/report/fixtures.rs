@@ -40,7 +40,26 @@ fn pass(pass: u32, mb: u64, ms: f64, throttle_percent: u8) -> PassStats {
         duration_ms: ms,
         dirty_rate_pages_per_s: 20_000.0,
         throttle_percent,
+        predicted: None,
     }
+}
+
+/// `p` with a prediction at its end: precopy, `total_ms` and `downtime_ms`.
+fn predicted(mut p: PassStats, total_ms: f64, downtime_ms: f64) -> PassStats {
+    use ferry_migrate::predict::{Forecast, Prediction, Way};
+    let precopy = Forecast {
+        total_ms: Some(total_ms),
+        downtime_ms: Some(downtime_ms),
+        converges: true,
+    };
+    p.predicted = Some(Prediction {
+        pass: p.pass,
+        precopy,
+        auto_converge: Some(precopy),
+        postcopy: None,
+        chosen: Way::Precopy,
+    });
+    p
 }
 
 /// A state part as the reference VMM names them.
@@ -99,9 +118,9 @@ pub(super) fn precopy() -> MigrationStats {
         pages_normal: 147_000,
         bandwidth_mb_s: 200.0,
         passes: vec![
-            pass(1, 400, 2000.0, 0),
-            pass(2, 150, 700.0, 0),
-            pass(3, 40, 200.0, 0),
+            predicted(pass(1, 400, 2000.0, 0), 2600.0, 160.0),
+            predicted(pass(2, 150, 700.0, 0), 2950.0, 130.0),
+            predicted(pass(3, 40, 200.0, 0), 3020.0, 118.0),
             final_pass,
         ],
         converged: true,

@@ -1,7 +1,8 @@
-//! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`), and
+//! Showing a migration: live progress (`live.rs`), the statistics as text (`text.rs`, with the
+//! prediction's line and table from `predicted.rs`), and
 //! `ferry report`, which draws statistics written with `--stats-out` (with a copied disk's
 //! figures beside them under `disk`, where `GET /migration` shows them) as SVG charts
-//! (`plot.rs` arranges `timeline.rs`, `charts.rs` and `latency.rs`, which draw with
+//! (`plot.rs` arranges `timeline.rs`, `charts.rs`, `latency.rs` and `prediction.rs`, which draw with
 //! `canvas.rs`, their text fitted by `layout.rs`, the SVG made one that every renderer draws
 //! alike by `portable.rs`),
 //! alone or side by side. `drawn.rs` tests what is drawn for every kind of run
@@ -18,6 +19,8 @@ mod layout;
 mod live;
 mod plot;
 mod portable;
+mod predicted;
+mod prediction;
 mod text;
 mod timeline;
 

@@ -1,5 +1,6 @@
 //! `ferry report`'s picture: one column per run, each with a title, the timeline, the downtime
-//! bar, the per-pass bars and (when any run has postcopy page requests) their latencies. Runs
+//! bar, the per-pass bars, (when any run has postcopy page requests) their latencies and (when
+//! any run has a prediction) the total each pass end predicted against the actual. Runs
 //! side by side share every scale, so a longer bar is a larger figure, and every row is as
 //! tall as the tallest of its cells, so that the charts of the runs line up.
 
@@ -10,7 +11,7 @@ use plotters::prelude::*;
 use super::canvas::{Area, LABEL_FONT, LINE_HEIGHT, Scales, TITLE_FONT, dirty_mb_s};
 use super::layout::{flow, truncate};
 use super::timeline::spans;
-use super::{charts, latency, timeline};
+use super::{charts, latency, prediction, timeline};
 
 /// One migration to draw, named (by its file, or its benchmark scenario), with its copied
 /// disk's figures if it copied one.
@@ -29,6 +30,7 @@ pub(super) const COLUMN_WIDTH: u32 = 760;
 const TIMELINE_HEIGHT: u32 = 360;
 const PASSES_HEIGHT: u32 = 280;
 const LATENCY_HEIGHT: u32 = 260;
+const PREDICTION_HEIGHT: u32 = 240;
 /// Room left free at a column's left and right edges, so that two columns' text never meet.
 const SIDE_MARGIN: i32 = 14;
 impl Scales {
@@ -58,6 +60,13 @@ impl Scales {
                 s.pass_mb_max = s.pass_mb_max.max(p.bytes as f64 / 1e6);
                 s.pass_ms_max = s.pass_ms_max.max(p.duration_ms);
             }
+            let predicted = prediction::predicted_totals(st);
+            if !predicted.is_empty() {
+                s.predicted_ms_max = predicted
+                    .iter()
+                    .map(|p| p.1)
+                    .fold(s.predicted_ms_max.max(st.total_ms), f64::max);
+            }
             let spans = spans(st);
             s.postcopy |= spans.postcopy.is_some();
             s.broken |= !spans.broken.is_empty();
@@ -86,6 +95,9 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
     if scales.latency_buckets.is_some() {
         rows.push(LATENCY_HEIGHT);
     }
+    if scales.predicted_ms_max > 0.0 {
+        rows.push(PREDICTION_HEIGHT);
+    }
     let height: u32 = rows.iter().sum();
     let width = COLUMN_WIDTH * runs.len() as u32;
     let mut svg = String::new();
@@ -107,8 +119,13 @@ pub fn render(runs: &[Run]) -> anyhow::Result<String> {
             timeline::timeline(&cells[1], &run.stats, &scales)?;
             charts::downtime(&cells[2], &run.stats, &scales)?;
             charts::passes(&cells[3], &run.stats, &scales)?;
+            let mut next = 4;
             if scales.latency_buckets.is_some() {
-                latency::histogram(&cells[4], &run.stats, &scales)?;
+                latency::histogram(&cells[next], &run.stats, &scales)?;
+                next += 1;
+            }
+            if scales.predicted_ms_max > 0.0 {
+                prediction::chart(&cells[next], &run.stats, &scales)?;
             }
         }
         root.present()?;

@@ -39,8 +39,12 @@ pub fn progress_figures(p: &Progress) -> String {
                 0 => String::new(),
                 b => format!(" ({} of it device state)", mb(b)),
             };
+            let predicted = match &p.prediction {
+                Some(f) => format!("  {}", super::predicted::prediction_figures(f)),
+                None => String::new(),
+            };
             format!(
-                "pass {}  left {}{of}{state}  {sent}  {rate}  {eta}  {dirty}  expected downtime {}",
+                "pass {}  left {}{of}{state}  {sent}  {rate}  {eta}  {dirty}  expected downtime {}{predicted}",
                 p.pass + 1,
                 mb(p.remaining_bytes),
                 p.expected_downtime_ms
@@ -148,6 +152,7 @@ pub fn trigger_name(trigger: PostcopyTrigger) -> &'static str {
         PostcopyTrigger::Asked => "asked for",
         PostcopyTrigger::AfterPasses => "pass count",
         PostcopyTrigger::Policy => "policy",
+        PostcopyTrigger::Prediction => "prediction",
     }
 }
 
@@ -296,6 +301,7 @@ pub fn print_table(s: &MigrationStats) {
             p.throttle_percent
         );
     }
+    super::predicted::print_predicted(s);
     if let Some(pc) = &s.postcopy {
         println!(
             "postcopy         {:>10.1} ms after pass {} ({}): {} pages discarded, {} sent on request ({} requests), {} in the background, {:.1} MB",

@@ -45,6 +45,7 @@ pub fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
             duration_ms: 100.0,
             dirty_rate_pages_per_s: 20_000.0,
             throttle_percent: 0,
+            predicted: None,
         })
         .collect();
     pass_rows.push(PassStats {
@@ -55,6 +56,7 @@ pub fn stats(passes: u32, mb_per_pass: u64) -> MigrationStats {
         duration_ms: 12.0,
         dirty_rate_pages_per_s: 0.0,
         throttle_percent: 0,
+        predicted: None,
     });
     MigrationStats {
         total_ms: f64::from(passes * 100 + 40),

@@ -112,7 +112,9 @@ impl<P: Target> Session<'_, P> {
         if let Some(it) = &mut self.iteration {
             it.pending = vm.pending_state_bytes()?;
         }
-        self.report.stats.max_sync_ms = self.report.stats.max_sync_ms.max(ms(t.elapsed()));
+        self.report.last_sync = t.elapsed();
+        self.report.stats.max_sync_ms =
+            self.report.stats.max_sync_ms.max(ms(self.report.last_sync));
         Ok(())
     }
 

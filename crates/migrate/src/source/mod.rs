@@ -60,6 +60,7 @@ mod ack_state;
 pub(crate) mod agreement;
 mod bandwidth;
 mod converge;
+mod forecast;
 mod forward;
 mod heat;
 mod hint_rounds;

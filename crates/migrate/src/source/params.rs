@@ -117,6 +117,10 @@ pub struct Postcopy {
     /// Switch to postcopy when precopy stalls (and the destination granted postcopy), before
     /// the policy's auto-converge throttles the guest.
     pub on_stall: bool,
+    /// Let the prediction choose (`crate::predict`, `--postcopy-auto`): after each pass,
+    /// switch to postcopy when it is the way with the least downtime among those within 1.1x
+    /// of the fastest predicted; otherwise precopy goes on under the policy.
+    pub auto: bool,
 }
 
 impl Default for Postcopy {
@@ -130,6 +134,7 @@ impl Default for Postcopy {
             max_bandwidth: None,
             recover: false,
             on_stall: false,
+            auto: false,
         }
     }
 }

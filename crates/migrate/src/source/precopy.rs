@@ -15,6 +15,7 @@ use super::{Ending, GuestState, Session, ms};
 use crate::bitmap::Cursor;
 use crate::error::MigrateError;
 use crate::policy::{self, Decision};
+use crate::predict::{Prediction, Way};
 use crate::stats::{PassStats, PostcopyTrigger, SampleKind};
 use crate::vm::{SourceVm, VmError};
 use crate::wire::{self, PAGE_SIZE};
@@ -89,10 +90,14 @@ impl<P: Target> Session<'_, P> {
             self.sample(SampleKind::Boundary);
             let now = self.observe();
             self.tell_allowance(vm, &now);
-            self.publish_pass(pass, &now, dirty_rate);
+            let prediction = self.forecast(pass, &now, dirty_rate);
+            self.publish_pass(pass, &now, dirty_rate, prediction);
             after_pass = false;
             let (decision, trigger) = match self.postcopy_asked(pass) {
                 Some(trigger) => (Decision::Postcopy, trigger),
+                None if self.prediction_picks_postcopy(prediction.as_ref()) => {
+                    (Decision::Postcopy, PostcopyTrigger::Prediction)
+                }
                 None => (
                     policy::decide(&self.params.policy, &now),
                     PostcopyTrigger::Policy,
@@ -275,6 +280,7 @@ impl<P: Target> Session<'_, P> {
         let (mut pages, bytes_before) = (0u64, self.bytes_written());
         let regions = self.ram.regions().to_vec();
         self.report.first_pass_left = self.ram.populated_bytes();
+        self.report.populated = self.report.first_pass_left;
         self.publish(None);
         self.start_hint_round(vm);
         let mut hinted = 0;
@@ -379,6 +385,7 @@ impl<P: Target> Session<'_, P> {
             bytes: self.bytes_written() - bytes_before,
             duration_ms: ms(started.elapsed()),
             dirty_rate_pages_per_s: 0.0,
+            predicted: None,
         });
         self.sample(SampleKind::Boundary);
         Ok(())
@@ -454,6 +461,16 @@ impl<P: Target> Session<'_, P> {
         } else {
             None
         }
+    }
+}
+
+impl<P: Target> Session<'_, P> {
+    /// Whether the prediction chose postcopy and was asked to choose (`--postcopy-auto`),
+    /// with a destination that agreed to postcopy.
+    fn prediction_picks_postcopy(&self, prediction: Option<&Prediction>) -> bool {
+        self.peer.agreement().postcopy
+            && self.params.postcopy().is_some_and(|p| p.auto)
+            && prediction.is_some_and(|p| p.chosen == Way::Postcopy)
     }
 }
 

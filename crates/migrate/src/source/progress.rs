@@ -10,11 +10,13 @@
 
 use std::time::{Duration, Instant};
 
+use super::forecast::MEASURED_BYTES;
 use super::target::Target;
 use super::{Session, ms};
 use crate::control::{Phase, Progress};
 use crate::job::{JobStats, Running};
 use crate::policy::Observation;
+use crate::predict::Prediction;
 use crate::stats::{self, MigrationStats, PostcopyStats, Sample, SampleKind};
 use crate::wire::PAGE_SIZE;
 
@@ -22,10 +24,6 @@ use crate::wire::PAGE_SIZE;
 /// ms, and on a capped link a batch can take longer than that, so the interval is in time, not
 /// batches.
 const PUBLISH_INTERVAL: Duration = Duration::from_millis(50);
-
-/// Bytes the send rate's window must have carried before a pause predicted from it is
-/// published: 1 MiB, what a few hundred data pages make; a window of zero runs carries KBs.
-const MEASURED_BYTES: u64 = 1 << 20;
 
 impl<P: Target> Session<'_, P> {
     /// After a batch went to the channels: samples the send rate, the destination's
@@ -76,8 +74,18 @@ impl<P: Target> Session<'_, P> {
         });
     }
 
-    /// Publishes where precopy stands after pass `pass` and the dirty sync that ended it.
-    pub(super) fn publish_pass(&mut self, pass: u32, now: &Observation, dirty_rate: f64) {
+    /// Publishes where precopy stands after pass `pass` and the dirty sync that ended it, with
+    /// what it predicts; the prediction is kept with the pass's statistics too.
+    pub(super) fn publish_pass(
+        &mut self,
+        pass: u32,
+        now: &Observation,
+        dirty_rate: f64,
+        prediction: Option<Prediction>,
+    ) {
+        if let Some(last) = self.report.stats.passes.last_mut() {
+            last.predicted = prediction;
+        }
         let sent = self.bytes_written();
         let state = self.pending_state();
         let eta = self.eta_ms(self.bitmap.count() * PAGE_SIZE, state);
@@ -96,6 +104,7 @@ impl<P: Target> Session<'_, P> {
             p.bandwidth_mb_s = now.bandwidth / 1e6;
             p.dirty_rate_pages_per_s = dirty_rate;
             p.expected_downtime_ms = downtime;
+            p.prediction = prediction;
             p.eta_ms = eta;
             p.elapsed_ms = ms(now.elapsed);
             p.job = Some(running_job(p, &counted));

@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::control::Phase;
 use crate::stats::{self, MigrationStats, Timeline};
@@ -25,6 +25,11 @@ pub(super) struct Report {
     pub(super) published: Instant,
     /// Pass 1's populated memory not walked yet (0 after pass 1), for its progress.
     pub(super) first_pass_left: u64,
+    /// Populated memory when pass 1 began: the most a guest can dirty in a pass, as the
+    /// prediction takes it.
+    pub(super) populated: u64,
+    /// What the last dirty sync took, paid again by every pass and in the pause.
+    pub(super) last_sync: Duration,
     /// The report's time series, and the pass and phase its samples are tagged with.
     pub(super) timeline: Timeline,
     pub(super) pass: u32,
@@ -42,6 +47,8 @@ impl Report {
             samples: 0,
             published: Instant::now(),
             first_pass_left: 0,
+            populated: 0,
+            last_sync: Duration::ZERO,
             timeline: Timeline::default(),
             pass: 0,
             phase: Phase::Setup,
