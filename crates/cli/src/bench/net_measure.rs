@@ -213,14 +213,9 @@ mod tests {
         t0 + Duration::from_millis(ms)
     }
 
-    #[test]
-    fn a_frame_lost_within_the_pause_or_before_the_announce_is_inside_the_window() {
-        let t0 = Instant::now();
-        // Frames 1..=100 sent at 0..=99 ms. The move: request at 10 ms, pause 20..30 ms,
-        // announce seen at 34 ms. Lost: 22 and 34 (sent at 21 and 33 ms: inside), 41 (at 40
-        // ms: outside). Frame 50 is echoed twice.
-        let r = run(t0, 100, &[22, 34, 41], &[50]);
-        let m = Marks {
+    /// A move requested at 10 ms, the guest paused 20..30 ms, the announce seen at 34 ms.
+    fn paused_20_to_30_announced_at_34(t0: Instant) -> Marks {
+        Marks {
             begun: at(t0, 10),
             paused: at(t0, 20),
             resumed: at(t0, 30),
@@ -229,7 +224,17 @@ mod tests {
             steps: vec![],
             rx_on: None,
             counters: serde_json::Value::Null,
-        };
+        }
+    }
+
+    #[test]
+    fn a_frame_lost_within_the_pause_or_before_the_announce_is_inside_the_window() {
+        let t0 = Instant::now();
+        // Frames 1..=100 sent at 0..=99 ms. The move: request at 10 ms, pause 20..30 ms,
+        // announce seen at 34 ms. Lost: 22 and 34 (sent at 21 and 33 ms: inside), 41 (at 40
+        // ms: outside). Frame 50 is echoed twice.
+        let r = run(t0, 100, &[22, 34, 41], &[50]);
+        let m = paused_20_to_30_announced_at_34(t0);
         let f = figures(&r, &[m], at(t0, 200));
         assert_eq!(f.len(), 1);
         assert_eq!(
@@ -257,16 +262,7 @@ mod tests {
         r.sent[35] = at(t0, 33) + Duration::from_micros(500);
         r.sent_done[35] = at(t0, 35);
         r.sent_done[18] = at(t0, 18) + Duration::from_micros(500);
-        let m = Marks {
-            begun: at(t0, 10),
-            paused: at(t0, 20),
-            resumed: at(t0, 30),
-            announce: Some(at(t0, 34)),
-            downtime_ms: 9.0,
-            steps: vec![],
-            rx_on: None,
-            counters: serde_json::Value::Null,
-        };
+        let m = paused_20_to_30_announced_at_34(t0);
         let f = figures(&r, &[m], at(t0, 200));
         assert_eq!((f[0].lost, f[0].lost_outside), (3.0, 2.0));
         assert_eq!(f[0].outside_before_ms, Some(1.5));
